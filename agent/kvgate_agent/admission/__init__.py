@@ -1,0 +1,35 @@
+"""kvgate's admission algorithms: pure, clock-injected, no HTTP.
+
+Public API: :class:`AdmissionController` (the decisions), :class:`AsyncAdmission` (awaiting a
+place in the queue), :class:`AdmissionConfig` (resolved thresholds), and the decision types.
+"""
+
+from kvgate_agent.admission.bucket import BucketMap, TokenBucket
+from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
+from kvgate_agent.admission.controller import AdmissionController, retry_after_seconds, round_up
+from kvgate_agent.admission.decision import (
+    AdmissionRequest,
+    Decision,
+    Outcome,
+    Reason,
+    Ticket,
+    Waiter,
+)
+from kvgate_agent.admission.waiting import AsyncAdmission
+
+__all__ = [
+    "AdmissionConfig",
+    "AdmissionController",
+    "AdmissionRequest",
+    "AsyncAdmission",
+    "BucketMap",
+    "Decision",
+    "LimitThreshold",
+    "Outcome",
+    "Reason",
+    "Ticket",
+    "TokenBucket",
+    "Waiter",
+    "retry_after_seconds",
+    "round_up",
+]

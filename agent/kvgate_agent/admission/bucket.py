@@ -1,0 +1,192 @@
+"""Token buckets for request and cost budgets, and a bounded keyed set of them.
+
+A bucket holds up to ``capacity`` units and refills at ``rate`` units per second (the classic token
+bucket, e.g. RFC 2697's committed-burst bucket). Units are whatever the limit counts: requests, or
+cost units (see ``CostSpec``). All times are seconds on a monotonic clock the caller passes in.
+
+Invariants kept on every path: ``0 <= level <= capacity(now)``; a clock that steps back adds
+nothing; days of idleness refill to capacity, never beyond (no float overflow: the refill is
+``min(capacity, level + elapsed * rate)``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterator
+
+#: A warming bucket starts at this fraction of its capacity and ramps linearly to full over
+#: ``warmup_seconds`` (cold-start protection; the fraction is kvgate's choice, documented in
+#: ``RateLimitSpec``).
+WARMUP_START_FRACTION = 0.25
+
+
+class TokenBucket:
+    """One token bucket.
+
+    Args:
+        capacity: full capacity in units (> 0).
+        rate: refill in units per second (> 0).
+        now: creation time, seconds (monotonic).
+        warmup_start: when the warm-up ramp began (the pod's start), seconds; None = no warm-up.
+        warmup_seconds: length of the ramp, seconds.
+
+    During warm-up the effective capacity is
+    ``capacity × (f + (1 − f) × min(1, (now − warmup_start) / warmup_seconds))`` with
+    ``f = WARMUP_START_FRACTION``, and a new bucket starts full at its effective capacity.
+    """
+
+    __slots__ = ("_ramp_end", "_ramp_start", "capacity", "last", "level", "rate")
+
+    def __init__(
+        self,
+        capacity: float,
+        rate: float,
+        now: float,
+        warmup_start: float | None = None,
+        warmup_seconds: float = 0.0,
+    ) -> None:
+        if capacity <= 0 or rate <= 0 or not math.isfinite(capacity) or not math.isfinite(rate):
+            raise ValueError(
+                f"bucket needs finite capacity > 0 and rate > 0, got {capacity}, {rate}"
+            )
+        self.capacity = capacity
+        self.rate = rate
+        self._ramp_start = warmup_start if warmup_start is not None else now
+        self._ramp_end = self._ramp_start + warmup_seconds if warmup_seconds > 0 else -math.inf
+        self.last = now
+        self.level = self.capacity_at(now)
+
+    def capacity_at(self, now: float) -> float:
+        """Effective capacity at ``now`` (units), lower than ``capacity`` only during warm-up."""
+        if now >= self._ramp_end:
+            return self.capacity
+        span = self._ramp_end - self._ramp_start
+        frac = max(0.0, (now - self._ramp_start) / span)
+        return self.capacity * (WARMUP_START_FRACTION + (1.0 - WARMUP_START_FRACTION) * frac)
+
+    def refill(self, now: float) -> float:
+        """Add what accrued since the last refill; returns the level (units)."""
+        elapsed = now - self.last
+        if elapsed > 0:
+            self.last = now
+            cap = self.capacity if now >= self._ramp_end else self.capacity_at(now)
+            level = self.level + elapsed * self.rate
+            self.level = cap if level > cap else level
+        return self.level
+
+    def take(self, amount: float, now: float) -> bool:
+        """Take ``amount`` units if the bucket holds them; returns whether it did."""
+        if self.refill(now) >= amount:
+            self.level -= amount
+            return True
+        return False
+
+    def put_back(self, amount: float, now: float) -> None:
+        """Return ``amount`` units (a refund), never above the effective capacity."""
+        cap = self.capacity_at(now)
+        self.level = min(cap, self.refill(now) + amount)
+
+    def charge(self, amount: float, now: float) -> None:
+        """Take ``amount`` units unconditionally (usage beyond what was reserved), never below 0."""
+        self.level = max(0.0, self.refill(now) - amount)
+
+    def seconds_until(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` units are available, 0 if now; ``inf`` if ``amount`` exceeds
+        the full capacity (waiting can never help: field lesson L03, bucket4j #220)."""
+        if amount > self.capacity:
+            return math.inf
+        level = self.refill(now)
+        wait = max(0.0, (amount - level) / self.rate)
+        if amount > self.capacity_at(now):
+            # Capacity itself must ramp up first: solve capacity_at(now + t) >= amount.
+            span = self._ramp_end - self._ramp_start
+            need_frac = (amount / self.capacity - WARMUP_START_FRACTION) / (
+                1.0 - WARMUP_START_FRACTION
+            )
+            wait = max(wait, self._ramp_start + need_frac * span - now)
+        return wait
+
+    def is_full(self, now: float) -> bool:
+        """True when the bucket is back at full capacity (its state can be forgotten)."""
+        return self.refill(now) >= self.capacity
+
+
+class BucketMap:
+    """Buckets keyed by tenant (or a fixed key for pod-wide limits), bounded in memory.
+
+    A bucket that has refilled to full capacity and holds no reservation carries no information
+    (a new one starts full), so it is evicted; the map is also capped at ``max_keys`` entries,
+    evicting the least recently used, so endless new tenant ids cannot grow memory without bound.
+    Eviction is amortised O(1): each access examines at most two of the oldest entries.
+    """
+
+    __slots__ = (
+        "_buckets",
+        "_pins",
+        "capacity",
+        "max_keys",
+        "rate",
+        "warmup_seconds",
+        "warmup_start",
+    )
+
+    def __init__(
+        self,
+        capacity: float,
+        rate: float,
+        warmup_start: float,
+        warmup_seconds: float = 0.0,
+        max_keys: int = 100_000,
+    ) -> None:
+        self.capacity = capacity
+        self.rate = rate
+        self.warmup_start = warmup_start
+        self.warmup_seconds = warmup_seconds
+        self.max_keys = max_keys
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._pins: dict[str, int] = {}
+
+    def get(self, key: str, now: float) -> TokenBucket:
+        """The bucket for ``key``, created full (at its warm-up capacity) if absent."""
+        b = self._buckets.get(key)
+        if b is None:
+            self._evict(now)
+            b = TokenBucket(self.capacity, self.rate, now, self.warmup_start, self.warmup_seconds)
+            self._buckets[key] = b
+        else:
+            self._buckets.move_to_end(key)
+        return b
+
+    def pin(self, key: str) -> None:
+        """Mark one reservation held against ``key`` (a pinned bucket is not evicted as idle)."""
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def unpin(self, key: str) -> None:
+        """Drop one reservation mark for ``key``."""
+        n = self._pins.get(key, 0) - 1
+        if n > 0:
+            self._pins[key] = n
+        else:
+            self._pins.pop(key, None)
+
+    def _evict(self, now: float) -> None:
+        # Look at the two oldest entries: drop the idle ones, rotate busy ones to the back so an
+        # in-use bucket at the front cannot shield idle ones behind it. Over the hard cap, the
+        # least recently used goes regardless (its in-flight tickets keep their own reference).
+        buckets = self._buckets
+        for _ in range(2):
+            if not buckets:
+                return
+            key, oldest = next(iter(buckets.items()))
+            if len(buckets) >= self.max_keys or (key not in self._pins and oldest.is_full(now)):
+                del buckets[key]
+            else:
+                buckets.move_to_end(key)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def items(self) -> Iterator[tuple[str, TokenBucket]]:
+        """(key, bucket) pairs, least recently used first."""
+        return iter(list(self._buckets.items()))

@@ -1,0 +1,134 @@
+"""Resolved admission thresholds: what one pod's admission core enforces.
+
+A :class:`AdmissionConfig` is computed from a ``RateLimitPolicySpec`` (standalone, or by the
+operator after splitting ``per: Global`` budgets across pods) plus the pod's KV capacity. Rates are
+converted to per-second here once, so the hot path does no unit conversion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate_agent.contract.policy import (
+    FailureMode,
+    LimitScope,
+    OverloadAction,
+    QueueOrder,
+    RateLimitPolicySpec,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitThreshold:
+    """One rate limit after resolution.
+
+    ``request_rate``/``cost_rate`` are units per second; capacities are units. Either pair may be
+    None (the limit does not count that unit).
+    """
+
+    name: str
+    per: LimitScope
+    request_rate: float | None
+    request_capacity: float | None
+    cost_rate: float | None
+    cost_capacity: float | None
+    warmup_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Everything the admission core needs, in tokens, seconds and cost units.
+
+    ``kv_capacity_tokens`` None means no KV reservation is enforced (capacity unknown);
+    ``max_concurrency`` None means no concurrency cap.
+    """
+
+    limits: tuple[LimitThreshold, ...] = ()
+    cost_per_request: float = 0.0
+    prompt_token_weight: float = 1.0
+    output_token_weight: float = 1.0
+    max_concurrency: int | None = None
+    kv_capacity_tokens: int | None = None
+    block_size: int = 16
+    bytes_per_token: int | None = None
+    max_model_len: int | None = None
+    queue_max_length: int = 100
+    queue_max_wait_seconds: float = 30.0
+    queue_order: QueueOrder = QueueOrder.FIFO
+    actions: tuple[OverloadAction, ...] = (OverloadAction.QUEUE, OverloadAction.REJECT)
+    min_max_tokens: int | None = None
+    fallback_model: str | None = None
+    failure_mode: FailureMode = FailureMode.FAIL_OPEN
+
+    def cost(self, prompt_tokens: int, output_tokens: int) -> float:
+        """Cost units: perRequest + prompt × promptTokenWeight + output × outputTokenWeight."""
+        return (
+            self.cost_per_request
+            + prompt_tokens * self.prompt_token_weight
+            + output_tokens * self.output_token_weight
+        )
+
+    @classmethod
+    def from_policy(
+        cls,
+        spec: RateLimitPolicySpec,
+        *,
+        kv_capacity_tokens: int | None = None,
+        global_share: float = 1.0,
+    ) -> AdmissionConfig:
+        """Resolve a policy spec for one pod.
+
+        Args:
+            spec: the policy.
+            kv_capacity_tokens: the pod's KV capacity from a better source (the engine's own
+                report); defaults to ``spec.capacity.kvCacheTokens``.
+            global_share: this pod's fraction (0, 1] of every ``per: Global`` budget (1 standalone).
+
+        Raises:
+            ValueError: ``global_share`` outside (0, 1].
+        """
+        if not 0 < global_share <= 1:
+            raise ValueError(f"global_share must be in (0, 1], got {global_share}")
+        limits = []
+        for rl in spec.rate_limits:
+            share = global_share if rl.per is LimitScope.GLOBAL else 1.0
+            req_cap, cost_cap = rl.request_capacity, rl.token_capacity
+            limits.append(
+                LimitThreshold(
+                    name=rl.name,
+                    per=rl.per,
+                    request_rate=None
+                    if rl.requests_per_minute is None
+                    else rl.requests_per_minute * share / 60.0,
+                    request_capacity=None if req_cap is None else max(1.0, req_cap * share),
+                    cost_rate=None
+                    if rl.tokens_per_minute is None
+                    else rl.tokens_per_minute * share / 60.0,
+                    cost_capacity=None if cost_cap is None else max(1.0, cost_cap * share),
+                    warmup_seconds=rl.warmup_seconds,
+                )
+            )
+        actions = tuple(spec.overload.actions)
+        if OverloadAction.REJECT not in actions:
+            actions = (*actions, OverloadAction.REJECT)
+        degrade = spec.overload.degrade
+        return cls(
+            limits=tuple(limits),
+            cost_per_request=spec.cost.per_request,
+            prompt_token_weight=spec.cost.prompt_token_weight,
+            output_token_weight=spec.cost.output_token_weight,
+            max_concurrency=spec.concurrency.max_requests,
+            kv_capacity_tokens=kv_capacity_tokens
+            if kv_capacity_tokens is not None
+            else spec.capacity.kv_cache_tokens,
+            block_size=spec.model.block_size,
+            bytes_per_token=spec.model.bytes_per_token,
+            max_model_len=spec.model.max_model_len,
+            queue_max_length=spec.queue.max_length,
+            queue_max_wait_seconds=spec.queue.max_wait_seconds,
+            queue_order=spec.queue.order,
+            actions=actions,
+            min_max_tokens=None if degrade is None else degrade.min_max_tokens,
+            fallback_model=None if degrade is None else degrade.fallback_model,
+            failure_mode=spec.failure_mode,
+        )

@@ -1,0 +1,142 @@
+"""Admission decisions: outcome, reason, Retry-After, and what was reserved.
+
+Outcomes and reasons are small closed enums so they can be metric labels (low cardinality), in
+the spirit of the Gateway API Inference Extension's flow-control outcomes
+(``pkg/epp/flowcontrol/types/outcomes.go``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate_agent.admission.bucket import BucketMap, TokenBucket
+
+
+class Outcome(StrEnum):
+    """Final outcome of one request's admission.
+
+    admitted: admitted at once, unchanged. queued: admitted unchanged after waiting in the queue.
+    degraded: admitted with max_tokens clamped or the model rewritten (possibly after waiting).
+    rejected: refused (429, 400 or 503).
+    """
+
+    ADMITTED = "admitted"
+    QUEUED = "queued"
+    DEGRADED = "degraded"
+    REJECTED = "rejected"
+
+
+class Reason(StrEnum):
+    """Why the outcome is what it is."""
+
+    OK = "ok"
+    RATE_LIMIT_REQUESTS = "rate_limit_requests"
+    RATE_LIMIT_TOKENS = "rate_limit_tokens"
+    CONCURRENCY = "concurrency"
+    KV_CAPACITY = "kv_capacity"
+    QUEUE_FULL = "queue_full"
+    QUEUE_TIMEOUT = "queue_timeout"
+    SHEDDABLE = "sheddable"
+    EXCEEDS_CAPACITY = "exceeds_capacity"
+    MAX_TOKENS_CLAMPED = "max_tokens_clamped"
+    FALLBACK_MODEL = "fallback_model"
+    FAIL_CLOSED = "fail_closed"
+    DRAINING = "draining"
+
+
+@dataclass(slots=True)
+class AdmissionRequest:
+    """What admission needs to know about one request.
+
+    Args:
+        tenant: tenant key (already hashed where it came from a credential).
+        prompt_tokens: prompt tokens (exact or a conservative estimate).
+        max_tokens: output tokens the request may produce, per choice.
+        priority: higher = more important; negative = sheddable (never queued).
+        n: number of choices generated (output and KV scale with it).
+        model: the model asked for (to know whether a fallback rewrite changes anything).
+    """
+
+    tenant: str
+    prompt_tokens: int
+    max_tokens: int
+    priority: int = 0
+    n: int = 1
+    model: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """The reservations held by one admitted request, released exactly once.
+
+    ``holds`` lists (bucket map, key, bucket, units reserved, is_cost_bucket); ``kv_tokens`` is the
+    KV reservation in tokens (block-rounded); ``max_tokens`` the output tokens admitted per choice.
+    """
+
+    tenant: str
+    prompt_tokens: int
+    max_tokens: int
+    n: int
+    kv_tokens: int
+    admitted_at: float
+    holds: list[tuple[BucketMap, str, TokenBucket, float, bool]] = field(default_factory=list)
+    released: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """A request waiting in the queue. ``decision`` is set once it leaves the queue."""
+
+    request: AdmissionRequest
+    seq: int
+    enqueued_at: float
+    deadline: float
+    kv_tokens: int
+    remaining_actions: tuple[str, ...]
+    clamped: bool = False
+    retry_at: float | None = None
+    decision: Decision | None = None
+
+
+@dataclass(slots=True)
+class Decision:
+    """One admission decision.
+
+    Attributes:
+        outcome, reason: see :class:`Outcome`, :class:`Reason`.
+        status: HTTP status the proxy should answer with when refused (429, 400, 503); 200 when
+            admitted.
+        retry_after: seconds (integer ≥ 1) until the refused request could fit, computed from the
+            real refill or drain time; None unless refused with 429/503.
+        ticket: the reservations, when admitted.
+        max_tokens: output tokens admitted per choice (after any clamp).
+        model: the model to send upstream when rewritten to the fallback, else None.
+        waiter: set while outcome is ``queued`` and the request still waits.
+        limit: name of the rate limit (or ``concurrency``/``kv``) that decided, if any.
+        queue_seconds: time spent waiting in the queue, seconds.
+        message: a human-readable explanation for error bodies and logs.
+    """
+
+    outcome: Outcome
+    reason: Reason
+    status: int = 200
+    retry_after: int | None = None
+    ticket: Ticket | None = None
+    max_tokens: int = 0
+    model: str | None = None
+    waiter: Waiter | None = None
+    limit: str | None = None
+    queue_seconds: float = 0.0
+    message: str = ""
+    bucket_remaining: float | None = None
+    bucket_capacity: float | None = None
+    bucket_window: float | None = None
+    unit: str | None = None
+
+    @property
+    def admitted(self) -> bool:
+        """True when the request may go upstream (it holds a ticket)."""
+        return self.ticket is not None

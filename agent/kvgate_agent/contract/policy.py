@@ -1,0 +1,405 @@
+"""The `RateLimitPolicy` manifest (``apiVersion: kvgate.io/v1alpha1``): kvgate's one policy format.
+
+The same document is applied with ``kubectl`` (the operator reads it from the API server) or read
+from a file by the standalone sidecar. Field names are camelCase as in the manifest; Python
+attributes are snake_case. These names are kvgate's public API: keep them.
+
+Units: token counts are model tokens, byte counts are bytes, durations are seconds, rates are per
+minute as named (``requestsPerMinute``, ``tokensPerMinute``).
+
+Errors: :func:`load_policy` and :func:`parse_policy` raise :class:`PolicyError` whose message names
+each offending field by its manifest path (``spec.rateLimits[0].burstTokens: ...``).
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "kvgate.io"
+API_VERSION = "kvgate.io/v1alpha1"
+KIND = "RateLimitPolicy"
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class PolicyError(ValueError):
+    """A policy document that cannot be used; the message names every bad field."""
+
+
+class _Model(BaseModel):
+    """Base: camelCase aliases, unknown fields refused (a typo must not silently do nothing)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+    )
+
+
+class KVCacheDtype(StrEnum):
+    """Element type of the KV cache. ``fp8`` is 1 byte per element
+    (vLLM ``--kv-cache-dtype fp8``)."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP8 = "fp8"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per element."""
+        return {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[self.value]
+
+
+class ModelSpec(_Model):
+    """Shape of the served model, for KV arithmetic.
+
+    Bytes per token = 2 (K and V) × numLayers × numKVHeads × headDim × dtype bytes
+    (the standard decoder KV layout; see vLLM's ``get_kv_cache_spec`` / the PagedAttention paper,
+    Kwon et al. 2023). ``numKVHeads`` is the number of key/value heads (GQA/MQA), not attention
+    heads. Models with compressed KV (MLA) or sliding-window layers need their own formula: give
+    ``capacity.kvCacheTokens`` directly instead of a shape for them.
+    """
+
+    num_layers: PositiveInt | None = Field(default=None, alias="numLayers")
+    num_kv_heads: PositiveInt | None = Field(default=None, alias="numKVHeads")
+    head_dim: PositiveInt | None = None
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.FP16
+    block_size: Annotated[int, Field(gt=0, le=4096)] = 16
+    max_model_len: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _shape_complete(self) -> ModelSpec:
+        shape = (self.num_layers, self.num_kv_heads, self.head_dim)
+        if any(v is not None for v in shape) and any(v is None for v in shape):
+            raise ValueError("numLayers, numKVHeads and headDim must be given together")
+        return self
+
+    @property
+    def bytes_per_token(self) -> int | None:
+        """KV bytes one token holds, or None when the shape is not given."""
+        if self.num_layers is None or self.num_kv_heads is None or self.head_dim is None:
+            return None
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_cache_dtype.nbytes
+
+
+class CapacitySpec(_Model):
+    """Where the pod's KV capacity comes from, best source first.
+
+    ``fromEngineMetrics``: the engine's own report (vLLM ``vllm:cache_config_info``
+    num_gpu_blocks × block_size). ``kvCacheTokens``: an explicit capacity. The NVML estimate
+    (total × ``gpuMemoryUtilization`` − ``weightsBytes`` − ``safetyMarginBytes``) is computed by
+    the node agent.
+    """
+
+    kv_cache_tokens: PositiveInt | None = None
+    from_engine_metrics: bool = False
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
+    weights_bytes: NonNegativeInt | None = None
+    safety_margin_bytes: NonNegativeInt | None = None
+
+
+class ConcurrencySpec(_Model):
+    """Per-pod cap on requests in flight at the model server."""
+
+    max_requests: PositiveInt | None = None
+
+
+class TenantsSpec(_Model):
+    """How a request is attributed to a tenant.
+
+    ``header``: the request header naming the tenant (missing = ``anonymous``). The special value
+    ``authorization`` keys tenants by a SHA-256 hash of the bearer token, never the raw token.
+    ``defaultMaxTokens`` is charged and sent upstream when a request omits max_tokens;
+    ``maxTokensCap`` clamps any larger max_tokens before admission.
+    """
+
+    header: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9-]+$")] = "x-kvgate-tenant"
+    default_max_tokens: PositiveInt = 1024
+    max_tokens_cap: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _cap_above_default(self) -> TenantsSpec:
+        if self.max_tokens_cap is not None and self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError("defaultMaxTokens must not exceed maxTokensCap")
+        return self
+
+
+class LimitScope(StrEnum):
+    """Which requests share one bucket: one per tenant, one per pod, or one cluster-wide budget
+    split across the matched pods (standalone: the pod has the whole budget)."""
+
+    TENANT = "Tenant"
+    POD = "Pod"
+    GLOBAL = "Global"
+
+
+class RateLimitSpec(_Model):
+    """One token-bucket limit.
+
+    ``requestsPerMinute`` refills a request bucket of ``burstRequests`` (default: one minute's
+    worth); ``tokensPerMinute`` refills a cost bucket of ``burstTokens`` (default: one minute's
+    worth), where cost is defined by :class:`CostSpec`. ``warmupSeconds``: capacity ramps linearly
+    from a quarter to full over this time after the pod starts, so a fresh pod does not absorb a
+    full burst.
+    """
+
+    name: Annotated[
+        str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+    ]
+    per: LimitScope = LimitScope.TENANT
+    requests_per_minute: PositiveFloat | None = None
+    tokens_per_minute: PositiveFloat | None = None
+    burst_requests: PositiveInt | None = None
+    burst_tokens: PositiveInt | None = None
+    warmup_seconds: NonNegativeFloat = 0.0
+
+    @model_validator(mode="after")
+    def _has_a_rate(self) -> RateLimitSpec:
+        if self.requests_per_minute is None and self.tokens_per_minute is None:
+            raise ValueError("a rate limit needs requestsPerMinute or tokensPerMinute")
+        if self.burst_requests is not None and self.requests_per_minute is None:
+            raise ValueError("burstRequests needs requestsPerMinute")
+        if self.burst_tokens is not None and self.tokens_per_minute is None:
+            raise ValueError("burstTokens needs tokensPerMinute")
+        return self
+
+    @property
+    def request_capacity(self) -> float | None:
+        """Request bucket capacity (requests), or None without a request rate."""
+        if self.requests_per_minute is None:
+            return None
+        if self.burst_requests is not None:
+            return float(self.burst_requests)
+        return max(1.0, float(math.ceil(self.requests_per_minute)))
+
+    @property
+    def token_capacity(self) -> float | None:
+        """Cost bucket capacity (cost units), or None without a token rate."""
+        if self.tokens_per_minute is None:
+            return None
+        if self.burst_tokens is not None:
+            return float(self.burst_tokens)
+        return max(1.0, float(math.ceil(self.tokens_per_minute)))
+
+
+class CostSpec(_Model):
+    """Cost of one request in bucket units.
+
+    cost = perRequest + prompt_tokens × promptTokenWeight + max_tokens × outputTokenWeight,
+    reserved at admission and settled to the tokens actually produced when the response ends.
+    Counting the prompt matters: a quota on output alone lets huge prompts through (field lesson
+    L04, LiteLLM #17664).
+    """
+
+    per_request: NonNegativeFloat = 0.0
+    prompt_token_weight: NonNegativeFloat = 1.0
+    output_token_weight: NonNegativeFloat = 1.0
+
+    def of(self, prompt_tokens: int, output_tokens: int) -> float:
+        """Cost units of a request with these token counts."""
+        return (
+            self.per_request
+            + prompt_tokens * self.prompt_token_weight
+            + output_tokens * self.output_token_weight
+        )
+
+
+class QueueOrder(StrEnum):
+    """Order in which waiting requests are admitted."""
+
+    FIFO = "FIFO"
+    PRIORITY = "Priority"
+    SHORTEST_FIRST = "ShortestFirst"
+
+
+class QueueSpec(_Model):
+    """Bounded wait queue for requests that do not fit now."""
+
+    max_length: NonNegativeInt = 100
+    max_wait_seconds: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] = 30.0
+    order: QueueOrder = QueueOrder.FIFO
+
+
+class PrioritySpec(_Model):
+    """Request priority header: an integer, higher = more important, negative = sheddable
+    (never queued under overload)."""
+
+    header: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9-]+$")] = "x-kvgate-priority"
+
+
+class OverloadAction(StrEnum):
+    """What to do with a request that does not fit now."""
+
+    DEGRADE = "Degrade"
+    QUEUE = "Queue"
+    REJECT = "Reject"
+
+
+class DegradeSpec(_Model):
+    """How to degrade: clamp max_tokens to what fits (not below ``minMaxTokens``), or rewrite the
+    request's model to ``fallbackModel``."""
+
+    min_max_tokens: PositiveInt | None = None
+    fallback_model: Annotated[str, Field(min_length=1)] | None = None
+
+
+class OverloadSpec(_Model):
+    """Ordered overload actions, tried in turn (default: Queue, then Reject)."""
+
+    actions: Annotated[list[OverloadAction], Field(min_length=1, max_length=3)] = Field(
+        default_factory=lambda: [OverloadAction.QUEUE, OverloadAction.REJECT]
+    )
+    degrade: DegradeSpec | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> OverloadSpec:
+        if len(set(self.actions)) != len(self.actions):
+            raise ValueError("actions must not repeat")
+        if OverloadAction.DEGRADE in self.actions and (
+            self.degrade is None
+            or (self.degrade.min_max_tokens is None and self.degrade.fallback_model is None)
+        ):
+            raise ValueError("Degrade needs degrade.minMaxTokens or degrade.fallbackModel")
+        return self
+
+
+class FailureMode(StrEnum):
+    """What the sidecar does once its thresholds are stale (agent unreachable past the TTL):
+    FailOpen keeps local caps only; FailClosed answers 503 with Retry-After."""
+
+    FAIL_OPEN = "FailOpen"
+    FAIL_CLOSED = "FailClosed"
+
+
+class LabelSelectorRequirement(_Model):
+    """A Kubernetes label selector requirement."""
+
+    key: Annotated[str, Field(min_length=1)]
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list)
+
+
+class LabelSelector(_Model):
+    """A Kubernetes label selector (``matchLabels`` and ``matchExpressions``)."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+
+
+class RateLimitPolicySpec(_Model):
+    """``spec`` of a RateLimitPolicy. Every field is optional (``selector`` is required in the
+    cluster and ignored standalone)."""
+
+    selector: LabelSelector | None = None
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    capacity: CapacitySpec = Field(default_factory=CapacitySpec)
+    concurrency: ConcurrencySpec = Field(default_factory=ConcurrencySpec)
+    tenants: TenantsSpec = Field(default_factory=TenantsSpec)
+    rate_limits: Annotated[list[RateLimitSpec], Field(max_length=16)] = Field(default_factory=list)
+    cost: CostSpec = Field(default_factory=CostSpec)
+    queue: QueueSpec = Field(default_factory=QueueSpec)
+    priority: PrioritySpec = Field(default_factory=PrioritySpec)
+    overload: OverloadSpec = Field(default_factory=OverloadSpec)
+    failure_mode: FailureMode = FailureMode.FAIL_OPEN
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> RateLimitPolicySpec:
+        names = [r.name for r in self.rate_limits]
+        if len(set(names)) != len(names):
+            raise ValueError("rateLimits names must be unique")
+        cap = self.tenants.max_tokens_cap
+        mml = self.model.max_model_len
+        if cap is not None and mml is not None and cap >= mml:
+            raise ValueError("tenants.maxTokensCap must be below model.maxModelLen")
+        floor = None if self.overload.degrade is None else self.overload.degrade.min_max_tokens
+        if floor is not None and cap is not None and floor > cap:
+            raise ValueError("overload.degrade.minMaxTokens must not exceed tenants.maxTokensCap")
+        return self
+
+
+class ObjectMeta(_Model):
+    """The parts of Kubernetes metadata kvgate reads; the rest is accepted and ignored."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="allow", frozen=True
+    )
+
+    name: Annotated[str, Field(min_length=1, max_length=253)]
+    namespace: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class RateLimitPolicy(_Model):
+    """A whole RateLimitPolicy manifest. ``status`` (written by the operator) is ignored here."""
+
+    api_version: Literal["kvgate.io/v1alpha1"]
+    kind: Literal["RateLimitPolicy"]
+    metadata: ObjectMeta
+    spec: RateLimitPolicySpec = Field(default_factory=RateLimitPolicySpec)
+    status: dict[str, Any] | None = None
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + item)
+    return "".join(parts) or "(document)"
+
+
+def parse_policy(document: Any) -> RateLimitPolicy:
+    """Validate a decoded manifest (a dict) into a :class:`RateLimitPolicy`.
+
+    Raises :class:`PolicyError` naming each bad field by its manifest path.
+    """
+    if not isinstance(document, dict):
+        raise PolicyError("policy: expected a RateLimitPolicy mapping at the top level")
+    try:
+        return RateLimitPolicy.model_validate(document)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors(include_url=False):
+            loc = tuple(
+                p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))
+            )
+            lines.append(f"{_field_path(loc)}: {err['msg']}")
+        raise PolicyError("invalid RateLimitPolicy:\n  " + "\n  ".join(lines)) from None
+
+
+def load_policy(path: str | Path) -> RateLimitPolicy:
+    """Read one RateLimitPolicy from a YAML or JSON file.
+
+    A multi-document file must hold exactly one RateLimitPolicy. Raises :class:`PolicyError` on
+    unreadable files, YAML errors or invalid fields; the message starts with the file name.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(f"{p}: cannot read policy file: {exc.strerror}") from None
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"{p}: not valid YAML: {exc}") from None
+    docs = [d for d in docs if not (isinstance(d, dict) and d.get("kind") not in (None, KIND))]
+    if len(docs) != 1:
+        raise PolicyError(f"{p}: expected exactly one RateLimitPolicy document, found {len(docs)}")
+    try:
+        return parse_policy(docs[0])
+    except PolicyError as exc:
+        raise PolicyError(f"{p}: {exc}") from None

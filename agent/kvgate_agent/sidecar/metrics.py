@@ -1,0 +1,145 @@
+"""The sidecar's Prometheus metrics, on a registry of its own (no global state).
+
+Gauges that mirror admission state (in-flight, KV reserved, queue length, bucket levels) are read
+from the controller at scrape time by a custom collector, so the hot path never updates them and
+they can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvgate_agent.admission import AdmissionController
+from kvgate_agent.sidecar.tenants import TenantLabels
+
+#: Queue wait buckets, seconds: from sub-millisecond to the 1-hour maxWaitSeconds bound.
+disable_created_metrics()  # the _created series only add noise to every counter
+
+QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600)
+
+
+class _AdmissionCollector(Collector):
+    def __init__(
+        self, controller: AdmissionController, labels: TenantLabels, upstream_ok: list[bool]
+    ) -> None:
+        self.controller = controller
+        self.labels = labels
+        self.upstream_ok = upstream_ok
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        c = self.controller
+        yield GaugeMetricFamily(
+            "kvgate_in_flight_requests", "Admitted requests not yet finished", value=c.in_flight
+        )
+        yield GaugeMetricFamily(
+            "kvgate_queue_length", "Requests waiting for admission", value=c.queue_length
+        )
+        yield GaugeMetricFamily(
+            "kvgate_kv_reserved_tokens",
+            "KV cache reserved by admitted requests, tokens",
+            value=c.kv_reserved_tokens,
+        )
+        cap = c.kv_capacity_tokens
+        bpt = c.config.bytes_per_token
+        if cap is not None:
+            yield GaugeMetricFamily(
+                "kvgate_kv_capacity_tokens", "KV capacity admission enforces, tokens", value=cap
+            )
+        if bpt is not None:
+            yield GaugeMetricFamily(
+                "kvgate_kv_reserved_bytes",
+                "KV cache reserved by admitted requests, bytes",
+                value=c.kv_reserved_tokens * bpt,
+            )
+            if cap is not None:
+                yield GaugeMetricFamily(
+                    "kvgate_kv_capacity_bytes",
+                    "KV capacity admission enforces, bytes",
+                    value=cap * bpt,
+                )
+        if c.config.max_concurrency is not None:
+            yield GaugeMetricFamily(
+                "kvgate_concurrency_limit",
+                "Concurrency cap, requests",
+                value=c.config.max_concurrency,
+            )
+        level = GaugeMetricFamily(
+            "kvgate_bucket_level",
+            "Units left in a rate-limit bucket (tenant label bounded)",
+            labels=["limit", "unit", "tenant"],
+        )
+        capacity = GaugeMetricFamily(
+            "kvgate_bucket_capacity",
+            "Effective capacity of a rate-limit bucket",
+            labels=["limit", "unit", "tenant"],
+        )
+        for name, unit, key, lvl, cp in c.bucket_levels():
+            tenant = "" if key == "" else self.labels(key)
+            if tenant == TenantLabels.OTHER:
+                continue
+            level.add_metric([name, unit, tenant], lvl)
+            capacity.add_metric([name, unit, tenant], cp)
+        yield level
+        yield capacity
+        yield GaugeMetricFamily(
+            "kvgate_tenants_tracked", "Tenant buckets held in memory", value=c.tenants_tracked()
+        )
+        yield GaugeMetricFamily(
+            "kvgate_seconds_per_output_token",
+            "Observed decode time per output token (moving average), seconds",
+            value=c.seconds_per_token,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_upstream_up",
+            "1 when the last upstream exchange succeeded",
+            value=1.0 if self.upstream_ok[0] else 0.0,
+        )
+
+
+class SidecarMetrics:
+    """All sidecar metrics.
+
+    Attributes:
+        registry: the registry to expose.
+        decisions: ``kvgate_admission_decisions_total{outcome, reason, tenant}``.
+        queue_wait: ``kvgate_queue_wait_seconds`` histogram (requests that waited).
+        upstream_errors: ``kvgate_upstream_errors_total{kind}`` (connect, timeout, status_5xx,
+            stream_error, client_disconnect).
+        tokens: ``kvgate_tokens_total{kind, tenant}`` (prompt / completion tokens settled).
+        ttft: ``kvgate_time_to_first_token_seconds`` through the sidecar (streams only).
+    """
+
+    def __init__(self, controller: AdmissionController, tenant_label_limit: int = 50) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.tenant_label = TenantLabels(tenant_label_limit)
+        self.upstream_ok = [True]
+        r = self.registry
+        self.decisions = Counter(
+            "kvgate_admission_decisions",
+            "Admission decisions",
+            ["outcome", "reason", "tenant"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "kvgate_queue_wait_seconds",
+            "Time admitted or expired requests waited in the queue",
+            buckets=QUEUE_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvgate_upstream_errors", "Upstream failures by kind", ["kind"], registry=r
+        )
+        self.tokens = Counter(
+            "kvgate_tokens", "Tokens settled against buckets", ["kind", "tenant"], registry=r
+        )
+        self.ttft = Histogram(
+            "kvgate_time_to_first_token_seconds",
+            "Time from request arrival to the first streamed byte, seconds",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        r.register(_AdmissionCollector(controller, self.tenant_label, self.upstream_ok))

@@ -1,0 +1,496 @@
+"""The sidecar: an OpenAI-compatible reverse proxy that enforces admission in front of one model
+server.
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` go through admission; every other path
+is passed through untouched (so the model server's own ``/metrics``, ``/v1/models``, ``/health``
+stay reachable). The sidecar's own endpoints are ``/healthz``, ``/readyz`` and
+``/kvgate/metrics`` on the same port, and ``/metrics`` on the optional admin port.
+
+Every admitted request releases exactly what it reserved on every path (success, upstream error,
+timeout, client disconnect before or during the stream, cancellation): the release sits in one
+``finally`` and is idempotent (field lesson L01). When the client goes away the handler task is
+cancelled (aiohttp ``handler_cancellation``) and the upstream connection is closed at once, so the
+model server stops generating into a dead socket (field lesson L05).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvgate_agent.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionRequest,
+    AsyncAdmission,
+    Decision,
+    Outcome,
+    Reason,
+)
+from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy
+from kvgate_agent.sidecar.engine_metrics import kv_capacity_from_metrics
+from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.openai_errors import (
+    RATE_LIMIT_ERROR,
+    RATE_LIMIT_EXCEEDED,
+    SERVICE_UNAVAILABLE,
+    RequestError,
+    error_body,
+)
+from kvgate_agent.sidecar.request import ParsedRequest, parse_completion_request
+from kvgate_agent.sidecar.sse import StreamAccountant
+from kvgate_agent.sidecar.tenants import priority_of, tenant_of
+from kvgate_agent.sidecar.tokens import PromptCounter
+
+log = logging.getLogger("kvgate.sidecar")
+
+#: Hop-by-hop headers (RFC 9110 §7.6.1) and those the proxy recomputes; never forwarded.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+ADMITTED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+JSON = "application/json"
+
+
+@dataclass(slots=True)
+class SidecarSettings:
+    """Runtime settings of one sidecar.
+
+    Attributes:
+        upstream: base URL of the model server, e.g. ``http://127.0.0.1:8000``.
+        policy: the RateLimitPolicy enforced.
+        tokenizer_file: HF ``tokenizer.json`` for exact prompt counts (else a conservative
+            estimate corrected by reported usage).
+        max_body_bytes: request bodies above this get 413 (bytes).
+        connect_timeout: seconds to open an upstream connection.
+        read_timeout: seconds without any upstream byte before the request fails (None: no
+            limit).
+        drain_seconds: on SIGTERM, how long in-flight requests may take to finish.
+        engine_poll_seconds: how often the engine's KV capacity is re-read when
+            ``capacity.fromEngineMetrics`` is set.
+    """
+
+    upstream: str
+    policy: RateLimitPolicy
+    tokenizer_file: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    connect_timeout: float = 5.0
+    read_timeout: float | None = 600.0
+    drain_seconds: float = 30.0
+    engine_poll_seconds: float = 15.0
+    tenant_label_limit: int = 50
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=body, content_type=JSON, headers=headers)
+
+
+def _forward_headers(headers: Any) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        if k.lower() not in HOP_BY_HOP:
+            out.add(k, v)
+    return out
+
+
+class Sidecar:
+    """One sidecar: admission state, the upstream client and the aiohttp handlers.
+
+    Use :meth:`build_app` for the aiohttp application; the handlers only translate HTTP to and
+    from the admission core and the byte-level helpers.
+    """
+
+    def __init__(self, settings: SidecarSettings, clock: Any = time.monotonic) -> None:
+        self.settings = settings
+        spec = settings.policy.spec
+        self.spec = spec
+        self.controller = AdmissionController(AdmissionConfig.from_policy(spec), clock)
+        self.admission = AsyncAdmission(self.controller)
+        self.metrics = SidecarMetrics(self.controller, settings.tenant_label_limit)
+        self.counter = PromptCounter(settings.tokenizer_file)
+        self.upstream = settings.upstream.rstrip("/")
+        self.session: aiohttp.ClientSession | None = None
+        self.draining = False
+        self.capacity_known = not spec.capacity.from_engine_metrics
+        self._poll_task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def build_app(self) -> web.Application:
+        """The aiohttp application (routes and startup/cleanup hooks)."""
+        app = web.Application(client_max_size=self.settings.max_body_bytes + 1)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/kvgate/metrics", self.metrics_endpoint)
+        for path in ADMITTED_PATHS:
+            app.router.add_post(path, self.completion)
+        app.router.add_route("*", "/{tail:.*}", self.passthrough)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    def build_admin_app(self) -> web.Application:
+        """Admin port: ``/metrics``, ``/healthz``, ``/readyz``."""
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=self.settings.connect_timeout,
+            sock_read=self.settings.read_timeout,
+        )
+        self.session = aiohttp.ClientSession(
+            timeout=timeout,
+            auto_decompress=False,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+        if self.spec.capacity.from_engine_metrics:
+            await self.refresh_engine_capacity()
+            self._poll_task = asyncio.create_task(self._poll_engine())
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poll_task
+        self.admission.close()
+        if self.session is not None:
+            await self.session.close()
+
+    async def refresh_engine_capacity(self) -> None:
+        """Read the engine's KV capacity from its ``/metrics``. On failure the last known value
+        stays; if none was ever read, ``failureMode`` decides: FailOpen enforces the policy's
+        explicit ``kvCacheTokens`` (or no KV cap), FailClosed answers 503 until it is read."""
+        assert self.session is not None
+        tokens: int | None = None
+        try:
+            async with self.session.get(self.upstream + "/metrics") as resp:
+                if resp.status == 200:
+                    tokens = kv_capacity_from_metrics(await resp.text())
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("cannot read engine metrics: %s", exc)
+        if tokens is not None:
+            if tokens != self.controller.config.kv_capacity_tokens:
+                log.info("KV capacity from engine metrics: %d tokens", tokens)
+            self.controller.set_kv_capacity(tokens)
+            self.controller.fail_closed_until = None
+            self.capacity_known = True
+            self.admission.kick()
+        elif not self.capacity_known and self.spec.failure_mode is FailureMode.FAIL_CLOSED:
+            self.controller.fail_closed_until = (
+                self.controller.clock() + self.settings.engine_poll_seconds
+            )
+
+    async def _poll_engine(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.engine_poll_seconds if self.capacity_known else 1.0)
+            await self.refresh_engine_capacity()
+
+    # ------------------------------------------------------------------ own endpoints
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        """Liveness: the process serves HTTP."""
+        return web.Response(text="ok")
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Readiness: not draining, and the KV capacity is known when it must come from the
+        engine."""
+        if self.draining:
+            return web.Response(status=503, text="draining")
+        if not self.capacity_known:
+            return web.Response(status=503, text="waiting for the engine's KV capacity")
+        return web.Response(text="ok")
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        """Prometheus exposition of the sidecar's registry."""
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ------------------------------------------------------------------ admission path
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise RequestError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+        chunks = []
+        size = 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(
+                    413, f"request body exceeds {limit} bytes", code="body_too_large"
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _refusal(self, d: Decision, tenant: str) -> web.Response:
+        headers = {"x-kvgate-decision": d.outcome.value, "x-kvgate-reason": d.reason.value}
+        if d.retry_after is not None:
+            headers["Retry-After"] = str(d.retry_after)
+        if d.bucket_capacity is not None and d.bucket_window is not None:
+            quota = max(1, round(d.bucket_capacity))
+            headers["RateLimit-Policy"] = (
+                f'"{d.limit}";q={quota};w={max(1, round(d.bucket_window))};qu="{d.unit}"'
+            )
+            remaining = max(0, int(d.bucket_remaining or 0.0))
+            headers["RateLimit"] = f'"{d.limit}";r={remaining};t={d.retry_after or 1}'
+        self.metrics.decisions.labels(
+            d.outcome.value, d.reason.value, self.metrics.tenant_label(tenant)
+        ).inc()
+        if d.queue_seconds > 0:
+            self.metrics.queue_wait.observe(d.queue_seconds)
+        if d.status == 400:
+            body = error_body(d.message, "invalid_request_error", "max_tokens", d.reason.value)
+        elif d.status == 503:
+            body = error_body(d.message, SERVICE_UNAVAILABLE, None, d.reason.value)
+        else:
+            body = error_body(d.message, RATE_LIMIT_ERROR, None, RATE_LIMIT_EXCEEDED)
+        return _json_response(d.status, body, headers)
+
+    def _bad_request(self, exc: RequestError) -> web.Response:
+        self.metrics.decisions.labels("rejected", "invalid_request", "").inc()
+        return _json_response(
+            exc.status,
+            exc.body(),
+            {"x-kvgate-decision": "rejected", "x-kvgate-reason": "invalid_request"},
+        )
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions`` and ``/v1/completions``: validate, admit, forward."""
+        started = time.perf_counter()
+        if self.draining:
+            return _json_response(
+                503,
+                error_body("sidecar is shutting down", SERVICE_UNAVAILABLE),
+                {
+                    "Retry-After": "1",
+                    "x-kvgate-decision": "rejected",
+                    "x-kvgate-reason": Reason.DRAINING.value,
+                },
+            )
+        spec = self.spec
+        try:
+            raw = await self._read_body(request)
+            parsed = parse_completion_request(
+                raw,
+                ADMITTED_PATHS[request.path],  # type: ignore[arg-type]
+                default_max_tokens=spec.tenants.default_max_tokens,
+                max_tokens_cap=spec.tenants.max_tokens_cap,
+                max_model_len=spec.model.max_model_len,
+            )
+            tenant = tenant_of(request.headers, spec.tenants.header)
+            priority = priority_of(request.headers, spec.priority.header)
+        except RequestError as exc:
+            return self._bad_request(exc)
+        prompt = self.counter.count(parsed.body)
+        areq = AdmissionRequest(
+            tenant, prompt.tokens, parsed.max_tokens, priority, parsed.n, parsed.model
+        )
+        decision = await self.admission.admit(areq)
+        if decision.ticket is None:
+            return self._refusal(decision, tenant)
+        return await self._forward(
+            request, raw, parsed, decision, tenant, prompt.text_bytes, prompt.exact, started
+        )
+
+    async def _forward(
+        self,
+        request: web.Request,
+        raw: bytes,
+        parsed: ParsedRequest,
+        d: Decision,
+        tenant: str,
+        prompt_bytes: int,
+        exact: bool,
+        started: float,
+    ) -> web.StreamResponse:
+        assert self.session is not None and d.ticket is not None
+        ticket = d.ticket
+        m = self.metrics
+        label = m.tenant_label(tenant)
+        headers = {"x-kvgate-decision": d.outcome.value}
+        if d.outcome is Outcome.DEGRADED:
+            headers["x-kvgate-reason"] = d.reason.value
+            headers["x-kvgate-degraded"] = (
+                f"model={d.model}" if d.model is not None else f"max_tokens={d.max_tokens}"
+            )
+        if d.queue_seconds > 0:
+            headers["x-kvgate-queue-wait-ms"] = str(round(d.queue_seconds * 1000))
+            m.queue_wait.observe(d.queue_seconds)
+        m.decisions.labels(d.outcome.value, d.reason.value, label).inc()
+        body = (
+            parsed.upstream_body(
+                max_tokens=d.max_tokens, model=d.model, include_usage=parsed.stream
+            )
+            or raw
+        )
+        fwd = _forward_headers(request.headers)
+        fwd["Content-Type"] = JSON
+        fwd.popall("Accept-Encoding", None)  # identity, so the stream can be read for usage
+        completion_tokens = 0
+        prompt_tokens: int | None = None
+        reached = False
+        resp: aiohttp.ClientResponse | None = None
+        clean = False
+        try:
+            try:
+                resp = await self.session.post(
+                    self.upstream + request.path_qs, data=body, headers=fwd
+                )
+            except aiohttp.ClientConnectorError as exc:
+                m.upstream_errors.labels("connect").inc()
+                m.upstream_ok[0] = False
+                log.warning("upstream connect failed: %s", exc)
+                return _json_response(
+                    502, error_body("model server unreachable", "server_error"), headers
+                )
+            reached = True
+            m.upstream_ok[0] = True
+            out_headers = _forward_headers(resp.headers)
+            out_headers.update(headers)
+            if resp.status >= 500:
+                m.upstream_errors.labels("status_5xx").inc()
+            streaming = (
+                parsed.stream and resp.status == 200 and resp.content_type == "text/event-stream"
+            )
+            if not streaming:
+                data = await resp.read()
+                clean = True
+                if resp.status == 200:
+                    prompt_tokens, reported = _usage_of(data)
+                    # No usage reported: charge what was reserved rather than nothing.
+                    completion_tokens = (
+                        ticket.max_tokens * ticket.n if reported is None else reported
+                    )
+                elif 400 <= resp.status < 500:
+                    reached = False  # the engine refused it: no GPU work to charge
+                return web.Response(status=resp.status, body=data, headers=out_headers)
+            acct = StreamAccountant(strip_usage_chunk=not parsed.client_wants_usage)
+            out = web.StreamResponse(status=resp.status, headers=out_headers)
+            await out.prepare(request)
+            first = True
+            try:
+                async for chunk in resp.content.iter_any():
+                    piece = acct.feed(chunk)
+                    if piece:
+                        await out.write(piece)
+                        if first:
+                            m.ttft.observe(time.perf_counter() - started)
+                            first = False
+                tail = acct.finish()
+                if tail:
+                    await out.write(tail)
+                clean = acct.done
+            finally:
+                completion_tokens = acct.completion_tokens_estimate
+                if acct.usage is not None:
+                    prompt_tokens = acct.usage.prompt_tokens
+            await out.write_eof()
+            return out
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            m.upstream_errors.labels(
+                "timeout" if isinstance(exc, asyncio.TimeoutError) else "stream_error"
+            ).inc()
+            log.warning("upstream failed mid-request: %r", exc)
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            m.upstream_errors.labels("client_disconnect").inc()
+            raise
+        finally:
+            if resp is not None:
+                if clean:
+                    resp.release()
+                else:
+                    resp.close()  # drop the connection: the engine sees the peer go away
+            self.admission.release(
+                ticket,
+                completion_tokens=completion_tokens,
+                prompt_tokens=prompt_tokens,
+                reached_upstream=reached,
+            )
+            if reached:
+                settled_prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
+                m.tokens.labels("prompt", label).inc(settled_prompt)
+                m.tokens.labels("completion", label).inc(completion_tokens)
+                if prompt_tokens is not None and not exact:
+                    self.counter.observe(prompt_bytes, prompt_tokens)
+
+    # ------------------------------------------------------------------ pass-through
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Any other path: forwarded as is, body streamed both ways."""
+        assert self.session is not None
+        fwd = _forward_headers(request.headers)
+        data = request.content if request.body_exists else None
+        try:
+            resp = await self.session.request(
+                request.method, self.upstream + request.path_qs, headers=fwd, data=data
+            )
+        except aiohttp.ClientConnectorError:
+            self.metrics.upstream_errors.labels("connect").inc()
+            return _json_response(
+                502,
+                error_body("model server unreachable", "server_error"),
+                {"x-kvgate-decision": "passthrough"},
+            )
+        clean = False
+        try:
+            out_headers = _forward_headers(resp.headers)
+            out_headers["x-kvgate-decision"] = "passthrough"
+            out = web.StreamResponse(status=resp.status, headers=out_headers)
+            if resp.content_length is not None:
+                out.content_length = resp.content_length
+            await out.prepare(request)
+            async for chunk in resp.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            clean = True
+            return out
+        finally:
+            if clean:
+                resp.release()
+            else:
+                resp.close()
+
+
+def _usage_of(data: bytes) -> tuple[int | None, int | None]:
+    """(prompt_tokens, completion_tokens) reported in a non-streaming response body; each None
+    when absent or not a non-negative integer."""
+    try:
+        usage = json.loads(data).get("usage") or {}
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+    except (ValueError, AttributeError):
+        return None, None
+    return (
+        prompt if type(prompt) is int and prompt >= 0 else None,
+        completion if type(completion) is int and completion >= 0 else None,
+    )

@@ -1,0 +1,87 @@
+"""Who a request belongs to (tenant) and how important it is (priority), from its headers.
+
+Pure header logic: the proxy passes a case-insensitive header mapping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+from kvgate_agent.sidecar.openai_errors import RequestError
+
+ANONYMOUS = "anonymous"
+#: Tenant header values longer than this are hashed, so a huge header cannot bloat state.
+MAX_TENANT_LEN = 128
+
+
+def _digest(value: str) -> str:
+    return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def tenant_of(headers: Mapping[str, str], header: str) -> str:
+    """Tenant key for a request.
+
+    Args:
+        headers: request headers (case-insensitive mapping).
+        header: the policy's ``tenants.header``. ``authorization`` keys tenants by
+            ``key-<first 16 hex digits of SHA-256 of the bearer token>``: the raw credential is
+            never stored, logged or exported.
+
+    Returns ``anonymous`` when the header is missing or empty.
+    """
+    value = headers.get(header)
+    if not value:
+        return ANONYMOUS
+    if header.lower() == "authorization":
+        scheme, _, token = value.partition(" ")
+        secret = token.strip() if scheme.lower() == "bearer" and token.strip() else value
+        return "key-" + _digest(secret)
+    value = value.strip()
+    if not value:
+        return ANONYMOUS
+    if len(value) > MAX_TENANT_LEN or not value.isprintable():
+        return "h-" + _digest(value)
+    return value
+
+
+def priority_of(headers: Mapping[str, str], header: str) -> int:
+    """Priority from the policy's priority header: an integer, higher = more important, negative
+    = sheddable; 0 when absent.
+
+    Raises:
+        RequestError: 400 when the header is not an integer in [-1000, 1000].
+    """
+    value = headers.get(header)
+    if value is None or value.strip() == "":
+        return 0
+    try:
+        p = int(value.strip())
+    except ValueError:
+        raise RequestError(
+            400, f"header {header} must be an integer, got {value[:32]!r}", param=header
+        ) from None
+    if not -1000 <= p <= 1000:
+        raise RequestError(400, f"header {header} must be between -1000 and 1000", param=header)
+    return p
+
+
+class TenantLabels:
+    """Bounded tenant label values for metrics: the first ``limit`` tenants seen keep their own
+    label, every later one is reported as ``other``, so clients sending endless tenant ids cannot
+    blow up the metric series count."""
+
+    OTHER = "other"
+
+    def __init__(self, limit: int = 50) -> None:
+        self.limit = limit
+        self._known: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        """The label value for ``tenant``."""
+        if tenant in self._known:
+            return tenant
+        if len(self._known) < self.limit:
+            self._known.add(tenant)
+            return tenant
+        return self.OTHER
