@@ -1,0 +1,247 @@
+"""Incremental accounting of an OpenAI-compatible streaming response (Server-Sent Events).
+
+The upstream (vLLM) streams ``data: {json}`` events separated by blank lines and ends with
+``data: [DONE]``. :class:`StreamAccountant` is fed the raw bytes exactly as they arrive from the
+socket, split anywhere, and returns the bytes to forward to the client. On the side it records the
+``usage`` object, counts content deltas, notices ``[DONE]`` and mid-stream ``error`` objects.
+
+Framing follows the WHATWG HTML "Server-sent events" event-stream grammar
+(https://html.spec.whatwg.org/multipage/server-sent-events.html#parsing-an-event-stream): lines
+end with CRLF, LF or CR; a blank line dispatches the event; lines starting with ``:`` are
+comments; ``data`` values of one event are joined with LF; one space after ``field:`` is dropped.
+
+Cost is linear in the bytes fed: each byte is searched for a line terminator once, and the buffer
+only holds the current, incomplete event. Nothing is decoded to ``str`` before an event is whole.
+Pure byte/JSON logic: no HTTP framework.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["StreamAccountant", "Usage"]
+
+_EOL = re.compile(rb"\r\n|\r|\n")
+_CR = 0x0D
+_DONE = b"[DONE]"
+_json_decode = json.JSONDecoder().decode
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token usage reported by the server in a stream's ``usage`` object (units: tokens)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class StreamAccountant:
+    """Accounts one streaming response and optionally strips the proxy-requested usage chunk.
+
+    Args:
+        strip_usage_chunk: True when the proxy added ``stream_options.include_usage`` upstream
+            although the client did not ask for it. Then complete events are forwarded as soon as
+            their terminating blank line arrives, except the extra usage event (JSON with
+            ``"choices": []`` and a non-null ``usage``), which is dropped; incomplete events are
+            held back. When False, :meth:`feed` returns its input unchanged at once.
+
+    An event that ends with a bare CR is only known to be complete when the next byte arrives
+    (it might be the LF of a CRLF) or at :meth:`finish`. Malformed JSON is ignored for
+    accounting and forwarded as is; nothing here raises on upstream content.
+    """
+
+    __slots__ = (
+        "_buf",
+        "_content_deltas",
+        "_data",
+        "_done",
+        "_error",
+        "_ev",
+        "_finished",
+        "_pos",
+        "_scan",
+        "_strip",
+        "_usage",
+    )
+
+    def __init__(self, strip_usage_chunk: bool) -> None:
+        self._strip = strip_usage_chunk
+        self._buf = bytearray()  # bytes of the current, incomplete event (and its lines)
+        self._ev = 0  # start of the current event in _buf
+        self._pos = 0  # start of the current, unterminated line in _buf
+        self._scan = 0  # where the search for the next line terminator resumes
+        self._data: list[bytes] = []  # data-field values of the current event
+        self._usage: Usage | None = None
+        self._content_deltas = 0
+        self._done = False
+        self._error: dict[str, Any] | None = None
+        self._finished = False
+
+    # -- results ---------------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> Usage | None:
+        """The last ``usage`` object with int ``prompt_tokens``/``completion_tokens``, or None."""
+        return self._usage
+
+    @property
+    def content_deltas(self) -> int:
+        """Events' choices carrying output, counted once per choice per event.
+
+        A chat choice counts when its ``delta`` has a non-empty ``content``, ``reasoning_content``
+        (or ``reasoning``) or ``tool_calls``; a completions choice when its ``text`` is non-empty.
+        vLLM emits about one such delta per generated token, so this approximates output tokens.
+        """
+        return self._content_deltas
+
+    @property
+    def done(self) -> bool:
+        """True once the ``data: [DONE]`` event has been seen."""
+        return self._done
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        """The last top-level ``error`` object of an event (vLLM mid-stream errors), or None."""
+        return self._error
+
+    @property
+    def completion_tokens_estimate(self) -> int:
+        """Output tokens: ``usage.completion_tokens`` when reported, else :attr:`content_deltas`."""
+        return self._usage.completion_tokens if self._usage is not None else self._content_deltas
+
+    # -- feeding ---------------------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> bytes:
+        """Consume the next upstream bytes; return the bytes to forward to the client now.
+
+        Pass-through mode returns ``data`` itself. Strip mode returns the complete events that
+        ended in ``data`` (minus the extra usage event), possibly ``b""``.
+
+        Raises:
+            RuntimeError: called after :meth:`finish`.
+        """
+        if self._finished:
+            raise RuntimeError("StreamAccountant.feed() after finish()")
+        if not data:
+            return b""
+        self._buf += data
+        out = self._process(eof=False)
+        return data if not self._strip else out
+
+    def finish(self) -> bytes:
+        """End of stream: account what is left and return any held-back bytes.
+
+        A trailing event without its blank line is still parsed for accounting (so a ``usage``
+        or ``[DONE]`` missing only its final newline is counted) and is forwarded as is.
+        Idempotent: a second call returns ``b""``.
+        """
+        if self._finished:
+            return b""
+        self._finished = True
+        out = self._process(eof=True)
+        buf = self._buf
+        if self._pos < len(buf):  # unterminated last line
+            self._field(bytes(buf[self._pos :]))
+        if self._data:  # trailing incomplete event: account it, never strip it
+            self._dispatch()
+        if self._strip:
+            out += bytes(buf[self._ev :])
+        buf.clear()
+        self._ev = self._pos = self._scan = 0
+        return out
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _process(self, *, eof: bool) -> bytes:
+        """Parse every complete line in the buffer; return the complete events to forward."""
+        buf = self._buf
+        end = len(buf)
+        pos, ev = self._pos, self._ev
+        fwd = ev  # start of the not-yet-forwarded run of kept events
+        parts: list[bytes] = []
+        search = _EOL.search
+        scan = end
+        m = search(buf, self._scan)
+        while m is not None:
+            s, e = m.span()
+            if e == end and buf[s] == _CR and e - s == 1 and not eof:  # bare CR: maybe CRLF
+                scan = s
+                break
+            if s == pos:  # blank line: dispatch the event
+                pos = e
+                if not self._dispatch() and self._strip:
+                    if ev > fwd:
+                        parts.append(bytes(buf[fwd:ev]))
+                    fwd = pos
+                ev = pos
+            else:
+                self._field(bytes(buf[pos:s]))
+                pos = e
+            m = search(buf, pos)
+        self._scan = scan
+        if self._strip and ev > fwd:
+            parts.append(bytes(buf[fwd:ev]))
+        if ev:  # drop the finished events; what remains arrived in this feed (linear cost)
+            del buf[:ev]
+            pos -= ev
+            self._scan -= ev
+            ev = 0
+        self._pos, self._ev = pos, ev
+        return b"".join(parts)
+
+    def _field(self, line: bytes) -> None:
+        """Record one non-blank line of the current event (only ``data`` fields matter)."""
+        if line.startswith(b"data:"):
+            value = line[5:]
+            self._data.append(value[1:] if value[:1] == b" " else value)
+        elif line == b"data":
+            self._data.append(b"")
+
+    def _dispatch(self) -> bool:
+        """Account the current event; return False when it is the usage chunk to strip."""
+        data = self._data
+        if not data:
+            return True
+        self._data = []
+        payload = data[0] if len(data) == 1 else b"\n".join(data)
+        if payload.strip() == _DONE:
+            self._done = True
+            return True
+        try:
+            obj = _json_decode(payload.decode())
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            return True
+        if not isinstance(obj, dict):
+            return True
+        err = obj.get("error")
+        if isinstance(err, dict):
+            self._error = err
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if type(pt) is int and type(ct) is int:
+                self._usage = Usage(pt, ct)
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            if not choices:
+                return usage is None
+            n = 0
+            for c in choices:
+                if not isinstance(c, dict):
+                    continue
+                delta = c.get("delta")
+                if isinstance(delta, dict):
+                    if (
+                        delta.get("content")
+                        or delta.get("reasoning_content")
+                        or delta.get("reasoning")
+                        or delta.get("tool_calls")
+                    ):
+                        n += 1
+                elif c.get("text"):
+                    n += 1
+            self._content_deltas += n
+        return True

@@ -1,0 +1,216 @@
+"""Prompt token counting for admission: exact with the model's tokenizer, else a safe estimate.
+
+Chat framing follows OpenAI's cookbook "How to count tokens with tiktoken"
+(https://cookbook.openai.com/examples/how_to_count_tokens_with_tiktoken): every message costs a
+fixed overhead on top of its encoded text and the reply is primed with 3 more tokens. We take the
+cookbook's larger per-message figure (4, ``gpt-3.5-turbo-0301``) for every model, which also covers
+the role and separators of common open-model chat templates (Llama 3 frames a message with ~5
+special tokens, so the overhead stays an approximation even when ``exact`` is True).
+
+Without a tokenizer, text is estimated from its UTF-8 size as ``ceil(bytes / bytes_per_token)``.
+``bytes_per_token`` starts at 3.0, below the ~4 bytes/token of English BPE vocabularies (OpenAI,
+"What are tokens and how to count them?": "1 token ~= 4 chars in English"), so estimates
+over-count until :meth:`PromptCounter.observe` calibrates them against the server's reported
+``usage.prompt_tokens``. Pure logic: no HTTP framework.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+__all__ = [
+    "DEFAULT_BYTES_PER_TOKEN",
+    "NON_TEXT_PART_TOKENS",
+    "REPLY_PRIMER_TOKENS",
+    "TOKENS_PER_MESSAGE",
+    "PromptCount",
+    "PromptCounter",
+]
+
+TOKENS_PER_MESSAGE = 4
+"""Per chat message overhead, tokens (OpenAI cookbook, ``tokens_per_message`` for -0301)."""
+REPLY_PRIMER_TOKENS = 3
+"""Tokens priming the assistant reply, once per chat request (OpenAI cookbook)."""
+NON_TEXT_PART_TOKENS = 765
+"""Tokens charged per non-text content part (image, audio, ...). 765 is what OpenAI bills a
+1024x1024 image at ``detail: high`` (85 base + 4 tiles x 170; OpenAI vision guide, "Calculating
+costs"); it also exceeds LLaVA-1.5's 576 image tokens. Override per model with the constructor."""
+DEFAULT_BYTES_PER_TOKEN = 3.0
+"""Initial estimate ratio, UTF-8 bytes per token: below English BPE's ~4, so it over-counts."""
+SAFETY_FACTOR = 0.9
+"""Estimates divide by ``SAFETY_FACTOR x`` the observed average bytes/token (over-count 10%)."""
+MIN_BYTES_PER_TOKEN = 1.0
+MAX_BYTES_PER_TOKEN = 6.0
+"""Clamp of the bytes/token ratio used for estimates."""
+EMA_ALPHA = 0.1
+"""Weight of a new observation in the moving average of bytes/token."""
+MIN_OBSERVE_BYTES = 256
+"""Observations of prompts with fewer text bytes are ignored: framing dominates them."""
+
+_JSON_SEPARATORS = (",", ":")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCount:
+    """A prompt's size.
+
+    Attributes:
+        tokens: prompt tokens (text + ``overhead_tokens`` + token-id prompts).
+        text_bytes: UTF-8 bytes of the text that was tokenized or estimated; pass it back to
+            :meth:`PromptCounter.observe`.
+        exact: True when the text was encoded with the model's tokenizer (or there was no text
+            to estimate). Chat framing and non-text parts are fixed approximations regardless.
+        overhead_tokens: the fixed part of ``tokens``: chat framing and non-text parts.
+    """
+
+    tokens: int
+    text_bytes: int
+    exact: bool
+    overhead_tokens: int = 0
+
+
+def _utf8_len(s: str) -> int:
+    return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
+
+
+def _dumps(obj: object) -> str:
+    return json.dumps(obj, separators=_JSON_SEPARATORS, ensure_ascii=False)
+
+
+class PromptCounter:
+    """Counts the prompt tokens of a chat or completions request body.
+
+    Args:
+        tokenizer_file: path of a Hugging Face ``tokenizers`` JSON file (``tokenizer.json``) of
+            the served model; None for estimates. Loading errors (``Exception`` from
+            ``Tokenizer.from_file``) propagate.
+        non_text_part_tokens: tokens charged per non-text chat content part.
+
+    Encoding is CPU work proportional to the prompt; a caller on an event loop may want to run
+    :meth:`count` in an executor for very large prompts.
+    """
+
+    def __init__(
+        self,
+        tokenizer_file: str | None = None,
+        *,
+        non_text_part_tokens: int = NON_TEXT_PART_TOKENS,
+    ) -> None:
+        self._tok: Tokenizer | None = (
+            Tokenizer.from_file(tokenizer_file) if tokenizer_file is not None else None
+        )
+        self._non_text = non_text_part_tokens
+        self._avg = DEFAULT_BYTES_PER_TOKEN / SAFETY_FACTOR  # observed bytes/token (EMA)
+        self._bpt = DEFAULT_BYTES_PER_TOKEN
+
+    @property
+    def exact(self) -> bool:
+        """True when a tokenizer is loaded."""
+        return self._tok is not None
+
+    @property
+    def bytes_per_token(self) -> float:
+        """UTF-8 bytes per token used for estimates, within [1.0, 6.0]."""
+        return self._bpt
+
+    def count(self, body: Mapping[str, Any]) -> PromptCount:
+        """Count the prompt of a request body (already validated as a JSON object).
+
+        Chat (``messages``): each message's ``content`` (a string, or a list of parts where
+        ``{"type": "text", "text": ...}`` is text and any other part costs
+        ``non_text_part_tokens``), ``name`` and ``tool_calls`` (JSON), plus
+        ``TOKENS_PER_MESSAGE`` per message and ``REPLY_PRIMER_TOKENS``. Completions
+        (``prompt``): a string, a list of strings, a list of token ids (one token each) or a list
+        of such lists; strings are encoded with the tokenizer's special tokens (as vLLM does).
+        ``tools`` and legacy ``functions`` count as their compact JSON text. Unexpected shapes
+        are skipped, never raised on.
+        """
+        chat: list[str] = []  # encoded without special tokens (the chat template adds them)
+        plain: list[str] = []  # completions prompts: encoded with special tokens
+        fixed = 0
+        ids = 0
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            fixed += REPLY_PRIMER_TOKENS + TOKENS_PER_MESSAGE * len(messages)
+            for msg in messages:
+                if not isinstance(msg, dict):
+                    continue
+                content = msg.get("content")
+                if isinstance(content, str):
+                    chat.append(content)
+                elif isinstance(content, list):
+                    for part in content:
+                        if isinstance(part, dict) and part.get("type") == "text":
+                            text = part.get("text")
+                            if isinstance(text, str):
+                                chat.append(text)
+                        else:
+                            fixed += self._non_text
+                name = msg.get("name")
+                if isinstance(name, str):
+                    chat.append(name)
+                tool_calls = msg.get("tool_calls")
+                if tool_calls:
+                    chat.append(_dumps(tool_calls))
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            plain.append(prompt)
+        elif isinstance(prompt, list):
+            for p in prompt:
+                if isinstance(p, str):
+                    plain.append(p)
+                elif isinstance(p, int):
+                    ids += 1
+                elif isinstance(p, list):
+                    ids += len(p)
+        for key in ("tools", "functions"):
+            if body.get(key):
+                chat.append(_dumps(body[key]))
+
+        text_bytes = sum(map(_utf8_len, chat)) + sum(map(_utf8_len, plain))
+        if self._tok is None:
+            text_tokens = math.ceil(text_bytes / self._bpt)
+        else:
+            text_tokens = self._encode(chat, special=False) + self._encode(plain, special=True)
+        exact = self._tok is not None or text_bytes == 0
+        return PromptCount(text_tokens + fixed + ids, text_bytes, exact, fixed)
+
+    def _encode(self, texts: list[str], *, special: bool) -> int:
+        assert self._tok is not None
+        if not texts:
+            return 0
+        try:
+            encs = self._tok.encode_batch(texts, add_special_tokens=special)
+        except Exception:  # e.g. a lone surrogate the Rust side refuses: encode a repaired copy
+            fixed = [t.encode("utf-8", "replace").decode("utf-8") for t in texts]
+            encs = self._tok.encode_batch(fixed, add_special_tokens=special)
+        return sum(len(e.ids) for e in encs)
+
+    def observe(
+        self, estimated_bytes: int, actual_prompt_tokens: int, overhead_tokens: int = 0
+    ) -> None:
+        """Calibrate estimates with the prompt tokens the server reported for a request.
+
+        Args:
+            estimated_bytes: ``PromptCount.text_bytes`` of that request (bytes).
+            actual_prompt_tokens: the server's ``usage.prompt_tokens`` (tokens).
+            overhead_tokens: ``PromptCount.overhead_tokens`` of that request, subtracted so the
+                ratio reflects text only (leaving it 0 errs toward over-counting).
+
+        Updates an exponential moving average (weight ``EMA_ALPHA``) of bytes/token; estimates
+        then use ``SAFETY_FACTOR x`` the average, clamped to [1.0, 6.0]. Observations with fewer
+        than ``MIN_OBSERVE_BYTES`` text bytes or no text tokens are ignored.
+        """
+        text_tokens = actual_prompt_tokens - overhead_tokens
+        if estimated_bytes < MIN_OBSERVE_BYTES or text_tokens <= 0:
+            return
+        lo, hi = MIN_BYTES_PER_TOKEN / SAFETY_FACTOR, MAX_BYTES_PER_TOKEN / SAFETY_FACTOR
+        avg = self._avg + EMA_ALPHA * (estimated_bytes / text_tokens - self._avg)
+        self._avg = min(max(avg, lo), hi)
+        self._bpt = min(max(SAFETY_FACTOR * self._avg, MIN_BYTES_PER_TOKEN), MAX_BYTES_PER_TOKEN)

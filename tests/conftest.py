@@ -1,0 +1,194 @@
+"""Shared fixtures: free loopback ports, the sidecar in-process or as a real process, the llm-d
+inference simulator as a real process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from aiohttp import web
+
+from kvgate_agent.contract.policy import parse_policy
+from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def policy_doc(spec: dict[str, Any], name: str = "test") -> dict[str, Any]:
+    """A RateLimitPolicy manifest around ``spec``."""
+    return {
+        "apiVersion": "kvgate.io/v1alpha1",
+        "kind": "RateLimitPolicy",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def wait_http(url: str, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Wait until ``url`` answers (any HTTP status) or fail."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+SidecarFactory = Callable[..., Awaitable[tuple[str, Sidecar]]]
+
+
+@pytest.fixture
+async def sidecar_factory() -> AsyncIterator[SidecarFactory]:
+    """Start sidecars in this event loop: ``url, sidecar = await make(upstream, spec, **settings)``.
+    ``sidecar.controller`` is the admission state, for assertions on gauges."""
+    runners: list[web.AppRunner] = []
+
+    async def make(upstream: str, spec: dict[str, Any], **settings: Any) -> tuple[str, Sidecar]:
+        sc = Sidecar(
+            SidecarSettings(upstream=upstream, policy=parse_policy(policy_doc(spec)), **settings)
+        )
+        runner = web.AppRunner(sc.build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}", sc
+
+    yield make
+    for r in runners:
+        await r.cleanup()
+
+
+class Proc:
+    """A child process serving HTTP on ``url``."""
+
+    def __init__(
+        self, args: list[str], url: str, health: str, log: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.log = log
+        self._fh = log.open("wb")
+        self.popen = subprocess.Popen(
+            args, stdout=self._fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        self.url = url
+        try:
+            wait_http(url + health, proc=self.popen)
+        except Exception:
+            self.stop()
+            raise RuntimeError(f"{args[0]} did not start: {log.read_text()[-2000:]}") from None
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._fh.close()
+        return self.popen.returncode
+
+
+@pytest.fixture
+def sidecar_process(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    """Start the real ``kvgate-agent sidecar`` CLI as a child process:
+    ``proc = start(upstream, spec, *extra_args)``; stopped (SIGTERM) at teardown."""
+    procs: list[Proc] = []
+
+    def start(upstream: str, spec: dict[str, Any], *extra: str) -> Proc:
+        policy = tmp_path / f"policy-{len(procs)}.yaml"
+        policy.write_text(yaml.safe_dump(policy_doc(spec)))
+        port = free_port()
+        p = Proc(
+            [
+                sys.executable,
+                "-m",
+                "kvgate_agent",
+                "sidecar",
+                "--upstream",
+                upstream,
+                "--policy",
+                str(policy),
+                "--listen",
+                f"127.0.0.1:{port}",
+                *extra,
+            ],
+            f"http://127.0.0.1:{port}",
+            "/healthz",
+            tmp_path / f"sidecar-{port}.log",
+        )
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()
+
+
+def llmd_sim_binary() -> str | None:
+    """Path of the llm-d inference simulator built by scripts/build-deps, if any."""
+    path = os.environ.get("KVGATE_LLMD_SIM")
+    if path and os.access(path, os.X_OK):
+        return path
+    cache = Path(os.environ.get("KVGATE_CACHE", Path.home() / ".cache" / "kvgate")) / "bin"
+    found = sorted(cache.glob("llm-d-inference-sim-*"))
+    return str(found[-1]) if found else None
+
+
+@pytest.fixture
+def llmd_sim(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    """Start the real llm-d inference simulator: ``proc = start("--max-num-seqs", "4", ...)``.
+    Model name ``test-model`` with the dummy tokenizer (never contacts a model hub). The test
+    command builds it (scripts/build-deps); run without it, these tests fail loudly, never skip
+    silently, unless KVGATE_ALLOW_SKIP_LLMD=1."""
+    binary = llmd_sim_binary()
+    if binary is None:
+        if os.environ.get("KVGATE_ALLOW_SKIP_LLMD") == "1":
+            pytest.skip("llm-d-inference-sim not built (run scripts/build-deps)")
+        pytest.fail("llm-d-inference-sim not built: run scripts/build-deps or scripts/test")
+    procs: list[Proc] = []
+
+    def start(*extra: str) -> Proc:
+        port = free_port()
+        p = Proc(
+            [
+                binary,
+                "--model",
+                "test-model",
+                "--port",
+                str(port),
+                "--force-dummy-tokenizer",
+                *extra,
+            ],
+            f"http://127.0.0.1:{port}",
+            "/health",
+            tmp_path / f"llmd-{port}.log",
+        )
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()

@@ -1,0 +1,279 @@
+"""parse_completion_request validation, ParsedRequest.upstream_body, OpenAI error bodies."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvgate_agent.sidecar.openai_errors import (
+    RATE_LIMIT_ERROR,
+    RATE_LIMIT_EXCEEDED,
+    RequestError,
+    error_body,
+)
+from kvgate_agent.sidecar.request import ParsedRequest, PathKind, parse_completion_request
+
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+CMPL: dict[str, Any] = {"model": "m", "prompt": "hi"}
+
+
+def parse(
+    body: Any,
+    kind: PathKind = "chat",
+    *,
+    default: int = 256,
+    cap: int | None = 1024,
+    max_len: int | None = 4096,
+) -> ParsedRequest:
+    raw = body if isinstance(body, bytes) else json.dumps(body, ensure_ascii=False).encode()
+    return parse_completion_request(
+        raw, kind, default_max_tokens=default, max_tokens_cap=cap, max_model_len=max_len
+    )
+
+
+def rejected(body: Any, kind: PathKind = "chat", **kw: Any) -> RequestError:
+    with pytest.raises(RequestError) as ei:
+        parse(body, kind, **kw)
+    err = ei.value
+    assert err.status == 400
+    assert err.type == "invalid_request_error"
+    assert json.loads(err.body())["error"]["param"] == err.param
+    return err
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+def test_error_body_shape() -> None:
+    raw = error_body("too many", RATE_LIMIT_ERROR, code=RATE_LIMIT_EXCEEDED)
+    assert raw == (
+        b'{"error":{"message":"too many","type":"rate_limit_error","param":null,'
+        b'"code":"rate_limit_exceeded"}}'
+    )
+    assert json.loads(error_body("é \ud800", "x"))["error"]["message"] == "é \ud800"
+    assert "é".encode() in error_body("é", "x")
+    e = RequestError(413, "big", param="messages")
+    assert (e.status, e.type, str(e)) == (413, "invalid_request_error", "big")
+    assert json.loads(e.body()) == {
+        "error": {
+            "message": "big",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": None,
+        }
+    }
+
+
+# -- rejections ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b"not json", b'{"a": NaN}', b'{"a": Infinity}', b"[" * 100_000, b"\xef\xbb\xbf{}"],
+)
+def test_rejects_invalid_json(raw: bytes) -> None:
+    assert rejected(raw).param is None
+
+
+def test_rejects_non_utf8() -> None:
+    err = rejected(b'{"model": "\xff"}')
+    assert err.param is None
+    assert "UTF-8" in err.message
+    assert rejected('{"model":"m"}'.encode("utf-16")).param is None
+
+
+@pytest.mark.parametrize("body", [[], "s", 1, None, True])
+def test_rejects_non_object(body: Any) -> None:
+    assert rejected(body).param is None
+
+
+@pytest.mark.parametrize("model", [None, 1, ["m"], {"m": 1}])
+def test_rejects_model(model: Any) -> None:
+    body = {k: v for k, v in CHAT.items() if k != "model"}
+    assert rejected(body).param == "model"
+    assert rejected({**CHAT, "model": model}).param == "model"
+    assert rejected({**CMPL, "model": model}, "completions").param == "model"
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (None, "messages"),
+        ("hi", "messages"),
+        ([], "messages"),
+        ({"role": "user"}, "messages"),
+        (["hi"], "messages[0]"),
+        ([{"role": "user", "content": "a"}, {"content": "b"}], "messages[1].role"),
+        ([{"role": 1, "content": "a"}], "messages[0].role"),
+    ],
+)
+def test_rejects_messages(messages: Any, param: str) -> None:
+    assert rejected({**CHAT, "messages": messages}).param == param
+    body = {k: v for k, v in CHAT.items() if k != "messages"}
+    assert rejected(body).param == "messages"
+
+
+@pytest.mark.parametrize(
+    "prompt", [None, 1, [], [[]], [1, "a"], [True], [-1], [[1], 2], [[1.5]], {"a": 1}, [None]]
+)
+def test_rejects_prompt(prompt: Any) -> None:
+    assert rejected({**CMPL, "prompt": prompt}, "completions").param == "prompt"
+    assert rejected({"model": "m"}, "completions").param == "prompt"
+
+
+@pytest.mark.parametrize("prompt", ["", "hi", ["a", "b"], [1, 2, 0], [[1], [2, 3]]])
+def test_accepts_prompt_shapes(prompt: Any) -> None:
+    assert parse({**CMPL, "prompt": prompt}, "completions").body["prompt"] == prompt
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.0, 1.5, "10", True, False, [1]])
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "n"])
+def test_rejects_counts(field: str, value: Any) -> None:
+    assert rejected({**CHAT, field: value}).param == field
+    if field != "max_completion_tokens":
+        assert rejected({**CMPL, field: value}, "completions").param == field
+
+
+def test_rejects_max_tokens_beyond_context() -> None:
+    assert rejected({**CHAT, "max_tokens": 4097}).param == "max_tokens"
+    assert rejected({**CMPL, "max_tokens": 4097}, "completions").param == "max_tokens"
+    err = rejected({**CHAT, "max_completion_tokens": 5000})
+    assert err.param == "max_completion_tokens"
+    assert parse({**CHAT, "max_tokens": 4096}).max_tokens == 1024  # fits; clamped to the cap
+    assert parse({**CHAT, "max_tokens": 10**6}, max_len=None).max_tokens == 1024
+
+
+@pytest.mark.parametrize("value", [1, "true", [], {}])
+def test_rejects_stream(value: Any) -> None:
+    assert rejected({**CHAT, "stream": value}).param == "stream"
+
+
+@pytest.mark.parametrize(
+    ("opts", "param"),
+    [
+        ("x", "stream_options"),
+        ([], "stream_options"),
+        (True, "stream_options"),
+        ({"include_usage": 1}, "stream_options.include_usage"),
+        ({"include_usage": "true"}, "stream_options.include_usage"),
+    ],
+)
+def test_rejects_stream_options(opts: Any, param: str) -> None:
+    assert rejected({**CHAT, "stream": True, "stream_options": opts}).param == param
+
+
+# -- accepted requests ---------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    p = parse(CHAT)
+    assert p.body == CHAT
+    assert (p.model, p.path_kind, p.stream, p.client_wants_usage, p.n) == (
+        "m",
+        "chat",
+        False,
+        False,
+        1,
+    )
+    assert (p.max_tokens, p.max_tokens_defaulted, p.max_tokens_clamped) == (256, True, False)
+    assert (p.client_max_tokens, p.max_tokens_field) == (None, "max_tokens")
+    nulls = {**CHAT, "max_tokens": None, "stream": None, "stream_options": None, "n": None}
+    q = parse(nulls)
+    assert (q.max_tokens, q.max_tokens_defaulted, q.stream, q.n) == (256, True, False, 1)
+    # the default is bounded by the cap and the context length
+    assert parse(CHAT, default=5000, cap=None).max_tokens == 4096
+    assert parse(CHAT, default=5000, cap=2000).max_tokens == 2000
+    assert parse(CHAT, default=5000, cap=None, max_len=None).max_tokens == 5000
+
+
+def test_fields() -> None:
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "n": 3}
+    p = parse({**body, "max_tokens": 100})
+    assert (p.stream, p.client_wants_usage, p.n) == (True, True, 3)
+    assert (p.max_tokens, p.max_tokens_defaulted, p.max_tokens_clamped) == (100, False, False)
+    p = parse({**body, "max_tokens": 2000})
+    assert (p.max_tokens, p.client_max_tokens, p.max_tokens_clamped) == (1024, 2000, True)
+    p = parse({**CHAT, "max_tokens": 2000}, cap=None)
+    assert (p.max_tokens, p.max_tokens_clamped) == (2000, False)
+    p = parse({**CHAT, "stream_options": {"include_usage": False}})
+    assert not p.client_wants_usage
+
+
+def test_max_completion_tokens_wins_in_chat() -> None:
+    p = parse({**CHAT, "max_tokens": 50, "max_completion_tokens": 60})
+    assert (p.max_tokens, p.max_tokens_field) == (60, "max_completion_tokens")
+    # completions has no max_completion_tokens: it is neither read nor checked
+    p = parse({**CMPL, "max_completion_tokens": "x"}, "completions")
+    assert (p.max_tokens, p.max_tokens_field) == (256, "max_tokens")
+
+
+# -- upstream_body -------------------------------------------------------------------------------
+
+
+def up(body: dict[str, Any], kind: PathKind = "chat", **kw: Any) -> dict[str, Any] | None:
+    raw = parse(body, kind).upstream_body(**kw)
+    return None if raw is None else json.loads(raw)
+
+
+def test_upstream_unchanged_is_none() -> None:
+    assert up({**CHAT, "max_tokens": 100}) is None
+    assert up({**CHAT, "max_tokens": 100}, max_tokens=100, model="m") is None
+    stream = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 9}
+    assert up(stream, include_usage=True) is None
+    # a non-streaming request never gets stream_options (vLLM rejects them without stream)
+    assert up({**CHAT, "max_tokens": 9}, include_usage=True) is None
+
+
+def test_upstream_sets_defaulted_and_clamped_limit() -> None:
+    assert up(CHAT) == {**CHAT, "max_tokens": 256}
+    assert up(CMPL, "completions") == {**CMPL, "max_tokens": 256}
+    assert up({**CHAT, "max_tokens": None}) == {**CHAT, "max_tokens": 256}
+    assert up({**CHAT, "max_tokens": 2000}) == {**CHAT, "max_tokens": 1024}
+    assert up({**CHAT, "max_completion_tokens": 2000}) == {**CHAT, "max_completion_tokens": 1024}
+
+
+def test_upstream_degraded_limit() -> None:
+    assert up({**CHAT, "max_tokens": 100}, max_tokens=40) == {**CHAT, "max_tokens": 40}
+    both = {**CHAT, "max_tokens": 50, "max_completion_tokens": 100}
+    assert up(both, max_tokens=40) == {**both, "max_tokens": 40, "max_completion_tokens": 40}
+    mct = {**CHAT, "max_completion_tokens": 100}
+    assert up(mct, max_tokens=40) == {**CHAT, "max_completion_tokens": 40}
+    with pytest.raises(ValueError):
+        parse(CHAT).upstream_body(max_tokens=0)
+
+
+def test_upstream_model_rewrite() -> None:
+    assert up({**CHAT, "max_tokens": 5}, model="served") == {
+        **CHAT,
+        "max_tokens": 5,
+        "model": "served",
+    }
+
+
+def test_upstream_include_usage_keeps_other_options() -> None:
+    s = {**CHAT, "stream": True, "max_tokens": 5}
+    assert up(s, include_usage=True) == {**s, "stream_options": {"include_usage": True}}
+    s2 = {**s, "stream_options": {"continuous_usage_stats": True, "include_usage": False}}
+    assert up(s2, include_usage=True) == {
+        **s2,
+        "stream_options": {"continuous_usage_stats": True, "include_usage": True},
+    }
+    s3 = {**s, "stream_options": None}
+    assert up(s3, include_usage=True) == {**s3, "stream_options": {"include_usage": True}}
+
+
+def test_upstream_serialization_and_original_untouched() -> None:
+    body = {**CHAT, "messages": [{"role": "user", "content": "héllo 😀 中文"}], "max_tokens": 5}
+    p = parse(body)
+    raw = p.upstream_body(model="x")
+    assert raw is not None
+    assert "héllo 😀 中文".encode() in raw
+    assert b": " not in raw and b", " not in raw
+    assert p.body == body  # the parsed body is not mutated
+    # a lone surrogate (legal as a JSON escape) still serializes to valid JSON
+    q = parse(b'{"model":"m","messages":[{"role":"user","content":"\\ud800"}]}')
+    raw = q.upstream_body()
+    assert raw is not None
+    assert json.loads(raw)["messages"][0]["content"] == "\ud800"
