@@ -1,0 +1,93 @@
+"""``kvgate-sim`` command line: run the vLLM-compatible simulator until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Sequence
+
+from kvgate_bench.sim.server import SimConfig, start_sim
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Argument parser; sizes in tokens, latencies in ms / us as named."""
+    p = argparse.ArgumentParser(
+        prog="kvgate-sim", description="vLLM-compatible model server simulator for kvgate."
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--model", default="kvgate-sim-model", help="served model name")
+    p.add_argument("--extra-models", default="", help="comma-separated extra accepted model names")
+    p.add_argument("--kv-capacity-tokens", type=int, default=65536, help="KV pool size, tokens")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=int, default=8192, help="max prompt+completion tokens")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="prefill tokens per step (default: max(8192, max-model-len))",
+    )
+    p.add_argument("--decode-ms", type=float, default=10.0, help="engine iteration time, ms")
+    p.add_argument(
+        "--prefill-us-per-token", type=float, default=20.0, help="prefill cost per token, us"
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """Translate parsed arguments into a :class:`SimConfig`."""
+    return SimConfig(
+        model=args.model,
+        extra_models=tuple(m.strip() for m in args.extra_models.split(",") if m.strip()),
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_ms=args.decode_ms,
+        prefill_us_per_token=args.prefill_us_per_token,
+    )
+
+
+async def serve(config: SimConfig, host: str, port: int) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner, bound = await start_sim(config, host, port)
+    print(
+        f"kvgate-sim listening on http://{host}:{bound} model={config.model} "
+        f"blocks={config.num_gpu_blocks}x{config.block_size}",
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvgate-sim`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+        config.engine_config()  # validate early
+    except ValueError as exc:
+        print(f"kvgate-sim: {exc}", file=sys.stderr)
+        return 2
+    coro = serve(config, args.host, args.port)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
