@@ -531,7 +531,8 @@ class AdmissionController:
         )
         self._queue[w.seq] = w
         self.pump()
-        if w.decision is not None:
+        if w.decision is not None:  # admitted at once: the caller gets it directly
+            self._resolved.remove(w)
             return w.decision
         return Decision(Outcome.QUEUED, Reason.OK, waiter=w, max_tokens=req.max_tokens)
 

@@ -50,7 +50,7 @@ from kvgate_agent.sidecar.openai_errors import (
 from kvgate_agent.sidecar.request import ParsedRequest, parse_completion_request
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.tenants import priority_of, tenant_of
-from kvgate_agent.sidecar.tokens import PromptCounter
+from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -311,15 +311,16 @@ class Sidecar:
         except RequestError as exc:
             return self._bad_request(exc)
         prompt = self.counter.count(parsed.body)
-        areq = AdmissionRequest(
-            tenant, prompt.tokens, parsed.max_tokens, priority, parsed.n, parsed.model
-        )
+        max_tokens = parsed.max_tokens
+        mml = spec.model.max_model_len
+        if parsed.max_tokens_defaulted and mml is not None and mml - prompt.tokens >= 1:
+            # The engine's own default is max_model_len - prompt: never send more than that.
+            max_tokens = min(max_tokens, mml - prompt.tokens)
+        areq = AdmissionRequest(tenant, prompt.tokens, max_tokens, priority, parsed.n, parsed.model)
         decision = await self.admission.admit(areq)
         if decision.ticket is None:
             return self._refusal(decision, tenant)
-        return await self._forward(
-            request, raw, parsed, decision, tenant, prompt.text_bytes, prompt.exact, started
-        )
+        return await self._forward(request, raw, parsed, decision, tenant, prompt, started)
 
     async def _forward(
         self,
@@ -328,8 +329,7 @@ class Sidecar:
         parsed: ParsedRequest,
         d: Decision,
         tenant: str,
-        prompt_bytes: int,
-        exact: bool,
+        prompt: PromptCount,
         started: float,
     ) -> web.StreamResponse:
         assert self.session is not None and d.ticket is not None
@@ -440,8 +440,8 @@ class Sidecar:
                 settled_prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
                 m.tokens.labels("prompt", label).inc(settled_prompt)
                 m.tokens.labels("completion", label).inc(completion_tokens)
-                if prompt_tokens is not None and not exact:
-                    self.counter.observe(prompt_bytes, prompt_tokens)
+                if prompt_tokens is not None and not prompt.exact:
+                    self.counter.observe(prompt.text_bytes, prompt_tokens, prompt.overhead_tokens)
 
     # ------------------------------------------------------------------ pass-through
 

@@ -1,0 +1,669 @@
+"""The admission core, pure: fake clock, no I/O, no sleeping."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvgate_agent.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionRequest,
+    AsyncAdmission,
+    BucketMap,
+    Outcome,
+    Reason,
+    TokenBucket,
+    retry_after_seconds,
+    round_up,
+)
+from kvgate_agent.admission.bucket import WARMUP_START_FRACTION
+from kvgate_agent.contract.policy import parse_policy
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand (seconds)."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def make(spec: dict[str, Any], clock: FakeClock | None = None, **kw: Any) -> AdmissionController:
+    doc = {
+        "apiVersion": "kvgate.io/v1alpha1",
+        "kind": "RateLimitPolicy",
+        "metadata": {"name": "t"},
+        "spec": spec,
+    }
+    cfg = AdmissionConfig.from_policy(parse_policy(doc).spec)
+    return AdmissionController(cfg, clock or FakeClock(), **kw)
+
+
+def req(tenant: str = "a", prompt: int = 10, max_tokens: int = 10, **kw: Any) -> AdmissionRequest:
+    return AdmissionRequest(tenant, prompt, max_tokens, **kw)
+
+
+# ---------------------------------------------------------------- token bucket
+
+
+def test_bucket_never_negative_never_above_capacity() -> None:
+    b = TokenBucket(10, 1, now=0)
+    assert b.take(10, 0) and not b.take(0.5, 0)
+    b.charge(100, 0)
+    assert b.level == 0
+    b.put_back(1000, 0)
+    assert b.level == 10
+
+
+def test_bucket_days_idle_refills_to_capacity_only() -> None:
+    b = TokenBucket(5, 2, now=0)
+    b.take(5, 0)
+    assert b.refill(3 * 86400) == 5
+
+
+def test_bucket_clock_stepping_back_adds_nothing() -> None:
+    b = TokenBucket(10, 1, now=100)
+    b.take(10, 100)
+    assert b.refill(50) == 0  # clock stepped back 50 s
+    assert b.refill(100) == 0  # and back to where it was: still nothing accrued
+    assert b.refill(103) == pytest.approx(3)
+
+
+def test_bucket_seconds_until_is_real_refill_time_and_infinite_above_capacity() -> None:
+    b = TokenBucket(100, 10, now=0)
+    b.take(100, 0)
+    assert b.seconds_until(25, 0) == pytest.approx(2.5)
+    assert b.seconds_until(101, 0) == math.inf  # can never fit: never "retry in 10 s"
+
+
+def test_bucket_warmup_starts_partly_filled_and_ramps_linearly() -> None:
+    b = TokenBucket(1000, 1e-9, now=0, warmup_start=0, warmup_seconds=100)
+    assert b.level == pytest.approx(1000 * WARMUP_START_FRACTION)
+    assert b.capacity_at(50) == pytest.approx(1000 * (0.25 + 0.75 * 0.5))
+    assert b.capacity_at(100) == 1000
+    # A 900-unit request during warm-up waits for the ramp, not forever.
+    wait = b.seconds_until(900, 0)
+    assert 0 < wait < math.inf
+    assert b.capacity_at(wait) >= 900 - 1e-6
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["take", "put", "charge", "tick", "back"]), st.floats(0, 1e4)),
+        max_size=60,
+    )
+)
+def test_bucket_invariants_hold_under_any_sequence(ops: list[tuple[str, float]]) -> None:
+    now = 0.0
+    b = TokenBucket(500, 7, now=0, warmup_start=0, warmup_seconds=30)
+    for op, x in ops:
+        if op == "take":
+            b.take(x, now)
+        elif op == "put":
+            b.put_back(x, now)
+        elif op == "charge":
+            b.charge(x, now)
+        elif op == "tick":
+            now += x
+        else:
+            now -= x / 10
+        level = b.refill(now)
+        assert 0 <= level <= b.capacity + 1e-9
+        assert math.isfinite(level)
+
+
+def test_bucket_map_is_bounded_when_clients_send_endless_tenant_ids() -> None:
+    m = BucketMap(100, 1, warmup_start=0, max_keys=1000)
+    for i in range(50_000):
+        m.get(f"tenant-{i}", now=i * 0.001).take(50, i * 0.001)
+    assert len(m) <= 1000
+
+
+def test_bucket_map_evicts_idle_full_buckets_but_not_pinned_ones() -> None:
+    m = BucketMap(10, 10, warmup_start=0)
+    m.get("busy", 0).take(10, 0)
+    m.pin("busy")
+    m.get("idle", 0).take(10, 0)
+    for i in range(10):  # much later: both refilled; new arrivals trigger eviction
+        m.get(f"new-{i}", 100 + i)
+    keys = {k for k, _ in m.items()}
+    assert "idle" not in keys
+    assert "busy" in keys
+
+
+# ---------------------------------------------------------------- KV arithmetic
+
+
+def test_bytes_per_token_uses_kv_heads_and_dtype() -> None:
+    base = {"numLayers": 32, "numKVHeads": 8, "headDim": 128}
+
+    def bpt(**kw: Any) -> int | None:
+        return make({"model": {**base, **kw}}).config.bytes_per_token
+
+    assert bpt(kvCacheDtype="bf16") == 2 * 32 * 8 * 128 * 2 == 131072  # Llama-3.1-8B
+    assert bpt(kvCacheDtype="fp8") == 65536
+    assert bpt(kvCacheDtype="fp32") == 262144
+
+
+def test_round_up_to_block() -> None:
+    assert round_up(1, 16) == 16
+    assert round_up(16, 16) == 16
+    assert round_up(17, 16) == 32
+
+
+def test_kv_reservation_is_block_rounded_atomic_and_released_once() -> None:
+    c = make(
+        {
+            "capacity": {"kvCacheTokens": 64},
+            "model": {"blockSize": 16},
+            "overload": {"actions": ["Reject"]},
+        }
+    )
+    d = c.submit(req(prompt=10, max_tokens=7))  # 17 tokens -> 32 reserved
+    assert d.outcome is Outcome.ADMITTED and c.kv_reserved_tokens == 32
+    d2 = c.submit(req(prompt=20, max_tokens=12))  # 32 -> fits exactly
+    assert d2.ticket is not None and c.kv_reserved_tokens == 64
+    d3 = c.submit(req(prompt=1, max_tokens=1))
+    assert d3.outcome is Outcome.REJECTED and d3.reason is Reason.KV_CAPACITY
+    assert d3.status == 429 and d3.retry_after is not None and d3.retry_after >= 1
+    assert d.ticket is not None
+    assert c.release(d.ticket, completion_tokens=7) is True
+    assert c.release(d.ticket, completion_tokens=7) is False  # exactly once
+    assert c.kv_reserved_tokens == 32 and c.in_flight == 1
+
+
+def test_reservation_above_kv_capacity_is_refused_at_once_with_400() -> None:
+    c = make({"capacity": {"kvCacheTokens": 1024}})
+    d = c.submit(req(prompt=100, max_tokens=2000))
+    assert d.outcome is Outcome.REJECTED and d.status == 400
+    assert d.reason is Reason.EXCEEDS_CAPACITY and d.retry_after is None
+    assert c.queue_length == 0 and c.in_flight == 0
+
+
+# ---------------------------------------------------------------- cost and buckets
+
+
+def test_cost_counts_prompt_and_output_tokens() -> None:
+    c = make({"cost": {"perRequest": 5, "promptTokenWeight": 2, "outputTokenWeight": 0.5}})
+    assert c.config.cost(100, 40) == 5 + 200 + 20
+
+
+def test_cost_above_bucket_capacity_is_refused_at_once_never_queued() -> None:
+    c = make({"rateLimits": [{"name": "t", "tokensPerMinute": 600, "burstTokens": 1000}]})
+    d = c.submit(req(prompt=500, max_tokens=600))
+    assert d.status == 400 and d.reason is Reason.EXCEEDS_CAPACITY and d.retry_after is None
+    assert d.limit == "t" and c.queue_length == 0
+
+
+def test_cost_above_capacity_is_degraded_when_policy_allows() -> None:
+    c = make(
+        {
+            "rateLimits": [{"name": "t", "tokensPerMinute": 600, "burstTokens": 1000}],
+            "overload": {"actions": ["Degrade", "Reject"], "degrade": {"minMaxTokens": 100}},
+        }
+    )
+    d = c.submit(req(prompt=500, max_tokens=600))
+    assert d.outcome is Outcome.DEGRADED and d.reason is Reason.MAX_TOKENS_CLAMPED
+    assert d.max_tokens == 500  # 500 prompt + 500 output = the whole burst
+
+
+def test_retry_after_comes_from_the_refill_time() -> None:
+    clock = FakeClock()
+    c = make(
+        {
+            "rateLimits": [{"name": "t", "tokensPerMinute": 600, "burstTokens": 1000}],
+            "overload": {"actions": ["Reject"]},
+        },
+        clock,
+    )
+    assert c.submit(req(prompt=400, max_tokens=400)).admitted  # 800 of 1000 used
+    d = c.submit(req(prompt=400, max_tokens=400))  # needs 800, has 200, refills 10/s
+    assert d.status == 429 and d.reason is Reason.RATE_LIMIT_TOKENS
+    assert d.retry_after == 60
+    clock.advance(30)
+    d = c.submit(req(prompt=400, max_tokens=400))
+    assert d.retry_after == 30  # not a constant: it follows the bucket
+    clock.advance(30)
+    assert c.submit(req(prompt=400, max_tokens=400)).admitted
+
+
+def test_retry_after_is_an_integer_at_least_one() -> None:
+    assert retry_after_seconds(0.0) == 1
+    assert retry_after_seconds(0.01) == 1
+    assert retry_after_seconds(1.2) == 2
+    assert retry_after_seconds(math.inf) >= 1
+
+
+def test_settlement_refunds_unused_and_charges_excess() -> None:
+    clock = FakeClock()
+    c = make({"rateLimits": [{"name": "t", "tokensPerMinute": 0.001, "burstTokens": 1000}]}, clock)
+    d = c.submit(req(prompt=100, max_tokens=400))  # reserves 500
+    assert d.ticket is not None
+    c.release(d.ticket, completion_tokens=50)  # used 150: refund 350
+    level = next(lvl for name, unit, key, lvl, cap in c.bucket_levels() if unit == "cost")
+    assert level == pytest.approx(850, abs=0.01)
+    d = c.submit(req(prompt=100, max_tokens=100))  # reserves 200
+    assert d.ticket is not None
+    c.release(d.ticket, prompt_tokens=300, completion_tokens=100)  # server said 300 prompt
+    level = next(lvl for name, unit, key, lvl, cap in c.bucket_levels() if unit == "cost")
+    assert level == pytest.approx(450, abs=0.01)
+
+
+def test_request_that_never_reached_upstream_is_not_charged() -> None:
+    c = make(
+        {
+            "rateLimits": [
+                {
+                    "name": "t",
+                    "requestsPerMinute": 0.001,
+                    "burstRequests": 1,
+                    "tokensPerMinute": 0.001,
+                    "burstTokens": 100,
+                }
+            ]
+        }
+    )
+    d = c.submit(req(prompt=10, max_tokens=10))
+    assert d.ticket is not None
+    c.release(d.ticket, completion_tokens=0, reached_upstream=False)
+    assert c.submit(req(prompt=10, max_tokens=10)).admitted  # the bucket got everything back
+
+
+def test_tenants_have_separate_buckets_and_pod_limits_are_shared() -> None:
+    c = make(
+        {
+            "rateLimits": [
+                {"name": "tenant", "per": "Tenant", "requestsPerMinute": 0.001, "burstRequests": 1},
+                {"name": "pod", "per": "Pod", "requestsPerMinute": 0.001, "burstRequests": 3},
+            ],
+            "overload": {"actions": ["Reject"]},
+        }
+    )
+    assert c.submit(req("a")).admitted
+    assert c.submit(req("a")).limit == "tenant"
+    assert c.submit(req("b")).admitted
+    assert c.submit(req("c")).admitted
+    d = c.submit(req("d"))
+    assert d.limit == "pod" and d.reason is Reason.RATE_LIMIT_REQUESTS
+
+
+def test_global_limits_are_split_by_share() -> None:
+    doc = {
+        "apiVersion": "kvgate.io/v1alpha1",
+        "kind": "RateLimitPolicy",
+        "metadata": {"name": "t"},
+        "spec": {
+            "rateLimits": [
+                {"name": "g", "per": "Global", "requestsPerMinute": 600, "burstRequests": 100}
+            ]
+        },
+    }
+    cfg = AdmissionConfig.from_policy(parse_policy(doc).spec, global_share=0.25)
+    (lim,) = cfg.limits
+    assert lim.request_rate == pytest.approx(2.5) and lim.request_capacity == 25
+
+
+def test_warmup_protects_a_fresh_pod_from_a_full_burst() -> None:
+    clock = FakeClock()
+    c = make(
+        {
+            "rateLimits": [
+                {
+                    "name": "t",
+                    "per": "Pod",
+                    "requestsPerMinute": 0.001,
+                    "burstRequests": 100,
+                    "warmupSeconds": 60,
+                }
+            ],
+            "overload": {"actions": ["Reject"]},
+        },
+        clock,
+    )
+    admitted = sum(c.submit(req(str(i))).admitted for i in range(100))
+    assert admitted == 25  # a quarter of the burst at start
+
+
+# ---------------------------------------------------------------- concurrency and queue
+
+
+def _tickets(c: AdmissionController, n: int, **kw: Any) -> list[Any]:
+    out = []
+    for i in range(n):
+        d = c.submit(req(f"t{i}", **kw))
+        assert d.ticket is not None
+        out.append(d.ticket)
+    return out
+
+
+def test_concurrency_cap_queues_and_release_admits_in_fifo_order() -> None:
+    clock = FakeClock()
+    c = make({"concurrency": {"maxRequests": 2}}, clock)
+    held = _tickets(c, 2)
+    w1 = c.submit(req("x")).waiter
+    w2 = c.submit(req("y")).waiter
+    assert w1 is not None and w2 is not None and c.queue_length == 2
+    clock.advance(0.5)
+    c.release(held[0], completion_tokens=5)
+    c.pump()
+    done = c.take_resolved()
+    assert done == [w1] and w1.decision is not None
+    assert w1.decision.outcome is Outcome.QUEUED and w1.decision.queue_seconds == 0.5
+    assert w2.decision is None and c.in_flight == 2
+
+
+def test_new_arrivals_do_not_overtake_the_queue() -> None:
+    c = make({"concurrency": {"maxRequests": 1}})
+    (held,) = _tickets(c, 1)
+    w = c.submit(req("x")).waiter
+    c.release(held, completion_tokens=1)
+    # Capacity is free but not yet pumped: a newcomer must queue behind x, not jump it.
+    d = c.submit(req("y"))
+    assert w is not None and w.decision is not None and w.decision.admitted
+    assert d.waiter is not None and not d.admitted
+
+
+def test_priority_order() -> None:
+    c = make({"concurrency": {"maxRequests": 1}, "queue": {"order": "Priority"}})
+    (held,) = _tickets(c, 1)
+    low = c.submit(req("l", priority=0)).waiter
+    high = c.submit(req("h", priority=5)).waiter
+    c.release(held, completion_tokens=1)
+    c.pump()
+    assert c.take_resolved() == [high]
+    assert low is not None and low.decision is None
+
+
+def test_shortest_first_with_aging_cannot_starve_long_requests() -> None:
+    clock = FakeClock()
+    c = make(
+        {
+            "concurrency": {"maxRequests": 1},
+            "model": {"maxModelLen": 8192},
+            "queue": {"order": "ShortestFirst", "maxWaitSeconds": 20, "maxLength": 1000},
+        },
+        clock,
+    )
+    (held,) = _tickets(c, 1)
+    long_w = c.submit(req("long", prompt=4000, max_tokens=4000)).waiter
+    assert long_w is not None
+    # A steady stream of short requests arrives; one slot frees per second.
+    for _ in range(30):
+        c.submit(req("short", prompt=10, max_tokens=10))
+        clock.advance(1)
+        c.release(held, completion_tokens=1)
+        c.pump()
+        won = [w for w in c.take_resolved() if w.decision is not None and w.decision.admitted]
+        assert len(won) == 1
+        assert won[0].decision is not None and won[0].decision.ticket is not None
+        held = won[0].decision.ticket
+        if won[0] is long_w:
+            break
+    assert long_w.decision is not None and long_w.decision.admitted
+    assert long_w.decision.queue_seconds <= 11  # overtook the shorts by half the max wait
+
+
+def test_queue_timeout_falls_through_to_the_next_action() -> None:
+    clock = FakeClock()
+    c = make({"concurrency": {"maxRequests": 1}, "queue": {"maxWaitSeconds": 2}}, clock)
+    _tickets(c, 1, max_tokens=100)
+    w = c.submit(req("x")).waiter
+    assert w is not None
+    assert c.next_wake() == pytest.approx(clock.t + 2)
+    clock.advance(2)
+    c.pump()
+    assert c.take_resolved() == [w] and w.decision is not None
+    assert w.decision.outcome is Outcome.REJECTED and w.decision.reason is Reason.QUEUE_TIMEOUT
+    assert w.decision.status == 429 and w.decision.retry_after is not None
+    assert w.decision.retry_after >= 1 and c.queue_length == 0
+
+
+def test_queue_full_rejects_with_retry_after_from_drain_time() -> None:
+    clock = FakeClock()
+    c = make({"concurrency": {"maxRequests": 1}, "queue": {"maxLength": 1}}, clock)
+    _tickets(c, 1, max_tokens=100)
+    assert c.submit(req("q")).waiter is not None
+    d = c.submit(req("z"))
+    assert d.reason is Reason.QUEUE_FULL and d.status == 429
+    # drain estimate: ~2 in-flight completions of ~101 tokens at 20 ms/token, ≥ 1 s
+    assert d.retry_after is not None and 2 <= d.retry_after <= 10
+
+
+def test_sheddable_requests_are_never_queued() -> None:
+    c = make({"concurrency": {"maxRequests": 1}})
+    _tickets(c, 1)
+    d = c.submit(req("x", priority=-1))
+    assert d.outcome is Outcome.REJECTED and d.reason is Reason.SHEDDABLE
+    assert c.queue_length == 0
+
+
+def test_waiter_blocked_by_its_own_tenant_bucket_does_not_block_others() -> None:
+    clock = FakeClock()
+    c = make(
+        {
+            "rateLimits": [
+                {"name": "t", "per": "Tenant", "requestsPerMinute": 6, "burstRequests": 1}
+            ]
+        },
+        clock,
+    )
+    assert c.submit(req("a")).admitted
+    wa = c.submit(req("a")).waiter  # a's bucket is empty: waits ~10 s
+    assert wa is not None
+    assert c.submit(req("b")).admitted  # b is not stuck behind a
+    assert c.next_wake() == pytest.approx(clock.t + 10, abs=0.01)
+    clock.advance(10)
+    c.pump()
+    assert c.take_resolved() == [wa]
+
+
+def test_cancel_removes_a_waiter() -> None:
+    c = make({"concurrency": {"maxRequests": 1}})
+    _tickets(c, 1)
+    w = c.submit(req("x")).waiter
+    assert w is not None
+    c.cancel(w)
+    assert c.queue_length == 0 and c.next_wake() is None
+
+
+# ---------------------------------------------------------------- degrade
+
+
+def test_degrade_clamps_max_tokens_to_the_kv_that_is_free() -> None:
+    c = make(
+        {
+            "capacity": {"kvCacheTokens": 1024},
+            "model": {"blockSize": 16},
+            "overload": {"actions": ["Degrade", "Reject"], "degrade": {"minMaxTokens": 64}},
+        }
+    )
+    _tickets(c, 1, prompt=500, max_tokens=400)  # 912 reserved, 112 free
+    d = c.submit(req("x", prompt=20, max_tokens=500))
+    assert d.outcome is Outcome.DEGRADED and d.reason is Reason.MAX_TOKENS_CLAMPED
+    assert d.max_tokens == 92  # 20 + 92 = 112 = 7 blocks
+    assert c.kv_reserved_tokens == 1024
+
+
+def test_degrade_never_clamps_below_min_max_tokens() -> None:
+    c = make(
+        {
+            "capacity": {"kvCacheTokens": 1024},
+            "overload": {"actions": ["Degrade", "Reject"], "degrade": {"minMaxTokens": 200}},
+        }
+    )
+    _tickets(c, 1, prompt=500, max_tokens=400)
+    d = c.submit(req("x", prompt=20, max_tokens=500))
+    assert d.outcome is Outcome.REJECTED and d.reason is Reason.KV_CAPACITY
+
+
+def test_degrade_to_fallback_model_when_over_rate_limit() -> None:
+    c = make(
+        {
+            "rateLimits": [{"name": "t", "requestsPerMinute": 0.001, "burstRequests": 1}],
+            "overload": {"actions": ["Degrade", "Reject"], "degrade": {"fallbackModel": "small"}},
+        }
+    )
+    assert c.submit(req("a", model="big")).admitted
+    d = c.submit(req("a", model="big"))
+    assert d.outcome is Outcome.DEGRADED and d.reason is Reason.FALLBACK_MODEL
+    assert d.model == "small" and d.ticket is not None and d.ticket.holds == []
+
+
+# ---------------------------------------------------------------- asyncio driver
+
+
+async def test_async_waiter_wakes_on_release_without_polling() -> None:
+    c = make({"concurrency": {"maxRequests": 1}})
+    a = AsyncAdmission(c)
+    first = await a.admit(req("a"))
+    assert first.ticket is not None
+    task = asyncio.create_task(a.admit(req("b")))
+    await asyncio.sleep(0)
+    assert c.queue_length == 1 and not task.done()
+    a.release(first.ticket, completion_tokens=1)
+    second = await asyncio.wait_for(task, 1)
+    assert second.outcome is Outcome.QUEUED and c.in_flight == 1
+
+
+async def test_async_cancelled_waiter_leaves_nothing_behind() -> None:
+    c = make({"concurrency": {"maxRequests": 1}})
+    a = AsyncAdmission(c)
+    first = await a.admit(req("a"))
+    task = asyncio.create_task(a.admit(req("b")))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert c.queue_length == 0
+    assert first.ticket is not None
+    a.release(first.ticket, completion_tokens=1)
+    assert c.in_flight == 0 and c.kv_reserved_tokens == 0
+
+
+async def test_async_waiter_admitted_then_cancelled_releases_its_ticket() -> None:
+    c = make({"concurrency": {"maxRequests": 1}, "capacity": {"kvCacheTokens": 4096}})
+    a = AsyncAdmission(c)
+    first = await a.admit(req("a"))
+    assert first.ticket is not None
+    task = asyncio.create_task(a.admit(req("b")))
+    await asyncio.sleep(0)
+    a.release(first.ticket, completion_tokens=1)  # b is admitted (future resolved) ...
+    task.cancel()  # ... but its client left before the task resumed
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert c.in_flight == 0 and c.kv_reserved_tokens == 0
+
+
+# ---------------------------------------------------------------- state machine
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    """Random submit / release / cancel / time steps; the accounting must always add up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.c = make(
+            {
+                "capacity": {"kvCacheTokens": 2048},
+                "model": {"blockSize": 16},
+                "concurrency": {"maxRequests": 4},
+                "rateLimits": [
+                    {
+                        "name": "t",
+                        "per": "Tenant",
+                        "requestsPerMinute": 120,
+                        "tokensPerMinute": 30000,
+                        "burstTokens": 3000,
+                    }
+                ],
+                "queue": {"maxLength": 5, "maxWaitSeconds": 3, "order": "ShortestFirst"},
+                "overload": {
+                    "actions": ["Degrade", "Queue", "Reject"],
+                    "degrade": {"minMaxTokens": 16},
+                },
+            },
+            self.clock,
+        )
+        self.tickets: list[Any] = []
+        self.waiters: list[Any] = []
+
+    def _collect(self) -> None:
+        for w in self.c.take_resolved():
+            self.waiters.remove(w)
+            if w.decision is not None and w.decision.ticket is not None:
+                self.tickets.append(w.decision.ticket)
+
+    @rule(
+        tenant=st.sampled_from("abc"),
+        prompt=st.integers(1, 1500),
+        max_tokens=st.integers(1, 1500),
+        priority=st.integers(-1, 2),
+    )
+    def submit(self, tenant: str, prompt: int, max_tokens: int, priority: int) -> None:
+        d = self.c.submit(req(tenant, prompt, max_tokens, priority=priority))
+        if d.waiter is not None:
+            self.waiters.append(d.waiter)
+        elif d.ticket is not None:
+            self.tickets.append(d.ticket)
+        else:
+            assert d.status in (400, 429)
+            assert d.status == 400 or (d.retry_after is not None and d.retry_after >= 1)
+        self._collect()
+
+    @precondition(lambda self: self.tickets)
+    @rule(i=st.integers(0, 100), used=st.integers(0, 2000), reached=st.booleans())
+    def release(self, i: int, used: int, reached: bool) -> None:
+        t = self.tickets.pop(i % len(self.tickets))
+        self.c.release(t, completion_tokens=used, reached_upstream=reached)
+        self.c.pump()
+        self._collect()
+
+    @precondition(lambda self: self.waiters)
+    @rule(i=st.integers(0, 100))
+    def cancel(self, i: int) -> None:
+        w = self.waiters.pop(i % len(self.waiters))
+        self.c.cancel(w)
+
+    @rule(dt=st.floats(0, 5))
+    def tick(self, dt: float) -> None:
+        self.clock.advance(dt)
+        self.c.pump()
+        self._collect()
+
+    @invariant()
+    def accounting_adds_up(self) -> None:
+        c = self.c
+        assert c.in_flight == len(self.tickets) <= 4
+        assert c.kv_reserved_tokens == sum(t.kv_tokens for t in self.tickets) <= 2048
+        assert c.queue_length == len(self.waiters) <= 5
+        for *_, level, cap in c.bucket_levels():
+            assert -1e-9 <= level <= cap + 1e-9
+
+    def teardown(self) -> None:
+        for t in self.tickets:
+            self.c.release(t, completion_tokens=0)
+        for w in self.waiters:
+            self.c.cancel(w)
+        self.c.pump()
+        for w in self.c.take_resolved():
+            if w.decision is not None and w.decision.ticket is not None:
+                self.c.release(w.decision.ticket, completion_tokens=0)
+        assert self.c.in_flight == 0 and self.c.kv_reserved_tokens == 0
+        assert self.c.queue_length == 0
+
+
+TestAdmissionMachine = AdmissionMachine.TestCase
+TestAdmissionMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
