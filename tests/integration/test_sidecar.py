@@ -1,0 +1,565 @@
+"""The sidecar over real HTTP on loopback, against upstreams that record what reached them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvgate_bench.sim.server import SimConfig, start_sim
+from tests.conftest import SidecarFactory, free_port
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+def chunk(text: str) -> bytes:
+    return (
+        b"data: "
+        + json.dumps({"choices": [{"index": 0, "delta": {"content": text}}]}).encode()
+        + b"\n\n"
+    )
+
+
+USAGE_CHUNK = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}\n\n'
+
+
+@dataclass
+class Upstream:
+    """An in-process model server stand-in that records every request and when its client
+    connection went away."""
+
+    url: str = ""
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    closed_at: list[float] = field(default_factory=list)
+    headers_delay: float = 0.0
+    first_token_delay: float = 0.0
+    token_delay: float = 0.0
+    tokens: int = 3
+    byte_by_byte: bool = False
+    active: int = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.paths.append(request.path)
+        if request.path not in ("/v1/chat/completions", "/v1/completions"):
+            return web.json_response(
+                {
+                    "path": request.path,
+                    "method": request.method,
+                    "body": (await request.read()).decode(errors="replace"),
+                }
+            )
+        body = await request.json()
+        self.bodies.append(body)
+        self.active += 1
+        try:
+            await asyncio.sleep(self.headers_delay)
+            if not body.get("stream"):
+                return web.json_response(
+                    {
+                        "id": "x",
+                        "object": "chat.completion",
+                        "choices": [
+                            {"index": 0, "message": {"role": "assistant", "content": "a b c"}}
+                        ],
+                        "usage": {
+                            "prompt_tokens": 7,
+                            "completion_tokens": self.tokens,
+                            "total_tokens": 7 + self.tokens,
+                        },
+                    }
+                )
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await asyncio.sleep(self.first_token_delay)
+            payload = b"".join(chunk(f"t{i} ") for i in range(self.tokens))
+            if (body.get("stream_options") or {}).get("include_usage"):
+                payload += USAGE_CHUNK.replace(
+                    b'"completion_tokens":3', b'"completion_tokens":%d' % self.tokens
+                )
+            payload += b"data: [DONE]\n\n"
+            if self.byte_by_byte:
+                for i in range(len(payload)):
+                    await resp.write(payload[i : i + 1])
+            else:
+                for part in re.split(b"(?<=\n\n)", payload):
+                    if part:
+                        await resp.write(part)
+                        await asyncio.sleep(self.token_delay)
+            await resp.write_eof()
+            return resp
+        finally:
+            self.active -= 1
+            self.closed_at.append(time.monotonic())
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    up = Upstream()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", up.handle)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    up.url = f"http://127.0.0.1:{port}"
+    yield up
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def gauges(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(url + "/kvgate/metrics") as r:
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def assert_openai_error(body: dict[str, Any]) -> None:
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+
+
+# ---------------------------------------------------------------- happy path and headers
+
+
+async def test_admitted_request_is_forwarded_and_settled(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, sc = await sidecar_factory(upstream.url, {})
+    async with client.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 9}) as r:
+        assert r.status == 200
+        assert r.headers["x-kvgate-decision"] == "admitted"
+        assert (await r.json())["usage"]["completion_tokens"] == 3
+    assert upstream.bodies == [{**CHAT, "max_tokens": 9}]
+    g = await gauges(client, url)
+    assert g['kvgate_tokens_total{kind="completion",tenant="anonymous"}'] == 3
+    assert g["kvgate_in_flight_requests"] == 0
+
+
+async def test_missing_max_tokens_is_charged_at_the_default_and_sent_upstream(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, sc = await sidecar_factory(
+        upstream.url,
+        {
+            "tenants": {"defaultMaxTokens": 77},
+            "capacity": {"kvCacheTokens": 100000},
+            "model": {"blockSize": 1},
+        },
+    )
+    upstream.headers_delay = 0.3
+    task = asyncio.create_task(client.post(url + "/v1/chat/completions", json=CHAT))
+    while not upstream.bodies:
+        await asyncio.sleep(0.01)
+    # While in flight, the reservation is prompt + the default 77 tokens.
+    prompt_estimate = sc.counter.count(CHAT).tokens
+    assert sc.controller.kv_reserved_tokens == prompt_estimate + 77
+    r = await task
+    r.release()
+    assert upstream.bodies[0]["max_tokens"] == 77
+
+
+async def test_other_paths_pass_through_untouched(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
+    async with client.post(url + "/tokenize?x=1", data=b"raw \xff bytes") as r:
+        got = await r.json()
+        assert r.headers["x-kvgate-decision"] == "passthrough"
+    assert got == {"path": "/tokenize", "method": "POST", "body": "raw \ufffd bytes"}
+    async with client.get(url + "/metrics") as r:  # the engine's own metrics, not ours
+        assert (await r.json())["path"] == "/metrics"
+
+
+async def test_stream_accounting_survives_one_byte_writes_and_strips_injected_usage(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    upstream.byte_by_byte = True
+    upstream.tokens = 5
+    url, _ = await sidecar_factory(upstream.url, {})
+    async with client.post(
+        url + "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 50}
+    ) as r:
+        data = await r.read()
+    assert upstream.bodies[0]["stream_options"] == {"include_usage": True}  # added upstream
+    assert b'"choices":[]' not in data  # ... and stripped before the client saw it
+    assert data.count(b"data: ") == 6 and data.endswith(b"data: [DONE]\n\n")
+    g = await gauges(client, url)
+    assert g['kvgate_tokens_total{kind="completion",tenant="anonymous"}'] == 5
+    assert g['kvgate_tokens_total{kind="prompt",tenant="anonymous"}'] == 7  # server's count
+    # A client that asked for usage gets it, exactly once.
+    async with client.post(
+        url + "/v1/chat/completions",
+        json={**CHAT, "stream": True, "max_tokens": 50, "stream_options": {"include_usage": True}},
+    ) as r:
+        data = await r.read()
+    assert data.count(b'"choices":[]') == 1
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b'["a list"]', 400, None),
+        (json.dumps({**CHAT, "max_tokens": 0}).encode(), 400, "max_tokens"),
+        (json.dumps({**CHAT, "max_tokens": "10"}).encode(), 400, "max_tokens"),
+        (json.dumps({**CHAT, "max_tokens": True}).encode(), 400, "max_tokens"),
+        (json.dumps({**CHAT, "max_tokens": 5000}).encode(), 400, "max_tokens"),
+        (json.dumps({**CHAT, "stream": "yes"}).encode(), 400, "stream"),
+        (json.dumps({"model": "m"}).encode(), 400, "messages"),
+        (json.dumps({**CHAT, "pad": "x" * 5000}).encode(), 413, None),
+    ],
+)
+async def test_bad_input_gets_openai_error_and_never_reaches_upstream(
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    body: bytes,
+    status: int,
+    param: str | None,
+) -> None:
+    url, sc = await sidecar_factory(
+        upstream.url, {"model": {"maxModelLen": 4096}}, max_body_bytes=4096
+    )
+    async with client.post(
+        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    ) as r:
+        assert r.status == status
+        assert r.headers["x-kvgate-decision"] == "rejected"
+        err = await r.json()
+    assert_openai_error(err)
+    assert err["error"]["param"] == param
+    assert upstream.bodies == []
+    assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0
+
+
+async def test_chunked_body_over_the_limit_gets_413(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {}, max_body_bytes=1000)
+
+    async def gen() -> AsyncIterator[bytes]:
+        for _ in range(20):
+            yield b" " * 100
+
+    async with client.post(url + "/v1/chat/completions", data=gen()) as r:
+        assert r.status == 413
+        assert_openai_error(await r.json())
+    assert upstream.bodies == []
+
+
+async def test_bad_priority_header_is_400(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {})
+    async with client.post(
+        url + "/v1/chat/completions", json=CHAT, headers={"x-kvgate-priority": "urgent"}
+    ) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["param"] == "x-kvgate-priority"
+
+
+# ---------------------------------------------------------------- refusals
+
+
+async def test_429_carries_retry_after_and_ratelimit_headers(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(
+        upstream.url,
+        {
+            "rateLimits": [{"name": "per-tenant", "requestsPerMinute": 30, "burstRequests": 1}],
+            "overload": {"actions": ["Reject"]},
+        },
+    )
+    async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200
+    async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 429
+        assert r.headers["x-kvgate-decision"] == "rejected"
+        assert r.headers["x-kvgate-reason"] == "rate_limit_requests"
+        assert 1 <= int(r.headers["Retry-After"]) <= 2  # 30/min refills one in 2 s
+        assert r.headers["RateLimit-Policy"] == '"per-tenant";q=1;w=2;qu="requests"'
+        assert re.fullmatch(r'"per-tenant";r=0;t=[12]', r.headers["RateLimit"])
+        err = await r.json()
+    assert_openai_error(err)
+    assert err["error"]["code"] == "rate_limit_exceeded"
+    # Another tenant is not affected.
+    async with client.post(
+        url + "/v1/chat/completions", json=CHAT, headers={"x-kvgate-tenant": "other"}
+    ) as r:
+        assert r.status == 200
+
+
+async def test_cost_above_capacity_is_refused_at_once_with_400(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(
+        upstream.url, {"rateLimits": [{"name": "t", "tokensPerMinute": 100, "burstTokens": 100}]}
+    )
+    t0 = time.monotonic()
+    async with client.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 500}) as r:
+        assert r.status == 400
+        assert "Retry-After" not in r.headers
+        assert r.headers["x-kvgate-reason"] == "exceeds_capacity"
+        assert_openai_error(await r.json())
+    assert time.monotonic() - t0 < 0.5
+    assert upstream.bodies == []
+
+
+async def test_degraded_response_says_what_changed(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(
+        upstream.url,
+        {
+            "capacity": {"kvCacheTokens": 256},
+            "model": {"blockSize": 16},
+            "overload": {"actions": ["Degrade", "Reject"], "degrade": {"minMaxTokens": 16}},
+        },
+    )
+    async with client.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1000}) as r:
+        assert r.status == 200
+        assert r.headers["x-kvgate-decision"] == "degraded"
+        clamp = int(r.headers["x-kvgate-degraded"].removeprefix("max_tokens="))
+    assert upstream.bodies[0]["max_tokens"] == clamp < 256
+
+
+async def test_fallback_model_rewrite(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(
+        upstream.url,
+        {
+            "rateLimits": [{"name": "t", "requestsPerMinute": 1, "burstRequests": 1}],
+            "overload": {"actions": ["Degrade", "Reject"], "degrade": {"fallbackModel": "small"}},
+        },
+    )
+    for _ in range(2):
+        async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+    assert r.headers["x-kvgate-degraded"] == "model=small"
+    assert [b["model"] for b in upstream.bodies] == ["m", "small"]
+
+
+async def test_queued_request_is_admitted_when_capacity_frees(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    upstream.headers_delay = 0.2
+    url, _ = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
+    rs = await asyncio.gather(
+        *(client.post(url + "/v1/chat/completions", json=CHAT) for _ in range(3))
+    )
+    decisions = sorted(r.headers["x-kvgate-decision"] for r in rs)
+    assert decisions == ["admitted", "queued", "queued"]
+    assert all(r.status == 200 for r in rs)
+    waits = sorted(int(r.headers.get("x-kvgate-queue-wait-ms", 0)) for r in rs)
+    assert waits[1] >= 150 and waits[2] >= 350
+    for r in rs:
+        r.release()
+    g = await gauges(client, url)
+    assert g["kvgate_queue_wait_seconds_count"] == 2
+
+
+async def test_authorization_tenant_is_hashed_never_exported_raw(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {"tenants": {"header": "authorization"}})
+    async with client.post(
+        url + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sk-secret-123"}
+    ) as r:
+        assert r.status == 200
+    async with client.get(url + "/kvgate/metrics") as r:
+        text = await r.text()
+    assert "sk-secret-123" not in text
+    assert re.search(r'tenant="key-[0-9a-f]{16}"', text)
+
+
+# ---------------------------------------------------------------- client disconnects
+
+
+async def _disconnect_after(
+    url: str, body: dict[str, Any], after_bytes: int, delay: float = 0.0
+) -> float:
+    """Send a request on a raw socket, read ``after_bytes`` of the response (0 = none), wait
+    ``delay``, then close. Returns the close time (monotonic)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    raw = json.dumps(body).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
+    )
+    await writer.drain()
+    got = b""
+    while len(got) < after_bytes:
+        part = await reader.read(after_bytes - len(got))
+        if not part:
+            break
+        got += part
+    await asyncio.sleep(delay)
+    writer.close()
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("phase", ["before_headers", "first_token", "mid_stream"])
+async def test_client_gone_closes_upstream_within_1s_and_releases_everything(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession, phase: str
+) -> None:
+    upstream.tokens = 100
+    upstream.token_delay = 0.1
+    if phase == "before_headers":
+        upstream.headers_delay = 30
+    elif phase == "first_token":
+        upstream.first_token_delay = 30
+    url, sc = await sidecar_factory(
+        upstream.url,
+        {
+            "capacity": {"kvCacheTokens": 10000},
+            "rateLimits": [{"name": "t", "tokensPerMinute": 0.001, "burstTokens": 5000}],
+        },
+    )
+    body = {**CHAT, "stream": True, "max_tokens": 1000}
+    after = {"before_headers": 0, "first_token": 1, "mid_stream": 600}[phase]
+    task = asyncio.create_task(_disconnect_after(url, body, after, delay=0.2))
+    while not upstream.bodies:
+        await asyncio.sleep(0.01)
+    closed = await task
+    for _ in range(100):
+        if upstream.closed_at:
+            break
+        await asyncio.sleep(0.01)
+    assert upstream.closed_at, "upstream connection still open"
+    assert upstream.closed_at[0] - closed < 1.0
+    await asyncio.sleep(0.05)
+    c = sc.controller
+    assert c.in_flight == 0 and c.kv_reserved_tokens == 0 and c.queue_length == 0
+    # Charged only for what was produced: the 5000 burst is nearly whole again.
+    (level,) = [lvl for _, unit, _, lvl, _ in c.bucket_levels() if unit == "cost"]
+    produced = 0 if phase != "mid_stream" else 15
+    assert level >= 5000 - sc.counter.count(CHAT).tokens - produced - 1
+
+
+async def test_client_gone_while_queued_never_reaches_upstream(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    upstream.headers_delay = 1.0
+    url, sc = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
+    first = asyncio.create_task(client.post(url + "/v1/chat/completions", json=CHAT))
+    while not upstream.bodies:
+        await asyncio.sleep(0.01)
+    await _disconnect_after(url, CHAT, 0, delay=0.1)
+    await asyncio.sleep(0.1)
+    assert sc.controller.queue_length == 0
+    (await first).release()
+    assert len(upstream.bodies) == 1
+    assert sc.controller.in_flight == 0
+
+
+async def test_100_streams_cancelled_mid_flight_leave_every_gauge_at_zero(
+    sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    runner, port = await start_sim(SimConfig(kv_capacity_tokens=65536, decode_ms=5))
+    try:
+        sim = f"http://127.0.0.1:{port}"
+        url, _ = await sidecar_factory(
+            sim,
+            {
+                "capacity": {"fromEngineMetrics": True},
+                "concurrency": {"maxRequests": 40},
+                "queue": {"maxLength": 100, "maxWaitSeconds": 30},
+                "rateLimits": [{"name": "t", "tokensPerMinute": 1e7}],
+            },
+        )
+        body = {
+            "model": "kvgate-sim-model",
+            "stream": True,
+            "max_tokens": 500,
+            "messages": [{"role": "user", "content": "tell me a long story"}],
+        }
+
+        async def one(i: int) -> None:
+            await _disconnect_after(url, body, 400 if i % 2 else 0, delay=0.05 * (i % 5))
+
+        await asyncio.gather(*(one(i) for i in range(100)))
+        g: dict[str, float] = {}
+        for _ in range(100):
+            g = await gauges(client, url)
+            if g["kvgate_in_flight_requests"] == 0 and g["kvgate_queue_length"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert g["kvgate_in_flight_requests"] == 0
+        assert g["kvgate_kv_reserved_tokens"] == 0
+        assert g["kvgate_queue_length"] == 0
+        assert g["kvgate_kv_capacity_tokens"] == 65536  # read from vllm:cache_config_info
+        async with client.get(sim + "/sim/stats") as r:
+            stats = await r.json()
+        assert stats["running"] == 0 and stats["waiting"] == 0 and stats["used_blocks"] == 0
+    finally:
+        await runner.cleanup()
+
+
+# ---------------------------------------------------------------- engine capacity, failureMode
+
+
+async def test_fail_closed_without_engine_capacity_answers_503_with_retry_after(
+    sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    url, _ = await sidecar_factory(
+        dead, {"capacity": {"fromEngineMetrics": True}, "failureMode": "FailClosed"}
+    )
+    async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 503
+        assert int(r.headers["Retry-After"]) >= 1
+        assert r.headers["x-kvgate-reason"] == "fail_closed"
+        assert_openai_error(await r.json())
+    async with client.get(url + "/readyz") as r:
+        assert r.status == 503
+
+
+async def test_fail_open_without_engine_capacity_keeps_local_caps(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, sc = await sidecar_factory(
+        upstream.url,
+        {"capacity": {"fromEngineMetrics": True, "kvCacheTokens": 4096}, "failureMode": "FailOpen"},
+    )
+    async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200
+    assert sc.controller.kv_capacity_tokens == 4096  # the explicit fallback stays enforced
+
+
+async def test_upstream_unreachable_is_502_and_releases(
+    sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, sc = await sidecar_factory(
+        f"http://127.0.0.1:{free_port()}",
+        {"rateLimits": [{"name": "t", "requestsPerMinute": 0.001, "burstRequests": 1}]},
+    )
+    for _ in range(2):  # the failed attempt is not charged: the second gets the same answer
+        async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 502
+            assert_openai_error(await r.json())
+    assert sc.controller.in_flight == 0
