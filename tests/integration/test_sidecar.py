@@ -144,7 +144,7 @@ def assert_openai_error(body: dict[str, Any]) -> None:
 async def test_admitted_request_is_forwarded_and_settled(
     upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
 ) -> None:
-    url, sc = await sidecar_factory(upstream.url, {})
+    url, _ = await sidecar_factory(upstream.url, {})
     async with client.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 9}) as r:
         assert r.status == 200
         assert r.headers["x-kvgate-decision"] == "admitted"
