@@ -143,7 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         import uvloop
 
         uvloop.install()
-    return asyncio.run(run_sidecar(settings, args.listen, args.admin_listen))
+    try:
+        return asyncio.run(run_sidecar(settings, args.listen, args.admin_listen))
+    except OSError as exc:  # e.g. the port is taken
+        print(
+            f"kvgate-agent: cannot serve on {args.listen[0]}:{args.listen[1]}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":
