@@ -19,6 +19,7 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
+from tests.upstream import Upstream
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -192,3 +193,18 @@ def llmd_sim(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
     yield start
     for p in procs:
         p.stop()
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Upstream]:
+    """A recording model-server stand-in on a free loopback port."""
+    up = Upstream()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", up.handle)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    up.url = f"http://127.0.0.1:{port}"
+    yield up
+    await runner.cleanup()

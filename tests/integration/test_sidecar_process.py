@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import free_port
-from tests.integration.test_sidecar import CHAT, Upstream, upstream  # noqa: F401
+from tests.upstream import CHAT, Upstream
 
 
 def test_invalid_policy_file_fails_with_the_field_named(tmp_path: Path) -> None:
@@ -43,22 +43,24 @@ def test_invalid_policy_file_fails_with_the_field_named(tmp_path: Path) -> None:
 
 async def test_sigterm_stops_accepting_drains_in_flight_and_exits_0(
     upstream: Upstream, sidecar_process
-) -> None:  # noqa: F811
+) -> None:
     upstream.tokens = 10
     upstream.token_delay = 0.1  # a 1 s stream
     proc = sidecar_process(upstream.url, {}, "--drain-seconds", "10")
-    async with aiohttp.ClientSession() as s:
-        async with s.post(
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
             proc.url + "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 20}
-        ) as r:
-            first = await r.content.readany()
-            assert first.startswith(b"data: ")
-            proc.popen.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)
-            with pytest.raises(aiohttp.ClientConnectionError):  # no longer accepting
-                async with aiohttp.ClientSession() as fresh:
-                    await fresh.get(proc.url + "/healthz")
-            rest = await r.read()
+        ) as r,
+    ):
+        first = await r.content.readany()
+        assert first.startswith(b"data: ")
+        proc.popen.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        with pytest.raises(aiohttp.ClientConnectionError):  # no longer accepting
+            async with aiohttp.ClientSession() as fresh:
+                await fresh.get(proc.url + "/healthz")
+        rest = await r.read()
     assert (first + rest).endswith(b"data: [DONE]\n\n")  # the in-flight stream finished
     assert (first + rest).count(b"data: ") == 11
     loop = asyncio.get_running_loop()
