@@ -1,0 +1,98 @@
+"""The RateLimitPolicy model: valid examples load, invalid ones name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate_agent.contract.policy import PolicyError, load_policy, parse_policy
+from tests.conftest import REPO, policy_doc
+
+
+def test_every_example_is_valid() -> None:
+    examples = sorted((REPO / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        p = load_policy(path)
+        assert p.metadata.name
+
+
+def test_defaults() -> None:
+    s = parse_policy(policy_doc({})).spec
+    assert s.model.block_size == 16
+    assert s.tenants.header == "x-kvgate-tenant" and s.tenants.default_max_tokens == 1024
+    assert s.priority.header == "x-kvgate-priority"
+    assert [a.value for a in s.overload.actions] == ["Queue", "Reject"]
+    assert s.cost.per_request == 0 and s.cost.prompt_token_weight == 1
+    assert s.failure_mode.value == "FailOpen"
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ({"model": {"numLayers": 0}}, "spec.model.numLayers"),
+        ({"model": {"kvCacheDtype": "int4"}}, "spec.model.kvCacheDtype"),
+        ({"model": {"numLayers": 32}}, "spec.model"),
+        ({"capacity": {"kvCacheTokens": -1}}, "spec.capacity.kvCacheTokens"),
+        ({"capacity": {"gpuMemoryUtilization": 1.5}}, "spec.capacity.gpuMemoryUtilization"),
+        ({"concurrency": {"maxRequests": 0}}, "spec.concurrency.maxRequests"),
+        ({"tenants": {"header": "bad header"}}, "spec.tenants.header"),
+        ({"rateLimits": [{"name": "a"}]}, "spec.rateLimits[0]"),
+        (
+            {"rateLimits": [{"name": "a", "tokensPerMinute": -5}]},
+            "spec.rateLimits[0].tokensPerMinute",
+        ),
+        (
+            {"rateLimits": [{"name": "a", "per": "Namespace", "requestsPerMinute": 1}]},
+            "spec.rateLimits[0].per",
+        ),
+        ({"rateLimits": [{"name": "Bad_Name", "requestsPerMinute": 1}]}, "spec.rateLimits[0].name"),
+        (
+            {
+                "rateLimits": [
+                    {"name": "a", "requestsPerMinute": 1},
+                    {"name": "a", "requestsPerMinute": 2},
+                ]
+            },
+            "spec",
+        ),
+        ({"queue": {"order": "LIFO"}}, "spec.queue.order"),
+        ({"queue": {"maxWaitSeconds": 0}}, "spec.queue.maxWaitSeconds"),
+        ({"overload": {"actions": ["Degrade"]}}, "spec.overload"),
+        ({"overload": {"actions": ["Queue", "Queue"]}}, "spec.overload"),
+        ({"overload": {"actions": ["Panic"]}}, "spec.overload.actions[0]"),
+        ({"failureMode": "FailSometimes"}, "spec.failureMode"),
+        ({"rateLimit": []}, "spec.rateLimit"),  # a typo must not be silently ignored
+        ({"cost": {"promptTokenWeight": float("nan")}}, "spec.cost.promptTokenWeight"),
+    ],
+)
+def test_invalid_policies_name_the_field(spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(PolicyError) as e:
+        parse_policy(policy_doc(spec))
+    assert f"\n  {field}:" in str(e.value)
+
+
+def test_wrong_kind_and_api_version_are_refused() -> None:
+    with pytest.raises(PolicyError, match="apiVersion"):
+        parse_policy({**policy_doc({}), "apiVersion": "v1"})
+    with pytest.raises(PolicyError, match="kind"):
+        parse_policy({**policy_doc({}), "kind": "Pod"})
+
+
+def test_load_policy_reports_file_problems(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="cannot read"):
+        load_policy(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("spec: [unclosed\n")
+    with pytest.raises(PolicyError, match="not valid YAML"):
+        load_policy(bad)
+    two = tmp_path / "two.yaml"
+    two.write_text(
+        "apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: a}\n"
+        "---\napiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\n"
+        "metadata: {name: b}\n"
+    )
+    with pytest.raises(PolicyError, match="exactly one"):
+        load_policy(two)
