@@ -357,6 +357,7 @@ async def test_client_gone_closes_upstream_within_1s_and_releases_everything(
     await asyncio.sleep(0.05)
     c = sc.controller
     assert c.in_flight == 0 and c.kv_reserved_tokens == 0 and c.queue_length == 0
+    assert (await gauges(client, url))["kvgate_client_disconnects_total"] == 1
     # Charged only for what was produced: the 5000 burst is nearly whole again.
     (level,) = [lvl for _, unit, _, lvl, _ in c.bucket_levels() if unit == "cost"]
     produced = 0 if phase != "mid_stream" else 15

@@ -108,7 +108,8 @@ class SidecarMetrics:
         decisions: ``kvgate_admission_decisions_total{outcome, reason, tenant}``.
         queue_wait: ``kvgate_queue_wait_seconds`` histogram (requests that waited).
         upstream_errors: ``kvgate_upstream_errors_total{kind}`` (connect, timeout, status_5xx,
-            stream_error, client_disconnect).
+            stream_error).
+        client_disconnects: ``kvgate_client_disconnects_total``.
         tokens: ``kvgate_tokens_total{kind, tenant}`` (prompt / completion tokens settled).
         ttft: ``kvgate_time_to_first_token_seconds`` through the sidecar (streams only).
     """
@@ -132,6 +133,11 @@ class SidecarMetrics:
         )
         self.upstream_errors = Counter(
             "kvgate_upstream_errors", "Upstream failures by kind", ["kind"], registry=r
+        )
+        self.client_disconnects = Counter(
+            "kvgate_client_disconnects",
+            "Admitted requests whose client went away before the response ended",
+            registry=r,
         )
         self.tokens = Counter(
             "kvgate_tokens", "Tokens settled against buckets", ["kind", "tenant"], registry=r

@@ -422,7 +422,7 @@ class Sidecar:
             log.warning("upstream failed mid-request: %r", exc)
             raise
         except (asyncio.CancelledError, ConnectionResetError):
-            m.upstream_errors.labels("client_disconnect").inc()
+            m.client_disconnects.inc()
             raise
         finally:
             if resp is not None:
