@@ -466,3 +466,28 @@ async def test_upstream_unreachable_is_502_and_releases(
             assert r.status == 502
             assert_openai_error(await r.json())
     assert sc.controller.in_flight == 0
+
+
+async def test_defaulted_max_tokens_stays_within_the_engines_context(
+    sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    # Punctuation-heavy text has far fewer bytes per token than the estimate assumes; the
+    # engine's context (learned from /v1/models) must still not be overrun.
+    runner, port = await start_sim(SimConfig(max_model_len=1024, decode_ms=0))
+    try:
+        url, sc = await sidecar_factory(f"http://127.0.0.1:{port}", {})
+        for _ in range(100):
+            if sc.engine_max_model_len is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert sc.engine_max_model_len == 1024
+        body = {
+            "model": "kvgate-sim-model",
+            "messages": [{"role": "user", "content": "a , b ; c . d " * 40}],
+        }
+        async with client.post(url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            usage = (await r.json())["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] <= 1024
+    finally:
+        await runner.cleanup()

@@ -135,6 +135,7 @@ class Sidecar:
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
         self.capacity_known = not spec.capacity.from_engine_metrics
+        self.engine_max_model_len: int | None = None
         self._poll_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -174,6 +175,7 @@ class Sidecar:
         )
         if self.spec.capacity.from_engine_metrics:
             await self.refresh_engine_capacity()
+        if self.spec.capacity.from_engine_metrics or self.spec.model.max_model_len is None:
             self._poll_task = asyncio.create_task(self._poll_engine())
 
     async def _on_cleanup(self, app: web.Application) -> None:
@@ -205,14 +207,38 @@ class Sidecar:
             self.capacity_known = True
             self.admission.kick()
         elif not self.capacity_known and self.spec.failure_mode is FailureMode.FAIL_CLOSED:
-            self.controller.fail_closed_until = (
-                self.controller.clock() + self.settings.engine_poll_seconds
-            )
+            # The next attempt is in a second (see _poll_engine): say so, honestly.
+            self.controller.fail_closed_until = self.controller.clock() + 1.0
+
+    async def refresh_engine_max_model_len(self) -> None:
+        """Learn the engine's context length from ``GET /v1/models`` (vLLM reports
+        ``max_model_len`` per model) when the policy gives no ``model.maxModelLen``: a defaulted
+        max_tokens is then kept within it, as the engine's own default would be."""
+        assert self.session is not None
+        try:
+            async with self.session.get(self.upstream + "/v1/models") as resp:
+                data = await resp.json(content_type=None) if resp.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            log.debug("cannot read /v1/models: %s", exc)
+            return
+        lens: list[int] = [
+            m["max_model_len"]
+            for m in (data or {}).get("data") or []
+            if isinstance(m, dict) and type(m.get("max_model_len")) is int
+        ]
+        if lens and min(lens) > 0:
+            self.engine_max_model_len = min(lens)
 
     async def _poll_engine(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.engine_poll_seconds if self.capacity_known else 1.0)
-            await self.refresh_engine_capacity()
+            if self.spec.model.max_model_len is None and self.engine_max_model_len is None:
+                await self.refresh_engine_max_model_len()
+            unknown = not self.capacity_known or (
+                self.spec.model.max_model_len is None and self.engine_max_model_len is None
+            )
+            await asyncio.sleep(1.0 if unknown else self.settings.engine_poll_seconds)
+            if self.spec.capacity.from_engine_metrics:
+                await self.refresh_engine_capacity()
 
     # ------------------------------------------------------------------ own endpoints
 
@@ -312,10 +338,9 @@ class Sidecar:
             return self._bad_request(exc)
         prompt = self.counter.count(parsed.body)
         max_tokens = parsed.max_tokens
-        mml = spec.model.max_model_len
-        if parsed.max_tokens_defaulted and mml is not None and mml - prompt.tokens >= 1:
-            # The engine's own default is max_model_len - prompt: never send more than that.
-            max_tokens = min(max_tokens, mml - prompt.tokens)
+        mml = spec.model.max_model_len or self.engine_max_model_len
+        if parsed.max_tokens_defaulted and mml is not None:
+            max_tokens = default_within_context(max_tokens, prompt, mml)
         areq = AdmissionRequest(tenant, prompt.tokens, max_tokens, priority, parsed.n, parsed.model)
         decision = await self.admission.admit(areq)
         if decision.ticket is None:
@@ -479,6 +504,26 @@ class Sidecar:
                 resp.release()
             else:
                 resp.close()
+
+
+def default_within_context(default: int, prompt: PromptCount, max_model_len: int) -> int:
+    """The max_tokens to charge and send for a request that gave none: the policy's default,
+    lowered so prompt + max_tokens stays within the engine's context (the engine's own default
+    is max_model_len − prompt; a request that works direct must not fail through kvgate).
+
+    An estimated prompt may under-count (digits, punctuation, CJK), so the room is taken against
+    an upper bound first: a byte-level BPE token covers at least one byte, so tokens ≤ text bytes
+    + fixed overhead. Where that leaves no room (a long prompt), the estimate is used instead.
+    """
+    upper = (
+        prompt.tokens
+        if prompt.exact
+        else max(prompt.tokens, prompt.text_bytes + prompt.overhead_tokens)
+    )
+    for bound in (upper, prompt.tokens):
+        if max_model_len - bound >= 1:
+            return min(default, max_model_len - bound)
+    return default
 
 
 def _usage_of(data: bytes) -> tuple[int | None, int | None]:
