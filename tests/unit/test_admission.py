@@ -132,9 +132,10 @@ def test_bucket_map_is_bounded_when_clients_send_endless_tenant_ids() -> None:
 
 
 def test_bucket_map_evicts_idle_full_buckets_but_not_pinned_ones() -> None:
+    # idle_seconds defaults to 60: at t=100 both buckets are idle and refilled.
     m = BucketMap(10, 10, warmup_start=0)
     m.get("busy", 0).take(10, 0)
-    m.pin("busy")
+    m.get("busy", 0).pins = 1  # a reservation is held against it
     m.get("idle", 0).take(10, 0)
     for i in range(10):  # much later: both refilled; new arrivals trigger eviction
         m.get(f"new-{i}", 100 + i)

@@ -36,7 +36,7 @@ class TokenBucket:
     ``f = WARMUP_START_FRACTION``, and a new bucket starts full at its effective capacity.
     """
 
-    __slots__ = ("_ramp_end", "_ramp_start", "capacity", "last", "level", "rate")
+    __slots__ = ("_ramp_end", "_ramp_start", "capacity", "last", "level", "pins", "rate")
 
     def __init__(
         self,
@@ -56,6 +56,7 @@ class TokenBucket:
         self._ramp_end = self._ramp_start + warmup_seconds if warmup_seconds > 0 else -math.inf
         self.last = now
         self.level = self.capacity_at(now)
+        self.pins = 0  # reservations held against this bucket (a pinned bucket is in use)
 
     def capacity_at(self, now: float) -> float:
         """Effective capacity at ``now`` (units), lower than ``capacity`` only during warm-up."""
@@ -74,6 +75,13 @@ class TokenBucket:
             level = self.level + elapsed * self.rate
             self.level = cap if level > cap else level
         return self.level
+
+    def peek(self, now: float) -> float:
+        """The level at ``now`` (units) without changing any state (for metrics)."""
+        elapsed = now - self.last
+        if elapsed <= 0:
+            return self.level
+        return min(self.capacity_at(now), self.level + elapsed * self.rate)
 
     def take(self, amount: float, now: float) -> bool:
         """Take ``amount`` units if the bucket holds them; returns whether it did."""
@@ -115,16 +123,17 @@ class TokenBucket:
 class BucketMap:
     """Buckets keyed by tenant (or a fixed key for pod-wide limits), bounded in memory.
 
-    A bucket that has refilled to full capacity and holds no reservation carries no information
-    (a new one starts full), so it is evicted; the map is also capped at ``max_keys`` entries,
-    evicting the least recently used, so endless new tenant ids cannot grow memory without bound.
-    Eviction is amortised O(1): each access examines at most two of the oldest entries.
+    A bucket untouched for ``idle_seconds``, back at full capacity and holding no reservation
+    carries no information (a new one starts full), so it is evicted; the map is also capped at
+    ``max_keys`` entries, evicting the least recently used, so endless new tenant ids cannot grow
+    memory without bound. Eviction is amortised O(1): each new key examines at most two of the
+    oldest entries.
     """
 
     __slots__ = (
         "_buckets",
-        "_pins",
         "capacity",
+        "idle_seconds",
         "max_keys",
         "rate",
         "warmup_seconds",
@@ -138,14 +147,15 @@ class BucketMap:
         warmup_start: float,
         warmup_seconds: float = 0.0,
         max_keys: int = 100_000,
+        idle_seconds: float = 60.0,
     ) -> None:
         self.capacity = capacity
         self.rate = rate
         self.warmup_start = warmup_start
         self.warmup_seconds = warmup_seconds
         self.max_keys = max_keys
+        self.idle_seconds = idle_seconds
         self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
-        self._pins: dict[str, int] = {}
 
     def get(self, key: str, now: float) -> TokenBucket:
         """The bucket for ``key``, created full (at its warm-up capacity) if absent."""
@@ -158,18 +168,6 @@ class BucketMap:
             self._buckets.move_to_end(key)
         return b
 
-    def pin(self, key: str) -> None:
-        """Mark one reservation held against ``key`` (a pinned bucket is not evicted as idle)."""
-        self._pins[key] = self._pins.get(key, 0) + 1
-
-    def unpin(self, key: str) -> None:
-        """Drop one reservation mark for ``key``."""
-        n = self._pins.get(key, 0) - 1
-        if n > 0:
-            self._pins[key] = n
-        else:
-            self._pins.pop(key, None)
-
     def _evict(self, now: float) -> None:
         # Look at the two oldest entries: drop the idle ones, rotate busy ones to the back so an
         # in-use bucket at the front cannot shield idle ones behind it. Over the hard cap, the
@@ -179,10 +177,14 @@ class BucketMap:
             if not buckets:
                 return
             key, oldest = next(iter(buckets.items()))
-            if len(buckets) >= self.max_keys or (key not in self._pins and oldest.is_full(now)):
+            if len(buckets) >= self.max_keys or (
+                oldest.pins == 0 and now - oldest.last >= self.idle_seconds and oldest.is_full(now)
+            ):
                 del buckets[key]
-            else:
+            elif now - oldest.last >= self.idle_seconds or oldest.pins:
                 buckets.move_to_end(key)
+            else:
+                return  # the oldest was touched recently: so were all the others
 
     def __len__(self) -> int:
         return len(self._buckets)

@@ -52,6 +52,9 @@ EMA_ALPHA = 0.2
 #: Upper bound on a Retry-After, seconds (one day), so a tiny rate cannot produce absurd values.
 MAX_RETRY_AFTER = 86_400
 
+# Enum members bound once: attribute access on an Enum class is slow on the hot path.
+_ADMITTED = Outcome.ADMITTED
+_OK = Reason.OK
 _DEGRADE = OverloadAction.DEGRADE.value
 _QUEUE = OverloadAction.QUEUE.value
 _REJECT = OverloadAction.REJECT.value
@@ -83,10 +86,11 @@ class _Blocker:
 
 
 class _Limit:
-    __slots__ = ("cost", "requests", "threshold")
+    __slots__ = ("cost", "is_tenant", "requests", "threshold")
 
     def __init__(self, threshold: LimitThreshold, now: float, max_tenants: int) -> None:
         self.threshold = threshold
+        self.is_tenant = threshold.per is LimitScope.TENANT
         keys = max_tenants if threshold.per is LimitScope.TENANT else 1
         self.requests: BucketMap | None = None
         self.cost: BucketMap | None = None
@@ -104,7 +108,7 @@ class _Limit:
             )
 
     def key(self, tenant: str) -> str:
-        return tenant if self.threshold.per is LimitScope.TENANT else ""
+        return tenant if self.is_tenant else ""
 
 
 class AdmissionController:
@@ -129,6 +133,8 @@ class AdmissionController:
         self.clock = clock
         self.started_at = clock()
         self._limits = [_Limit(t, self.started_at, max_tenants) for t in config.limits]
+        caps = [t.cost_capacity for t in config.limits if t.cost_capacity is not None]
+        self._min_cost_capacity: float | None = min(caps) if caps else None
         self.in_flight = 0
         self.kv_reserved_tokens = 0
         self._tickets: dict[int, Ticket] = {}
@@ -164,7 +170,7 @@ class AdmissionController:
                 if bmap is None:
                     continue
                 for key, b in bmap.items():
-                    out.append((lim.threshold.name, unit, key, b.refill(now), b.capacity_at(now)))
+                    out.append((lim.threshold.name, unit, key, b.peek(now), b.capacity_at(now)))
         return out
 
     def tenants_tracked(self) -> int:
@@ -223,59 +229,71 @@ class AdmissionController:
     # ------------------------------------------------------------------ checks
 
     def _blocker(
-        self, req: AdmissionRequest, max_tokens: int, now: float, with_buckets: bool = True
+        self,
+        req: AdmissionRequest,
+        max_tokens: int,
+        now: float,
+        with_buckets: bool = True,
+        found: list[tuple[TokenBucket, float, bool]] | None = None,
+        kv: int = -1,
+        cost: float = -1.0,
     ) -> _Blocker | None:
+        """What stops ``req`` with ``max_tokens`` now, or None if it fits. When ``found`` is
+        given, the buckets checked are appended to it as (bucket, units, is_cost), so the
+        reservation that follows in the same call needs no second lookup. ``kv`` and ``cost``
+        may be passed in when the caller already computed them."""
         cfg = self.config
         if cfg.max_concurrency is not None and self.in_flight >= cfg.max_concurrency:
             return _Blocker(Reason.CONCURRENCY, "concurrency")
-        if cfg.kv_capacity_tokens is not None and (
-            self.kv_reserved_tokens + self._kv_tokens(req.prompt_tokens, max_tokens, req.n)
-            > cfg.kv_capacity_tokens
-        ):
-            return _Blocker(Reason.KV_CAPACITY, "kv")
+        if cfg.kv_capacity_tokens is not None:
+            if kv < 0:
+                kv = self._kv_tokens(req.prompt_tokens, max_tokens, req.n)
+            if self.kv_reserved_tokens + kv > cfg.kv_capacity_tokens:
+                return _Blocker(Reason.KV_CAPACITY, "kv")
         if not with_buckets:
             return None
-        cost = -1.0
+        tenant = req.tenant
         for lim in self._limits:
-            key = lim.key(req.tenant)
-            scoped = lim.threshold.per is LimitScope.TENANT
+            key = tenant if lim.is_tenant else ""
             if lim.requests is not None:
                 b = lim.requests.get(key, now)
                 if b.refill(now) < 1.0:
-                    return _Blocker(
-                        Reason.RATE_LIMIT_REQUESTS,
-                        lim.threshold.name,
-                        scoped,
-                        b,
-                        1.0,
-                        lim.threshold,
-                    )
+                    t = lim.threshold
+                    return _Blocker(Reason.RATE_LIMIT_REQUESTS, t.name, lim.is_tenant, b, 1.0, t)
+                if found is not None:
+                    found.append((b, 1.0, False))
             if lim.cost is not None:
                 if cost < 0:
-                    cost = self._cost(req, max_tokens)
+                    cost = cfg.cost(req.prompt_tokens, req.n * max_tokens)
                 b = lim.cost.get(key, now)
                 if b.refill(now) < cost:
-                    return _Blocker(
-                        Reason.RATE_LIMIT_TOKENS, lim.threshold.name, scoped, b, cost, lim.threshold
-                    )
+                    t = lim.threshold
+                    return _Blocker(Reason.RATE_LIMIT_TOKENS, t.name, lim.is_tenant, b, cost, t)
+                if found is not None:
+                    found.append((b, cost, True))
         return None
 
     def _reserve(
-        self, req: AdmissionRequest, max_tokens: int, now: float, with_buckets: bool = True
+        self,
+        req: AdmissionRequest,
+        max_tokens: int,
+        now: float,
+        with_buckets: bool = True,
+        found: list[tuple[TokenBucket, float, bool]] | None = None,
+        kv: int = -1,
     ) -> Ticket:
-        kv = self._kv_tokens(req.prompt_tokens, max_tokens, req.n)
-        ticket = Ticket(req.tenant, req.prompt_tokens, max_tokens, req.n, kv, now)
-        if with_buckets:
-            cost = self._cost(req, max_tokens)
-            for lim in self._limits:
-                key = lim.key(req.tenant)
-                for bmap, amount, is_cost in ((lim.requests, 1.0, False), (lim.cost, cost, True)):
-                    if bmap is None:
-                        continue
-                    b = bmap.get(key, now)
-                    b.level -= amount  # checked by _blocker in this same call: level >= amount
-                    bmap.pin(key)
-                    ticket.holds.append((bmap, key, b, amount, is_cost))
+        """Take the reservations for ``req``; only after :meth:`_blocker` said it fits, in the
+        same call (so every bucket holds at least what is taken)."""
+        if kv < 0:
+            kv = self._kv_tokens(req.prompt_tokens, max_tokens, req.n)
+        if found is None:
+            found = []
+            if with_buckets:
+                self._blocker(req, max_tokens, now, found=found)
+        for b, amount, _ in found:
+            b.level -= amount
+            b.pins += 1
+        ticket = Ticket(req.tenant, req.prompt_tokens, max_tokens, req.n, kv, now, found)
         self.in_flight += 1
         self.kv_reserved_tokens += kv
         self._tickets[id(ticket)] = ticket
@@ -302,12 +320,19 @@ class AdmissionController:
                 "admission thresholds are stale and failureMode is FailClosed",
             )
         clamped = False
-        max_fit = self._max_fit_ever(req)
+        kv = self._kv_tokens(req.prompt_tokens, req.max_tokens, req.n)
+        cost = cfg.cost(req.prompt_tokens, req.n * req.max_tokens)
+        cap = self._min_cost_capacity
+        fits_ever = (cfg.kv_capacity_tokens is None or kv <= cfg.kv_capacity_tokens) and (
+            cap is None or cost <= cap
+        )
+        max_fit = None if fits_ever else self._max_fit_ever(req)
         if max_fit is not None and req.max_tokens > max_fit:
             floor = cfg.min_max_tokens
             if _DEGRADE in cfg.actions and floor is not None and max_fit >= floor:
                 req.max_tokens = max_fit
                 clamped = True
+                kv, cost = -1, -1.0
             else:
                 return self._refuse(
                     Reason.EXCEEDS_CAPACITY,
@@ -322,9 +347,10 @@ class AdmissionController:
                     + ("lower max_tokens" if max_fit >= 1 else "shorten the prompt"),
                 )
 
-        blocker = self._blocker(req, req.max_tokens, now)
+        found: list[tuple[TokenBucket, float, bool]] = []
+        blocker = self._blocker(req, req.max_tokens, now, found=found, kv=kv, cost=cost)
         if blocker is None and not (self._queue and self._head_blocked_shared):
-            ticket = self._reserve(req, req.max_tokens, now)
+            ticket = self._reserve(req, req.max_tokens, now, found=found, kv=kv)
             if clamped:
                 return Decision(
                     Outcome.DEGRADED,
@@ -332,7 +358,7 @@ class AdmissionController:
                     ticket=ticket,
                     max_tokens=req.max_tokens,
                 )
-            return Decision(Outcome.ADMITTED, Reason.OK, ticket=ticket, max_tokens=req.max_tokens)
+            return Decision(_ADMITTED, _OK, ticket, req.max_tokens)
         return self._overload(req, blocker, cfg.actions, now, clamped, 0.0)
 
     def _overload(
@@ -645,13 +671,13 @@ class AdmissionController:
         prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
         cfg = self.config
         actual = cfg.cost(prompt, completion_tokens) if reached_upstream else 0.0
-        for bmap, key, bucket, amount, is_cost in ticket.holds:
+        for bucket, amount, is_cost in ticket.holds:
             used = actual if is_cost else (1.0 if reached_upstream else 0.0)
             if used < amount:
                 bucket.put_back(amount - used, now)
             elif used > amount:
                 bucket.charge(used - amount, now)
-            bmap.unpin(key)
+            bucket.pins -= 1
         self.in_flight -= 1
         self.kv_reserved_tokens -= ticket.kv_tokens
         del self._tickets[id(ticket)]

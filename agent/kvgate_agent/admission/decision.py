@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvgate_agent.admission.bucket import BucketMap, TokenBucket
+    from kvgate_agent.admission.bucket import TokenBucket
 
 
 class Outcome(StrEnum):
@@ -72,7 +72,7 @@ class AdmissionRequest:
 class Ticket:
     """The reservations held by one admitted request, released exactly once.
 
-    ``holds`` lists (bucket map, key, bucket, units reserved, is_cost_bucket); ``kv_tokens`` is the
+    ``holds`` lists (bucket, units reserved, is_cost_bucket); ``kv_tokens`` is the
     KV reservation in tokens (block-rounded); ``max_tokens`` the output tokens admitted per choice.
     """
 
@@ -82,7 +82,7 @@ class Ticket:
     n: int
     kv_tokens: int
     admitted_at: float
-    holds: list[tuple[BucketMap, str, TokenBucket, float, bool]] = field(default_factory=list)
+    holds: list[tuple[TokenBucket, float, bool]] = field(default_factory=list)
     released: bool = False
 
 
@@ -101,7 +101,6 @@ class Waiter:
     decision: Decision | None = None
 
 
-@dataclass(slots=True)
 class Decision:
     """One admission decision.
 
@@ -118,10 +117,14 @@ class Decision:
         limit: name of the rate limit (or ``concurrency``/``kv``) that decided, if any.
         queue_seconds: time spent waiting in the queue, seconds.
         message: a human-readable explanation for error bodies and logs.
+        bucket_remaining, bucket_capacity, bucket_window, unit: the refusing bucket's state, for
+            the ``RateLimit`` headers (units left, capacity, seconds to refill, unit name).
+
+    A plain class with class-level defaults rather than a dataclass: it is built on every
+    request, and only the fields a decision needs are set (a 16-field dataclass ``__init__``
+    cost about 0.8 µs here, a third of the whole decision budget).
     """
 
-    outcome: Outcome
-    reason: Reason
     status: int = 200
     retry_after: int | None = None
     ticket: Ticket | None = None
@@ -136,7 +139,31 @@ class Decision:
     bucket_window: float | None = None
     unit: str | None = None
 
+    def __init__(
+        self,
+        outcome: Outcome,
+        reason: Reason,
+        ticket: Ticket | None = None,
+        max_tokens: int = 0,
+        **fields: Any,
+    ) -> None:
+        self.outcome = outcome
+        self.reason = reason
+        if ticket is not None:
+            self.ticket = ticket
+        self.max_tokens = max_tokens
+        for name, value in fields.items():
+            if not hasattr(Decision, name):
+                raise TypeError(f"Decision has no field {name!r}")
+            setattr(self, name, value)
+
     @property
     def admitted(self) -> bool:
         """True when the request may go upstream (it holds a ticket)."""
         return self.ticket is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"Decision({self.outcome.value}, {self.reason.value}, status={self.status}, "
+            f"retry_after={self.retry_after}, max_tokens={self.max_tokens})"
+        )
