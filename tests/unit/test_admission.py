@@ -522,6 +522,87 @@ def test_degrade_to_fallback_model_when_over_rate_limit() -> None:
     assert d.model == "small" and d.ticket is not None and d.ticket.holds == []
 
 
+def test_degrade_does_not_let_a_newcomer_overtake_waiters() -> None:
+    clock = FakeClock()
+    c = make(
+        {
+            "capacity": {"kvCacheTokens": 1024},
+            "model": {"blockSize": 16},
+            "overload": {
+                "actions": ["Degrade", "Queue", "Reject"],
+                "degrade": {"minMaxTokens": 128},
+            },
+        },
+        clock,
+    )
+    _tickets(c, 1, prompt=100, max_tokens=620)  # 720 reserved
+    (small,) = _tickets(c, 1, prompt=4, max_tokens=92)  # 96 more: 208 free
+    b = c.submit(req("b", prompt=150, max_tokens=100))  # needs 256, cannot clamp below 128
+    assert b.waiter is not None
+    clock.advance(1)
+    newcomer = c.submit(req("c", prompt=10, max_tokens=1000))
+    assert newcomer.waiter is not None  # queued behind b, not clamped into b's capacity
+    c.release(small, completion_tokens=92)
+    c.pump()
+    assert b.waiter.decision is not None and b.waiter.decision.admitted
+
+
+def test_a_waiter_may_still_degrade_when_its_wait_times_out() -> None:
+    clock = FakeClock()
+    c = make(
+        {
+            "capacity": {"kvCacheTokens": 1024},
+            "model": {"blockSize": 16},
+            "queue": {"maxWaitSeconds": 5},
+            "overload": {
+                "actions": ["Queue", "Degrade", "Reject"],
+                "degrade": {"minMaxTokens": 64},
+            },
+        },
+        clock,
+    )
+    _tickets(c, 1, prompt=100, max_tokens=700)  # 800 reserved, 224 free
+    w = c.submit(req("x", prompt=20, max_tokens=500)).waiter
+    assert w is not None
+    clock.advance(5)
+    c.pump()
+    assert w.decision is not None and w.decision.outcome is Outcome.DEGRADED
+    assert w.decision.max_tokens == 204 and w.decision.queue_seconds == 5
+
+
+def test_retry_after_counts_the_demand_queued_on_the_same_bucket() -> None:
+    clock = FakeClock()
+    c = make(
+        {
+            "rateLimits": [{"name": "t", "requestsPerMinute": 60, "burstRequests": 1}],
+            "queue": {"maxLength": 3},
+        },
+        clock,
+    )
+    assert c.submit(req("a")).admitted
+    for _ in range(3):  # three more of a's requests wait for the same bucket, 1 s apart
+        assert c.submit(req("a")).waiter is not None
+    d = c.submit(req("a"))
+    assert d.reason is Reason.QUEUE_FULL
+    assert d.retry_after == 4  # its turn comes after the three queued ones
+    other = c.submit(req("b"))
+    assert other.admitted  # another tenant's bucket is untouched
+
+
+def test_passing_through_the_queue_without_waiting_is_admitted() -> None:
+    c = make(
+        {
+            "capacity": {"kvCacheTokens": 1024},
+            "model": {"blockSize": 16},
+            "queue": {"order": "Priority"},
+        }
+    )
+    _tickets(c, 1, prompt=500, max_tokens=300)  # 800 reserved
+    assert c.submit(req("big", prompt=200, max_tokens=200)).waiter is not None
+    d = c.submit(req("vip", prompt=10, max_tokens=10, priority=5))  # ranks first, fits now
+    assert d.outcome is Outcome.ADMITTED and d.queue_seconds == 0 and d.ticket is not None
+
+
 # ---------------------------------------------------------------- asyncio driver
 
 

@@ -395,6 +395,10 @@ class AdmissionController:
         cfg = self.config
         if blocker is None:
             return None
+        if waited == 0 and self._queue and self._head_blocked_shared:
+            # Others already wait for the same capacity: a newcomer must not take it first,
+            # not even a degraded one.
+            return None
         # 1. Clamp max_tokens to what fits now (not below minMaxTokens).
         if cfg.min_max_tokens is not None and blocker.reason in (
             Reason.KV_CAPACITY,
@@ -510,7 +514,23 @@ class AdmissionController:
         """Seconds until the blocking resource could admit ``req``: bucket refill time, or the
         expected drain of in-flight (and already queued) work for concurrency and KV."""
         if blocker.bucket is not None:
-            return blocker.bucket.seconds_until(blocker.amount, now)
+            # Waiters drawing on the same bucket are served first: count their demand too.
+            per_request = blocker.reason is Reason.RATE_LIMIT_REQUESTS
+            queued = 0.0
+            for w in self._queue.values():
+                other = w.request
+                if other is req or (blocker.tenant_scoped and other.tenant != req.tenant):
+                    continue
+                queued += (
+                    1.0
+                    if per_request
+                    else self.config.cost(other.prompt_tokens, other.n * other.max_tokens)
+                )
+            b = blocker.bucket
+            wait = b.seconds_until(blocker.amount, now)
+            if queued:
+                wait = max(wait, (blocker.amount + queued - b.refill(now)) / b.rate)
+            return wait
         ends = sorted(
             (t.admitted_at + (t.max_tokens + 1) * self.seconds_per_token, t.kv_tokens)
             for t in self._tickets.values()
@@ -559,6 +579,8 @@ class AdmissionController:
         self.pump()
         if w.decision is not None:  # admitted at once: the caller gets it directly
             self._resolved.remove(w)
+            if w.decision.outcome is Outcome.QUEUED:
+                w.decision.outcome = Outcome.ADMITTED  # it never waited
             return w.decision
         return Decision(Outcome.QUEUED, Reason.OK, waiter=w, max_tokens=req.max_tokens)
 
@@ -599,8 +621,11 @@ class AdmissionController:
             del self._queue[w.seq]
             waited = now - w.enqueued_at
             blocker = self._blocker(w.request, w.request.max_tokens, now)
+            actions = w.remaining_actions
+            if _DEGRADE in self.config.actions and _DEGRADE not in actions:
+                actions = (_DEGRADE, *actions)  # having waited its turn, it may still degrade
             w.decision = self._overload(
-                w.request, blocker, w.remaining_actions, now, w.clamped, max(waited, 1e-9)
+                w.request, blocker, actions, now, w.clamped, max(waited, 1e-9)
             )
             done.append(w)
         self._head_blocked_shared = False
