@@ -1,0 +1,125 @@
+"""The ``NodeAdmission`` object (cluster-scoped, one per node, named after the node).
+
+``spec`` is written by the operator only: for every model pod on the node that a
+RateLimitPolicy selects, the thresholds its sidecar enforces (rates and bursts already split for
+``per: Global`` limits). ``status`` is written by the node agent only: GPU memory, per-pod KV
+usage and in-flight counts, a heartbeat and conditions.
+
+Units: tokens, bytes, seconds; rates per minute as in the policy.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from kvgate_agent.contract.policy import API_VERSION, RateLimitPolicySpec, _Model
+
+NODE_ADMISSION_KIND = "NodeAdmission"
+NODE_ADMISSION_PLURAL = "nodeadmissions"
+RATE_LIMIT_POLICY_PLURAL = "ratelimitpolicies"
+
+
+class PolicyRef(_Model):
+    """The RateLimitPolicy a pod's thresholds come from, at the generation they were computed
+    from (so a sidecar can tell whether it runs the newest policy)."""
+
+    namespace: str
+    name: str
+    uid: str | None = None
+    generation: int
+
+
+class PodThresholds(RateLimitPolicySpec):
+    """What one pod's sidecar enforces: the policy spec resolved for that pod.
+
+    ``rateLimits`` hold this pod's own numbers: ``per: Global`` rates and bursts are already
+    multiplied by ``globalShare`` (the pod's fraction of the cluster-wide budget).
+    ``kvCapacityTokens`` is the capacity from the best source the operator knows (the engine's
+    own report via the agent, else ``capacity.kvCacheTokens``); ``bytesPerToken`` comes from the
+    model shape. ``selector`` is always absent here.
+    """
+
+    global_share: Annotated[float, Field(gt=0, le=1)] = 1.0
+    kv_capacity_tokens: Annotated[int, Field(gt=0)] | None = None
+    bytes_per_token: Annotated[int, Field(gt=0)] | None = None
+
+
+class PodAdmission(_Model):
+    """One pod on the node and its thresholds."""
+
+    namespace: str
+    name: str
+    uid: str
+    policy: PolicyRef
+    thresholds: PodThresholds
+
+
+class NodeAdmissionSpec(_Model):
+    """Written by the operator. ``pods`` is sorted by (namespace, name)."""
+
+    node_name: str
+    pods: list[PodAdmission] = Field(default_factory=list)
+
+
+class GpuStatus(_Model):
+    """One GPU or MIG slice as NVML reports it (bytes)."""
+
+    uuid: str
+    index: int | None = None
+    name: str | None = None
+    mig: bool = False
+    total_bytes: Annotated[int, Field(ge=0)]
+    used_bytes: Annotated[int, Field(ge=0)]
+    free_bytes: Annotated[int, Field(ge=0)]
+    healthy: bool = True
+    reason: str | None = None
+
+
+class PodUsage(_Model):
+    """What one pod's sidecar and engine report (tokens)."""
+
+    namespace: str
+    name: str
+    uid: str | None = None
+    in_flight: Annotated[int, Field(ge=0)] = 0
+    queue_length: Annotated[int, Field(ge=0)] = 0
+    kv_reserved_tokens: Annotated[int, Field(ge=0)] = 0
+    kv_used_tokens: Annotated[int, Field(ge=0)] | None = None
+    engine_kv_capacity_tokens: Annotated[int, Field(gt=0)] | None = None
+
+
+class Condition(_Model):
+    """A Kubernetes-style condition."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+
+
+class NodeAdmissionStatus(_Model):
+    """Written by the node agent."""
+
+    gpus: list[GpuStatus] = Field(default_factory=list)
+    pods: list[PodUsage] = Field(default_factory=list)
+    heartbeat_time: str | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+__all__ = [
+    "API_VERSION",
+    "NODE_ADMISSION_KIND",
+    "NODE_ADMISSION_PLURAL",
+    "RATE_LIMIT_POLICY_PLURAL",
+    "Condition",
+    "GpuStatus",
+    "NodeAdmissionSpec",
+    "NodeAdmissionStatus",
+    "PodAdmission",
+    "PodThresholds",
+    "PodUsage",
+    "PolicyRef",
+]
