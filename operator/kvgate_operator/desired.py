@@ -1,0 +1,332 @@
+"""From cluster state to desired state: pure functions, no I/O, no kopf.
+
+Input: a :class:`Snapshot` of RateLimitPolicies, Pods, Nodes and what the node agents reported.
+Output: the ``NodeAdmission`` spec every node should have and the status every policy should
+show. The reconciler compares these with what the API server holds and writes only the
+differences, so computing from scratch after any event (or an operator restart) converges to the
+same objects.
+
+Rules (documented for users in the README):
+
+- A policy selects pods in its own namespace by its label ``selector``. A pod counts when it is
+  bound to a node that exists (``spec.nodeName``), is not terminating and has not finished.
+- Two policies selecting the same pod: the oldest policy (creationTimestamp, then name) wins.
+  Both report the overlap in ``status.conflicts`` (and the reconciler emits an Event).
+- ``per: Global`` limits are split evenly across the policy's ready pods (Ready condition True);
+  a pod that is not ready yet gets the same share, so it does not get the whole budget at once.
+  With no ready pod the split is across all matched pods.
+- KV capacity: the engine's own report (via the agent, ``fromEngineMetrics``) beats
+  ``capacity.kvCacheTokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvgate_agent.contract.nodeadmission import (
+    NodeAdmissionSpec,
+    PodAdmission,
+    PodThresholds,
+    PolicyRef,
+)
+from kvgate_agent.contract.policy import (
+    LabelSelector,
+    LimitScope,
+    PolicyError,
+    RateLimitPolicySpec,
+    parse_policy,
+)
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A RateLimitPolicy as read from the API server. ``spec`` is None when invalid
+    (``error`` says why)."""
+
+    namespace: str
+    name: str
+    uid: str
+    generation: int
+    created: str
+    spec: RateLimitPolicySpec | None
+    error: str | None = None
+
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.name)
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any]) -> Policy:
+        """Parse a RateLimitPolicy object (a dict as the API returns it)."""
+        meta = obj.get("metadata") or {}
+        spec: RateLimitPolicySpec | None = None
+        error = None
+        try:
+            spec = parse_policy(
+                {k: obj[k] for k in ("apiVersion", "kind", "metadata", "spec") if k in obj}
+            ).spec
+        except PolicyError as exc:
+            error = str(exc)
+        return cls(
+            meta.get("namespace", ""),
+            meta["name"],
+            meta.get("uid", ""),
+            int(meta.get("generation") or 0),
+            meta.get("creationTimestamp") or "",
+            spec,
+            error,
+        )
+
+
+@dataclass(frozen=True)
+class Pod:
+    """The parts of a Pod the operator reads."""
+
+    namespace: str
+    name: str
+    uid: str
+    labels: Mapping[str, str]
+    node: str | None
+    active: bool
+    ready: bool
+
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.name)
+
+    @classmethod
+    def from_object(cls, obj: Mapping[str, Any]) -> Pod:
+        """Parse a Pod object (a dict as the API returns it)."""
+        meta = obj.get("metadata") or {}
+        status = obj.get("status") or {}
+        phase = status.get("phase")
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        return cls(
+            meta.get("namespace", ""),
+            meta["name"],
+            meta.get("uid", ""),
+            dict(meta.get("labels") or {}),
+            (obj.get("spec") or {}).get("nodeName"),
+            meta.get("deletionTimestamp") is None and phase not in ("Succeeded", "Failed"),
+            ready,
+        )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything desired state depends on.
+
+    ``nodes`` maps node name to uid. ``engine_capacity`` maps a pod uid to the KV capacity in
+    tokens its engine reported (from NodeAdmission status, written by the agent).
+    """
+
+    policies: Mapping[Key, Policy]
+    pods: Mapping[Key, Pod]
+    nodes: Mapping[str, str]
+    engine_capacity: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class PolicyOutcome:
+    """What a policy's status should say."""
+
+    generation: int
+    accepted: bool
+    accepted_reason: str
+    accepted_message: str
+    matched: list[Key] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)
+
+    def status(self) -> dict[str, Any]:
+        """The status fields (conditions without timestamps; the reconciler adds them)."""
+        n = len(self.matched)
+        ready = self.accepted and n > 0
+        if not self.accepted:
+            ready_reason, ready_msg = "NotAccepted", "the policy is not accepted"
+        elif n == 0:
+            ready_reason, ready_msg = "NoMatchingPods", "no running pod on a node matches"
+        else:
+            ready_reason, ready_msg = "ThresholdsWritten", f"thresholds written for {n} pod(s)"
+        return {
+            "observedGeneration": self.generation,
+            "matchedPods": n,
+            "conflicts": sorted(self.conflicts),
+            "conditions": [
+                {
+                    "type": "Accepted",
+                    "status": "True" if self.accepted else "False",
+                    "reason": self.accepted_reason,
+                    "message": self.accepted_message,
+                    "observedGeneration": self.generation,
+                },
+                {
+                    "type": "Ready",
+                    "status": "True" if ready else "False",
+                    "reason": ready_reason,
+                    "message": ready_msg,
+                    "observedGeneration": self.generation,
+                },
+            ],
+        }
+
+
+@dataclass
+class Desired:
+    """Desired NodeAdmission specs (by node name, as JSON-ready dicts) and policy outcomes."""
+
+    node_specs: dict[str, dict[str, Any]]
+    policies: dict[Key, PolicyOutcome]
+
+
+def selects(selector: LabelSelector | None, labels: Mapping[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels AND every matchExpression).
+    A missing selector selects nothing (the CRD requires one); an empty one selects all."""
+    if selector is None:
+        return False
+    for k, v in selector.match_labels.items():
+        if labels.get(k) != v:
+            return False
+    for req in selector.match_expressions:
+        has = req.key in labels
+        if req.operator == "In" and (not has or labels[req.key] not in req.values):
+            return False
+        if req.operator == "NotIn" and has and labels[req.key] in req.values:
+            return False
+        if req.operator == "Exists" and not has:
+            return False
+        if req.operator == "DoesNotExist" and has:
+            return False
+    return True
+
+
+def _precedence(p: Policy) -> tuple[str, str, str]:
+    return (p.created, p.namespace, p.name)
+
+
+def resolve_thresholds(
+    spec: RateLimitPolicySpec, share: float, engine_kv_capacity: int | None
+) -> PodThresholds:
+    """One pod's thresholds: ``per: Global`` rates × ``share`` and bursts × ``share`` (at least
+    1), the best known KV capacity (tokens) and bytes per token."""
+    limits = []
+    for rl in spec.rate_limits:
+        if rl.per is LimitScope.GLOBAL and share < 1:
+            upd: dict[str, Any] = {}
+            if rl.requests_per_minute is not None:
+                upd["requests_per_minute"] = rl.requests_per_minute * share
+            if rl.tokens_per_minute is not None:
+                upd["tokens_per_minute"] = rl.tokens_per_minute * share
+            if rl.burst_requests is not None:
+                upd["burst_requests"] = max(1, math.floor(rl.burst_requests * share))
+            if rl.burst_tokens is not None:
+                upd["burst_tokens"] = max(1, math.floor(rl.burst_tokens * share))
+            rl = rl.model_copy(update=upd)
+        limits.append(rl)
+    kv = spec.capacity.kv_cache_tokens
+    if spec.capacity.from_engine_metrics and engine_kv_capacity is not None:
+        kv = engine_kv_capacity
+    fields = {
+        name: getattr(spec, name) for name in RateLimitPolicySpec.model_fields if name != "selector"
+    }
+    fields["rate_limits"] = limits
+    try:
+        return PodThresholds(
+            **fields,
+            global_share=share,
+            kv_capacity_tokens=kv,
+            bytes_per_token=spec.model.bytes_per_token,
+        )
+    except ValidationError as exc:  # pragma: no cover - the inputs were validated already
+        raise ValueError(f"cannot resolve thresholds: {exc}") from None
+
+
+def compute(snap: Snapshot) -> Desired:
+    """Desired NodeAdmission specs for every node and the status of every policy."""
+    outcomes: dict[Key, PolicyOutcome] = {}
+    valid: list[Policy] = []
+    for p in snap.policies.values():
+        if p.spec is None:
+            outcomes[p.key] = PolicyOutcome(p.generation, False, "InvalidSpec", p.error or "")
+        elif p.spec.selector is None:
+            outcomes[p.key] = PolicyOutcome(
+                p.generation, False, "SelectorMissing", "spec.selector is required in a cluster"
+            )
+        else:
+            outcomes[p.key] = PolicyOutcome(p.generation, True, "Valid", "the policy is valid")
+            valid.append(p)
+    valid.sort(key=_precedence)
+    by_ns: dict[str, list[Policy]] = {}
+    for p in valid:
+        by_ns.setdefault(p.namespace, []).append(p)
+
+    owner: dict[Key, Policy] = {}
+    for pod in sorted(snap.pods.values(), key=lambda x: x.key):
+        if not pod.active or pod.node is None or pod.node not in snap.nodes:
+            continue
+        hits = [
+            p
+            for p in by_ns.get(pod.namespace, ())
+            if selects(p.spec.selector if p.spec else None, pod.labels)
+        ]
+        if not hits:
+            continue
+        winner = hits[0]
+        owner[pod.key] = winner
+        outcomes[winner.key].matched.append(pod.key)
+        for loser in hits[1:]:
+            outcomes[loser.key].conflicts.append(
+                f"{pod.namespace}/{pod.name}: governed by older policy {winner.name}"
+            )
+            outcomes[winner.key].conflicts.append(
+                f"{pod.namespace}/{pod.name}: also selected by {loser.name}"
+            )
+
+    pods_by_node: dict[str, list[dict[str, Any]]] = {n: [] for n in snap.nodes}
+    for pol_key, outcome in outcomes.items():
+        if not outcome.matched:
+            continue
+        policy = snap.policies[pol_key]
+        assert policy.spec is not None
+        members = [snap.pods[k] for k in outcome.matched]
+        ready = sum(1 for m in members if m.ready)
+        has_global = any(rl.per is LimitScope.GLOBAL for rl in policy.spec.rate_limits)
+        # Without a Global limit the share means nothing: keep it 1 so pods coming and going
+        # do not rewrite every other pod's thresholds.
+        share = 1.0 / (ready or len(members)) if has_global else 1.0
+        for pod in members:
+            thresholds = resolve_thresholds(
+                policy.spec, min(1.0, share), snap.engine_capacity.get(pod.uid)
+            )
+            entry = PodAdmission(
+                namespace=pod.namespace,
+                name=pod.name,
+                uid=pod.uid,
+                policy=PolicyRef(
+                    namespace=policy.namespace,
+                    name=policy.name,
+                    uid=policy.uid or None,
+                    generation=policy.generation,
+                ),
+                thresholds=thresholds,
+            )
+            assert pod.node is not None
+            pods_by_node[pod.node].append(
+                entry.model_dump(by_alias=True, exclude_none=True, mode="json")
+            )
+    node_specs = {}
+    for node, entries in pods_by_node.items():
+        entries.sort(key=lambda e: (e["namespace"], e["name"]))
+        node_specs[node] = NodeAdmissionSpec(node_name=node).model_dump(
+            by_alias=True, exclude_none=True, mode="json"
+        ) | {"pods": entries}
+    return Desired(node_specs, outcomes)

@@ -1,0 +1,83 @@
+"""kopf handlers: thin. Every watch event only triggers a reconcile pass; the work happens in
+:mod:`kvgate_operator.reconciler` and the pure modules below it.
+
+No handler here uses a finalizer (only ``on.event``, ``on.startup``, ``on.cleanup`` and
+``on.probe``), so the operator never adds, removes or fights over finalizers on anybody's
+objects (field lesson L08, kopf #664).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import kopf
+from kubernetes import client, config
+
+from kvgate_agent.contract.nodeadmission import NODE_ADMISSION_PLURAL, RATE_LIMIT_POLICY_PLURAL
+from kvgate_agent.contract.policy import API_GROUP
+from kvgate_operator.reconciler import Reconciler
+from kvgate_operator.settings import OperatorSettings
+
+log = logging.getLogger("kvgate.operator")
+SETTINGS = OperatorSettings()
+_state: dict[str, Any] = {}
+
+
+def _api_client() -> client.ApiClient:
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    return client.ApiClient()
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Configure kopf's watches and start the reconcile loop."""
+    settings.watching.server_timeout = SETTINGS.watch_server_timeout
+    settings.watching.client_timeout = SETTINGS.watch_client_timeout
+    settings.watching.connect_timeout = SETTINGS.connect_timeout
+    settings.posting.level = logging.WARNING
+    settings.persistence.finalizer = "kvgate.io/unused-finalizer"  # never added: no on.create
+    reconciler = Reconciler(_api_client(), SETTINGS)
+    _state["reconciler"] = reconciler
+    _state["task"] = asyncio.create_task(reconciler.run())
+    reconciler.trigger()
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    """Stop the reconcile loop."""
+    task = _state.get("task")
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _trigger(**_: Any) -> None:
+    r = _state.get("reconciler")
+    if r is not None:
+        r.trigger()
+
+
+kopf.on.event(API_GROUP, "v1alpha1", RATE_LIMIT_POLICY_PLURAL)(_trigger)
+kopf.on.event("", "v1", "pods")(_trigger)
+kopf.on.event("", "v1", "nodes")(_trigger)
+kopf.on.event(API_GROUP, "v1alpha1", NODE_ADMISSION_PLURAL)(_trigger)
+
+
+@kopf.on.probe(id="reconciler")
+def reconciler_alive(**_: Any) -> str:
+    """Liveness: fails (the endpoint answers 500) when no pass succeeded recently."""
+    r: Reconciler | None = _state.get("reconciler")
+    task: asyncio.Task[None] | None = _state.get("task")
+    if r is None or task is None or task.done():
+        raise kopf.PermanentError("the reconcile loop is not running")
+    ok, why = r.healthy()
+    if not ok:
+        raise kopf.PermanentError(why)
+    return why

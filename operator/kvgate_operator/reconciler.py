@@ -1,0 +1,319 @@
+"""The reconcile loop: read the cluster, compute desired state, write the differences.
+
+Level-triggered: watch events (delivered by kopf) only *trigger* a pass; each pass reads a fresh
+snapshot with LIST calls and computes everything from scratch (:mod:`kvgate_operator.desired`),
+then writes only what differs (:mod:`kvgate_operator.plan`). So a missed or duplicated event, a
+restart mid-pass or a crash between two writes cannot leave anything wrong for longer than the
+next pass; bursts of events are debounced into one pass; a periodic resync runs even without
+events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from kvgate_agent.contract.nodeadmission import NODE_ADMISSION_PLURAL, RATE_LIMIT_POLICY_PLURAL
+from kvgate_agent.contract.policy import API_GROUP
+from kvgate_operator.desired import Key, Pod, Policy, Snapshot, compute
+from kvgate_operator.plan import Plan, plan
+from kvgate_operator.settings import OperatorSettings
+
+log = logging.getLogger("kvgate.operator")
+VERSION = "v1alpha1"
+FIELD_MANAGER = "kvgate-operator"
+
+
+@dataclass
+class Observed:
+    """One consistent-enough read of the cluster."""
+
+    snapshot: Snapshot
+    node_specs: dict[str, dict[str, Any] | None]
+    policy_status: dict[Key, dict[str, Any] | None]
+    policy_uids: dict[Key, str]
+
+
+@dataclass
+class PassStats:
+    """What one pass did: writes by kind, and how long it took (seconds)."""
+
+    node_writes: int = 0
+    status_writes: int = 0
+    events: int = 0
+    seconds: float = 0.0
+
+    @property
+    def writes(self) -> int:
+        return self.node_writes + self.status_writes
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Reconciler:
+    """Reads, computes and writes; :meth:`run` is the long-running loop.
+
+    Args:
+        api: a configured ``kubernetes.client.ApiClient``.
+        settings: operator settings (debounce, resync).
+        clock: monotonic seconds (injected for tests of the loop's bookkeeping).
+    """
+
+    def __init__(
+        self,
+        api: client.ApiClient,
+        settings: OperatorSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.api = api
+        self.settings = settings
+        self.clock = clock
+        self.core = client.CoreV1Api(api)
+        self.custom = client.CustomObjectsApi(api)
+        self._wake = asyncio.Event()
+        self.last_pass_ok: float | None = None
+        self.last_stats = PassStats()
+        self.total_writes = 0
+        self.passes = 0
+
+    # ------------------------------------------------------------------ loop
+
+    def trigger(self) -> None:
+        """Ask for a pass soon (debounced)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Reconcile on every trigger (debounced) and at least every ``resync_seconds``.
+        A failed pass is logged and retried with backoff; it never stops the loop."""
+        backoff = 1.0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.settings.resync_seconds)
+            await asyncio.sleep(self.settings.debounce_seconds)
+            self._wake.clear()
+            try:
+                await self.reconcile_once()
+                backoff = 1.0
+            except (ApiException, OSError, ValueError) as exc:
+                log.warning("reconcile pass failed, retrying in %.0fs: %s", backoff, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(60.0, backoff * 2)
+                self._wake.set()
+
+    def healthy(self) -> tuple[bool, str]:
+        """Liveness: a pass succeeded recently (within ``liveness_stale_seconds``)."""
+        if self.last_pass_ok is None:
+            return False, "no reconcile pass has completed yet"
+        age = self.clock() - self.last_pass_ok
+        if age > self.settings.liveness_stale_seconds:
+            return False, f"last successful reconcile pass was {age:.0f}s ago"
+        return True, f"last pass {age:.1f}s ago, {self.total_writes} writes so far"
+
+    async def reconcile_once(self) -> PassStats:
+        """One pass: read, compute, plan, write. Returns what it wrote."""
+        t0 = time.perf_counter()
+        observed = await asyncio.to_thread(self.read)
+        desired = compute(observed.snapshot)
+        todo = plan(desired, observed.node_specs, observed.policy_status, _now())
+        stats = await asyncio.to_thread(self.write, todo, observed)
+        stats.seconds = time.perf_counter() - t0
+        self.last_stats = stats
+        self.total_writes += stats.writes
+        self.passes += 1
+        self.last_pass_ok = self.clock()
+        if stats.writes or stats.events:
+            log.info(
+                "reconciled: %d NodeAdmission writes, %d policy status writes, %d events in %.2fs",
+                stats.node_writes,
+                stats.status_writes,
+                stats.events,
+                stats.seconds,
+            )
+        return stats
+
+    # ------------------------------------------------------------------ I/O
+
+    def _list(self, path: str) -> list[dict[str, Any]]:
+        """LIST a collection as plain dicts (the client's model deserialisation is far slower
+        than json for thousands of pods)."""
+        items: list[dict[str, Any]] = []
+        cont = None
+        while True:
+            query: list[tuple[str, Any]] = [("limit", 500)]
+            if cont:
+                query.append(("continue", cont))
+            params = self.api.param_serialize(
+                "GET",
+                path,
+                query_params=query,
+                header_params={"Accept": "application/json"},
+                auth_settings=["BearerToken"],
+            )
+            resp = self.api.call_api(*params)
+            resp.read()  # type: ignore[no-untyped-call]
+            if not 200 <= resp.status < 300:
+                raise ApiException(status=resp.status, reason=resp.reason)
+            body = json.loads(resp.data or b"{}")
+            items.extend(body.get("items") or [])
+            cont = (body.get("metadata") or {}).get("continue")
+            if not cont:
+                return items
+
+    def read(self) -> Observed:
+        """LIST policies, pods, nodes and NodeAdmissions."""
+        ns = self.settings.namespace
+        pol_path = (
+            f"/apis/{API_GROUP}/{VERSION}/namespaces/{ns}/{RATE_LIMIT_POLICY_PLURAL}"
+            if ns
+            else f"/apis/{API_GROUP}/{VERSION}/{RATE_LIMIT_POLICY_PLURAL}"
+        )
+        pod_path = f"/api/v1/namespaces/{ns}/pods" if ns else "/api/v1/pods"
+        raw_policies = self._list(pol_path)
+        raw_pods = self._list(pod_path)
+        raw_nodes = self._list("/api/v1/nodes")
+        raw_nas = self._list(f"/apis/{API_GROUP}/{VERSION}/{NODE_ADMISSION_PLURAL}")
+        policies = {}
+        status: dict[Key, dict[str, Any] | None] = {}
+        uids: dict[Key, str] = {}
+        for obj in raw_policies:
+            p = Policy.from_object(obj)
+            policies[p.key] = p
+            status[p.key] = obj.get("status") or None
+            uids[p.key] = p.uid
+        pods = {}
+        for obj in raw_pods:
+            pod = Pod.from_object(obj)
+            pods[pod.key] = pod
+        nodes = {n["metadata"]["name"]: n["metadata"].get("uid", "") for n in raw_nodes}
+        specs: dict[str, dict[str, Any] | None] = {}
+        capacity: dict[str, int] = {}
+        for na in raw_nas:
+            specs[na["metadata"]["name"]] = na.get("spec")
+            for usage in (na.get("status") or {}).get("pods") or []:
+                cap = usage.get("engineKvCapacityTokens")
+                if usage.get("uid") and isinstance(cap, int) and cap > 0:
+                    capacity[usage["uid"]] = cap
+        snap = Snapshot(policies, pods, nodes, capacity)
+        return Observed(snap, specs, status, uids)
+
+    def write(self, todo: Plan, observed: Observed) -> PassStats:
+        """Carry out a plan. Errors on one object are logged and leave the rest going: the next
+        pass retries what is still different."""
+        stats = PassStats()
+        nodes = observed.snapshot.nodes
+        for w in todo.nodes:
+            try:
+                if w.action == "delete":
+                    self.custom.delete_cluster_custom_object(
+                        API_GROUP, VERSION, NODE_ADMISSION_PLURAL, w.node
+                    )
+                elif w.action == "create":
+                    body = {
+                        "apiVersion": f"{API_GROUP}/{VERSION}",
+                        "kind": "NodeAdmission",
+                        "metadata": {
+                            "name": w.node,
+                            "labels": {"app.kubernetes.io/managed-by": "kvgate-operator"},
+                            "ownerReferences": [
+                                {
+                                    "apiVersion": "v1",
+                                    "kind": "Node",
+                                    "name": w.node,
+                                    "uid": nodes[w.node],
+                                }
+                            ]
+                            if nodes.get(w.node)
+                            else [],
+                        },
+                        "spec": w.spec,
+                    }
+                    try:
+                        self.custom.create_cluster_custom_object(
+                            API_GROUP,
+                            VERSION,
+                            NODE_ADMISSION_PLURAL,
+                            body,
+                            field_manager=FIELD_MANAGER,
+                        )
+                    except ApiException as exc:
+                        if exc.status != 409:
+                            raise
+                        self._patch_spec(w.node, w.spec)  # created meanwhile: converge
+                else:
+                    self._patch_spec(w.node, w.spec)
+                stats.node_writes += 1
+            except ApiException as exc:
+                if not (w.action == "delete" and exc.status == 404):
+                    log.warning("NodeAdmission %s %s failed: %s", w.action, w.node, exc.reason)
+        for s in todo.statuses:
+            ns, name = s.policy
+            try:
+                self.custom.patch_namespaced_custom_object_status(
+                    API_GROUP,
+                    VERSION,
+                    ns,
+                    RATE_LIMIT_POLICY_PLURAL,
+                    name,
+                    {"status": s.status},
+                    field_manager=FIELD_MANAGER,
+                )
+                stats.status_writes += 1
+            except ApiException as exc:
+                if exc.status != 404:  # deleted meanwhile
+                    log.warning("status of %s/%s failed: %s", ns, name, exc.reason)
+        for e in todo.events:
+            ns, name = e.policy
+            try:
+                self._event(
+                    ns, name, observed.policy_uids.get(e.policy, ""), e.type, e.reason, e.message
+                )
+                stats.events += 1
+            except ApiException as exc:
+                log.warning("event on %s/%s failed: %s", ns, name, exc.reason)
+        return stats
+
+    def _patch_spec(self, node: str, spec: dict[str, Any] | None) -> None:
+        # A merge patch would merge into the old pods list; replace the spec as a whole.
+        self.custom.patch_cluster_custom_object(
+            API_GROUP,
+            VERSION,
+            NODE_ADMISSION_PLURAL,
+            node,
+            [{"op": "replace", "path": "/spec", "value": spec}],
+            field_manager=FIELD_MANAGER,
+        )
+
+    def _event(self, ns: str, name: str, uid: str, type_: str, reason: str, message: str) -> None:
+        now = dt.datetime.now(dt.UTC)
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{name}.", namespace=ns),
+            involved_object=client.V1ObjectReference(
+                api_version=f"{API_GROUP}/{VERSION}",
+                kind="RateLimitPolicy",
+                name=name,
+                namespace=ns,
+                uid=uid or None,
+            ),
+            type=type_,
+            reason=reason,
+            message=message,
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            source=client.V1EventSource(component="kvgate-operator"),
+            reporting_component="kvgate.io/operator",
+            reporting_instance="kvgate-operator",
+        )
+        self.core.create_namespaced_event(ns, body)
