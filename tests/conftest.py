@@ -208,3 +208,53 @@ async def upstream() -> AsyncIterator[Upstream]:
     up.url = f"http://127.0.0.1:{port}"
     yield up
     await runner.cleanup()
+
+
+# ----------------------------------------------------------------------------------------------
+# The local Kubernetes control plane (kube-apiserver + etcd from scripts/build-k8s).
+
+
+def k8s_bin_dir() -> Path | None:
+    """The directory with kube-apiserver and etcd: $KVGATE_K8S_BIN (set by scripts/test), else
+    $KUBEBUILDER_ASSETS, else the newest build in the cache (~/.cache/kvgate/k8s/*/)."""
+
+    def usable(d: Path) -> bool:
+        return all(os.access(d / tool, os.X_OK) for tool in ("kube-apiserver", "etcd"))
+
+    for var in ("KVGATE_K8S_BIN", "KUBEBUILDER_ASSETS"):
+        value = os.environ.get(var)
+        if value:
+            if not usable(Path(value)):
+                pytest.fail(f"{var}={value} has no executable kube-apiserver and etcd")
+            return Path(value)
+    cache = Path(os.environ.get("KVGATE_CACHE", Path.home() / ".cache" / "kvgate")) / "k8s"
+    found = sorted(d for d in cache.glob("*/") if usable(d))
+    return found[-1] if found else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that uses the ``kube`` fixture is marked ``k8s`` (``-m "not k8s"`` skips
+    them)."""
+    for item in items:
+        if "kube" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.k8s)
+
+
+@pytest.fixture(scope="session")
+def kube() -> Iterator[Any]:
+    """A real kube-apiserver + etcd for the whole session (a ``tests.k8s.ControlPlane``; a few
+    seconds to start). Shared by all tests: use unique names, do not rely on deletion finishing.
+    Without the binaries, tests using it fail loudly (build them with scripts/build-k8s, which
+    scripts/test runs), unless KVGATE_ALLOW_SKIP_K8S=1, then they skip."""
+    from tests.k8s import ControlPlane
+
+    bin_dir = k8s_bin_dir()
+    if bin_dir is None:
+        if os.environ.get("KVGATE_ALLOW_SKIP_K8S") == "1":
+            pytest.skip("kube-apiserver/etcd not built (run scripts/build-k8s)")
+        pytest.fail(
+            "kube-apiserver/etcd not built: run scripts/build-k8s (or scripts/test), or point "
+            "KVGATE_K8S_BIN at a directory holding them; KVGATE_ALLOW_SKIP_K8S=1 skips instead"
+        )
+    with ControlPlane(bin_dir) as cp:
+        yield cp

@@ -22,8 +22,13 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
 
-from kvgate_agent.contract.nodeadmission import NODE_ADMISSION_PLURAL, RATE_LIMIT_POLICY_PLURAL
+from kvgate_agent.contract.nodeadmission import (
+    NODE_ADMISSION_PLURAL,
+    RATE_LIMIT_POLICY_PLURAL,
+    NodeAdmissionSpec,
+)
 from kvgate_agent.contract.policy import API_GROUP
 from kvgate_operator.desired import Key, Pod, Policy, Snapshot, compute
 from kvgate_operator.plan import Plan, plan
@@ -56,6 +61,29 @@ class PassStats:
     @property
     def writes(self) -> int:
         return self.node_writes + self.status_writes
+
+
+def _detail(exc: ApiException) -> str:
+    """The API server's message from an error response, if any."""
+    body = exc.body or getattr(exc, "data", None) or ""
+    try:
+        return str(json.loads(body).get("message", ""))[:500]
+    except (TypeError, ValueError, AttributeError):
+        return str(body)[:500]
+
+
+def _normalized(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A stored NodeAdmission spec in the operator's own serialisation (defaults the API server
+    filled in made explicit the same way), so comparing with the desired spec sees only real
+    differences. A spec that does not parse is returned as is (it will be rewritten)."""
+    if spec is None:
+        return None
+    try:
+        return NodeAdmissionSpec.model_validate(spec).model_dump(
+            by_alias=True, exclude_none=True, mode="json"
+        )
+    except ValidationError:
+        return spec
 
 
 def _now() -> str:
@@ -200,7 +228,7 @@ class Reconciler:
         specs: dict[str, dict[str, Any] | None] = {}
         capacity: dict[str, int] = {}
         for na in raw_nas:
-            specs[na["metadata"]["name"]] = na.get("spec")
+            specs[na["metadata"]["name"]] = _normalized(na.get("spec"))
             for usage in (na.get("status") or {}).get("pods") or []:
                 cap = usage.get("engineKvCapacityTokens")
                 if usage.get("uid") and isinstance(cap, int) and cap > 0:
@@ -272,7 +300,7 @@ class Reconciler:
                 stats.status_writes += 1
             except ApiException as exc:
                 if exc.status != 404:  # deleted meanwhile
-                    log.warning("status of %s/%s failed: %s", ns, name, exc.reason)
+                    log.warning("status of %s/%s failed: %s %s", ns, name, exc.reason, _detail(exc))
         for e in todo.events:
             ns, name = e.policy
             try:
@@ -293,6 +321,7 @@ class Reconciler:
             node,
             [{"op": "replace", "path": "/spec", "value": spec}],
             field_manager=FIELD_MANAGER,
+            _content_type="application/json-patch+json",
         )
 
     def _event(self, ns: str, name: str, uid: str, type_: str, reason: str, message: str) -> None:
