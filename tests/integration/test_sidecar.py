@@ -219,7 +219,11 @@ async def test_cost_above_capacity_is_refused_at_once_with_400(
     upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
 ) -> None:
     url, _ = await sidecar_factory(
-        upstream.url, {"rateLimits": [{"name": "t", "tokensPerMinute": 100, "burstTokens": 100}]}
+        upstream.url,
+        {
+            "tenants": {"defaultMaxTokens": 50},
+            "rateLimits": [{"name": "t", "tokensPerMinute": 100, "burstTokens": 100}],
+        },
     )
     t0 = time.monotonic()
     async with client.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 500}) as r:

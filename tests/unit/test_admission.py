@@ -41,6 +41,9 @@ class FakeClock:
 
 
 def make(spec: dict[str, Any], clock: FakeClock | None = None, **kw: Any) -> AdmissionController:
+    # Small buckets below need a small default request (policy rule: burstTokens must admit
+    # one default request); these tests always send max_tokens explicitly.
+    spec = {"tenants": {"defaultMaxTokens": 16}, **spec}
     doc = {
         "apiVersion": "kvgate.io/v1alpha1",
         "kind": "RateLimitPolicy",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvgate_agent.contract.policy import API_VERSION, RateLimitPolicySpec, _Model
 
@@ -44,6 +44,18 @@ class PodThresholds(RateLimitPolicySpec):
     global_share: Annotated[float, Field(gt=0, le=1)] = 1.0
     kv_capacity_tokens: Annotated[int, Field(gt=0)] | None = None
     bytes_per_token: Annotated[int, Field(gt=0)] | None = None
+
+    @model_validator(mode="after")
+    def _bursts_admit_a_default_request(self) -> PodThresholds:
+        """Overrides the policy's rule: a ``per: Global`` burst split across pods may fall
+        below one default request's cost; the sidecar then answers 400 for such requests."""
+        return self
+
+    @model_validator(mode="after")
+    def _no_selector(self) -> PodThresholds:
+        if self.selector is not None:
+            raise ValueError("thresholds carry no selector")
+        return self
 
 
 class PodAdmission(_Model):

@@ -290,6 +290,15 @@ class LabelSelectorRequirement(_Model):
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
     values: list[str] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _values_match_operator(self) -> LabelSelectorRequirement:
+        if (self.operator in ("In", "NotIn")) != bool(self.values):
+            raise ValueError(
+                "values must be non-empty for operator In or NotIn and empty for Exists or "
+                "DoesNotExist"
+            )
+        return self
+
 
 class LabelSelector(_Model):
     """A Kubernetes label selector (``matchLabels`` and ``matchExpressions``)."""
@@ -326,6 +335,25 @@ class RateLimitPolicySpec(_Model):
         floor = None if self.overload.degrade is None else self.overload.degrade.min_max_tokens
         if floor is not None and cap is not None and floor > cap:
             raise ValueError("overload.degrade.minMaxTokens must not exceed tenants.maxTokensCap")
+        return self
+
+    @model_validator(mode="after")
+    def _bursts_admit_a_default_request(self) -> RateLimitPolicySpec:
+        """burstTokens ≥ the cost of a default request's output (perRequest +
+        outputTokenWeight × defaultMaxTokens, or × minMaxTokens when Degrade may clamp to it):
+        a smaller bucket could never admit an ordinary request. Same rule as the CRD's."""
+        out = self.tenants.default_max_tokens
+        dg = self.overload.degrade
+        if OverloadAction.DEGRADE in self.overload.actions and dg and dg.min_max_tokens:
+            out = min(out, dg.min_max_tokens)
+        need = self.cost.per_request + self.cost.output_token_weight * out
+        for rl in self.rate_limits:
+            if rl.burst_tokens is not None and rl.burst_tokens < need:
+                raise ValueError(
+                    f"rateLimits[].burstTokens must be at least {need:g} (perRequest + "
+                    "outputTokenWeight × defaultMaxTokens, or × minMaxTokens with Degrade) "
+                    f"so a default request can ever be admitted; {rl.name} has {rl.burst_tokens}"
+                )
         return self
 
 
@@ -370,7 +398,8 @@ def parse_policy(document: Any) -> RateLimitPolicy:
     if not isinstance(document, dict):
         raise PolicyError("policy: expected a RateLimitPolicy mapping at the top level")
     try:
-        return RateLimitPolicy.model_validate(document)
+        # By alias only: the manifest's camelCase names, exactly what the CRD accepts.
+        return RateLimitPolicy.model_validate(document, by_alias=True, by_name=False)
     except ValidationError as exc:
         lines = []
         for err in exc.errors(include_url=False):
