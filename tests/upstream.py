@@ -39,6 +39,8 @@ class Upstream:
     token_delay: float = 0.0
     tokens: int = 3
     byte_by_byte: bool = False
+    fail: str = ""  # "before_response": drop the connection; "mid_stream": drop after 2 events
+    headers_seen: list[dict[str, str]] = field(default_factory=list)
     active: int = 0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -51,11 +53,15 @@ class Upstream:
                     "body": (await request.read()).decode(errors="replace"),
                 }
             )
+        self.headers_seen.append(dict(request.headers))
         body = await request.json()
         self.bodies.append(body)
         self.active += 1
         try:
             await asyncio.sleep(self.headers_delay)
+            if self.fail == "before_response" and request.transport is not None:
+                request.transport.abort()
+                raise ConnectionResetError("simulated engine crash")
             if not body.get("stream"):
                 return web.json_response(
                     {
@@ -84,10 +90,12 @@ class Upstream:
                 for i in range(len(payload)):
                     await resp.write(payload[i : i + 1])
             else:
-                for part in re.split(b"(?<=\n\n)", payload):
-                    if part:
-                        await resp.write(part)
-                        await asyncio.sleep(self.token_delay)
+                for i, part in enumerate(p for p in re.split(b"(?<=\n\n)", payload) if p):
+                    if self.fail == "mid_stream" and i == 2 and request.transport is not None:
+                        request.transport.abort()
+                        raise ConnectionResetError("simulated engine crash mid-stream")
+                    await resp.write(part)
+                    await asyncio.sleep(self.token_delay)
             await resp.write_eof()
             return resp
         finally:

@@ -14,11 +14,14 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from aiohttp import web
 
+from kvgate_agent.admission import Reason
 from kvgate_agent.contract.policy import PolicyError, load_policy
 from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.tokens import TokenizerError
 
 log = logging.getLogger("kvgate")
 
@@ -30,17 +33,43 @@ def _hostport(value: str) -> tuple[str, int]:
     return (host.strip("[]") or "0.0.0.0"), int(port)
 
 
+def _url(value: str) -> str:
+    if not value.startswith(("http://", "https://")) or len(value) < 10:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {value!r}")
+    return value
+
+
+def _positive(kind: type[int] | type[float]) -> Any:
+    def parse(value: str) -> int | float:
+        try:
+            v = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
+        return v
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get("KVGATE_" + name, default)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``kvgate-agent`` argument parser."""
+    """The ``kvgate-agent`` argument parser. String defaults from the environment go through
+    each flag's type, so a bad ``KVGATE_*`` value is reported like a bad flag."""
     p = argparse.ArgumentParser(prog="kvgate-agent", description=__doc__)
     sub = p.add_subparsers(dest="role", required=True)
-    s = sub.add_parser("sidecar", help="admission-controlling reverse proxy for a model server")
+    s = sub.add_parser(
+        "sidecar",
+        help="admission-controlling reverse proxy for a model server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     s.add_argument(
         "--upstream",
+        type=_url,
         default=_env("UPSTREAM"),
         required=_env("UPSTREAM") is None,
         help="model server base URL, e.g. http://127.0.0.1:8000 [KVGATE_UPSTREAM]",
@@ -55,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen",
         type=_hostport,
         default=_env("LISTEN", "127.0.0.1:8080"),
-        help="HOST:PORT to serve clients on [KVGATE_LISTEN] (default %(default)s)",
+        help="HOST:PORT to serve clients on [KVGATE_LISTEN]",
     )
     s.add_argument(
         "--admin-listen",
@@ -70,39 +99,69 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-body-bytes",
-        type=int,
-        default=int(_env("MAX_BODY_BYTES", str(8 * 1024 * 1024)) or 0),
-        help="request body limit, bytes (413 above) [KVGATE_MAX_BODY_BYTES]",
+        type=_positive(int),
+        default=_env("MAX_BODY_BYTES", str(8 * 1024 * 1024)),
+        help="request body limit, bytes; larger bodies get 413 [KVGATE_MAX_BODY_BYTES]",
+    )
+    s.add_argument(
+        "--upstream-timeout",
+        type=_positive(float),
+        default=_env("UPSTREAM_TIMEOUT", "600"),
+        help="seconds without a byte from the model server before a request "
+        "fails with 504 [KVGATE_UPSTREAM_TIMEOUT]",
     )
     s.add_argument(
         "--drain-seconds",
-        type=float,
-        default=float(_env("DRAIN_SECONDS", "30") or 30),
-        help="on SIGTERM, how long in-flight requests may finish [KVGATE_DRAIN_SECONDS]",
+        type=_positive(float),
+        default=_env("DRAIN_SECONDS", "30"),
+        help="on SIGTERM, how long in-flight requests may finish; keep it below "
+        "the pod's terminationGracePeriodSeconds [KVGATE_DRAIN_SECONDS]",
     )
-    s.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
+    s.add_argument(
+        "--log-level",
+        type=str.upper,
+        default=_env("LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="[KVGATE_LOG_LEVEL]",
+    )
     return p
 
 
 async def run_sidecar(
     settings: SidecarSettings, listen: tuple[str, int], admin: tuple[str, int] | None
 ) -> int:
-    """Serve until SIGTERM/SIGINT, then stop accepting, drain in-flight work up to
-    ``settings.drain_seconds`` and return 0."""
+    """Serve until SIGTERM/SIGINT, then: refuse new work (waiting requests get 503 with
+    Retry-After, the listener closes), let in-flight requests finish for up to
+    ``settings.drain_seconds`` (a second signal cuts that short), cancel what is left (every
+    reservation is released on that path too) and return 0."""
     sidecar = Sidecar(settings)
-    runner = web.AppRunner(sidecar.build_app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        sidecar.build_app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=1.0,
+        max_field_size=65536,
+        max_line_size=65536,
+    )
     await runner.setup()
     site = web.TCPSite(runner, listen[0], listen[1], backlog=1024)
     await site.start()
     admin_runner: web.AppRunner | None = None
     if admin is not None:
-        admin_runner = web.AppRunner(sidecar.build_admin_app(), access_log=None)
+        admin_runner = web.AppRunner(
+            sidecar.build_admin_app(), access_log=None, shutdown_timeout=1.0
+        )
         await admin_runner.setup()
         await web.TCPSite(admin_runner, admin[0], admin[1]).start()
     stop = asyncio.Event()
+    hurry = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     print(
         f"kvgate sidecar listening on http://{listen[0]}:{listen[1]} -> {settings.upstream}",
         flush=True,
@@ -110,22 +169,30 @@ async def run_sidecar(
     await stop.wait()
     log.info("shutting down: draining up to %.0fs", settings.drain_seconds)
     sidecar.draining = True
+    sidecar.admission.reject_waiting(Reason.DRAINING, 503, 1.0, "the sidecar is shutting down")
     await site.stop()  # stop accepting new connections
-    if not await sidecar.admission.wait_idle(settings.drain_seconds):
+    idle = asyncio.ensure_future(sidecar.admission.wait_idle(settings.drain_seconds))
+    cut = asyncio.ensure_future(hurry.wait())
+    await asyncio.wait({idle, cut}, return_when=asyncio.FIRST_COMPLETED)
+    cut.cancel()
+    if not idle.done() or not idle.result():
+        idle.cancel()
         log.warning(
-            "drain deadline passed with %d requests in flight", sidecar.controller.in_flight
+            "stopping with %d requests in flight (drain deadline or second signal)",
+            sidecar.controller.in_flight,
         )
-    await runner.cleanup()
+    await runner.cleanup()  # cancels what is still running: their reservations are released
     if admin_runner is not None:
         await admin_runner.cleanup()
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``kvgate-agent``."""
+    """Entry point of ``kvgate-agent``. Exit codes: 0 after a clean shutdown, 1 when it cannot
+    serve (port taken, tokenizer unreadable), 2 on bad arguments or an invalid policy."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         policy = load_policy(args.policy)
@@ -137,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         policy=policy,
         tokenizer_file=args.tokenizer,
         max_body_bytes=args.max_body_bytes,
+        read_timeout=args.upstream_timeout,
         drain_seconds=args.drain_seconds,
     )
     with contextlib.suppress(ImportError):
@@ -150,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"kvgate-agent: cannot serve on {args.listen[0]}:{args.listen[1]}: {exc}",
             file=sys.stderr,
         )
+        return 1
+    except TokenizerError as exc:
+        print(f"kvgate-agent: {exc}", file=sys.stderr)
         return 1
 
 

@@ -495,3 +495,150 @@ async def test_defaulted_max_tokens_stays_within_the_engines_context(
         assert usage["prompt_tokens"] + usage["completion_tokens"] <= 1024
     finally:
         await runner.cleanup()
+
+
+# ---------------------------------------------------------------- hardening
+
+
+async def _raw_request(url: str, target: str, body: bytes, extra: bytes = b"") -> bytes:
+    """One HTTP/1.1 request with a request-target sent exactly as given (no client
+    normalisation); the whole response."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    writer.write(
+        b"POST " + target.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\n"
+        + extra
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    return data
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "/v1/./chat/completions",
+        "/v1/x/../chat/completions",
+        "/v1/%2e/chat/completions",
+        "//v1/chat/completions",
+        "/v1/chat%2Fcompletions",
+        "/./v1/completions",
+    ],
+)
+async def test_non_canonical_completion_paths_cannot_bypass_admission(
+    upstream: Upstream, sidecar_factory: SidecarFactory, target: str
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
+    resp = await _raw_request(url, target, json.dumps(CHAT).encode())
+    head, _, body = resp.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400")
+    assert b"x-kvgate-reason: invalid_request" in head.lower()
+    assert json.loads(body)["error"]["code"] == "non_canonical_path"
+    assert upstream.bodies == [] and not [p for p in upstream.paths if "completions" in p]
+
+
+async def test_engine_crash_before_response_is_a_502_openai_error(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    upstream.fail = "before_response"
+    url, _ = await sidecar_factory(upstream.url, {})
+    async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 502
+        assert r.headers["Retry-After"] == "1"
+        err = await r.json()
+    assert_openai_error(err)
+    assert err["error"]["code"] == "upstream_error"
+    g = await gauges(client, url)
+    assert g['kvgate_upstream_errors_total{kind="upstream_error"}'] == 1
+    assert g["kvgate_in_flight_requests"] == 0 and g["kvgate_upstream_up"] == 0
+
+
+async def test_engine_crash_mid_stream_ends_with_an_error_event(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    upstream.fail = "mid_stream"
+    upstream.tokens = 10
+    url, sc = await sidecar_factory(upstream.url, {})
+    async with client.post(
+        url + "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 50}
+    ) as r:
+        assert r.status == 200
+        data = await r.read()
+    events = [e for e in data.split(b"\n\n") if e]
+    assert len(events) == 3
+    assert json.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "upstream_error"
+    assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0
+
+
+async def test_gzip_request_body_is_forwarded_decoded(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    import gzip
+
+    url, _ = await sidecar_factory(upstream.url, {})
+    async with client.post(
+        url + "/v1/chat/completions",
+        data=gzip.compress(json.dumps({**CHAT, "max_tokens": 5}).encode()),
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    ) as r:
+        assert r.status == 200
+    assert upstream.bodies == [{**CHAT, "max_tokens": 5}]
+    assert "Content-Encoding" not in upstream.headers_seen[0]
+
+
+async def test_client_disconnects_are_not_counted_as_upstream_errors(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    upstream.tokens = 200
+    upstream.token_delay = 0.01
+    url, _ = await sidecar_factory(upstream.url, {})
+    body = {**CHAT, "stream": True, "max_tokens": 500}
+    await asyncio.gather(*(_disconnect_after(url, body, 300) for _ in range(10)))
+    await asyncio.sleep(0.3)
+    g = await gauges(client, url)
+    assert g["kvgate_client_disconnects_total"] == 10
+    assert not any(k.startswith("kvgate_upstream_errors_total") for k in g)
+
+
+async def test_long_prompt_is_not_refused_on_a_cautious_estimate(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, sc = await sidecar_factory(upstream.url, {"capacity": {"kvCacheTokens": 4096}})
+    text = "The quick brown fox jumps over the lazy dog. " * 300  # 13.5 KB of English
+    body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": text}]}
+    assert sc.counter.count(body).tokens > 4096  # the cautious estimate alone would refuse
+    async with client.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+    # Truly too long (even optimistically): 400 naming the prompt, not max_tokens.
+    body["messages"][0]["content"] = text * 3
+    async with client.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["param"] == "messages"
+
+
+async def test_max_tokens_clamped_by_the_cap_is_announced(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(
+        upstream.url, {"tenants": {"defaultMaxTokens": 64, "maxTokensCap": 128}}
+    )
+    async with client.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 5000}) as r:
+        assert r.status == 200
+        assert r.headers["x-kvgate-degraded"] == "max_tokens=128"
+        assert r.headers["x-kvgate-reason"] == "max_tokens_cap"
+    assert upstream.bodies[0]["max_tokens"] == 128
+
+
+async def test_readyz_follows_the_model_server(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {})
+    async with client.get(url + "/readyz") as r:
+        assert r.status == 200
+    dead, _ = await sidecar_factory(f"http://127.0.0.1:{free_port()}", {})
+    async with client.get(dead + "/readyz") as r:
+        assert r.status == 503
+        assert "not answering" in await r.text()

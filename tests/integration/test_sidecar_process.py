@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -42,7 +45,7 @@ def test_invalid_policy_file_fails_with_the_field_named(tmp_path: Path) -> None:
 
 
 async def test_sigterm_stops_accepting_drains_in_flight_and_exits_0(
-    upstream: Upstream, sidecar_process
+    upstream: Upstream, sidecar_process: Any
 ) -> None:
     upstream.tokens = 10
     upstream.token_delay = 0.1  # a 1 s stream
@@ -99,3 +102,94 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert f"cannot serve on 127.0.0.1:{port}" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+async def test_drain_deadline_is_enforced_and_waiters_get_503(
+    upstream: Upstream, sidecar_process: Any
+) -> None:
+    upstream.tokens = 100
+    upstream.token_delay = 0.1  # a 10 s stream
+    proc = sidecar_process(
+        upstream.url, {"concurrency": {"maxRequests": 1}}, "--drain-seconds", "1"
+    )
+    async with aiohttp.ClientSession() as s:
+        long = await s.post(
+            proc.url + "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 200}
+        )
+        await long.content.readany()
+        waiting = asyncio.ensure_future(s.post(proc.url + "/v1/chat/completions", json=CHAT))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        proc.popen.send_signal(signal.SIGTERM)
+        queued = await waiting
+        assert queued.status == 503
+        assert queued.headers["x-kvgate-reason"] == "draining"
+        assert queued.headers["Retry-After"] == "1"
+        loop = asyncio.get_running_loop()
+        code = await loop.run_in_executor(None, proc.popen.wait, 10)
+        assert code == 0
+        assert time.monotonic() - t0 < 4  # 1 s drain + cancellation, not the 10 s stream
+        long.release()
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--upstream", "127.0.0.1:8000"], {}, "expected an http:// or https:// URL"),
+        ([], {"KVGATE_MAX_BODY_BYTES": "8M"}, "--max-body-bytes"),
+        (["--drain-seconds", "-1"], {}, "must be > 0"),
+        (["--log-level", "verbose"], {}, "--log-level"),
+    ],
+)
+def test_bad_arguments_are_reported_not_crashed_on(
+    tmp_path: Path, args: list[str], env: dict[str, str], message: str
+) -> None:
+    pol = tmp_path / "p.yaml"
+    pol.write_text("apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: x}\n")
+    base = ["--upstream", "http://127.0.0.1:1"] if "--upstream" not in args else []
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvgate_agent",
+            "sidecar",
+            *base,
+            "--policy",
+            str(pol),
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
+    )
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unreadable_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+    pol = tmp_path / "p.yaml"
+    pol.write_text("apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: x}\n")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvgate_agent",
+            "sidecar",
+            "--upstream",
+            "http://127.0.0.1:1",
+            "--policy",
+            str(pol),
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--tokenizer",
+            str(tmp_path / "nope.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert r.returncode == 1
+    assert "cannot load tokenizer" in r.stderr and "Traceback" not in r.stderr

@@ -334,7 +334,7 @@ class AdmissionController:
                 clamped = True
                 kv, cost = -1, -1.0
             else:
-                return self._refuse(
+                refusal = self._refuse(
                     Reason.EXCEEDS_CAPACITY,
                     self._exceeding_limit(req),
                     400,
@@ -344,8 +344,14 @@ class AdmissionController:
                     f"(prompt {req.prompt_tokens} tokens + max_tokens {req.max_tokens}"
                     + ("" if req.n == 1 else f" × n {req.n}")
                     + "); "
-                    + ("lower max_tokens" if max_fit >= 1 else "shorten the prompt"),
+                    + (
+                        f"lower max_tokens to at most {max_fit}"
+                        if max_fit >= 1
+                        else "shorten the prompt"
+                    ),
                 )
+                refusal.param = "max_tokens" if max_fit >= 1 else "prompt"
+                return refusal
 
         found: list[tuple[TokenBucket, float, bool]] = []
         blocker = self._blocker(req, req.max_tokens, now, found=found, kv=kv, cost=cost)
@@ -651,6 +657,19 @@ class AdmissionController:
             if not b.tenant_scoped:
                 self._head_blocked_shared = True
                 break
+
+    def reject_waiting(self, reason: Reason, status: int, retry_after: float, message: str) -> None:
+        """Refuse everybody still waiting (e.g. shutting down): each waiter's decision becomes
+        a rejection with ``status`` and ``retry_after`` seconds, collected for
+        :meth:`take_resolved`."""
+        now = self.clock()
+        for w in list(self._queue.values()):
+            del self._queue[w.seq]
+            d = self._refuse(reason, "queue", status, retry_after, w.request.max_tokens, message)
+            d.queue_seconds = now - w.enqueued_at
+            w.decision = d
+            self._resolved.append(w)
+        self._head_blocked_shared = False
 
     def cancel(self, waiter: Waiter) -> None:
         """Remove a waiter whose client went away. If it had already been admitted, the caller

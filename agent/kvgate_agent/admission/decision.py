@@ -117,6 +117,7 @@ class Decision:
         limit: name of the rate limit (or ``concurrency``/``kv``) that decided, if any.
         queue_seconds: time spent waiting in the queue, seconds.
         message: a human-readable explanation for error bodies and logs.
+        param: for a 400, the request part to change: ``max_tokens`` or ``prompt``.
         bucket_remaining, bucket_capacity, bucket_window, unit: the refusing bucket's state, for
             the ``RateLimit`` headers (units left, capacity, seconds to refill, unit name).
 
@@ -134,6 +135,7 @@ class Decision:
     limit: str | None = None
     queue_seconds: float = 0.0
     message: str = ""
+    param: str | None = None
     bucket_remaining: float | None = None
     bucket_capacity: float | None = None
     bucket_window: float | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from kvgate_agent.admission.controller import AdmissionController
-from kvgate_agent.admission.decision import AdmissionRequest, Decision, Ticket
+from kvgate_agent.admission.decision import AdmissionRequest, Decision, Reason, Ticket
 
 
 class AsyncAdmission:
@@ -66,6 +66,13 @@ class AsyncAdmission:
             reached_upstream=reached_upstream,
         ):
             self.kick()
+
+    def reject_waiting(self, reason: Reason, status: int, retry_after: float, message: str) -> None:
+        """Refuse every waiter now (see :meth:`AdmissionController.reject_waiting`)."""
+        self.core.reject_waiting(reason, status, retry_after, message)
+        self._settle()
+        if self._idle is not None and self.idle:
+            self._idle.set()
 
     def kick(self) -> None:
         """Re-run the queue now (after capacity may have freed)."""

@@ -421,13 +421,20 @@ def load_policy(path: str | Path) -> RateLimitPolicy:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise PolicyError(f"{p}: cannot read policy file: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise PolicyError(f"{p}: not a text file (expected UTF-8 YAML or JSON)") from None
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
         raise PolicyError(f"{p}: not valid YAML: {exc}") from None
+    kinds = [d.get("kind") for d in docs if isinstance(d, dict)]
     docs = [d for d in docs if not (isinstance(d, dict) and d.get("kind") not in (None, KIND))]
     if len(docs) != 1:
-        raise PolicyError(f"{p}: expected exactly one RateLimitPolicy document, found {len(docs)}")
+        other = sorted({str(k) for k in kinds if k not in (None, KIND)})
+        hint = f" (other kinds in the file: {', '.join(other)})" if other else ""
+        raise PolicyError(
+            f"{p}: expected exactly one RateLimitPolicy document, found {len(docs)}{hint}"
+        )
     try:
         return parse_policy(docs[0])
     except PolicyError as exc:

@@ -19,14 +19,18 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from yarl import URL
 
 from kvgate_agent.admission import (
     AdmissionConfig,
@@ -43,6 +47,7 @@ from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.openai_errors import (
     RATE_LIMIT_ERROR,
     RATE_LIMIT_EXCEEDED,
+    SERVER_ERROR,
     SERVICE_UNAVAILABLE,
     RequestError,
     error_body,
@@ -136,6 +141,8 @@ class Sidecar:
         self.draining = False
         self.capacity_known = not spec.capacity.from_engine_metrics
         self.engine_max_model_len: int | None = None
+        self._health_at = -1e9
+        self._health_ok = False
         self._poll_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -247,13 +254,33 @@ class Sidecar:
         return web.Response(text="ok")
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """Readiness: not draining, and the KV capacity is known when it must come from the
-        engine."""
+        """Readiness: not draining; the model server answers its ``/health``; and, under
+        FailClosed, the engine's KV capacity is known (FailOpen serves without it)."""
         if self.draining:
             return web.Response(status=503, text="draining")
-        if not self.capacity_known:
+        if not self.capacity_known and self.spec.failure_mode is FailureMode.FAIL_CLOSED:
             return web.Response(status=503, text="waiting for the engine's KV capacity")
+        if not await self._upstream_healthy():
+            return web.Response(status=503, text="the model server is not answering")
         return web.Response(text="ok")
+
+    async def _upstream_healthy(self) -> bool:
+        """GET the model server's ``/health`` (vLLM, SGLang and TGI serve it), cached for a
+        second so probes cannot hammer it. Any answer below 500 counts as up."""
+        now = time.monotonic()
+        if now - self._health_at < 1.0:
+            return self._health_ok
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                self.upstream + "/health", timeout=aiohttp.ClientTimeout(total=1.0)
+            ) as resp:
+                ok = resp.status < 500
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        self._health_at, self._health_ok = now, ok
+        self.metrics.upstream_ok[0] = ok
+        return ok
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """Prometheus exposition of the sidecar's registry."""
@@ -277,7 +304,7 @@ class Sidecar:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _refusal(self, d: Decision, tenant: str) -> web.Response:
+    def _refusal(self, d: Decision, tenant: str, kind: str = "chat") -> web.Response:
         headers = {"x-kvgate-decision": d.outcome.value, "x-kvgate-reason": d.reason.value}
         if d.retry_after is not None:
             headers["Retry-After"] = str(d.retry_after)
@@ -294,7 +321,10 @@ class Sidecar:
         if d.queue_seconds > 0:
             self.metrics.queue_wait.observe(d.queue_seconds)
         if d.status == 400:
-            body = error_body(d.message, "invalid_request_error", "max_tokens", d.reason.value)
+            param = d.param or "max_tokens"
+            if param == "prompt" and kind == "chat":
+                param = "messages"
+            body = error_body(d.message, "invalid_request_error", param, d.reason.value)
         elif d.status == 503:
             body = error_body(d.message, SERVICE_UNAVAILABLE, None, d.reason.value)
         else:
@@ -343,8 +373,17 @@ class Sidecar:
             max_tokens = default_within_context(max_tokens, prompt, mml)
         areq = AdmissionRequest(tenant, prompt.tokens, max_tokens, priority, parsed.n, parsed.model)
         decision = await self.admission.admit(areq)
+        if decision.reason is Reason.EXCEEDS_CAPACITY and not prompt.exact:
+            # "Never fits" must not rest on a cautious guess: retry with an optimistic count
+            # (the server's reported usage corrects the charge afterwards).
+            optimistic = optimistic_prompt_tokens(prompt, self.counter.bytes_per_token)
+            if optimistic < areq.prompt_tokens:
+                areq = AdmissionRequest(
+                    tenant, optimistic, max_tokens, priority, parsed.n, parsed.model
+                )
+                decision = await self.admission.admit(areq)
         if decision.ticket is None:
-            return self._refusal(decision, tenant)
+            return self._refusal(decision, tenant, parsed.path_kind)
         return await self._forward(request, raw, parsed, decision, tenant, prompt, started)
 
     async def _forward(
@@ -367,6 +406,9 @@ class Sidecar:
             headers["x-kvgate-degraded"] = (
                 f"model={d.model}" if d.model is not None else f"max_tokens={d.max_tokens}"
             )
+        elif parsed.max_tokens_clamped:
+            headers["x-kvgate-reason"] = "max_tokens_cap"
+            headers["x-kvgate-degraded"] = f"max_tokens={d.max_tokens}"
         if d.queue_seconds > 0:
             headers["x-kvgate-queue-wait-ms"] = str(round(d.queue_seconds * 1000))
             m.queue_wait.observe(d.queue_seconds)
@@ -379,11 +421,13 @@ class Sidecar:
         )
         fwd = _forward_headers(request.headers)
         fwd["Content-Type"] = JSON
+        fwd.popall("Content-Encoding", None)  # the body was decoded on the way in
         fwd.popall("Accept-Encoding", None)  # identity, so the stream can be read for usage
         completion_tokens = 0
         prompt_tokens: int | None = None
         reached = False
         resp: aiohttp.ClientResponse | None = None
+        out: web.StreamResponse | None = None
         clean = False
         try:
             try:
@@ -395,7 +439,11 @@ class Sidecar:
                 m.upstream_ok[0] = False
                 log.warning("upstream connect failed: %s", exc)
                 return _json_response(
-                    502, error_body("model server unreachable", "server_error"), headers
+                    502,
+                    error_body(
+                        "model server unreachable", SERVER_ERROR, None, "upstream_unreachable"
+                    ),
+                    {**headers, "Retry-After": "1", "x-kvgate-reason": "upstream_unreachable"},
                 )
             reached = True
             m.upstream_ok[0] = True
@@ -420,35 +468,55 @@ class Sidecar:
                 return web.Response(status=resp.status, body=data, headers=out_headers)
             acct = StreamAccountant(strip_usage_chunk=not parsed.client_wants_usage)
             out = web.StreamResponse(status=resp.status, headers=out_headers)
-            await out.prepare(request)
+            await _to_client(out.prepare(request))
             first = True
             try:
                 async for chunk in resp.content.iter_any():
                     piece = acct.feed(chunk)
                     if piece:
-                        await out.write(piece)
+                        await _to_client(out.write(piece))
                         if first:
                             m.ttft.observe(time.perf_counter() - started)
                             first = False
                 tail = acct.finish()
                 if tail:
-                    await out.write(tail)
+                    await _to_client(out.write(tail))
                 clean = acct.done
             finally:
                 completion_tokens = acct.completion_tokens_estimate
                 if acct.usage is not None:
                     prompt_tokens = acct.usage.prompt_tokens
-            await out.write_eof()
+            await _to_client(out.write_eof())
             return out
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            m.upstream_errors.labels(
-                "timeout" if isinstance(exc, asyncio.TimeoutError) else "stream_error"
-            ).inc()
-            log.warning("upstream failed mid-request: %r", exc)
-            raise
-        except (asyncio.CancelledError, ConnectionResetError):
+        except asyncio.CancelledError:
             m.client_disconnects.inc()
             raise
+        except _ClientGone:
+            m.client_disconnects.inc()
+            assert out is not None
+            return out  # nobody to answer; the finally below releases everything
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            timeout = isinstance(exc, TimeoutError)
+            m.upstream_errors.labels("timeout" if timeout else "upstream_error").inc()
+            m.upstream_ok[0] = False
+            log.warning("upstream failed mid-request: %r", exc)
+            message = (
+                "the model server did not answer in time"
+                if timeout
+                else "the model server failed while answering"
+            )
+            code = "upstream_timeout" if timeout else "upstream_error"
+            if out is None:  # nothing sent yet: a proper error response
+                return _json_response(
+                    504 if timeout else 502,
+                    error_body(message, SERVER_ERROR, None, code),
+                    {**headers, "Retry-After": "1", "x-kvgate-reason": code},
+                )
+            # Mid-stream: tell the client in-band, as vLLM does, then end the stream.
+            with contextlib.suppress(ConnectionResetError, RuntimeError):
+                await out.write(b"data: " + error_body(message, SERVER_ERROR, None, code) + b"\n\n")
+                await out.write_eof()
+            return out
         finally:
             if resp is not None:
                 if clean:
@@ -471,19 +539,47 @@ class Sidecar:
     # ------------------------------------------------------------------ pass-through
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Any other path: forwarded as is, body streamed both ways."""
+        """Any other path: forwarded as is (the raw path, not re-normalised), body streamed
+        both ways. A path that only differs from an admission-controlled one by dot segments,
+        repeated slashes or percent-encoding is refused: an upstream that normalises it would
+        otherwise serve a completion that bypassed admission."""
         assert self.session is not None
-        fwd = _forward_headers(request.headers)
-        data = request.content if request.body_exists else None
-        try:
-            resp = await self.session.request(
-                request.method, self.upstream + request.path_qs, headers=fwd, data=data
+        raw_path = request.raw_path
+        if canonical_path(raw_path) in ADMITTED_PATHS:
+            return _json_response(
+                400,
+                error_body(
+                    "use the canonical path for completions (no dot segments, "
+                    "repeated slashes or escapes)",
+                    "invalid_request_error",
+                    None,
+                    "non_canonical_path",
+                ),
+                {"x-kvgate-decision": "rejected", "x-kvgate-reason": "invalid_request"},
             )
+        fwd = _forward_headers(request.headers)
+        fwd.popall("Content-Encoding", None)  # the body is decoded on the way in
+        data = request.content if request.body_exists else None
+        url = URL(self.upstream + raw_path, encoded=True)
+        try:
+            resp = await self.session.request(request.method, url, headers=fwd, data=data)
         except aiohttp.ClientConnectorError:
             self.metrics.upstream_errors.labels("connect").inc()
             return _json_response(
                 502,
-                error_body("model server unreachable", "server_error"),
+                error_body("model server unreachable", SERVER_ERROR, None, "upstream_unreachable"),
+                {"x-kvgate-decision": "passthrough", "Retry-After": "1"},
+            )
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.metrics.upstream_errors.labels("upstream_error").inc()
+            return _json_response(
+                502,
+                error_body(
+                    f"model server failed: {type(exc).__name__}",
+                    SERVER_ERROR,
+                    None,
+                    "upstream_error",
+                ),
                 {"x-kvgate-decision": "passthrough"},
             )
         clean = False
@@ -493,17 +589,66 @@ class Sidecar:
             out = web.StreamResponse(status=resp.status, headers=out_headers)
             if resp.content_length is not None:
                 out.content_length = resp.content_length
-            await out.prepare(request)
+            await _to_client(out.prepare(request))
             async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
+                await _to_client(out.write(chunk))
+            await _to_client(out.write_eof())
             clean = True
+            return out
+        except _ClientGone:
+            self.metrics.client_disconnects.inc()
+            return out
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.metrics.upstream_errors.labels("upstream_error").inc()
+            log.warning("upstream failed during pass-through: %r", exc)
             return out
         finally:
             if clean:
                 resp.release()
             else:
                 resp.close()
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the sidecar was writing to it."""
+
+
+async def _to_client(write: Awaitable[object]) -> None:
+    """Await a write to the client; a closed client connection becomes :class:`_ClientGone`
+    (so it is never mistaken for an upstream failure)."""
+    try:
+        await write
+    except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError included
+        raise _ClientGone() from exc
+
+
+def canonical_path(raw_path: str) -> str:
+    """``raw_path`` (the request target's path, query dropped) percent-decoded, with empty
+    and ``.`` segments removed and ``..`` applied, as a normalising server would see it."""
+    path = unquote(raw_path.split("?", 1)[0])
+    segments: list[str] = []
+    for seg in path.split("/"):
+        if seg in ("", "."):
+            continue
+        if seg == "..":
+            if segments:
+                segments.pop()
+            continue
+        segments.append(seg)
+    return "/" + "/".join(segments)
+
+
+#: Bytes per token for an optimistic prompt estimate: English text under Llama-3-class BPE
+#: vocabularies averages about 4 bytes per token; 4.5 errs towards fewer tokens.
+OPTIMISTIC_BYTES_PER_TOKEN = 4.5
+
+
+def optimistic_prompt_tokens(prompt: PromptCount, bytes_per_token: float) -> int:
+    """A low estimate of an inexact prompt count: the text part re-counted at
+    :data:`OPTIMISTIC_BYTES_PER_TOKEN` instead of the cautious ``bytes_per_token``."""
+    cautious_text = math.ceil(prompt.text_bytes / bytes_per_token)
+    rest = max(0, prompt.tokens - cautious_text)
+    return rest + math.ceil(prompt.text_bytes / OPTIMISTIC_BYTES_PER_TOKEN)
 
 
 def default_within_context(default: int, prompt: PromptCount, max_model_len: int) -> int:

@@ -83,13 +83,19 @@ def _dumps(obj: object) -> str:
     return json.dumps(obj, separators=_JSON_SEPARATORS, ensure_ascii=False)
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be loaded."""
+
+
 class PromptCounter:
     """Counts the prompt tokens of a chat or completions request body.
 
     Args:
         tokenizer_file: path of a Hugging Face ``tokenizers`` JSON file (``tokenizer.json``) of
-            the served model; None for estimates. Loading errors (``Exception`` from
-            ``Tokenizer.from_file``) propagate.
+            the served model; None for estimates.
+
+    Raises:
+        TokenizerError: the tokenizer file cannot be read or parsed.
         non_text_part_tokens: tokens charged per non-text chat content part.
 
     Encoding is CPU work proportional to the prompt; a caller on an event loop may want to run
@@ -102,9 +108,12 @@ class PromptCounter:
         *,
         non_text_part_tokens: int = NON_TEXT_PART_TOKENS,
     ) -> None:
-        self._tok: Tokenizer | None = (
-            Tokenizer.from_file(tokenizer_file) if tokenizer_file is not None else None
-        )
+        self._tok: Tokenizer | None = None
+        if tokenizer_file is not None:
+            try:
+                self._tok = Tokenizer.from_file(tokenizer_file)
+            except Exception as exc:  # the Rust binding raises a bare Exception
+                raise TokenizerError(f"cannot load tokenizer {tokenizer_file}: {exc}") from None
         self._non_text = non_text_part_tokens
         self._avg = DEFAULT_BYTES_PER_TOKEN / SAFETY_FACTOR  # observed bytes/token (EMA)
         self._bpt = DEFAULT_BYTES_PER_TOKEN
