@@ -242,11 +242,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def kube() -> Iterator[Any]:
-    """A real kube-apiserver + etcd for the whole session (a ``tests.k8s.ControlPlane``; a few
+    """A real kube-apiserver + etcd for the whole session (a
+    ``kvgate_bench.controlplane.ControlPlane``; a few
     seconds to start). Shared by all tests: use unique names, do not rely on deletion finishing.
     Without the binaries, tests using it fail loudly (build them with scripts/build-k8s, which
     scripts/test runs), unless KVGATE_ALLOW_SKIP_K8S=1, then they skip."""
-    from tests.k8s import ControlPlane
+    from kvgate_bench.controlplane import ControlPlane
 
     bin_dir = k8s_bin_dir()
     if bin_dir is None:

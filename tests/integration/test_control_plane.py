@@ -1,4 +1,5 @@
-"""Smoke tests of the local control plane (``tests.k8s.ControlPlane``, the session fixture
+"""Smoke tests of the local control plane (``kvgate_bench.controlplane.ControlPlane``, the
+session fixture
 ``kube``): the real kube-apiserver at the pinned version, with RBAC, PodSecurity admission,
 bare pods and nodes, and CRDs. There is no kubelet, scheduler or controller-manager."""
 
@@ -15,7 +16,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests.k8s import ControlPlane
+from kvgate_bench.controlplane import ControlPlane
 
 pytestmark = pytest.mark.k8s
 
