@@ -10,6 +10,7 @@ Rules (documented for users in the README):
 
 - A policy selects pods in its own namespace by its label ``selector``. A pod counts when it is
   bound to a node that exists (``spec.nodeName``), is not terminating and has not finished.
+- A policy being deleted (held by another controller's finalizer) governs nothing.
 - Two policies selecting the same pod: the oldest policy (creationTimestamp, then name) wins.
   Both report the overlap in ``status.conflicts`` (and the reconciler emits an Event).
 - ``per: Global`` limits are split evenly across the policy's ready pods (Ready condition True);
@@ -57,6 +58,7 @@ class Policy:
     created: str
     spec: RateLimitPolicySpec | None
     error: str | None = None
+    deleting: bool = False
 
     @property
     def key(self) -> Key:
@@ -82,6 +84,7 @@ class Policy:
             meta.get("creationTimestamp") or "",
             spec,
             error,
+            meta.get("deletionTimestamp") is not None,
         )
 
 
@@ -257,6 +260,10 @@ def compute(snap: Snapshot) -> Desired:
     for p in snap.policies.values():
         if p.spec is None:
             outcomes[p.key] = PolicyOutcome(p.generation, False, "InvalidSpec", p.error or "")
+        elif p.deleting:  # being deleted (another controller's finalizer may hold it)
+            outcomes[p.key] = PolicyOutcome(
+                p.generation, False, "Deleting", "the policy is being deleted"
+            )
         elif p.spec.selector is None:
             outcomes[p.key] = PolicyOutcome(
                 p.generation, False, "SelectorMissing", "spec.selector is required in a cluster"

@@ -75,6 +75,8 @@ class Operator:
                 return int(r.status)
         except urllib.error.HTTPError as e:
             return int(e.code)
+        except OSError:
+            return 0  # not listening (yet)
 
 
 @pytest.fixture
@@ -366,3 +368,75 @@ def test_policy_without_pods_is_accepted_but_not_ready(crds: Any, operator: Oper
     conds = {c["type"]: c for c in statuses[(ns, "empty")]["conditions"]}
     assert conds["Accepted"]["status"] == "True"
     assert conds["Ready"]["status"] == "False" and conds["Ready"]["reason"] == "NoMatchingPods"
+
+
+def test_engine_capacity_reported_by_the_agent_reaches_the_thresholds(
+    crds: Any, operator: Operator
+) -> None:
+    kube = crds
+    ns = namespace(kube, "engine")
+    node(kube, "en-node-1")
+    apply(
+        kube,
+        pod("e-0", ns, "en-node-1", {"app": "e"}),
+        policy(
+            "p",
+            ns,
+            {
+                "selector": {"matchLabels": {"app": "e"}},
+                "capacity": {"fromEngineMetrics": True, "kvCacheTokens": 1000},
+            },
+        ),
+    )
+    specs, _ = converged(kube)
+    assert entries(specs, "en-node-1")["e-0"]["thresholds"]["kvCapacityTokens"] == 1000
+    uid = entries(specs, "en-node-1")["e-0"]["uid"]
+    # The node agent writes the status subresource; the operator reacts to it.
+    status = {
+        "status": {
+            "pods": [{"namespace": ns, "name": "e-0", "uid": uid, "engineKvCapacityTokens": 65536}]
+        }
+    }
+    kube.kubectl(
+        "patch",
+        "nodeadmission",
+        "en-node-1",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(status),
+    )
+    specs, _ = converged(kube)
+    assert entries(specs, "en-node-1")["e-0"]["thresholds"]["kvCapacityTokens"] == 65536
+
+
+def test_other_controllers_finalizers_are_left_alone(crds: Any, operator: Operator) -> None:
+    kube = crds
+    ns = namespace(kube, "finalizers")
+    node(kube, "fz-node-1")
+    p = policy("p", ns, {"selector": {"matchLabels": {"app": "f"}}})
+    p["metadata"]["finalizers"] = ["example.com/keep-me"]
+    apply(kube, p, pod("f-0", ns, "fz-node-1", {"app": "f"}))
+    converged(kube)
+    time.sleep(1)
+    got = json.loads(kube.kubectl("get", "rlp", "p", "-n", ns, "-o", "json").stdout)
+    assert got["metadata"]["finalizers"] == ["example.com/keep-me"]
+    pod_obj = json.loads(kube.kubectl("get", "pod", "f-0", "-n", ns, "-o", "json").stdout)
+    assert not pod_obj["metadata"].get("finalizers")
+    # Deleting the policy leaves it terminating (our finalizer-free operator does not block it,
+    # nor remove the other controller's finalizer); its pods are released at once.
+    kube.kubectl("delete", "rlp", "p", "-n", ns, "--wait=false")
+    specs, _ = converged(kube)
+    assert entries(specs, "fz-node-1") == {}  # a terminating policy governs nothing
+    got = json.loads(kube.kubectl("get", "rlp", "p", "-n", ns, "-o", "json").stdout)
+    assert got["metadata"]["finalizers"] == ["example.com/keep-me"]
+    kube.kubectl(
+        "patch", "rlp", "p", "-n", ns, "--type=merge", "-p", '{"metadata": {"finalizers": []}}'
+    )
+
+
+def test_liveness_endpoint_reports_the_reconcile_loop(crds: Any, operator: Operator) -> None:
+    wait_for(lambda: operator.healthz() == 200, 30)
+    with urllib.request.urlopen(f"http://127.0.0.1:{operator.port}/healthz", timeout=2) as r:
+        body = json.loads(r.read())
+    assert "last pass" in body["reconciler"]
