@@ -41,6 +41,7 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = SETTINGS.watch_client_timeout
     settings.watching.connect_timeout = SETTINGS.connect_timeout
     settings.posting.level = logging.WARNING
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # no line per watch event
     settings.persistence.finalizer = "kvgate.io/unused-finalizer"  # never added: no on.create
     reconciler = Reconciler(_api_client(), SETTINGS)
     _state["reconciler"] = reconciler
@@ -58,16 +59,67 @@ async def cleanup(**_: Any) -> None:
             await task
 
 
-def _trigger(**_: Any) -> None:
-    r = _state.get("reconciler")
-    if r is not None:
-        r.trigger()
+def _fingerprint(kind: str, body: Any) -> object:
+    """The parts of an object that desired state depends on; other changes (pod status churn,
+    the agent's heartbeats, our own status writes) trigger nothing."""
+    meta = body.get("metadata") or {}
+    deleting = meta.get("deletionTimestamp") is not None
+    if kind == "pods":
+        status = body.get("status") or {}
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
+        labels = tuple(sorted((meta.get("labels") or {}).items()))
+        return (
+            labels,
+            (body.get("spec") or {}).get("nodeName"),
+            status.get("phase"),
+            ready,
+            deleting,
+        )
+    if kind == "policies":
+        return (meta.get("generation"), deleting)
+    if kind == "nodeadmissions":
+        pods = (body.get("status") or {}).get("pods") or []
+        capacity = tuple(
+            sorted(
+                (p.get("uid"), p.get("engineKvCapacityTokens"))
+                for p in pods
+                if p.get("engineKvCapacityTokens")
+            )
+        )
+        return (meta.get("generation"), capacity)
+    return deleting  # nodes: only their coming and going matters
 
 
-kopf.on.event(API_GROUP, "v1alpha1", RATE_LIMIT_POLICY_PLURAL)(_trigger)
-kopf.on.event("", "v1", "pods")(_trigger)
-kopf.on.event("", "v1", "nodes")(_trigger)
-kopf.on.event(API_GROUP, "v1alpha1", NODE_ADMISSION_PLURAL)(_trigger)
+_seen: dict[tuple[str, str], object] = {}
+
+
+def _on_event(kind: str) -> Any:
+    def handler(event: Any, **_: Any) -> None:
+        body = event.get("object") or {}
+        key = (kind, (body.get("metadata") or {}).get("uid", ""))
+        if event.get("type") == "DELETED":
+            _seen.pop(key, None)
+        else:
+            fp = _fingerprint(kind, body)
+            if _seen.get(key, _MISSING) == fp:
+                return
+            _seen[key] = fp
+        r = _state.get("reconciler")
+        if r is not None:
+            r.trigger()
+
+    handler.__name__ = f"trigger_on_{kind}"
+    return handler
+
+
+_MISSING = object()
+kopf.on.event(API_GROUP, "v1alpha1", RATE_LIMIT_POLICY_PLURAL)(_on_event("policies"))
+kopf.on.event("", "v1", "pods")(_on_event("pods"))
+kopf.on.event("", "v1", "nodes")(_on_event("nodes"))
+kopf.on.event(API_GROUP, "v1alpha1", NODE_ADMISSION_PLURAL)(_on_event("nodeadmissions"))
 
 
 @kopf.on.probe(id="reconciler")

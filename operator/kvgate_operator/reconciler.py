@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +32,14 @@ from kvgate_agent.contract.nodeadmission import (
 )
 from kvgate_agent.contract.policy import API_GROUP
 from kvgate_operator.desired import Key, Pod, Policy, Snapshot, compute
-from kvgate_operator.plan import Plan, plan
+from kvgate_operator.plan import EventWrite, NodeWrite, Plan, StatusWrite, plan
 from kvgate_operator.settings import OperatorSettings
 
 log = logging.getLogger("kvgate.operator")
 VERSION = "v1alpha1"
 FIELD_MANAGER = "kvgate-operator"
+#: Writes in flight at once during a pass (the first pass over a large cluster writes hundreds).
+WRITE_CONCURRENCY = 8
 
 
 @dataclass
@@ -152,10 +155,9 @@ class Reconciler:
     async def reconcile_once(self) -> PassStats:
         """One pass: read, compute, plan, write. Returns what it wrote."""
         t0 = time.perf_counter()
-        observed = await asyncio.to_thread(self.read)
-        desired = compute(observed.snapshot)
-        todo = plan(desired, observed.node_specs, observed.policy_status, _now())
-        stats = await asyncio.to_thread(self.write, todo, observed)
+        # Reading, computing and writing all run in a worker thread: the event loop (kopf's
+        # watches) is never blocked by a pass, however large the cluster.
+        stats = await asyncio.to_thread(self._pass)
         stats.seconds = time.perf_counter() - t0
         self.last_stats = stats
         self.total_writes += stats.writes
@@ -170,6 +172,18 @@ class Reconciler:
                 stats.seconds,
             )
         return stats
+
+    def _pass(self) -> PassStats:
+        observed = self.read()
+        desired = compute(observed.snapshot)
+        # Stored specs are compared raw first; only those that differ are normalised (the API
+        # server may have filled in defaults), so a steady pass validates nothing.
+        specs = {
+            node: spec if spec == desired.node_specs.get(node) else _normalized(spec)
+            for node, spec in observed.node_specs.items()
+        }
+        todo = plan(desired, specs, observed.policy_status, _now())
+        return self.write(todo, observed)
 
     # ------------------------------------------------------------------ I/O
 
@@ -228,7 +242,7 @@ class Reconciler:
         specs: dict[str, dict[str, Any] | None] = {}
         capacity: dict[str, int] = {}
         for na in raw_nas:
-            specs[na["metadata"]["name"]] = _normalized(na.get("spec"))
+            specs[na["metadata"]["name"]] = na.get("spec")
             for usage in (na.get("status") or {}).get("pods") or []:
                 cap = usage.get("engineKvCapacityTokens")
                 if usage.get("uid") and isinstance(cap, int) and cap > 0:
@@ -237,80 +251,89 @@ class Reconciler:
         return Observed(snap, specs, status, uids)
 
     def write(self, todo: Plan, observed: Observed) -> PassStats:
-        """Carry out a plan. Errors on one object are logged and leave the rest going: the next
-        pass retries what is still different."""
+        """Carry out a plan, up to ``WRITE_CONCURRENCY`` requests at a time. Errors on one
+        object are logged and leave the rest going: the next pass retries what still differs."""
         stats = PassStats()
-        nodes = observed.snapshot.nodes
-        for w in todo.nodes:
-            try:
-                if w.action == "delete":
-                    self.custom.delete_cluster_custom_object(
-                        API_GROUP, VERSION, NODE_ADMISSION_PLURAL, w.node
-                    )
-                elif w.action == "create":
-                    body = {
-                        "apiVersion": f"{API_GROUP}/{VERSION}",
-                        "kind": "NodeAdmission",
-                        "metadata": {
-                            "name": w.node,
-                            "labels": {"app.kubernetes.io/managed-by": "kvgate-operator"},
-                            "ownerReferences": [
-                                {
-                                    "apiVersion": "v1",
-                                    "kind": "Node",
-                                    "name": w.node,
-                                    "uid": nodes[w.node],
-                                }
-                            ]
-                            if nodes.get(w.node)
-                            else [],
-                        },
-                        "spec": w.spec,
-                    }
-                    try:
-                        self.custom.create_cluster_custom_object(
-                            API_GROUP,
-                            VERSION,
-                            NODE_ADMISSION_PLURAL,
-                            body,
-                            field_manager=FIELD_MANAGER,
-                        )
-                    except ApiException as exc:
-                        if exc.status != 409:
-                            raise
-                        self._patch_spec(w.node, w.spec)  # created meanwhile: converge
-                else:
-                    self._patch_spec(w.node, w.spec)
-                stats.node_writes += 1
-            except ApiException as exc:
-                if not (w.action == "delete" and exc.status == 404):
-                    log.warning("NodeAdmission %s %s failed: %s", w.action, w.node, exc.reason)
-        for s in todo.statuses:
-            ns, name = s.policy
-            try:
-                self.custom.patch_namespaced_custom_object_status(
-                    API_GROUP,
-                    VERSION,
-                    ns,
-                    RATE_LIMIT_POLICY_PLURAL,
-                    name,
-                    {"status": s.status},
-                    field_manager=FIELD_MANAGER,
-                )
-                stats.status_writes += 1
-            except ApiException as exc:
-                if exc.status != 404:  # deleted meanwhile
-                    log.warning("status of %s/%s failed: %s %s", ns, name, exc.reason, _detail(exc))
-        for e in todo.events:
-            ns, name = e.policy
-            try:
-                self._event(
-                    ns, name, observed.policy_uids.get(e.policy, ""), e.type, e.reason, e.message
-                )
-                stats.events += 1
-            except ApiException as exc:
-                log.warning("event on %s/%s failed: %s", ns, name, exc.reason)
+        with ThreadPoolExecutor(WRITE_CONCURRENCY) as pool:
+            stats.node_writes = sum(pool.map(lambda w: self._write_node(w, observed), todo.nodes))
+            stats.status_writes = sum(pool.map(self._write_status, todo.statuses))
+            stats.events = sum(pool.map(lambda e: self._write_event(e, observed), todo.events))
         return stats
+
+    def _write_node(self, w: NodeWrite, observed: Observed) -> int:
+        uid = observed.snapshot.nodes.get(w.node)
+        try:
+            if w.action == "delete":
+                self.custom.delete_cluster_custom_object(
+                    API_GROUP, VERSION, NODE_ADMISSION_PLURAL, w.node
+                )
+            elif w.action == "create":
+                body = {
+                    "apiVersion": f"{API_GROUP}/{VERSION}",
+                    "kind": "NodeAdmission",
+                    "metadata": {
+                        "name": w.node,
+                        "labels": {"app.kubernetes.io/managed-by": "kvgate-operator"},
+                        # Owned by the Node: a real cluster's garbage collector removes it
+                        # with its node even while the operator is down.
+                        "ownerReferences": [
+                            {"apiVersion": "v1", "kind": "Node", "name": w.node, "uid": uid}
+                        ]
+                        if uid
+                        else [],
+                    },
+                    "spec": w.spec,
+                }
+                try:
+                    self.custom.create_cluster_custom_object(
+                        API_GROUP,
+                        VERSION,
+                        NODE_ADMISSION_PLURAL,
+                        body,
+                        field_manager=FIELD_MANAGER,
+                    )
+                except ApiException as exc:
+                    if exc.status != 409:
+                        raise
+                    self._patch_spec(w.node, w.spec)  # created meanwhile: converge
+            else:
+                self._patch_spec(w.node, w.spec)
+            return 1
+        except ApiException as exc:
+            if not (w.action == "delete" and exc.status == 404):
+                log.warning(
+                    "NodeAdmission %s %s failed: %s %s", w.action, w.node, exc.reason, _detail(exc)
+                )
+            return 0
+
+    def _write_status(self, w: StatusWrite) -> int:
+        ns, name = w.policy
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                API_GROUP,
+                VERSION,
+                ns,
+                RATE_LIMIT_POLICY_PLURAL,
+                name,
+                {"status": w.status},
+                field_manager=FIELD_MANAGER,
+            )
+            return 1
+        except ApiException as exc:
+            if exc.status != 404:  # deleted meanwhile
+                log.warning("status of %s/%s failed: %s %s", ns, name, exc.reason, _detail(exc))
+            return 0
+
+    def _write_event(self, e: EventWrite, observed: Observed) -> int:
+        ns, name = e.policy
+        try:
+            self._event(
+                ns, name, observed.policy_uids.get(e.policy, ""), e.type, e.reason, e.message
+            )
+            return 1
+        except ApiException as exc:
+            log.warning("event on %s/%s failed: %s", ns, name, exc.reason)
+            return 0
 
     def _patch_spec(self, node: str, spec: dict[str, Any] | None) -> None:
         # A merge patch would merge into the old pods list; replace the spec as a whole.
