@@ -24,6 +24,7 @@ import cProfile
 import gc
 import io
 import json
+import os
 import platform
 import pstats
 import statistics
@@ -322,6 +323,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=20_000, help="untimed calls first")
     p.add_argument("--no-profile", action="store_true", help="skip cProfile on a missed target")
     p.add_argument("--check", action="store_true", help="exit 1 if the target is missed")
+    p.add_argument(
+        "--mypyc",
+        action="store_true",
+        help="also compile kvgate_agent.admission with mypyc (into a temp dir) and "
+        "measure the compiled core in the same run",
+    )
     args = p.parse_args(argv)
 
     print(f"# kvgate admission decision cost ({platform.python_implementation()} "
@@ -353,7 +360,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not met and not args.no_profile:
         print("\ncProfile of 100000 decisions (top 15 by own time):\n")
         print(profile_decision(100_000))
+    if args.mypyc:
+        print("\n## The same core compiled with mypyc\n")
+        print(compiled_run(args.iterations))
     return 1 if (args.check and not met) else 0
+
+
+def compiled_run(iterations: int) -> str:
+    """Compile the admission modules with mypyc into a temp dir (unchanged sources) and run
+    this benchmark there in a subprocess; its report. mypyc ships with mypy (the lint extra)."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import kvgate_agent
+
+    src = Path(kvgate_agent.__file__).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(
+            src, Path(tmp) / "kvgate_agent", ignore=shutil.ignore_patterns("__pycache__", "*.so")
+        )
+        mods = [
+            f"kvgate_agent/admission/{m}.py" for m in ("bucket", "config", "controller", "decision")
+        ]
+        mypyc = Path(sys.executable).parent / "mypyc"
+        build = subprocess.run([str(mypyc), *mods], cwd=tmp, capture_output=True, text=True)
+        if build.returncode != 0:
+            return f"mypyc failed:\n{build.stdout[-2000:]}{build.stderr[-2000:]}"
+        env = {**os.environ, "PYTHONPATH": tmp}
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvgate_bench.bench_decision",
+                "--no-profile",
+                "--iterations",
+                str(iterations),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        return run.stdout + run.stderr
 
 
 if __name__ == "__main__":
