@@ -182,6 +182,21 @@ def resource_versions(kube: Any) -> dict[str, str]:
     return out
 
 
+def llama_policy(ns: str, max_requests: int) -> dict[str, Any]:
+    """The lifecycle test's policy: a concurrency cap and a Global request budget."""
+    return policy(
+        "llama",
+        ns,
+        {
+            "selector": {"matchLabels": {"app": "llama"}},
+            "concurrency": {"maxRequests": max_requests},
+            "rateLimits": [
+                {"name": "global", "per": "Global", "requestsPerMinute": 600, "burstRequests": 100}
+            ],
+        },
+    )
+
+
 def test_policy_lifecycle_converges_and_a_steady_cluster_writes_nothing(
     crds: Any, operator: Operator
 ) -> None:
@@ -194,22 +209,7 @@ def test_policy_lifecycle_converges_and_a_steady_cluster_writes_nothing(
         pod("llama-0", ns, "lc-node-1", {"app": "llama"}),
         pod("llama-1", ns, "lc-node-2", {"app": "llama"}),
         pod("web-0", ns, "lc-node-1", {"app": "web"}),
-        policy(
-            "llama",
-            ns,
-            {
-                "selector": {"matchLabels": {"app": "llama"}},
-                "concurrency": {"maxRequests": 16},
-                "rateLimits": [
-                    {
-                        "name": "global",
-                        "per": "Global",
-                        "requestsPerMinute": 600,
-                        "burstRequests": 100,
-                    }
-                ],
-            },
-        ),
+        llama_policy(ns, max_requests=16),
     )
     specs, statuses = converged(kube)
     a = entries(specs, "lc-node-1")["llama-0"]
@@ -233,22 +233,7 @@ def test_policy_lifecycle_converges_and_a_steady_cluster_writes_nothing(
     # Change the policy: generation 2 reaches the specs.
     apply(
         kube,
-        policy(
-            "llama",
-            ns,
-            {
-                "selector": {"matchLabels": {"app": "llama"}},
-                "concurrency": {"maxRequests": 4},
-                "rateLimits": [
-                    {
-                        "name": "global",
-                        "per": "Global",
-                        "requestsPerMinute": 600,
-                        "burstRequests": 100,
-                    }
-                ],
-            },
-        ),
+        llama_policy(ns, max_requests=4),
     )
     specs, statuses = converged(kube)
     a = entries(specs, "lc-node-1")["llama-0"]

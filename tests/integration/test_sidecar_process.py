@@ -17,28 +17,34 @@ import pytest
 from tests.conftest import free_port
 from tests.upstream import CHAT, Upstream
 
+MINIMAL_POLICY = "apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: x}\n"
 
-def test_invalid_policy_file_fails_with_the_field_named(tmp_path: Path) -> None:
-    bad = tmp_path / "p.yaml"
-    bad.write_text(
-        "apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\n"
-        "metadata: {name: x}\nspec:\n  rateLimits:\n  - name: a\n"
-        "    tokensPerMinute: -5\n"
-    )
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvgate_agent",
-            "sidecar",
-            "--upstream",
-            "http://127.0.0.1:1",
-            "--policy",
-            str(bad),
-        ],
+
+def run_cli(
+    tmp_path: Path, *args: str, policy: str = MINIMAL_POLICY, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``kvgate-agent sidecar`` with a policy file holding ``policy``, an unused upstream and a
+    free port unless ``args`` give their own; runs until it exits (start-up errors)."""
+    pol = tmp_path / "policy.yaml"
+    pol.write_text(policy)
+    defaults = []
+    if "--upstream" not in args:
+        defaults += ["--upstream", "http://127.0.0.1:1"]
+    if "--listen" not in args:
+        defaults += ["--listen", f"127.0.0.1:{free_port()}"]
+    return subprocess.run(
+        [sys.executable, "-m", "kvgate_agent", "sidecar", "--policy", str(pol), *defaults, *args],
         capture_output=True,
         text=True,
         timeout=30,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_invalid_policy_file_fails_with_the_field_named(tmp_path: Path) -> None:
+    r = run_cli(
+        tmp_path,
+        policy=MINIMAL_POLICY + "spec:\n  rateLimits:\n  - name: a\n    tokensPerMinute: -5\n",
     )
     assert r.returncode == 2
     assert "spec.rateLimits[0].tokensPerMinute" in r.stderr
@@ -78,27 +84,7 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", port))
         holder.listen()
-        pol = tmp_path / "p.yaml"
-        pol.write_text(
-            "apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: x}\n"
-        )
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "kvgate_agent",
-                "sidecar",
-                "--upstream",
-                "http://127.0.0.1:1",
-                "--policy",
-                str(pol),
-                "--listen",
-                f"127.0.0.1:{port}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        r = run_cli(tmp_path, "--listen", f"127.0.0.1:{port}")
     assert r.returncode == 1
     assert f"cannot serve on 127.0.0.1:{port}" in r.stderr
     assert "Traceback" not in r.stderr
@@ -144,52 +130,12 @@ async def test_drain_deadline_is_enforced_and_waiters_get_503(
 def test_bad_arguments_are_reported_not_crashed_on(
     tmp_path: Path, args: list[str], env: dict[str, str], message: str
 ) -> None:
-    pol = tmp_path / "p.yaml"
-    pol.write_text("apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: x}\n")
-    base = ["--upstream", "http://127.0.0.1:1"] if "--upstream" not in args else []
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvgate_agent",
-            "sidecar",
-            *base,
-            "--policy",
-            str(pol),
-            "--listen",
-            f"127.0.0.1:{free_port()}",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env={**os.environ, **env},
-    )
+    r = run_cli(tmp_path, *args, env=env)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
 def test_unreadable_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
-    pol = tmp_path / "p.yaml"
-    pol.write_text("apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: x}\n")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvgate_agent",
-            "sidecar",
-            "--upstream",
-            "http://127.0.0.1:1",
-            "--policy",
-            str(pol),
-            "--listen",
-            f"127.0.0.1:{free_port()}",
-            "--tokenizer",
-            str(tmp_path / "nope.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    r = run_cli(tmp_path, "--tokenizer", str(tmp_path / "nope.json"))
     assert r.returncode == 1
     assert "cannot load tokenizer" in r.stderr and "Traceback" not in r.stderr
