@@ -149,17 +149,31 @@ class PolicyOutcome:
     accepted_message: str
     matched: list[Key] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)
+    lost: int = 0
+    write_error: str | None = None
 
     def status(self) -> dict[str, Any]:
-        """The status fields (conditions without timestamps; the reconciler adds them)."""
+        """The status fields (conditions without timestamps; the reconciler adds them).
+
+        Ready reasons: ``ThresholdsWritten``; ``WriteFailed`` (a NodeAdmission holding some of
+        its pods could not be written: the message says which and why); ``NoMatchingPods``;
+        ``AllPodsGovernedElsewhere`` (every pod it selects is governed by an older policy);
+        ``NotAccepted``."""
         n = len(self.matched)
-        ready = self.accepted and n > 0
+        ready = self.accepted and n > 0 and self.write_error is None
         if not self.accepted:
             ready_reason, ready_msg = "NotAccepted", "the policy is not accepted"
+        elif self.write_error is not None:
+            ready_reason, ready_msg = "WriteFailed", self.write_error[:1024]
+        elif n == 0 and self.lost:
+            ready_reason = "AllPodsGovernedElsewhere"
+            ready_msg = f"all {self.lost} selected pod(s) are governed by older policies"
         elif n == 0:
-            ready_reason, ready_msg = "NoMatchingPods", "no running pod on a node matches"
+            ready_reason = "NoMatchingPods"
+            ready_msg = "no pod bound to an existing node matches the selector"
         else:
-            ready_reason, ready_msg = "ThresholdsWritten", f"thresholds written for {n} pod(s)"
+            ready_reason = "ThresholdsWritten"
+            ready_msg = f"thresholds written for {n} pod(s) bound to nodes"
         return {
             "observedGeneration": self.generation,
             "matchedPods": n,
@@ -253,6 +267,19 @@ def resolve_thresholds(
         raise ValueError(f"cannot resolve thresholds: {exc}") from None
 
 
+def mark_write_failures(desired: Desired, snap: Snapshot, failed: dict[str, str]) -> None:
+    """Record on each policy that NodeAdmission writes for the nodes in ``failed`` (node name ->
+    the API server's reason) did not land, so its Ready condition says so."""
+    for outcome in desired.policies.values():
+        nodes = sorted(
+            {n for k in outcome.matched if (n := snap.pods[k].node) is not None and n in failed}
+        )
+        if nodes:
+            outcome.write_error = "; ".join(
+                f"NodeAdmission {n} could not be written: {failed[n]}" for n in nodes
+            )
+
+
 def compute(snap: Snapshot) -> Desired:
     """Desired NodeAdmission specs for every node and the status of every policy."""
     outcomes: dict[Key, PolicyOutcome] = {}
@@ -291,6 +318,7 @@ def compute(snap: Snapshot) -> Desired:
         owner[pod.key] = winner
         outcomes[winner.key].matched.append(pod.key)
         for loser in hits[1:]:
+            outcomes[loser.key].lost += 1
             outcomes[loser.key].conflicts.append(
                 f"{pod.namespace}/{pod.name}: governed by older policy {winner.name}"
             )

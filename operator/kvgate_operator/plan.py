@@ -82,6 +82,8 @@ def plan(
     node_specs: Mapping[str, Mapping[str, Any] | None],
     policy_status: Mapping[Key, Mapping[str, Any] | None],
     now: str,
+    *,
+    statuses: bool = True,
 ) -> Plan:
     """The writes that take the cluster from what was observed to ``desired``.
 
@@ -90,6 +92,8 @@ def plan(
         node_specs: the spec of every existing NodeAdmission, by name.
         policy_status: the status of every existing RateLimitPolicy (None when empty).
         now: the time to stamp on changed conditions (RFC 3339).
+        statuses: False plans the NodeAdmission writes only (the reconciler writes those first,
+            then plans statuses knowing which of them failed).
     """
     out = Plan()
     for node, spec in sorted(desired.node_specs.items()):
@@ -99,6 +103,8 @@ def plan(
             out.nodes.append(NodeWrite("patch", node, spec))
     for node in sorted(set(node_specs) - set(desired.node_specs)):
         out.nodes.append(NodeWrite("delete", node))
+    if not statuses:
+        return out
     for key, outcome in sorted(desired.policies.items()):
         new = outcome.status()
         old = policy_status.get(key)
@@ -108,6 +114,11 @@ def plan(
         old_conflicts = set((old or {}).get("conflicts") or [])
         for c in sorted(set(new["conflicts"]) - old_conflicts):
             out.events.append(EventWrite(key, "Warning", "PolicyConflict", c))
+        old_ready: Mapping[str, Any] = next(
+            (c for c in (old or {}).get("conditions") or [] if c.get("type") == "Ready"), {}
+        )
+        if outcome.write_error is not None and old_ready.get("reason") != "WriteFailed":
+            out.events.append(EventWrite(key, "Warning", "WriteFailed", outcome.write_error[:1024]))
         was_accepted = any(
             c.get("type") == "Accepted" and c.get("status") == "True"
             for c in (old or {}).get("conditions") or []

@@ -31,7 +31,14 @@ from kvgate_agent.contract.nodeadmission import (
     NodeAdmissionSpec,
 )
 from kvgate_agent.contract.policy import API_GROUP
-from kvgate_operator.desired import Key, Pod, Policy, Snapshot, compute
+from kvgate_operator.desired import (
+    Key,
+    Pod,
+    Policy,
+    Snapshot,
+    compute,
+    mark_write_failures,
+)
 from kvgate_operator.plan import EventWrite, NodeWrite, Plan, StatusWrite, plan
 from kvgate_operator.settings import OperatorSettings
 
@@ -64,6 +71,10 @@ class PassStats:
     @property
     def writes(self) -> int:
         return self.node_writes + self.status_writes
+
+
+class PassIncomplete(Exception):
+    """A pass whose writes did not all land (the next pass retries them)."""
 
 
 def _detail(exc: ApiException) -> str:
@@ -137,7 +148,7 @@ class Reconciler:
             try:
                 await self.reconcile_once()
                 backoff = 1.0
-            except (ApiException, OSError, ValueError) as exc:
+            except (ApiException, OSError, ValueError, PassIncomplete) as exc:
                 log.warning("reconcile pass failed, retrying in %.0fs: %s", backoff, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(60.0, backoff * 2)
@@ -182,8 +193,35 @@ class Reconciler:
             node: spec if spec == desired.node_specs.get(node) else _normalized(spec)
             for node, spec in observed.node_specs.items()
         }
-        todo = plan(desired, specs, observed.policy_status, _now())
-        return self.write(todo, observed)
+        # NodeAdmissions first; then statuses and events, which say if any of them failed.
+        stats = PassStats()
+        failed: dict[str, str] = {}
+        node_plan = plan(desired, specs, {}, _now(), statuses=False)
+        with ThreadPoolExecutor(WRITE_CONCURRENCY) as pool:
+            results = list(pool.map(lambda w: self._write_node(w, observed), node_plan.nodes))
+        for w, error in zip(node_plan.nodes, results, strict=True):
+            if error is None:
+                stats.node_writes += 1
+            else:
+                failed[w.node] = error
+        if failed:
+            mark_write_failures(desired, observed.snapshot, failed)
+        rest = plan(
+            desired,
+            {n: desired.node_specs[n] for n in desired.node_specs},
+            observed.policy_status,
+            _now(),
+        )
+        more = self.write(rest, observed)
+        stats.status_writes, stats.events = more.status_writes, more.events
+        if failed:
+            # Counted as a failed pass: retried with backoff, and the liveness probe fails if
+            # this persists (status and a Warning event already say why).
+            raise PassIncomplete(
+                f"{len(failed)} NodeAdmission write(s) failed: "
+                + "; ".join(f"{n}: {e}" for n, e in sorted(failed.items()))
+            )
+        return stats
 
     # ------------------------------------------------------------------ I/O
 
@@ -255,12 +293,13 @@ class Reconciler:
         object are logged and leave the rest going: the next pass retries what still differs."""
         stats = PassStats()
         with ThreadPoolExecutor(WRITE_CONCURRENCY) as pool:
-            stats.node_writes = sum(pool.map(lambda w: self._write_node(w, observed), todo.nodes))
+            stats.node_writes = sum(self._write_node(w, observed) is None for w in todo.nodes)
             stats.status_writes = sum(pool.map(self._write_status, todo.statuses))
             stats.events = sum(pool.map(lambda e: self._write_event(e, observed), todo.events))
         return stats
 
-    def _write_node(self, w: NodeWrite, observed: Observed) -> int:
+    def _write_node(self, w: NodeWrite, observed: Observed) -> str | None:
+        """One NodeAdmission write; None when it landed, else the reason it did not."""
         uid = observed.snapshot.nodes.get(w.node)
         try:
             if w.action == "delete":
@@ -298,13 +337,14 @@ class Reconciler:
                     self._patch_spec(w.node, w.spec)  # created meanwhile: converge
             else:
                 self._patch_spec(w.node, w.spec)
-            return 1
+            return None
         except ApiException as exc:
-            if not (w.action == "delete" and exc.status == 404):
-                log.warning(
-                    "NodeAdmission %s %s failed: %s %s", w.action, w.node, exc.reason, _detail(exc)
-                )
-            return 0
+            if w.action == "delete" and exc.status == 404:
+                return None
+            log.warning(
+                "NodeAdmission %s %s failed: %s %s", w.action, w.node, exc.reason, _detail(exc)
+            )
+            return f"{exc.status} {exc.reason}: {_detail(exc)}"
 
     def _write_status(self, w: StatusWrite) -> int:
         ns, name = w.policy

@@ -425,3 +425,34 @@ def test_liveness_endpoint_reports_the_reconcile_loop(crds: Any, operator: Opera
     with urllib.request.urlopen(f"http://127.0.0.1:{operator.port}/healthz", timeout=2) as r:
         body = json.loads(r.read())
     assert "last pass" in body["reconciler"]
+
+
+def test_a_rejected_node_admission_write_is_reported_and_retried(
+    crds: Any, operator: Operator
+) -> None:
+    kube = crds
+    ns = namespace(kube, "toomany")
+    node(kube, "tm-node-1")
+    apply(kube, policy("p", ns, {"selector": {"matchLabels": {"app": "t"}}}))
+    # 257 pods on one node: more than the CRD's 256 entries per NodeAdmission.
+    apply(kube, *(pod(f"t-{i:03d}", ns, "tm-node-1", {"app": "t"}) for i in range(257)))
+
+    def ready() -> dict[str, Any]:
+        got = json.loads(kube.kubectl("get", "rlp", "p", "-n", ns, "-o", "json").stdout)
+        conds = (got.get("status") or {}).get("conditions") or []
+        return {c["type"]: c for c in conds}.get("Ready", {})
+
+    wait_for(lambda: ready().get("reason") == "WriteFailed", 30)
+    assert "NodeAdmission tm-node-1 could not be written" in ready()["message"]
+    assert "must have at most 256 items" in ready()["message"]
+
+    def warned() -> bool:
+        ev = json.loads(kube.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
+        return any(e["reason"] == "WriteFailed" for e in ev)
+
+    wait_for(warned, 15)
+    kube.kubectl("delete", "pod", "t-000", "-n", ns, "--wait=false", "--grace-period=0", "--force")
+    # Retried (with backoff) until it lands.
+    wait_for(lambda: ready().get("reason") == "ThresholdsWritten", 60)
+    specs, _ = converged(kube)
+    assert len(entries(specs, "tm-node-1")) == 256

@@ -260,3 +260,31 @@ def test_compute_does_not_depend_on_listing_order(seed: int) -> None:
     assert {k: v.status() for k, v in a.policies.items()} == {
         k: v.status() for k, v in b.policies.items()
     }
+
+
+def test_failed_node_writes_make_affected_policies_not_ready_with_an_event() -> None:
+    from kvgate_operator.desired import mark_write_failures
+
+    s = snap(
+        [pol("p", {}), pol("q", {"selector": {"matchLabels": {"app": "other"}}})],
+        [pod("a"), pod("b", node="n2"), pod("c", labels={"app": "other"})],
+    )
+    d = compute(s)
+    mark_write_failures(d, s, {"n2": "422 Unprocessable Entity: spec.pods: Too many"})
+    ready = {c["type"]: c for c in d.policies[("m", "p")].status()["conditions"]}["Ready"]
+    assert ready["status"] == "False" and ready["reason"] == "WriteFailed"
+    assert "NodeAdmission n2 could not be written: 422" in ready["message"]
+    other = {c["type"]: c for c in d.policies[("m", "q")].status()["conditions"]}["Ready"]
+    assert other["status"] == "True"  # its pods are on n1 only
+    p1 = plan(d, {}, {}, "T")
+    assert [e.reason for e in p1.events if e.policy == ("m", "p")] == ["WriteFailed"]
+    statuses = {w.policy: w.status for w in p1.statuses}
+    assert [e.reason for e in plan(d, {}, statuses, "T2").events] == []  # once, not per pass
+
+
+def test_a_policy_whose_pods_all_belong_to_an_older_one_says_so() -> None:
+    d = compute(
+        snap([pol("old", {}), pol("new", {}, created="2026-05-01T00:00:00Z")], [pod("a"), pod("b")])
+    )
+    ready = {c["type"]: c for c in d.policies[("m", "new")].status()["conditions"]}["Ready"]
+    assert ready["reason"] == "AllPodsGovernedElsewhere" and "all 2" in ready["message"]

@@ -65,6 +65,12 @@ def test_defaults() -> None:
         ({"overload": {"actions": ["Panic"]}}, "spec.overload.actions[0]"),
         ({"failureMode": "FailSometimes"}, "spec.failureMode"),
         ({"rateLimit": []}, "spec.rateLimit"),  # a typo must not be silently ignored
+        ({"selector": {"matchLabels": {"bad key!": "a"}}}, "spec.selector"),
+        ({"selector": {"matchLabels": {"app": "a b"}}}, "spec.selector"),
+        (
+            {"selector": {"matchExpressions": [{"key": "-x", "operator": "Exists"}]}},
+            "spec.selector",
+        ),
         ({"cost": {"promptTokenWeight": float("nan")}}, "spec.cost.promptTokenWeight"),
     ],
 )

@@ -14,6 +14,7 @@ each offending field by its manifest path (``spec.rateLimits[0].burstTokens: ...
 from __future__ import annotations
 
 import math
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -300,11 +301,44 @@ class LabelSelectorRequirement(_Model):
         return self
 
 
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def _check_label_key(key: str) -> None:
+    """A Kubernetes label key: ``[prefix/]name``, name ≤ 63 characters of
+    ``[A-Za-z0-9-_.]`` starting and ending alphanumeric, prefix a DNS subdomain ≤ 253."""
+    prefix, _, name = key.rpartition("/")
+    if (
+        not name
+        or not _LABEL_NAME.match(name)
+        or (prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)))
+    ):
+        raise ValueError(f"invalid label key {key!r}")
+
+
+def _check_label_value(value: str) -> None:
+    if not _LABEL_NAME.match(value):
+        raise ValueError(f"invalid label value {value!r}")
+
+
 class LabelSelector(_Model):
-    """A Kubernetes label selector (``matchLabels`` and ``matchExpressions``)."""
+    """A Kubernetes label selector (``matchLabels`` and ``matchExpressions``). Keys and values
+    must be valid label keys and values (a selector with any other can never match)."""
 
     match_labels: dict[str, str] = Field(default_factory=dict)
     match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _valid_labels(self) -> LabelSelector:
+        for k, v in self.match_labels.items():
+            _check_label_key(k)
+            _check_label_value(v)
+        for req in self.match_expressions:
+            _check_label_key(req.key)
+            for v in req.values:
+                _check_label_value(v)
+        return self
 
 
 class RateLimitPolicySpec(_Model):
