@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
@@ -106,7 +106,6 @@ class SidecarSettings:
     drain_seconds: float = 30.0
     engine_poll_seconds: float = 15.0
     tenant_label_limit: int = 50
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
