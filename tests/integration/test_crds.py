@@ -653,9 +653,7 @@ def test_node_admission_stores_the_operator_spec_and_the_agent_status(kv: Any) -
             GpuStatus(
                 uuid="MIG-1",
                 mig=True,
-                total_bytes=0,
-                used_bytes=0,
-                free_bytes=0,
+                parent_uuid="GPU-0",
                 healthy=False,
                 reason="NVML: Unknown Error",
             ),

@@ -76,21 +76,30 @@ class NodeAdmissionSpec(_Model):
 
 
 class GpuStatus(_Model):
-    """One GPU or MIG slice as NVML reports it (bytes)."""
+    """One GPU or MIG slice as NVML reports it (bytes). Memory values are unset when the device
+    cannot be read (``healthy`` False): unknown is never reported as 0."""
 
     uuid: str
     index: int | None = None
     name: str | None = None
     mig: bool = False
-    total_bytes: Annotated[int, Field(ge=0)]
-    used_bytes: Annotated[int, Field(ge=0)]
-    free_bytes: Annotated[int, Field(ge=0)]
+    parent_uuid: str | None = None
+    total_bytes: Annotated[int, Field(ge=0)] | None = None
+    used_bytes: Annotated[int, Field(ge=0)] | None = None
+    free_bytes: Annotated[int, Field(ge=0)] | None = None
+    reserved_bytes: Annotated[int, Field(ge=0)] | None = None
+    utilization_percent: Annotated[int, Field(ge=0, le=100)] | None = None
     healthy: bool = True
     reason: str | None = None
 
 
 class PodUsage(_Model):
-    """What one pod's sidecar and engine report (tokens)."""
+    """What one pod's sidecar and engine report (tokens).
+
+    ``gpuUuids`` are the GPUs the agent attributes to the pod (see ``gpuSource``);
+    ``safetyNetOpen`` False means NVML free memory on one of them is below the policy's
+    ``capacity.safetyMarginBytes`` and the sidecar admits nothing new.
+    """
 
     namespace: str
     name: str
@@ -100,6 +109,9 @@ class PodUsage(_Model):
     kv_reserved_tokens: Annotated[int, Field(ge=0)] = 0
     kv_used_tokens: Annotated[int, Field(ge=0)] | None = None
     engine_kv_capacity_tokens: Annotated[int, Field(gt=0)] | None = None
+    gpu_uuids: list[str] = Field(default_factory=list)
+    gpu_source: Literal["reported", "nvml_processes", "all_gpus"] | None = None
+    safety_net_open: bool = True
 
 
 class Condition(_Model):
