@@ -752,3 +752,248 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 TestAdmissionMachine = AdmissionMachine.TestCase
 TestAdmissionMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+# ---------------------------------------------------------------- reconfigure (new thresholds)
+
+
+def config_of(spec: dict[str, Any]) -> AdmissionConfig:
+    doc = {
+        "apiVersion": "kvgate.io/v1alpha1",
+        "kind": "RateLimitPolicy",
+        "metadata": {"name": "t"},
+        "spec": {"tenants": {"defaultMaxTokens": 16}, **spec},
+    }
+    return AdmissionConfig.from_policy(parse_policy(doc).spec)
+
+
+def test_reconfigure_keeps_in_flight_tickets_and_kv_and_releases_them_afterwards() -> None:
+    base = {
+        "capacity": {"kvCacheTokens": 1000},
+        "model": {"blockSize": 1},
+        "overload": {"actions": ["Reject"]},
+    }
+    c = make({**base, "concurrency": {"maxRequests": 4}})
+    t1 = c.submit(req("a", 100, 100)).ticket
+    t2 = c.submit(req("b", 50, 50)).ticket
+    assert t1 is not None and t2 is not None
+    c.reconfigure(config_of({**base, "concurrency": {"maxRequests": 2}}))
+    assert c.in_flight == 2 and c.kv_reserved_tokens == 300
+    assert c.config.max_concurrency == 2
+    d = c.submit(req("c", 10, 10))  # the new cap counts the old tickets
+    assert d.reason is Reason.CONCURRENCY
+    assert c.release(t1, completion_tokens=5) and c.release(t2, completion_tokens=5)
+    assert not c.release(t1, completion_tokens=5)  # still exactly once
+    assert c.in_flight == 0 and c.kv_reserved_tokens == 0
+
+
+def test_reconfigure_keeps_buckets_carries_the_level_over_and_clamps_it() -> None:
+    clock = FakeClock()
+    limit = {"name": "t", "per": "Tenant", "tokensPerMinute": 600, "burstTokens": 400}
+    c = make({"rateLimits": [limit]}, clock)
+    t = c.submit(req("a", 100, 100)).ticket  # 200 of 400 taken
+    assert t is not None
+    bucket = t.holds[0][0]
+    c.reconfigure(config_of({"rateLimits": [{**limit, "burstTokens": 300}]}))
+    assert t.holds[0][0] is bucket  # the very bucket the ticket holds
+    assert bucket.capacity == 300 and bucket.level == pytest.approx(200)  # carried over
+    c.reconfigure(config_of({"rateLimits": [{**limit, "tokensPerMinute": 60, "burstTokens": 50}]}))
+    assert bucket.level == pytest.approx(50) and bucket.rate == pytest.approx(1.0)  # clamped
+    assert [(n, lvl) for n, _, k, lvl, _ in c.bucket_levels() if k == "a"] == [("t", 50)]
+    clock.advance(10)  # refills at the new rate
+    assert bucket.refill(clock()) == pytest.approx(50)
+    c.release(t, completion_tokens=0)  # refund of 100 into the retuned bucket, clamped
+    assert bucket.level == pytest.approx(50) and bucket.pins == 0
+
+
+def test_reconfigure_adds_fresh_limits_and_drops_removed_ones() -> None:
+    old = {"name": "old", "per": "Pod", "requestsPerMinute": 1, "burstRequests": 1}
+    new = {"name": "new", "per": "Tenant", "requestsPerMinute": 60, "burstRequests": 2}
+    reject = {"overload": {"actions": ["Reject"]}}
+    c = make({"rateLimits": [old], **reject})
+    t = c.submit(req("a")).ticket
+    assert t is not None
+    assert c.submit(req("a")).reason is Reason.RATE_LIMIT_REQUESTS
+    c.reconfigure(config_of({"rateLimits": [new], **reject}))
+    assert {n for n, *_ in c.bucket_levels()} == set()  # nothing touched the new limit yet
+    assert c.submit(req("a")).ticket is not None  # "old" is gone; "new" starts full (2)
+    assert c.submit(req("a")).ticket is not None
+    assert c.submit(req("a")).reason is Reason.RATE_LIMIT_REQUESTS
+    assert c.release(t, completion_tokens=1)  # into the detached "old" bucket: harmless
+    assert c.in_flight == 2
+    # Same name, other scope: a different limit, fresh buckets.
+    c.reconfigure(config_of({"rateLimits": [{**new, "per": "Pod"}], **reject}))
+    assert c.submit(req("z")).ticket is not None
+
+
+def test_reconfigure_recomputes_the_cheapest_capacity_for_never_fits() -> None:
+    limit = {"name": "t", "per": "Tenant", "tokensPerMinute": 6000, "burstTokens": 1000}
+    c = make({"rateLimits": [limit]})
+    assert c.submit(req("a", 100, 500)).ticket is not None
+    c.reconfigure(config_of({"rateLimits": [{**limit, "burstTokens": 100}]}))
+    d = c.submit(req("b", 100, 500))
+    assert d.status == 400 and d.reason is Reason.EXCEEDS_CAPACITY
+
+
+def test_reconfigure_keeps_the_queue_and_the_next_pump_admits_what_now_fits() -> None:
+    c = make({"concurrency": {"maxRequests": 1}})
+    a = AsyncAdmission(c)
+    first = c.submit(req("a"))
+    w = c.submit(req("b")).waiter
+    assert first.ticket is not None and w is not None
+    c.reconfigure(config_of({"concurrency": {"maxRequests": 2}}))
+    assert c.queue_length == 1 and w.decision is None  # nothing decided by reconfigure itself
+    c.pump()
+    assert w.decision is not None and w.decision.outcome is Outcome.QUEUED
+    assert c.take_resolved() == [w] and c.in_flight == 2
+    a.close()
+
+
+# ---------------------------------------------------------------- holds (GPU memory, FailClosed)
+
+
+def test_gpu_memory_hold_refuses_new_work_with_503_until_lifted() -> None:
+    clock = FakeClock()
+    c = make({"concurrency": {"maxRequests": 4}}, clock)
+    t = c.submit(req("a")).ticket
+    assert t is not None
+    c.hold(Reason.GPU_MEMORY_LOW, retry_after=2.5, message="GPU memory low")
+    assert c.active_hold() is not None
+    d = c.submit(req("b"))
+    assert d.outcome is Outcome.REJECTED and d.reason is Reason.GPU_MEMORY_LOW
+    assert d.status == 503 and d.retry_after == 3 and d.message == "GPU memory low"
+    assert c.release(t, completion_tokens=1)  # in-flight work finishes normally
+    assert c.lift(Reason.GPU_MEMORY_LOW) and not c.lift(Reason.GPU_MEMORY_LOW)
+    assert c.active_hold() is None and c.submit(req("b")).ticket is not None
+
+
+def test_pump_admits_nobody_while_held_and_waiters_time_out_with_the_hold() -> None:
+    clock = FakeClock()
+    c = make(
+        {
+            "concurrency": {"maxRequests": 1},
+            "queue": {"maxWaitSeconds": 10},
+            "overload": {"actions": ["Queue", "Degrade"], "degrade": {"fallbackModel": "small"}},
+        },
+        clock,
+    )
+    t = c.submit(req("a")).ticket
+    w1 = c.submit(req("b")).waiter
+    w2 = c.submit(req("c")).waiter
+    assert t is not None and w1 is not None and w2 is not None
+    c.hold(Reason.GPU_MEMORY_LOW, retry_after=1, message="low")
+    c.release(t, completion_tokens=1)
+    c.pump()
+    assert c.queue_length == 2 and c.take_resolved() == []  # room, but held
+    c.lift(Reason.GPU_MEMORY_LOW)
+    c.pump()
+    assert w1.decision is not None and w1.decision.outcome is Outcome.QUEUED
+    c.hold(Reason.GPU_MEMORY_LOW, retry_after=1, message="low")
+    clock.advance(11)  # w2's deadline passes while held: refused with the hold, never degraded
+    c.pump()
+    assert w2.decision is not None and w2.decision.status == 503
+    assert w2.decision.reason is Reason.GPU_MEMORY_LOW and w2.decision.queue_seconds == 11
+    assert c.in_flight == 1
+
+
+def test_holds_with_keys_do_not_lift_each_other_and_the_longest_wait_answers() -> None:
+    clock = FakeClock()
+    c = make({}, clock)
+    c.hold(Reason.FAIL_CLOSED, retry_after=1, message="stale", key="thresholds")
+    c.hold(Reason.FAIL_CLOSED, retry_after=5, message="no capacity", key="engine", until=1005)
+    c.hold(Reason.GPU_MEMORY_LOW, retry_after=2, message="low")
+    d = c.submit(req())
+    assert (d.reason, d.retry_after, d.message) == (Reason.FAIL_CLOSED, 5, "no capacity")
+    clock.advance(5)  # the timed hold ended by itself
+    d = c.submit(req())
+    assert (d.reason, d.retry_after) == (Reason.GPU_MEMORY_LOW, 2)
+    c.lift(Reason.GPU_MEMORY_LOW)
+    assert c.submit(req()).reason is Reason.FAIL_CLOSED
+    assert c.lift("thresholds") and c.submit(req()).ticket is not None
+    with pytest.raises(ValueError):
+        c.hold(Reason.FAIL_CLOSED, retry_after=0, message="x")
+
+
+def test_fail_closed_until_still_works_and_wakes_waiters_when_it_ends() -> None:
+    clock = FakeClock()
+    c = make({"concurrency": {"maxRequests": 1}}, clock)
+    t = c.submit(req("a")).ticket
+    w = c.submit(req("b")).waiter
+    assert t is not None and w is not None
+    c.fail_closed_until = clock() + 2
+    assert c.fail_closed_until == 1002
+    d = c.submit(req("c"))
+    assert (d.status, d.reason, d.retry_after) == (503, Reason.FAIL_CLOSED, 2)
+    c.release(t, completion_tokens=1)
+    c.pump()
+    assert c.queue_length == 1
+    assert c.next_wake() == 1002  # the hold's end, before the waiter's 30 s deadline
+    clock.advance(2)
+    c.pump()
+    assert w.decision is not None and w.decision.ticket is not None
+    c.fail_closed_until = None
+    assert c.fail_closed_until is None
+
+
+class ReconfiguringMachine(AdmissionMachine):
+    """The same random steps, plus new thresholds and GPU-memory holds at random moments: the
+    accounting must still add up and every reservation must come back."""
+
+    @rule(burst=st.sampled_from([1500, 3000, 6000]), rpm=st.sampled_from([30, 120]))
+    def retune(self, burst: int, rpm: int) -> None:
+        spec = {
+            "capacity": {"kvCacheTokens": 2048},
+            "model": {"blockSize": 16},
+            "concurrency": {"maxRequests": 4},
+            "rateLimits": [
+                {
+                    "name": "t",
+                    "per": "Tenant",
+                    "requestsPerMinute": rpm,
+                    "tokensPerMinute": 30000,
+                    "burstTokens": burst,
+                }
+            ],
+            "queue": {"maxLength": 5, "maxWaitSeconds": 3, "order": "ShortestFirst"},
+            "overload": {
+                "actions": ["Degrade", "Queue", "Reject"],
+                "degrade": {"minMaxTokens": 16},
+            },
+        }
+        self.c.reconfigure(config_of(spec))
+        self.c.pump()
+        self._collect()
+
+    @rule(on=st.booleans())
+    def gpu_memory(self, on: bool) -> None:
+        if on:
+            self.c.hold(Reason.GPU_MEMORY_LOW, retry_after=1, message="low")
+        else:
+            self.c.lift(Reason.GPU_MEMORY_LOW)
+            self.c.pump()
+            self._collect()
+
+    @rule(
+        tenant=st.sampled_from("abc"),
+        prompt=st.integers(1, 1500),
+        max_tokens=st.integers(1, 1500),
+        priority=st.integers(-1, 2),
+    )
+    def submit(self, tenant: str, prompt: int, max_tokens: int, priority: int) -> None:
+        d = self.c.submit(req(tenant, prompt, max_tokens, priority=priority))
+        if d.waiter is not None:
+            self.waiters.append(d.waiter)
+        elif d.ticket is not None:
+            self.tickets.append(d.ticket)
+        else:
+            assert d.status in (400, 429, 503)
+            assert d.status == 400 or (d.retry_after is not None and d.retry_after >= 1)
+        self._collect()
+
+    def teardown(self) -> None:
+        self.c.lift(Reason.GPU_MEMORY_LOW)
+        super().teardown()
+
+
+TestReconfiguringMachine = ReconfiguringMachine.TestCase
+TestReconfiguringMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)

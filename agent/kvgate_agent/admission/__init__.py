@@ -6,7 +6,12 @@ place in the queue), :class:`AdmissionConfig` (resolved thresholds), and the dec
 
 from kvgate_agent.admission.bucket import BucketMap, TokenBucket
 from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
-from kvgate_agent.admission.controller import AdmissionController, retry_after_seconds, round_up
+from kvgate_agent.admission.controller import (
+    AdmissionController,
+    Hold,
+    retry_after_seconds,
+    round_up,
+)
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
     Decision,
@@ -24,6 +29,7 @@ __all__ = [
     "AsyncAdmission",
     "BucketMap",
     "Decision",
+    "Hold",
     "LimitThreshold",
     "Outcome",
     "Reason",

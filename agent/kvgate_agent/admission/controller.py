@@ -86,12 +86,13 @@ class _Blocker:
 
 
 class _Limit:
-    __slots__ = ("cost", "is_tenant", "requests", "threshold")
+    __slots__ = ("cost", "is_tenant", "max_keys", "requests", "threshold")
 
     def __init__(self, threshold: LimitThreshold, now: float, max_tenants: int) -> None:
         self.threshold = threshold
         self.is_tenant = threshold.per is LimitScope.TENANT
         keys = max_tenants if threshold.per is LimitScope.TENANT else 1
+        self.max_keys = keys
         self.requests: BucketMap | None = None
         self.cost: BucketMap | None = None
         if threshold.request_rate is not None and threshold.request_capacity is not None:
@@ -109,6 +110,78 @@ class _Limit:
 
     def key(self, tenant: str) -> str:
         return tenant if self.is_tenant else ""
+
+    def update(self, threshold: LimitThreshold, now: float, warmup_start: float) -> None:
+        """Take new numbers for the same limit (same name and scope) in place: the bucket maps
+        and every bucket in them keep their identity (tickets hold references to them), their
+        level carried over and clamped to the new capacity. A unit the limit no longer counts
+        drops its map; a unit it newly counts starts a fresh one."""
+        max_keys = self.max_keys
+        self.requests = _retune(
+            self.requests,
+            threshold.request_capacity,
+            threshold.request_rate,
+            threshold.warmup_seconds,
+            now,
+            warmup_start,
+            max_keys,
+        )
+        self.cost = _retune(
+            self.cost,
+            threshold.cost_capacity,
+            threshold.cost_rate,
+            threshold.warmup_seconds,
+            now,
+            warmup_start,
+            max_keys,
+        )
+        self.threshold = threshold
+
+
+def _retune(
+    bmap: BucketMap | None,
+    capacity: float | None,
+    rate: float | None,
+    warmup_seconds: float,
+    now: float,
+    warmup_start: float,
+    max_keys: int,
+) -> BucketMap | None:
+    """``bmap`` with a new capacity and rate (units, units per second), updated in place; a new
+    map when there was none; None when the unit is no longer limited. Each existing bucket is
+    first refilled at its old rate up to ``now``, then takes the new numbers with its level
+    clamped to the new (effective) capacity. A bucket's warm-up ramp stays as it was created
+    (a changed ``warmupSeconds`` applies to buckets created afterwards)."""
+    if capacity is None or rate is None:
+        return None
+    if bmap is None:
+        return BucketMap(capacity, rate, warmup_start, warmup_seconds, max_keys)
+    bmap.capacity = capacity
+    bmap.rate = rate
+    bmap.warmup_seconds = warmup_seconds
+    for _, b in bmap.items():
+        b.refill(now)
+        b.capacity = capacity
+        b.rate = rate
+        b.level = min(b.level, b.capacity_at(now))
+    return bmap
+
+
+@dataclass(slots=True)
+class Hold:
+    """A stop on every new admission (see :meth:`AdmissionController.hold`).
+
+    Attributes:
+        reason: the refusal reason (``fail_closed``, ``gpu_memory_low``).
+        retry_after: seconds a refused client should wait (used while ``until`` is None).
+        message: the explanation put in error bodies.
+        until: clock time at which the hold ends by itself; None = until lifted.
+    """
+
+    reason: Reason
+    retry_after: float
+    message: str
+    until: float | None = None
 
 
 class AdmissionController:
@@ -132,9 +205,9 @@ class AdmissionController:
         self.config = config
         self.clock = clock
         self.started_at = clock()
+        self._max_tenants = max_tenants
         self._limits = [_Limit(t, self.started_at, max_tenants) for t in config.limits]
-        caps = [t.cost_capacity for t in config.limits if t.cost_capacity is not None]
-        self._min_cost_capacity: float | None = min(caps) if caps else None
+        self._min_cost_capacity: float | None = _min_cost_capacity(config)
         self.in_flight = 0
         self.kv_reserved_tokens = 0
         self._tickets: dict[int, Ticket] = {}
@@ -143,10 +216,8 @@ class AdmissionController:
         self._head_blocked_shared = False
         self._resolved: list[Waiter] = []
         self.seconds_per_token = DEFAULT_SECONDS_PER_TOKEN
-        self.fail_closed_until: float | None = None
-        ref = config.max_model_len or config.kv_capacity_tokens or 8192
-        # ShortestFirst aging: after half the maximum wait, a waiting request outranks any new one.
-        self._aging_rate = ref / max(1e-3, config.queue_max_wait_seconds / 2)
+        self._holds: dict[str, Hold] = {}
+        self._aging_rate = _aging_rate(config)
 
     # ------------------------------------------------------------------ observation
 
@@ -186,6 +257,116 @@ class AdmissionController:
         """Enforce a new KV capacity (tokens; None = not enforced), e.g. the engine's own report.
         Reservations already held stay; waiters are re-examined on the next pump."""
         self.config = dataclasses.replace(self.config, kv_capacity_tokens=tokens)
+
+    def reconfigure(self, config: AdmissionConfig) -> None:
+        """Enforce new thresholds from now on without dropping in-flight work.
+
+        Admitted tickets, their KV reservations, ``in_flight`` and the wait queue all stay. A
+        rate limit whose name and ``per`` scope are unchanged keeps its buckets (the very
+        objects tickets hold): their capacity and rate (units, units per second) change in
+        place and each level is carried over, clamped to the new capacity. New limits start
+        with fresh (full) buckets; removed limits are dropped, and tickets still holding their
+        buckets release into them harmlessly. A new KV capacity or concurrency cap below what
+        is already reserved admits nothing until enough is released. Waiters are re-examined
+        on the next :meth:`pump` (``AsyncAdmission.kick``); nothing is decided here.
+        """
+        now = self.clock()
+        old = {(lim.threshold.name, lim.threshold.per): lim for lim in self._limits}
+        limits: list[_Limit] = []
+        for t in config.limits:
+            lim = old.get((t.name, t.per))
+            if lim is None:
+                lim = _Limit(t, self.started_at, self._max_tenants)
+            else:
+                lim.update(t, now, self.started_at)
+            limits.append(lim)
+        self._limits = limits
+        self.config = config
+        self._min_cost_capacity = _min_cost_capacity(config)
+        self._aging_rate = _aging_rate(config)
+
+    # ------------------------------------------------------------------ holds
+
+    def hold(
+        self,
+        reason: Reason,
+        *,
+        retry_after: float,
+        message: str,
+        key: str | None = None,
+        until: float | None = None,
+    ) -> None:
+        """Refuse every new request with 503 and a Retry-After until lifted (or until clock
+        time ``until``, when given): e.g. ``Reason.FAIL_CLOSED`` (stale thresholds or unknown
+        KV capacity under FailClosed) or ``Reason.GPU_MEMORY_LOW`` (the GPU safety net closed).
+
+        Args:
+            reason: the refusal reason reported.
+            retry_after: seconds a refused client should wait (> 0); with ``until`` the
+                remaining time is used instead.
+            message: the explanation for error bodies.
+            key: names this hold for :meth:`lift` (default: the reason's value), so holds from
+                different sources do not lift each other.
+            until: clock time at which the hold ends by itself; None = until lifted.
+
+        While any hold is active, :meth:`pump` admits nobody from the queue: waiters stay until
+        their deadline (then they are refused with the hold's 503) or until every hold is lifted.
+        In-flight requests are not touched. Raises ``ValueError`` if ``retry_after`` ≤ 0.
+        """
+        if not retry_after > 0:
+            raise ValueError(f"retry_after must be > 0 seconds, got {retry_after}")
+        self._holds[key if key is not None else reason.value] = Hold(
+            reason, retry_after, message, until
+        )
+
+    def lift(self, key: str | Reason) -> bool:
+        """End the hold named ``key`` (a key given to :meth:`hold`, or the reason it defaulted
+        to). Returns whether one was active. Waiters are admitted on the next :meth:`pump`."""
+        name = key.value if isinstance(key, Reason) else key
+        return self._holds.pop(name, None) is not None
+
+    def active_hold(self) -> Hold | None:
+        """The hold that decides now: of all active holds, the one with the longest remaining
+        wait (no request is admitted before every hold ends); None when admission is open.
+        Holds past their ``until`` are forgotten."""
+        if not self._holds:
+            return None
+        return self._active_hold(self.clock())
+
+    def _active_hold(self, now: float) -> Hold | None:
+        best: Hold | None = None
+        best_wait = -1.0
+        for key, h in list(self._holds.items()):
+            if h.until is not None and now >= h.until:
+                del self._holds[key]
+                continue
+            wait = h.retry_after if h.until is None else h.until - now
+            if wait > best_wait:
+                best, best_wait = h, wait
+        return best
+
+    def _hold_refusal(self, h: Hold, now: float, max_tokens: int) -> Decision:
+        wait = h.retry_after if h.until is None else h.until - now
+        return self._refuse(h.reason, h.reason.value, 503, wait, max_tokens, h.message)
+
+    @property
+    def fail_closed_until(self) -> float | None:
+        """Clock time until which admission is held with ``fail_closed`` through this
+        attribute (kept for compatibility: prefer :meth:`hold`); None when not held."""
+        h = self._holds.get(_FAIL_CLOSED_UNTIL)
+        return None if h is None else h.until
+
+    @fail_closed_until.setter
+    def fail_closed_until(self, until: float | None) -> None:
+        if until is None:
+            self._holds.pop(_FAIL_CLOSED_UNTIL, None)
+            return
+        self._holds[_FAIL_CLOSED_UNTIL] = Hold(
+            Reason.FAIL_CLOSED,
+            max(1e-3, until - self.clock()),
+            "admission thresholds are stale and failureMode is FailClosed",
+            until,
+        )
 
     # ------------------------------------------------------------------ arithmetic
 
@@ -310,15 +491,10 @@ class AdmissionController:
         """
         now = self.clock()
         cfg = self.config
-        if self.fail_closed_until is not None and now < self.fail_closed_until:
-            return self._refuse(
-                Reason.FAIL_CLOSED,
-                "fail_closed",
-                503,
-                self.fail_closed_until - now,
-                req.max_tokens,
-                "admission thresholds are stale and failureMode is FailClosed",
-            )
+        if self._holds:
+            h = self._active_hold(now)
+            if h is not None:
+                return self._hold_refusal(h, now, req.max_tokens)
         clamped = False
         kv = self._kv_tokens(req.prompt_tokens, req.max_tokens, req.n)
         cost = cfg.cost(req.prompt_tokens, req.n * req.max_tokens)
@@ -623,9 +799,17 @@ class AdmissionController:
             return
         now = self.clock()
         done = self._resolved
+        held = self._active_hold(now) if self._holds else None
         for w in [w for w in self._queue.values() if now >= w.deadline]:
             del self._queue[w.seq]
             waited = now - w.enqueued_at
+            if held is not None:  # no admission of any kind while held, not even degraded
+                d = self._hold_refusal(held, now, w.request.max_tokens)
+                d.message = f"timed out after {waited:.1f}s in the admission queue: {d.message}"
+                d.queue_seconds = waited
+                w.decision = d
+                done.append(w)
+                continue
             blocker = self._blocker(w.request, w.request.max_tokens, now)
             actions = w.remaining_actions
             if _DEGRADE in self.config.actions and _DEGRADE not in actions:
@@ -635,6 +819,8 @@ class AdmissionController:
             )
             done.append(w)
         self._head_blocked_shared = False
+        if held is not None:
+            return
         for w in self._ordered(now):
             b = self._blocker(w.request, w.request.max_tokens, now)
             if b is None:
@@ -684,6 +870,10 @@ class AdmissionController:
         for w in self._queue.values():
             c = w.deadline if w.retry_at is None else min(w.deadline, w.retry_at)
             t = c if t is None else min(t, c)
+        if t is not None:
+            for h in self._holds.values():  # a hold that ends by itself lets waiters in
+                if h.until is not None:
+                    t = min(t, h.until)
         return t
 
     # ------------------------------------------------------------------ release
@@ -729,6 +919,22 @@ class AdmissionController:
             per_token = (now - ticket.admitted_at) / completion_tokens
             self.seconds_per_token += EMA_ALPHA * (per_token - self.seconds_per_token)
         return True
+
+
+#: Key of the hold set through the ``fail_closed_until`` compatibility attribute.
+_FAIL_CLOSED_UNTIL = "fail_closed_until"
+
+
+def _min_cost_capacity(config: AdmissionConfig) -> float | None:
+    caps = [t.cost_capacity for t in config.limits if t.cost_capacity is not None]
+    return min(caps) if caps else None
+
+
+def _aging_rate(config: AdmissionConfig) -> float:
+    """ShortestFirst aging, KV tokens per second: after half the maximum wait, a waiting
+    request outranks any new one."""
+    ref = config.max_model_len or config.kv_capacity_tokens or 8192
+    return ref / max(1e-3, config.queue_max_wait_seconds / 2)
 
 
 _REFUSAL_TEXT = {

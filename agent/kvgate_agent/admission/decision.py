@@ -30,7 +30,13 @@ class Outcome(StrEnum):
 
 
 class Reason(StrEnum):
-    """Why the outcome is what it is."""
+    """Why the outcome is what it is.
+
+    ``fail_closed``: admission is held because its thresholds cannot be trusted (stale past
+    their TTL, or the engine's KV capacity unknown) and ``failureMode`` is FailClosed.
+    ``gpu_memory_low``: admission is held because the node agent's GPU safety net closed (NVML
+    free memory on one of the pod's GPUs below the policy's margin).
+    """
 
     OK = "ok"
     RATE_LIMIT_REQUESTS = "rate_limit_requests"
@@ -44,6 +50,7 @@ class Reason(StrEnum):
     MAX_TOKENS_CLAMPED = "max_tokens_clamped"
     FALLBACK_MODEL = "fallback_model"
     FAIL_CLOSED = "fail_closed"
+    GPU_MEMORY_LOW = "gpu_memory_low"
     DRAINING = "draining"
 
 
