@@ -1,0 +1,70 @@
+"""The node agent's HTTP API (FastAPI), for the sidecars of its node and for Prometheus.
+
+Routes only translate HTTP to :class:`~kvgate_agent.node.service.NodeAgent` calls:
+
+- ``POST /v1/sync``: a sidecar's report in, its thresholds out (see
+  :mod:`kvgate_agent.contract.sync`; ``304`` when ``If-None-Match`` matches).
+- ``GET /metrics``: Prometheus exposition.
+- ``GET /healthz``: liveness (the process serves HTTP and its loops run).
+- ``GET /readyz``: readiness (NodeAdmission read, at least one usable GPU); 503 with the
+  reason otherwise.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvgate_agent.contract.sync import SYNC_PATH
+from kvgate_agent.node.service import NodeAgent
+
+#: Largest sync report accepted, bytes (a report is a few hundred bytes).
+MAX_REPORT_BYTES = 64 * 1024
+
+
+def build_app(agent: NodeAgent) -> FastAPI:
+    """The FastAPI application serving ``agent``."""
+    app = FastAPI(title="kvgate node agent", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post(SYNC_PATH)
+    async def sync(request: Request) -> Response:
+        body = await request.body()
+        if len(body) > MAX_REPORT_BYTES:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "report too large",
+                        "type": "invalid_request_error",
+                        "code": "too_large",
+                    }
+                },
+                status_code=413,
+            )
+        result = await agent.sync(
+            body,
+            request.headers.get("authorization"),
+            request.headers.get("if-none-match"),
+            request.client.host if request.client else None,
+        )
+        if result.body is None:
+            return Response(status_code=result.status, headers=result.headers)
+        return JSONResponse(result.body, status_code=result.status, headers=result.headers)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(agent.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        dead = [t.get_name() for t in agent.tasks if t.done()]
+        if dead:
+            return PlainTextResponse(f"loops ended: {', '.join(dead)}", status_code=503)
+        return PlainTextResponse("ok")
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        ok, reason = agent.ready()
+        return PlainTextResponse(reason, status_code=200 if ok else 503)
+
+    return app

@@ -1,0 +1,184 @@
+"""Who is syncing: a sidecar proves its pod with a projected service-account token.
+
+The injected sidecar mounts a projected token with audience ``kvgate-agent`` (bound to its pod
+by the kubelet). The agent asks the API server about it with a TokenReview
+(``authentication.k8s.io/v1``) and reads the pod the token is bound to from the user's extra fields
+``authentication.kubernetes.io/pod-name`` and ``authentication.kubernetes.io/pod-uid``
+(Kubernetes docs, "Managing Service Accounts": bound service account tokens), and the namespace
+from the username ``system:serviceaccount:<namespace>:<name>``. The claimed pod (the sync report's
+namespace, name and uid) must be that pod: a pod cannot read or report for another.
+
+Results are cached by a hash of the token (never the token itself): accepted for
+``ok_ttl`` seconds, refused for ``refused_ttl`` seconds, at most ``max_entries`` kept, so a
+sidecar syncing every second costs one TokenReview a minute, and a flood of bad tokens cannot grow
+memory without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate_agent.contract.sync import TOKEN_AUDIENCE
+
+log = logging.getLogger(__name__)
+
+POD_NAME_EXTRA = "authentication.kubernetes.io/pod-name"
+POD_UID_EXTRA = "authentication.kubernetes.io/pod-uid"
+SA_PREFIX = "system:serviceaccount:"
+
+
+class AuthError(Exception):
+    """A sync refused: ``status`` is 401 (no or invalid token) or 403 (valid, wrong pod);
+    ``code`` a stable label for metrics and the error body."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class PodIdentity:
+    """The pod a token is bound to."""
+
+    namespace: str
+    name: str
+    uid: str
+    service_account: str
+
+
+@dataclass(frozen=True, slots=True)
+class Review:
+    """A TokenReview's answer: ``identity`` when authenticated and bound to a pod, else
+    ``error`` (with ``status`` 401 or 403)."""
+
+    identity: PodIdentity | None
+    status: int = 200
+    code: str = "ok"
+    error: str = ""
+
+
+#: ``(token) -> Review``; may block (runs in a thread).
+TokenReviewer = Callable[[str], Review]
+
+
+def review_from_status(status: dict[str, Any], audience: str = TOKEN_AUDIENCE) -> Review:
+    """Interpret a TokenReview ``status`` (as the API server returns it, camelCase JSON).
+
+    Returns a :class:`Review`: 401 when not authenticated or issued for another audience, 403
+    when authenticated but not a service-account token bound to a pod.
+    """
+    if not status.get("authenticated"):
+        return Review(None, 401, "invalid_token", status.get("error") or "token not accepted")
+    audiences = status.get("audiences")
+    if audiences is not None and audience not in audiences:
+        return Review(None, 401, "wrong_audience", f"token is not for audience {audience!r}")
+    user = status.get("user") or {}
+    username = user.get("username") or ""
+    extra = user.get("extra") or {}
+    names, uids = extra.get(POD_NAME_EXTRA) or [], extra.get(POD_UID_EXTRA) or []
+    parts = username[len(SA_PREFIX) :].split(":") if username.startswith(SA_PREFIX) else []
+    if len(parts) != 2 or len(names) != 1 or len(uids) != 1:
+        return Review(
+            None, 403, "not_pod_bound", "token is not a service-account token bound to a pod"
+        )
+    return Review(PodIdentity(parts[0], names[0], uids[0], parts[1]))
+
+
+def kube_token_reviewer(api_client: Any, audience: str = TOKEN_AUDIENCE) -> TokenReviewer:
+    """A :data:`TokenReviewer` calling the API server through a ``kubernetes`` ApiClient
+    (needs RBAC ``create`` on ``tokenreviews``, as in ``system:auth-delegator``)."""
+    from kubernetes import client
+
+    api = client.AuthenticationV1Api(api_client)
+
+    def review(token: str) -> Review:
+        body = client.V1TokenReview(
+            spec=client.V1TokenReviewSpec(token=token, audiences=[audience])
+        )
+        result = api.create_token_review(body, _request_timeout=5)
+        return review_from_status(api_client.sanitize_for_serialization(result.status) or {})
+
+    return review
+
+
+class Authenticator:
+    """Checks sync tokens against the claimed pod, with a bounded cache.
+
+    Args:
+        reviewer: performs a TokenReview (blocking; called in a worker thread).
+        clock: monotonic seconds (injected).
+        ok_ttl: seconds an accepted token is trusted without asking again.
+        refused_ttl: seconds a refused token stays refused without asking again.
+        max_entries: cache bound.
+    """
+
+    def __init__(
+        self,
+        reviewer: TokenReviewer,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        ok_ttl: float = 60.0,
+        refused_ttl: float = 5.0,
+        max_entries: int = 4096,
+        run: Callable[[Callable[[], Review]], Awaitable[Review]] | None = None,
+    ) -> None:
+        self.reviewer = reviewer
+        self.clock = clock
+        self.ok_ttl = ok_ttl
+        self.refused_ttl = refused_ttl
+        self.max_entries = max_entries
+        self._cache: OrderedDict[str, tuple[Review, float]] = OrderedDict()
+        self._run = run or (lambda fn: asyncio.to_thread(fn))
+        self.reviews = 0  # TokenReviews sent (for metrics)
+
+    async def verify(
+        self, authorization: str | None, namespace: str, name: str, uid: str | None
+    ) -> PodIdentity:
+        """The identity behind an ``Authorization`` header, checked against the claimed pod.
+
+        Raises:
+            AuthError: 401 without a bearer token or when the API server does not accept it
+                (or cannot be asked: then 401 ``review_failed``, not cached); 403 when it
+                belongs to another pod (namespace, name or uid differ) or is not pod-bound.
+        """
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
+            raise AuthError(401, "missing_token", "send Authorization: Bearer <pod token>")
+        key = hashlib.sha256(token.encode()).hexdigest()
+        now = self.clock()
+        hit = self._cache.get(key)
+        if hit is not None and hit[1] > now:
+            review = hit[0]
+        else:
+            try:
+                self.reviews += 1
+                review = await self._run(lambda: self.reviewer(token))
+            except Exception as exc:  # the API server cannot be asked: do not cache
+                log.warning("TokenReview failed: %s", exc)
+                raise AuthError(401, "review_failed", "cannot verify the token now") from exc
+            ttl = self.ok_ttl if review.identity is not None else self.refused_ttl
+            self._cache[key] = (review, now + ttl)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+        ident = review.identity
+        if ident is None:
+            raise AuthError(review.status, review.code, review.error)
+        if (ident.namespace, ident.name) != (namespace, name) or (uid and uid != ident.uid):
+            raise AuthError(
+                403,
+                "wrong_pod",
+                f"token belongs to pod {ident.namespace}/{ident.name}, "
+                f"not {namespace}/{name}" + (f" (uid {uid})" if uid else ""),
+            )
+        return ident

@@ -1,0 +1,208 @@
+"""``kvgate-agent node``: the node agent (one per GPU node, a DaemonSet).
+
+Every flag also reads an environment variable (``KVGATE_<FLAG>``). The node name usually comes
+from the downward API (``spec.nodeName`` into ``KVGATE_NODE_NAME``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+log = logging.getLogger("kvgate.node")
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get("KVGATE_" + name, default)
+
+
+def _hostport(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+def _seconds(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
+    return v
+
+
+def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``node`` subcommand to ``kvgate-agent``'s parser."""
+    n = sub.add_parser(
+        "node",
+        help="node agent: NVML, KV usage, thresholds to sidecars, NodeAdmission status",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    n.add_argument(
+        "--node-name",
+        default=_env("NODE_NAME"),
+        required=_env("NODE_NAME") is None,
+        help="this node's name (downward API spec.nodeName) [KVGATE_NODE_NAME]",
+    )
+    n.add_argument(
+        "--listen",
+        type=_hostport,
+        default=_env("LISTEN", "0.0.0.0:9470"),
+        help="HOST:PORT for the sidecars' sync API, /metrics, /healthz, /readyz [KVGATE_LISTEN]",
+    )
+    n.add_argument(
+        "--gpu-backend",
+        default=_env("GPU_BACKEND", "nvml"),
+        help="'nvml', or 'fake:<scenario.json>' for tests [KVGATE_GPU_BACKEND]",
+    )
+    n.add_argument(
+        "--kubeconfig",
+        default=_env("KUBECONFIG_FILE"),
+        help="kubeconfig for running outside a pod (default: in-cluster, then $KUBECONFIG) "
+        "[KVGATE_KUBECONFIG_FILE]",
+    )
+    for flag, env, default, text in (
+        ("--gpu-poll-seconds", "GPU_POLL_SECONDS", "2", "how often NVML is read"),
+        ("--gpu-call-timeout", "GPU_CALL_TIMEOUT", "2", "bound on each NVML read of one GPU"),
+        ("--scrape-seconds", "SCRAPE_SECONDS", "5", "how often engine metrics are scraped"),
+        (
+            "--status-min-interval",
+            "STATUS_MIN_INTERVAL",
+            "5",
+            "NodeAdmission status writes at most this often",
+        ),
+        ("--heartbeat-seconds", "HEARTBEAT_SECONDS", "30", "...and at least this often"),
+        ("--thresholds-ttl", "THRESHOLDS_TTL", "30", "how long sidecars enforce without a sync"),
+        ("--sync-interval", "SYNC_INTERVAL", "1", "how often sidecars sync"),
+        (
+            "--token-cache-seconds",
+            "TOKEN_CACHE_SECONDS",
+            "60",
+            "how long an accepted token is trusted",
+        ),
+    ):
+        n.add_argument(
+            flag,
+            type=_seconds,
+            default=_env(env, default),
+            help=f"{text}, seconds [KVGATE_{env}]",
+        )
+    n.add_argument(
+        "--proc-root",
+        default=_env("PROC_ROOT", "/proc"),
+        help="host /proc (with hostPID) to map NVML processes to pods [KVGATE_PROC_ROOT]",
+    )
+    n.add_argument(
+        "--log-level",
+        type=str.upper,
+        default=_env("LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="[KVGATE_LOG_LEVEL]",
+    )
+
+
+async def run_node(args: argparse.Namespace) -> int:
+    """Run the node agent until SIGTERM/SIGINT."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server without its own signal capture: the agent decides the shutdown
+        order (stop serving, stop the watch and loops, close NVML) and exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    from kvgate_agent.gpu import GpuMonitor
+    from kvgate_agent.gpu.select import backend_from_spec
+    from kvgate_agent.node.api import build_app
+    from kvgate_agent.node.auth import Authenticator, kube_token_reviewer
+    from kvgate_agent.node.kube import NodeAdmissionWatch, StatusWriter, load_api_client
+    from kvgate_agent.node.service import NodeAgent, NodeSettings
+
+    api_client = load_api_client(args.kubeconfig)
+    settings = NodeSettings(
+        node_name=args.node_name,
+        gpu_poll_seconds=args.gpu_poll_seconds,
+        scrape_seconds=args.scrape_seconds,
+        status_min_interval=args.status_min_interval,
+        heartbeat_seconds=args.heartbeat_seconds,
+        ttl_seconds=args.thresholds_ttl,
+        sync_interval_seconds=args.sync_interval,
+        proc_root=Path(args.proc_root),
+    )
+    monitor = GpuMonitor(backend_from_spec(args.gpu_backend), call_timeout=args.gpu_call_timeout)
+    auth = Authenticator(kube_token_reviewer(api_client), ok_ttl=args.token_cache_seconds)
+    agent = NodeAgent(settings, monitor, auth, StatusWriter(api_client, args.node_name))
+    loop = asyncio.get_running_loop()
+    watch = NodeAdmissionWatch(api_client, args.node_name, loop, agent.on_spec)
+    await agent.start()
+    watch.start()
+    config = uvicorn.Config(
+        build_app(agent),
+        host=args.listen[0],
+        port=args.listen[1],
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+    )
+    server = _Server(config)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server_task = asyncio.create_task(server.serve())
+    print(
+        f"kvgate node agent for {args.node_name} listening on http://{args.listen[0]}:{args.listen[1]}",
+        flush=True,
+    )
+    await asyncio.wait(
+        {server_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
+    )
+    server.should_exit = True
+    with contextlib.suppress(Exception):
+        await server_task
+    watch.stop()
+    await agent.stop()
+    monitor.close()
+    api_client.close()
+    return 0 if server.started else 1
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``kvgate-agent node`` (``argv`` without the subcommand). Exit codes: 0
+    after a clean shutdown, 1 when it cannot serve or reach its configuration, 2 on bad
+    arguments."""
+    parser = argparse.ArgumentParser(prog="kvgate-agent")
+    add_node_parser(parser.add_subparsers(dest="role", required=True))
+    args = parser.parse_args(["node", *argv])
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        from kvgate_agent.gpu.select import backend_from_spec
+
+        backend_from_spec(args.gpu_backend)
+    except ValueError as exc:
+        print(f"kvgate-agent node: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run_node(args))
+    except OSError as exc:
+        print(f"kvgate-agent node: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        from kubernetes.config import ConfigException
+
+        if isinstance(exc, ConfigException):
+            print(f"kvgate-agent node: no Kubernetes configuration: {exc}", file=sys.stderr)
+            return 1
+        raise

@@ -1,0 +1,403 @@
+"""The node agent's I/O loops around the pure :class:`~kvgate_agent.node.state.NodeState`.
+
+- GPU loop: ``GpuMonitor.poll()`` in a worker thread every ``gpu_poll_seconds`` (each NVML call
+  bounded in time, faults isolated per GPU), plus the pod → GPU map from NVML processes.
+- Engine loop: every ``scrape_seconds``, GET each synced pod's ``metricsUrl`` (bounded time),
+  parse it (vLLM, SGLang, TGI names) and keep it only while fresh.
+- Status loop: the NodeAdmission status, written when :class:`~kvgate_agent.node.state.StatusGate`
+  says so (meaningful change, bounded rate, heartbeat).
+- The NodeAdmission watch (a thread) sets the spec.
+- :meth:`NodeAgent.sync` answers a sidecar (authenticated) from the cached answer.
+
+Nothing here decides anything: the decisions are in ``state``, ``engine``, ``auth`` and
+``podgpu``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import ipaddress
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from pydantic import ValidationError
+
+from kvgate_agent.contract.nodeadmission import Condition, NodeAdmissionSpec, NodeAdmissionStatus
+from kvgate_agent.contract.sync import SyncReport
+from kvgate_agent.gpu.monitor import GpuMonitor
+from kvgate_agent.node.auth import Authenticator, AuthError
+from kvgate_agent.node.engine import EngineView
+from kvgate_agent.node.podgpu import gpus_by_pod
+from kvgate_agent.node.state import EngineFacts, NodeState, PodKey, StatusGate
+
+log = logging.getLogger("kvgate.node")
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class NodeSettings:
+    """Settings of one node agent (seconds unless named otherwise).
+
+    Attributes:
+        node_name: the node, and its NodeAdmission's name.
+        gpu_poll_seconds: how often NVML is read.
+        scrape_seconds: how often each engine's metrics are scraped.
+        engine_max_age_seconds: an engine sample older than this is stale (invalid); default
+            3 × ``scrape_seconds``.
+        status_min_interval: the NodeAdmission status is written at most this often...
+        heartbeat_seconds: ...and at least this often.
+        ttl_seconds: how long sidecars keep enforcing without a sync (sent to them).
+        sync_interval_seconds: how often sidecars sync (sent to them).
+        report_expiry_seconds: a sidecar silent this long counts as disconnected.
+        proc_root: where host processes are visible (``/proc`` with ``hostPID``), to map NVML
+            process ids to pods.
+    """
+
+    node_name: str
+    gpu_poll_seconds: float = 2.0
+    scrape_seconds: float = 5.0
+    engine_max_age_seconds: float | None = None
+    status_min_interval: float = 5.0
+    heartbeat_seconds: float = 30.0
+    ttl_seconds: float = 30.0
+    sync_interval_seconds: float = 1.0
+    report_expiry_seconds: float = 10.0
+    proc_root: Path = Path("/proc")
+
+
+@dataclass(slots=True)
+class SyncResult:
+    """An HTTP answer to a sync: ``status``, JSON ``body`` (None for 304) and headers."""
+
+    status: int
+    body: dict[str, Any] | None
+    headers: dict[str, str]
+
+
+def _error(status: int, code: str, message: str, kind: str) -> SyncResult:
+    return SyncResult(status, {"error": {"message": message, "type": kind, "code": code}}, {})
+
+
+def _rfc3339(ts: dt.datetime) -> str:
+    return ts.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def metrics_url_allowed(url: str, peer: str | None) -> bool:
+    """Whether the agent may scrape ``url`` reported by a sidecar connecting from ``peer``: only
+    plain HTTP to the sidecar's own address (its pod IP), or loopback when the sidecar itself is
+    on loopback. The agent never fetches an address a pod merely names (no request forgery
+    towards the node or the cluster)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+        if parts.scheme != "http" or host is None or peer is None:
+            return False
+        h = ipaddress.ip_address(host)
+        p = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    return h == p
+
+
+class NodeAgent:
+    """One node agent.
+
+    Args:
+        settings: see :class:`NodeSettings`.
+        monitor: reads the GPUs (NVML, or a fake backend in tests).
+        authenticator: checks sidecars' tokens.
+        status_writer: ``write(status_dict) -> "ok" | "absent"`` (blocking), or None to keep
+            the status local (no cluster).
+        clock: monotonic seconds.
+        wall: wall-clock time for the status timestamps.
+    """
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        monitor: GpuMonitor,
+        authenticator: Authenticator,
+        status_writer: Any | None = None,
+        clock: Clock = time.monotonic,
+        wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
+    ) -> None:
+        from kvgate_agent.node.metrics import NodeMetrics
+
+        self.settings = settings
+        self.monitor = monitor
+        self.auth = authenticator
+        self.status_writer = status_writer
+        self.clock = clock
+        self.wall = wall
+        self.state = NodeState(
+            settings.node_name,
+            ttl_seconds=settings.ttl_seconds,
+            sync_interval_seconds=settings.sync_interval_seconds,
+            report_expiry_seconds=settings.report_expiry_seconds,
+        )
+        self.engines = EngineView(
+            settings.scrape_seconds, settings.engine_max_age_seconds, clock=clock
+        )
+        self.gate = StatusGate(settings.status_min_interval, settings.heartbeat_seconds)
+        self.metrics = NodeMetrics(self, clock)
+        self.spec_error: str | None = None
+        self._metrics_urls: dict[PodKey, str] = {}
+        self._conditions: dict[str, Condition] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._status_wake = asyncio.Event()
+        self._session: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Read the GPUs once, then start the loops."""
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0))
+        await self.poll_gpus()
+        for name, coro in (
+            ("gpu", self._gpu_loop()),
+            ("engine", self._engine_loop()),
+            ("status", self._status_loop()),
+        ):
+            self._tasks.append(asyncio.create_task(coro, name=name))
+
+    @property
+    def tasks(self) -> list[asyncio.Task[None]]:
+        """The running loops (for liveness)."""
+        return list(self._tasks)
+
+    async def stop(self) -> None:
+        """Stop the loops (a last status write is attempted by the status loop's owner)."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._session is not None:
+            await self._session.close()
+
+    def on_spec(self, spec: NodeAdmissionSpec | None, error: str | None) -> None:
+        """The NodeAdmission watch saw a change (runs on the event loop)."""
+        if error is not None:
+            self.spec_error = error
+            log.error("%s; keeping the previous thresholds", error)
+            return
+        self.spec_error = None
+        self.state.set_spec(spec, self.clock())
+        log.info(
+            "NodeAdmission %s: %d governed pods",
+            self.settings.node_name,
+            len(spec.pods) if spec else 0,
+        )
+        self._status_wake.set()
+
+    def ready(self) -> tuple[bool, str]:
+        """Readiness: the NodeAdmission was read, and at least one GPU is usable."""
+        if not self.state.spec_known:
+            return False, "NodeAdmission not read yet"
+        snap = self.state.gpus
+        if snap is None:
+            return False, "GPUs not read yet"
+        if not snap.ready:
+            return False, snap.reason or "no usable GPU"
+        return True, "ok"
+
+    def bytes_per_token(self, key: PodKey) -> int | None:
+        """KV bytes per token of the pod's model, from its thresholds."""
+        spec = self.state.spec
+        for p in spec.pods if spec else []:
+            if (p.namespace, p.name) == key:
+                return p.thresholds.bytes_per_token or p.thresholds.model.bytes_per_token
+        return None
+
+    def engine_ages(self, now: float) -> dict[PodKey, float | None]:
+        """Seconds since each scraped pod's last good engine sample."""
+        out: dict[PodKey, float | None] = {}
+        for pod, reading in self.engines.readings(now).items():
+            ns, _, name = pod.partition("/")
+            out[(ns, name)] = reading.age_seconds
+        return out
+
+    # ------------------------------------------------------------------ sync
+
+    async def sync(
+        self,
+        body: bytes,
+        authorization: str | None,
+        if_none_match: str | None,
+        peer: str | None,
+    ) -> SyncResult:
+        """Handle ``POST /v1/sync`` (see :mod:`kvgate_agent.contract.sync`)."""
+        started = time.perf_counter()
+        result = await self._sync(body, authorization, if_none_match, peer)
+        self.metrics.sync_seconds.observe(time.perf_counter() - started)
+        return result
+
+    async def _sync(
+        self, body: bytes, authorization: str | None, if_none_match: str | None, peer: str | None
+    ) -> SyncResult:
+        m = self.metrics
+        try:
+            report = SyncReport.model_validate_json(body)
+        except ValidationError as exc:
+            m.syncs.labels("invalid").inc()
+            msg = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                for e in exc.errors()[:5]
+            )
+            return _error(422, "invalid_report", msg, "invalid_request_error")
+        reviews = self.auth.reviews
+        try:
+            await self.auth.verify(authorization, report.namespace, report.name, report.uid)
+        except AuthError as exc:
+            m.token_reviews.inc(self.auth.reviews - reviews)
+            m.syncs.labels("forbidden" if exc.status == 403 else "unauthorized").inc()
+            log.warning("sync refused for %s/%s: %s", report.namespace, report.name, exc.message)
+            return _error(exc.status, exc.code, exc.message, "authentication_error")
+        m.token_reviews.inc(self.auth.reviews - reviews)
+        if not self.state.spec_known:
+            m.syncs.labels("unavailable").inc()
+            res = _error(
+                503, "not_ready", "the agent has not read its NodeAdmission yet", "unavailable"
+            )
+            res.headers["Retry-After"] = "1"
+            return res
+        key = (report.namespace, report.name)
+        now = self.clock()
+        self.state.record(report, now)
+        url = report.metrics_url
+        if url is not None and metrics_url_allowed(url, peer):
+            self._metrics_urls[key] = url
+        else:
+            if url is not None:
+                log.warning(
+                    "%s/%s: not scraping %s (not the sidecar's own address %s)", *key, url, peer
+                )
+            self._metrics_urls.pop(key, None)
+        answer = self.state.answer(key)
+        headers = {"ETag": answer.etag, "Cache-Control": "no-cache"}
+        if if_none_match is not None and if_none_match.strip() == answer.etag:
+            m.syncs.labels("not_modified").inc()
+            return SyncResult(304, None, headers)
+        m.syncs.labels("ok").inc()
+        return SyncResult(200, answer.model_dump(mode="json", by_alias=True), headers)
+
+    # ------------------------------------------------------------------ loops
+
+    async def poll_gpus(self) -> None:
+        """Read the GPUs once (in a worker thread) and map NVML processes to pods."""
+        snap = await asyncio.to_thread(self.monitor.poll)
+        pids = {g.uuid: [p.pid for p in (g.processes or ())] for g in snap.gpus}
+        by_pod = await asyncio.to_thread(gpus_by_pod, pids, self.settings.proc_root)
+        before = self.state.status().conditions if self.state.gpus is not None else None
+        self.state.set_gpus(snap, by_pod)
+        if before != self.state.conditions():
+            self._status_wake.set()
+
+    async def _gpu_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.gpu_poll_seconds)
+            try:
+                await self.poll_gpus()
+            except Exception:  # never let one bad poll end the loop
+                log.exception("GPU poll failed")
+
+    async def scrape_engines(self) -> None:
+        """Scrape every synced pod's engine metrics once, concurrently, each bounded in time."""
+        now = self.clock()
+        for key in self.state.expire(now):
+            self._metrics_urls.pop(key, None)
+            self.engines.forget(f"{key[0]}/{key[1]}")
+        await asyncio.gather(*(self._scrape(k, u) for k, u in list(self._metrics_urls.items())))
+        for key in list(self._metrics_urls):
+            sample = self.engines.current(f"{key[0]}/{key[1]}")
+            self.state.set_engine(
+                key,
+                None
+                if sample is None
+                else EngineFacts(sample.kv_capacity_tokens, sample.kv_used_tokens),
+            )
+
+    async def _scrape(self, key: PodKey, url: str) -> None:
+        assert self._session is not None
+        pod = f"{key[0]}/{key[1]}"
+        try:
+            async with self._session.get(url) as resp:
+                if resp.status != 200:
+                    self.engines.record_error(pod, f"http_{resp.status}")
+                    self.metrics.scrapes.labels("error").inc()
+                    return
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.engines.record_error(
+                pod, "timeout" if isinstance(exc, TimeoutError) else "connect"
+            )
+            self.metrics.scrapes.labels("error").inc()
+            return
+        sample = self.engines.record_text(pod, text)
+        self.metrics.scrapes.labels("ok" if sample.ok else "invalid").inc()
+
+    async def _engine_loop(self) -> None:
+        while True:
+            try:
+                await self.scrape_engines()
+            except Exception:
+                log.exception("engine scrape failed")
+            await asyncio.sleep(self.settings.scrape_seconds)
+
+    def status_document(self) -> tuple[NodeAdmissionStatus, dict[str, Any]]:
+        """The status to write now, with heartbeat and condition transition times."""
+        status = self.state.status()
+        now_s = _rfc3339(self.wall())
+        conds = []
+        for c in status.conditions:
+            prev = self._conditions.get(c.type)
+            same = prev is not None and (prev.status, prev.reason) == (c.status, c.reason)
+            stamped = c.model_copy(
+                update={
+                    "last_transition_time": prev.last_transition_time if same and prev else now_s
+                }
+            )
+            conds.append(stamped)
+        status = status.model_copy(update={"conditions": conds, "heartbeat_time": now_s})
+        return status, status.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+    async def write_status(self, force: bool = False) -> str | None:
+        """Write the status if the gate says so (or ``force``); returns the result or None."""
+        if self.status_writer is None:
+            return None
+        now = self.clock()
+        status = self.state.status()
+        caps = {
+            (p.namespace, p.name): self.state.kv_capacity((p.namespace, p.name))
+            for p in status.pods
+        }
+        if not force and not self.gate.due(status, caps, now):
+            return None
+        stamped, doc = self.status_document()
+        try:
+            result: str = await asyncio.to_thread(self.status_writer.write, doc)
+        except Exception as exc:
+            self.metrics.status_writes.labels("error").inc()
+            log.warning("NodeAdmission status write failed: %s", exc)
+            return "error"
+        self.metrics.status_writes.labels(result).inc()
+        if result == "ok":
+            self.gate.wrote(status, now)
+            self._conditions = {c.type: c for c in stamped.conditions}
+        return result
+
+    async def _status_loop(self) -> None:
+        while True:
+            await self.write_status()
+            self._status_wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._status_wake.wait(), self.settings.status_min_interval)

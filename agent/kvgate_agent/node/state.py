@@ -1,0 +1,466 @@
+"""What the node agent knows about its node, and the answers and status computed from it (pure).
+
+Inputs, each set by the I/O layer (:mod:`kvgate_agent.node.service`):
+
+- the node's ``NodeAdmission`` spec (written by the operator): per pod, its thresholds;
+- the last :class:`~kvgate_agent.gpu.monitor.GpuSnapshot` (NVML) and which GPUs NVML sees each
+  pod's processes on;
+- each sidecar's last :class:`~kvgate_agent.contract.sync.SyncReport`;
+- each pod's engine facts scraped from its model server's ``/metrics`` (already checked for
+  staleness and range: ``None`` means unknown, never idle).
+
+Outputs: the :class:`~kvgate_agent.contract.sync.SyncAnswer` for a pod (thresholds with the best
+KV capacity, the GPU safety net, an ETag), and the ``NodeAdmission`` status.
+
+KV capacity for a pod, best source first (DESIGN.md, "KV cache arithmetic"):
+
+1. the engine's own report (vLLM ``vllm:cache_config_info`` num_gpu_blocks × block_size) when the
+   policy says ``capacity.fromEngineMetrics``; otherwise the engine's report still overrides
+   estimates, but not an explicit ``capacity.kvCacheTokens``;
+2. the explicit ``capacity.kvCacheTokens`` (already in the thresholds the operator wrote);
+3. an NVML estimate, when the policy gives ``gpuMemoryUtilization`` and the model shape:
+   ``(Σ total × gpuMemoryUtilization − weightsBytes − safetyMarginBytes × GPUs) / bytesPerToken``
+   over the pod's GPUs, only when the agent knows which GPUs are the pod's (or the node has one).
+
+Safety net: vLLM preallocates its KV pool, so NVML "used" does not move with load; NVML is
+the safety net, not the KV meter. When free memory on one of a pod's GPUs is below the policy's
+``capacity.safetyMarginBytes``, the pod's answer closes admission; it reopens once free memory is
+back above the margin by :data:`SAFETY_HYSTERESIS` of it (so a value hovering at the margin does
+not flap). A GPU whose memory cannot be read does not close the net: unknown is not "full".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from kvgate_agent.contract.nodeadmission import (
+    Condition,
+    GpuStatus,
+    NodeAdmissionSpec,
+    NodeAdmissionStatus,
+    PodAdmission,
+    PodUsage,
+)
+from kvgate_agent.contract.sync import SafetyNet, SyncAnswer, SyncReport
+from kvgate_agent.gpu.monitor import GpuSnapshot
+from kvgate_agent.gpu.monitor import GpuStatus as GpuReading
+
+#: Reopen the safety net only once free memory is this fraction of the margin above it.
+SAFETY_HYSTERESIS = 0.1
+
+PodKey = tuple[str, str]  # (namespace, name)
+GpuSource = Literal["reported", "nvml_processes", "all_gpus"]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What a pod's model server reported in its metrics (tokens); None = unknown."""
+
+    kv_capacity_tokens: int | None = None
+    kv_used_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class _PodRecord:
+    report: SyncReport
+    at: float  # monotonic seconds of the last report
+
+
+@dataclass(slots=True)
+class _Safety:
+    open: bool = True
+    gpu_uuid: str | None = None
+    free_bytes: int | None = None
+    margin_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class PodGpus:
+    """The GPUs attributed to a pod and how they were found."""
+
+    uuids: frozenset[str]
+    source: GpuSource
+
+
+def attribute_gpus(
+    pod_uid: str | None,
+    reported: Iterable[str],
+    by_pod: Mapping[str, set[str]],
+    node_gpus: Iterable[str],
+) -> PodGpus:
+    """The GPUs a pod uses, best source first: the UUIDs its sidecar reports (only those on this
+    node); the GPUs NVML sees its processes on (``by_pod``: pod UID → GPU UUIDs); else every GPU
+    of the node (conservative: protecting GPU memory beats throughput)."""
+    node = frozenset(node_gpus)
+    mine = frozenset(u for u in reported if u in node)
+    if mine:
+        return PodGpus(mine, "reported")
+    seen = frozenset(by_pod.get(pod_uid, ())) & node if pod_uid else frozenset()
+    if seen:
+        return PodGpus(seen, "nvml_processes")
+    return PodGpus(node, "all_gpus")
+
+
+class NodeState:
+    """The node agent's state. Pure: every method takes the time it needs as an argument.
+
+    Args:
+        node_name: the node (and its NodeAdmission object's name).
+        ttl_seconds: how long a sidecar keeps enforcing thresholds without a successful sync
+            before its ``failureMode`` applies (sent in every answer).
+        sync_interval_seconds: how often sidecars should sync (sent in every answer).
+        report_expiry_seconds: a sidecar not heard from for this long counts as disconnected
+            (its usage leaves the status).
+    """
+
+    def __init__(
+        self,
+        node_name: str,
+        *,
+        ttl_seconds: float = 30.0,
+        sync_interval_seconds: float = 1.0,
+        report_expiry_seconds: float = 10.0,
+    ) -> None:
+        self.node_name = node_name
+        self.ttl_seconds = ttl_seconds
+        self.sync_interval_seconds = sync_interval_seconds
+        self.report_expiry_seconds = report_expiry_seconds
+        self.spec: NodeAdmissionSpec | None = None
+        self.spec_known = False  # True once the NodeAdmission was read (present or absent)
+        self.spec_read_at: float | None = None
+        self.gpus: GpuSnapshot | None = None
+        self.gpus_by_pod: dict[str, set[str]] = {}
+        self._pods: dict[PodKey, PodAdmission] = {}
+        self._reports: dict[PodKey, _PodRecord] = {}
+        self._engine: dict[PodKey, EngineFacts] = {}
+        self._safety: dict[PodKey, _Safety] = {}
+        self._answers: dict[PodKey, SyncAnswer] = {}
+
+    # ------------------------------------------------------------------ inputs
+
+    def set_spec(self, spec: NodeAdmissionSpec | None, now: float) -> None:
+        """The NodeAdmission spec as read from the API server (None: no object for this node,
+        so no pod on it is governed)."""
+        self.spec = spec
+        self.spec_known = True
+        self.spec_read_at = now
+        self._pods = {(p.namespace, p.name): p for p in (spec.pods if spec else [])}
+        self._refresh()
+
+    def set_gpus(self, snapshot: GpuSnapshot, gpus_by_pod: Mapping[str, set[str]]) -> None:
+        """A new NVML snapshot and the pod UID → GPU UUIDs map from NVML processes."""
+        self.gpus = snapshot
+        self.gpus_by_pod = {k: set(v) for k, v in gpus_by_pod.items()}
+        self._refresh()
+
+    def record(self, report: SyncReport, now: float) -> None:
+        """A sidecar's sync report (already authenticated)."""
+        key = (report.namespace, report.name)
+        prev = self._reports.get(key)
+        self._reports[key] = _PodRecord(report, now)
+        if prev is None or prev.report.gpu_uuids != report.gpu_uuids:
+            self._refresh(only=key)
+
+    def set_engine(self, key: PodKey, facts: EngineFacts | None) -> None:
+        """The pod's current engine facts (None: unknown or stale)."""
+        if facts is None:
+            if self._engine.pop(key, None) is not None:
+                self._answers.pop(key, None)
+        elif self._engine.get(key) != facts:
+            self._engine[key] = facts
+            self._answers.pop(key, None)
+
+    def expire(self, now: float) -> list[PodKey]:
+        """Forget sidecars not heard from for ``report_expiry_seconds``; returns their keys."""
+        gone = [k for k, r in self._reports.items() if now - r.at > self.report_expiry_seconds]
+        for k in gone:
+            del self._reports[k]
+            self._engine.pop(k, None)
+            self._answers.pop(k, None)
+        return gone
+
+    # ------------------------------------------------------------------ queries
+
+    def connected(self, now: float) -> int:
+        """Sidecars heard from within ``report_expiry_seconds``."""
+        return sum(1 for r in self._reports.values() if now - r.at <= self.report_expiry_seconds)
+
+    def reports(self) -> dict[PodKey, tuple[SyncReport, float]]:
+        """Every known sidecar's last report and when it came (monotonic seconds)."""
+        return {k: (r.report, r.at) for k, r in self._reports.items()}
+
+    def engine_facts(self, key: PodKey) -> EngineFacts | None:
+        """The pod's current engine facts, if known."""
+        return self._engine.get(key)
+
+    def pod_gpus(self, key: PodKey) -> PodGpus:
+        """The GPUs attributed to a pod (see :func:`attribute_gpus`)."""
+        pod = self._pods.get(key)
+        rec = self._reports.get(key)
+        uid = pod.uid if pod is not None else (rec.report.uid if rec else None)
+        node = [g.uuid for g in self.gpus.gpus] if self.gpus else []
+        return attribute_gpus(uid, rec.report.gpu_uuids if rec else (), self.gpus_by_pod, node)
+
+    def safety_open(self, key: PodKey) -> bool:
+        """Whether the GPU safety net lets the pod admit new requests."""
+        s = self._safety.get(key)
+        return s is None or s.open
+
+    def answer(self, key: PodKey) -> SyncAnswer:
+        """The answer for a pod's sidecar (cached until an input changes)."""
+        cached = self._answers.get(key)
+        if cached is not None:
+            return cached
+        pod = self._pods.get(key)
+        if pod is not None:
+            pod = self._with_capacity(key, pod)
+        s = self._safety.get(key) or _Safety()
+        net = SafetyNet(
+            open=s.open,
+            reason=None
+            if s.open
+            else f"GPU {s.gpu_uuid} has {s.free_bytes} bytes free, below the safety margin "
+            f"of {s.margin_bytes} bytes",
+            gpu_uuid=None if s.open else s.gpu_uuid,
+            free_bytes=None if s.open else s.free_bytes,
+            margin_bytes=None if s.open else s.margin_bytes,
+            retry_after_seconds=max(1.0, self.sync_interval_seconds),
+        )
+        body = {
+            "pod": None if pod is None else pod.model_dump(mode="json", by_alias=True),
+            "safetyNet": net.model_dump(mode="json", by_alias=True),
+            "ttlSeconds": self.ttl_seconds,
+            "syncIntervalSeconds": self.sync_interval_seconds,
+        }
+        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:20]
+        ans = SyncAnswer(
+            etag=f'"{digest}"',
+            pod=pod,
+            safety_net=net,
+            ttl_seconds=self.ttl_seconds,
+            sync_interval_seconds=self.sync_interval_seconds,
+        )
+        self._answers[key] = ans
+        return ans
+
+    def kv_capacity(self, key: PodKey) -> int | None:
+        """The pod's KV capacity, tokens, from the best source (see the module docstring)."""
+        pod = self._pods.get(key)
+        if pod is None:
+            return None
+        return self._with_capacity(key, pod).thresholds.kv_capacity_tokens
+
+    def status(self) -> NodeAdmissionStatus:
+        """The ``NodeAdmission`` status without heartbeat time and condition transition times
+        (the writer adds them). Pods: every governed pod plus every connected sidecar."""
+        gpus = [_gpu_status(g) for g in self.gpus.gpus] if self.gpus else []
+        keys = sorted(set(self._pods) | set(self._reports))
+        pods = []
+        for key in keys:
+            rec = self._reports.get(key)
+            eng = self._engine.get(key)
+            pod = self._pods.get(key)
+            attributed = self.pod_gpus(key)
+            pods.append(
+                PodUsage(
+                    namespace=key[0],
+                    name=key[1],
+                    uid=pod.uid if pod else (rec.report.uid if rec else None),
+                    in_flight=rec.report.in_flight if rec else 0,
+                    queue_length=rec.report.queue_length if rec else 0,
+                    kv_reserved_tokens=rec.report.kv_reserved_tokens if rec else 0,
+                    kv_used_tokens=eng.kv_used_tokens if eng else None,
+                    engine_kv_capacity_tokens=eng.kv_capacity_tokens if eng else None,
+                    gpu_uuids=sorted(attributed.uuids),
+                    gpu_source=attributed.source if attributed.uuids else None,
+                    safety_net_open=self.safety_open(key),
+                )
+            )
+        return NodeAdmissionStatus(gpus=gpus, pods=pods, conditions=self.conditions())
+
+    def conditions(self) -> list[Condition]:
+        """``Ready`` (the agent reads at least one GPU and its NodeAdmission) and
+        ``GpuMemoryLow`` (the safety net is closed for some pod)."""
+        snap = self.gpus
+        if snap is None:
+            ready = Condition(
+                type="Ready", status="Unknown", reason="Starting", message="no GPU read yet"
+            )
+        elif not snap.ready:
+            ready = Condition(
+                type="Ready", status="False", reason="NoUsableGpu", message=snap.reason or ""
+            )
+        elif any(not g.healthy for g in snap.gpus):
+            bad = ", ".join(f"{g.uuid}: {g.reason}" for g in snap.gpus if not g.healthy)
+            ready = Condition(type="Ready", status="True", reason="SomeGpusUnhealthy", message=bad)
+        else:
+            ready = Condition(type="Ready", status="True", reason="Reporting")
+        closed = sorted(f"{k[0]}/{k[1]}" for k, s in self._safety.items() if not s.open)
+        low = Condition(
+            type="GpuMemoryLow",
+            status="True" if closed else "False",
+            reason="BelowSafetyMargin" if closed else "AboveSafetyMargin",
+            message=("admission stopped for " + ", ".join(closed)) if closed else "",
+        )
+        return [ready, low]
+
+    # ------------------------------------------------------------------ internals
+
+    def _with_capacity(self, key: PodKey, pod: PodAdmission) -> PodAdmission:
+        th = pod.thresholds
+        eng = self._engine.get(key)
+        cap = th.capacity
+        kv = th.kv_capacity_tokens if th.kv_capacity_tokens is not None else cap.kv_cache_tokens
+        engine_kv = eng.kv_capacity_tokens if eng else None
+        if engine_kv is not None and (cap.from_engine_metrics or cap.kv_cache_tokens is None):
+            kv = engine_kv
+        elif kv is None:
+            kv = self._nvml_estimate(key, pod)
+        if kv == th.kv_capacity_tokens:
+            return pod
+        return pod.model_copy(
+            update={"thresholds": th.model_copy(update={"kv_capacity_tokens": kv})}
+        )
+
+    def _nvml_estimate(self, key: PodKey, pod: PodAdmission) -> int | None:
+        th = pod.thresholds
+        util = th.capacity.gpu_memory_utilization
+        bpt = th.bytes_per_token or th.model.bytes_per_token
+        if util is None or bpt is None or self.gpus is None:
+            return None
+        attributed = self.pod_gpus(key)
+        if attributed.source == "all_gpus" and len(attributed.uuids) != 1:
+            return None  # which GPUs are the pod's is unknown: no estimate beats a wrong one
+        totals = [self.gpus.gpu(u) for u in attributed.uuids]
+        if not totals or any(g is None or g.total_bytes is None for g in totals):
+            return None
+        total = sum(g.total_bytes or 0 for g in totals if g is not None)
+        margin = (th.capacity.safety_margin_bytes or 0) * len(totals)
+        room = int(total * util) - (th.capacity.weights_bytes or 0) - margin
+        tokens = room // bpt
+        return tokens if tokens > 0 else None
+
+    def _refresh(self, only: PodKey | None = None) -> None:
+        """Re-evaluate the safety net (all pods, or one) and drop cached answers."""
+        keys = [only] if only is not None else list(set(self._pods) | set(self._safety))
+        for key in keys:
+            self._answers.pop(key, None)
+            pod = self._pods.get(key)
+            margin = pod.thresholds.capacity.safety_margin_bytes if pod else None
+            if pod is None or margin is None or self.gpus is None:
+                self._safety.pop(key, None)
+                continue
+            prev = self._safety.get(key) or _Safety()
+            now = _Safety(margin_bytes=margin)
+            for uuid in sorted(self.pod_gpus(key).uuids):
+                g = self.gpus.gpu(uuid)
+                if g is None or g.free_bytes is None or not g.healthy:
+                    continue  # unknown is not "full"
+                reopen_at = margin + margin * SAFETY_HYSTERESIS
+                was_closed_here = not prev.open and prev.gpu_uuid == uuid
+                low = g.free_bytes < margin or (was_closed_here and g.free_bytes < reopen_at)
+                if low and (now.open or g.free_bytes < (now.free_bytes or 0)):
+                    now.open, now.gpu_uuid, now.free_bytes = False, uuid, g.free_bytes
+            self._safety[key] = now
+        if only is None:
+            self._answers.clear()
+
+
+def _gpu_status(g: GpuReading) -> GpuStatus:
+    return GpuStatus(
+        uuid=g.uuid,
+        index=None if g.mig else g.index,
+        name=g.name,
+        mig=g.mig,
+        parent_uuid=g.parent_uuid,
+        total_bytes=g.total_bytes,
+        used_bytes=g.used_bytes,
+        free_bytes=g.free_bytes,
+        reserved_bytes=g.reserved_bytes,
+        utilization_percent=g.utilization,
+        healthy=g.healthy,
+        reason=g.reason,
+    )
+
+
+@dataclass(slots=True)
+class StatusGate:
+    """Decides when to write the NodeAdmission status: only on a meaningful change (see
+    :func:`meaningful_change`), never more often than ``min_interval`` seconds, and at least
+    every ``heartbeat_interval`` seconds (so the operator and users can tell a live agent from a
+    dead one). Small load changes ride on the next heartbeat."""
+
+    min_interval: float = 5.0
+    heartbeat_interval: float = 60.0
+    last_written: NodeAdmissionStatus | None = None
+    last_write: float | None = None
+
+    def due(
+        self, status: NodeAdmissionStatus, capacities: Mapping[PodKey, int | None], now: float
+    ) -> bool:
+        """Whether to write ``status`` now (monotonic seconds)."""
+        if self.last_write is None or self.last_written is None:
+            return True
+        since = now - self.last_write
+        if since >= self.heartbeat_interval:
+            return True
+        if since < self.min_interval:
+            return False
+        return meaningful_change(self.last_written, status, capacities)
+
+    def wrote(self, status: NodeAdmissionStatus, now: float) -> None:
+        """Record a successful write of ``status``."""
+        self.last_written = status
+        self.last_write = now
+
+
+#: A GPU's free memory moving by more than this fraction of its total is a meaningful change.
+GPU_FREE_STEP = 0.05
+#: A pod's reserved KV moving by more than this fraction of its capacity is a meaningful change.
+KV_RESERVED_STEP = 0.10
+
+
+def meaningful_change(
+    prev: NodeAdmissionStatus,
+    new: NodeAdmissionStatus,
+    capacities: Mapping[PodKey, int | None],
+) -> bool:
+    """Whether ``new`` differs from ``prev`` in a way readers act on: GPUs appearing, going or
+    changing health; a GPU's free memory moving by more than :data:`GPU_FREE_STEP` of its total;
+    pods appearing or going; a pod's uid, engine capacity, GPUs or safety net changing; its
+    reserved KV moving by more than :data:`KV_RESERVED_STEP` of its capacity (``capacities``,
+    tokens); a condition's status or reason changing."""
+    if [(c.type, c.status, c.reason) for c in prev.conditions] != [
+        (c.type, c.status, c.reason) for c in new.conditions
+    ]:
+        return True
+    old_gpus = {g.uuid: g for g in prev.gpus}
+    if set(old_gpus) != {g.uuid for g in new.gpus}:
+        return True
+    for g in new.gpus:
+        o = old_gpus[g.uuid]
+        if (o.healthy, o.reason, o.total_bytes) != (g.healthy, g.reason, g.total_bytes):
+            return True
+        if (o.free_bytes is None) != (g.free_bytes is None):
+            return True
+        moved = abs((g.free_bytes or 0) - (o.free_bytes or 0))
+        if moved > GPU_FREE_STEP * (g.total_bytes or 0):
+            return True
+    old_pods = {(p.namespace, p.name): p for p in prev.pods}
+    if set(old_pods) != {(p.namespace, p.name) for p in new.pods}:
+        return True
+    for p in new.pods:
+        key = (p.namespace, p.name)
+        o = old_pods[key]
+        fields = ("uid", "engine_kv_capacity_tokens", "safety_net_open", "gpu_uuids")
+        if any(getattr(o, f) != getattr(p, f) for f in fields):
+            return True
+        cap = capacities.get(key)
+        step = KV_RESERVED_STEP * cap if cap else 0
+        if abs(p.kv_reserved_tokens - o.kv_reserved_tokens) > step:
+            return True
+    return False
