@@ -35,7 +35,6 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from kvgate_agent.contract.nodeadmission import (
     Condition,
@@ -48,12 +47,12 @@ from kvgate_agent.contract.nodeadmission import (
 from kvgate_agent.contract.sync import SafetyNet, SyncAnswer, SyncReport
 from kvgate_agent.gpu.monitor import GpuSnapshot
 from kvgate_agent.gpu.monitor import GpuStatus as GpuReading
+from kvgate_agent.node.podgpu import GpuSource, gpus_for_pod
 
 #: Reopen the safety net only once free memory is this fraction of the margin above it.
 SAFETY_HYSTERESIS = 0.1
 
 PodKey = tuple[str, str]  # (namespace, name)
-GpuSource = Literal["reported", "nvml_processes", "all_gpus"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,17 +91,9 @@ def attribute_gpus(
     by_pod: Mapping[str, set[str]],
     node_gpus: Iterable[str],
 ) -> PodGpus:
-    """The GPUs a pod uses, best source first: the UUIDs its sidecar reports (only those on this
-    node); the GPUs NVML sees its processes on (``by_pod``: pod UID → GPU UUIDs); else every GPU
-    of the node (conservative: protecting GPU memory beats throughput)."""
-    node = frozenset(node_gpus)
-    mine = frozenset(u for u in reported if u in node)
-    if mine:
-        return PodGpus(mine, "reported")
-    seen = frozenset(by_pod.get(pod_uid, ())) & node if pod_uid else frozenset()
-    if seen:
-        return PodGpus(seen, "nvml_processes")
-    return PodGpus(node, "all_gpus")
+    """The GPUs a pod uses (see :func:`kvgate_agent.node.podgpu.gpus_for_pod`)."""
+    uuids, source = gpus_for_pod(pod_uid, reported, by_pod, node_gpus)
+    return PodGpus(frozenset(uuids), source)
 
 
 class NodeState:
@@ -455,12 +446,12 @@ def meaningful_change(
         return True
     for p in new.pods:
         key = (p.namespace, p.name)
-        o = old_pods[key]
+        op = old_pods[key]
         fields = ("uid", "engine_kv_capacity_tokens", "safety_net_open", "gpu_uuids")
-        if any(getattr(o, f) != getattr(p, f) for f in fields):
+        if any(getattr(op, f) != getattr(p, f) for f in fields):
             return True
         cap = capacities.get(key)
         step = KV_RESERVED_STEP * cap if cap else 0
-        if abs(p.kv_reserved_tokens - o.kv_reserved_tokens) > step:
+        if abs(p.kv_reserved_tokens - op.kv_reserved_tokens) > step:
             return True
     return False
