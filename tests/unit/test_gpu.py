@@ -1,25 +1,39 @@
-"""GPU monitor driven through the scripted fake backend; NVML on a machine without a driver.
+"""GPU monitor driven through the scripted fake backend and the file-driven one; NVML on a
+machine without a driver.
 
-Fake clock for backoff; the only real wait is one tiny ``call_timeout`` for the hung call.
+Fake clock for backoff; the only real waits are tiny ``call_timeout``s for the hung calls.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvgate_agent.gpu import (
+    GpuBackend,
     GpuLibraryMissing,
     GpuLost,
     GpuMonitor,
     GpuNotSupported,
+    GpuTimeout,
+    GpuUnknownError,
     NvmlBackend,
     ProcessMemory,
+    backend_from_spec,
 )
-from kvgate_agent.gpu.fake import FakeGpu, FakeGpuBackend, GiB
+from kvgate_agent.gpu.fake import (
+    FakeGpu,
+    FakeGpuBackend,
+    FileFakeGpuBackend,
+    GiB,
+    write_scenario,
+)
 from kvgate_agent.gpu.nvml import map_nvml_error
 
 
@@ -363,3 +377,257 @@ def test_nvml_backend_mig_and_memory_v1_fallback() -> None:
     assert backend.utilization("MIG-1a") is None
     assert backend.utilization("GPU-1") == 12
     assert backend.processes("GPU-1") == [ProcessMemory(5, None)]
+
+
+# -- file-driven fake (the agent as a separate process in integration tests) -----------------------
+
+
+def scenario(**gpu0: Any) -> dict[str, Any]:
+    """Two GPUs; ``gpu0`` overrides fields of the first."""
+    return {
+        "init_error": None,
+        "gpus": [
+            {"uuid": "GPU-0", "index": 0, "name": "Fake H100", "total_bytes": 80 * GiB,
+             "used_bytes": GiB, "reserved_bytes": None, "utilization": 30, "mig": False,
+             "parent_uuid": None, "processes": [{"pid": 1234, "used_bytes": 1000}],
+             "error": None, **gpu0},
+            {"uuid": "GPU-1", "index": 1, "total_bytes": 40 * GiB, "used_bytes": 2 * GiB},
+        ],
+    }  # fmt: skip
+
+
+@pytest.fixture
+def scenario_file(tmp_path: Path) -> Path:
+    path = tmp_path / "gpus.json"
+    write_scenario(path, scenario())
+    return path
+
+
+@pytest.fixture
+def file_fake(scenario_file: Path) -> Iterator[FileFakeGpuBackend]:
+    backend = FileFakeGpuBackend(scenario_file, hang_poll_seconds=0.01)
+    yield backend
+    backend.release_all()  # never leave a worker thread blocked
+
+
+@pytest.fixture
+def file_monitor(file_fake: FileFakeGpuBackend, clock: FakeClock) -> Iterator[GpuMonitor]:
+    m = GpuMonitor(file_fake, clock=clock, call_timeout=0.5)
+    yield m
+    file_fake.release_all()
+    m.close()
+
+
+def test_file_fake_values_follow_the_file(file_monitor: GpuMonitor, scenario_file: Path) -> None:
+    snap = file_monitor.poll()
+    assert snap.ready and snap.reason is None
+    g0 = snap.gpu("GPU-0")
+    assert g0 is not None and g0.healthy and g0.name == "Fake H100"
+    assert (g0.total_bytes, g0.used_bytes, g0.free_bytes) == (80 * GiB, GiB, 79 * GiB)
+    assert g0.utilization == 30 and g0.processes == (ProcessMemory(1234, 1000),)
+    g1 = snap.gpu("GPU-1")
+    assert g1 is not None and g1.name == "Fake GPU" and g1.utilization == 0  # defaults
+    assert g1.processes is None  # none listed: unknown
+
+    write_scenario(scenario_file, scenario(used_bytes=50 * GiB, reserved_bytes=GiB, utilization=99))
+    g0 = file_monitor.poll().gpu("GPU-0")
+    assert g0 is not None and (g0.used_bytes, g0.free_bytes, g0.utilization) == (
+        50 * GiB,
+        29 * GiB,
+        99,
+    )
+
+    doc = scenario()  # a MIG slice appears; GPU-1 disappears
+    doc["gpus"] = [
+        doc["gpus"][0],
+        {"uuid": "MIG-0a", "index": 0, "mig": True, "parent_uuid": "GPU-0",
+         "total_bytes": 20 * GiB, "utilization": 50},
+    ]  # fmt: skip
+    write_scenario(scenario_file, doc)
+    snap = file_monitor.poll()
+    assert [g.uuid for g in snap.gpus] == ["GPU-0", "MIG-0a", "GPU-1"]
+    mig, g1 = snap.gpu("MIG-0a"), snap.gpu("GPU-1")
+    assert mig is not None and mig.healthy and mig.utilization is None  # L11: never 0
+    assert g1 is not None and not g1.healthy and g1.reason == "lost: no longer enumerated"
+
+
+@pytest.mark.parametrize("kind", ["lost", "not_supported", "library_missing", "timeout", "unknown"])
+def test_file_fake_fault_kinds_isolated_per_gpu(
+    file_monitor: GpuMonitor, scenario_file: Path, kind: str
+) -> None:
+    assert file_monitor.poll().ready
+    write_scenario(scenario_file, scenario(error=kind))
+    snap = file_monitor.poll()
+    g0, g1 = snap.gpu("GPU-0"), snap.gpu("GPU-1")
+    assert g0 is not None and not g0.healthy
+    assert g0.reason == f"{kind}: scripted {kind} on memory"
+    assert g0.used_bytes is None  # no stale values (L12)
+    assert g1 is not None and g1.healthy and g1.total_bytes == 40 * GiB
+    assert snap.ready and snap.errors_by_kind == {kind: 1}
+
+    write_scenario(scenario_file, scenario())  # the fault clears
+    g0 = file_monitor.poll().gpu("GPU-0")
+    assert g0 is not None and g0.healthy
+
+
+def test_file_fake_fault_per_call(file_monitor: GpuMonitor, scenario_file: Path) -> None:
+    write_scenario(
+        scenario_file,
+        scenario(error={"utilization": "not_supported", "processes": "not_supported"}),
+    )
+    snap = file_monitor.poll()
+    g0 = snap.gpu("GPU-0")
+    assert g0 is not None and g0.healthy and g0.used_bytes == GiB
+    assert g0.utilization is None and g0.processes is None  # unknown, never 0 (L11)
+    assert snap.errors_by_kind == {"not_supported": 2}
+    write_scenario(scenario_file, scenario(error={"utilization": "lost"}))
+    g0 = file_monitor.poll().gpu("GPU-0")
+    assert g0 is not None and not g0.healthy and g0.reason is not None
+    assert g0.reason.startswith("lost")
+
+
+def test_file_fake_init_error_then_recovery(scenario_file: Path, clock: FakeClock) -> None:
+    write_scenario(scenario_file, {**scenario(), "init_error": "library_missing"})
+    backend = FileFakeGpuBackend(scenario_file)
+    m = GpuMonitor(backend, clock=clock, call_timeout=0.5, init_backoff=1.0)
+    try:
+        snap = m.poll()
+        assert not snap.ready and snap.gpus == ()
+        assert snap.reason is not None and "library_missing" in snap.reason
+        write_scenario(scenario_file, scenario())
+        assert not m.poll().ready  # backoff: init() not retried yet
+        assert backend.calls[("init", None)] == 1
+        clock.now += 1.0
+        snap = m.poll()
+        assert snap.ready and len(snap.gpus) == 2
+        assert snap.errors_by_kind == {"library_missing": 1}
+    finally:
+        m.close()
+
+
+def test_file_fake_devices_error_library_missing_goes_back_to_init(
+    file_monitor: GpuMonitor, scenario_file: Path, file_fake: FileFakeGpuBackend
+) -> None:
+    assert file_monitor.poll().ready
+    write_scenario(scenario_file, {**scenario(), "devices_error": "library_missing"})
+    snap = file_monitor.poll()  # the driver went away under us
+    assert not snap.ready and not file_monitor.initialized
+    assert all(not g.healthy for g in snap.gpus)
+
+
+def test_file_fake_missing_file_at_start(tmp_path: Path, clock: FakeClock) -> None:
+    path = tmp_path / "later.json"
+    backend = FileFakeGpuBackend(path)
+    m = GpuMonitor(backend, clock=clock, init_backoff=1.0)
+    try:
+        snap = m.poll()
+        assert not snap.ready and snap.reason is not None and "library_missing" in snap.reason
+        write_scenario(path, scenario())
+        clock.now += 1.0
+        assert m.poll().ready
+    finally:
+        m.close()
+
+
+def test_file_fake_corrupt_file_keeps_previous_scenario(
+    file_monitor: GpuMonitor,
+    scenario_file: Path,
+    file_fake: FileFakeGpuBackend,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert file_monitor.poll().ready
+    with caplog.at_level(logging.WARNING, logger="kvgate_agent.gpu.fake"):
+        scenario_file.write_text('{"gpus": [{"uuid": "GPU-0", "ind')  # half written
+        snap = file_monitor.poll()
+        file_monitor.poll()  # the same problem is logged once
+        write_scenario(
+            scenario_file, {"gpus": [{"uuid": "GPU-0", "index": "zero"}]}, validate=False
+        )
+        file_monitor.poll()
+        write_scenario(scenario_file, {"gpus": [], "typo_key": 1}, validate=False)
+        assert not file_fake.reload()
+    assert snap.ready and len(snap.gpus) == 2
+    g0 = snap.gpu("GPU-0")
+    assert g0 is not None and g0.healthy and g0.used_bytes == GiB
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 3 and all("keeping the previous one" in w for w in warnings)
+    assert "gpus.0.index" in warnings[1] and "typo_key" in warnings[2]
+
+    write_scenario(scenario_file, scenario(used_bytes=3 * GiB))  # a good file again
+    g0 = file_monitor.poll().gpu("GPU-0")
+    assert g0 is not None and g0.used_bytes == 3 * GiB
+
+
+def test_file_fake_hang_exercises_the_call_timeout(
+    scenario_file: Path, file_fake: FileFakeGpuBackend, clock: FakeClock
+) -> None:
+    write_scenario(scenario_file, scenario(hang=True))
+    m = GpuMonitor(file_fake, clock=clock, call_timeout=0.05)
+    try:
+        started = time.monotonic()
+        snap = m.poll()
+        assert time.monotonic() - started < 0.5
+        g0, g1 = snap.gpu("GPU-0"), snap.gpu("GPU-1")
+        assert g0 is not None and not g0.healthy and g0.reason is not None
+        assert g0.reason.startswith("timeout")
+        assert g1 is not None and g1.healthy
+
+        write_scenario(scenario_file, scenario(hang=False, used_bytes=7 * GiB))
+        deadline = time.monotonic() + 2.0
+        while True:  # the hung call notices the file within hang_poll_seconds
+            g0 = m.poll().gpu("GPU-0")
+            assert g0 is not None
+            if g0.healthy or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert g0.healthy and g0.used_bytes == 7 * GiB
+    finally:
+        file_fake.release_all()
+        m.close()
+
+
+def test_file_fake_hang_cap_and_release(scenario_file: Path) -> None:
+    write_scenario(scenario_file, scenario(hang=True))
+    backend = FileFakeGpuBackend(scenario_file, hang_poll_seconds=0.005, hang_cap_seconds=0.03)
+    backend.init()
+    with pytest.raises(GpuTimeout):
+        backend.memory("GPU-0")
+    backend.release_all()
+    assert backend.memory("GPU-0").used_bytes == GiB  # hangs ignored once released
+
+
+def test_file_fake_direct_calls(scenario_file: Path) -> None:
+    backend = FileFakeGpuBackend(scenario_file)
+    with pytest.raises(GpuUnknownError):
+        backend.devices()  # not initialised
+    backend.init()
+    assert isinstance(backend, GpuBackend)
+    assert [d.uuid for d in backend.devices()] == ["GPU-0", "GPU-1"]
+    assert backend.processes("GPU-0") == [ProcessMemory(1234, 1000)]
+    with pytest.raises(GpuUnknownError):
+        backend.memory("GPU-nope")
+    assert backend.scenario is not None and backend.scenario.gpus[0].name == "Fake H100"
+    backend.shutdown()
+    with pytest.raises(GpuUnknownError):
+        backend.memory("GPU-0")
+
+
+def test_write_scenario_is_atomic_and_validated(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    write_scenario(path, scenario())
+    with pytest.raises(ValueError, match=r"gpus\.0\.error"):
+        write_scenario(path, scenario(error="melted"))
+    with pytest.raises(ValueError, match="unique"):
+        write_scenario(path, {"gpus": [{"uuid": "A", "index": 0}, {"uuid": "A", "index": 1}]})
+    assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary files left
+    assert json.loads(path.read_text()) == scenario()
+
+
+def test_backend_from_spec(tmp_path: Path) -> None:
+    assert isinstance(backend_from_spec("nvml"), NvmlBackend)
+    fake = backend_from_spec(f"fake:{tmp_path}/s.json")
+    assert isinstance(fake, FileFakeGpuBackend) and fake.path == tmp_path / "s.json"
+    assert isinstance(backend_from_spec(" nvml "), NvmlBackend)
+    for bad in ("", "NVML", "fake:", "fake: ", "cuda", "fake"):
+        with pytest.raises(ValueError, match="GPU backend"):
+            backend_from_spec(bad)
