@@ -621,6 +621,7 @@ def test_write_scenario_is_atomic_and_validated(tmp_path: Path) -> None:
         write_scenario(path, {"gpus": [{"uuid": "A", "index": 0}, {"uuid": "A", "index": 1}]})
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]  # no temporary files left
     assert json.loads(path.read_text()) == scenario()
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_backend_from_spec(tmp_path: Path) -> None:

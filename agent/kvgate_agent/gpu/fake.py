@@ -274,6 +274,7 @@ def write_scenario(path: str | Path, scenario: Mapping[str, Any], *, validate: b
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, 0o644)  # readable by an agent running as another user, as a plain write
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(scenario, f, indent=1)
         os.replace(tmp, target)
