@@ -288,7 +288,9 @@ class NodeAgent:
             m.syncs.labels("not_modified").inc()
             return SyncResult(304, None, headers)
         m.syncs.labels("ok").inc()
-        return SyncResult(200, answer.model_dump(mode="json", by_alias=True), headers)
+        return SyncResult(
+            200, answer.model_dump(mode="json", by_alias=True, exclude_none=True), headers
+        )
 
     # ------------------------------------------------------------------ loops
 

@@ -1,35 +1,18 @@
 """Read the model server's own KV capacity from its Prometheus exposition.
 
-vLLM exports ``vllm:cache_config_info`` (value 1) whose labels carry ``num_gpu_blocks`` and
-``block_size``: capacity in tokens = num_gpu_blocks × block_size (vllm/v1/metrics/loggers.py).
-SGLang exports ``sglang:max_total_num_tokens`` (python/sglang/srt/metrics/collector.py). TGI has no
-such metric. See ../shared/notes/engine-metrics.md for the table.
+The parsing (vLLM ``vllm:cache_config_info`` num_gpu_blocks × block_size, SGLang
+``sglang:max_total_num_tokens``, trtllm blocks × tokens per block; TGI has none) is
+:func:`kvgate_agent.node.engine.parse_engine_metrics`, shared with the node agent's scraper.
+See ../shared/notes/engine-metrics.md for the table.
 """
 
 from __future__ import annotations
 
-import math
-
-from prometheus_client.parser import text_string_to_metric_families
+from kvgate_agent.node.engine import parse_engine_metrics
 
 
 def kv_capacity_from_metrics(text: str) -> int | None:
     """KV capacity in tokens reported in a Prometheus exposition text, or None if absent or
-    invalid (non-numeric, zero, negative or non-finite values are invalid, never "unlimited")."""
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError):
-        return None
-    for fam in families:
-        for s in fam.samples:
-            if s.name == "vllm:cache_config_info":
-                try:
-                    blocks = int(s.labels["num_gpu_blocks"])
-                    block = int(s.labels["block_size"])
-                except (KeyError, ValueError):
-                    continue
-                if blocks > 0 and block > 0:
-                    return blocks * block
-            elif s.name == "sglang:max_total_num_tokens" and math.isfinite(s.value) and s.value > 0:
-                return int(s.value)
-    return None
+    invalid (non-numeric, zero, negative or non-finite values are invalid, never "unlimited").
+    Several engines behind one server (vLLM data parallel) add up."""
+    return parse_engine_metrics(text).kv_capacity_tokens
