@@ -7,13 +7,15 @@ they can never drift from the truth.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgate_agent.admission import AdmissionController
+from kvgate_agent.contract.nodeadmission import PolicyRef
+from kvgate_agent.sidecar.agent_link import Mode, SyncResult, ThresholdsLink
 from kvgate_agent.sidecar.tenants import TenantLabels
 
 #: Queue wait buckets, seconds: from sub-millisecond to the 1-hour maxWaitSeconds bound.
@@ -100,6 +102,52 @@ class _AdmissionCollector(Collector):
         )
 
 
+class _LinkCollector(Collector):
+    """The thresholds' state, read at scrape time."""
+
+    def __init__(
+        self,
+        link: ThresholdsLink,
+        mode: Callable[[], Mode],
+        policy: Callable[[], PolicyRef | None],
+    ) -> None:
+        self.link = link
+        self.mode = mode
+        self.policy = policy
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        now = self.mode()
+        g = GaugeMetricFamily(
+            "kvgate_thresholds_mode",
+            "Where the enforced thresholds stand: 1 for the current mode",
+            labels=["mode"],
+        )
+        for m in Mode:
+            g.add_metric([m.value], 1.0 if m is now else 0.0)
+        yield g
+        age = self.link.age_seconds()
+        if age is not None:
+            yield GaugeMetricFamily(
+                "kvgate_thresholds_age_seconds",
+                "Seconds since the last successful sync with the node agent",
+                value=age,
+            )
+        yield GaugeMetricFamily(
+            "kvgate_thresholds_ttl_seconds",
+            "How long thresholds stay enforced without a successful sync, seconds",
+            value=self.link.ttl_seconds,
+        )
+        ref = self.policy()
+        if ref is not None:
+            g = GaugeMetricFamily(
+                "kvgate_policy_generation",
+                "Generation of the RateLimitPolicy the enforced thresholds come from",
+                labels=["namespace", "name"],
+            )
+            g.add_metric([ref.namespace, ref.name], float(ref.generation))
+            yield g
+
+
 class SidecarMetrics:
     """All sidecar metrics.
 
@@ -112,6 +160,8 @@ class SidecarMetrics:
         client_disconnects: ``kvgate_client_disconnects_total``.
         tokens: ``kvgate_tokens_total{kind, tenant}`` (prompt / completion tokens settled).
         ttft: ``kvgate_time_to_first_token_seconds`` through the sidecar (streams only).
+        decision_counts: decisions so far by outcome (for the node agent's sync report).
+        agent_sync: ``kvgate_agent_sync_total{result}``, once :meth:`attach_link` was called.
     """
 
     def __init__(self, controller: AdmissionController, tenant_label_limit: int = 50) -> None:
@@ -149,3 +199,31 @@ class SidecarMetrics:
             registry=r,
         )
         r.register(_AdmissionCollector(controller, self.tenant_label, self.upstream_ok))
+        self.decision_counts: dict[str, int] = {}
+        self.agent_sync: Counter | None = None
+
+    def count_decision(self, outcome: str, reason: str, tenant_label: str) -> None:
+        """Count one admission decision (the Prometheus counter and the per-outcome totals)."""
+        self.decisions.labels(outcome, reason, tenant_label).inc()
+        self.decision_counts[outcome] = self.decision_counts.get(outcome, 0) + 1
+
+    def attach_link(
+        self,
+        link: ThresholdsLink,
+        mode: Callable[[], Mode],
+        policy: Callable[[], PolicyRef | None],
+    ) -> None:
+        """Export the node-agent link: ``kvgate_agent_sync_total{result}`` (every result
+        pre-set to 0), and at scrape time ``kvgate_thresholds_mode{mode}`` (1 for the mode
+        ``mode()`` returns), ``kvgate_thresholds_age_seconds`` (since the last successful
+        sync), ``kvgate_thresholds_ttl_seconds`` and
+        ``kvgate_policy_generation{namespace, name}`` (from ``policy()``)."""
+        self.agent_sync = Counter(
+            "kvgate_agent_sync",
+            "Syncs with the node agent by result",
+            ["result"],
+            registry=self.registry,
+        )
+        for r in SyncResult:
+            self.agent_sync.labels(r.value)
+        self.registry.register(_LinkCollector(link, mode, policy))

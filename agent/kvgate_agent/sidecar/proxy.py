@@ -6,6 +6,12 @@ is passed through untouched (so the model server's own ``/metrics``, ``/v1/model
 stay reachable). The sidecar's own endpoints are ``/healthz``, ``/readyz`` and
 ``/kvgate/metrics`` on the same port, and ``/metrics`` on the optional admin port.
 
+Two ways to get thresholds: standalone, from a policy file (``SidecarSettings.policy``); or in a
+cluster, from the node agent (``SidecarSettings.agent``): :mod:`kvgate_agent.sidecar.agent_link`
+syncs with it, and :meth:`Sidecar.refresh_mode` applies what it says (new thresholds without
+dropping in-flight work, the GPU safety net, and ``failureMode`` once the agent has been
+unreachable past the TTL).
+
 Every admitted request releases exactly what it reserved on every path (success, upstream error,
 timeout, client disconnect before or during the stream, cancellation): the release sits in one
 ``finally`` and is idempotent (field lesson L01). When the client goes away the handler task is
@@ -41,7 +47,16 @@ from kvgate_agent.admission import (
     Outcome,
     Reason,
 )
-from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy
+from kvgate_agent.contract.nodeadmission import PodThresholds, PolicyRef
+from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy, RateLimitPolicySpec
+from kvgate_agent.contract.sync import SafetyNet, SyncAnswer, SyncReport
+from kvgate_agent.sidecar.agent_link import (
+    AgentLink,
+    AgentSettings,
+    Mode,
+    SyncResult,
+    ThresholdsLink,
+)
 from kvgate_agent.sidecar.engine_metrics import kv_capacity_from_metrics
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.openai_errors import (
@@ -77,6 +92,15 @@ HOP_BY_HOP = frozenset(
 )
 ADMITTED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 JSON = "application/json"
+#: Response header naming the thresholds mode (see :class:`Mode`) when a node agent is used.
+THRESHOLDS_HEADER = "x-kvgate-thresholds"
+#: What an agent-mode sidecar enforces without thresholds (before the first answer, unmanaged
+#: pods, FailOpen without any thresholds): no rate limits, no caps; everything is admitted.
+NO_LIMITS = RateLimitPolicySpec()
+#: Hold keys on the admission controller (see ``AdmissionController.hold``).
+HOLD_THRESHOLDS = "thresholds"
+HOLD_GPU_MEMORY = "gpu_memory"
+HOLD_ENGINE_CAPACITY = "engine_capacity"
 
 
 @dataclass(slots=True)
@@ -85,7 +109,9 @@ class SidecarSettings:
 
     Attributes:
         upstream: base URL of the model server, e.g. ``http://127.0.0.1:8000``.
-        policy: the RateLimitPolicy enforced.
+        policy: the RateLimitPolicy enforced (standalone mode).
+        agent: the node agent to take thresholds from (cluster mode). Exactly one of
+            ``policy`` and ``agent`` must be given.
         tokenizer_file: HF ``tokenizer.json`` for exact prompt counts (else a conservative
             estimate corrected by reported usage).
         max_body_bytes: request bodies above this get 413 (bytes).
@@ -95,10 +121,11 @@ class SidecarSettings:
         drain_seconds: on SIGTERM, how long in-flight requests may take to finish.
         engine_poll_seconds: how often the engine's KV capacity is re-read when
             ``capacity.fromEngineMetrics`` is set.
+        tenant_label_limit: distinct tenant label values in metrics before ``other``.
     """
 
     upstream: str
-    policy: RateLimitPolicy
+    policy: RateLimitPolicy | None = None
     tokenizer_file: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     connect_timeout: float = 5.0
@@ -106,6 +133,7 @@ class SidecarSettings:
     drain_seconds: float = 30.0
     engine_poll_seconds: float = 15.0
     tenant_label_limit: int = 50
+    agent: AgentSettings | None = None
 
 
 def _json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -125,15 +153,42 @@ class Sidecar:
 
     Use :meth:`build_app` for the aiohttp application; the handlers only translate HTTP to and
     from the admission core and the byte-level helpers.
+
+    Raises ``ValueError`` unless exactly one of ``settings.policy`` (standalone) and
+    ``settings.agent`` (thresholds from the node agent) is given.
     """
 
     def __init__(self, settings: SidecarSettings, clock: Any = time.monotonic) -> None:
+        if (settings.policy is None) == (settings.agent is None):
+            raise ValueError(
+                "give exactly one of a policy (standalone) or a node agent (cluster mode)"
+            )
         self.settings = settings
-        spec = settings.policy.spec
+        spec: RateLimitPolicySpec = NO_LIMITS if settings.policy is None else settings.policy.spec
         self.spec = spec
         self.controller = AdmissionController(AdmissionConfig.from_policy(spec), clock)
         self.admission = AsyncAdmission(self.controller)
         self.metrics = SidecarMetrics(self.controller, settings.tenant_label_limit)
+        #: The thresholds' state when a node agent is used (None standalone).
+        self.link: ThresholdsLink | None = None
+        self.agent_link: AgentLink | None = None
+        #: The mode last enforced (None standalone).
+        self.mode: Mode | None = None
+        self.safety_net = SafetyNet()
+        self.policy_ref: PolicyRef | None = None
+        #: KV capacity the sidecar read from the engine itself (tokens), if it did.
+        self.engine_kv_tokens: int | None = None
+        self._applied: tuple[PodThresholds | None, bool] | None = None
+        if settings.agent is not None:
+            a = settings.agent
+            self.link = ThresholdsLink(
+                clock,
+                failure_mode=a.failure_mode,
+                ttl_override=a.ttl_override,
+                sync_interval=a.sync_interval,
+            )
+            self.agent_link = AgentLink(a, self.link, self.sync_report, self._on_sync)
+            self.metrics.attach_link(self.link, self.current_mode, lambda: self.policy_ref)
         self.counter = PromptCounter(settings.tokenizer_file)
         self.upstream = settings.upstream.rstrip("/")
         self.session: aiohttp.ClientSession | None = None
@@ -143,6 +198,7 @@ class Sidecar:
         self._health_at = -1e9
         self._health_ok = False
         self._poll_task: asyncio.Task[None] | None = None
+        self._engine_wake: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -152,8 +208,10 @@ class Sidecar:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/kvgate/metrics", self.metrics_endpoint)
+        # Standalone, the mode wrapper has nothing to do: route straight to the handler.
+        handler = self.completion if self.link is not None else self._completion
         for path in ADMITTED_PATHS:
-            app.router.add_post(path, self.completion)
+            app.router.add_post(path, handler)
         app.router.add_route("*", "/{tail:.*}", self.passthrough)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -179,12 +237,22 @@ class Sidecar:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         )
+        self._engine_wake = asyncio.Event()
         if self.spec.capacity.from_engine_metrics:
             await self.refresh_engine_capacity()
-        if self.spec.capacity.from_engine_metrics or self.spec.model.max_model_len is None:
+        if (
+            self.spec.capacity.from_engine_metrics
+            or self.spec.model.max_model_len is None
+            or self.link is not None  # thresholds may ask for the engine's capacity later
+        ):
             self._poll_task = asyncio.create_task(self._poll_engine())
+        if self.agent_link is not None:
+            self.refresh_mode(force=True)
+            await self.agent_link.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        if self.agent_link is not None:
+            await self.agent_link.stop()
         if self._poll_task is not None:
             self._poll_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -208,13 +276,21 @@ class Sidecar:
         if tokens is not None:
             if tokens != self.controller.config.kv_capacity_tokens:
                 log.info("KV capacity from engine metrics: %d tokens", tokens)
+            self.engine_kv_tokens = tokens
             self.controller.set_kv_capacity(tokens)
-            self.controller.fail_closed_until = None
+            self.controller.lift(HOLD_ENGINE_CAPACITY)
             self.capacity_known = True
             self.admission.kick()
         elif not self.capacity_known and self.spec.failure_mode is FailureMode.FAIL_CLOSED:
             # The next attempt is in a second (see _poll_engine): say so, honestly.
-            self.controller.fail_closed_until = self.controller.clock() + 1.0
+            self.controller.hold(
+                Reason.FAIL_CLOSED,
+                key=HOLD_ENGINE_CAPACITY,
+                retry_after=1.0,
+                until=self.controller.clock() + 1.0,
+                message="the model server's KV capacity is not known yet and failureMode is "
+                "FailClosed",
+            )
 
     async def refresh_engine_max_model_len(self) -> None:
         """Learn the engine's context length from ``GET /v1/models`` (vLLM reports
@@ -242,9 +318,151 @@ class Sidecar:
             unknown = not self.capacity_known or (
                 self.spec.model.max_model_len is None and self.engine_max_model_len is None
             )
-            await asyncio.sleep(1.0 if unknown else self.settings.engine_poll_seconds)
+            wake = self._engine_wake
+            assert wake is not None
+            with contextlib.suppress(TimeoutError):  # new thresholds may wake it early
+                await asyncio.wait_for(
+                    wake.wait(), 1.0 if unknown else self.settings.engine_poll_seconds
+                )
+            wake.clear()
             if self.spec.capacity.from_engine_metrics:
                 await self.refresh_engine_capacity()
+
+    # ------------------------------------------------------------------ node agent
+
+    def current_mode(self) -> Mode:
+        """The thresholds mode now (enforcing it if time moved it on). Agent mode only."""
+        mode = self.refresh_mode()
+        assert mode is not None, "no node agent configured"
+        return mode
+
+    def refresh_mode(self, *, force: bool = False) -> Mode | None:
+        """Bring enforcement in line with the link's :class:`Mode` now (time alone moves
+        ``stale`` to ``fail_open``/``fail_closed``, so this runs on every admission-controlled
+        request, after every sync and at every scrape; it only acts when the mode changed, or
+        when ``force`` is set after a new answer). Returns the mode; None standalone.
+
+        Per mode: ``live``/``stale`` enforce the last thresholds in full, with a
+        ``gpu_memory_low`` hold while the safety net is closed; ``fail_open`` enforces the last
+        thresholds' local caps only (concurrency cap and KV capacity; no rate limits, no
+        safety net); ``fail_closed`` holds every new request with ``fail_closed`` (503,
+        Retry-After = the sync interval); ``waiting`` enforces no limits, or holds under a
+        configured FailClosed; ``unmanaged`` enforces no limits.
+        """
+        link = self.link
+        if link is None:
+            return None
+        mode = link.mode()
+        if mode is self.mode and not force:
+            return mode
+        if mode is not self.mode:
+            age = link.age_seconds()
+            (log.info if mode in (Mode.LIVE, Mode.UNMANAGED, Mode.WAITING) else log.warning)(
+                "thresholds: %s -> %s (last successful sync: %s, TTL %.1fs)",
+                "none" if self.mode is None else self.mode.value,
+                mode.value,
+                "never" if age is None else f"{age:.1f}s ago",
+                link.ttl_seconds,
+            )
+        self.mode = mode
+        thresholds = link.thresholds
+        c = self.controller
+        if mode in (Mode.WAITING, Mode.UNMANAGED):
+            self.apply_thresholds(None)
+        else:
+            self.apply_thresholds(thresholds, local_caps_only=mode is Mode.FAIL_OPEN)
+        if mode is Mode.FAIL_CLOSED or (
+            mode is Mode.WAITING and link.failure_mode is FailureMode.FAIL_CLOSED
+        ):
+            c.hold(
+                Reason.FAIL_CLOSED,
+                key=HOLD_THRESHOLDS,
+                retry_after=link.sync_interval_seconds,
+                message="no current admission thresholds from the node agent and failureMode "
+                "is FailClosed",
+            )
+        else:
+            c.lift(HOLD_THRESHOLDS)
+        net = self.safety_net
+        if mode in (Mode.LIVE, Mode.STALE) and not net.open:
+            detail = net.reason or "GPU free memory below the safety margin"
+            if net.gpu_uuid is not None:
+                detail += f" on {net.gpu_uuid}"
+            c.hold(
+                Reason.GPU_MEMORY_LOW,
+                key=HOLD_GPU_MEMORY,
+                retry_after=net.retry_after_seconds,
+                message=f"admission paused to protect GPU memory: {detail}",
+            )
+        else:
+            c.lift(HOLD_GPU_MEMORY)
+        self.admission.kick()
+        return mode
+
+    def apply_thresholds(
+        self, thresholds: PodThresholds | None, *, local_caps_only: bool = False
+    ) -> None:
+        """Enforce ``thresholds`` from now on without dropping in-flight work (see
+        ``AdmissionController.reconfigure``); None = no limits. ``local_caps_only`` keeps the
+        pod's concurrency cap and KV capacity but drops the rate limits (FailOpen).
+
+        The spec's tenants, priority, queue and overload settings take effect for new requests.
+        The KV capacity is the sidecar's own reading of the engine when the spec says
+        ``capacity.fromEngineMetrics`` and it has one, else the thresholds'
+        ``kvCacheTokens`` as resolved by the operator. ``per: Global`` limits arrive already
+        split by ``globalShare`` (the operator did it), so they are not split again here.
+        Waiters are re-examined at once.
+        """
+        if self._applied is not None and self._applied == (thresholds, local_caps_only):
+            return
+        self._applied = (thresholds, local_caps_only)
+        spec: RateLimitPolicySpec = NO_LIMITS
+        kv: int | None = None
+        if thresholds is not None:
+            spec = thresholds
+            if local_caps_only:
+                spec = thresholds.model_copy(update={"rate_limits": []})
+            kv = thresholds.kv_capacity_tokens
+            if spec.capacity.from_engine_metrics and self.engine_kv_tokens is not None:
+                kv = self.engine_kv_tokens
+        self.spec = spec
+        self.controller.reconfigure(AdmissionConfig.from_policy(spec, kv_capacity_tokens=kv))
+        self.capacity_known = not spec.capacity.from_engine_metrics or kv is not None
+        if self.capacity_known:
+            self.controller.lift(HOLD_ENGINE_CAPACITY)
+        elif self._engine_wake is not None:
+            self._engine_wake.set()  # read the engine's capacity now, not in a poll interval
+        self.admission.kick()
+
+    def _on_sync(self, result: SyncResult, answer: SyncAnswer | None) -> None:
+        """After every sync: count it; on a new answer, take its safety net and policy."""
+        if self.metrics.agent_sync is not None:
+            self.metrics.agent_sync.labels(result.value).inc()
+        if answer is not None:
+            self.safety_net = answer.safety_net
+            self.policy_ref = None if answer.pod is None else answer.pod.policy
+        self.refresh_mode(force=answer is not None)
+
+    def sync_report(self) -> SyncReport:
+        """What this sidecar tells the node agent now (tokens; decisions cumulative)."""
+        a = self.settings.agent
+        assert a is not None and self.link is not None, "no node agent configured"
+        c = self.controller
+        cap = c.kv_capacity_tokens
+        answer = self.link.answer
+        return SyncReport(
+            namespace=a.pod_namespace,
+            name=a.pod_name,
+            uid=a.pod_uid,
+            in_flight=c.in_flight,
+            queue_length=c.queue_length,
+            kv_reserved_tokens=c.kv_reserved_tokens,
+            kv_capacity_tokens=cap if cap is not None and cap > 0 else None,
+            decisions=dict(self.metrics.decision_counts),
+            metrics_url=a.metrics_url,
+            gpu_uuids=list(a.gpu_uuids),
+            thresholds_etag=None if answer is None else answer.etag,
+        )
 
     # ------------------------------------------------------------------ own endpoints
 
@@ -253,10 +471,15 @@ class Sidecar:
         return web.Response(text="ok")
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """Readiness: not draining; the model server answers its ``/health``; and, under
-        FailClosed, the engine's KV capacity is known (FailOpen serves without it)."""
+        """Readiness: not draining; with a node agent, a first answer arrived or the TTL has
+        passed since start; the model server answers its ``/health``; and, under FailClosed,
+        the engine's KV capacity is known (FailOpen serves without it)."""
         if self.draining:
             return web.Response(status=503, text="draining")
+        if self.link is not None:
+            self.refresh_mode()
+            if not self.link.ready():
+                return web.Response(status=503, text="waiting for thresholds from the node agent")
         if not self.capacity_known and self.spec.failure_mode is FailureMode.FAIL_CLOSED:
             return web.Response(status=503, text="waiting for the engine's KV capacity")
         if not await self._upstream_healthy():
@@ -314,9 +537,9 @@ class Sidecar:
             )
             remaining = max(0, int(d.bucket_remaining or 0.0))
             headers["RateLimit"] = f'"{d.limit}";r={remaining};t={d.retry_after or 1}'
-        self.metrics.decisions.labels(
+        self.metrics.count_decision(
             d.outcome.value, d.reason.value, self.metrics.tenant_label(tenant)
-        ).inc()
+        )
         if d.queue_seconds > 0:
             self.metrics.queue_wait.observe(d.queue_seconds)
         if d.status == 400:
@@ -331,7 +554,7 @@ class Sidecar:
         return _json_response(d.status, body, headers)
 
     def _bad_request(self, exc: RequestError) -> web.Response:
-        self.metrics.decisions.labels("rejected", "invalid_request", "").inc()
+        self.metrics.count_decision("rejected", "invalid_request", "")
         return _json_response(
             exc.status,
             exc.body(),
@@ -339,7 +562,17 @@ class Sidecar:
         )
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/chat/completions`` and ``/v1/completions``: validate, admit, forward."""
+        """``POST /v1/chat/completions`` and ``/v1/completions``: validate, admit, forward.
+        With a node agent, every answer says the thresholds mode in ``x-kvgate-thresholds``."""
+        if self.link is None:
+            return await self._completion(request)
+        self.refresh_mode()
+        resp = await self._completion(request)
+        if not resp.prepared and self.mode is not None:  # streams got it in _forward
+            resp.headers[THRESHOLDS_HEADER] = self.mode.value
+        return resp
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         if self.draining:
             return _json_response(
@@ -400,6 +633,8 @@ class Sidecar:
         m = self.metrics
         label = m.tenant_label(tenant)
         headers = {"x-kvgate-decision": d.outcome.value}
+        if self.mode is not None:
+            headers[THRESHOLDS_HEADER] = self.mode.value
         if d.outcome is Outcome.DEGRADED:
             headers["x-kvgate-reason"] = d.reason.value
             headers["x-kvgate-degraded"] = (
@@ -411,7 +646,7 @@ class Sidecar:
         if d.queue_seconds > 0:
             headers["x-kvgate-queue-wait-ms"] = str(round(d.queue_seconds * 1000))
             m.queue_wait.observe(d.queue_seconds)
-        m.decisions.labels(d.outcome.value, d.reason.value, label).inc()
+        m.count_decision(d.outcome.value, d.reason.value, label)
         body = (
             parsed.upstream_body(
                 max_tokens=d.max_tokens, model=d.model, include_usage=parsed.stream

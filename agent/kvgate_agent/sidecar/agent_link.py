@@ -1,0 +1,415 @@
+"""The sidecar's link to the node agent: where its thresholds come from in a cluster.
+
+Two parts:
+
+- :class:`ThresholdsLink`, pure and clock-injected: remembers the last answer and when a sync
+  last succeeded, and decides the sidecar's :class:`Mode` from that (see the table there).
+- :class:`AgentLink`, an asyncio task: every ``syncIntervalSeconds`` (from the last answer;
+  1 s until one arrives) it POSTs a :class:`~kvgate_agent.contract.sync.SyncReport` to
+  ``<agent-url>/v1/sync`` with the pod's projected service-account token (read fresh from its
+  file each time: kubelet rotates it) and ``If-None-Match`` with the ETag it applies, and hands
+  each outcome to the sidecar. Each call is bounded by a timeout (2 s by default).
+
+Units: seconds; tokens in the report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import aiohttp
+from pydantic import ValidationError
+
+from kvgate_agent.contract.nodeadmission import PodThresholds
+from kvgate_agent.contract.policy import FailureMode
+from kvgate_agent.contract.sync import SYNC_PATH, SyncAnswer, SyncReport
+
+log = logging.getLogger("kvgate.sidecar.agent")
+
+Clock = Callable[[], float]
+
+#: TTL used until an answer gives one (seconds): how long the sidecar keeps its last
+#: thresholds without a successful sync, and how long it waits for a first answer before it
+#: reports ready anyway.
+DEFAULT_TTL_SECONDS = 30.0
+#: Sync interval used until an answer gives one (seconds).
+DEFAULT_SYNC_INTERVAL_SECONDS = 1.0
+#: Bound on one sync call, seconds (connect + answer).
+DEFAULT_SYNC_TIMEOUT_SECONDS = 2.0
+#: Where the projected service-account token (audience ``kvgate-agent``) is mounted.
+DEFAULT_TOKEN_FILE = "/var/run/secrets/kvgate/token"
+
+_GPU_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*$")
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+class Mode(StrEnum):
+    """What the sidecar enforces, as decided by :meth:`ThresholdsLink.mode`.
+
+    waiting: no answer yet; the configured failure mode decides (FailOpen: no limits,
+        FailClosed: 503).
+    live: the last sync succeeded and the thresholds are within their TTL: enforced in full,
+        the GPU safety net included.
+    stale: syncs fail, but the last success is within the TTL: the last thresholds (and the
+        last safety-net state) stay enforced.
+    fail_open: past the TTL under FailOpen: local caps only, i.e. the last thresholds' pod
+        concurrency cap and KV capacity (with their queue and overload settings); the rate
+        limits and the GPU safety net are lifted.
+    fail_closed: past the TTL under FailClosed: every new request gets 503 with a Retry-After
+        of the sync interval.
+    unmanaged: the agent says no RateLimitPolicy selects this pod: no limits.
+    """
+
+    WAITING = "waiting"
+    LIVE = "live"
+    STALE = "stale"
+    FAIL_OPEN = "fail_open"
+    FAIL_CLOSED = "fail_closed"
+    UNMANAGED = "unmanaged"
+
+
+class SyncResult(StrEnum):
+    """Outcome of one sync call (the ``result`` label of ``kvgate_agent_sync_total``).
+
+    ok: 200 with new thresholds. not_modified: 304, the thresholds applied are current.
+    unauthorized: 401 (token missing or refused). forbidden: 403 (the token is another pod's).
+    error: connection refused or reset, any other status, or an unreadable answer.
+    timeout: no answer within the call's timeout.
+    """
+
+    OK = "ok"
+    NOT_MODIFIED = "not_modified"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+
+_SUCCESS = (SyncResult.OK, SyncResult.NOT_MODIFIED)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """How the sidecar reaches its node agent and who it is.
+
+    Attributes:
+        url: the agent's base URL, e.g. ``http://10.0.0.5:9443`` (``/v1/sync`` is appended).
+        pod_namespace, pod_name: the pod (downward API); required.
+        pod_uid: the pod's uid (downward API), checked against the token by the agent.
+        token_file: the projected service-account token, read before every call.
+        failure_mode: what applies before the first answer (and past the TTL when the last
+            answer carried no policy).
+        ttl_override: seconds the last thresholds stay enforced without a successful sync;
+            None = the answer's ``ttlSeconds`` (30 before any answer).
+        metrics_url: reported so the agent can scrape the engine through the sidecar; None =
+            do not scrape (see :func:`sidecar_metrics_url`).
+        gpu_uuids: the pod's GPUs when known (see :func:`gpu_uuids_from_env`).
+        sync_timeout: bound on one sync call, seconds.
+        sync_interval: seconds between syncs until an answer gives its own.
+    """
+
+    url: str
+    pod_namespace: str
+    pod_name: str
+    pod_uid: str | None = None
+    token_file: str = DEFAULT_TOKEN_FILE
+    failure_mode: FailureMode = FailureMode.FAIL_OPEN
+    ttl_override: float | None = None
+    metrics_url: str | None = None
+    gpu_uuids: tuple[str, ...] = field(default_factory=tuple)
+    sync_timeout: float = DEFAULT_SYNC_TIMEOUT_SECONDS
+    sync_interval: float = DEFAULT_SYNC_INTERVAL_SECONDS
+
+
+def gpu_uuids_from_env(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The pod's GPU (or MIG) UUIDs from ``KVGATE_GPU_UUIDS``, else ``NVIDIA_VISIBLE_DEVICES``
+    (comma-separated). Only values that look like UUIDs (``GPU-…``, ``MIG-…``) count: indices,
+    ``all``, ``none`` or ``void`` give an empty tuple (the agent then maps the pod itself)."""
+    for name in ("KVGATE_GPU_UUIDS", "NVIDIA_VISIBLE_DEVICES"):
+        value = env.get(name, "").strip()
+        if not value:
+            continue
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        if items and all(_GPU_UUID.match(v) for v in items):
+            return tuple(items[:64])
+        return ()
+    return ()
+
+
+def sidecar_metrics_url(pod_ip: str | None, listen_host: str, listen_port: int) -> str | None:
+    """``http://<pod-ip>:<port>/metrics``: the engine's metrics as the sidecar passes them
+    through, for the agent to scrape. None when the pod IP is unknown, or the sidecar listens
+    on loopback only (then the pod IP cannot reach it)."""
+    if not pod_ip:
+        return None
+    if listen_host in _LOOPBACK and pod_ip != listen_host:
+        return None
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return f"http://{host}:{listen_port}/metrics"
+
+
+class ThresholdsLink:
+    """The sidecar's view of its thresholds over time (pure: no I/O, clock injected).
+
+    Args:
+        clock: monotonic seconds.
+        failure_mode: the configured failure mode (``--failure-mode``): decides before the
+            first answer, and past the TTL when the last answer carried no policy.
+        ttl_override: TTL in seconds instead of the answer's ``ttlSeconds``.
+
+    Feed it every sync outcome (:meth:`record_answer`, :meth:`record_not_modified`,
+    :meth:`record_failure`); ask :meth:`mode` what to enforce now and :meth:`ready` whether
+    the pod may be Ready.
+    """
+
+    def __init__(
+        self,
+        clock: Clock = time.monotonic,
+        *,
+        failure_mode: FailureMode = FailureMode.FAIL_OPEN,
+        ttl_override: float | None = None,
+        sync_interval: float = DEFAULT_SYNC_INTERVAL_SECONDS,
+    ) -> None:
+        if ttl_override is not None and not ttl_override > 0:
+            raise ValueError(f"ttl_override must be > 0 seconds, got {ttl_override}")
+        self.clock = clock
+        self.default_failure_mode = FailureMode(failure_mode)
+        self.ttl_override = ttl_override
+        self.default_sync_interval = sync_interval
+        self.started_at = clock()
+        self.answer: SyncAnswer | None = None
+        #: The ETag to send as ``If-None-Match`` (the answer's ``ETag`` header).
+        self.etag: str | None = None
+        self.last_ok_at: float | None = None
+        self.last_result: SyncResult | None = None
+        self.counts: dict[SyncResult, int] = dict.fromkeys(SyncResult, 0)
+
+    # ------------------------------------------------------------------ inputs
+
+    def record_answer(self, answer: SyncAnswer, etag: str | None = None) -> None:
+        """A 200: ``answer`` is what to enforce from now on; ``etag`` is the ``ETag`` header
+        (default: the answer's own ``etag``)."""
+        self.answer = answer
+        self.etag = etag or answer.etag
+        self._success(SyncResult.OK)
+
+    def record_not_modified(self) -> None:
+        """A 304: the thresholds applied are still current.
+
+        Raises ``ValueError`` if no answer was ever recorded (a 304 then means nothing)."""
+        if self.answer is None:
+            raise ValueError("304 Not Modified before any answer")
+        self._success(SyncResult.NOT_MODIFIED)
+
+    def record_failure(self, result: SyncResult) -> None:
+        """A failed sync (any result but ok / not_modified): the last thresholds stay."""
+        if result in _SUCCESS:
+            raise ValueError(f"{result} is not a failure")
+        self.last_result = result
+        self.counts[result] += 1
+
+    def _success(self, result: SyncResult) -> None:
+        self.last_ok_at = self.clock()
+        self.last_result = result
+        self.counts[result] += 1
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def thresholds(self) -> PodThresholds | None:
+        """The last thresholds received, or None (no answer yet, or the pod is unmanaged)."""
+        if self.answer is None or self.answer.pod is None:
+            return None
+        return self.answer.pod.thresholds
+
+    @property
+    def ttl_seconds(self) -> float:
+        """Seconds the last thresholds stay enforced without a successful sync."""
+        if self.ttl_override is not None:
+            return self.ttl_override
+        return DEFAULT_TTL_SECONDS if self.answer is None else self.answer.ttl_seconds
+
+    @property
+    def sync_interval_seconds(self) -> float:
+        """Seconds between syncs: the last answer's, else the configured default."""
+        if self.answer is None:
+            return self.default_sync_interval
+        return self.answer.sync_interval_seconds
+
+    @property
+    def failure_mode(self) -> FailureMode:
+        """The last thresholds' ``failureMode``, else the configured one."""
+        t = self.thresholds
+        return self.default_failure_mode if t is None else t.failure_mode
+
+    def age_seconds(self) -> float | None:
+        """Seconds since the last successful sync; None before the first."""
+        if self.last_ok_at is None:
+            return None
+        return max(0.0, self.clock() - self.last_ok_at)
+
+    def mode(self) -> Mode:
+        """What to enforce now.
+
+        - no answer yet: ``waiting``;
+        - last success older than the TTL: ``fail_open`` or ``fail_closed`` per
+          :attr:`failure_mode`;
+        - the answer says no policy selects the pod: ``unmanaged``;
+        - the last sync succeeded: ``live``; else ``stale``.
+        """
+        if self.answer is None or self.last_ok_at is None:
+            return Mode.WAITING
+        if self.clock() - self.last_ok_at > self.ttl_seconds:
+            if self.failure_mode is FailureMode.FAIL_CLOSED:
+                return Mode.FAIL_CLOSED
+            return Mode.FAIL_OPEN
+        if self.answer.pod is None:
+            return Mode.UNMANAGED
+        return Mode.LIVE if self.last_result in _SUCCESS else Mode.STALE
+
+    def ready(self) -> bool:
+        """Whether the pod may report Ready as far as thresholds go: once a first answer
+        arrived, or once the TTL has passed since start (a pod whose agent is down must still
+        become Ready eventually; its failure mode then decides)."""
+        return self.answer is not None or self.clock() - self.started_at >= self.ttl_seconds
+
+
+class AgentLink:
+    """The sync loop against the node agent (an asyncio task on the sidecar's loop).
+
+    Args:
+        settings: the agent's URL and the pod's identity.
+        state: the :class:`ThresholdsLink` to feed.
+        report: builds the report to send (called before every sync).
+        on_result: called after every sync with its result and, on 200, the new answer
+            (already recorded in ``state``).
+
+    :meth:`start` launches the loop, :meth:`stop` cancels it and closes its HTTP session. The
+    loop never dies of a failed sync: every failure is counted and the loop carries on.
+    """
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        state: ThresholdsLink,
+        report: Callable[[], SyncReport],
+        on_result: Callable[[SyncResult, SyncAnswer | None], None],
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.report = report
+        self.on_result = on_result
+        self.url = settings.url.rstrip("/") + SYNC_PATH
+        self.session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._last_logged: tuple[SyncResult, str] | None = None  # (result, detail kind)
+        self._token_warned = False
+
+    async def start(self) -> None:
+        """Open the HTTP session and start the loop (first sync at once)."""
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.settings.sync_timeout)
+        )
+        self._task = asyncio.create_task(self._run(), name="kvgate-agent-sync")
+
+    async def stop(self) -> None:
+        """Stop the loop and close the session."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def _run(self) -> None:
+        while True:
+            await self.sync_once()
+            await asyncio.sleep(self.state.sync_interval_seconds)
+
+    def _token(self) -> str | None:
+        """The bearer token, read fresh (projected tokens rotate); None when unreadable."""
+        try:
+            token = Path(self.settings.token_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            if not self._token_warned:
+                log.warning("cannot read token file %s: %s", self.settings.token_file, exc)
+                self._token_warned = True
+            return None
+        self._token_warned = False
+        return token or None
+
+    async def sync_once(self) -> SyncResult:
+        """One sync: send the report, record the outcome in ``state``, call ``on_result``.
+        Returns the result; never raises (except ``CancelledError``)."""
+        answer: SyncAnswer | None = None
+        detail = ""
+        try:
+            result, answer, detail = await self._exchange()
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            result, detail = SyncResult.TIMEOUT, f"no answer within {self.settings.sync_timeout}s"
+        except aiohttp.ClientError as exc:
+            result, detail = SyncResult.ERROR, f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a bug must not stop the loop: count it, log it, carry on
+            log.exception("sync with the node agent failed unexpectedly")
+            result, detail = SyncResult.ERROR, repr(exc)
+        if answer is not None:
+            self.state.record_answer(answer, detail or None)
+        elif result is SyncResult.NOT_MODIFIED:
+            self.state.record_not_modified()
+        else:
+            self.state.record_failure(result)
+        self._log(result, "" if result in _SUCCESS else detail)
+        self.on_result(result, answer)
+        return result
+
+    async def _exchange(self) -> tuple[SyncResult, SyncAnswer | None, str]:
+        """(result, answer on 200, ETag on 200 / detail on failure)."""
+        assert self.session is not None, "start() first"
+        body = self.report().model_dump_json(by_alias=True, exclude_none=True)
+        headers = {"Content-Type": "application/json"}
+        token = self._token()
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        if self.state.etag is not None and self.state.answer is not None:
+            headers["If-None-Match"] = self.state.etag
+        async with self.session.post(self.url, data=body, headers=headers) as resp:
+            data = await resp.read()
+            if resp.status == 200:
+                try:
+                    answer = SyncAnswer.model_validate_json(data)
+                except ValidationError as exc:
+                    return SyncResult.ERROR, None, f"unreadable answer: {exc}"
+                return SyncResult.OK, answer, resp.headers.get("ETag", answer.etag)
+            if resp.status == 304:
+                if self.state.answer is None:
+                    return SyncResult.ERROR, None, "304 Not Modified before any answer"
+                return SyncResult.NOT_MODIFIED, None, ""
+            detail = f"HTTP {resp.status}: {data[:300].decode(errors='replace')}"
+            if resp.status == 401:
+                return SyncResult.UNAUTHORIZED, None, detail
+            if resp.status == 403:
+                return SyncResult.FORBIDDEN, None, detail
+            return SyncResult.ERROR, None, detail
+
+    def _log(self, result: SyncResult, detail: str) -> None:
+        """Log changes of outcome only, not every failed second."""
+        key = (SyncResult.OK if result in _SUCCESS else result, detail.split(":", 1)[0])
+        if key == self._last_logged:
+            return
+        self._last_logged = key
+        if result in _SUCCESS:
+            log.info("syncing with the node agent at %s", self.url)
+        else:
+            log.warning("sync with the node agent at %s failed: %s %s", self.url, result, detail)

@@ -1,0 +1,314 @@
+"""The sidecar's view of its node agent, pure: fake clock, no HTTP, no sleeping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvgate_agent.admission import AdmissionRequest, Outcome, Reason
+from kvgate_agent.contract.policy import FailureMode
+from kvgate_agent.contract.sync import SyncAnswer
+from kvgate_agent.sidecar.agent_link import (
+    AgentSettings,
+    Mode,
+    SyncResult,
+    ThresholdsLink,
+    gpu_uuids_from_env,
+    sidecar_metrics_url,
+)
+from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
+
+
+class FakeClock:
+    def __init__(self, t: float = 500.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def answer(
+    thresholds: dict[str, Any] | None = None,
+    *,
+    managed: bool = True,
+    etag: str = "e1",
+    ttl: float = 10.0,
+    interval: float = 1.0,
+    safety_net: dict[str, Any] | None = None,
+    generation: int = 3,
+) -> SyncAnswer:
+    pod = None
+    if managed:
+        pod = {
+            "namespace": "ns",
+            "name": "model-0",
+            "uid": "u-1",
+            "policy": {"namespace": "ns", "name": "pol", "generation": generation},
+            "thresholds": thresholds or {},
+        }
+    return SyncAnswer.model_validate(
+        {
+            "etag": etag,
+            "pod": pod,
+            "safetyNet": safety_net or {"open": True},
+            "ttlSeconds": ttl,
+            "syncIntervalSeconds": interval,
+        }
+    )
+
+
+# ---------------------------------------------------------------- ThresholdsLink
+
+
+def test_waiting_until_the_first_answer_and_ready_after_the_ttl_anyway() -> None:
+    clock = FakeClock()
+    link = ThresholdsLink(clock, failure_mode=FailureMode.FAIL_CLOSED, ttl_override=5)
+    assert link.mode() is Mode.WAITING and not link.ready()
+    assert link.failure_mode is FailureMode.FAIL_CLOSED
+    link.record_failure(SyncResult.ERROR)
+    clock.advance(4.9)
+    assert link.mode() is Mode.WAITING and not link.ready()
+    clock.advance(0.1)  # a pod whose agent is down still becomes Ready
+    assert link.mode() is Mode.WAITING and link.ready()
+    assert link.age_seconds() is None
+
+
+def test_default_ttl_is_30s_before_any_answer_then_the_answers() -> None:
+    clock = FakeClock()
+    link = ThresholdsLink(clock)
+    assert link.ttl_seconds == 30 and link.sync_interval_seconds == 1
+    link.record_answer(answer(ttl=7, interval=0.25))
+    assert link.ttl_seconds == 7 and link.sync_interval_seconds == 0.25
+    assert link.ready() and link.etag == "e1"
+    link.record_answer(answer(etag="e2"), '"e2-header"')
+    assert link.etag == '"e2-header"'  # If-None-Match echoes the ETag header as received
+
+
+def test_live_stale_fail_open_and_back_to_live() -> None:
+    clock = FakeClock()
+    link = ThresholdsLink(clock)
+    link.record_answer(answer({"failureMode": "FailOpen"}, ttl=10))
+    assert link.mode() is Mode.LIVE
+    clock.advance(1)
+    link.record_not_modified()
+    assert link.mode() is Mode.LIVE and link.age_seconds() == 0
+    clock.advance(1)
+    link.record_failure(SyncResult.TIMEOUT)
+    assert link.mode() is Mode.STALE
+    clock.advance(9)  # 10 s since the last success: still within the TTL
+    link.record_failure(SyncResult.ERROR)
+    assert link.mode() is Mode.STALE and link.age_seconds() == 10
+    clock.advance(0.01)
+    assert link.mode() is Mode.FAIL_OPEN
+    link.record_not_modified()  # the agent is back with the same answer
+    assert link.mode() is Mode.LIVE
+    assert link.counts[SyncResult.NOT_MODIFIED] == 2 and link.counts[SyncResult.ERROR] == 1
+
+
+def test_fail_closed_past_the_ttl_when_the_policy_says_so() -> None:
+    clock = FakeClock()
+    link = ThresholdsLink(clock, failure_mode=FailureMode.FAIL_OPEN, ttl_override=2)
+    link.record_answer(answer({"failureMode": "FailClosed"}, ttl=60))
+    assert link.ttl_seconds == 2  # the override wins over the answer
+    link.record_failure(SyncResult.UNAUTHORIZED)
+    assert link.mode() is Mode.STALE
+    clock.advance(2.5)
+    assert link.mode() is Mode.FAIL_CLOSED
+    link.record_answer(answer({"failureMode": "FailClosed"}, etag="e2"))
+    assert link.mode() is Mode.LIVE
+
+
+def test_unmanaged_pod_then_the_configured_failure_mode_past_the_ttl() -> None:
+    clock = FakeClock()
+    link = ThresholdsLink(clock, failure_mode=FailureMode.FAIL_CLOSED)
+    link.record_answer(answer(managed=False, ttl=5))
+    assert link.mode() is Mode.UNMANAGED and link.thresholds is None
+    link.record_failure(SyncResult.ERROR)
+    assert link.mode() is Mode.UNMANAGED  # nothing to enforce either way within the TTL
+    clock.advance(6)
+    assert link.mode() is Mode.FAIL_CLOSED  # no policy: the configured mode decides
+
+
+def test_link_refuses_nonsense() -> None:
+    link = ThresholdsLink(FakeClock())
+    with pytest.raises(ValueError):
+        link.record_not_modified()  # 304 before any answer
+    with pytest.raises(ValueError):
+        link.record_failure(SyncResult.OK)
+    with pytest.raises(ValueError):
+        ThresholdsLink(FakeClock(), ttl_override=0)
+
+
+def test_gpu_uuids_only_when_they_look_like_uuids() -> None:
+    uuid = "GPU-5e1b2c3d-0000-1111-2222-333344445555"
+    mig = "MIG-9f8e7d6c-aaaa-bbbb-cccc-ddddeeeeffff"
+    assert gpu_uuids_from_env({"NVIDIA_VISIBLE_DEVICES": f"{uuid}, {mig}"}) == (uuid, mig)
+    assert gpu_uuids_from_env({"KVGATE_GPU_UUIDS": mig, "NVIDIA_VISIBLE_DEVICES": uuid}) == (mig,)
+    for value in ("all", "0,1", "none", "void", "", f"{uuid},0"):
+        assert gpu_uuids_from_env({"NVIDIA_VISIBLE_DEVICES": value}) == ()
+    assert gpu_uuids_from_env({}) == ()
+
+
+def test_metrics_url_needs_a_pod_ip_reachable_listener() -> None:
+    assert sidecar_metrics_url("10.0.3.7", "0.0.0.0", 8081) == "http://10.0.3.7:8081/metrics"
+    assert sidecar_metrics_url("fd00::7", "::", 8081) == "http://[fd00::7]:8081/metrics"
+    assert sidecar_metrics_url(None, "0.0.0.0", 8081) is None
+    assert sidecar_metrics_url("10.0.3.7", "127.0.0.1", 8081) is None  # loopback only
+
+
+# ---------------------------------------------------------------- the sidecar enforcing modes
+
+
+def agent_sidecar(clock: FakeClock, **agent: Any) -> Sidecar:
+    settings = AgentSettings(
+        url="http://127.0.0.1:1", pod_namespace="ns", pod_name="model-0", **agent
+    )
+    return Sidecar(SidecarSettings(upstream="http://127.0.0.1:2", agent=settings), clock)
+
+
+def sync(sc: Sidecar, a: SyncAnswer | None, result: SyncResult = SyncResult.OK) -> None:
+    """What AgentLink does after a call: record in the link, then tell the sidecar."""
+    assert sc.link is not None
+    if a is not None:
+        sc.link.record_answer(a)
+    elif result is SyncResult.NOT_MODIFIED:
+        sc.link.record_not_modified()
+    else:
+        sc.link.record_failure(result)
+    sc._on_sync(result, a)
+
+
+def ask(sc: Sidecar, tenant: str = "a") -> Any:
+    return sc.controller.submit(AdmissionRequest(tenant, 10, 10))
+
+
+LIMITED = {
+    "concurrency": {"maxRequests": 2},
+    "capacity": {"kvCacheTokens": 4096},
+    "tenants": {"defaultMaxTokens": 16},
+    "rateLimits": [{"name": "rpm", "per": "Pod", "requestsPerMinute": 60, "burstRequests": 1}],
+    "overload": {"actions": ["Reject"]},
+}
+
+
+def test_sidecar_needs_exactly_one_source_of_thresholds() -> None:
+    with pytest.raises(ValueError):
+        Sidecar(SidecarSettings(upstream="http://127.0.0.1:2"))
+
+
+async def test_sidecar_follows_the_modes_without_dropping_in_flight_work() -> None:
+    clock = FakeClock()
+    sc = agent_sidecar(clock)
+    sc.refresh_mode(force=True)
+    early = ask(sc)
+    assert sc.mode is Mode.WAITING and early.ticket is not None  # FailOpen: no limits yet
+    sync(sc, answer({**LIMITED, "concurrency": {"maxRequests": 3}}, ttl=5, interval=0.5))
+    assert sc.mode is Mode.LIVE and sc.controller.config.max_concurrency == 3
+    first = ask(sc)
+    assert first.ticket is not None and sc.controller.in_flight == 2  # the early one counts
+    assert ask(sc).reason is Reason.RATE_LIMIT_REQUESTS  # burst of 1
+    clock.advance(1)
+    sync(sc, None, SyncResult.ERROR)
+    assert sc.current_mode() is Mode.STALE
+    assert ask(sc).ticket is not None  # refilled: the last thresholds still apply
+    assert ask(sc).reason is Reason.CONCURRENCY  # 3 in flight
+    clock.advance(5)  # past the TTL: FailOpen keeps only the local caps
+    assert sc.current_mode() is Mode.FAIL_OPEN
+    assert sc.controller.config.limits == () and sc.controller.config.max_concurrency == 3
+    assert sc.controller.config.kv_capacity_tokens == 4096
+    assert sc.controller.in_flight == 3  # nothing in flight was dropped
+    sc.admission.release(first.ticket, completion_tokens=1)
+    sc.admission.release(early.ticket, completion_tokens=1)
+    assert sc.controller.in_flight == 1 and sc.controller.kv_reserved_tokens == 32
+    sync(sc, None, SyncResult.NOT_MODIFIED)  # the agent is back
+    assert sc.mode is Mode.LIVE and len(sc.controller.config.limits) == 1
+
+
+async def test_sidecar_fail_closed_holds_with_the_sync_interval_then_reopens() -> None:
+    clock = FakeClock()
+    sc = agent_sidecar(clock)
+    sc.refresh_mode(force=True)
+    sync(sc, answer({**LIMITED, "failureMode": "FailClosed"}, ttl=5, interval=2.5))
+    clock.advance(6)
+    sync(sc, None, SyncResult.TIMEOUT)
+    assert sc.mode is Mode.FAIL_CLOSED
+    d = ask(sc)
+    assert (d.status, d.reason, d.retry_after) == (503, Reason.FAIL_CLOSED, 3)
+    sync(sc, None, SyncResult.NOT_MODIFIED)
+    assert sc.mode is Mode.LIVE and ask(sc).ticket is not None
+
+
+async def test_sidecar_waiting_under_a_configured_fail_closed_answers_503() -> None:
+    clock = FakeClock()
+    sc = agent_sidecar(clock, failure_mode=FailureMode.FAIL_CLOSED)
+    sc.refresh_mode(force=True)
+    assert ask(sc).reason is Reason.FAIL_CLOSED
+    sync(sc, answer(managed=False))
+    assert sc.mode is Mode.UNMANAGED
+    assert ask(sc).ticket is not None and sc.controller.config.limits == ()
+
+
+async def test_sidecar_safety_net_holds_with_gpu_memory_low_and_reopens() -> None:
+    clock = FakeClock()
+    sc = agent_sidecar(clock)
+    sc.refresh_mode(force=True)
+    closed = {
+        "open": False,
+        "reason": "free memory below the margin",
+        "gpuUuid": "GPU-1",
+        "freeBytes": 100,
+        "marginBytes": 1000,
+        "retryAfterSeconds": 4,
+    }
+    sync(sc, answer(LIMITED, safety_net=closed, etag="e1"))
+    d = ask(sc)
+    assert (d.status, d.reason, d.retry_after) == (503, Reason.GPU_MEMORY_LOW, 4)
+    assert "GPU-1" in d.message
+    sync(sc, None, SyncResult.ERROR)  # stale: the last safety-net state still applies
+    assert sc.mode is Mode.STALE and ask(sc).reason is Reason.GPU_MEMORY_LOW
+    sync(sc, answer(LIMITED, etag="e2"))
+    assert ask(sc).outcome is Outcome.ADMITTED
+
+
+async def test_sidecar_does_not_split_global_limits_twice_and_prefers_its_engine_reading() -> None:
+    clock = FakeClock()
+    sc = agent_sidecar(clock)
+    sc.refresh_mode(force=True)
+    thresholds = {
+        "globalShare": 0.25,
+        "kvCapacityTokens": 1000,
+        "capacity": {"fromEngineMetrics": True},
+        "tenants": {"defaultMaxTokens": 16},
+        # Already this pod's quarter (the operator split it).
+        "rateLimits": [{"name": "g", "per": "Global", "requestsPerMinute": 60}],
+    }
+    sync(sc, answer(thresholds))
+    (limit,) = sc.controller.config.limits
+    assert limit.request_rate == pytest.approx(1.0) and limit.request_capacity == 60
+    assert sc.controller.kv_capacity_tokens == 1000 and sc.capacity_known
+    sc.engine_kv_tokens = 5000  # what the sidecar read from the engine itself
+    sync(sc, answer({**thresholds, "kvCapacityTokens": 1200}, etag="e2"))
+    assert sc.controller.kv_capacity_tokens == 5000
+
+
+async def test_sync_report_reflects_the_admission_state() -> None:
+    clock = FakeClock()
+    sc = agent_sidecar(
+        clock,
+        pod_uid="u-1",
+        metrics_url="http://10.0.0.7:8080/metrics",
+        gpu_uuids=("GPU-1",),
+    )
+    sc.refresh_mode(force=True)
+    sync(sc, answer(LIMITED))
+    assert ask(sc).ticket is not None
+    sc.metrics.count_decision("admitted", "ok", "a")
+    r = sc.sync_report()
+    assert (r.namespace, r.name, r.uid) == ("ns", "model-0", "u-1")
+    assert r.in_flight == 1 and r.kv_reserved_tokens == 32 and r.kv_capacity_tokens == 4096
+    assert r.decisions == {"admitted": 1} and r.thresholds_etag == "e1"
+    assert r.metrics_url == "http://10.0.0.7:8080/metrics" and r.gpu_uuids == ["GPU-1"]
