@@ -2,6 +2,10 @@
 
 Every flag also reads an environment variable (``KVGATE_<FLAG>``), so the injected sidecar can be
 configured through its pod's environment.
+
+The sidecar runs in one of two modes: standalone with ``--policy FILE``, or in a cluster with
+``--agent-url URL`` (thresholds from the node agent; ``--pod-namespace`` and ``--pod-name``
+required, usually from the downward API).
 """
 
 from __future__ import annotations
@@ -19,7 +23,13 @@ from typing import Any
 from aiohttp import web
 
 from kvgate_agent.admission import Reason
-from kvgate_agent.contract.policy import PolicyError, load_policy
+from kvgate_agent.contract.policy import FailureMode, PolicyError, RateLimitPolicy, load_policy
+from kvgate_agent.sidecar.agent_link import (
+    DEFAULT_TOKEN_FILE,
+    AgentSettings,
+    gpu_uuids_from_env,
+    sidecar_metrics_url,
+)
 from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.tokens import TokenizerError
 
@@ -77,8 +87,59 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--policy",
         default=_env("POLICY"),
-        required=_env("POLICY") is None,
-        help="RateLimitPolicy manifest file (YAML or JSON) [KVGATE_POLICY]",
+        help="RateLimitPolicy manifest file (YAML or JSON): standalone mode; give this or "
+        "--agent-url [KVGATE_POLICY]",
+    )
+    s.add_argument(
+        "--agent-url",
+        type=_url,
+        default=_env("AGENT_URL"),
+        help="node agent base URL, e.g. http://$(HOST_IP):9443: thresholds come from it "
+        "(cluster mode; give this or --policy) [KVGATE_AGENT_URL]",
+    )
+    s.add_argument(
+        "--token-file",
+        default=_env("TOKEN_FILE", DEFAULT_TOKEN_FILE),
+        help="projected service-account token (audience kvgate-agent) sent to the node agent, "
+        "re-read before every sync [KVGATE_TOKEN_FILE]",
+    )
+    s.add_argument(
+        "--pod-namespace",
+        default=_env("POD_NAMESPACE"),
+        help="this pod's namespace (downward API); required with --agent-url "
+        "[KVGATE_POD_NAMESPACE]",
+    )
+    s.add_argument(
+        "--pod-name",
+        default=_env("POD_NAME"),
+        help="this pod's name (downward API); required with --agent-url [KVGATE_POD_NAME]",
+    )
+    s.add_argument(
+        "--pod-uid",
+        default=_env("POD_UID"),
+        help="this pod's uid (downward API), checked by the node agent [KVGATE_POD_UID]",
+    )
+    s.add_argument(
+        "--pod-ip",
+        default=_env("POD_IP"),
+        help="this pod's IP (downward API): the node agent scrapes the engine's metrics "
+        "through http://POD_IP:PORT/metrics [KVGATE_POD_IP]",
+    )
+    s.add_argument(
+        "--failure-mode",
+        default=_env("FAILURE_MODE", FailureMode.FAIL_OPEN.value),
+        choices=[m.value for m in FailureMode],
+        help="with --agent-url: what applies until the node agent's first answer (FailOpen: no "
+        "limits; FailClosed: 503), and past the TTL when no policy selects the pod "
+        "[KVGATE_FAILURE_MODE]",
+    )
+    s.add_argument(
+        "--thresholds-ttl",
+        type=_positive(float),
+        default=_env("THRESHOLDS_TTL"),
+        help="with --agent-url: seconds the last thresholds stay enforced while the node "
+        "agent is unreachable, then the policy's failureMode applies (default: the agent's "
+        "ttlSeconds, 30 before its first answer) [KVGATE_THRESHOLDS_TTL]",
     )
     s.add_argument(
         "--listen",
@@ -162,8 +223,12 @@ async def run_sidecar(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    source = (
+        f"thresholds from {settings.agent.url}" if settings.agent is not None else "policy file"
+    )
     print(
-        f"kvgate sidecar listening on http://{listen[0]}:{listen[1]} -> {settings.upstream}",
+        f"kvgate sidecar listening on http://{listen[0]}:{listen[1]} -> {settings.upstream} "
+        f"({source})",
         flush=True,
     )
     await stop.wait()
@@ -187,21 +252,62 @@ async def run_sidecar(
     return 0
 
 
+def agent_settings(args: argparse.Namespace) -> AgentSettings:
+    """The node-agent settings from parsed ``sidecar`` arguments (``--agent-url`` given); the
+    pod's GPUs come from ``KVGATE_GPU_UUIDS`` or ``NVIDIA_VISIBLE_DEVICES``."""
+    host, port = args.listen
+    return AgentSettings(
+        url=args.agent_url,
+        pod_namespace=args.pod_namespace,
+        pod_name=args.pod_name,
+        pod_uid=args.pod_uid or None,
+        token_file=args.token_file,
+        failure_mode=FailureMode(args.failure_mode),
+        ttl_override=args.thresholds_ttl,
+        metrics_url=sidecar_metrics_url(args.pod_ip or None, host, port),
+        gpu_uuids=gpu_uuids_from_env(os.environ),
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvgate-agent``. Exit codes: 0 after a clean shutdown, 1 when it cannot
     serve (port taken, tokenizer unreadable), 2 on bad arguments or an invalid policy."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # One function per role; ``args.role`` names it.
+    return sidecar_main(parser, args)
+
+
+def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``kvgate-agent sidecar``: check the mode (exactly one of ``--policy`` and
+    ``--agent-url``; exit 2 otherwise), then serve until signalled."""
+    if (args.policy is None) == (args.agent_url is None):
+        parser.error(
+            "sidecar: give exactly one of --policy (standalone) or --agent-url (thresholds "
+            "from the node agent)"
+        )
+    if args.agent_url is not None and not (args.pod_namespace and args.pod_name):
+        parser.error(
+            "sidecar: --agent-url needs --pod-namespace and --pod-name (KVGATE_POD_NAMESPACE, "
+            "KVGATE_POD_NAME from the downward API)"
+        )
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        policy = load_policy(args.policy)
-    except PolicyError as exc:
-        print(f"kvgate-agent: {exc}", file=sys.stderr)
-        return 2
+    policy: RateLimitPolicy | None = None
+    agent: AgentSettings | None = None
+    if args.policy is not None:
+        try:
+            policy = load_policy(args.policy)
+        except PolicyError as exc:
+            print(f"kvgate-agent: {exc}", file=sys.stderr)
+            return 2
+    else:
+        agent = agent_settings(args)
     settings = SidecarSettings(
         upstream=args.upstream,
         policy=policy,
+        agent=agent,
         tokenizer_file=args.tokenizer,
         max_body_bytes=args.max_body_bytes,
         read_timeout=args.upstream_timeout,
