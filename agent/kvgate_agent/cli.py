@@ -1,4 +1,5 @@
-"""``kvgate-agent``: one entry point, one role per subcommand (``sidecar`` now; ``node`` later).
+"""``kvgate-agent``: one entry point, one role per subcommand: ``sidecar`` (in each model pod, or
+standalone) and ``node`` (the node agent, :mod:`kvgate_agent.node.cli`).
 
 Every flag also reads an environment variable (``KVGATE_<FLAG>``), so the injected sidecar can be
 configured through its pod's environment.
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from kvgate_agent.admission import Reason
 from kvgate_agent.contract.policy import FailureMode, PolicyError, RateLimitPolicy, load_policy
+from kvgate_agent.node.cli import add_node_parser, node_main
 from kvgate_agent.sidecar.agent_link import (
     DEFAULT_TOKEN_FILE,
     AgentSettings,
@@ -185,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="[KVGATE_LOG_LEVEL]",
     )
+    add_node_parser(sub)
     return p
 
 
@@ -275,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # One function per role; ``args.role`` names it.
+    if args.role == "node":
+        return node_main(args)
     return sidecar_main(parser, args)
 
 

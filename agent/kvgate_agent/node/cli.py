@@ -177,19 +177,15 @@ async def run_node(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-def main(argv: Sequence[str]) -> int:
-    """Entry point of ``kvgate-agent node`` (``argv`` without the subcommand). Exit codes: 0
-    after a clean shutdown, 1 when it cannot serve or reach its configuration, 2 on bad
-    arguments."""
-    parser = argparse.ArgumentParser(prog="kvgate-agent")
-    add_node_parser(parser.add_subparsers(dest="role", required=True))
-    args = parser.parse_args(["node", *argv])
+def node_main(args: argparse.Namespace) -> int:
+    """``kvgate-agent node`` with parsed arguments. Exit codes: 0 after a clean shutdown, 1 when
+    it cannot serve or has no Kubernetes configuration, 2 on a bad GPU backend."""
+    from kvgate_agent.gpu.select import backend_from_spec
+
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        from kvgate_agent.gpu.select import backend_from_spec
-
         backend_from_spec(args.gpu_backend)
     except ValueError as exc:
         print(f"kvgate-agent node: {exc}", file=sys.stderr)
@@ -206,3 +202,10 @@ def main(argv: Sequence[str]) -> int:
             print(f"kvgate-agent node: no Kubernetes configuration: {exc}", file=sys.stderr)
             return 1
         raise
+
+
+def main(argv: Sequence[str]) -> int:
+    """``kvgate-agent node`` from its arguments (without the subcommand)."""
+    parser = argparse.ArgumentParser(prog="kvgate-agent")
+    add_node_parser(parser.add_subparsers(dest="role", required=True))
+    return node_main(parser.parse_args(["node", *argv]))

@@ -1,0 +1,407 @@
+"""One GPU node's worth of kvgate as local processes, on the local control plane.
+
+:class:`NodeStack` starts, against a running :class:`~kvgate_bench.controlplane.ControlPlane`:
+the operator (``python -m kvgate_operator``), a node agent (``kvgate-agent node`` with the fake
+GPU backend driven by a scenario file), ``kvgate-sim`` model servers, and one sidecar per model
+pod (``kvgate-agent sidecar`` in agent mode). Each model pod is a real Pod object bound to the
+fake node, made Ready through the status subresource (there is no kubelet), and each sidecar
+proves who it is with a real pod-bound service-account token from the TokenRequest API
+(audience ``kvgate-agent``), as the projected volume would give it.
+
+Used by the integration tests (``tests/integration/test_node_agent.py``) and the propagation
+benchmark (``kvgate_bench.bench_node``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvgate_agent.gpu.fake import write_scenario
+from kvgate_bench.controlplane import ControlPlane, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+GiB = 1 << 30
+
+
+def _spawn(
+    args: list[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    with log.open("ab") as fh:
+        return subprocess.Popen(
+            args,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def stop_process(
+    proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout: float = 15
+) -> None:
+    """Send ``sig`` and reap; SIGKILL if it lingers past ``timeout`` seconds."""
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait()
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    """(status, body) of a GET; status 0 when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return int(e.code), e.read().decode(errors="replace")
+    except OSError:
+        return 0, ""
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``cond`` until it returns something truthy; raise TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def fake_gpus(
+    n: int = 1, free_bytes: int = 40 * GiB, total_bytes: int = 80 * GiB
+) -> dict[str, Any]:
+    """A fake GPU scenario (see ``kvgate_agent.gpu.fake.FileFakeGpuBackend``) with ``n`` GPUs."""
+    return {
+        "init_error": None,
+        "gpus": [
+            {
+                "uuid": f"GPU-{i:08d}-0000-0000-0000-000000000000",
+                "index": i,
+                "name": "Fake H100 80GB",
+                "total_bytes": total_bytes,
+                "used_bytes": total_bytes - free_bytes,
+                "utilization": 50,
+                "processes": [],
+            }
+            for i in range(n)
+        ],
+    }
+
+
+@dataclass
+class ModelPod:
+    """One model pod: its Pod object, its simulator and its sidecar process."""
+
+    namespace: str
+    name: str
+    uid: str
+    upstream: str
+    port: int
+    token_file: Path
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        """The sidecar's base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class NodeStack:
+    """A node (``node_name``) with an agent, model pods and their sidecars; and the operator.
+
+    Args:
+        cp: a started control plane (CRDs are applied here).
+        work: a directory for logs, token files and the GPU scenario.
+        namespace: where model pods and policies live (created).
+        node_name: the fake node (created as a Node object).
+        agent_args: extra ``kvgate-agent node`` flags.
+        sync_interval: how often sidecars sync, seconds (the agent tells them; 1 in production,
+            shorter in tests).
+        sidecar_env: extra environment for every sidecar.
+    """
+
+    cp: ControlPlane
+    work: Path
+    namespace: str
+    node_name: str = "gpu-node-1"
+    agent_args: list[str] = field(default_factory=list)
+    sync_interval: float = 0.25
+    sidecar_env: dict[str, str] = field(default_factory=dict)
+    operator: subprocess.Popen[bytes] | None = None
+    agent: subprocess.Popen[bytes] | None = None
+    agent_port: int = 0
+    sims: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    pods: list[ModelPod] = field(default_factory=list)
+
+    @property
+    def scenario(self) -> Path:
+        """The fake GPU scenario file the agent reads."""
+        return self.work / "gpus.json"
+
+    @property
+    def agent_url(self) -> str:
+        return f"http://127.0.0.1:{self.agent_port}"
+
+    # ------------------------------------------------------------------ cluster objects
+
+    def setup_cluster(self) -> None:
+        """CRDs, the namespace, the model service account and the Node."""
+        cp = self.cp
+        cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+        cp.wait_crd_established("ratelimitpolicies.kvgate.io")
+        cp.wait_crd_established("nodeadmissions.kvgate.io")
+        self.apply(
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}},
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": {"name": "model", "namespace": self.namespace},
+            },
+            {"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.node_name}},
+        )
+
+    def apply(self, *objs: dict[str, Any]) -> None:
+        """``kubectl apply`` the objects."""
+        self.cp.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objs))
+
+    def create_pod(self, name: str, labels: dict[str, str]) -> str:
+        """Create a Ready model pod on the node; returns its uid."""
+        self.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": self.namespace, "labels": labels},
+                "spec": {
+                    "nodeName": self.node_name,
+                    "serviceAccountName": "model",
+                    "containers": [{"name": "vllm", "image": "vllm/vllm-openai"}],
+                },
+            }
+        )
+        status = {
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+        }
+        self.cp.kubectl(
+            "patch",
+            "pod",
+            name,
+            "-n",
+            self.namespace,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps(status),
+        )
+        got = json.loads(
+            self.cp.kubectl("get", "pod", name, "-n", self.namespace, "-o", "json").stdout
+        )
+        return str(got["metadata"]["uid"])
+
+    def pod_token(self, name: str, uid: str, service_account: str = "model") -> str:
+        """A pod-bound token for audience ``kvgate-agent`` (what the projected volume holds)."""
+        out = self.cp.kubectl(
+            "create",
+            "token",
+            service_account,
+            "-n",
+            self.namespace,
+            "--audience",
+            "kvgate-agent",
+            "--duration",
+            "2h",
+            "--bound-object-kind",
+            "Pod",
+            "--bound-object-name",
+            name,
+            "--bound-object-uid",
+            uid,
+        )
+        return out.stdout.strip()
+
+    def node_admission(self) -> dict[str, Any] | None:
+        """This node's NodeAdmission object, or None."""
+        res = self.cp.kubectl("get", "nodeadmission", self.node_name, "-o", "json", check=False)
+        return json.loads(res.stdout) if res.returncode == 0 else None
+
+    # ------------------------------------------------------------------ processes
+
+    def start_operator(self) -> None:
+        env = {
+            **self.cp.env,
+            "KVGATE_OPERATOR_LIVENESS_PORT": str(free_port()),
+            "KVGATE_OPERATOR_DEBOUNCE_SECONDS": "0.05",
+            "KVGATE_OPERATOR_RESYNC_SECONDS": "30",
+        }
+        self.operator = _spawn(
+            [sys.executable, "-m", "kvgate_operator"], self.work / "operator.log", env
+        )
+
+    def start_agent(self, gpus: dict[str, Any] | None = None) -> None:
+        """Start (or restart) the node agent; waits for ``/healthz``."""
+        if gpus is not None or not self.scenario.exists():
+            write_scenario(self.scenario, gpus or fake_gpus())
+        self.agent_port = self.agent_port or free_port()
+        args = [
+            sys.executable,
+            "-m",
+            "kvgate_agent",
+            "node",
+            "--node-name",
+            self.node_name,
+            "--listen",
+            f"127.0.0.1:{self.agent_port}",
+            "--gpu-backend",
+            f"fake:{self.scenario}",
+            "--kubeconfig",
+            str(self.cp.kubeconfig),
+            "--gpu-poll-seconds",
+            "0.25",
+            "--scrape-seconds",
+            "0.5",
+            "--status-min-interval",
+            "0.5",
+            "--heartbeat-seconds",
+            "10",
+            "--sync-interval",
+            str(self.sync_interval),
+            *self.agent_args,
+        ]
+        self.agent = _spawn(
+            args,
+            self.work / "agent.log",
+            {**os.environ, "KVGATE_PROC_ROOT": str(self.work / "proc")},
+        )
+        wait_until(
+            lambda: (
+                self._alive(self.agent, "agent") and http_get(self.agent_url + "/healthz")[0] == 200
+            ),
+            30,
+            "the node agent's /healthz",
+        )
+
+    def kill_agent(self, sig: int = signal.SIGKILL) -> None:
+        stop_process(self.agent, sig)
+
+    def start_sim(self, **flags: Any) -> str:
+        """Start a ``kvgate-sim``; returns its base URL once it answers."""
+        port = free_port()
+        args = [sys.executable, "-m", "kvgate_bench.sim.cli", "--port", str(port)]
+        for k, v in {"model": "sim", "decode-ms": 2, "kv-capacity-tokens": 65536, **flags}.items():
+            args += [f"--{k.replace('_', '-')}", str(v)]
+        proc = _spawn(args, self.work / f"sim-{port}.log")
+        self.sims.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(
+            lambda: self._alive(proc, "kvgate-sim") and http_get(url + "/health")[0] == 200,
+            30,
+            "kvgate-sim",
+        )
+        return url
+
+    def add_model_pod(
+        self,
+        name: str,
+        upstream: str,
+        labels: dict[str, str] | None = None,
+        failure_mode: str | None = None,
+        start: bool = True,
+    ) -> ModelPod:
+        """Create the Pod, its token file and (``start``) its sidecar in agent mode."""
+        uid = self.create_pod(name, labels or {"app": "llm"})
+        token_file = self.work / f"token-{name}"
+        token_file.write_text(self.pod_token(name, uid))
+        mp = ModelPod(self.namespace, name, uid, upstream, free_port(), token_file)
+        self.pods.append(mp)
+        if start:
+            self.start_sidecar(mp, failure_mode)
+        return mp
+
+    def sidecar_env_for(self, mp: ModelPod, failure_mode: str | None = None) -> dict[str, str]:
+        """The environment the injected sidecar gets (downward API and agent settings)."""
+        env = {
+            **os.environ,
+            "KVGATE_UPSTREAM": mp.upstream,
+            "KVGATE_LISTEN": f"127.0.0.1:{mp.port}",
+            "KVGATE_AGENT_URL": self.agent_url,
+            "KVGATE_TOKEN_FILE": str(mp.token_file),
+            "KVGATE_POD_NAMESPACE": mp.namespace,
+            "KVGATE_POD_NAME": mp.name,
+            "KVGATE_POD_UID": mp.uid,
+            "KVGATE_POD_IP": "127.0.0.1",
+            **self.sidecar_env,
+        }
+        if failure_mode is not None:
+            env["KVGATE_FAILURE_MODE"] = failure_mode
+        return env
+
+    def start_sidecar(self, mp: ModelPod, failure_mode: str | None = None) -> None:
+        mp.log = self.work / f"sidecar-{mp.name}.log"
+        mp.proc = _spawn(
+            [sys.executable, "-m", "kvgate_agent", "sidecar"],
+            mp.log,
+            self.sidecar_env_for(mp, failure_mode),
+        )
+        wait_until(
+            lambda: (
+                self._alive(mp.proc, f"sidecar {mp.name}")
+                and http_get(mp.url + "/healthz")[0] == 200
+            ),
+            30,
+            f"sidecar {mp.name}",
+        )
+
+    def _alive(self, proc: subprocess.Popen[bytes] | None, what: str) -> bool:
+        if proc is None or proc.poll() is not None:
+            logs = sorted(self.work.glob("*.log"))
+            tail = "\n".join(
+                f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+                for p in logs
+            )
+            raise RuntimeError(
+                f"{what} exited ({None if proc is None else proc.returncode})\n{tail}"
+            )
+        return True
+
+    def stop(self) -> None:
+        """Stop every process (sidecars first, so they can drain)."""
+        for mp in self.pods:
+            stop_process(mp.proc)
+        stop_process(self.agent)
+        stop_process(self.operator)
+        for s in self.sims:
+            stop_process(s)
+
+    def __enter__(self) -> NodeStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

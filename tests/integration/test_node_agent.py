@@ -1,0 +1,374 @@
+"""The node agent with the operator and two sidecars, on the local control plane.
+
+Everything runs as local processes: kube-apiserver + etcd, the operator, ``kvgate-agent node``
+with the fake GPU backend (a scenario file the tests rewrite), two ``kvgate-sim`` model servers
+and a ``kvgate-agent sidecar`` in front of each, authenticated with real pod-bound tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgate_agent.gpu.fake import write_scenario
+from kvgate_bench.nodestack import GiB, ModelPod, NodeStack, fake_gpus, http_get, wait_until
+from tests.conftest import policy_doc
+
+COMPLETIONS = "/v1/chat/completions"
+
+
+def chat(
+    url: str, max_tokens: int = 16, tenant: str = "t1", timeout: float = 10
+) -> tuple[int, dict[str, str], bytes]:
+    """POST a small chat completion; (status, headers lower-cased, body)."""
+    body = json.dumps(
+        {
+            "model": "sim",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": max_tokens,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url + COMPLETIONS,
+        data=body,
+        headers={"Content-Type": "application/json", "x-kvgate-tenant": tenant},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return int(r.status), {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return int(e.code), {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def policy(name: str, ns: str, spec: dict[str, Any]) -> dict[str, Any]:
+    doc = policy_doc(spec, name)
+    doc["metadata"]["namespace"] = ns
+    return doc
+
+
+#: Three requests per tenant, then 429 (no queueing), refilled one a second.
+BURST: dict[str, Any] = {
+    "rateLimits": [{"name": "burst", "per": "Tenant", "requestsPerMinute": 60, "burstRequests": 3}],
+    "overload": {"actions": ["Reject"]},
+}
+
+
+def capped(ns: str, cap: int, app: str = "llm", **extra: Any) -> dict[str, Any]:
+    """A policy whose effect is visible on every response: max_tokens clamped to ``cap``."""
+    return policy(
+        f"cap-{app}",
+        ns,
+        {
+            "selector": {"matchLabels": {"app": app}},
+            "tenants": {"maxTokensCap": cap, "defaultMaxTokens": cap},
+            "model": {"maxModelLen": 4096},
+            **extra,
+        },
+    )
+
+
+def clamped_to(url: str) -> int | None:
+    """The max_tokens the sidecar clamped a 64-token request to (None: not clamped)."""
+    status, headers, _ = chat(url, max_tokens=64)
+    m = re.fullmatch(r"max_tokens=(\d+)", headers.get("x-kvgate-degraded", ""))
+    return int(m.group(1)) if status == 200 and m else None
+
+
+def metric(url: str, name: str, **labels: str) -> float | None:
+    """One sample's value from a Prometheus exposition at ``url``."""
+    _, text = http_get(url)
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@pytest.fixture
+def stack(kube: Any, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NodeStack]:
+    ns = "na-" + request.node.name.replace("_", "-")[5:30].strip("-").lower()
+    node = f"gpu-{ns}"
+    s = NodeStack(kube, tmp_path, ns, node_name=node, agent_args=["--thresholds-ttl", "2"])
+    s.setup_cluster()
+    s.start_operator()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def status_of(stack: NodeStack) -> dict[str, Any]:
+    na = stack.node_admission() or {}
+    return dict(na.get("status") or {})
+
+
+def test_policy_reaches_both_sidecars_is_enforced_and_changes_propagate(stack: NodeStack) -> None:
+    ns = stack.namespace
+    stack.start_agent()
+    a = stack.add_model_pod("llm-a", stack.start_sim())
+    b = stack.add_model_pod("llm-b", stack.start_sim())
+    stack.apply(capped(ns, 8, **BURST))
+    for mp in (a, b):
+        wait_until(lambda mp=mp: clamped_to(mp.url) == 8, 30, f"the policy on {mp.name}")
+    # The rate limit is enforced per pod: a fresh tenant gets its burst, then 429 with Retry-After.
+    codes = [chat(a.url, tenant="burst-tenant")[0] for _ in range(5)]
+    assert codes.count(429) >= 1 and codes[0] == 200, codes
+    status, headers, body = chat(a.url, tenant="burst-tenant")
+    assert status == 429 and int(headers["retry-after"]) >= 1
+    assert json.loads(body)["error"]["type"]
+
+    # A change propagates to both sidecars; in-flight work is not dropped meanwhile.
+    stack.apply(capped(ns, 12, **BURST))
+    for mp in (a, b):
+        wait_until(lambda mp=mp: clamped_to(mp.url) == 12, 30, f"the change on {mp.name}")
+
+    # The agent's status: both pods, the engine's own KV capacity (scraped through the sidecar),
+    # the fake GPU, a heartbeat and Ready.
+    def reported() -> dict[str, Any] | None:
+        st = status_of(stack)
+        pods = {p["name"]: p for p in st.get("pods", [])}
+        ok = all(pods.get(n, {}).get("engineKvCapacityTokens") == 65536 for n in ("llm-a", "llm-b"))
+        return st if ok else None
+
+    st = wait_until(reported, 30, "engine capacity in the NodeAdmission status")
+    assert st["heartbeatTime"].endswith("Z")
+    assert [g["healthy"] for g in st["gpus"]] == [True]
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True"
+    m = stack.agent_url + "/metrics"
+    assert metric(m, "kvgate_node_sidecars_connected") == 2
+    assert metric(m, "kvgate_node_pod_kv_tokens", pod="llm-a", kind="capacity") == 65536
+    assert (metric(m, "kvgate_node_sync_requests_total", result="not_modified") or 0) > 0
+
+
+def test_agent_killed_under_load_then_fail_open_or_closed(stack: NodeStack) -> None:
+    ns = stack.namespace
+    stack.start_agent()
+    sim = stack.start_sim()
+    opened = stack.add_model_pod("open-0", sim, labels={"app": "open"})
+    closed = stack.add_model_pod("closed-0", sim, labels={"app": "closed"})
+    stack.apply(
+        capped(ns, 8, app="open", failureMode="FailOpen"),
+        capped(ns, 8, app="closed", failureMode="FailClosed"),
+    )
+    for mp in (opened, closed):
+        wait_until(lambda mp=mp: clamped_to(mp.url) == 8, 30, f"the policy on {mp.name}")
+    assert chat(opened.url)[1].get("x-kvgate-thresholds") == "live"
+
+    # Load on both sidecars while the agent dies: (seconds since the kill, pod, status, mode).
+    seen: list[tuple[float, str, int, str]] = []
+    stop = threading.Event()
+    killed = time.monotonic() + 3600.0
+
+    def load(mp: ModelPod) -> None:
+        while not stop.is_set():
+            status, headers, _ = chat(mp.url, max_tokens=64)
+            mode = headers.get("x-kvgate-thresholds", "")
+            seen.append((time.monotonic() - killed, mp.name, status, mode))
+
+    workers = [threading.Thread(target=load, args=(mp,)) for mp in (opened, closed)]
+    for w in workers:
+        w.start()
+    time.sleep(0.5)
+    killed = time.monotonic()
+    stack.kill_agent()
+    try:
+        # Past the TTL (2 s): FailOpen serves (local caps only), FailClosed answers 503.
+        wait_until(lambda: chat(closed.url)[0] == 503, 10, "FailClosed 503")
+        wait_until(
+            lambda: chat(opened.url)[1].get("x-kvgate-thresholds") == "fail_open", 5, "fail_open"
+        )
+        time.sleep(max(0.0, killed + 4.0 - time.monotonic()))
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(10)
+    before = [r for r in seen if r[0] < 0]
+    within = [r for r in seen if 0 <= r[0] < 1.5]  # safely inside the TTL
+    after = [r for r in seen if r[0] > 3.5]  # TTL plus a sync interval and slack
+    assert before and within and after
+    assert {(r[2], r[3]) for r in before} == {(200, "live")}
+    # Within the TTL both keep enforcing the last thresholds (live, then stale once a sync fails).
+    assert {r[2] for r in within} == {200} and {r[3] for r in within} <= {"live", "stale"}
+    assert any(r[3] == "stale" for r in within)
+    assert {(r[2], r[3]) for r in after if r[1] == "open-0"} == {(200, "fail_open")}
+    assert {(r[2], r[3]) for r in after if r[1] == "closed-0"} == {(503, "fail_closed")}
+    status, headers, body = chat(closed.url)
+    assert status == 503 and int(headers["retry-after"]) >= 1
+    assert json.loads(body)["error"]["message"]
+    assert metric(opened.url + "/kvgate/metrics", "kvgate_thresholds_mode", mode="fail_open") == 1
+    assert metric(closed.url + "/kvgate/metrics", "kvgate_in_flight_requests") == 0
+
+    # The agent back: both return to live thresholds.
+    stack.start_agent()
+    for mp in (opened, closed):
+        wait_until(
+            lambda mp=mp: chat(mp.url)[1].get("x-kvgate-thresholds") == "live", 15, "live again"
+        )
+    assert clamped_to(closed.url) == 8
+
+
+def sync(
+    stack: NodeStack, claim: str, token: str | None, etag: str | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    body = json.dumps({"namespace": stack.namespace, "name": claim}).encode()
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    if etag is not None:
+        headers["If-None-Match"] = etag
+    req = urllib.request.Request(stack.agent_url + "/v1/sync", data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return int(r.status), {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return int(e.code), {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def test_forged_sync_for_another_pod_is_refused(stack: NodeStack) -> None:
+    ns = stack.namespace
+    stack.start_agent()
+    a = stack.add_model_pod("victim", "http://127.0.0.1:9", start=False)
+    b = stack.add_model_pod("attacker", "http://127.0.0.1:9", start=False)
+    stack.apply(capped(ns, 8))
+    wait_until(
+        lambda: len((stack.node_admission() or {}).get("spec", {}).get("pods", [])) == 2, 30, "spec"
+    )
+    token_b = b.token_file.read_text()
+    status, _, body = sync(stack, "victim", token_b)
+    assert status == 403, body
+    assert "attacker" in json.loads(body)["error"]["message"]
+    assert sync(stack, "victim", None)[0] == 401
+    assert sync(stack, "victim", "not-a-token")[0] == 401
+    # A token for another audience (the API server's default) is refused too.
+    other = stack.cp.kubectl(
+        "create",
+        "token",
+        "model",
+        "-n",
+        ns,
+        "--bound-object-kind",
+        "Pod",
+        "--bound-object-name",
+        "victim",
+        "--bound-object-uid",
+        a.uid,
+    ).stdout.strip()
+    assert sync(stack, "victim", other)[0] == 401
+    # The right pod with its own token gets its thresholds, then 304 with the same ETag.
+    status, headers, body = sync(stack, "victim", a.token_file.read_text())
+    assert status == 200, body
+    answer = json.loads(body)
+    assert (
+        answer["pod"]["name"] == "victim"
+        and answer["pod"]["thresholds"]["tenants"]["maxTokensCap"] == 8
+    )
+    status, headers2, body = sync(stack, "victim", a.token_file.read_text(), headers["etag"])
+    assert status == 304 and body == b"" and headers2["etag"] == headers["etag"]
+    m = stack.agent_url + "/metrics"
+    assert metric(m, "kvgate_node_sync_requests_total", result="forbidden") == 1
+    assert metric(m, "kvgate_node_sync_requests_total", result="unauthorized") == 3
+    # A malformed report never reaches the state: 422 with an error body.
+    req = urllib.request.Request(
+        stack.agent_url + "/v1/sync", data=b"{not json", headers={"Authorization": "Bearer x"}
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 422
+
+
+def test_gpu_faults_and_the_safety_net_show_in_status_metrics_and_admission(
+    stack: NodeStack,
+) -> None:
+    ns = stack.namespace
+    gpus = fake_gpus(2, free_bytes=40 * GiB)
+    stack.start_agent(gpus)
+    mp = stack.add_model_pod("llm-0", stack.start_sim())
+    stack.apply(capped(ns, 8, capacity={"safetyMarginBytes": 4 * GiB}))
+    wait_until(lambda: clamped_to(mp.url) == 8, 30, "the policy")
+    m = stack.agent_url + "/metrics"
+    g0, g1 = (g["uuid"] for g in gpus["gpus"])
+
+    # One GPU lost: it is unhealthy with the reason, the other still read, the agent Ready.
+    gpus["gpus"][1]["error"] = "lost"
+    write_scenario(stack.scenario, gpus)
+
+    def lost() -> dict[str, Any] | None:
+        st = status_of(stack)
+        by = {g["uuid"]: g for g in st.get("gpus", [])}
+        return st if by.get(g1, {}).get("healthy") is False else None
+
+    st = wait_until(lost, 15, "the lost GPU in status")
+    by = {g["uuid"]: g for g in st["gpus"]}
+    assert "lost" in by[g1]["reason"] and "freeBytes" not in by[g1]
+    assert by[g0]["healthy"] and by[g0]["freeBytes"] == 40 * GiB
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "SomeGpusUnhealthy")
+    assert metric(m, "kvgate_node_gpu_healthy", gpu=g1) == 0
+    assert (metric(m, "kvgate_node_nvml_errors_total", kind="lost") or 0) >= 1
+    assert http_get(stack.agent_url + "/readyz")[0] == 200
+    assert chat(mp.url)[0] == 200  # unknown memory does not stop admission
+
+    # Free memory below the policy's margin on the pod's GPU: new requests get 503.
+    gpus["gpus"][0]["used_bytes"] = 80 * GiB - 2 * GiB
+    write_scenario(stack.scenario, gpus)
+    wait_until(lambda: chat(mp.url)[0] == 503, 10, "the safety net to close")
+    status, headers, body = chat(mp.url)
+    assert status == 503 and headers.get("x-kvgate-reason") == "gpu_memory_low"
+    assert "safety margin" in json.loads(body)["error"]["message"]
+    assert int(headers["retry-after"]) >= 1
+    st = wait_until(
+        lambda: (
+            (s := status_of(stack))
+            and any(not p.get("safetyNetOpen", True) for p in s.get("pods", []))
+            and s
+        ),
+        10,
+        "safetyNetOpen false in status",
+    )
+    low = next(c for c in st["conditions"] if c["type"] == "GpuMemoryLow")
+    assert low["status"] == "True" and "llm-0" in low["message"]
+    assert metric(m, "kvgate_node_safety_net_open", pod="llm-0") == 0
+
+    # Memory back (beyond the hysteresis): admission resumes.
+    gpus["gpus"][0]["used_bytes"] = 80 * GiB - 20 * GiB
+    write_scenario(stack.scenario, gpus)
+    wait_until(lambda: chat(mp.url)[0] == 200, 10, "the safety net to reopen")
+
+    # Both GPUs unreadable: readiness degrades, with the reason.
+    gpus["gpus"][0]["error"] = "unknown"
+    write_scenario(stack.scenario, gpus)
+    wait_until(lambda: http_get(stack.agent_url + "/readyz")[0] == 503, 10, "readyz 503")
+    assert metric(m, "kvgate_node_ready") == 0
+
+
+def test_agent_starts_without_a_driver_and_recovers(stack: NodeStack) -> None:
+    gpus = fake_gpus(1)
+    gpus["init_error"] = "library_missing"
+    stack.start_agent(gpus)
+    code, text = http_get(stack.agent_url + "/readyz")
+    assert code == 503 and "init" in text
+    assert (
+        metric(
+            stack.agent_url + "/metrics", "kvgate_node_nvml_errors_total", kind="library_missing"
+        )
+        or 0
+    ) >= 1
+    gpus["init_error"] = None
+    write_scenario(stack.scenario, gpus)
+    wait_until(
+        lambda: http_get(stack.agent_url + "/readyz")[0] == 200, 30, "recovery after init backoff"
+    )
+    assert stack.agent is not None and stack.agent.poll() is None
+    stack.kill_agent(signal.SIGTERM)
+    assert stack.agent.returncode == 0
