@@ -376,6 +376,8 @@ class NodeAgent:
         """Write the status if the gate says so (or ``force``); returns the result or None."""
         if self.status_writer is None:
             return None
+        if self.state.spec_known and self.state.spec is None:
+            return None  # no object for this node (no governed pod): the watch wakes us
         now = self.clock()
         status = self.state.status()
         caps = {
