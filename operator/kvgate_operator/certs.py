@@ -1,0 +1,646 @@
+"""The webhook's TLS certificates: a self-signed CA and a serving certificate, kept in a Secret,
+rotated before they expire, and the CA bundle kept in the MutatingWebhookConfiguration.
+
+Two layers:
+
+- Pure (the clock is an argument): :func:`new_ca`, :func:`new_serving_cert`,
+  :class:`WebhookCerts` and :func:`plan`, which decides what to renew.
+- :class:`CertificateManager`: the same decisions against the cluster through a small
+  :class:`CertStore` (the real one wraps the kubernetes client; unit tests pass a fake).
+
+Lifetimes and rotation (all ECDSA P-256):
+
+- CA: 1 year, renewed when fewer than 90 days remain. The old CA stays in the ``caBundle`` until
+  it expires, so certificates it signed keep working during the overlap.
+- Serving certificate: 90 days (never past its CA's end), renewed when fewer than 30 days
+  remain, when the webhook's host names change, or when no trusted CA signed it. It is renewed
+  from the *current* CA; after a CA rotation the existing serving certificate (signed by the old
+  CA, still in the bundle) is kept until it is due, so by then the new CA has long been in the
+  bundle. When both fall due at once, the manager patches the bundle (old + new CA) before the
+  new serving certificate is written and served.
+
+The Secret (``kubernetes.io/tls``) holds ``tls.crt``/``tls.key`` (serving), ``ca.crt``/``ca.key``
+(the current CA, so a restart issues from the same CA and the ``caBundle`` does not churn) and
+``ca-bundle.crt`` (every CA still trusted, current first). Where the Secret cannot be read or
+written (RBAC), the manager keeps its certificates in memory and says so in a warning; a restart
+then makes a new CA and patches the ``caBundle`` again.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import ipaddress
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Protocol
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from kubernetes.client.exceptions import ApiException
+
+log = logging.getLogger("kvgate.operator.certs")
+
+CA_LIFETIME = dt.timedelta(days=365)
+CA_RENEW_BEFORE = dt.timedelta(days=90)
+SERVING_LIFETIME = dt.timedelta(days=90)
+SERVING_RENEW_BEFORE = dt.timedelta(days=30)
+#: Certificates start this long before "now", so a client whose clock lags accepts them.
+BACKDATE = dt.timedelta(hours=1)
+CA_COMMON_NAME = "kvgate-webhook-ca"
+
+
+class CertificateError(ValueError):
+    """Stored certificate material that cannot be used (unparseable, mismatched, not a CA)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure: making and judging certificates
+
+
+@dataclass(frozen=True)
+class KeyPair:
+    """A certificate and its private key, both PEM."""
+
+    cert_pem: bytes
+    key_pem: bytes = field(repr=False)
+
+    @cached_property
+    def cert(self) -> x509.Certificate:
+        return x509.load_pem_x509_certificate(self.cert_pem)
+
+    @property
+    def not_after(self) -> dt.datetime:
+        return self.cert.not_valid_after_utc
+
+    def remaining(self, now: dt.datetime) -> dt.timedelta:
+        return self.not_after - now
+
+    def validate(self, *, ca: bool) -> None:
+        """Raise :class:`CertificateError` unless the key matches the certificate (and the
+        certificate is a CA when ``ca``)."""
+        try:
+            key = serialization.load_pem_private_key(self.key_pem, password=None)
+            cert = self.cert
+        except ValueError as exc:
+            raise CertificateError(f"unparseable certificate or key: {exc}") from exc
+        if key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        ) != cert.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        ):
+            raise CertificateError("the private key does not match the certificate")
+        if ca:
+            try:
+                bc = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+            except x509.ExtensionNotFound:
+                bc = None
+            if bc is None or not bc.ca:
+                raise CertificateError("the CA certificate is not a CA")
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=False,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=cert_sign,
+        crl_sign=cert_sign,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
+def new_ca(
+    now: dt.datetime, *, common_name: str = CA_COMMON_NAME, lifetime: dt.timedelta = CA_LIFETIME
+) -> KeyPair:
+    """A self-signed CA (ECDSA P-256) valid from ``now`` (backdated an hour) for ``lifetime``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(now + lifetime)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(_key_usage(cert_sign=True), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+
+def _san(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def new_serving_cert(
+    ca: KeyPair,
+    hosts: Sequence[str],
+    now: dt.datetime,
+    *,
+    lifetime: dt.timedelta = SERVING_LIFETIME,
+) -> KeyPair:
+    """A TLS server certificate for ``hosts`` (IP addresses become IP SANs, anything else DNS
+    SANs), signed by ``ca``, valid for ``lifetime`` but never past the CA's own end."""
+    if not hosts:
+        raise ValueError("a serving certificate needs at least one host name")
+    ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise CertificateError("the CA key is not an ECDSA key")
+    key = ec.generate_private_key(ec.SECP256R1())
+    dns = [h for h in hosts if not isinstance(_san(h), x509.IPAddress)]
+    common_name = (dns or list(hosts))[0][:64]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .issuer_name(ca.cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - BACKDATE)
+        .not_valid_after(min(now + lifetime, ca.not_after))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(_key_usage(cert_sign=False), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+
+def sans(cert: x509.Certificate) -> set[str]:
+    """A certificate's subject alternative names as strings (IPs normalised)."""
+    try:
+        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set()
+    return {str(n) for n in ext.get_values_for_type(x509.IPAddress)} | set(
+        ext.get_values_for_type(x509.DNSName)
+    )
+
+
+def _normalised_hosts(hosts: Iterable[str]) -> set[str]:
+    out = set()
+    for h in hosts:
+        san = _san(h)
+        out.add(str(san.value) if isinstance(san, x509.IPAddress) else h)
+    return out
+
+
+def signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+    """Whether ``ca`` issued ``cert`` (issuer name and signature)."""
+    if cert.issuer != ca.subject:
+        return False
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
+
+
+def split_pem_certs(data: bytes) -> list[bytes]:
+    """Each certificate of a PEM bundle, as its own PEM (unparseable ones are dropped)."""
+    out = []
+    for cert in x509.load_pem_x509_certificates(data) if data.strip() else []:
+        out.append(cert.public_bytes(serialization.Encoding.PEM))
+    return out
+
+
+@dataclass(frozen=True)
+class WebhookCerts:
+    """Everything the webhook's TLS needs: the current CA, the serving certificate and the old
+    CAs still trusted during a CA rotation (PEM certificates, newest first)."""
+
+    ca: KeyPair
+    serving: KeyPair
+    previous_cas: tuple[bytes, ...] = ()
+
+    def trusted(self, now: dt.datetime) -> list[x509.Certificate]:
+        """The CAs a client should trust: the current one and every previous one not expired."""
+        old = [x509.load_pem_x509_certificate(p) for p in self.previous_cas]
+        return [self.ca.cert] + [c for c in old if c.not_valid_after_utc > now]
+
+    def ca_bundle(self, now: dt.datetime) -> bytes:
+        """The ``caBundle`` (PEM, current CA first)."""
+        return b"".join(c.public_bytes(serialization.Encoding.PEM) for c in self.trusted(now))
+
+    def to_secret_data(self, now: dt.datetime) -> dict[str, bytes]:
+        """The Secret's data (raw bytes; the store base64-encodes)."""
+        return {
+            "tls.crt": self.serving.cert_pem,
+            "tls.key": self.serving.key_pem,
+            "ca.crt": self.ca.cert_pem,
+            "ca.key": self.ca.key_pem,
+            "ca-bundle.crt": self.ca_bundle(now),
+        }
+
+    @classmethod
+    def from_secret_data(cls, data: dict[str, bytes]) -> WebhookCerts:
+        """Parse a Secret's data; :class:`CertificateError` when anything is missing or bad."""
+        missing = [k for k in ("tls.crt", "tls.key", "ca.crt", "ca.key") if not data.get(k)]
+        if missing:
+            raise CertificateError(f"missing keys: {', '.join(missing)}")
+        ca = KeyPair(data["ca.crt"], data["ca.key"])
+        serving = KeyPair(data["tls.crt"], data["tls.key"])
+        ca.validate(ca=True)
+        serving.validate(ca=False)
+        try:
+            bundle = split_pem_certs(data.get("ca-bundle.crt") or b"")
+        except ValueError as exc:
+            raise CertificateError(f"unparseable ca-bundle.crt: {exc}") from exc
+        current = ca.cert.public_bytes(serialization.Encoding.PEM)
+        return cls(ca, serving, tuple(p for p in bundle if p != current))
+
+
+def plan(
+    certs: WebhookCerts | None, hosts: Sequence[str], now: dt.datetime
+) -> tuple[WebhookCerts, list[str]]:
+    """What the certificates should be at ``now``: ``(certs, reasons)``; ``reasons`` is empty
+    when nothing changes (then ``certs`` is the same object). Reasons: ``created``,
+    ``ca_rotated``, ``serving_rotated``, ``hosts_changed``, ``untrusted_issuer``,
+    ``expired_ca_dropped``."""
+    if certs is None:
+        ca = new_ca(now)
+        return WebhookCerts(ca, new_serving_cert(ca, hosts, now)), ["created"]
+    reasons: list[str] = []
+    out = certs
+    # Drop previous CAs that expired.
+    alive = tuple(
+        p for p in out.previous_cas if x509.load_pem_x509_certificate(p).not_valid_after_utc > now
+    )
+    if alive != out.previous_cas:
+        out = replace(out, previous_cas=alive)
+        reasons.append("expired_ca_dropped")
+    if out.ca.remaining(now) < CA_RENEW_BEFORE:
+        old = out.ca
+        keep = (old.cert_pem,) if old.not_after > now else ()
+        out = replace(out, ca=new_ca(now), previous_cas=keep + out.previous_cas)
+        reasons.append("ca_rotated")
+    serving = out.serving.cert
+    renew = None
+    if out.serving.remaining(now) < SERVING_RENEW_BEFORE:
+        renew = "serving_rotated"
+    elif sans(serving) != _normalised_hosts(hosts):
+        renew = "hosts_changed"
+    elif not any(signed_by(serving, ca) for ca in out.trusted(now)):
+        renew = "untrusted_issuer"
+    if renew:
+        out = replace(out, serving=new_serving_cert(out.ca, hosts, now))
+        reasons.append(renew)
+    return (out if reasons else certs), reasons
+
+
+# ----------------------------------------------------------------------------------------------
+# Against the cluster
+
+
+class CertStore(Protocol):
+    """Where certificates live and where the ``caBundle`` goes. Methods raise the kubernetes
+    client's ``ApiException`` on API errors."""
+
+    def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
+        """The Secret's data (decoded) and its resourceVersion; None when it does not exist."""
+        ...
+
+    def write_secret(
+        self, namespace: str, name: str, data: dict[str, bytes], resource_version: str | None
+    ) -> str:
+        """Create (``resource_version`` None) or replace the Secret; its new resourceVersion."""
+        ...
+
+    def read_webhook_config(self, name: str) -> dict[str, Any] | None:
+        """The MutatingWebhookConfiguration as a dict; None when it does not exist."""
+        ...
+
+    def patch_webhook_config(self, name: str, ops: list[dict[str, Any]]) -> None:
+        """Apply a JSON patch (RFC 6902) to the MutatingWebhookConfiguration."""
+        ...
+
+
+class KubeCertStore:
+    """:class:`CertStore` through the kubernetes client."""
+
+    def __init__(self, api: Any, timeout: float = 10.0) -> None:
+        from kubernetes import client
+
+        self.core = client.CoreV1Api(api)
+        self.admission = client.AdmissionregistrationV1Api(api)
+        self.api = api
+        self.timeout = timeout
+
+    def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
+        try:
+            s = self.core.read_namespaced_secret(name, namespace, _request_timeout=self.timeout)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        data = {k: base64.b64decode(v) for k, v in (s.data or {}).items()}
+        return data, str(s.metadata.resource_version if s.metadata else "")
+
+    def write_secret(
+        self, namespace: str, name: str, data: dict[str, bytes], resource_version: str | None
+    ) -> str:
+        from kubernetes import client
+
+        body = client.V1Secret(
+            metadata=client.V1ObjectMeta(
+                name=name,
+                namespace=namespace,
+                resource_version=resource_version,
+                labels={"app.kubernetes.io/managed-by": "kvgate-operator"},
+            ),
+            type="kubernetes.io/tls",
+            data={k: base64.b64encode(v).decode("ascii") for k, v in data.items()},
+        )
+        if resource_version is None:
+            s = self.core.create_namespaced_secret(namespace, body, _request_timeout=self.timeout)
+        else:
+            # Keep whatever type an existing Secret has (type is immutable).
+            body.type = None
+            s = self.core.replace_namespaced_secret(
+                name, namespace, body, _request_timeout=self.timeout
+            )
+        return str(s.metadata.resource_version if s.metadata else "")
+
+    def read_webhook_config(self, name: str) -> dict[str, Any] | None:
+        try:
+            obj = self.admission.read_mutating_webhook_configuration(
+                name, _request_timeout=self.timeout
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        result: dict[str, Any] = self.api.sanitize_for_serialization(obj)
+        return result
+
+    def patch_webhook_config(self, name: str, ops: list[dict[str, Any]]) -> None:
+        self.admission.patch_mutating_webhook_configuration(
+            name,
+            ops,
+            _request_timeout=self.timeout,
+            _content_type="application/json-patch+json",
+        )
+
+
+def ca_bundle_patch(config: dict[str, Any], bundle_b64: str) -> list[dict[str, Any]]:
+    """JSON patch ops that set ``caBundle`` on every webhook of ``config`` whose bundle differs
+    (each guarded by a ``test`` of the webhook's name, so a concurrent reordering fails the
+    patch instead of patching the wrong entry); empty when all match. Webhooks that call a URL
+    or a Service alike get it: the bundle is what the API server verifies the operator with."""
+    ops: list[dict[str, Any]] = []
+    for i, wh in enumerate(config.get("webhooks") or []):
+        cc = wh.get("clientConfig") or {}
+        if cc.get("caBundle") == bundle_b64:
+            continue
+        ops.append({"op": "test", "path": f"/webhooks/{i}/name", "value": wh.get("name")})
+        if "clientConfig" not in wh:
+            ops.append({"op": "add", "path": f"/webhooks/{i}/clientConfig", "value": {}})
+        ops.append(
+            {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": bundle_b64}
+        )
+    return ops
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _describe(exc: ApiException) -> str:
+    return f"{exc.status} {exc.reason}"
+
+
+class CertificateManager:
+    """The operator's self-signed webhook certificates, persisted in a Secret.
+
+    Args:
+        store: the cluster (:class:`KubeCertStore`) or a fake.
+        namespace: where the Secret lives (the operator's namespace); None keeps the
+            certificates in memory only (local runs without a namespace).
+        secret_name: the Secret's name.
+        webhook_config_name: the MutatingWebhookConfiguration whose ``caBundle`` to keep in sync
+            (None: none).
+        hosts: the serving certificate's host names / IP addresses.
+        clock: the current time (UTC, aware); injected by tests.
+        sleep: how to wait between retries of transient errors at start (injected by tests).
+    """
+
+    def __init__(
+        self,
+        store: CertStore,
+        *,
+        namespace: str | None,
+        secret_name: str,
+        webhook_config_name: str | None,
+        hosts: Sequence[str],
+        clock: Callable[[], dt.datetime] = _utcnow,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.store = store
+        self.namespace = namespace
+        self.secret_name = secret_name
+        self.webhook_config_name = webhook_config_name
+        self.hosts = list(hosts)
+        self.clock = clock
+        self.sleep = sleep
+        self.certs: WebhookCerts | None = None
+        #: True while the certificates are stored in (and came from, or were written to) the
+        #: Secret; False while they live only in this process.
+        self.persistent = False
+        self._rv: str | None = None
+        self._config_missing_logged = False
+
+    @property
+    def where(self) -> str:
+        return f"Secret {self.namespace}/{self.secret_name}"
+
+    # -- start --------------------------------------------------------------------------------
+
+    def ensure(self, start_retries: int = 5) -> list[str]:
+        """At start: load the certificates from the Secret, or make them and store them there.
+        Transient API errors are retried a few times (so a slow API server does not cost a new
+        CA); access errors fall back to in-memory certificates at once. Returns the reasons
+        the certificates changed (empty when the stored ones were used as they were)."""
+        now = self.clock()
+        loaded: WebhookCerts | None = None
+        if self.namespace is None:
+            log.warning(
+                "webhook certificates: no namespace known (KVGATE_OPERATOR_POD_NAMESPACE unset), "
+                "keeping them in memory only; a restart makes a new CA"
+            )
+        else:
+            for attempt in range(start_retries + 1):
+                try:
+                    loaded = self._load()
+                    self.persistent = True
+                    break
+                except ApiException as exc:
+                    if exc.status in (401, 403) or attempt == start_retries:
+                        log.warning(
+                            "webhook certificates: cannot read %s (%s); keeping them in memory "
+                            "only, a restart makes a new CA and patches the caBundle again",
+                            self.where,
+                            _describe(exc),
+                        )
+                        break
+                    self.sleep(min(8.0, 0.5 * 2**attempt))
+        certs, reasons = plan(loaded, self.hosts, now)
+        self.certs = certs
+        if reasons and self.persistent:
+            self._store(now)
+        if reasons:
+            log.info("webhook certificates: %s", ", ".join(reasons))
+        return reasons
+
+    def _load(self) -> WebhookCerts | None:
+        assert self.namespace is not None
+        got = self.store.read_secret(self.namespace, self.secret_name)
+        if got is None:
+            self._rv = None
+            return None
+        data, self._rv = got
+        try:
+            return WebhookCerts.from_secret_data(data)
+        except CertificateError as exc:
+            log.warning("webhook certificates in %s are unusable (%s); replacing", self.where, exc)
+            return None
+
+    def _store(self, now: dt.datetime) -> bool:
+        """Write the certificates to the Secret. On a conflict (written meanwhile by someone
+        else) the stored ones are adopted when usable. Returns False when not stored."""
+        assert self.certs is not None and self.namespace is not None
+        try:
+            self._rv = self.store.write_secret(
+                self.namespace, self.secret_name, self.certs.to_secret_data(now), self._rv
+            )
+            self.persistent = True
+            return True
+        except ApiException as exc:
+            if exc.status in (409, 422) or (exc.status == 404 and self._rv is not None):
+                # Someone else wrote (or deleted) it meanwhile: take theirs if usable.
+                try:
+                    theirs = self._load()
+                except ApiException:
+                    theirs = None
+                if theirs is not None:
+                    self.certs, _ = plan(theirs, self.hosts, now)
+                    return True
+                return False
+            if self.persistent or exc.status not in (401, 403):
+                log.warning(
+                    "webhook certificates: cannot write %s (%s); keeping them in memory",
+                    self.where,
+                    _describe(exc),
+                )
+            self.persistent = False
+            return False
+
+    # -- periodic -----------------------------------------------------------------------------
+
+    def check(self) -> list[str]:
+        """Renew what is due (see :func:`plan`), patch the ``caBundle`` first when it changes,
+        then store. Returns the reasons (empty when nothing changed). The caller reloads the
+        serving certificate when the returned reasons are not empty."""
+        now = self.clock()
+        if self.certs is None:
+            return self.ensure()
+        adopted: list[str] = []
+        if not self.persistent and self.namespace is not None:
+            # Access may have been granted since: try to store ours (or adopt a stored one).
+            try:
+                stored = self._load()
+            except ApiException:
+                stored = None
+            if stored is not None:
+                if stored != self.certs:
+                    adopted = ["adopted_stored"]
+                self.certs = stored
+                self.persistent = True
+        before = self.certs.ca_bundle(now)
+        certs, reasons = plan(self.certs, self.hosts, now)
+        reasons = adopted + reasons
+        self.certs = certs
+        if certs.ca_bundle(now) != before:
+            self.sync_ca_bundle()
+        if reasons:
+            log.info("webhook certificates: %s", ", ".join(reasons))
+        if (reasons or not self.persistent) and self.namespace is not None:
+            self._store(now)
+        return reasons
+
+    def sync_ca_bundle(self) -> bool:
+        """Patch ``webhooks[*].clientConfig.caBundle`` of the configured
+        MutatingWebhookConfiguration where it differs (read first; no write when all match).
+        Returns True when it patched. API errors are logged, never raised: the next sync
+        retries."""
+        if self.webhook_config_name is None or self.certs is None:
+            return False
+        bundle = base64.b64encode(self.certs.ca_bundle(self.clock())).decode("ascii")
+        try:
+            config = self.store.read_webhook_config(self.webhook_config_name)
+            if config is None:
+                if not self._config_missing_logged:
+                    log.warning(
+                        "MutatingWebhookConfiguration %s not found; its caBundle will be set "
+                        "once it exists",
+                        self.webhook_config_name,
+                    )
+                    self._config_missing_logged = True
+                return False
+            self._config_missing_logged = False
+            ops = ca_bundle_patch(config, bundle)
+            if not ops:
+                return False
+            self.store.patch_webhook_config(self.webhook_config_name, ops)
+        except ApiException as exc:
+            log.warning(
+                "caBundle of MutatingWebhookConfiguration %s not synced: %s",
+                self.webhook_config_name,
+                _describe(exc),
+            )
+            return False
+        log.info("caBundle of MutatingWebhookConfiguration %s updated", self.webhook_config_name)
+        return True
+
+    def write_files(self, directory: Path) -> tuple[Path, Path]:
+        """Write the serving certificate and key (0600) for the TLS server; atomically, so a
+        reader sees either the old pair or the new one. Returns (certfile, keyfile)."""
+        assert self.certs is not None
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        paths = (directory / "tls.crt", directory / "tls.key")
+        for path, data in zip(
+            paths, (self.certs.serving.cert_pem, self.certs.serving.key_pem), strict=True
+        ):
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.")
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        return paths

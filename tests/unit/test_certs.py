@@ -1,0 +1,459 @@
+"""The webhook's certificates: generation, rotation thresholds, the CA overlap in the bundle,
+and the CertificateManager's decisions against a fake cluster (Secret, caBundle patches)."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import ipaddress
+import ssl
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID
+from kubernetes.client.exceptions import ApiException
+
+from kvgate_operator.certs import (
+    CA_RENEW_BEFORE,
+    SERVING_RENEW_BEFORE,
+    CertificateError,
+    CertificateManager,
+    KeyPair,
+    WebhookCerts,
+    ca_bundle_patch,
+    new_ca,
+    new_serving_cert,
+    plan,
+    sans,
+    signed_by,
+    split_pem_certs,
+)
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+HOSTS = ["kvgate-webhook.kvgate-system.svc", "127.0.0.1"]
+
+
+def days(n: float) -> dt.timedelta:
+    return dt.timedelta(days=n)
+
+
+# ------------------------------------------------------------------------------ generation
+
+
+def test_ca_is_a_p256_ca_valid_for_a_year() -> None:
+    ca = new_ca(T0)
+    cert = ca.cert
+    assert isinstance(cert.public_key(), ec.EllipticCurvePublicKey)
+    assert isinstance(cert.public_key().curve, ec.SECP256R1)
+    bc = cert.extensions.get_extension_for_class(x509.BasicConstraints)
+    assert bc.critical and bc.value.ca
+    ku = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    assert ku.key_cert_sign and ku.crl_sign
+    assert cert.not_valid_after_utc == T0 + days(365)
+    assert cert.not_valid_before_utc <= T0
+    ca.validate(ca=True)
+
+
+def test_serving_cert_has_sans_server_auth_and_is_signed_by_the_ca() -> None:
+    ca = new_ca(T0)
+    srv = new_serving_cert(ca, HOSTS, T0)
+    cert = srv.cert
+    assert sans(cert) == set(HOSTS)
+    ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert ext.get_values_for_type(x509.DNSName) == ["kvgate-webhook.kvgate-system.svc"]
+    assert ext.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+    eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH]
+    assert not cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert cert.not_valid_after_utc == T0 + days(90)
+    assert signed_by(cert, ca.cert)
+    assert not signed_by(cert, new_ca(T0).cert)
+    srv.validate(ca=False)
+
+
+def test_serving_cert_never_outlives_its_ca() -> None:
+    ca = new_ca(T0)
+    srv = new_serving_cert(ca, HOSTS, T0 + days(300))
+    assert srv.not_after == ca.not_after
+
+
+def test_a_real_tls_server_context_accepts_the_pair(tmp_path: Path) -> None:
+    ca = new_ca(T0 - days(1), lifetime=days(365))
+    srv = new_serving_cert(ca, ["127.0.0.1"], dt.datetime.now(dt.UTC))
+    (tmp_path / "c").write_bytes(srv.cert_pem)
+    (tmp_path / "k").write_bytes(srv.key_pem)
+    ssl.create_default_context(purpose=ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+        tmp_path / "c", tmp_path / "k"
+    )
+
+
+def test_mismatched_key_is_rejected() -> None:
+    a, b = new_ca(T0), new_ca(T0)
+    with pytest.raises(CertificateError, match="does not match"):
+        KeyPair(a.cert_pem, b.key_pem).validate(ca=True)
+    srv = new_serving_cert(a, HOSTS, T0)
+    with pytest.raises(CertificateError, match="not a CA"):
+        srv.validate(ca=True)
+
+
+# ------------------------------------------------------------------------------ rotation
+
+
+def fresh() -> WebhookCerts:
+    certs, reasons = plan(None, HOSTS, T0)
+    assert reasons == ["created"]
+    return certs
+
+
+def test_nothing_changes_while_everything_is_fresh() -> None:
+    certs = fresh()
+    for at in (T0, T0 + days(59)):
+        same, reasons = plan(certs, HOSTS, at)
+        assert reasons == [] and same is certs
+
+
+def test_serving_cert_rotates_when_fewer_than_30_days_remain() -> None:
+    certs = fresh()
+    due = certs.serving.not_after - SERVING_RENEW_BEFORE
+    assert plan(certs, HOSTS, due - dt.timedelta(minutes=1))[1] == []
+    new, reasons = plan(certs, HOSTS, due + dt.timedelta(minutes=1))
+    assert reasons == ["serving_rotated"]
+    assert new.ca == certs.ca  # same CA: no caBundle change
+    assert new.serving != certs.serving and signed_by(new.serving.cert, certs.ca.cert)
+    assert new.ca_bundle(due) == certs.ca_bundle(due)
+
+
+def test_host_change_reissues_the_serving_cert() -> None:
+    certs = fresh()
+    new, reasons = plan(certs, ["other.ns.svc"], T0 + days(1))
+    assert reasons == ["hosts_changed"] and sans(new.serving.cert) == {"other.ns.svc"}
+    assert new.ca == certs.ca
+
+
+def test_ca_rotates_with_90_days_left_and_the_old_ca_stays_in_the_bundle() -> None:
+    certs = fresh()
+    due = certs.ca.not_after - CA_RENEW_BEFORE
+    assert plan(certs, HOSTS, due - dt.timedelta(minutes=1))[1] == ["serving_rotated"]  # 275 d
+    # Serving certs renew every ~60 days; follow them up to the CA's due date.
+    at = T0
+    while True:
+        certs, _ = plan(certs, HOSTS, at)
+        if at > due:
+            break
+        at += days(1)
+    assert certs.ca.not_after > T0 + days(365)  # the new CA
+    old_ca = x509.load_pem_x509_certificate(certs.previous_cas[0])
+    assert old_ca.not_valid_after_utc == T0 + days(365)
+    bundle = x509.load_pem_x509_certificates(certs.ca_bundle(at))
+    assert [c.not_valid_after_utc for c in bundle] == [
+        certs.ca.not_after,
+        old_ca.not_valid_after_utc,
+    ]
+    # The serving certificate in use is signed by a CA in the bundle, whichever it is.
+    assert any(signed_by(certs.serving.cert, c) for c in bundle)
+
+
+def test_after_a_ca_rotation_the_serving_cert_is_kept_until_due_then_issued_by_the_new_ca() -> None:
+    certs = fresh()
+    ca_due = certs.ca.not_after - CA_RENEW_BEFORE + dt.timedelta(hours=1)
+    # A serving certificate issued shortly before the CA falls due (still 80+ days valid).
+    certs = WebhookCerts(certs.ca, new_serving_cert(certs.ca, HOSTS, ca_due - days(5)))
+    rotated, reasons = plan(certs, HOSTS, ca_due)
+    assert reasons == ["ca_rotated"]
+    assert rotated.serving == certs.serving  # still served; its CA is still trusted
+    assert signed_by(rotated.serving.cert, x509.load_pem_x509_certificate(rotated.previous_cas[0]))
+    later = rotated.serving.not_after - SERVING_RENEW_BEFORE + dt.timedelta(hours=1)
+    renewed, reasons = plan(rotated, HOSTS, later)
+    assert reasons == ["serving_rotated"]
+    assert signed_by(renewed.serving.cert, renewed.ca.cert)
+
+
+def test_expired_old_cas_leave_the_bundle() -> None:
+    certs = fresh()
+    rotated, _ = plan(certs, HOSTS, certs.ca.not_after - days(10))
+    assert len(rotated.previous_cas) == 1
+    after, reasons = plan(rotated, HOSTS, certs.ca.not_after + days(1))
+    assert "expired_ca_dropped" in reasons and after.previous_cas == ()
+    assert len(split_pem_certs(after.ca_bundle(certs.ca.not_after + days(1)))) == 1
+
+
+def test_a_serving_cert_from_an_untrusted_ca_is_reissued() -> None:
+    certs = fresh()
+    stranger = new_serving_cert(new_ca(T0), HOSTS, T0)
+    new, reasons = plan(WebhookCerts(certs.ca, stranger), HOSTS, T0)
+    assert reasons == ["untrusted_issuer"] and signed_by(new.serving.cert, certs.ca.cert)
+
+
+def test_secret_data_round_trips() -> None:
+    certs = fresh()
+    rotated, _ = plan(certs, HOSTS, certs.ca.not_after - days(10))
+    back = WebhookCerts.from_secret_data(rotated.to_secret_data(T0))
+    assert back == rotated
+    with pytest.raises(CertificateError, match="missing"):
+        WebhookCerts.from_secret_data({"tls.crt": b"x"})
+
+
+# ------------------------------------------------------------------------------ the manager
+
+
+class FakeStore:
+    """A Secret and a MutatingWebhookConfiguration in memory, with failure switches."""
+
+    def __init__(self, webhooks: int = 2) -> None:
+        self.secret: dict[str, bytes] | None = None
+        self.rv = 0
+        self.config: dict[str, Any] | None = {
+            "metadata": {"name": "kvgate-sidecar-injector"},
+            "webhooks": [
+                {"name": f"wh{i}.inject.kvgate.io", "clientConfig": {"url": "https://x"}}
+                for i in range(webhooks)
+            ],
+        }
+        self.secret_error: int | None = None
+        self.write_error: int | None = None
+        self.secret_reads = 0
+        self.secret_writes = 0
+        self.patches: list[list[dict[str, Any]]] = []
+
+    def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
+        self.secret_reads += 1
+        if self.secret_error:
+            raise ApiException(status=self.secret_error, reason="boom")
+        return None if self.secret is None else (dict(self.secret), str(self.rv))
+
+    def write_secret(
+        self, namespace: str, name: str, data: dict[str, bytes], resource_version: str | None
+    ) -> str:
+        if self.write_error or self.secret_error:
+            raise ApiException(status=self.write_error or self.secret_error, reason="no")
+        if (resource_version is None) != (self.secret is None) or (
+            resource_version is not None and resource_version != str(self.rv)
+        ):
+            raise ApiException(status=409, reason="Conflict")
+        self.secret_writes += 1
+        self.secret = dict(data)
+        self.rv += 1
+        return str(self.rv)
+
+    def read_webhook_config(self, name: str) -> dict[str, Any] | None:
+        return self.config
+
+    def patch_webhook_config(self, name: str, ops: list[dict[str, Any]]) -> None:
+        assert self.config is not None
+        self.patches.append(ops)
+        for op in ops:
+            parts = op["path"].strip("/").split("/")
+            target: Any = self.config
+            for p in parts[:-1]:
+                target = target[int(p)] if isinstance(target, list) else target[p]
+            if op["op"] == "test":
+                assert target[parts[-1]] == op["value"]
+            else:
+                target[parts[-1]] = op["value"]
+
+    def bundles(self) -> list[str | None]:
+        assert self.config is not None
+        return [w["clientConfig"].get("caBundle") for w in self.config["webhooks"]]
+
+
+class Clock:
+    def __init__(self, now: dt.datetime = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> dt.datetime:
+        return self.now
+
+
+def manager(store: FakeStore, clock: Clock, namespace: str | None = "kvgate-system") -> Any:
+    return CertificateManager(
+        store,
+        namespace=namespace,
+        secret_name="kvgate-webhook-tls",
+        webhook_config_name="kvgate-sidecar-injector",
+        hosts=HOSTS,
+        clock=clock,
+        sleep=lambda _: None,
+    )
+
+
+def test_first_start_creates_and_stores_then_a_restart_reuses_the_same_ca() -> None:
+    store, clock = FakeStore(), Clock()
+    m1 = manager(store, clock)
+    assert m1.ensure() == ["created"] and m1.persistent
+    assert store.secret is not None and store.secret_writes == 1
+    assert m1.sync_ca_bundle() is True
+    bundle = store.bundles()
+    assert bundle[0] == bundle[1] == base64.b64encode(m1.certs.ca_bundle(T0)).decode()
+    # Restart: same CA and serving certificate, nothing written, nothing patched.
+    clock.now = T0 + days(3)
+    m2 = manager(store, clock)
+    assert m2.ensure() == []
+    assert m2.certs == m1.certs
+    assert m2.sync_ca_bundle() is False
+    assert store.secret_writes == 1 and len(store.patches) == 1
+
+
+def test_ca_bundle_is_patched_only_where_it_differs() -> None:
+    store, clock = FakeStore(webhooks=3), Clock()
+    m = manager(store, clock)
+    m.ensure()
+    want = base64.b64encode(m.certs.ca_bundle(T0)).decode()
+    assert store.config is not None
+    store.config["webhooks"][1]["clientConfig"]["caBundle"] = want
+    assert m.sync_ca_bundle() is True
+    paths = [op["path"] for op in store.patches[0]]
+    assert paths == [
+        "/webhooks/0/name",
+        "/webhooks/0/clientConfig/caBundle",
+        "/webhooks/2/name",
+        "/webhooks/2/clientConfig/caBundle",
+    ]
+    assert store.bundles() == [want] * 3
+    assert m.sync_ca_bundle() is False and len(store.patches) == 1
+    # A Helm upgrade resets one: only that one is patched back.
+    store.config["webhooks"][2]["clientConfig"]["caBundle"] = ""
+    assert m.sync_ca_bundle() is True
+    assert [op["path"] for op in store.patches[1]] == [
+        "/webhooks/2/name",
+        "/webhooks/2/clientConfig/caBundle",
+    ]
+
+
+def test_ca_bundle_patch_adds_a_missing_client_config() -> None:
+    ops = ca_bundle_patch({"webhooks": [{"name": "a"}]}, "Zm9v")
+    assert ops == [
+        {"op": "test", "path": "/webhooks/0/name", "value": "a"},
+        {"op": "add", "path": "/webhooks/0/clientConfig", "value": {}},
+        {"op": "add", "path": "/webhooks/0/clientConfig/caBundle", "value": "Zm9v"},
+    ]
+    assert (
+        ca_bundle_patch({"webhooks": [{"name": "a", "clientConfig": {"caBundle": "x"}}]}, "x") == []
+    )
+
+
+def test_missing_configuration_is_not_an_error() -> None:
+    store, clock = FakeStore(), Clock()
+    store.config = None
+    m = manager(store, clock)
+    m.ensure()
+    assert m.sync_ca_bundle() is False
+
+
+def test_rotation_stores_and_patches_the_bundle_before_serving_the_new_ca() -> None:
+    store, clock = FakeStore(), Clock()
+    m = manager(store, clock)
+    m.ensure()
+    m.sync_ca_bundle()
+    first_ca = m.certs.ca
+    # Walk through a year and a half of daily checks.
+    served_by_untrusted = 0
+    for _ in range(540):
+        clock.now += days(1)
+        m.check()
+        bundle = x509.load_pem_x509_certificates(base64.b64decode(store.bundles()[0] or ""))
+        if not any(signed_by(m.certs.serving.cert, c) for c in bundle):
+            served_by_untrusted += 1
+    assert served_by_untrusted == 0
+    assert m.certs.ca != first_ca
+    stored = WebhookCerts.from_secret_data(store.secret or {})
+    assert stored == m.certs
+    # The bundle was patched exactly at CA rotations and expiries, never otherwise.
+    assert 1 < len(store.patches) <= 5
+
+
+def test_forbidden_secret_falls_back_to_memory_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store, clock = FakeStore(), Clock()
+    store.secret_error = 403
+    m = manager(store, clock)
+    assert m.ensure() == ["created"]
+    assert not m.persistent and store.secret_writes == 0 and store.secret_reads == 1
+    assert "keeping them in memory" in caplog.text
+    assert m.sync_ca_bundle() is True  # the caBundle still gets our CA
+    # Access granted later: the next check stores ours.
+    store.secret_error = None
+    clock.now += days(1)
+    m.check()
+    assert m.persistent and store.secret is not None
+    assert WebhookCerts.from_secret_data(store.secret) == m.certs
+
+
+def test_transient_errors_at_start_are_retried_before_giving_up_on_the_secret() -> None:
+    store, clock = FakeStore(), Clock()
+    existing = manager(store, clock)
+    existing.ensure()
+    calls = {"n": 0}
+    real = store.read_secret
+
+    def flaky(namespace: str, name: str) -> Any:
+        calls["n"] += 1
+        if calls["n"] < 3:
+            raise ApiException(status=503, reason="Unavailable")
+        return real(namespace, name)
+
+    store.read_secret = flaky  # type: ignore[method-assign]
+    m = manager(store, clock)
+    assert m.ensure() == [] and m.certs == existing.certs and m.persistent
+
+
+def test_write_forbidden_keeps_memory_certificates(caplog: pytest.LogCaptureFixture) -> None:
+    store, clock = FakeStore(), Clock()
+    store.write_error = 403
+    m = manager(store, clock)
+    assert m.ensure() == ["created"]
+    assert not m.persistent and store.secret is None
+    assert "cannot write" in caplog.text
+
+
+def test_unusable_secret_is_replaced(caplog: pytest.LogCaptureFixture) -> None:
+    store, clock = FakeStore(), Clock()
+    store.secret = {"tls.crt": b"garbage", "tls.key": b"x", "ca.crt": b"y", "ca.key": b"z"}
+    m = manager(store, clock)
+    assert m.ensure() == ["created"]
+    assert "unusable" in caplog.text
+    assert WebhookCerts.from_secret_data(store.secret or {}) == m.certs
+
+
+def test_no_namespace_means_memory_only() -> None:
+    store, clock = FakeStore(), Clock()
+    m = manager(store, clock, namespace=None)
+    assert m.ensure() == ["created"] and not m.persistent and store.secret_reads == 0
+    clock.now += days(70)
+    assert m.check() == ["serving_rotated"] and store.secret_reads == 0
+
+
+def test_conflict_on_create_adopts_the_stored_certificates() -> None:
+    store, clock = FakeStore(), Clock()
+    other = manager(store, clock)
+    m = manager(store, clock)
+    store.secret_error = None
+    # m reads "absent", then other creates, then m's create conflicts.
+    real = store.read_secret
+    first = {"done": False}
+
+    def racing(namespace: str, name: str) -> Any:
+        if not first["done"]:
+            first["done"] = True
+            got = real(namespace, name)
+            other.ensure()
+            return got
+        return real(namespace, name)
+
+    store.read_secret = racing  # type: ignore[method-assign]
+    m.ensure()
+    assert m.certs == other.certs and store.secret_writes == 1
+
+
+def test_write_files_are_private_and_complete(tmp_path: Path) -> None:
+    store, clock = FakeStore(), Clock()
+    m = manager(store, clock)
+    m.ensure()
+    cert, key = m.write_files(tmp_path / "tls")
+    assert cert.read_bytes() == m.certs.serving.cert_pem
+    assert key.read_bytes() == m.certs.serving.key_pem
+    assert (tmp_path / "tls").stat().st_mode & 0o077 == 0
+    assert key.stat().st_mode & 0o077 == 0
