@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes import client
@@ -39,6 +39,8 @@ from kvgate_operator.desired import (
     compute,
     mark_write_failures,
 )
+from kvgate_operator.metrics import OperatorMetrics
+from kvgate_operator.missed import EVENT_REASON, MissedPod, ReportedPods, event_name, find_missed
 from kvgate_operator.plan import EventWrite, NodeWrite, Plan, StatusWrite, plan
 from kvgate_operator.settings import OperatorSettings
 
@@ -57,6 +59,8 @@ class Observed:
     node_specs: dict[str, dict[str, Any] | None]
     policy_status: dict[Key, dict[str, Any] | None]
     policy_uids: dict[Key, str]
+    #: Opted-in pods admitted without the sidecar (only with the webhook enabled).
+    missed: list[MissedPod] = field(default_factory=list)
 
 
 @dataclass
@@ -66,6 +70,7 @@ class PassStats:
     node_writes: int = 0
     status_writes: int = 0
     events: int = 0
+    missed_events: int = 0
     seconds: float = 0.0
 
     @property
@@ -111,6 +116,7 @@ class Reconciler:
         api: a configured ``kubernetes.client.ApiClient``.
         settings: operator settings (debounce, resync).
         clock: monotonic seconds (injected for tests of the loop's bookkeeping).
+        metrics: where the missed-injection counts go (a private instance when not given).
     """
 
     def __init__(
@@ -118,10 +124,14 @@ class Reconciler:
         api: client.ApiClient,
         settings: OperatorSettings,
         clock: Callable[[], float] = time.monotonic,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self.api = api
         self.settings = settings
         self.clock = clock
+        self.metrics = metrics if metrics is not None else OperatorMetrics()
+        self.reported_missed = ReportedPods()
+        self._namespaces_unreadable = False
         self.core = client.CoreV1Api(api)
         self.custom = client.CustomObjectsApi(api)
         self._wake = asyncio.Event()
@@ -174,12 +184,14 @@ class Reconciler:
         self.total_writes += stats.writes
         self.passes += 1
         self.last_pass_ok = self.clock()
-        if stats.writes or stats.events:
+        if stats.writes or stats.events or stats.missed_events:
             log.info(
-                "reconciled: %d NodeAdmission writes, %d policy status writes, %d events in %.2fs",
+                "reconciled: %d NodeAdmission writes, %d policy status writes, %d events, "
+                "%d missed-injection events in %.2fs",
                 stats.node_writes,
                 stats.status_writes,
                 stats.events,
+                stats.missed_events,
                 stats.seconds,
             )
         return stats
@@ -214,6 +226,7 @@ class Reconciler:
         )
         more = self.write(rest, observed)
         stats.status_writes, stats.events = more.status_writes, more.events
+        stats.missed_events = self.report_missed(observed.missed)
         if failed:
             # Counted as a failed pass: retried with backoff, and the liveness probe fails if
             # this persists (status and a Warning event already say why).
@@ -252,7 +265,8 @@ class Reconciler:
                 return items
 
     def read(self) -> Observed:
-        """LIST policies, pods, nodes and NodeAdmissions."""
+        """LIST policies, pods, nodes and NodeAdmissions (and, with the webhook enabled,
+        namespaces, for the missed-injection check)."""
         ns = self.settings.namespace
         pol_path = (
             f"/apis/{API_GROUP}/{VERSION}/namespaces/{ns}/{RATE_LIMIT_POLICY_PLURAL}"
@@ -286,7 +300,78 @@ class Reconciler:
                 if usage.get("uid") and isinstance(cap, int) and cap > 0:
                     capacity[usage["uid"]] = cap
         snap = Snapshot(policies, pods, nodes, capacity)
-        return Observed(snap, specs, status, uids)
+        missed: list[MissedPod] = []
+        if self.settings.webhook_enabled:
+            missed = find_missed(raw_pods, self._namespace_labels(), self.settings.injection)
+        return Observed(snap, specs, status, uids, missed)
+
+    def _namespace_labels(self) -> dict[str, dict[str, str]] | None:
+        """Labels by namespace (the watched one only, when namespaced); None when they cannot
+        be read (then only pod labels count as opting in; logged once until it works)."""
+        ns = self.settings.namespace
+        try:
+            if ns:
+                obj = self.core.read_namespace(ns)
+                found = {ns: dict((obj.metadata.labels if obj.metadata else None) or {})}
+            else:
+                found = {
+                    n["metadata"]["name"]: dict(n["metadata"].get("labels") or {})
+                    for n in self._list("/api/v1/namespaces")
+                }
+        except ApiException as exc:
+            if not self._namespaces_unreadable:
+                log.warning(
+                    "namespaces cannot be read (%s %s): the missed-injection check sees only "
+                    "pods with the label itself",
+                    exc.status,
+                    exc.reason,
+                )
+            self._namespaces_unreadable = True
+            return None
+        self._namespaces_unreadable = False
+        return found
+
+    def report_missed(self, missed: list[MissedPod]) -> int:
+        """One ``InjectionMissed`` Warning Event per missed pod (by uid), the counter and the
+        gauge. Returns how many Events were posted. A failed post is retried next pass."""
+        self.metrics.uninjected_pods.set(len(missed))
+        posted = 0
+        for m in self.reported_missed.new(missed):
+            try:
+                self._pod_event(m)
+            except ApiException as exc:
+                # 409: posted before (by an earlier run); 404: the namespace went away.
+                if exc.status in (404, 409):
+                    self.reported_missed.add(m.uid)
+                else:
+                    log.warning(
+                        "InjectionMissed event on pod %s/%s failed: %s", m.namespace, m.name, exc
+                    )
+                continue
+            log.warning("pod %s/%s: injection missed: %s", m.namespace, m.name, m.message)
+            self.reported_missed.add(m.uid)
+            self.metrics.missed_injections.inc()
+            posted += 1
+        return posted
+
+    def _pod_event(self, m: MissedPod) -> None:
+        now = dt.datetime.now(dt.UTC)
+        body = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(name=event_name(m), namespace=m.namespace),
+            involved_object=client.V1ObjectReference(
+                api_version="v1", kind="Pod", name=m.name, namespace=m.namespace, uid=m.uid or None
+            ),
+            type="Warning",
+            reason=EVENT_REASON,
+            message=m.message,
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            source=client.V1EventSource(component="kvgate-operator"),
+            reporting_component="kvgate.io/operator",
+            reporting_instance="kvgate-operator",
+        )
+        self.core.create_namespaced_event(m.namespace, body)
 
     def write(self, todo: Plan, observed: Observed) -> PassStats:
         """Carry out a plan, up to ``WRITE_CONCURRENCY`` requests at a time. Errors on one

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvgate_operator.inject import InjectionConfig
 
 
 class OperatorSettings(BaseSettings):
@@ -19,8 +23,40 @@ class OperatorSettings(BaseSettings):
         watch_client_timeout: seconds the client waits on a silent watch before treating it as
             hung and reconnecting (kopf ``watching.client_timeout``); above the server timeout.
         connect_timeout: seconds to connect to the API server.
-        liveness_port: port of the liveness endpoint (``/healthz``).
+        liveness_port: port of the liveness endpoint (``/healthz``) and of ``/metrics``.
         standalone: run without kopf peering (one replica with a Recreate rollout; see README).
+        pod_namespace: the namespace the operator runs in (downward API). The webhook's
+            certificate Secret lives there, and it is never injected.
+        webhook_enabled: serve the sidecar-injection webhook (``/inject-sidecar``). False: no
+            webhook server, no certificates, no missed-injection check.
+        webhook_addr: the address the webhook's HTTPS server listens on.
+        webhook_port: the webhook's HTTPS port (the chart's Service maps 443 to it).
+        webhook_host: the host name(s) the API server calls the webhook by, comma-separated:
+            the SANs of the self-signed serving certificate (e.g.
+            ``kvgate-webhook.kvgate-system.svc``; ``127.0.0.1`` for a local run). Default
+            ``localhost,127.0.0.1``.
+        webhook_config_name: the MutatingWebhookConfiguration whose ``caBundle`` the operator
+            keeps equal to its self-signed CA (None: it patches nothing).
+        webhook_cert_dir: a directory with ``tls.crt`` and ``tls.key`` provided from outside
+            (cert-manager); the operator then neither makes certificates nor patches the
+            ``caBundle`` (cert-manager's cainjector does), and reloads the files when they
+            change. Takes precedence over ``webhook_self_signed``.
+        webhook_self_signed: without ``webhook_cert_dir``, make a CA and a serving certificate
+            and keep them in the Secret ``webhook_secret_name``. False without a
+            ``webhook_cert_dir`` is a configuration error.
+        webhook_secret_name: the Secret (in ``pod_namespace``) with the self-signed CA and
+            serving certificate.
+        webhook_cert_sync_seconds: how often the operator checks its certificate for renewal,
+            re-syncs the ``caBundle`` (a Helm upgrade may have reset it) and, with
+            ``webhook_cert_dir``, re-reads the files.
+        webhook_namespace_cache_seconds: how long the webhook trusts a namespace's labels
+            before looking them up again.
+        webhook_namespace_lookup_timeout: seconds a namespace lookup may take; past it the pod
+            is treated as not opted in through its namespace (the request must answer well
+            within the webhook's ``timeoutSeconds``).
+        injection: how the sidecar is injected, JSON with camelCase keys (the chart renders it;
+            :class:`~kvgate_operator.inject.InjectionConfig`). ``ownNamespace`` defaults to
+            ``pod_namespace``.
     """
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_OPERATOR_")
@@ -34,3 +70,36 @@ class OperatorSettings(BaseSettings):
     connect_timeout: int = Field(10, gt=0)
     liveness_port: int = Field(8080, ge=0, le=65535)
     standalone: bool = True
+
+    pod_namespace: str | None = None
+    webhook_enabled: bool = True
+    webhook_addr: str = "0.0.0.0"
+    webhook_port: int = Field(9443, ge=1, le=65535)
+    webhook_host: str | None = None
+    webhook_config_name: str | None = None
+    webhook_cert_dir: Path | None = None
+    webhook_self_signed: bool = True
+    webhook_secret_name: str = Field("kvgate-webhook-tls", min_length=1)
+    webhook_cert_sync_seconds: float = Field(60.0, gt=0)
+    webhook_namespace_cache_seconds: float = Field(5.0, ge=0)
+    webhook_namespace_lookup_timeout: float = Field(1.5, gt=0)
+    injection: InjectionConfig = Field(default_factory=InjectionConfig)
+
+    @model_validator(mode="after")
+    def _webhook(self) -> OperatorSettings:
+        if self.injection.own_namespace is None and self.pod_namespace:
+            self.injection = self.injection.model_copy(update={"own_namespace": self.pod_namespace})
+        if self.webhook_enabled and self.webhook_cert_dir is None and not self.webhook_self_signed:
+            raise ValueError(
+                "the webhook needs certificates: set KVGATE_OPERATOR_WEBHOOK_CERT_DIR "
+                "(cert-manager) or KVGATE_OPERATOR_WEBHOOK_SELF_SIGNED=true, or disable it with "
+                "KVGATE_OPERATOR_WEBHOOK_ENABLED=false"
+            )
+        return self
+
+    @property
+    def webhook_hosts(self) -> list[str]:
+        """The serving certificate's host names and IP addresses."""
+        if not self.webhook_host:
+            return ["localhost", "127.0.0.1"]
+        return [h.strip() for h in self.webhook_host.split(",") if h.strip()]
