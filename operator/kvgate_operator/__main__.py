@@ -2,7 +2,10 @@
 
 Standalone by default (no kopf peering): the chart runs one replica with a Recreate rollout, so
 an old and a new pod never see each other as "another operator" and freeze (field lesson L09,
-kopf #734). Liveness: ``http://0.0.0.0:<KVGATE_OPERATOR_LIVENESS_PORT>/healthz``.
+kopf #734). Liveness: ``http://0.0.0.0:<KVGATE_OPERATOR_LIVENESS_PORT>/healthz``, metrics on
+the same port at ``/metrics`` (both served by :mod:`kvgate_operator.handlers`). With the webhook
+enabled, the sidecar-injection webhook listens on ``KVGATE_OPERATOR_WEBHOOK_PORT`` (HTTPS,
+``/inject-sidecar``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ def main() -> int:
         standalone=s.standalone,
         clusterwide=s.namespace is None,
         namespaces=[s.namespace] if s.namespace else [],
-        liveness_endpoint=f"http://0.0.0.0:{s.liveness_port}/healthz",
     )
     return 0
 

@@ -1,0 +1,743 @@
+"""The sidecar-injection webhook served by the operator through kopf, against the real local
+control plane: a MutatingWebhookConfiguration like the chart's (URL mode, caBundle left empty for
+the operator to fill in), pods created with kubectl, the API server calling the operator.
+
+There is no kubelet: pods never run, but the API server still calls the webhook on CREATE and
+stores what it returns. The first tests need no cluster: the patch kopf derives from the
+handler's merge patch, and the in-place certificate reload of the webhook server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jsonpatch
+import kopf
+import pytest
+import yaml
+from cryptography import x509
+from kopf._cogs.structs import bodies
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate_operator.certs import new_ca, new_serving_cert
+from kvgate_operator.inject import (
+    ANNOTATION_INJECTED,
+    SIDECAR_NAME,
+    InjectionConfig,
+    inject,
+)
+from kvgate_operator.metrics import OperatorMetrics
+from kvgate_operator.webhook import (
+    InjectionWebhook,
+    NamespaceLabels,
+    ReloadingWebhookServer,
+    merge_patch,
+)
+from tests.conftest import REPO, free_port
+
+CONFIG_NAME = "kvgate-test-sidecar-injector"
+UNGUARDED_CONFIG_NAME = "kvgate-test-unguarded-injector"
+SYSTEM_NS = "kvgate-wh-system"
+EXCLUDED = ["kube-system", "kube-public", "kube-node-lease", SYSTEM_NS]
+IMAGE = "kvgate/kvgate-agent:test"
+
+
+# ----------------------------------------------------------------------------------------------
+# Without a cluster
+
+
+def model_pod(name: str = "m", ns: str = "models", **meta: Any) -> dict[str, Any]:
+    """A model server pod. ``serviceAccountName`` is explicit because the test API server runs
+    without the ServiceAccount admission plugin (which sets ``default`` in a real cluster before
+    the webhook is called); the injected projected token volume needs one."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, **meta},
+        "spec": {
+            "serviceAccountName": "default",
+            "containers": [
+                {"name": "vllm", "image": "vllm/vllm-openai", "ports": [{"containerPort": 8000}]}
+            ],
+        },
+    }
+
+
+def kopf_json_patch(handler: InjectionWebhook, pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run the handler the way kopf does, and return the JSON patch kopf would send."""
+    body = bodies.Body(pod)
+    patch = kopf.Patch(body=body)
+    asyncio.run(handler.handle(body=body, patch=patch))
+    return list(patch.as_json_patch())
+
+
+def handler_for(ns_labels: dict[str, dict[str, str]] | None = None) -> InjectionWebhook:
+    labels = ns_labels or {}
+    return InjectionWebhook(
+        InjectionConfig(sidecar_image=IMAGE, own_namespace=SYSTEM_NS),
+        NamespaceLabels(lambda ns: labels.get(ns, {})),
+        OperatorMetrics(),
+    )
+
+
+@pytest.mark.parametrize(
+    "pod",
+    [
+        model_pod(labels={"kvgate.io/inject": "true"}),
+        model_pod(labels={"kvgate.io/inject": "true"}, annotations={"a": "b"}),
+        {
+            **model_pod(labels={"kvgate.io/inject": "true"}),
+            "spec": {
+                "serviceAccountName": "default",
+                "initContainers": [{"name": "init", "image": "busybox"}],
+                "containers": model_pod()["spec"]["containers"],
+                "volumes": [{"name": "cache", "emptyDir": {}}],
+            },
+        },
+    ],
+)
+def test_kopf_patch_turns_the_pod_into_exactly_what_inject_intends(pod: dict[str, Any]) -> None:
+    want = inject(pod, namespace="models", namespace_opt_in=False, config=handler_for().config).pod
+    ops = kopf_json_patch(handler_for(), pod)
+    assert ops
+    assert jsonpatch.apply_patch(pod, ops) == want
+    # The merge patch the handler gives kopf sets the lists inject() appended to as a whole.
+    changes = merge_patch(pod, want)
+    assert set(changes["spec"]) == {"initContainers", "volumes"}
+    assert set(changes["metadata"]) == {"annotations"}
+
+
+def test_an_injected_pod_gets_an_empty_patch_and_skipped_pods_none() -> None:
+    pod = model_pod(labels={"kvgate.io/inject": "true"})
+    handler = handler_for()
+    injected = jsonpatch.apply_patch(pod, kopf_json_patch(handler, pod))
+    assert kopf_json_patch(handler, injected) == []
+    assert kopf_json_patch(handler, model_pod()) == []  # not opted in
+    counts = {
+        (s.labels["action"], s.labels["reason"]): s.value
+        for f in text_string_to_metric_families(handler.metrics.render().decode())
+        for s in f.samples
+        if s.name == "kvgate_webhook_injections_total"
+    }
+    assert counts == {
+        ("injected", "injected"): 1,
+        ("already_injected", "already_injected"): 1,
+        ("skipped", "not_opted_in"): 1,
+    }
+
+
+def test_namespace_opt_in_and_lookup_failure() -> None:
+    pod = model_pod()
+    assert kopf_json_patch(handler_for({"models": {"kvgate.io/inject": "true"}}), pod)
+
+    def broken(ns: str) -> dict[str, str]:
+        raise OSError("API server unreachable")
+
+    h = InjectionWebhook(InjectionConfig(), NamespaceLabels(broken), OperatorMetrics())
+    assert kopf_json_patch(h, pod) == []  # treated as not opted in, never blocked
+    assert kopf_json_patch(h, model_pod(labels={"kvgate.io/inject": "true"}))  # pod label works
+    assert h.metrics.namespace_lookup_failures._value.get() == 2
+
+
+def test_a_refusal_is_an_admission_error_and_a_bug_lets_the_pod_pass() -> None:
+    pod = model_pod(labels={"kvgate.io/inject": "true"})
+    pod["spec"]["containers"][0]["ports"] = [{"containerPort": 8001}]
+    with pytest.raises(kopf.AdmissionError) as err:
+        kopf_json_patch(handler_for(), pod)
+    assert err.value.code == 400 and "sidecar port 8001" in str(err.value)
+
+    def buggy(*_: Any, **__: Any) -> Any:
+        raise KeyError("bug")
+
+    h = InjectionWebhook(
+        InjectionConfig(), NamespaceLabels(lambda ns: {}), OperatorMetrics(), buggy
+    )
+    assert kopf_json_patch(h, model_pod(labels={"kvgate.io/inject": "true"})) == []
+
+
+def peer_cert(port: int, ca_pem: bytes) -> x509.Certificate:
+    ctx = ssl.create_default_context(cadata=ca_pem.decode())
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der)
+
+
+async def test_webhook_server_reloads_its_certificate_in_place(tmp_path: Path) -> None:
+    now = dt.datetime.now(dt.UTC)
+    ca = new_ca(now)
+    first = new_serving_cert(ca, ["127.0.0.1"], now)
+    certfile, keyfile = tmp_path / "tls.crt", tmp_path / "tls.key"
+    certfile.write_bytes(first.cert_pem)
+    keyfile.write_bytes(first.key_pem)
+    port = free_port()
+    metrics = OperatorMetrics()
+    server = ReloadingWebhookServer(
+        addr="127.0.0.1",
+        port=port,
+        host="127.0.0.1",
+        certfile=certfile,
+        pkeyfile=keyfile,
+        file_check_interval=0.2,
+        metrics=metrics,
+    )
+
+    async def fn(request: Any, **_: Any) -> dict[str, Any]:
+        return {"response": {"uid": request["request"]["uid"], "allowed": True}}
+
+    async with server:
+        gen = server(fn).__aiter__()
+        config = await gen.__anext__()
+        assert config["url"] == f"https://127.0.0.1:{port}"
+        task = asyncio.ensure_future(gen.__anext__())  # the file-check loop
+        try:
+            ctx = ssl.create_default_context(cadata=ca.cert_pem.decode())
+            async with aiohttp.ClientSession() as http:
+                url = f"https://127.0.0.1:{port}/inject-sidecar"
+                review = {"request": {"uid": "1"}}
+                async with http.post(url, json=review, ssl=ctx) as r:
+                    assert (await r.json())["response"]["allowed"] is True
+                got = await asyncio.to_thread(peer_cert, port, ca.cert_pem)
+                assert got.serial_number == first.cert.serial_number
+                # A half-written pair (new cert, old key) is not loaded: the old one stays.
+                second = new_serving_cert(ca, ["127.0.0.1"], now)
+                certfile.write_bytes(second.cert_pem)
+                await asyncio.sleep(0.6)
+                got = await asyncio.to_thread(peer_cert, port, ca.cert_pem)
+                assert got.serial_number == first.cert.serial_number
+                # The key arrives: the next check loads the pair into the same context.
+                keyfile.write_bytes(second.key_pem)
+                deadline = time.monotonic() + 5
+                while True:
+                    got = await asyncio.to_thread(peer_cert, port, ca.cert_pem)
+                    if got.serial_number == second.cert.serial_number:
+                        break
+                    assert time.monotonic() < deadline, "certificate not reloaded"
+                    await asyncio.sleep(0.1)
+                # The listener never went away: the same session still gets answers.
+                async with http.post(url, json=review, ssl=ctx) as r:
+                    assert r.status == 200
+            assert metrics.cert_reloads._value.get() == 1
+            assert server.listening
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+
+# ----------------------------------------------------------------------------------------------
+# Against the local control plane
+
+
+@pytest.fixture(scope="module")
+def crds(kube: Any) -> Any:
+    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    kube.wait_crd_established("ratelimitpolicies.kvgate.io")
+    kube.wait_crd_established("nodeadmissions.kvgate.io")
+    return kube
+
+
+class WebhookOperator:
+    """``python -m kvgate_operator`` with the webhook on 127.0.0.1 (self-signed, Secret in
+    ``SYSTEM_NS``, caBundle of ``CONFIG_NAME`` kept in sync)."""
+
+    def __init__(self, kube: Any, log: Path, **env: str) -> None:
+        self.kube = kube
+        self.log = log
+        self.port = free_port()
+        self.webhook_port = free_port()
+        self.extra_env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {
+            **self.kube.env,
+            "KVGATE_OPERATOR_LIVENESS_PORT": str(self.port),
+            "KVGATE_OPERATOR_DEBOUNCE_SECONDS": "0.1",
+            "KVGATE_OPERATOR_RESYNC_SECONDS": "2",
+            "KVGATE_OPERATOR_POD_NAMESPACE": SYSTEM_NS,
+            "KVGATE_OPERATOR_WEBHOOK_ADDR": "127.0.0.1",
+            "KVGATE_OPERATOR_WEBHOOK_PORT": str(self.webhook_port),
+            "KVGATE_OPERATOR_WEBHOOK_HOST": "127.0.0.1",
+            "KVGATE_OPERATOR_WEBHOOK_CONFIG_NAME": CONFIG_NAME,
+            "KVGATE_OPERATOR_WEBHOOK_SELF_SIGNED": "true",
+            "KVGATE_OPERATOR_WEBHOOK_CERT_SYNC_SECONDS": "1",
+            "KVGATE_OPERATOR_INJECTION": json.dumps({"sidecarImage": IMAGE}),
+            **self.extra_env,
+        }
+        fh = self.log.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvgate_operator"], env=env, stdout=fh, stderr=subprocess.STDOUT
+        )
+        wait_for(self.listening, 60, "the operator's webhook to listen")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def health(self) -> dict[str, Any]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
+                return dict(json.loads(r.read()))
+        except urllib.error.HTTPError as e:
+            return dict(json.loads(e.read() or b"{}"))
+        except OSError:
+            return {}
+
+    def listening(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"operator exited: {self.log.read_text()[-3000:]}")
+        return str(self.health().get("webhook", "")).startswith("listening")
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def webhook_config(name: str, url: str, *, excluded: list[str] | None = EXCLUDED) -> dict[str, Any]:
+    """The chart's MutatingWebhookConfiguration in URL mode, caBundle left for the operator.
+    ``excluded=None``: one webhook for every pod labelled kvgate.io/inject=true in any namespace
+    (no namespace guard at all)."""
+    common = {
+        "clientConfig": {"url": url},
+        "rules": [
+            {
+                "operations": ["CREATE"],
+                "apiGroups": [""],
+                "apiVersions": ["v1"],
+                "resources": ["pods"],
+                "scope": "Namespaced",
+            }
+        ],
+        "admissionReviewVersions": ["v1"],
+        "sideEffects": "None",
+        "failurePolicy": "Ignore",
+        "timeoutSeconds": 5,
+        "reinvocationPolicy": "IfNeeded",
+        "matchPolicy": "Equivalent",
+    }
+    not_excluded = (
+        [{"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": excluded}]
+        if excluded
+        else []
+    )
+    if excluded is None:
+        webhooks = [
+            {
+                "name": "all.inject.kvgate.io",
+                "objectSelector": {"matchLabels": {"kvgate.io/inject": "true"}},
+                **common,
+            }
+        ]
+    else:
+        webhooks = [
+            {
+                "name": "ns.inject.kvgate.io",
+                "namespaceSelector": {
+                    "matchExpressions": [
+                        {"key": "kvgate.io/inject", "operator": "In", "values": ["true"]},
+                        *not_excluded,
+                    ]
+                },
+                "objectSelector": {
+                    "matchExpressions": [
+                        {"key": "kvgate.io/inject", "operator": "NotIn", "values": ["false"]}
+                    ]
+                },
+                **common,
+            },
+            {
+                "name": "pod.inject.kvgate.io",
+                "namespaceSelector": {
+                    "matchExpressions": [
+                        {"key": "kvgate.io/inject", "operator": "NotIn", "values": ["true"]},
+                        *not_excluded,
+                    ]
+                },
+                "objectSelector": {
+                    "matchExpressions": [
+                        {"key": "kvgate.io/inject", "operator": "In", "values": ["true"]}
+                    ]
+                },
+                **common,
+            },
+        ]
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": webhooks,
+    }
+
+
+def apply(kube: Any, *objs: dict[str, Any]) -> None:
+    kube.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(objs))
+
+
+def create(kube: Any, obj: dict[str, Any], *, check: bool = True) -> Any:
+    return kube.kubectl("create", "-f", "-", "-o", "json", input=json.dumps(obj), check=check)
+
+
+def get_pod(kube: Any, ns: str, name: str) -> dict[str, Any]:
+    return dict(json.loads(kube.kubectl("get", "pod", name, "-n", ns, "-o", "json").stdout))
+
+
+def namespace(kube: Any, name: str, labels: dict[str, str] | None = None) -> str:
+    apply(
+        kube,
+        {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": name, "labels": labels or {}},
+        },
+    )
+    return name
+
+
+def config_bundles(kube: Any, name: str = CONFIG_NAME) -> list[str | None]:
+    obj = json.loads(kube.kubectl("get", "mutatingwebhookconfiguration", name, "-o", "json").stdout)
+    return [w["clientConfig"].get("caBundle") for w in obj["webhooks"]]
+
+
+def secret(kube: Any) -> dict[str, Any]:
+    return dict(
+        json.loads(
+            kube.kubectl(
+                "get", "secret", "kvgate-webhook-tls", "-n", SYSTEM_NS, "-o", "json"
+            ).stdout
+        )
+    )
+
+
+def injected(pod: dict[str, Any]) -> bool:
+    return ANNOTATION_INJECTED in (pod["metadata"].get("annotations") or {})
+
+
+def dry_create(kube: Any, obj: dict[str, Any]) -> Any:
+    return kube.kubectl(
+        "create", "--dry-run=server", "-f", "-", "-o", "json", input=json.dumps(obj), check=False
+    )
+
+
+def effective(kube: Any, ns: str) -> bool:
+    """The API server calls the operator with a trusted certificate: a server-side dry run of
+    an opted-in pod comes back injected. (The API server picks up a patched caBundle within a
+    moment; until then its calls fail and are ignored: failurePolicy Ignore.)"""
+    out = dry_create(kube, model_pod("probe", ns, labels={"kvgate.io/inject": "true"}))
+    if out.returncode != 0:
+        raise AssertionError(f"dry run failed: {out.stderr}")
+    return injected(json.loads(out.stdout))
+
+
+@pytest.fixture(scope="module")
+def webhook(crds: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebhookOperator]:
+    kube = crds
+    namespace(kube, SYSTEM_NS)
+    op = WebhookOperator(kube, tmp_path_factory.mktemp("webhook") / "operator.log")
+    apply(kube, webhook_config(CONFIG_NAME, f"https://127.0.0.1:{op.webhook_port}/inject-sidecar"))
+    assert config_bundles(kube) == [None, None]
+    op.start()
+    try:
+        probe_ns = namespace(kube, "wh-probe")
+        wait_for(
+            lambda: effective(kube, probe_ns),
+            30,
+            "the API server to call the webhook with a trusted certificate",
+        )
+        yield op
+    finally:
+        op.stop()
+        kube.kubectl("delete", "mutatingwebhookconfiguration", CONFIG_NAME, check=False)
+        if os.environ.get("KVGATE_SHOW_OPERATOR_LOG"):
+            print(op.log.read_text()[-8000:])
+
+
+def sidecar_of(pod: dict[str, Any]) -> dict[str, Any]:
+    found = [c for c in pod["spec"].get("initContainers") or [] if c["name"] == SIDECAR_NAME]
+    assert len(found) == 1, pod["spec"]
+    return dict(found[0])
+
+
+def test_the_operator_fills_in_the_ca_bundle_from_its_secret(
+    crds: Any, webhook: WebhookOperator
+) -> None:
+    kube = crds
+    bundles = config_bundles(kube)
+    stored = base64.b64decode(secret(kube)["data"]["ca-bundle.crt"])
+    assert bundles == [base64.b64encode(stored).decode()] * 2
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secret(kube)["data"]["ca.crt"]))
+    serving = peer_cert(webhook.webhook_port, stored)
+    assert serving.issuer == ca.subject
+    assert webhook.metric("kvgate_webhook_serving") == 1
+    assert webhook.metric("kvgate_webhook_certificate_expiry_timestamp_seconds") == pytest.approx(
+        serving.not_valid_after_utc.timestamp()
+    )
+
+
+def test_a_pod_in_an_opted_in_namespace_is_injected(crds: Any, webhook: WebhookOperator) -> None:
+    kube = crds
+    ns = namespace(kube, "wh-ns-optin", {"kvgate.io/inject": "true"})
+    before = webhook.metric("kvgate_webhook_injections_total", action="injected", reason="injected")
+    created = json.loads(create(kube, model_pod("llama-0", ns)).stdout)
+    pod = get_pod(kube, ns, "llama-0")
+    assert created["metadata"]["uid"] == pod["metadata"]["uid"]
+    assert injected(pod)
+    marker = json.loads(pod["metadata"]["annotations"][ANNOTATION_INJECTED])
+    assert marker["modelPort"] == 8000 and marker["native"] is True
+    sc = sidecar_of(pod)
+    assert sc["image"] == IMAGE and sc["restartPolicy"] == "Always"
+    env = {e["name"]: e for e in sc["env"]}
+    assert env["KVGATE_UPSTREAM"]["value"] == "http://127.0.0.1:8000"
+    assert env["KVGATE_POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+    assert sc["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert sc["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert sc["securityContext"]["runAsNonRoot"] is True
+    assert sc["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["vllm"]
+    assert "kvgate-token" in [v["name"] for v in pod["spec"]["volumes"]]
+    after = webhook.metric("kvgate_webhook_injections_total", action="injected", reason="injected")
+    assert after >= before + 1
+
+
+def test_a_labelled_pod_in_a_plain_namespace_is_injected_and_others_are_not(
+    crds: Any, webhook: WebhookOperator
+) -> None:
+    kube = crds
+    ns = namespace(kube, "wh-pod-optin")
+    create(kube, model_pod("labelled", ns, labels={"kvgate.io/inject": "true"}))
+    create(kube, model_pod("plain", ns))
+    assert injected(get_pod(kube, ns, "labelled"))
+    sidecar_of(get_pod(kube, ns, "labelled"))
+    plain = get_pod(kube, ns, "plain")
+    assert not injected(plain) and not plain["spec"].get("initContainers")
+
+
+def test_opted_out_pods_are_not_injected(crds: Any, webhook: WebhookOperator) -> None:
+    kube = crds
+    ns = namespace(kube, "wh-optout", {"kvgate.io/inject": "true"})
+    before = webhook.metric("kvgate_webhook_injections_total", action="skipped", reason="opted_out")
+    create(kube, model_pod("by-annotation", ns, annotations={"kvgate.io/inject": "false"}))
+    create(kube, model_pod("by-label", ns, labels={"kvgate.io/inject": "false"}))
+    for name in ("by-annotation", "by-label"):
+        pod = get_pod(kube, ns, name)
+        assert not injected(pod) and not pod["spec"].get("initContainers")
+    # The annotation opt-out reached the operator (selectors read labels only) and was skipped.
+    after = webhook.metric("kvgate_webhook_injections_total", action="skipped", reason="opted_out")
+    assert after == before + 1
+
+
+def test_kube_system_is_never_injected_even_without_the_configurations_guard(
+    crds: Any, webhook: WebhookOperator
+) -> None:
+    kube = crds
+    labels = {"kvgate.io/inject": "true"}
+    create(kube, model_pod("wh-guarded", "kube-system", labels=labels))
+    assert not injected(get_pod(kube, "kube-system", "wh-guarded"))
+    # Now a configuration without any namespace exclusion (as if a platform stripped it):
+    # the API server sends kube-system pods, and the operator itself skips them (L13).
+    before = webhook.metric(
+        "kvgate_webhook_injections_total", action="skipped", reason="excluded_namespace"
+    )
+    unguarded = webhook_config(
+        UNGUARDED_CONFIG_NAME,
+        f"https://127.0.0.1:{webhook.webhook_port}/inject-sidecar",
+        excluded=None,
+    )
+    ca = base64.b64decode(secret(kube)["data"]["ca-bundle.crt"])
+    unguarded["webhooks"][0]["clientConfig"]["caBundle"] = base64.b64encode(ca).decode()
+    apply(kube, unguarded)
+    try:
+        # Wait until the API server calls the unguarded configuration for kube-system pods.
+        def called() -> bool:
+            dry_create(kube, model_pod("wh-probe", "kube-system", labels=labels))
+            now = webhook.metric(
+                "kvgate_webhook_injections_total", action="skipped", reason="excluded_namespace"
+            )
+            return now > before
+
+        wait_for(called, 30, "the unguarded configuration to be called")
+        before = webhook.metric(
+            "kvgate_webhook_injections_total", action="skipped", reason="excluded_namespace"
+        )
+        create(kube, model_pod("wh-unguarded", "kube-system", labels=labels))
+        pod = get_pod(kube, "kube-system", "wh-unguarded")
+        assert not injected(pod) and not pod["spec"].get("initContainers")
+        after = webhook.metric(
+            "kvgate_webhook_injections_total", action="skipped", reason="excluded_namespace"
+        )
+        assert after == before + 1
+        # The operator's own namespace likewise.
+        create(kube, model_pod("wh-own", SYSTEM_NS, labels=labels))
+        assert not injected(get_pod(kube, SYSTEM_NS, "wh-own"))
+    finally:
+        kube.kubectl("delete", "mutatingwebhookconfiguration", UNGUARDED_CONFIG_NAME)
+
+
+def test_a_port_clash_is_refused_with_the_message_in_kubectls_error(
+    crds: Any, webhook: WebhookOperator
+) -> None:
+    kube = crds
+    ns = namespace(kube, "wh-clash")
+    pod = model_pod("clash", ns, labels={"kvgate.io/inject": "true"})
+    pod["spec"]["containers"].append(
+        {"name": "metrics", "image": "exporter", "ports": [{"containerPort": 8001}]}
+    )
+    out = create(kube, pod, check=False)
+    assert out.returncode != 0
+    assert 'admission webhook "pod.inject.kvgate.io" denied the request' in out.stderr
+    assert "kvgate: sidecar port 8001 is already used by container 'metrics'" in out.stderr
+    assert "kvgate.io/sidecar-port" in out.stderr  # how to fix it
+    gone = kube.kubectl("get", "pod", "clash", "-n", ns, check=False)
+    assert gone.returncode != 0
+    assert webhook.metric("kvgate_webhook_injections_total", action="refused", reason="port_clash")
+
+
+def test_cert_manager_mode_serves_the_mounted_certificate_and_reloads_it(
+    crds: Any, webhook: WebhookOperator, tmp_path: Path
+) -> None:
+    """With KVGATE_OPERATOR_WEBHOOK_CERT_DIR (cert-manager's mounted Secret) the operator makes
+    no certificate and patches no caBundle, and picks up a renewed pair without a restart."""
+    kube = crds
+    now = dt.datetime.now(dt.UTC)
+    ca = new_ca(now)
+    first = new_serving_cert(ca, ["127.0.0.1"], now)
+    tls = tmp_path / "tls"
+    tls.mkdir()
+
+    def mount(pair: Any) -> None:  # like the kubelet's atomic swap of a Secret volume
+        for name, data in (("tls.key", pair.key_pem), ("tls.crt", pair.cert_pem)):
+            (tls / f".{name}").write_bytes(data)
+            os.replace(tls / f".{name}", tls / name)
+
+    mount(first)
+    (tls / "ca.crt").write_bytes(ca.cert_pem)
+    name = "kvgate-test-certmanager-injector"
+    op = WebhookOperator(
+        kube,
+        tmp_path / "operator.log",
+        KVGATE_OPERATOR_WEBHOOK_CERT_DIR=str(tls),
+        KVGATE_OPERATOR_WEBHOOK_SELF_SIGNED="false",
+        KVGATE_OPERATOR_WEBHOOK_CONFIG_NAME=name,
+        KVGATE_OPERATOR_WEBHOOK_CERT_SYNC_SECONDS="0.5",
+    )
+    config = webhook_config(name, f"https://127.0.0.1:{op.webhook_port}/inject-sidecar")
+    bundle = base64.b64encode(ca.cert_pem).decode()  # what cert-manager's cainjector sets
+    for wh in config["webhooks"]:
+        wh["clientConfig"]["caBundle"] = bundle
+    webhook.stop()  # only the cert-manager-mode operator answers meanwhile
+    apply(kube, config)
+    try:
+        op.start()
+        ns = namespace(kube, "wh-certdir")
+        wait_for(lambda: effective(kube, ns), 30, "the cert-manager-mode webhook")
+        assert peer_cert(op.webhook_port, ca.cert_pem).serial_number == first.cert.serial_number
+        pid = op.proc.pid if op.proc else None
+        second = new_serving_cert(ca, ["127.0.0.1"], now)
+        mount(second)
+        wait_for(
+            lambda: (
+                peer_cert(op.webhook_port, ca.cert_pem).serial_number == second.cert.serial_number
+            ),
+            15,
+            "the renewed certificate to be served",
+        )
+        create(kube, model_pod("after-renewal", ns, labels={"kvgate.io/inject": "true"}))
+        assert injected(get_pod(kube, ns, "after-renewal"))
+        assert op.proc is not None and op.proc.pid == pid and op.proc.poll() is None
+        assert op.metric("kvgate_webhook_certificate_reloads_total") == 1
+        assert config_bundles(kube, name) == [bundle, bundle]  # untouched by the operator
+    finally:
+        op.stop()
+        kube.kubectl("delete", "mutatingwebhookconfiguration", name, check=False)
+        webhook.start()
+
+
+def test_a_pod_created_while_the_operator_is_down_is_reported_as_missed(
+    crds: Any, webhook: WebhookOperator
+) -> None:
+    kube = crds
+    ns = namespace(kube, "wh-missed", {"kvgate.io/inject": "true"})
+    webhook.stop()
+    # failurePolicy Ignore: the API server cannot reach the webhook and admits the pod as is.
+    create(kube, model_pod("uninjected", ns))
+    pod = get_pod(kube, ns, "uninjected")
+    assert not injected(pod)
+    uid = pod["metadata"]["uid"]
+    webhook.start()
+
+    def warned() -> list[dict[str, Any]]:
+        events = json.loads(kube.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
+        return [
+            e
+            for e in events
+            if e["reason"] == "InjectionMissed" and e["involvedObject"].get("uid") == uid
+        ]
+
+    events = wait_for(warned, 30, "an InjectionMissed event")
+    assert events[0]["type"] == "Warning"
+    assert "namespace label kvgate.io/inject=true" in events[0]["message"]
+    assert webhook.metric("kvgate_webhook_missed_injections_total") >= 1
+    assert webhook.metric("kvgate_webhook_uninjected_pods") >= 1
+    # Once per pod: more passes post nothing more.
+    time.sleep(5)
+    assert len(warned()) == 1 and events[0].get("count", 1) == 1
+
+
+def test_a_restarted_operator_keeps_its_ca_and_the_ca_bundle(
+    crds: Any, webhook: WebhookOperator
+) -> None:
+    kube = crds
+    bundles = config_bundles(kube)
+    rv = secret(kube)["metadata"]["resourceVersion"]
+    ca_before = secret(kube)["data"]["ca.crt"]
+    webhook.stop()
+    webhook.start()
+    ns = namespace(kube, "wh-restart")
+    wait_for(lambda: effective(kube, ns), 30, "the restarted webhook")
+    time.sleep(2)  # a few certificate sync rounds
+    assert config_bundles(kube) == bundles
+    assert secret(kube)["metadata"]["resourceVersion"] == rv
+    assert secret(kube)["data"]["ca.crt"] == ca_before
