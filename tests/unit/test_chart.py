@@ -1057,6 +1057,7 @@ def test_prometheus_rule_queries_existing_metrics(docs: dict[str, Docs]) -> None
         "KvgateAgentDown",
         "KvgateAgentGpuDataStale",
         "KvgateKvReservedNearCapacity",
+        "KvgateWebhookMissedInjections",
     }
     assert alerts["KvgateHighRejectionRatio"]["for"] == "15m"
     assert alerts["KvgateKvReservedNearCapacity"]["for"] == "10m"
