@@ -13,7 +13,8 @@
 - the operator's pod meets Pod Security "restricted" and rolls out with Recreate; the agent's
   only exceptions are hostPID and its hostPort;
 - the injection settings the operator reads (KVGATE_OPERATOR_INJECTION) are JSON with exactly
-  the agreed keys, accepted by the operator's own ``InjectionConfig``;
+  the agreed keys, accepted by the operator's own ``InjectionConfig``, and every
+  KVGATE_OPERATOR_* variable is an ``OperatorSettings`` field;
 - every metric the dashboard and the PrometheusRule query exists in the Python sources.
 
 Installing the chart into a real API server is the end-to-end journey's job.
@@ -30,12 +31,14 @@ import re
 import subprocess
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
 from kvgate_operator.inject import InjectionConfig
+from kvgate_operator.settings import OperatorSettings
 from tests.conftest import REPO, k8s_bin_dir
 
 CHART = REPO / "charts" / "kvgate"
@@ -676,6 +679,27 @@ def test_operator_env_cert_manager(docs: dict[str, Docs]) -> None:
     vol = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert vol["secret"]["secretName"] == "kvgate-webhook-tls"
     assert mount["readOnly"] is True
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_operator_settings_read_the_environment(
+    docs: dict[str, Docs], scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every KVGATE_OPERATOR_* variable the chart sets is an OperatorSettings field (pydantic
+    settings ignores unknown ones silently), and the operator accepts the values."""
+    env = _env(_operator(docs[scenario])["spec"]["template"]["spec"]["containers"][0])
+    assert set(env) <= {f"KVGATE_OPERATOR_{f.upper()}" for f in OperatorSettings.model_fields}
+    for k in [k for k in os.environ if k.startswith("KVGATE_OPERATOR_")]:
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, NAMESPACE if isinstance(v, dict) else v)  # fieldRef: namespace
+    s = OperatorSettings()
+    assert s.pod_namespace == NAMESPACE
+    assert s.webhook_hosts == ["kvgate-webhook.kvgate-system.svc"]
+    assert s.webhook_config_name == "kvgate-sidecar-injector"
+    assert s.webhook_self_signed is (scenario != "cert-manager")
+    assert s.webhook_cert_dir == (Path("/tls") if scenario == "cert-manager" else None)
+    assert s.injection.own_namespace == NAMESPACE
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
