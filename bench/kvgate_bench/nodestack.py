@@ -260,6 +260,7 @@ class NodeStack:
             "KVGATE_OPERATOR_LIVENESS_PORT": str(free_port()),
             "KVGATE_OPERATOR_DEBOUNCE_SECONDS": "0.05",
             "KVGATE_OPERATOR_RESYNC_SECONDS": "30",
+            "KVGATE_OPERATOR_WEBHOOK_ENABLED": "false",  # no injection in these tests
         }
         self.operator = _spawn(
             [sys.executable, "-m", "kvgate_operator"], self.work / "operator.log", env

@@ -1,0 +1,326 @@
+"""The whole install journey on the local control plane, as a platform engineer would walk it.
+
+``helm install`` the chart (webhook pointing at the operator, which runs here as a local
+process); ``kubectl apply -f examples/``; create a model pod in an opted-in namespace and check
+the sidecar the webhook injected; run the operator, the node agent and the injected sidecar (with
+the command and environment the chart and the webhook wrote, and each with its chart service
+account's token from the TokenRequest API) as local processes in front of the simulator; send
+traffic and see the policy enforced. A pod in kube-system and an opted-out pod are not injected.
+Then RBAC for real: the chart's service accounts can do their work and nothing more.
+
+There is no kubelet: pods never run; the processes a kubelet would start run here, with the
+downward-API values (pod IP, host IP) set to loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvgate_agent.gpu.fake import write_scenario
+from kvgate_bench.controlplane import ControlPlane, free_port
+from kvgate_bench.nodestack import _spawn, fake_gpus, http_get, stop_process, wait_until
+from tests.conftest import REPO
+
+RELEASE = "kvgate-journey"  # also the namespace; contains "kvgate", so names are "<release>-*"
+NODE = "journey-gpu-node"
+MODELS = "models"
+
+
+def resolve_env(env: list[dict[str, Any]], fields: dict[str, str]) -> dict[str, str]:
+    """A container's ``env`` as the kubelet would give it: ``value`` (with ``$(VAR)`` expanded
+    from variables defined earlier, as Kubernetes does) or ``valueFrom.fieldRef`` from
+    ``fields`` (fieldPath → value)."""
+    out: dict[str, str] = {}
+    for item in env:
+        if "value" in item:
+            out[item["name"]] = re.sub(
+                r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                lambda m: out.get(m.group(1), m.group(0)),
+                str(item["value"]),
+            )
+        else:
+            path = item["valueFrom"]["fieldRef"]["fieldPath"]
+            out[item["name"]] = fields[path]
+    return out
+
+
+def get(cp: ControlPlane, *args: str) -> Any:
+    return json.loads(cp.kubectl("get", *args, "-o", "json").stdout)
+
+
+def chat(url: str, max_tokens: int, tenant: str = "team-a") -> tuple[int, dict[str, str], bytes]:
+    import urllib.request
+
+    body = json.dumps(
+        {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+    ).encode()
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "x-kvgate-tenant": tenant},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return int(r.status), {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return int(e.code), {k.lower(): v for k, v in e.headers.items()}, e.read()
+    except OSError:
+        return 0, {}, b""  # not listening yet
+
+
+class Journey:
+    """Processes and files of one journey; stopped at the end."""
+
+    def __init__(self, cp: ControlPlane, work: Path) -> None:
+        self.cp = cp
+        self.work = work
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.webhook_port = free_port()
+        self.agent_port = free_port()
+
+    def sa_kubeconfig(self, name: str) -> Path:
+        """A kubeconfig authenticating as the chart's service account ``name``."""
+        token = self.cp.kubectl("create", "token", name, "-n", RELEASE, "--duration", "2h")
+        return self.cp.kubeconfig_for_token(token.stdout.strip(), name)
+
+    def spawn(self, args: list[str], env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
+        proc = _spawn(args, self.work / log, env)
+        self.procs.append(proc)
+        return proc
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:])
+            for p in sorted(self.work.glob("*.log"))
+        )
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            stop_process(p)
+
+
+@pytest.fixture
+def journey(kube: ControlPlane, tmp_path: Path) -> Iterator[Journey]:
+    j = Journey(kube, tmp_path)
+    try:
+        yield j
+    finally:
+        j.stop()
+        kube.helm("uninstall", RELEASE, "-n", RELEASE, "--wait=false", check=False)
+
+
+def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
+    cp, j = journey.cp, journey
+    # 1. helm install, with the webhook pointing at the operator run here.
+    cp.helm(
+        "install", RELEASE, str(REPO / "charts" / "kvgate"),
+        "-n", RELEASE, "--create-namespace",
+        "--set", f"webhook.url=https://127.0.0.1:{j.webhook_port}/inject-sidecar",
+        "--set", f"agent.port={j.agent_port}",
+    )  # fmt: skip
+    mwc = get(cp, "mutatingwebhookconfiguration", f"{RELEASE}-sidecar-injector")
+    assert [w["failurePolicy"] for w in mwc["webhooks"]] == ["Ignore", "Ignore"]
+    assert all(w["timeoutSeconds"] <= 5 and w["sideEffects"] == "None" for w in mwc["webhooks"])
+
+    # 2. The operator, as the chart's Deployment runs it and as its service account.
+    dep = get(cp, "deployment", f"{RELEASE}-operator", "-n", RELEASE)
+    op = dep["spec"]["template"]["spec"]["containers"][0]
+    env = resolve_env(op["env"], {"metadata.namespace": RELEASE})
+    env.update(
+        KVGATE_OPERATOR_LIVENESS_PORT=str(free_port()),
+        KVGATE_OPERATOR_WEBHOOK_PORT=str(j.webhook_port),
+        KVGATE_OPERATOR_WEBHOOK_HOST="127.0.0.1",  # the operator runs here, not in the pod
+        KVGATE_OPERATOR_DEBOUNCE_SECONDS="0.05",
+    )
+    assert op["command"] == ["kvgate-operator"]
+    j.spawn(
+        [sys.executable, "-m", "kvgate_operator"],
+        {**cp.env, **env, "KUBECONFIG": str(j.sa_kubeconfig(f"{RELEASE}-operator"))},
+        "operator.log",
+    )
+
+    def ca_synced() -> bool:
+        got = get(cp, "mutatingwebhookconfiguration", f"{RELEASE}-sidecar-injector")
+        return all(w["clientConfig"].get("caBundle") for w in got["webhooks"])
+
+    wait_until(ca_synced, 60, "the operator to fill in the webhook's caBundle\n" + j.logs())
+    secret = get(cp, "secret", f"{RELEASE}-webhook-tls", "-n", RELEASE)
+    assert set(secret["data"]) >= {"tls.crt", "tls.key"}
+
+    # 3. The user's side: a namespace opted in, the examples applied, a Node for the pod.
+    cp.kubectl("create", "namespace", MODELS, check=False)
+    cp.kubectl("label", "namespace", MODELS, "kvgate.io/inject=true", "--overwrite")
+    cp.kubectl("apply", "-f", str(REPO / "examples"))
+    cp.kubectl("create", "serviceaccount", "model", "-n", MODELS, check=False)
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}
+    ))  # fmt: skip
+    model_port, sidecar_port = free_port(), free_port()
+
+    def model_pod(name: str, ns: str, labels: dict[str, str], **annotations: str) -> Any:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": ns,
+                "labels": labels,
+                "annotations": {"kvgate.io/sidecar-port": str(sidecar_port), **annotations},
+            },
+            "spec": {
+                "nodeName": NODE,
+                "serviceAccountName": "model",
+                "containers": [
+                    {
+                        "name": "vllm",
+                        "image": "vllm/vllm-openai:v0.11.0",
+                        "ports": [{"name": "http", "containerPort": model_port}],
+                    }
+                ],
+            },
+        }
+        cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(pod))
+        return get(cp, "pod", name, "-n", ns)
+
+    # Injected, once the webhook answers (failurePolicy Ignore: retry until it does).
+    def injected() -> Any:
+        pod = model_pod("chat-small-0", MODELS, {"app": "chat-small"})
+        if "kvgate.io/injected" in pod["metadata"].get("annotations", {}):
+            return pod
+        cp.kubectl("delete", "pod", "chat-small-0", "-n", MODELS, "--force", "--grace-period=0")
+        return None
+
+    pod = wait_until(injected, 60, "a pod injected by the webhook\n" + j.logs(), interval=0.5)
+    sidecars = [c for c in pod["spec"].get("initContainers", []) if c["name"] == "kvgate-sidecar"]
+    assert len(sidecars) == 1 and sidecars[0]["restartPolicy"] == "Always"  # native sidecar
+    sc = sidecars[0]
+    record = json.loads(pod["metadata"]["annotations"]["kvgate.io/injected"])
+    assert record["modelPort"] == model_port and record["sidecarPort"] == sidecar_port
+    assert sc["securityContext"]["runAsNonRoot"] and sc["securityContext"]["readOnlyRootFilesystem"]
+    assert sc["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    token_vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "kvgate-token")
+    projected = token_vol["projected"]["sources"][0]["serviceAccountToken"]
+    assert projected["audience"] == "kvgate-agent"
+    uid = pod["metadata"]["uid"]
+    cp.kubectl(
+        "patch", "pod", "chat-small-0", "-n", MODELS, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": {
+            "phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        }}),
+    )  # fmt: skip
+
+    # Not injected: kube-system (whatever its labels say) and an opted-out pod.
+    ks = model_pod("labelled-system-pod", "kube-system", {"kvgate.io/inject": "true"})
+    assert not ks["spec"].get("initContainers") and len(ks["spec"]["containers"]) == 1
+    out = model_pod("opted-out", MODELS, {"app": "other"}, **{"kvgate.io/inject": "false"})
+    assert not out["spec"].get("initContainers")
+    assert "kvgate.io/injected" not in out["metadata"]["annotations"]
+
+    # 4. The node agent, as the chart's DaemonSet runs it and as its service account.
+    ds = get(cp, "daemonset", f"{RELEASE}-agent", "-n", RELEASE)
+    agent = ds["spec"]["template"]["spec"]["containers"][0]
+    assert agent["args"] == ["node"] and ds["spec"]["template"]["spec"]["hostPID"] is True
+    env = resolve_env(agent["env"], {"spec.nodeName": NODE})
+    scenario = j.work / "gpus.json"
+    write_scenario(scenario, fake_gpus(1))
+    env.update(
+        KVGATE_LISTEN=f"127.0.0.1:{j.agent_port}",  # hostPort on the host IP = loopback here
+        KVGATE_GPU_BACKEND=f"fake:{scenario}",  # no GPU on this machine
+        KVGATE_KUBECONFIG_FILE=str(j.sa_kubeconfig(f"{RELEASE}-agent")),
+        KVGATE_SYNC_INTERVAL="0.25",
+    )
+    j.spawn([sys.executable, "-m", "kvgate_agent", *agent["args"]], env, "agent.log")
+    agent_url = f"http://127.0.0.1:{j.agent_port}"
+    wait_until(lambda: http_get(agent_url + "/readyz")[0] == 200, 60, "agent\n" + j.logs())
+
+    # 5. The model server and the injected sidecar, with the webhook's command and environment.
+    j.spawn(
+        [sys.executable, "-m", "kvgate_bench.sim.cli", "--port", str(model_port),
+         "--model", "sim", "--decode-ms", "1"],
+        dict(os.environ), "sim.log",
+    )  # fmt: skip
+    env = resolve_env(
+        sc["env"],
+        {
+            "metadata.namespace": MODELS,
+            "metadata.name": "chat-small-0",
+            "metadata.uid": uid,
+            "status.podIP": "127.0.0.1",
+            "status.hostIP": "127.0.0.1",
+        },
+    )
+    assert env["KVGATE_UPSTREAM"] == f"http://127.0.0.1:{model_port}"
+    assert env["KVGATE_AGENT_URL"] == agent_url
+    # The projected token volume, as the kubelet would write it.
+    token = cp.kubectl(
+        "create", "token", "model", "-n", MODELS, "--audience", projected["audience"],
+        "--bound-object-kind", "Pod", "--bound-object-name", "chat-small-0",
+        "--bound-object-uid", uid,
+    ).stdout.strip()  # fmt: skip
+    token_file = j.work / "token"
+    token_file.write_text(token)
+    env["KVGATE_TOKEN_FILE"] = str(token_file)
+    env["KVGATE_LISTEN"] = f"127.0.0.1:{sidecar_port}"
+    j.spawn(
+        [sys.executable, "-m", "kvgate_agent", *sc["args"]],
+        {**dict(os.environ), **env},
+        "sidecar.log",
+    )
+    url = f"http://127.0.0.1:{sidecar_port}"
+
+    # 6. Traffic: the example policy chat-small (20000 tokens per minute per tenant) governs it.
+    def live() -> bool:
+        return chat(url, 8)[1].get("x-kvgate-thresholds") == "live"
+
+    wait_until(live, 60, "the sidecar's thresholds from the agent\n" + j.logs(), interval=0.2)
+    status, headers, body = chat(url, 8)
+    assert status == 200, body
+    status, headers, body = chat(url, 30000)  # more than the tenant's whole bucket: never fits
+    assert status == 400 and headers["x-kvgate-reason"] == "exceeds_capacity", body
+    admitted = [chat(url, 4000, tenant="team-b")[0] for _ in range(6)]
+    assert admitted[:4] == [200] * 4 and set(admitted) <= {200, 429}, admitted
+    na = get(cp, "nodeadmission", NODE)
+    assert [p["name"] for p in na["spec"]["pods"]] == ["chat-small-0"]
+    assert na["spec"]["pods"][0]["policy"]["name"] == "chat-small"
+    wait_until(lambda: get(cp, "nodeadmission", NODE).get("status", {}).get("heartbeatTime"), 30,
+               "the agent's status")  # fmt: skip
+
+    # 7. RBAC for real, as the chart's service accounts.
+    def can(sa: str, *args: str) -> bool:
+        res = cp.kubectl("auth", "can-i", *args, kubeconfig=j.sa_kubeconfig(sa), check=False)
+        return res.stdout.strip() == "yes"
+
+    operator, agent_sa = f"{RELEASE}-operator", f"{RELEASE}-agent"
+    assert can(operator, "list", "pods", "--all-namespaces")
+    assert can(operator, "patch", "nodeadmissions")
+    assert can(operator, "patch", "ratelimitpolicies", "--subresource=status", "-n", MODELS)
+    assert can(operator, "get", f"secret/{RELEASE}-webhook-tls", "-n", RELEASE)
+    assert not can(operator, "list", "secrets", "-n", RELEASE)
+    assert not can(operator, "get", "secrets", "-n", "kube-system")
+    assert not can(operator, "get", "secret/other", "-n", RELEASE)
+    assert not can(operator, "delete", "pods", "-n", MODELS)
+    assert not can(operator, "create", "pods", "-n", MODELS)
+    assert not can(operator, "patch", "mutatingwebhookconfiguration/someone-elses")
+    assert can(agent_sa, "watch", "nodeadmissions")
+    assert can(agent_sa, "patch", "nodeadmissions", "--subresource=status")
+    assert can(agent_sa, "create", "tokenreviews")
+    assert not can(agent_sa, "patch", "nodeadmissions")  # the spec is the operator's
+    assert not can(agent_sa, "list", "pods", "--all-namespaces")
+    assert not can(agent_sa, "get", "pods", "-n", MODELS)
+    assert not can(agent_sa, "get", "secrets", "-n", RELEASE)
+    assert not can(agent_sa, "list", "ratelimitpolicies", "-n", MODELS)
+    # The processes really ran as those accounts and did their work (no admin credentials).
+    for log in ("operator.log", "agent.log", "sidecar.log"):
+        text = (j.work / log).read_text()
+        assert "Forbidden" not in text and " 403" not in text, f"{log}:\n{text[-3000:]}"
