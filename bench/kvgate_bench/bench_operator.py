@@ -600,6 +600,7 @@ class Operator:
             "KVGATE_OPERATOR_LIVENESS_PORT": str(free_port()),
             "KVGATE_OPERATOR_DEBOUNCE_SECONDS": str(debounce),
             "KVGATE_OPERATOR_RESYNC_SECONDS": str(resync),
+            "KVGATE_OPERATOR_WEBHOOK_ENABLED": "false",
         }
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_epoch = 0.0

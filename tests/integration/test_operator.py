@@ -50,6 +50,7 @@ class Operator:
             "KVGATE_OPERATOR_LIVENESS_PORT": str(self.port),
             "KVGATE_OPERATOR_DEBOUNCE_SECONDS": "0.1",
             "KVGATE_OPERATOR_RESYNC_SECONDS": "3",
+            "KVGATE_OPERATOR_WEBHOOK_ENABLED": "false",  # injection is tested in test_webhook.py
         }
         fh = self.log.open("ab")
         self.proc = subprocess.Popen(
