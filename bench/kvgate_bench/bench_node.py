@@ -152,7 +152,7 @@ def agent_window(stack: NodeStack, window: float) -> dict[str, float]:
     )
     count0 = agent_metric(stack, "kvgate_node_sync_duration_seconds_count")
     sum0 = agent_metric(stack, "kvgate_node_sync_duration_seconds_sum")
-    reviews0 = agent_metric(stack, "kvgate_node_token_reviews_total")
+    reviews0 = agent_metric(stack, "kvgate_node_token_reviews_total", result="sent")
     c0, t0 = cpu_seconds(pid), time.monotonic()
     time.sleep(window)
     c1, t1 = cpu_seconds(pid), time.monotonic()
@@ -169,7 +169,8 @@ def agent_window(stack: NodeStack, window: float) -> dict[str, float]:
         "hwm_mib": hwm,
         "syncs_per_s": (syncs1 - syncs0) / (t1 - t0),
         "sync_mean_ms": 1000 * (sum1 - sum0) / max(1.0, count1 - count0),
-        "token_reviews": agent_metric(stack, "kvgate_node_token_reviews_total") - reviews0,
+        "token_reviews": agent_metric(stack, "kvgate_node_token_reviews_total", result="sent")
+        - reviews0,
         "connected": agent_metric(stack, "kvgate_node_sidecars_connected"),
     }
 

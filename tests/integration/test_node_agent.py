@@ -372,3 +372,106 @@ def test_agent_starts_without_a_driver_and_recovers(stack: NodeStack) -> None:
     assert stack.agent is not None and stack.agent.poll() is None
     stack.kill_agent(signal.SIGTERM)
     assert stack.agent.returncode == 0
+
+
+def test_deleted_node_admission_keeps_thresholds_for_the_ttl(stack: NodeStack) -> None:
+    ns = stack.namespace
+    stack.start_agent()
+    mp = stack.add_model_pod("llm-0", stack.start_sim())
+    stack.apply(capped(ns, 8))
+    wait_until(lambda: clamped_to(mp.url) == 8, 30, "the policy")
+    # The operator down (nobody recreates it), then the object deleted by hand.
+    from kvgate_bench.nodestack import stop_process
+
+    stop_process(stack.operator)
+    stack.cp.kubectl("delete", "nodeadmission", stack.node_name)
+    deleted = time.monotonic()
+    # Within the agent's TTL (2 s) the pod keeps its thresholds...
+    assert clamped_to(mp.url) == 8 and chat(mp.url)[1].get("x-kvgate-thresholds") == "live"
+    # ...then no policy governs it any more.
+    wait_until(lambda: chat(mp.url)[1].get("x-kvgate-thresholds") == "unmanaged", 10, "unmanaged")
+    assert time.monotonic() - deleted >= 1.5
+    # The operator back: the object is recreated, the pod governed again, the status written
+    # at once (not at the next heartbeat).
+    stack.start_operator()
+    wait_until(lambda: clamped_to(mp.url) == 8, 30, "the policy again")
+    wait_until(lambda: status_of(stack).get("heartbeatTime"), 5, "the new object's status")
+
+
+def test_oversized_reports_and_metrics_pages_cannot_hurt_the_agent(stack: NodeStack) -> None:
+    import http.server
+    import socketserver
+
+    ns = stack.namespace
+    stack.start_agent()
+    victim = stack.add_model_pod("big-0", "http://127.0.0.1:9", start=False)
+    stack.apply(capped(ns, 8))
+    wait_until(
+        lambda: len((stack.node_admission() or {}).get("spec", {}).get("pods", [])) == 1, 30, "spec"
+    )
+    # A 20 MB sync body without a token: refused without being buffered.
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", stack.agent_port, timeout=10)
+    conn.putrequest("POST", "/v1/sync")
+    conn.putheader("Content-Length", str(20 << 20))
+    conn.endheaders()  # the body is never sent: the answer comes from the header alone
+    assert conn.getresponse().status == 413
+    conn.close()
+    # Without a length (chunked), the agent stops reading at the limit and refuses.
+    conn = http.client.HTTPConnection("127.0.0.1", stack.agent_port, timeout=10)
+    conn.putrequest("POST", "/v1/sync")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    chunk = b"x" * 65536
+    try:
+        for _ in range(320):  # 20 MB
+            conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        conn.send(b"0\r\n\r\n")
+        assert conn.getresponse().status == 413
+    except OSError:
+        pass  # refused and closed while we were still sending: just as good
+    conn.close()
+    # A pod whose "engine" serves a 50 MB metrics page: the scrape fails, syncs stay fast.
+
+    class Big(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            line = b"vllm:num_requests_running 1\n"
+            try:
+                for _ in range((50 << 20) // len(line)):
+                    self.wfile.write(line)
+            except OSError:
+                pass
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Big)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        token = victim.token_file.read_text()
+        body = json.dumps({"namespace": ns, "name": "big-0", "metricsUrl": url}).encode()
+        r = urllib.request.Request(
+            stack.agent_url + "/v1/sync", data=body, headers={"Authorization": f"Bearer {token}"}
+        )
+        with urllib.request.urlopen(r, timeout=5) as resp:
+            assert resp.status == 200
+        m = stack.agent_url + "/metrics"
+        wait_until(
+            lambda: (metric(m, "kvgate_node_engine_scrapes_total", result="error") or 0) >= 1,
+            15,
+            "a failed scrape",
+        )
+        started = time.monotonic()
+        status, _, _ = sync(stack, "big-0", token)
+        assert status == 200 and time.monotonic() - started < 1.0
+    finally:
+        server.shutdown()
+    assert stack.agent is not None
+    from kvgate_bench.bench_node import rss_mib
+
+    assert rss_mib(stack.agent.pid)[1] < 300  # peak RSS, MiB: nothing was buffered

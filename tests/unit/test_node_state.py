@@ -180,13 +180,11 @@ def test_status_lists_pods_gpus_and_usage() -> None:
     st = state_with(pod("a"))
     st.set_gpus(snapshot(gpu("GPU-0", 10 * GiB), gpu("GPU-1", None, healthy=False)), {})
     st.record(report("a", in_flight=3, kv_reserved_tokens=4096), now=1.0)
-    st.record(report("extra"), now=1.0)  # a connected sidecar no policy governs
+    # A sidecar of a pod not in the spec (ungoverned, or on another node): never in the status.
+    st.record(report("extra", in_flight=7, kv_reserved_tokens=12345), now=1.0)
     st.set_engine(("models", "a"), EngineFacts(kv_capacity_tokens=50000, kv_used_tokens=3000))
     s = st.status()
-    assert [(p.name, p.in_flight, p.kv_reserved_tokens) for p in s.pods] == [
-        ("a", 3, 4096),
-        ("extra", 0, 0),
-    ]
+    assert [(p.name, p.in_flight, p.kv_reserved_tokens) for p in s.pods] == [("a", 3, 4096)]
     assert s.pods[0].engine_kv_capacity_tokens == 50000 and s.pods[0].kv_used_tokens == 3000
     bad = next(g for g in s.gpus if g.uuid == "GPU-1")
     assert not bad.healthy and bad.free_bytes is None  # unknown, never 0
@@ -296,10 +294,80 @@ async def test_authenticator_matches_the_pod_and_caches() -> None:
     assert calls.count("bad") == 1  # refusals are cached too
     with pytest.raises(AuthError) as e:
         await auth.verify("Bearer boom", "models", "a", None)
-    assert e.value.code == "review_failed"
+    assert (e.value.status, e.value.code) == (503, "review_unavailable")  # not the token's fault
     clock.t = 61
     await auth.verify("Bearer good", "models", "a", None)
     assert calls.count("good") == 2  # expired from the cache
+
+
+async def test_an_api_server_outage_keeps_recently_accepted_tokens() -> None:
+    down = False
+
+    def reviewer(token: str) -> Review:
+        if down:
+            raise ConnectionRefusedError("apiserver down")
+        return review_from_status(status_for("models", "a", "uid-a"))
+
+    clock = Clock()
+    auth = Authenticator(reviewer, clock, ok_ttl=60, stale_ttl=600, run=_inline)
+    await auth.verify("Bearer good", "models", "a", None)
+    down = True
+    clock.t = 300  # cache expired, API server unreachable: the earlier acceptance holds
+    assert (await auth.verify("Bearer good", "models", "a", None)).name == "a"
+    assert (auth.review_errors, auth.stale_uses) == (1, 1)
+    with pytest.raises(AuthError) as e:  # but it still belongs to pod a only
+        await auth.verify("Bearer good", "models", "b", None)
+    assert e.value.status == 403
+    with pytest.raises(AuthError) as e:  # a token never seen cannot be checked now
+        await auth.verify("Bearer new", "models", "a", None)
+    assert e.value.status == 503
+    clock.t = 700  # beyond stale_ttl: no longer trusted without asking
+    with pytest.raises(AuthError) as e:
+        await auth.verify("Bearer good", "models", "a", None)
+    assert e.value.status == 503
+
+
+async def test_concurrent_checks_of_one_token_share_a_review() -> None:
+    calls: list[str] = []
+    gate = asyncio.Event()
+
+    async def run(fn: Any) -> Review:
+        await gate.wait()
+        return fn()  # type: ignore[no-any-return]
+
+    def reviewer(token: str) -> Review:
+        calls.append(token)
+        return review_from_status(status_for("models", "a", "uid-a"))
+
+    auth = Authenticator(reviewer, Clock(), run=run)
+    tasks = [asyncio.create_task(auth.verify("Bearer t", "models", "a", None)) for _ in range(20)]
+    await asyncio.sleep(0)
+    gate.set()
+    assert {i.uid for i in await asyncio.gather(*tasks)} == {"uid-a"}
+    assert calls == ["t"] and auth.reviews == 1
+
+
+def test_implausible_engine_capacity_is_ignored() -> None:
+    model = {"numLayers": 32, "numKVHeads": 8, "headDim": 128, "maxModelLen": 8192}
+    st = state_with(
+        pod("a", capacity={"fromEngineMetrics": True, "kvCacheTokens": 20000}, model=model)
+    )
+    st.set_gpus(snapshot(gpu("GPU-0", 40 * GiB)), {})
+    key = ("models", "a")
+    for absurd in (16, 10**19, (80 * GiB) // 131072 + 1):  # < maxModelLen, huge, > GPU memory
+        st.set_engine(key, EngineFacts(kv_capacity_tokens=absurd))
+        assert st.kv_capacity(key) == 20000, absurd  # the policy's explicit value instead
+        assert key in st.implausible and st.status().pods[0].engine_kv_capacity_tokens is None
+    st.set_engine(key, EngineFacts(kv_capacity_tokens=100_000))
+    assert st.kv_capacity(key) == 100_000 and key not in st.implausible
+
+
+def test_a_stopped_agent_says_so() -> None:
+    st = state_with(pod("a"))
+    st.set_gpus(snapshot(gpu("GPU-0", 40 * GiB)), {})
+    st.stopped = True
+    ready = next(c for c in st.conditions() if c.type == "Ready")
+    assert (ready.status, ready.reason) == ("False", "AgentStopped")
 
 
 async def test_authenticator_cache_is_bounded() -> None:
@@ -321,3 +389,22 @@ def test_metrics_url_only_to_the_sidecars_own_address() -> None:
     assert not metrics_url_allowed("http://kubernetes.default/metrics", "10.0.0.7")
     assert not metrics_url_allowed("file:///etc/passwd", "10.0.0.7")
     assert not metrics_url_allowed("http://10.0.0.7/metrics", None)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("inFlight", True),
+        ("inFlight", "3"),
+        ("kvReservedTokens", 10**30),
+        ("queueLength", -1),
+        ("kvCapacityTokens", 0),
+        ("metricsUrl", "file:///etc/passwd"),
+    ],
+)
+def test_sync_reports_are_strict(field: str, value: Any) -> None:
+    from pydantic import ValidationError
+
+    body = {"namespace": "models", "name": "a", field: value}
+    with pytest.raises(ValidationError):
+        SyncReport.model_validate_json(__import__("json").dumps(body))

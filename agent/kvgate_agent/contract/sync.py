@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from kvgate_agent.contract.nodeadmission import PodAdmission
 from kvgate_agent.contract.policy import _Model
@@ -32,7 +32,10 @@ TOKEN_AUDIENCE = "kvgate-agent"
 #: Path of the sync endpoint on the node agent.
 SYNC_PATH = "/v1/sync"
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
+#: Upper bound of every count and token figure in a report: far above any real value, and below
+#: 2^53 (exact in JSON doubles) and the int64 the NodeAdmission schema stores.
+MAX_REPORTED = 2**40
+NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_REPORTED)]
 
 
 class SyncReport(_Model):
@@ -56,17 +59,23 @@ class SyncReport(_Model):
         thresholds_etag: the ETag of the thresholds the sidecar applies (diagnostics).
     """
 
+    model_config = ConfigDict(strict=True)  # no "3" or true for a number
+
     namespace: Annotated[str, Field(min_length=1, max_length=63)]
     name: Annotated[str, Field(min_length=1, max_length=253)]
-    uid: str | None = None
+    uid: Annotated[str, Field(max_length=128)] | None = None
     in_flight: NonNegativeInt = 0
     queue_length: NonNegativeInt = 0
     kv_reserved_tokens: NonNegativeInt = 0
-    kv_capacity_tokens: Annotated[int, Field(gt=0)] | None = None
-    decisions: dict[str, NonNegativeInt] = Field(default_factory=dict)
+    kv_capacity_tokens: Annotated[int, Field(gt=0, le=MAX_REPORTED)] | None = None
+    decisions: Annotated[dict[str, NonNegativeInt], Field(max_length=16)] = Field(
+        default_factory=dict
+    )
     metrics_url: Annotated[str, Field(pattern=r"^https?://", max_length=2048)] | None = None
-    gpu_uuids: list[str] = Field(default_factory=list, max_length=64)
-    thresholds_etag: str | None = None
+    gpu_uuids: list[Annotated[str, Field(max_length=128)]] = Field(
+        default_factory=list, max_length=64
+    )
+    thresholds_etag: Annotated[str, Field(max_length=128)] | None = None
 
 
 class SafetyNet(_Model):

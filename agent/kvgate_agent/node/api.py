@@ -27,20 +27,28 @@ def build_app(agent: NodeAgent) -> FastAPI:
     """The FastAPI application serving ``agent``."""
     app = FastAPI(title="kvgate node agent", docs_url=None, redoc_url=None, openapi_url=None)
 
+    too_large = {
+        "error": {
+            "message": f"report larger than {MAX_REPORT_BYTES} bytes",
+            "type": "invalid_request_error",
+            "code": "too_large",
+        }
+    }
+
     @app.post(SYNC_PATH)
     async def sync(request: Request) -> Response:
-        body = await request.body()
-        if len(body) > MAX_REPORT_BYTES:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "report too large",
-                        "type": "invalid_request_error",
-                        "code": "too_large",
-                    }
-                },
-                status_code=413,
-            )
+        # Never buffer more than the limit: Content-Length first, then the stream itself.
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > MAX_REPORT_BYTES):
+            return JSONResponse(too_large, status_code=413)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_REPORT_BYTES:
+                return JSONResponse(too_large, status_code=413)
+            chunks.append(chunk)
+        body = b"".join(chunks)
         result = await agent.sync(
             body,
             request.headers.get("authorization"),

@@ -118,7 +118,13 @@ class Authenticator:
         clock: monotonic seconds (injected).
         ok_ttl: seconds an accepted token is trusted without asking again.
         refused_ttl: seconds a refused token stays refused without asking again.
+        stale_ttl: when the API server cannot be asked (down, or the request fails), a token
+            accepted within this many seconds stays accepted: an API server outage must not
+            turn into an outage of every model pod (the answer is the same thresholds the pod
+            already holds). Projected tokens expire (1 h by default), which bounds the reuse.
         max_entries: cache bound.
+
+    Concurrent checks of one token share a single TokenReview.
     """
 
     def __init__(
@@ -128,6 +134,7 @@ class Authenticator:
         *,
         ok_ttl: float = 60.0,
         refused_ttl: float = 5.0,
+        stale_ttl: float = 600.0,
         max_entries: int = 4096,
         run: Callable[[Callable[[], Review]], Awaitable[Review]] | None = None,
     ) -> None:
@@ -135,10 +142,15 @@ class Authenticator:
         self.clock = clock
         self.ok_ttl = ok_ttl
         self.refused_ttl = refused_ttl
+        self.stale_ttl = stale_ttl
         self.max_entries = max_entries
-        self._cache: OrderedDict[str, tuple[Review, float]] = OrderedDict()
+        # key -> (review, fresh until, usable when the API server is unreachable until)
+        self._cache: OrderedDict[str, tuple[Review, float, float]] = OrderedDict()
+        self._pending: dict[str, asyncio.Future[Review]] = {}
         self._run = run or (lambda fn: asyncio.to_thread(fn))
         self.reviews = 0  # TokenReviews sent (for metrics)
+        self.review_errors = 0  # TokenReviews that failed (API server unreachable, RBAC)
+        self.stale_uses = 0  # checks answered from a stale acceptance during such failures
 
     async def verify(
         self, authorization: str | None, namespace: str, name: str, uid: str | None
@@ -146,31 +158,17 @@ class Authenticator:
         """The identity behind an ``Authorization`` header, checked against the claimed pod.
 
         Raises:
-            AuthError: 401 without a bearer token or when the API server does not accept it
-                (or cannot be asked: then 401 ``review_failed``, not cached); 403 when it
-                belongs to another pod (namespace, name or uid differ) or is not pod-bound.
+            AuthError: 401 without a bearer token or when the API server does not accept it;
+                403 when it belongs to another pod (namespace, name or uid differ) or is not
+                pod-bound; 503 ``review_unavailable`` when the API server cannot be asked and
+                the token was not accepted recently (not cached: the next sync asks again).
         """
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise AuthError(401, "missing_token", "send Authorization: Bearer <pod token>")
         key = hashlib.sha256(token.encode()).hexdigest()
-        now = self.clock()
-        hit = self._cache.get(key)
-        if hit is not None and hit[1] > now:
-            review = hit[0]
-        else:
-            try:
-                self.reviews += 1
-                review = await self._run(lambda: self.reviewer(token))
-            except Exception as exc:  # the API server cannot be asked: do not cache
-                log.warning("TokenReview failed: %s", exc)
-                raise AuthError(401, "review_failed", "cannot verify the token now") from exc
-            ttl = self.ok_ttl if review.identity is not None else self.refused_ttl
-            self._cache[key] = (review, now + ttl)
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
+        review = await self._review(key, token)
         ident = review.identity
         if ident is None:
             raise AuthError(review.status, review.code, review.error)
@@ -182,3 +180,44 @@ class Authenticator:
                 f"not {namespace}/{name}" + (f" (uid {uid})" if uid else ""),
             )
         return ident
+
+    async def _review(self, key: str, token: str) -> Review:
+        now = self.clock()
+        hit = self._cache.get(key)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        pending = self._pending.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[Review] = asyncio.get_running_loop().create_future()
+        self._pending[key] = fut
+        try:
+            try:
+                self.reviews += 1
+                review = await self._run(lambda: self.reviewer(token))
+            except Exception as exc:  # the API server cannot be asked
+                self.review_errors += 1
+                if hit is not None and hit[0].identity is not None and hit[2] > now:
+                    self.stale_uses += 1
+                    log.warning("TokenReview failed (%s); using the acceptance cached earlier", exc)
+                    review = hit[0]
+                else:
+                    log.warning("TokenReview failed: %s", exc)
+                    review = Review(None, 503, "review_unavailable", "cannot verify the token now")
+                fut.set_result(review)
+                return review
+            ok = review.identity is not None
+            fresh = now + (self.ok_ttl if ok else self.refused_ttl)
+            self._cache[key] = (review, fresh, now + self.stale_ttl if ok else fresh)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.max_entries:
+                self._cache.popitem(last=False)
+            fut.set_result(review)
+            return review
+        except BaseException as exc:
+            if not fut.done():
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: no "never retrieved" warning
+            raise
+        finally:
+            self._pending.pop(key, None)

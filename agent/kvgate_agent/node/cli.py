@@ -172,6 +172,8 @@ async def run_node(args: argparse.Namespace) -> int:
         await server_task
     watch.stop()
     await agent.stop()
+    if server.started:
+        await agent.write_final_status()  # Ready=False/AgentStopped: nobody reads stale figures
     monitor.close()
     api_client.close()
     return 0 if server.started else 1
@@ -190,8 +192,11 @@ def node_main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvgate-agent node: {exc}", file=sys.stderr)
         return 2
+    if not args.node_name.strip():
+        print("kvgate-agent node: --node-name (KVGATE_NODE_NAME) is empty", file=sys.stderr)
+        return 2
     try:
-        return asyncio.run(run_node(args))
+        rc = asyncio.run(run_node(args))
     except OSError as exc:
         print(f"kvgate-agent node: {exc}", file=sys.stderr)
         return 1
@@ -199,9 +204,20 @@ def node_main(args: argparse.Namespace) -> int:
         from kubernetes.config import ConfigException
 
         if isinstance(exc, ConfigException):
-            print(f"kvgate-agent node: no Kubernetes configuration: {exc}", file=sys.stderr)
+            where = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+            print(
+                f"kvgate-agent node: no Kubernetes configuration (not in a pod, and {where}: "
+                f"{exc})",
+                file=sys.stderr,
+            )
             return 1
         raise
+    # A GPU call hung in the driver keeps its worker thread, which the interpreter would join
+    # at exit (forever): everything is closed by now, so leave without waiting for it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -127,6 +127,23 @@ class _StateCollector(Collector):
             if engine_age is not None:
                 age.add_metric(["engine", ns, name], engine_age)
         yield age
+        reviews = CounterMetricFamily(
+            "kvgate_node_token_reviews",
+            "TokenReviews sent to the API server (cache misses), by result",
+            labels=["result"],
+        )
+        reviews.add_metric(["sent"], a.auth.reviews)
+        reviews.add_metric(["failed"], a.auth.review_errors)
+        reviews.add_metric(["stale_used"], a.auth.stale_uses)
+        yield reviews
+        implausible = GaugeMetricFamily(
+            "kvgate_node_engine_capacity_implausible",
+            "1 while a pod's engine reports a KV capacity the agent ignores (see reason)",
+            labels=["namespace", "pod", "reason"],
+        )
+        for (ns, name), why in st.implausible.items():
+            implausible.add_metric([ns, name, why], 1)
+        yield implausible
         yield GaugeMetricFamily(
             "kvgate_node_ready",
             "1 when the agent is ready (see /readyz)",
@@ -143,7 +160,6 @@ class NodeMetrics:
         sync_seconds: time to handle a sync, seconds.
         status_writes: NodeAdmission status writes by result (``ok``, ``absent``, ``error``).
         scrapes: engine metric scrapes by result (``ok``, ``error``, ``invalid``).
-        token_reviews: TokenReviews sent to the API server (cache misses).
     """
 
     def __init__(self, agent: NodeAgent, clock: Callable[[], float]) -> None:
@@ -166,8 +182,5 @@ class NodeMetrics:
         )
         self.scrapes = Counter(
             "kvgate_node_engine_scrapes", "Engine metric scrapes by result", ["result"], registry=r
-        )
-        self.token_reviews = Counter(
-            "kvgate_node_token_reviews", "TokenReviews sent to the API server", registry=r
         )
         r.register(_StateCollector(agent, clock))

@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,21 @@ from kvgate_agent.contract.nodeadmission import Condition, NodeAdmissionSpec, No
 from kvgate_agent.contract.sync import SyncReport
 from kvgate_agent.gpu.monitor import GpuMonitor
 from kvgate_agent.node.auth import Authenticator, AuthError
-from kvgate_agent.node.engine import EngineView
+from kvgate_agent.node.engine import EngineView, parse_engine_metrics
 from kvgate_agent.node.podgpu import gpus_by_pod
 from kvgate_agent.node.state import EngineFacts, NodeState, PodKey, StatusGate
 
 log = logging.getLogger("kvgate.node")
 
 Clock = Callable[[], float]
+
+#: Largest engine ``/metrics`` page read, bytes. vLLM's exposition is tens of KB; a page beyond
+#: this is refused (the scrape counts as failed) rather than buffered.
+MAX_SCRAPE_BYTES = 4 * 1024 * 1024
+
+
+class _TooLarge(Exception):
+    pass
 
 
 @dataclass(slots=True)
@@ -155,6 +164,12 @@ class NodeAgent:
         self._tasks: list[asyncio.Task[None]] = []
         self._status_wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
+        self._refusals_logged: dict[tuple[str, str, str], float] = {}
+        self._deleted_at: float | None = None
+        self._last_spec: NodeAdmissionSpec | None = None
+        # NVML calls run here, never in the default executor: a hung driver call must not keep
+        # asyncio.run() from returning on shutdown.
+        self._gpu_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-poll")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -183,21 +198,70 @@ class NodeAgent:
                 await t
         if self._session is not None:
             await self._session.close()
+        self._gpu_executor.shutdown(wait=False, cancel_futures=True)
+
+    async def write_final_status(self, within: float = 3.0) -> str | None:
+        """On shutdown: say so in the status (``Ready=False``, reason ``AgentStopped``), so
+        nobody reads the last GPU figures as live; bounded by ``within`` seconds."""
+        if self.status_writer is None or self.state.spec is None:
+            return None
+        self.state.stopped = True
+        try:
+            return await asyncio.wait_for(self.write_status(force=True), within)
+        except TimeoutError:
+            return "timeout"
 
     def on_spec(self, spec: NodeAdmissionSpec | None, error: str | None) -> None:
-        """The NodeAdmission watch saw a change (runs on the event loop)."""
+        """The NodeAdmission watch saw the object (runs on the event loop).
+
+        An unchanged spec (e.g. the event of the agent's own status write) only refreshes the
+        read time. A deleted object keeps the last spec for ``ttl_seconds`` (the operator
+        recreates it within a pass; if the operator is down, sidecars keep their thresholds
+        as if the agent were unreachable), then no pod on the node is governed. A recreated
+        object gets its status written at once.
+        """
+        now = self.clock()
         if error is not None:
             self.spec_error = error
             log.error("%s; keeping the previous thresholds", error)
             return
         self.spec_error = None
-        self.state.set_spec(spec, self.clock())
+        if spec is None and self._last_spec is not None:
+            if self._deleted_at is None:
+                self._deleted_at = now
+                log.warning(
+                    "NodeAdmission %s deleted: keeping its thresholds for %.0fs",
+                    self.settings.node_name,
+                    self.settings.ttl_seconds,
+                )
+                asyncio.get_running_loop().call_later(
+                    self.settings.ttl_seconds, self._deletion_grace_over
+                )
+            self.state.spec_read_at = now
+            return
+        recreated = self._deleted_at is not None or (spec is not None and self._last_spec is None)
+        self._deleted_at = None
+        if spec == self.state.spec and self.state.spec_known:
+            self.state.spec_read_at = now
+            return
+        self._last_spec = spec
+        self.state.set_spec(spec, now)
         log.info(
             "NodeAdmission %s: %d governed pods",
             self.settings.node_name,
             len(spec.pods) if spec else 0,
         )
+        if recreated:
+            self.gate.last_write = None  # a new object has an empty status: write it now
         self._status_wake.set()
+
+    def _deletion_grace_over(self) -> None:
+        if self._deleted_at is None:
+            return  # recreated meanwhile
+        self._deleted_at = None
+        self._last_spec = None
+        self.state.set_spec(None, self.clock())
+        log.info("NodeAdmission %s gone: no pod here is governed", self.settings.node_name)
 
     def ready(self) -> tuple[bool, str]:
         """Readiness: the NodeAdmission was read, and at least one GPU is usable."""
@@ -254,15 +318,16 @@ class NodeAgent:
                 for e in exc.errors()[:5]
             )
             return _error(422, "invalid_report", msg, "invalid_request_error")
-        reviews = self.auth.reviews
         try:
             await self.auth.verify(authorization, report.namespace, report.name, report.uid)
         except AuthError as exc:
-            m.token_reviews.inc(self.auth.reviews - reviews)
-            m.syncs.labels("forbidden" if exc.status == 403 else "unauthorized").inc()
-            log.warning("sync refused for %s/%s: %s", report.namespace, report.name, exc.message)
-            return _error(exc.status, exc.code, exc.message, "authentication_error")
-        m.token_reviews.inc(self.auth.reviews - reviews)
+            result = {401: "unauthorized", 403: "forbidden"}.get(exc.status, "unavailable")
+            m.syncs.labels(result).inc()
+            self._log_refusal(report.namespace, report.name, exc)
+            res = _error(exc.status, exc.code, exc.message, "authentication_error")
+            if exc.status == 503:
+                res.headers["Retry-After"] = "1"
+            return res
         if not self.state.spec_known:
             m.syncs.labels("unavailable").inc()
             res = _error(
@@ -292,13 +357,28 @@ class NodeAgent:
             200, answer.model_dump(mode="json", by_alias=True, exclude_none=True), headers
         )
 
+    def _log_refusal(self, namespace: str, name: str, exc: AuthError) -> None:
+        """Log a refused sync at most once a minute per pod and reason (sidecars retry every
+        second; the metric counts every one)."""
+        key = (namespace, name, exc.code)
+        now = self.clock()
+        if now - self._refusals_logged.get(key, -1e9) < 60.0:
+            return
+        if len(self._refusals_logged) > 4096:
+            self._refusals_logged.clear()
+        self._refusals_logged[key] = now
+        log.warning("sync refused for %s/%s: %s (%s)", namespace, name, exc.message, exc.code)
+
     # ------------------------------------------------------------------ loops
 
     async def poll_gpus(self) -> None:
         """Read the GPUs once (in a worker thread) and map NVML processes to pods."""
-        snap = await asyncio.to_thread(self.monitor.poll)
+        loop = asyncio.get_running_loop()
+        snap = await loop.run_in_executor(self._gpu_executor, self.monitor.poll)
         pids = {g.uuid: [p.pid for p in (g.processes or ())] for g in snap.gpus}
-        by_pod = await asyncio.to_thread(gpus_by_pod, pids, self.settings.proc_root)
+        by_pod = await loop.run_in_executor(
+            self._gpu_executor, gpus_by_pod, pids, self.settings.proc_root
+        )
         before = self.state.status().conditions if self.state.gpus is not None else None
         self.state.set_gpus(snap, by_pod)
         if before != self.state.conditions():
@@ -337,14 +417,27 @@ class NodeAgent:
                     self.engines.record_error(pod, f"http_{resp.status}")
                     self.metrics.scrapes.labels("error").inc()
                     return
-                text = await resp.text()
+                if (resp.content_length or 0) > MAX_SCRAPE_BYTES:
+                    raise _TooLarge()
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(65536):
+                    raw += chunk
+                    if len(raw) > MAX_SCRAPE_BYTES:
+                        raise _TooLarge()
+        except _TooLarge:
+            self.engines.record_error(pod, "too_large")
+            self.metrics.scrapes.labels("error").inc()
+            return
         except (TimeoutError, aiohttp.ClientError) as exc:
             self.engines.record_error(
                 pod, "timeout" if isinstance(exc, TimeoutError) else "connect"
             )
             self.metrics.scrapes.labels("error").inc()
             return
-        sample = self.engines.record_text(pod, text)
+        # Parsing a big exposition takes a while: off the loop, so syncs are never delayed.
+        text = raw.decode("utf-8", errors="replace")
+        sample = await asyncio.to_thread(parse_engine_metrics, text)
+        self.engines.record(pod, sample)
         self.metrics.scrapes.labels("ok" if sample.ok else "invalid").inc()
 
     async def _engine_loop(self) -> None:

@@ -130,6 +130,8 @@ class NodeState:
         self._engine: dict[PodKey, EngineFacts] = {}
         self._safety: dict[PodKey, _Safety] = {}
         self._answers: dict[PodKey, SyncAnswer] = {}
+        self.stopped = False  # set on shutdown: the last status says so
+        self.implausible: dict[PodKey, str] = {}  # engine capacities ignored, and why
 
     # ------------------------------------------------------------------ inputs
 
@@ -247,9 +249,11 @@ class NodeState:
 
     def status(self) -> NodeAdmissionStatus:
         """The ``NodeAdmission`` status without heartbeat time and condition transition times
-        (the writer adds them). Pods: every governed pod plus every connected sidecar."""
+        (the writer adds them). Pods: the governed pods of this node (the spec's), with what
+        their sidecars and engines report; a sidecar of a pod not in the spec (ungoverned, or
+        on another node) is answered but never reported here."""
         gpus = [_gpu_status(g) for g in self.gpus.gpus] if self.gpus else []
-        keys = sorted(set(self._pods) | set(self._reports))
+        keys = sorted(self._pods)
         pods = []
         for key in keys:
             rec = self._reports.get(key)
@@ -264,8 +268,10 @@ class NodeState:
                     in_flight=rec.report.in_flight if rec else 0,
                     queue_length=rec.report.queue_length if rec else 0,
                     kv_reserved_tokens=rec.report.kv_reserved_tokens if rec else 0,
-                    kv_used_tokens=eng.kv_used_tokens if eng else None,
-                    engine_kv_capacity_tokens=eng.kv_capacity_tokens if eng else None,
+                    kv_used_tokens=eng.kv_used_tokens
+                    if eng and eng.kv_used_tokens is not None and eng.kv_used_tokens <= 1 << 40
+                    else None,
+                    engine_kv_capacity_tokens=self._plausible_engine_kv(key),
                     gpu_uuids=sorted(attributed.uuids),
                     gpu_source=attributed.source if attributed.uuids else None,
                     safety_net_open=self.safety_open(key),
@@ -277,7 +283,14 @@ class NodeState:
         """``Ready`` (the agent reads at least one GPU and its NodeAdmission) and
         ``GpuMemoryLow`` (the safety net is closed for some pod)."""
         snap = self.gpus
-        if snap is None:
+        if self.stopped:
+            ready = Condition(
+                type="Ready",
+                status="False",
+                reason="AgentStopped",
+                message="the node agent shut down; GPU and KV figures are its last reading",
+            )
+        elif snap is None:
             ready = Condition(
                 type="Ready", status="Unknown", reason="Starting", message="no GPU read yet"
             )
@@ -306,7 +319,7 @@ class NodeState:
         eng = self._engine.get(key)
         cap = th.capacity
         kv = th.kv_capacity_tokens if th.kv_capacity_tokens is not None else cap.kv_cache_tokens
-        engine_kv = eng.kv_capacity_tokens if eng else None
+        engine_kv = self._plausible_engine_kv(key) if eng else None
         if engine_kv is not None and (cap.from_engine_metrics or cap.kv_cache_tokens is None):
             kv = engine_kv
         elif kv is None:
@@ -316,6 +329,39 @@ class NodeState:
         return pod.model_copy(
             update={"thresholds": th.model_copy(update={"kv_capacity_tokens": kv})}
         )
+
+    def _plausible_engine_kv(self, key: PodKey) -> int | None:
+        """The engine's reported KV capacity (tokens) if it is plausible, else None (recorded
+        in :attr:`implausible`). A value is implausible when it is below the policy's
+        ``model.maxModelLen`` (vLLM refuses to start unless its KV cache holds one sequence of
+        max_model_len), or when its bytes (× bytesPerToken) exceed the memory of the pod's
+        GPUs, or above 2^40 tokens. A wrong engine figure must neither switch KV protection
+        off nor refuse every request."""
+        eng = self._engine.get(key)
+        kv = eng.kv_capacity_tokens if eng else None
+        if kv is None:
+            self.implausible.pop(key, None)
+            return None
+        pod = self._pods.get(key)
+        why: str | None = None
+        if kv > 1 << 40:
+            why = f"{kv} tokens is beyond any GPU"
+        elif pod is not None:
+            th = pod.thresholds
+            mml = th.model.max_model_len
+            bpt = th.bytes_per_token or th.model.bytes_per_token
+            if mml is not None and kv < mml:
+                why = f"{kv} tokens is below model.maxModelLen {mml}"
+            elif bpt is not None and self.gpus is not None:
+                totals = [self.gpus.gpu(u) for u in self.pod_gpus(key).uuids]
+                mem = sum(g.total_bytes or 0 for g in totals if g is not None)
+                if mem and kv * bpt > mem:
+                    why = f"{kv} tokens × {bpt} bytes exceeds the pod's GPU memory ({mem} bytes)"
+        if why is None:
+            self.implausible.pop(key, None)
+            return kv
+        self.implausible[key] = why
+        return None
 
     def _nvml_estimate(self, key: PodKey, pod: PodAdmission) -> int | None:
         th = pod.thresholds

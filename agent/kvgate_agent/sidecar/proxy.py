@@ -92,6 +92,9 @@ HOP_BY_HOP = frozenset(
 )
 ADMITTED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 JSON = "application/json"
+#: Bound on the sidecar's own reads of the model server (metrics, model list): a hung engine
+#: endpoint must not stall the capacity check for the request timeout (minutes).
+_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 #: Response header naming the thresholds mode (see :class:`Mode`) when a node agent is used.
 THRESHOLDS_HEADER = "x-kvgate-thresholds"
 #: What an agent-mode sidecar enforces without thresholds (before the first answer, unmanaged
@@ -268,7 +271,7 @@ class Sidecar:
         assert self.session is not None
         tokens: int | None = None
         try:
-            async with self.session.get(self.upstream + "/metrics") as resp:
+            async with self.session.get(self.upstream + "/metrics", timeout=_PROBE_TIMEOUT) as resp:
                 if resp.status == 200:
                     tokens = kv_capacity_from_metrics(await resp.text())
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -298,7 +301,9 @@ class Sidecar:
         max_tokens is then kept within it, as the engine's own default would be."""
         assert self.session is not None
         try:
-            async with self.session.get(self.upstream + "/v1/models") as resp:
+            async with self.session.get(
+                self.upstream + "/v1/models", timeout=_PROBE_TIMEOUT
+            ) as resp:
                 data = await resp.json(content_type=None) if resp.status == 200 else None
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             log.debug("cannot read /v1/models: %s", exc)
