@@ -136,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         "[KVGATE_FAILURE_MODE]",
     )
     s.add_argument(
+        "--expected-policy",
+        default=_env("EXPECTED_POLICY"),
+        help="with --agent-url: the RateLimitPolicy this pod should be governed by (the "
+        "webhook sets it from the kvgate.io/policy annotation); a different or no policy is "
+        "logged and shown in kvgate_policy_mismatch [KVGATE_EXPECTED_POLICY]",
+    )
+    s.add_argument(
         "--thresholds-ttl",
         type=_positive(float),
         default=_env("THRESHOLDS_TTL"),
@@ -269,6 +276,7 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
         ttl_override=args.thresholds_ttl,
         metrics_url=sidecar_metrics_url(args.pod_ip or None, host, port),
         gpu_uuids=gpu_uuids_from_env(os.environ),
+        expected_policy=args.expected_policy or None,
     )
 
 

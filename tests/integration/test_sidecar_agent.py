@@ -9,6 +9,7 @@ fail. Syncs every 0.1 s and TTLs under a second keep each test short.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -389,6 +390,26 @@ async def test_unmanaged_pod_enforces_no_limits(
     assert all(r[0] == 200 and r[1]["x-kvgate-thresholds"] == "unmanaged" for r in results)
     m = await metrics(client, url)
     assert not any(k.startswith("kvgate_policy_generation") for k in m)
+
+
+async def test_a_policy_other_than_the_annotated_one_is_flagged(
+    upstream: Upstream,
+    agent: FakeAgent,
+    agent_sidecar: MakeSidecar,
+    client: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvgate.sidecar")
+    url, sc = await agent_sidecar(upstream.url, agent.url, expected_policy="pol")
+    await until(lambda: sc.mode is Mode.LIVE)
+    assert (await metrics(client, url))["kvgate_policy_mismatch"] == 0
+    agent.set_thresholds(None)  # no policy governs the pod any more
+    await until(lambda: sc.mode is Mode.UNMANAGED)
+    assert (await metrics(client, url))["kvgate_policy_mismatch"] == 1
+    assert "annotated kvgate.io/policy=pol but is governed by no RateLimitPolicy" in caplog.text
+    agent.set_thresholds({})
+    await until(lambda: sc.mode is Mode.LIVE)
+    assert (await metrics(client, url))["kvgate_policy_mismatch"] == 0
 
 
 async def test_wrong_pod_token_is_counted_and_enforcement_waits(

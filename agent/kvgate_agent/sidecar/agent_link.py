@@ -114,6 +114,8 @@ class AgentSettings:
         gpu_uuids: the pod's GPUs when known (see :func:`gpu_uuids_from_env`).
         sync_timeout: bound on one sync call, seconds.
         sync_interval: seconds between syncs until an answer gives its own.
+        expected_policy: the RateLimitPolicy name the pod should be governed by (annotation
+            ``kvgate.io/policy``); informational: a mismatch is logged and exported.
     """
 
     url: str
@@ -127,6 +129,7 @@ class AgentSettings:
     gpu_uuids: tuple[str, ...] = field(default_factory=tuple)
     sync_timeout: float = DEFAULT_SYNC_TIMEOUT_SECONDS
     sync_interval: float = DEFAULT_SYNC_INTERVAL_SECONDS
+    expected_policy: str | None = None
 
 
 def gpu_uuids_from_env(env: Mapping[str, str]) -> tuple[str, ...]:

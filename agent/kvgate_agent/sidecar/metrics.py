@@ -148,6 +148,16 @@ class _LinkCollector(Collector):
             yield g
 
 
+class _FlagCollector(Collector):
+    """A 0/1 gauge read from a one-element list at scrape time."""
+
+    def __init__(self, name: str, doc: str, flag: list[bool]) -> None:
+        self.name, self.doc, self.flag = name, doc, flag
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.name, self.doc, value=1.0 if self.flag[0] else 0.0)
+
+
 class SidecarMetrics:
     """All sidecar metrics.
 
@@ -168,6 +178,7 @@ class SidecarMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.tenant_label = TenantLabels(tenant_label_limit)
         self.upstream_ok = [True]
+        self.policy_mismatch = [False]  # set by the sidecar after each agent answer
         r = self.registry
         self.decisions = Counter(
             "kvgate_admission_decisions",
@@ -199,6 +210,14 @@ class SidecarMetrics:
             registry=r,
         )
         r.register(_AdmissionCollector(controller, self.tenant_label, self.upstream_ok))
+        r.register(
+            _FlagCollector(
+                "kvgate_policy_mismatch",
+                "1 while the governing RateLimitPolicy is not the one the pod's kvgate.io/policy "
+                "annotation names",
+                self.policy_mismatch,
+            )
+        )
         self.decision_counts: dict[str, int] = {}
         self.agent_sync: Counter | None = None
 

@@ -179,6 +179,7 @@ class Sidecar:
         self.mode: Mode | None = None
         self.safety_net = SafetyNet()
         self.policy_ref: PolicyRef | None = None
+        self._mismatch_seen: tuple[bool, str | None] = (False, None)
         #: KV capacity the sidecar read from the engine itself (tokens), if it did.
         self.engine_kv_tokens: int | None = None
         self._applied: tuple[PodThresholds | None, bool] | None = None
@@ -446,7 +447,25 @@ class Sidecar:
         if answer is not None:
             self.safety_net = answer.safety_net
             self.policy_ref = None if answer.pod is None else answer.pod.policy
+            self._check_expected_policy()
         self.refresh_mode(force=answer is not None)
+
+    def _check_expected_policy(self) -> None:
+        """Compare the governing policy with the one the pod's ``kvgate.io/policy`` annotation
+        names: a mismatch (another policy, or none) is logged once per change and exported as
+        ``kvgate_policy_mismatch``; admission follows the agent either way."""
+        a = self.settings.agent
+        expected = a.expected_policy if a is not None else None
+        got = self.policy_ref.name if self.policy_ref is not None else None
+        mismatch = expected is not None and got != expected
+        if mismatch and (mismatch, got) != self._mismatch_seen:
+            log.warning(
+                "this pod is annotated kvgate.io/policy=%s but is governed by %s",
+                expected,
+                "no RateLimitPolicy" if got is None else f"RateLimitPolicy {got}",
+            )
+        self._mismatch_seen = (mismatch, got)
+        self.metrics.policy_mismatch[0] = mismatch
 
     def sync_report(self) -> SyncReport:
         """What this sidecar tells the node agent now (tokens; decisions cumulative)."""
