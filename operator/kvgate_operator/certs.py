@@ -354,6 +354,7 @@ class KubeCertStore:
         self.admission = client.AdmissionregistrationV1Api(api)
         self.api = api
         self.timeout = timeout
+        self._types: dict[tuple[str, str], str] = {}  # a Secret's type is immutable: keep it
 
     def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
         try:
@@ -363,6 +364,7 @@ class KubeCertStore:
                 return None
             raise
         data = {k: base64.b64decode(v) for k, v in (s.data or {}).items()}
+        self._types[(namespace, name)] = s.type or "Opaque"
         return data, str(s.metadata.resource_version if s.metadata else "")
 
     def write_secret(
@@ -383,11 +385,13 @@ class KubeCertStore:
         if resource_version is None:
             s = self.core.create_namespaced_secret(namespace, body, _request_timeout=self.timeout)
         else:
-            # Keep whatever type an existing Secret has (type is immutable).
-            body.type = None
+            # A replace must repeat the existing Secret's type: it is immutable, and an unset
+            # type defaults to Opaque, which the API server refuses for a kubernetes.io/tls one.
+            body.type = self._types.get((namespace, name), "kubernetes.io/tls")
             s = self.core.replace_namespaced_secret(
                 name, namespace, body, _request_timeout=self.timeout
             )
+        self._types[(namespace, name)] = str(s.type or body.type or "Opaque")
         return str(s.metadata.resource_version if s.metadata else "")
 
     def read_webhook_config(self, name: str) -> dict[str, Any] | None:
@@ -544,7 +548,7 @@ class CertificateManager:
             self.persistent = True
             return True
         except ApiException as exc:
-            if exc.status in (409, 422) or (exc.status == 404 and self._rv is not None):
+            if exc.status == 409 or (exc.status == 404 and self._rv is not None):
                 # Someone else wrote (or deleted) it meanwhile: take theirs if usable.
                 try:
                     theirs = self._load()

@@ -741,3 +741,34 @@ def test_a_restarted_operator_keeps_its_ca_and_the_ca_bundle(
     assert config_bundles(kube) == bundles
     assert secret(kube)["metadata"]["resourceVersion"] == rv
     assert secret(kube)["data"]["ca.crt"] == ca_before
+
+
+def test_new_host_names_rewrite_the_stored_certificate(crds: Any, webhook: WebhookOperator) -> None:
+    """A changed KVGATE_OPERATOR_WEBHOOK_HOST renews the serving certificate and the Secret is
+    really updated (replacing a Secret must keep its immutable type), under the same CA."""
+    kube = crds
+    before = secret(kube)
+    bundles = config_bundles(kube)
+    webhook.stop()
+    webhook.extra_env["KVGATE_OPERATOR_WEBHOOK_HOST"] = "127.0.0.1,kvgate-webhook.renamed.svc"
+    try:
+        webhook.start()
+        wait_for(
+            lambda: (
+                secret(kube)["metadata"]["resourceVersion"] != before["metadata"]["resourceVersion"]
+            ),
+            30,
+            "the Secret to be rewritten",
+        )
+        after = secret(kube)
+        assert after["type"] == before["type"]
+        assert after["data"]["ca.crt"] == before["data"]["ca.crt"]  # same CA: no bundle churn
+        cert = x509.load_pem_x509_certificate(base64.b64decode(after["data"]["tls.crt"]))
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert "kvgate-webhook.renamed.svc" in san.get_values_for_type(x509.DNSName)
+        assert config_bundles(kube) == bundles
+        assert "Invalid" not in webhook.log.read_text()
+    finally:
+        webhook.stop()
+        webhook.extra_env.pop("KVGATE_OPERATOR_WEBHOOK_HOST")
+        webhook.start()
