@@ -115,11 +115,12 @@ class NamespaceLabels:
         self.max_entries = max_entries
         self._cache: dict[str, tuple[float, dict[str, str]]] = {}
 
-    async def labels(self, namespace: str) -> dict[str, str] | None:
-        """The namespace's labels, or None when they could not be read (logged)."""
+    async def labels(self, namespace: str, *, fresh: bool = False) -> dict[str, str] | None:
+        """The namespace's labels, or None when they could not be read (logged). ``fresh``
+        skips the cache (one API call)."""
         hit = self._cache.get(namespace)
         now = self.clock()
-        if hit is not None and now - hit[0] < self.ttl:
+        if not fresh and hit is not None and now - hit[0] < self.ttl:
             return hit[1]
         try:
             got = await asyncio.wait_for(asyncio.to_thread(self.lookup, namespace), self.timeout)
@@ -199,6 +200,16 @@ class InjectionWebhook:
         namespace = str(meta.get("namespace") or "")
         try:
             labels = await self.namespaces.labels(namespace) if namespace else {}
+            pod_labels = meta.get("labels") if isinstance(meta.get("labels"), dict) else {}
+            if (
+                namespace
+                and labels is not None
+                and labels.get(LABEL_INJECT) != "true"
+                and (pod_labels or {}).get(LABEL_INJECT) != "true"
+            ):
+                # The pod's own label did not send it here, so the namespace selector did: the
+                # namespace was labelled within the cache's lifetime. Ask again, uncached.
+                labels = await self.namespaces.labels(namespace, fresh=True)
             if labels is None:
                 self.metrics.namespace_lookup_failures.inc()
                 labels = {}

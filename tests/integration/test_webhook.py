@@ -155,6 +155,22 @@ def test_namespace_opt_in_and_lookup_failure() -> None:
     assert h.metrics.namespace_lookup_failures._value.get() == 2
 
 
+def test_a_namespace_labelled_within_the_cache_lifetime_is_honoured() -> None:
+    labels: dict[str, dict[str, str]] = {}
+    calls: list[str] = []
+
+    def lookup(ns: str) -> dict[str, str]:
+        calls.append(ns)
+        return labels.get(ns, {})
+
+    h = InjectionWebhook(InjectionConfig(), NamespaceLabels(lookup, ttl=300), OperatorMetrics())
+    assert kopf_json_patch(h, model_pod(labels={"kvgate.io/inject": "true"}))  # caches "models"
+    labels["models"] = {"kvgate.io/inject": "true"}  # `kubectl label ns models ...` just now
+    # An unlabelled pod only reaches the webhook through the namespace selector: asked again.
+    assert kopf_json_patch(h, model_pod())
+    assert calls == ["models", "models"]
+
+
 def test_a_refusal_is_an_admission_error_and_a_bug_lets_the_pod_pass() -> None:
     pod = model_pod(labels={"kvgate.io/inject": "true"})
     pod["spec"]["containers"][0]["ports"] = [{"containerPort": 8001}]
