@@ -13,8 +13,9 @@ Rules, in the order they are applied (documented for users in the README):
    the labels say: a label on kube-system cannot be relied on (managed platforms strip them).
 2. ``already_injected``: a container or init container named ``kvgate-sidecar``, or the
    annotation ``kvgate.io/injected``, is present. Nothing changes.
-3. ``opted_out`` (skipped): annotation ``kvgate.io/inject: "false"`` (or the pod label
-   ``kvgate.io/inject: "false"``) wins over every opt-in.
+3. ``opted_out`` (skipped): annotation ``kvgate.io/inject: "false"``, or the pod label
+   ``kvgate.io/inject`` with any value but exactly ``"true"`` (``"false"``, ``"False"``,
+   ``"no"``...), wins over every opt-in.
 4. ``not_opted_in`` (skipped): neither the pod label ``kvgate.io/inject: "true"`` nor the
    namespace label (``namespace_opt_in``).
 5. ``host_network`` (skipped): ``spec.hostNetwork: true``; the sidecar's port would be the node's.
@@ -531,8 +532,12 @@ def inject(
         return _skip(
             src, "opted_out", f'kvgate: opted out by annotation {ANNOTATION_INJECT}: "false"'
         )
-    if label_inject == "false":
-        return _skip(src, "opted_out", f'kvgate: opted out by label {LABEL_INJECT}: "false"')
+    if label_inject is not None and label_inject != "true":
+        # "false", but also "False", "no", "off": anything but exactly "true" is not an
+        # opt-in, and in an opted-in namespace the pod's own label must win.
+        return _skip(
+            src, "opted_out", f'kvgate: opted out by label {LABEL_INJECT}: "{label_inject}"'
+        )
     by_label = label_inject == "true"
     if not (by_label or namespace_opt_in):
         return _skip(
