@@ -43,7 +43,7 @@ from typing import Any
 import aiohttp.web
 import kopf
 
-from kvgate_operator.inject import LABEL_INJECT, InjectionConfig, inject
+from kvgate_operator.inject import LABEL_INJECT, Injection, InjectionConfig, inject
 from kvgate_operator.metrics import OperatorMetrics
 
 log = logging.getLogger("kvgate.operator.webhook")
@@ -191,6 +191,7 @@ class InjectionWebhook:
         body: kopf.Body,
         patch: kopf.Patch,
         logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = log,
+        warnings: list[str] | None = None,
         **_: Any,
     ) -> None:
         """Decide, record the decision, and either patch, deny or let the pod pass."""
@@ -229,11 +230,26 @@ class InjectionWebhook:
         if not result.allowed:
             log.info("refused pod %s/%s: %s", namespace, name, result.message)
             raise kopf.AdmissionError(result.message, code=400)
+        if warnings is not None and _worth_a_warning(result, pod):
+            warnings.append(result.message)  # kubectl prints it: the user asked for a sidecar
         if changes:
             log.info("injected pod %s/%s (%s)", namespace, name, result.message)
             patch.update(changes)
         else:
             log.debug("pod %s/%s: %s (%s)", namespace, name, result.action, result.reason)
+
+
+def _worth_a_warning(result: Injection, pod: Mapping[str, Any]) -> bool:
+    """Whether a pod that asked for the sidecar and did not get it should hear why, as an
+    admission warning (``kubectl`` prints it): opted in, yet skipped for host networking, no
+    port, an excluded namespace, or a stale ``kvgate.io/injected`` annotation."""
+    if result.action == "skipped" and result.reason in ("host_network", "no_model_port"):
+        return True
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    asked = isinstance(labels, Mapping) and labels.get(LABEL_INJECT) == "true"
+    if result.action == "skipped" and result.reason == "excluded_namespace":
+        return asked
+    return result.action == "already_injected" and "remove the annotation" in result.message
 
 
 # ----------------------------------------------------------------------------------------------

@@ -171,6 +171,21 @@ def test_a_namespace_labelled_within_the_cache_lifetime_is_honoured() -> None:
     assert calls == ["models", "models"]
 
 
+def test_an_opted_in_pod_that_is_skipped_gets_a_warning() -> None:
+    h = handler_for()
+    host = model_pod(labels={"kvgate.io/inject": "true"})
+    host["spec"]["hostNetwork"] = True
+    warnings: list[str] = []
+    body = bodies.Body(host)
+    asyncio.run(h.handle(body=body, patch=kopf.Patch(body=body), warnings=warnings))
+    assert len(warnings) == 1 and "host" in warnings[0].lower()
+    warnings.clear()
+    plain = model_pod()  # never asked: no warning
+    body = bodies.Body(plain)
+    asyncio.run(h.handle(body=body, patch=kopf.Patch(body=body), warnings=warnings))
+    assert warnings == []
+
+
 def test_a_refusal_is_an_admission_error_and_a_bug_lets_the_pod_pass() -> None:
     pod = model_pod(labels={"kvgate.io/inject": "true"})
     pod["spec"]["containers"][0]["ports"] = [{"containerPort": 8001}]
