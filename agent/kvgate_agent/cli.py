@@ -19,11 +19,13 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from aiohttp import web
 
 from kvgate_agent.admission import Reason
+from kvgate_agent.args import env as _env
+from kvgate_agent.args import hostport as _hostport
+from kvgate_agent.args import positive as _positive
 from kvgate_agent.contract.policy import FailureMode, PolicyError, RateLimitPolicy, load_policy
 from kvgate_agent.node.cli import add_node_parser, node_main
 from kvgate_agent.sidecar.agent_link import (
@@ -38,35 +40,10 @@ from kvgate_agent.sidecar.tokens import TokenizerError
 log = logging.getLogger("kvgate")
 
 
-def _hostport(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
-    return (host.strip("[]") or "0.0.0.0"), int(port)
-
-
 def _url(value: str) -> str:
     if not value.startswith(("http://", "https://")) or len(value) < 10:
         raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {value!r}")
     return value
-
-
-def _positive(kind: type[int] | type[float]) -> Any:
-    def parse(value: str) -> int | float:
-        try:
-            v = kind(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
-        return v
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get("KVGATE_" + name, default)
 
 
 def build_parser() -> argparse.ArgumentParser:

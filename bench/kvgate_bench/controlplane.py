@@ -227,13 +227,16 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _stop(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> None:
-    """Terminate ``proc`` by its pid, kill it if it lingers, reap it."""
+def _stop(
+    proc: subprocess.Popen[bytes] | None, timeout: float = 10.0, sig: int = signal.SIGTERM
+) -> None:
+    """Send ``sig`` (SIGTERM) to ``proc``, kill it if it lingers past ``timeout`` seconds,
+    reap it."""
     if proc is None:
         return
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
+            proc.send_signal(sig)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -14,7 +14,6 @@ benchmark (``kvgate_bench.bench_node``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -31,7 +30,7 @@ from typing import Any
 import yaml
 
 from kvgate_agent.gpu.fake import write_scenario
-from kvgate_bench.controlplane import ControlPlane, free_port
+from kvgate_bench.controlplane import ControlPlane, _stop, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
@@ -55,16 +54,7 @@ def stop_process(
     proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout: float = 15
 ) -> None:
     """Send ``sig`` and reap; SIGKILL if it lingers past ``timeout`` seconds."""
-    if proc is None or proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(sig)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        proc.wait()
+    _stop(proc, timeout, sig)
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:

@@ -35,6 +35,7 @@ from cryptography import x509
 from kopf._cogs.structs import bodies
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate_bench.nodestack import wait_until
 from kvgate_operator.certs import new_ca, new_serving_cert
 from kvgate_operator.inject import (
     ANNOTATION_INJECTED,
@@ -358,14 +359,7 @@ class WebhookOperator:
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    return wait_until(cond, timeout, what, interval=0.1)
 
 
 def webhook_config(name: str, url: str, *, excluded: list[str] | None = EXCLUDED) -> dict[str, Any]:

@@ -16,28 +16,15 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from kvgate_agent.args import env as _env
+from kvgate_agent.args import hostport as _hostport
+from kvgate_agent.args import positive
+
 log = logging.getLogger("kvgate.node")
 
 
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get("KVGATE_" + name, default)
-
-
-def _hostport(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
-    return (host.strip("[]") or "0.0.0.0"), int(port)
-
-
 def _seconds(value: str) -> float:
-    try:
-        v = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
-    return v
+    return float(positive(float)(value))
 
 
 def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
