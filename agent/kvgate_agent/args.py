@@ -4,6 +4,7 @@ and a bad value (flag or environment) is reported by argparse like any bad flag.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 
@@ -37,8 +38,8 @@ def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
             v = kind(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-        if not v > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {value!r}")
+        if not 0 < v < math.inf:
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {value!r}")
         return v
 
     parse.__name__ = kind.__name__

@@ -249,6 +249,9 @@ def _worth_a_warning(result: Injection, pod: Mapping[str, Any]) -> bool:
     asked = isinstance(labels, Mapping) and labels.get(LABEL_INJECT) == "true"
     if result.action == "skipped" and result.reason == "excluded_namespace":
         return asked
+    value = labels.get(LABEL_INJECT) if isinstance(labels, Mapping) else None
+    if result.action == "skipped" and result.reason == "opted_out" and value not in (None, "false"):
+        return True  # "True", "yes": probably meant as an opt-in, which only "true" is
     return result.action == "already_injected" and "remove the annotation" in result.message
 
 

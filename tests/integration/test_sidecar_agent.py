@@ -434,7 +434,7 @@ async def test_wrong_pod_token_is_counted_and_enforcement_waits(
         ([], {"KVGATE_AGENT_URL": "http://127.0.0.1:9", "KVGATE_POD_NAME": "p"}, "needs"),
         (["--agent-url", "127.0.0.1:9"], {}, "expected an http:// or https:// URL"),
         (["--failure-mode", "Maybe"], {"KVGATE_AGENT_URL": "http://127.0.0.1:9"}, "Maybe"),
-        (["--thresholds-ttl", "0"], {}, "must be > 0"),
+        (["--thresholds-ttl", "0"], {}, "must be a finite number > 0"),
     ],
 )
 def test_cli_mode_errors_are_clear(

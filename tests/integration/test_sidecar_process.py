@@ -123,7 +123,8 @@ async def test_drain_deadline_is_enforced_and_waiters_get_503(
     [
         (["--upstream", "127.0.0.1:8000"], {}, "expected an http:// or https:// URL"),
         ([], {"KVGATE_MAX_BODY_BYTES": "8M"}, "--max-body-bytes"),
-        (["--drain-seconds", "-1"], {}, "must be > 0"),
+        (["--drain-seconds", "-1"], {}, "must be a finite number > 0"),
+        (["--drain-seconds", "inf"], {}, "must be a finite number > 0"),
         (["--log-level", "verbose"], {}, "--log-level"),
     ],
 )

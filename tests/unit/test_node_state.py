@@ -408,3 +408,46 @@ def test_sync_reports_are_strict(field: str, value: Any) -> None:
     body = {"namespace": "models", "name": "a", field: value}
     with pytest.raises(ValidationError):
         SyncReport.model_validate_json(__import__("json").dumps(body))
+
+
+async def test_a_cancelled_caller_does_not_cancel_the_shared_review() -> None:
+    gate = asyncio.Event()
+    calls: list[str] = []
+
+    async def run(fn: Any) -> Review:
+        await gate.wait()
+        return fn()  # type: ignore[no-any-return]
+
+    def reviewer(token: str) -> Review:
+        calls.append(token)
+        return review_from_status(status_for("models", "a", "uid-a"))
+
+    auth = Authenticator(reviewer, Clock(), run=run)
+    first = asyncio.create_task(auth.verify("Bearer t", "models", "a", None))
+    second = asyncio.create_task(auth.verify("Bearer t", "models", "a", None))
+    await asyncio.sleep(0)
+    first.cancel()
+    gate.set()
+    assert (await second).uid == "uid-a"
+    await auth.verify("Bearer t", "models", "a", None)  # cached: no second review
+    assert calls == ["t"]
+
+
+async def test_after_a_failed_review_none_is_tried_for_a_while() -> None:
+    calls: list[str] = []
+
+    def reviewer(token: str) -> Review:
+        calls.append(token)
+        raise TimeoutError("apiserver hangs")
+
+    clock = Clock()
+    auth = Authenticator(reviewer, clock, retry_after_failure=5, run=_inline)
+    for _ in range(3):
+        with pytest.raises(AuthError) as e:
+            await auth.verify("Bearer t", "models", "a", None)
+        assert e.value.status == 503
+    assert calls == ["t"]  # one slow review, then immediate answers
+    clock.t = 6
+    with pytest.raises(AuthError):
+        await auth.verify("Bearer t", "models", "a", None)
+    assert calls == ["t", "t"]

@@ -104,7 +104,8 @@ def kube_token_reviewer(api_client: Any, audience: str = TOKEN_AUDIENCE) -> Toke
         body = client.V1TokenReview(
             spec=client.V1TokenReviewSpec(token=token, audiences=[audience])
         )
-        result = api.create_token_review(body, _request_timeout=5)
+        # Below the sidecar's sync timeout (2 s), so a hung API server fails the review in time.
+        result = api.create_token_review(body, _request_timeout=1.5)
         return review_from_status(api_client.sanitize_for_serialization(result.status) or {})
 
     return review
@@ -122,9 +123,13 @@ class Authenticator:
             accepted within this many seconds stays accepted: an API server outage must not
             turn into an outage of every model pod (the answer is the same thresholds the pod
             already holds). Projected tokens expire (1 h by default), which bounds the reuse.
+        retry_after_failure: after a failed TokenReview, no new one is tried for this many
+            seconds (recent acceptances are used, others get 503 at once), so a hung API server
+            does not make every sync wait for its own review.
         max_entries: cache bound.
 
-    Concurrent checks of one token share a single TokenReview.
+    Concurrent checks of one token share a single TokenReview (its own task: cancelling one
+    caller never cancels the others).
     """
 
     def __init__(
@@ -135,6 +140,7 @@ class Authenticator:
         ok_ttl: float = 60.0,
         refused_ttl: float = 5.0,
         stale_ttl: float = 600.0,
+        retry_after_failure: float = 5.0,
         max_entries: int = 4096,
         run: Callable[[Callable[[], Review]], Awaitable[Review]] | None = None,
     ) -> None:
@@ -142,7 +148,9 @@ class Authenticator:
         self.clock = clock
         self.ok_ttl = ok_ttl
         self.refused_ttl = refused_ttl
-        self.stale_ttl = stale_ttl
+        self.stale_ttl = max(stale_ttl, ok_ttl)
+        self.retry_after_failure = retry_after_failure
+        self._down_until = float("-inf")
         self.max_entries = max_entries
         # key -> (review, fresh until, usable when the API server is unreachable until)
         self._cache: OrderedDict[str, tuple[Review, float, float]] = OrderedDict()
@@ -186,38 +194,44 @@ class Authenticator:
         hit = self._cache.get(key)
         if hit is not None and hit[1] > now:
             return hit[0]
-        pending = self._pending.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        fut: asyncio.Future[Review] = asyncio.get_running_loop().create_future()
-        self._pending[key] = fut
+        stale = hit is not None and hit[0].identity is not None and hit[2] > now
+        if now < self._down_until:
+            # The API server failed a moment ago: do not queue another slow review per sync.
+            return self._unavailable(hit[0] if stale and hit is not None else None)
+        task = self._pending.get(key)
+        if task is None:
+            # Its own task, so one caller's cancellation never cancels the others' answer.
+            task = asyncio.ensure_future(self._ask(key, token, now))
+            self._pending[key] = task
+            task.add_done_callback(lambda _t: self._pending.pop(key, None))
         try:
-            try:
-                self.reviews += 1
-                review = await self._run(lambda: self.reviewer(token))
-            except Exception as exc:  # the API server cannot be asked
-                self.review_errors += 1
-                if hit is not None and hit[0].identity is not None and hit[2] > now:
-                    self.stale_uses += 1
-                    log.warning("TokenReview failed (%s); using the acceptance cached earlier", exc)
-                    review = hit[0]
-                else:
-                    log.warning("TokenReview failed: %s", exc)
-                    review = Review(None, 503, "review_unavailable", "cannot verify the token now")
-                fut.set_result(review)
-                return review
-            ok = review.identity is not None
-            fresh = now + (self.ok_ttl if ok else self.refused_ttl)
-            self._cache[key] = (review, fresh, now + self.stale_ttl if ok else fresh)
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
-            fut.set_result(review)
-            return review
-        except BaseException as exc:
-            if not fut.done():
-                fut.set_exception(exc)
-                fut.exception()  # retrieved: no "never retrieved" warning
-            raise
-        finally:
-            self._pending.pop(key, None)
+            return await asyncio.shield(task)
+        except _ReviewFailed:
+            return self._unavailable(hit[0] if stale and hit is not None else None)
+
+    async def _ask(self, key: str, token: str, now: float) -> Review:
+        self.reviews += 1
+        try:
+            review = await self._run(lambda: self.reviewer(token))
+        except Exception as exc:  # the API server cannot be asked
+            self.review_errors += 1
+            self._down_until = self.clock() + self.retry_after_failure
+            log.warning("TokenReview failed: %s", exc)
+            raise _ReviewFailed() from exc
+        ok = review.identity is not None
+        fresh = now + (self.ok_ttl if ok else self.refused_ttl)
+        self._cache[key] = (review, fresh, now + self.stale_ttl if ok else fresh)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.max_entries:
+            self._cache.popitem(last=False)
+        return review
+
+    def _unavailable(self, stale: Review | None) -> Review:
+        if stale is not None:
+            self.stale_uses += 1
+            return stale  # accepted recently: the API server's trouble is not the pod's
+        return Review(None, 503, "review_unavailable", "cannot verify the token now")
+
+
+class _ReviewFailed(Exception):
+    """The TokenReview could not be made (the API server is unreachable or refused it)."""

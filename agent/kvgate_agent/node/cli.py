@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -155,8 +156,10 @@ async def run_node(args: argparse.Namespace) -> int:
         {server_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
     )
     server.should_exit = True
-    with contextlib.suppress(Exception):
+    try:
         await server_task
+    except (Exception, SystemExit) as exc:  # uvicorn exits (sys.exit) when it cannot bind
+        log.error("the sync API stopped: %r", exc)
     watch.stop()
     await agent.stop()
     if server.started:
@@ -182,29 +185,29 @@ def node_main(args: argparse.Namespace) -> int:
     if not args.node_name.strip():
         print("kvgate-agent node: --node-name (KVGATE_NODE_NAME) is empty", file=sys.stderr)
         return 2
+    rc = 1
     try:
         rc = asyncio.run(run_node(args))
     except OSError as exc:
         print(f"kvgate-agent node: {exc}", file=sys.stderr)
-        return 1
     except Exception as exc:
         from kubernetes.config import ConfigException
 
-        if isinstance(exc, ConfigException):
-            where = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
-            print(
-                f"kvgate-agent node: no Kubernetes configuration (not in a pod, and {where}: "
-                f"{exc})",
-                file=sys.stderr,
-            )
-            return 1
-        raise
-    # A GPU call hung in the driver keeps its worker thread, which the interpreter would join
-    # at exit (forever): everything is closed by now, so leave without waiting for it.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+        if not isinstance(exc, ConfigException):
+            traceback.print_exc()  # a bug: show it (os._exit below would swallow a raise)
+            return 1  # (the finally clause exits with rc = 1)
+        where = args.kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        print(
+            f"kvgate-agent node: no Kubernetes configuration (not in a pod, and {where}: {exc})",
+            file=sys.stderr,
+        )
+    finally:
+        # A GPU call hung in the driver keeps its worker thread, which the interpreter would
+        # join at exit (forever): everything is closed by now, so leave without waiting for it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -166,6 +166,9 @@ class NodeAgent:
         self._session: aiohttp.ClientSession | None = None
         self._refusals_logged: dict[tuple[str, str, str], float] = {}
         self._deleted_at: float | None = None
+        self._grace: asyncio.TimerHandle | None = None
+        self._write_lock = asyncio.Lock()  # one status write at a time (the final one last)
+        self._inflight: asyncio.Future[str] | None = None
         self._last_spec: NodeAdmissionSpec | None = None
         # NVML calls run here, never in the default executor: a hung driver call must not keep
         # asyncio.run() from returning on shutdown.
@@ -206,6 +209,8 @@ class NodeAgent:
         if self.status_writer is None or self.state.spec is None:
             return None
         self.state.stopped = True
+        if self._inflight is not None and not self._inflight.done():
+            await asyncio.wait({self._inflight}, timeout=within)  # a write begun before stop()
         try:
             return await asyncio.wait_for(self.write_status(force=True), within)
         except TimeoutError:
@@ -234,13 +239,19 @@ class NodeAgent:
                     self.settings.node_name,
                     self.settings.ttl_seconds,
                 )
-                asyncio.get_running_loop().call_later(
+                self._grace = asyncio.get_running_loop().call_later(
                     self.settings.ttl_seconds, self._deletion_grace_over
                 )
             self.state.spec_read_at = now
             return
         recreated = self._deleted_at is not None or (spec is not None and self._last_spec is None)
         self._deleted_at = None
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        if recreated:
+            self.gate.last_write = None  # a new object has an empty status: write it now
+            self._status_wake.set()
         if spec == self.state.spec and self.state.spec_known:
             self.state.spec_read_at = now
             return
@@ -251,11 +262,10 @@ class NodeAgent:
             self.settings.node_name,
             len(spec.pods) if spec else 0,
         )
-        if recreated:
-            self.gate.last_write = None  # a new object has an empty status: write it now
         self._status_wake.set()
 
     def _deletion_grace_over(self) -> None:
+        self._grace = None
         if self._deleted_at is None:
             return  # recreated meanwhile
         self._deleted_at = None
@@ -479,9 +489,20 @@ class NodeAgent:
         }
         if not force and not self.gate.due(status, caps, now):
             return None
+        async with self._write_lock:
+            return await self._write(status, caps, now)
+
+    async def _write(
+        self, status: NodeAdmissionStatus, caps: dict[PodKey, int | None], now: float
+    ) -> str:
+        assert self.status_writer is not None
         stamped, doc = self.status_document()
+        # Shielded: a cancelled status loop must not leave a write running unseen, which could
+        # land after the final AgentStopped status (write_final_status waits for it).
+        self._inflight = asyncio.ensure_future(asyncio.to_thread(self.status_writer.write, doc))
+        self._inflight.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
-            result: str = await asyncio.to_thread(self.status_writer.write, doc)
+            result: str = await asyncio.shield(self._inflight)
         except Exception as exc:
             self.metrics.status_writes.labels("error").inc()
             log.warning("NodeAdmission status write failed: %s", exc)

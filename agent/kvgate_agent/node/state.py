@@ -142,6 +142,7 @@ class NodeState:
         self.spec_known = True
         self.spec_read_at = now
         self._pods = {(p.namespace, p.name): p for p in (spec.pods if spec else [])}
+        self.implausible = {k: v for k, v in self.implausible.items() if k in self._pods}
         self._refresh()
 
     def set_gpus(self, snapshot: GpuSnapshot, gpus_by_pod: Mapping[str, set[str]]) -> None:
@@ -174,6 +175,7 @@ class NodeState:
             del self._reports[k]
             self._engine.pop(k, None)
             self._answers.pop(k, None)
+            self.implausible.pop(k, None)
         return gone
 
     # ------------------------------------------------------------------ queries

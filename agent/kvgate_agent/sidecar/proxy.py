@@ -49,7 +49,7 @@ from kvgate_agent.admission import (
 )
 from kvgate_agent.contract.nodeadmission import PodThresholds, PolicyRef
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy, RateLimitPolicySpec
-from kvgate_agent.contract.sync import SafetyNet, SyncAnswer, SyncReport
+from kvgate_agent.contract.sync import MAX_REPORTED, SafetyNet, SyncAnswer, SyncReport
 from kvgate_agent.sidecar.agent_link import (
     AgentLink,
     AgentSettings,
@@ -277,6 +277,12 @@ class Sidecar:
                     tokens = kv_capacity_from_metrics(await resp.text())
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.warning("cannot read engine metrics: %s", exc)
+        mml = self.spec.model.max_model_len
+        if tokens is not None and (tokens > MAX_REPORTED or (mml is not None and tokens < mml)):
+            # vLLM refuses to start unless its KV cache holds one max_model_len sequence; a
+            # figure below that (or absurdly large) is a broken report: never enforce it.
+            log.warning("ignoring the engine's implausible KV capacity of %d tokens", tokens)
+            tokens = None
         if tokens is not None:
             if tokens != self.controller.config.kv_capacity_tokens:
                 log.info("KV capacity from engine metrics: %d tokens", tokens)
@@ -480,9 +486,9 @@ class Sidecar:
             uid=a.pod_uid,
             in_flight=c.in_flight,
             queue_length=c.queue_length,
-            kv_reserved_tokens=c.kv_reserved_tokens,
-            kv_capacity_tokens=cap if cap is not None and cap > 0 else None,
-            decisions=dict(self.metrics.decision_counts),
+            kv_reserved_tokens=min(c.kv_reserved_tokens, MAX_REPORTED),
+            kv_capacity_tokens=cap if cap is not None and 0 < cap <= MAX_REPORTED else None,
+            decisions={k: min(v, MAX_REPORTED) for k, v in self.metrics.decision_counts.items()},
             metrics_url=a.metrics_url,
             gpu_uuids=list(a.gpu_uuids),
             thresholds_etag=None if answer is None else answer.etag,
