@@ -451,3 +451,14 @@ async def test_after_a_failed_review_none_is_tried_for_a_while() -> None:
     with pytest.raises(AuthError):
         await auth.verify("Bearer t", "models", "a", None)
     assert calls == ["t", "t"]
+
+
+def test_an_unread_gpu_does_not_make_an_engine_capacity_implausible() -> None:
+    model = {"numLayers": 32, "numKVHeads": 8, "headDim": 128}  # 131072 bytes per token
+    st = state_with(pod("a", capacity={"fromEngineMetrics": True}, model=model))
+    key = ("models", "a")
+    st.record(report("a", gpu_uuids=["GPU-0", "GPU-1"]), now=0.0)  # tensor parallel over two
+    st.set_gpus(snapshot(gpu("GPU-0", 40 * GiB), gpu("GPU-1", None, healthy=False)), {})
+    one_gpu_plus = (80 * GiB) // 131072 + 1  # more than one GPU holds, within two
+    st.set_engine(key, EngineFacts(kv_capacity_tokens=one_gpu_plus))
+    assert st.kv_capacity(key) == one_gpu_plus and key not in st.implausible

@@ -90,7 +90,7 @@ class _StateCollector(Collector):
         status = st.status()
         for p in status.pods:
             key = (p.namespace, p.name)
-            bpt = a.bytes_per_token(key)
+            bpt = st.bytes_per_token(key)
             cap = st.kv_capacity(key)
             for kind, v in (
                 ("reserved", p.kv_reserved_tokens),

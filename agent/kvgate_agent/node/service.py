@@ -165,11 +165,9 @@ class NodeAgent:
         self._status_wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self._refusals_logged: dict[tuple[str, str, str], float] = {}
-        self._deleted_at: float | None = None
-        self._grace: asyncio.TimerHandle | None = None
+        self._grace: asyncio.TimerHandle | None = None  # set while a deleted object's spec lasts
         self._write_lock = asyncio.Lock()  # one status write at a time (the final one last)
         self._inflight: asyncio.Future[str] | None = None
-        self._last_spec: NodeAdmissionSpec | None = None
         # NVML calls run here, never in the default executor: a hung driver call must not keep
         # asyncio.run() from returning on shutdown.
         self._gpu_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-poll")
@@ -231,9 +229,8 @@ class NodeAgent:
             log.error("%s; keeping the previous thresholds", error)
             return
         self.spec_error = None
-        if spec is None and self._last_spec is not None:
-            if self._deleted_at is None:
-                self._deleted_at = now
+        if spec is None and self.state.spec is not None:
+            if self._grace is None:
                 log.warning(
                     "NodeAdmission %s deleted: keeping its thresholds for %.0fs",
                     self.settings.node_name,
@@ -244,8 +241,7 @@ class NodeAgent:
                 )
             self.state.spec_read_at = now
             return
-        recreated = self._deleted_at is not None or (spec is not None and self._last_spec is None)
-        self._deleted_at = None
+        recreated = self._grace is not None or (spec is not None and self.state.spec is None)
         if self._grace is not None:
             self._grace.cancel()
             self._grace = None
@@ -255,7 +251,6 @@ class NodeAgent:
         if spec == self.state.spec and self.state.spec_known:
             self.state.spec_read_at = now
             return
-        self._last_spec = spec
         self.state.set_spec(spec, now)
         log.info(
             "NodeAdmission %s: %d governed pods",
@@ -265,11 +260,7 @@ class NodeAgent:
         self._status_wake.set()
 
     def _deletion_grace_over(self) -> None:
-        self._grace = None
-        if self._deleted_at is None:
-            return  # recreated meanwhile
-        self._deleted_at = None
-        self._last_spec = None
+        self._grace = None  # (a recreated object cancels this timer)
         self.state.set_spec(None, self.clock())
         log.info("NodeAdmission %s gone: no pod here is governed", self.settings.node_name)
 
@@ -283,14 +274,6 @@ class NodeAgent:
         if not snap.ready:
             return False, snap.reason or "no usable GPU"
         return True, "ok"
-
-    def bytes_per_token(self, key: PodKey) -> int | None:
-        """KV bytes per token of the pod's model, from its thresholds."""
-        spec = self.state.spec
-        for p in spec.pods if spec else []:
-            if (p.namespace, p.name) == key:
-                return p.thresholds.bytes_per_token or p.thresholds.model.bytes_per_token
-        return None
 
     def engine_ages(self, now: float) -> dict[PodKey, float | None]:
         """Seconds since each scraped pod's last good engine sample."""
@@ -389,7 +372,7 @@ class NodeAgent:
         by_pod = await loop.run_in_executor(
             self._gpu_executor, gpus_by_pod, pids, self.settings.proc_root
         )
-        before = self.state.status().conditions if self.state.gpus is not None else None
+        before = self.state.conditions()
         self.state.set_gpus(snap, by_pod)
         if before != self.state.conditions():
             self._status_wake.set()

@@ -349,36 +349,48 @@ class NodeState:
         if kv > 1 << 40:
             why = f"{kv} tokens is beyond any GPU"
         elif pod is not None:
-            th = pod.thresholds
-            mml = th.model.max_model_len
-            bpt = th.bytes_per_token or th.model.bytes_per_token
+            mml = pod.thresholds.model.max_model_len
+            bpt = self.bytes_per_token(key)
+            memory = self._gpu_memory(key)
             if mml is not None and kv < mml:
                 why = f"{kv} tokens is below model.maxModelLen {mml}"
-            elif bpt is not None and self.gpus is not None:
-                totals = [self.gpus.gpu(u) for u in self.pod_gpus(key).uuids]
-                mem = sum(g.total_bytes or 0 for g in totals if g is not None)
-                if mem and kv * bpt > mem:
-                    why = f"{kv} tokens × {bpt} bytes exceeds the pod's GPU memory ({mem} bytes)"
+            elif bpt is not None and memory is not None and kv * bpt > memory[0]:
+                why = f"{kv} tokens × {bpt} bytes exceeds the pod's GPU memory ({memory[0]} bytes)"
         if why is None:
             self.implausible.pop(key, None)
             return kv
         self.implausible[key] = why
         return None
 
+    def bytes_per_token(self, key: PodKey) -> int | None:
+        """KV bytes per token of a governed pod's model, from its thresholds."""
+        pod = self._pods.get(key)
+        if pod is None:
+            return None
+        return pod.thresholds.bytes_per_token or pod.thresholds.model.bytes_per_token
+
+    def _gpu_memory(self, key: PodKey) -> tuple[int, int] | None:
+        """(total bytes, number of GPUs) of the pod's GPUs; None when any of them is unread."""
+        if self.gpus is None:
+            return None
+        read = [self.gpus.gpu(u) for u in self.pod_gpus(key).uuids]
+        totals = [g.total_bytes for g in read if g is not None and g.total_bytes is not None]
+        if not read or len(totals) != len(read):
+            return None
+        return sum(totals), len(totals)
+
     def _nvml_estimate(self, key: PodKey, pod: PodAdmission) -> int | None:
         th = pod.thresholds
         util = th.capacity.gpu_memory_utilization
-        bpt = th.bytes_per_token or th.model.bytes_per_token
-        if util is None or bpt is None or self.gpus is None:
-            return None
+        bpt = self.bytes_per_token(key)
         attributed = self.pod_gpus(key)
         if attributed.source == "all_gpus" and len(attributed.uuids) != 1:
             return None  # which GPUs are the pod's is unknown: no estimate beats a wrong one
-        totals = [self.gpus.gpu(u) for u in attributed.uuids]
-        if not totals or any(g is None or g.total_bytes is None for g in totals):
+        memory = self._gpu_memory(key)
+        if util is None or bpt is None or memory is None:
             return None
-        total = sum(g.total_bytes or 0 for g in totals if g is not None)
-        margin = (th.capacity.safety_margin_bytes or 0) * len(totals)
+        total, gpus = memory
+        margin = (th.capacity.safety_margin_bytes or 0) * gpus
         room = int(total * util) - (th.capacity.weights_bytes or 0) - margin
         tokens = room // bpt
         return tokens if tokens > 0 else None
