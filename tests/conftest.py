@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 from aiohttp import web
@@ -60,6 +61,36 @@ def wait_http(url: str, timeout: float = 15.0, proc: subprocess.Popen[bytes] | N
 SidecarFactory = Callable[..., Awaitable[tuple[str, Sidecar]]]
 
 
+async def serve_sidecar(sc: Sidecar, runners: list[web.AppRunner]) -> str:
+    """Serve ``sc`` on a free loopback port in this event loop (its runner is appended to
+    ``runners`` for cleanup); returns its base URL."""
+    runner = web.AppRunner(sc.build_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runners.append(runner)
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    """An aiohttp client session for the test."""
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def gauges(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The sidecar's ``/kvgate/metrics`` as {series with labels: value}."""
+    async with session.get(url + "/kvgate/metrics") as r:
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 @pytest.fixture
 async def sidecar_factory() -> AsyncIterator[SidecarFactory]:
     """Start sidecars in this event loop: ``url, sidecar = await make(upstream, spec, **settings)``.
@@ -70,12 +101,7 @@ async def sidecar_factory() -> AsyncIterator[SidecarFactory]:
         sc = Sidecar(
             SidecarSettings(upstream=upstream, policy=parse_policy(policy_doc(spec)), **settings)
         )
-        runner = web.AppRunner(sc.build_app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{port}", sc
+        return await serve_sidecar(sc, runners), sc
 
     yield make
     for r in runners:

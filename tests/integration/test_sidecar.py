@@ -13,25 +13,8 @@ import aiohttp
 import pytest
 
 from kvgate_bench.sim.server import SimConfig, start_sim
-from tests.conftest import SidecarFactory, free_port
+from tests.conftest import SidecarFactory, free_port, gauges
 from tests.upstream import CHAT, Upstream
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
-
-
-async def gauges(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with session.get(url + "/kvgate/metrics") as r:
-        text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def assert_openai_error(body: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.contract.sync import SYNC_PATH, SyncAnswer, SyncReport
 from kvgate_agent.sidecar.agent_link import AgentSettings, Mode
 from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
-from tests.conftest import free_port
+from tests.conftest import free_port, gauges, serve_sidecar
 from tests.upstream import CHAT, Upstream
 
 INTERVAL = 0.1
@@ -152,22 +152,11 @@ async def agent_sidecar(tmp_path: Path) -> AsyncIterator[MakeSidecar]:
             **kw,
         )
         sc = Sidecar(SidecarSettings(upstream=upstream, agent=settings))
-        runner = web.AppRunner(sc.build_app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{port}", sc
+        return await serve_sidecar(sc, runners), sc
 
     yield make
     for r in runners:
         await r.cleanup()
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def until(cond: Callable[[], bool], within: float = 2.0) -> None:
@@ -176,17 +165,6 @@ async def until(cond: Callable[[], bool], within: float = 2.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
-
-
-async def metrics(client: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with client.get(url + "/kvgate/metrics") as r:
-        text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 async def post(client: aiohttp.ClientSession, url: str, **extra: Any) -> tuple[int, Any, Any]:
@@ -228,7 +206,7 @@ async def test_thresholds_from_the_agent_are_enforced_and_syncs_are_cheap(
     assert (last["namespace"], last["name"], last["uid"]) == ("ns", "model-0", "uid-0")
     assert last["thresholdsEtag"] == agent.etag and last["inFlight"] == 0
     assert last["decisions"] == {"admitted": 1, "rejected": 1}
-    m = await metrics(client, url)
+    m = await gauges(client, url)
     assert m['kvgate_thresholds_mode{mode="live"}'] == 1
     assert m['kvgate_thresholds_mode{mode="stale"}'] == 0
     assert m['kvgate_agent_sync_total{result="ok"}'] == 1
@@ -263,7 +241,7 @@ async def test_a_change_propagates_and_in_flight_requests_finish(
     stream.release()
     await until(lambda: sc.controller.in_flight == 0)
     assert sc.controller.kv_reserved_tokens == 0
-    m = await metrics(client, url)
+    m = await gauges(client, url)
     assert m['kvgate_policy_generation{name="pol",namespace="ns"}'] == agent.generation
 
 
@@ -293,7 +271,7 @@ async def test_agent_down_keeps_the_last_thresholds_for_the_ttl_then_fails_open(
     await until(lambda: sc.link is not None and sc.link.mode() is Mode.FAIL_OPEN)
     status, headers, _ = await post(client, url)  # local caps only: the rate limit is lifted
     assert status == 200 and headers["x-kvgate-thresholds"] == "fail_open"
-    m = await metrics(client, url)
+    m = await gauges(client, url)
     assert m['kvgate_thresholds_mode{mode="fail_open"}'] == 1
     assert m['kvgate_agent_sync_total{result="error"}'] >= 1
     assert m["kvgate_thresholds_age_seconds"] > 0.6
@@ -369,7 +347,7 @@ async def test_waiting_for_the_agent_readiness_and_the_configured_failure_mode(
     await asyncio.sleep(0.5)
     async with client.get(url + "/readyz") as r:  # the TTL passed: Ready anyway
         assert r.status == 200
-    m = await metrics(client, url)
+    m = await gauges(client, url)
     assert m['kvgate_agent_sync_total{result="error"}'] >= 1
     assert m['kvgate_thresholds_mode{mode="waiting"}'] == 1
 
@@ -388,7 +366,7 @@ async def test_unmanaged_pod_enforces_no_limits(
     upstream.headers_delay = 0.2
     results = await asyncio.gather(*(post(client, url) for _ in range(5)))
     assert all(r[0] == 200 and r[1]["x-kvgate-thresholds"] == "unmanaged" for r in results)
-    m = await metrics(client, url)
+    m = await gauges(client, url)
     assert not any(k.startswith("kvgate_policy_generation") for k in m)
 
 
@@ -402,14 +380,14 @@ async def test_a_policy_other_than_the_annotated_one_is_flagged(
     caplog.set_level(logging.WARNING, logger="kvgate.sidecar")
     url, sc = await agent_sidecar(upstream.url, agent.url, expected_policy="pol")
     await until(lambda: sc.mode is Mode.LIVE)
-    assert (await metrics(client, url))["kvgate_policy_mismatch"] == 0
+    assert (await gauges(client, url))["kvgate_policy_mismatch"] == 0
     agent.set_thresholds(None)  # no policy governs the pod any more
     await until(lambda: sc.mode is Mode.UNMANAGED)
-    assert (await metrics(client, url))["kvgate_policy_mismatch"] == 1
+    assert (await gauges(client, url))["kvgate_policy_mismatch"] == 1
     assert "annotated kvgate.io/policy=pol but is governed by no RateLimitPolicy" in caplog.text
     agent.set_thresholds({})
     await until(lambda: sc.mode is Mode.LIVE)
-    assert (await metrics(client, url))["kvgate_policy_mismatch"] == 0
+    assert (await gauges(client, url))["kvgate_policy_mismatch"] == 0
 
 
 async def test_wrong_pod_token_is_counted_and_enforcement_waits(
@@ -418,7 +396,7 @@ async def test_wrong_pod_token_is_counted_and_enforcement_waits(
     url, sc = await agent_sidecar(upstream.url, agent.url, token_file="/nonexistent/token")
     await until(lambda: len(agent.auth) >= 2)
     assert agent.auth[0] is None and sc.mode is Mode.WAITING
-    m = await metrics(client, url)
+    m = await gauges(client, url)
     assert m['kvgate_agent_sync_total{result="unauthorized"}'] >= 2
 
 
