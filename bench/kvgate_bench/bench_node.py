@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.nodestack import NodeStack, http_get, wait_until
+from kvgate_bench.nodestack import NodeStack, clamped_to, metric_value, wait_until
 
 NS = "bench"
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -51,26 +51,6 @@ def cap_policy(cap: int) -> dict[str, Any]:
             "model": {"maxModelLen": 4096},
         },
     }
-
-
-def clamped(url: str) -> int | None:
-    """The max_tokens a sidecar clamps a 64-token request to (None: not clamped / failed)."""
-    import json
-    import urllib.request
-
-    body = json.dumps(
-        {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
-    ).encode()
-    req = urllib.request.Request(
-        url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            value = r.headers.get("x-kvgate-degraded", "")
-            r.read()
-    except OSError:
-        return None
-    return int(value.split("=")[1]) if value.startswith("max_tokens=") else None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -94,19 +74,14 @@ def pct(values: list[float], q: float) -> float:
 
 
 def agent_metric(stack: NodeStack, name: str, **labels: str) -> float:
-    _, text = http_get(stack.agent_url + "/metrics")
-    for line in text.splitlines():
-        series = line.split(" ")[0].split("{")[0]
-        if series == name and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return metric_value(stack.agent_url + "/metrics", name, **labels) or 0.0
 
 
 def propagation(stack: NodeStack, changes: int, probe_interval: float) -> dict[str, Any]:
     urls = [p.url for p in stack.pods[:2]]
     caps = (8, 9)
     stack.apply(cap_policy(caps[1]))
-    wait_until(lambda: all(clamped(u) == caps[1] for u in urls), 60, "the first policy")
+    wait_until(lambda: all(clamped_to(u) == caps[1] for u in urls), 60, "the first policy")
     per_change: list[float] = []
     per_sidecar: list[float] = []
     apply_only: list[float] = []
@@ -119,7 +94,7 @@ def propagation(stack: NodeStack, changes: int, probe_interval: float) -> dict[s
         deadline = time.monotonic() + 60
         while len(seen) < len(urls):
             for u in urls:
-                if u not in seen and clamped(u) == cap:
+                if u not in seen and clamped_to(u) == cap:
                     seen[u] = time.perf_counter() - t0
             if time.monotonic() > deadline:
                 raise TimeoutError(f"change {i} (cap {cap}) did not reach every sidecar")

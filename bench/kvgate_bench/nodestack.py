@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_agent.gpu.fake import write_scenario
 from kvgate_bench.controlplane import ControlPlane, _stop, free_port
@@ -66,6 +68,51 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return int(e.code), e.read().decode(errors="replace")
     except OSError:
         return 0, ""
+
+
+def chat(
+    url: str, max_tokens: int = 16, tenant: str = "t1", timeout: float = 10
+) -> tuple[int, dict[str, str], bytes]:
+    """POST a small chat completion to a sidecar (model ``sim``, tenant header
+    ``x-kvgate-tenant``): (status, headers lower-cased, body); status 0 when nothing answers."""
+    body = json.dumps(
+        {
+            "model": "sim",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": max_tokens,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "x-kvgate-tenant": tenant},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return int(r.status), {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return int(e.code), {k.lower(): v for k, v in e.headers.items()}, e.read()
+    except OSError:
+        return 0, {}, b""
+
+
+def clamped_to(url: str) -> int | None:
+    """The max_tokens a sidecar clamps a 64-token request to (its ``x-kvgate-degraded``
+    header); None when not clamped or not answered."""
+    status, headers, _ = chat(url, max_tokens=64)
+    m = re.fullmatch(r"max_tokens=(\d+)", headers.get("x-kvgate-degraded", ""))
+    return int(m.group(1)) if status == 200 and m else None
+
+
+def metric_value(url: str, name: str, **labels: str) -> float | None:
+    """The value of the sample ``name`` whose labels include ``labels`` in the Prometheus
+    exposition at ``url``; None when absent or nothing answers."""
+    _, text = http_get(url)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
 
 
 def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

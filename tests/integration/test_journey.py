@@ -28,7 +28,7 @@ import yaml
 
 from kvgate_agent.gpu.fake import write_scenario
 from kvgate_bench.controlplane import ControlPlane, free_port
-from kvgate_bench.nodestack import _spawn, fake_gpus, http_get, stop_process, wait_until
+from kvgate_bench.nodestack import _spawn, chat, fake_gpus, http_get, stop_process, wait_until
 from tests.conftest import REPO
 
 RELEASE = "kvgate-journey"  # also the namespace; contains "kvgate", so names are "<release>-*"
@@ -56,26 +56,6 @@ def resolve_env(env: list[dict[str, Any]], fields: dict[str, str]) -> dict[str, 
 
 def get(cp: ControlPlane, *args: str) -> Any:
     return json.loads(cp.kubectl("get", *args, "-o", "json").stdout)
-
-
-def chat(url: str, max_tokens: int, tenant: str = "team-a") -> tuple[int, dict[str, str], bytes]:
-    import urllib.request
-
-    body = json.dumps(
-        {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
-    ).encode()
-    req = urllib.request.Request(
-        url + "/v1/chat/completions",
-        data=body,
-        headers={"Content-Type": "application/json", "x-kvgate-tenant": tenant},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return int(r.status), {k.lower(): v for k, v in r.headers.items()}, r.read()
-    except urllib.error.HTTPError as e:
-        return int(e.code), {k.lower(): v for k, v in e.headers.items()}, e.read()
-    except OSError:
-        return 0, {}, b""  # not listening yet
 
 
 class Journey:

@@ -8,7 +8,6 @@ and a ``kvgate-agent sidecar`` in front of each, authenticated with real pod-bou
 from __future__ import annotations
 
 import json
-import re
 import signal
 import threading
 import time
@@ -20,33 +19,18 @@ from typing import Any
 import pytest
 
 from kvgate_agent.gpu.fake import write_scenario
-from kvgate_bench.nodestack import GiB, ModelPod, NodeStack, fake_gpus, http_get, wait_until
+from kvgate_bench.nodestack import (
+    GiB,
+    ModelPod,
+    NodeStack,
+    chat,
+    clamped_to,
+    fake_gpus,
+    http_get,
+    metric_value,
+    wait_until,
+)
 from tests.conftest import policy_doc
-
-COMPLETIONS = "/v1/chat/completions"
-
-
-def chat(
-    url: str, max_tokens: int = 16, tenant: str = "t1", timeout: float = 10
-) -> tuple[int, dict[str, str], bytes]:
-    """POST a small chat completion; (status, headers lower-cased, body)."""
-    body = json.dumps(
-        {
-            "model": "sim",
-            "messages": [{"role": "user", "content": "hello"}],
-            "max_tokens": max_tokens,
-        }
-    ).encode()
-    req = urllib.request.Request(
-        url + COMPLETIONS,
-        data=body,
-        headers={"Content-Type": "application/json", "x-kvgate-tenant": tenant},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return int(r.status), {k.lower(): v for k, v in r.headers.items()}, r.read()
-    except urllib.error.HTTPError as e:
-        return int(e.code), {k.lower(): v for k, v in e.headers.items()}, e.read()
 
 
 def policy(name: str, ns: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -74,24 +58,6 @@ def capped(ns: str, cap: int, app: str = "llm", **extra: Any) -> dict[str, Any]:
             **extra,
         },
     )
-
-
-def clamped_to(url: str) -> int | None:
-    """The max_tokens the sidecar clamped a 64-token request to (None: not clamped)."""
-    status, headers, _ = chat(url, max_tokens=64)
-    m = re.fullmatch(r"max_tokens=(\d+)", headers.get("x-kvgate-degraded", ""))
-    return int(m.group(1)) if status == 200 and m else None
-
-
-def metric(url: str, name: str, **labels: str) -> float | None:
-    """One sample's value from a Prometheus exposition at ``url``."""
-    _, text = http_get(url)
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
 
 
 @pytest.fixture
@@ -146,9 +112,9 @@ def test_policy_reaches_both_sidecars_is_enforced_and_changes_propagate(stack: N
     ready = next(c for c in st["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "True"
     m = stack.agent_url + "/metrics"
-    assert metric(m, "kvgate_node_sidecars_connected") == 2
-    assert metric(m, "kvgate_node_pod_kv_tokens", pod="llm-a", kind="capacity") == 65536
-    assert (metric(m, "kvgate_node_sync_requests_total", result="not_modified") or 0) > 0
+    assert metric_value(m, "kvgate_node_sidecars_connected") == 2
+    assert metric_value(m, "kvgate_node_pod_kv_tokens", pod="llm-a", kind="capacity") == 65536
+    assert (metric_value(m, "kvgate_node_sync_requests_total", result="not_modified") or 0) > 0
 
 
 def test_agent_killed_under_load_then_fail_open_or_closed(stack: NodeStack) -> None:
@@ -206,8 +172,11 @@ def test_agent_killed_under_load_then_fail_open_or_closed(stack: NodeStack) -> N
     status, headers, body = chat(closed.url)
     assert status == 503 and int(headers["retry-after"]) >= 1
     assert json.loads(body)["error"]["message"]
-    assert metric(opened.url + "/kvgate/metrics", "kvgate_thresholds_mode", mode="fail_open") == 1
-    assert metric(closed.url + "/kvgate/metrics", "kvgate_in_flight_requests") == 0
+    assert (
+        metric_value(opened.url + "/kvgate/metrics", "kvgate_thresholds_mode", mode="fail_open")
+        == 1
+    )
+    assert metric_value(closed.url + "/kvgate/metrics", "kvgate_in_flight_requests") == 0
 
     # The agent back: both return to live thresholds.
     stack.start_agent()
@@ -276,8 +245,8 @@ def test_forged_sync_for_another_pod_is_refused(stack: NodeStack) -> None:
     status, headers2, body = sync(stack, "victim", a.token_file.read_text(), headers["etag"])
     assert status == 304 and body == b"" and headers2["etag"] == headers["etag"]
     m = stack.agent_url + "/metrics"
-    assert metric(m, "kvgate_node_sync_requests_total", result="forbidden") == 1
-    assert metric(m, "kvgate_node_sync_requests_total", result="unauthorized") == 3
+    assert metric_value(m, "kvgate_node_sync_requests_total", result="forbidden") == 1
+    assert metric_value(m, "kvgate_node_sync_requests_total", result="unauthorized") == 3
     # A malformed report never reaches the state: 422 with an error body.
     req = urllib.request.Request(
         stack.agent_url + "/v1/sync", data=b"{not json", headers={"Authorization": "Bearer x"}
@@ -314,8 +283,8 @@ def test_gpu_faults_and_the_safety_net_show_in_status_metrics_and_admission(
     assert by[g0]["healthy"] and by[g0]["freeBytes"] == 40 * GiB
     ready = next(c for c in st["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("True", "SomeGpusUnhealthy")
-    assert metric(m, "kvgate_node_gpu_healthy", gpu=g1) == 0
-    assert (metric(m, "kvgate_node_nvml_errors_total", kind="lost") or 0) >= 1
+    assert metric_value(m, "kvgate_node_gpu_healthy", gpu=g1) == 0
+    assert (metric_value(m, "kvgate_node_nvml_errors_total", kind="lost") or 0) >= 1
     assert http_get(stack.agent_url + "/readyz")[0] == 200
     assert chat(mp.url)[0] == 200  # unknown memory does not stop admission
 
@@ -338,7 +307,7 @@ def test_gpu_faults_and_the_safety_net_show_in_status_metrics_and_admission(
     )
     low = next(c for c in st["conditions"] if c["type"] == "GpuMemoryLow")
     assert low["status"] == "True" and "llm-0" in low["message"]
-    assert metric(m, "kvgate_node_safety_net_open", pod="llm-0") == 0
+    assert metric_value(m, "kvgate_node_safety_net_open", pod="llm-0") == 0
 
     # Memory back (beyond the hysteresis): admission resumes.
     gpus["gpus"][0]["used_bytes"] = 80 * GiB - 20 * GiB
@@ -349,7 +318,7 @@ def test_gpu_faults_and_the_safety_net_show_in_status_metrics_and_admission(
     gpus["gpus"][0]["error"] = "unknown"
     write_scenario(stack.scenario, gpus)
     wait_until(lambda: http_get(stack.agent_url + "/readyz")[0] == 503, 10, "readyz 503")
-    assert metric(m, "kvgate_node_ready") == 0
+    assert metric_value(m, "kvgate_node_ready") == 0
 
 
 def test_agent_starts_without_a_driver_and_recovers(stack: NodeStack) -> None:
@@ -359,7 +328,7 @@ def test_agent_starts_without_a_driver_and_recovers(stack: NodeStack) -> None:
     code, text = http_get(stack.agent_url + "/readyz")
     assert code == 503 and "init" in text
     assert (
-        metric(
+        metric_value(
             stack.agent_url + "/metrics", "kvgate_node_nvml_errors_total", kind="library_missing"
         )
         or 0
@@ -462,7 +431,7 @@ def test_oversized_reports_and_metrics_pages_cannot_hurt_the_agent(stack: NodeSt
             assert resp.status == 200
         m = stack.agent_url + "/metrics"
         wait_until(
-            lambda: (metric(m, "kvgate_node_engine_scrapes_total", result="error") or 0) >= 1,
+            lambda: (metric_value(m, "kvgate_node_engine_scrapes_total", result="error") or 0) >= 1,
             15,
             "a failed scrape",
         )
