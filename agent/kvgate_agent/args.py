@@ -4,6 +4,7 @@ and a bad value (flag or environment) is reported by argparse like any bad flag.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -24,6 +25,22 @@ def hostport(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
     return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` (``KVGATE_LOG_LEVEL``, default INFO)."""
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        default=env("LOG_LEVEL", "INFO"),
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="[KVGATE_LOG_LEVEL]",
+    )
+
+
+def configure_logging(level: str) -> None:
+    """One log format for every role: time, level, logger, message."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from kvgate_agent.admission import Reason
+from kvgate_agent.args import add_log_level, configure_logging
 from kvgate_agent.args import env as _env
 from kvgate_agent.args import hostport as _hostport
 from kvgate_agent.args import positive as _positive
@@ -164,13 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long in-flight requests may finish; keep it below "
         "the pod's terminationGracePeriodSeconds [KVGATE_DRAIN_SECONDS]",
     )
-    s.add_argument(
-        "--log-level",
-        type=str.upper,
-        default=_env("LOG_LEVEL", "INFO"),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="[KVGATE_LOG_LEVEL]",
-    )
+    add_log_level(s)
     add_node_parser(sub)
     return p
 
@@ -281,9 +276,7 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             "sidecar: --agent-url needs --pod-namespace and --pod-name (KVGATE_POD_NAMESPACE, "
             "KVGATE_POD_NAME from the downward API)"
         )
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     policy: RateLimitPolicy | None = None
     agent: AgentSettings | None = None
     if args.policy is not None:

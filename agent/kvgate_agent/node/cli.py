@@ -17,9 +17,9 @@ import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from kvgate_agent.args import add_log_level, configure_logging, positive
 from kvgate_agent.args import env as _env
 from kvgate_agent.args import hostport as _hostport
-from kvgate_agent.args import positive
 
 log = logging.getLogger("kvgate.node")
 
@@ -89,13 +89,7 @@ def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=_env("PROC_ROOT", "/proc"),
         help="host /proc (with hostPID) to map NVML processes to pods [KVGATE_PROC_ROOT]",
     )
-    n.add_argument(
-        "--log-level",
-        type=str.upper,
-        default=_env("LOG_LEVEL", "INFO"),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="[KVGATE_LOG_LEVEL]",
-    )
+    add_log_level(n)
 
 
 async def run_node(args: argparse.Namespace) -> int:
@@ -174,9 +168,7 @@ def node_main(args: argparse.Namespace) -> int:
     it cannot serve or has no Kubernetes configuration, 2 on a bad GPU backend."""
     from kvgate_agent.gpu.select import backend_from_spec
 
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
     try:
         backend_from_spec(args.gpu_backend)
     except ValueError as exc:
