@@ -266,6 +266,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.k8s)
 
 
+@pytest.fixture(scope="module")
+def crds(kube: Any) -> Any:
+    """The control plane with the repo's CRDs applied (server-side) and established."""
+    kube.apply_crds(REPO / "crds")
+    return kube
+
+
 @pytest.fixture(scope="session")
 def kube() -> Iterator[Any]:
     """A real kube-apiserver + etcd for the whole session (a

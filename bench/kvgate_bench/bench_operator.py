@@ -865,9 +865,7 @@ def run(args: argparse.Namespace) -> int:
     with ControlPlane(bin_dir) as cp:
         version = cp.get_json("/version").get("gitVersion", "?")
         print(f"control plane {version} up in {cp.startup_seconds:.1f} s ({bin_dir})", flush=True)
-        cp.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-        cp.wait_crd_established(f"ratelimitpolicies.{GROUP}")
-        cp.wait_crd_established(f"nodeadmissions.{GROUP}")
+        cp.apply_crds(REPO / "crds")
         http = Http(cp)
         base, policies = build_objects(lay)
         t0 = time.monotonic()

@@ -644,6 +644,15 @@ class ControlPlane:
         ) as r:
             return json.load(r)
 
+    def apply_crds(self, directory: str | os.PathLike[str], timeout: float = 30.0) -> None:
+        """``kubectl apply --server-side --force-conflicts`` every CRD manifest in
+        ``directory``, then :meth:`wait_crd_established` for each of them."""
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(directory))
+        for path in sorted(Path(directory).glob("*.yaml")):
+            for doc in yaml.safe_load_all(path.read_text()):
+                if doc and doc.get("kind") == "CustomResourceDefinition":
+                    self.wait_crd_established(doc["metadata"]["name"], timeout)
+
     def wait_crd_established(self, name: str, timeout: float = 30.0) -> None:
         """Wait until CustomResourceDefinition ``name`` exists, has condition Established=True,
         every served version is in discovery, and listing it answers 200 (not the 429 of a

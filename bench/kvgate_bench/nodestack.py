@@ -209,9 +209,7 @@ class NodeStack:
     def setup_cluster(self) -> None:
         """CRDs, the namespace, the model service account and the Node."""
         cp = self.cp
-        cp.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-        cp.wait_crd_established("ratelimitpolicies.kvgate.io")
-        cp.wait_crd_established("nodeadmissions.kvgate.io")
+        cp.apply_crds(REPO / "crds")
         self.apply(
             {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.namespace}},
             {

@@ -55,9 +55,7 @@ def kv(kube: Any) -> Iterator[Any]:
     """The control plane with the repo's CRDs applied (server-side, as the operator tests and
     Helm do) and established. The NodeAdmissions made here are deleted afterwards, so tests of
     the operator that share the API server do not find them."""
-    kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    kube.wait_crd_established("ratelimitpolicies.kvgate.io")
-    kube.wait_crd_established("nodeadmissions.kvgate.io")
+    kube.apply_crds(REPO / "crds")
     yield kube
     kube.kubectl("delete", "nodeadmissions", "-l", TEST_LABEL, "--wait=false", check=False)
 

@@ -21,18 +21,9 @@ import yaml
 from kvgate_operator.desired import compute
 from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings
-from tests.conftest import REPO, free_port, policy_doc
+from tests.conftest import free_port, policy_doc
 
 GROUP = "kvgate.io"
-
-
-@pytest.fixture(scope="module")
-def crds(kube: Any) -> Any:
-    """The repo's CRDs applied and established."""
-    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    kube.wait_crd_established("ratelimitpolicies.kvgate.io")
-    kube.wait_crd_established("nodeadmissions.kvgate.io")
-    return kube
 
 
 class Operator:

@@ -50,7 +50,7 @@ from kvgate_operator.webhook import (
     ReloadingWebhookServer,
     merge_patch,
 )
-from tests.conftest import REPO, free_port
+from tests.conftest import free_port
 
 CONFIG_NAME = "kvgate-test-sidecar-injector"
 UNGUARDED_CONFIG_NAME = "kvgate-test-unguarded-injector"
@@ -278,14 +278,6 @@ async def test_webhook_server_reloads_its_certificate_in_place(tmp_path: Path) -
 
 # ----------------------------------------------------------------------------------------------
 # Against the local control plane
-
-
-@pytest.fixture(scope="module")
-def crds(kube: Any) -> Any:
-    kube.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    kube.wait_crd_established("ratelimitpolicies.kvgate.io")
-    kube.wait_crd_established("nodeadmissions.kvgate.io")
-    return kube
 
 
 class WebhookOperator:
