@@ -6,12 +6,7 @@ place in the queue), :class:`AdmissionConfig` (resolved thresholds), and the dec
 
 from kvgate_agent.admission.bucket import BucketMap, TokenBucket
 from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
-from kvgate_agent.admission.controller import (
-    AdmissionController,
-    Hold,
-    retry_after_seconds,
-    round_up,
-)
+from kvgate_agent.admission.controller import AdmissionController
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
     Decision,
@@ -20,6 +15,9 @@ from kvgate_agent.admission.decision import (
     Ticket,
     Waiter,
 )
+from kvgate_agent.admission.holds import Hold
+from kvgate_agent.admission.limits import round_up
+from kvgate_agent.admission.retry import retry_after_seconds
 from kvgate_agent.admission.waiting import AsyncAdmission
 
 __all__ = [
