@@ -2,7 +2,7 @@
 
 Outcomes and reasons are small closed enums so they can be metric labels (low cardinality), in
 the spirit of the Gateway API Inference Extension's flow-control outcomes
-(``pkg/epp/flowcontrol/types/outcomes.go``).
+(https://github.com/kubernetes-sigs/gateway-api-inference-extension/blob/main/pkg/epp/flowcontrol/types/outcomes.go).
 """
 
 from __future__ import annotations
