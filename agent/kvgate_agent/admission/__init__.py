@@ -2,6 +2,9 @@
 
 Public API: :class:`AdmissionController` (the decisions), :class:`AsyncAdmission` (awaiting a
 place in the queue), :class:`AdmissionConfig` (resolved thresholds), and the decision types.
+Inside: :mod:`.bucket` (token buckets), :mod:`.limits` (what is counted and reserved),
+:mod:`.holds` (stops on all admission), :mod:`.retry` (Retry-After), :mod:`.controller`
+(composes them with the queue and the overload actions), :mod:`.waiting` (the asyncio side).
 """
 
 from kvgate_agent.admission.bucket import BucketMap, TokenBucket

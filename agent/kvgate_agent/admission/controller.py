@@ -1,24 +1,13 @@
-"""The admission controller of one pod: decide on each request now, queue it, or refuse it.
+"""The admission controller of one pod: admit each request now, queue it, degrade it or refuse it.
 
 It composes the limit bookkeeping (:mod:`.limits`), the holds (:mod:`.holds`) and the
-Retry-After computation (:mod:`.retry`) with the wait queue and the overload actions. Pure and
-clock-injected: no I/O, no asyncio, no HTTP. Every public method runs to completion without
-yielding, so a check and its reservation are atomic on one event loop (no check-then-register
-window); :mod:`kvgate_agent.admission.waiting` turns queued :class:`Waiter` objects into
-awaitables.
+Retry-After computation (:mod:`.retry`) with the wait queue and the policy's overload actions
+(Degrade, Queue, Reject, in the policy's order). A request that can never fit is refused with 400
+at once, never told to retry (https://github.com/bucket4j/bucket4j/issues/220).
 
-Flow of :meth:`AdmissionController.submit`:
-
-1. A request that can never fit (cost above a bucket's full capacity, reservation above the KV
-   capacity) is clamped if the policy allows Degrade with ``minMaxTokens`` low enough, otherwise
-   refused at once with 400: waiting could never help (a wait a bucket can never meet is the bug
-   in https://github.com/bucket4j/bucket4j/issues/220).
-2. If everything fits now (and nobody waits ahead for the same shared resources), the request is
-   admitted and its reservations taken in the same call.
-3. Otherwise the policy's overload actions are tried in order: Degrade (clamp max_tokens to what
-   fits now, not below ``minMaxTokens``, else rewrite to ``fallbackModel``), Queue (bounded; on
-   timeout the actions after Queue apply), Reject (429 with Retry-After from the real refill or
-   drain time).
+Invariant: pure and clock-injected (no I/O, no asyncio); every public method runs to completion
+without yielding, so a check and its reservation are atomic on one event loop. The asyncio side
+is :mod:`kvgate_agent.admission.waiting`.
 """
 
 from __future__ import annotations
@@ -190,9 +179,19 @@ class AdmissionController:
     def submit(self, req: AdmissionRequest) -> Decision:
         """Decide on one request now.
 
+        1. A request that can never fit (cost above a bucket's full capacity, reservation above
+           the KV capacity) has its max_tokens clamped if the policy has Degrade with
+           ``minMaxTokens`` low enough, else is refused with 400 (``param`` says what to change).
+        2. If it fits now and nobody waits ahead for the same shared resources, it is admitted
+           and its reservations are taken in this call.
+        3. Otherwise the overload actions are tried in order: Degrade (clamp max_tokens to what
+           fits now, not below ``minMaxTokens``, else the ``fallbackModel``), Queue (bounded; on
+           timeout the actions after Queue apply), Reject (429 with Retry-After).
+
         Returns a :class:`Decision`: admitted/degraded with a ticket, rejected with status and
         Retry-After, or queued with a waiter (await it through the asyncio driver, or call
-        :meth:`pump` and read ``waiter.decision``). ``req.max_tokens`` must be ≥ 1.
+        :meth:`pump` and read ``waiter.decision``). ``req.max_tokens`` must be ≥ 1; it is
+        lowered in place when clamped.
         """
         now = self.clock()
         limits = self._limits
