@@ -914,14 +914,15 @@ def test_holds_with_keys_do_not_lift_each_other_and_the_longest_wait_answers() -
         c.hold(Reason.FAIL_CLOSED, retry_after=0, message="x")
 
 
-def test_fail_closed_until_still_works_and_wakes_waiters_when_it_ends() -> None:
+def test_a_timed_fail_closed_hold_wakes_waiters_when_it_ends() -> None:
     clock = FakeClock()
     c = make({"concurrency": {"maxRequests": 1}}, clock)
     t = c.submit(req("a")).ticket
     w = c.submit(req("b")).waiter
     assert t is not None and w is not None
-    c.fail_closed_until = clock() + 2
-    assert c.fail_closed_until == 1002
+    c.hold(Reason.FAIL_CLOSED, retry_after=2, message="stale", key="stale", until=clock() + 2)
+    hold = c.active_hold()
+    assert hold is not None and hold.until == 1002
     d = c.submit(req("c"))
     assert (d.status, d.reason, d.retry_after) == (503, Reason.FAIL_CLOSED, 2)
     c.release(t, completion_tokens=1)
@@ -931,8 +932,8 @@ def test_fail_closed_until_still_works_and_wakes_waiters_when_it_ends() -> None:
     clock.advance(2)
     c.pump()
     assert w.decision is not None and w.decision.ticket is not None
-    c.fail_closed_until = None
-    assert c.fail_closed_until is None
+    c.lift("stale")
+    assert c.active_hold() is None
 
 
 class ReconfiguringMachine(AdmissionMachine):

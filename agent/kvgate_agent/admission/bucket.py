@@ -101,7 +101,8 @@ class TokenBucket:
 
     def seconds_until(self, amount: float, now: float) -> float:
         """Seconds until ``amount`` units are available, 0 if now; ``inf`` if ``amount`` exceeds
-        the full capacity (waiting can never help: field lesson L03, bucket4j #220)."""
+        the full capacity: waiting can never help, so no finite wait is offered
+        (https://github.com/bucket4j/bucket4j/issues/220)."""
         if amount > self.capacity:
             return math.inf
         level = self.refill(now)

@@ -1,56 +1,36 @@
-"""The admission core: token buckets, concurrency cap, KV reservation, wait queue, degradation.
+"""The admission controller of one pod: admit each request now, queue it, degrade it or refuse it.
 
-Pure and clock-injected: no I/O, no asyncio, no HTTP. Every public method runs to completion
-without yielding, so a check and its reservation are atomic on one event loop (no
-check-then-register window). The asyncio driver in :mod:`kvgate_agent.admission.waiting` turns
-queued :class:`Waiter` objects into awaitables.
+It composes the limit bookkeeping (:mod:`.limits`), the holds (:mod:`.holds`) and the
+Retry-After computation (:mod:`.retry`) with the wait queue and the policy's overload actions
+(Degrade, Queue, Reject, in the policy's order). A request that can never fit is refused with 400
+at once, never told to retry (https://github.com/bucket4j/bucket4j/issues/220).
 
-Flow of :meth:`AdmissionController.submit`:
-
-1. A request that can never fit (cost above a bucket's full capacity, reservation above the KV
-   capacity) is clamped if the policy allows Degrade with ``minMaxTokens`` low enough, otherwise
-   refused at once with 400: waiting could never help (field lesson L03).
-2. If everything fits now (and nobody waits ahead for the same shared resources), the request is
-   admitted and its reservations taken in the same call.
-3. Otherwise the policy's overload actions are tried in order: Degrade (clamp max_tokens to what
-   fits now, not below ``minMaxTokens``, else rewrite to ``fallbackModel``), Queue (bounded; on
-   timeout the actions after Queue apply), Reject (429 with Retry-After from the real refill or
-   drain time).
-
-KV reservation = prompt + n × max_tokens rounded up to the block size (vLLM allocates KV in
-blocks: PagedAttention, Kwon et al., SOSP 2023).
+Invariant: pure and clock-injected (no I/O, no asyncio); every public method runs to completion
+without yielding, so a check and its reservation are atomic on one event loop. The asyncio side
+is :mod:`kvgate_agent.admission.waiting`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from kvgate_agent.admission.bucket import BucketMap, TokenBucket
-from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
+from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
+    BucketCharge,
     Decision,
     Outcome,
     Reason,
     Ticket,
     Waiter,
 )
-from kvgate_agent.contract.policy import LimitScope, OverloadAction, QueueOrder
+from kvgate_agent.admission.holds import Hold, Holds
+from kvgate_agent.admission.limits import Blocker, Limits
+from kvgate_agent.admission.retry import DecodeSpeed, refusal, wait_seconds
+from kvgate_agent.contract.policy import OverloadAction, QueueOrder
 
 Clock = Callable[[], float]
-
-#: Initial decode time per output token before any request has finished, seconds. 20 ms is a
-#: typical inter-token latency of a loaded vLLM server (vLLM benchmarks report ITL of 10–50 ms);
-#: it is replaced by the observed average as soon as responses complete.
-DEFAULT_SECONDS_PER_TOKEN = 0.02
-#: Weight of each new observation in the seconds-per-token moving average.
-EMA_ALPHA = 0.2
-#: Upper bound on a Retry-After, seconds (one day), so a tiny rate cannot produce absurd values.
-MAX_RETRY_AFTER = 86_400
 
 # Enum members bound once: attribute access on an Enum class is slow on the hot path.
 _ADMITTED = Outcome.ADMITTED
@@ -58,130 +38,6 @@ _OK = Reason.OK
 _DEGRADE = OverloadAction.DEGRADE.value
 _QUEUE = OverloadAction.QUEUE.value
 _REJECT = OverloadAction.REJECT.value
-
-
-def round_up(tokens: int, block_size: int) -> int:
-    """``tokens`` rounded up to a whole number of KV blocks of ``block_size`` tokens."""
-    return -(-tokens // block_size) * block_size
-
-
-def retry_after_seconds(wait: float) -> int:
-    """An HTTP Retry-After value from a wait in seconds: integer ≥ 1, at most a day."""
-    if not math.isfinite(wait):
-        return MAX_RETRY_AFTER
-    return min(MAX_RETRY_AFTER, max(1, math.ceil(wait)))
-
-
-@dataclass(slots=True)
-class _Blocker:
-    """What stops a request now. ``bucket`` is set for rate limits; ``tenant_scoped`` when only
-    this tenant's own bucket blocks (others need not wait behind it)."""
-
-    reason: Reason
-    limit: str
-    tenant_scoped: bool = False
-    bucket: TokenBucket | None = None
-    amount: float = 0.0
-    threshold: LimitThreshold | None = None
-
-
-class _Limit:
-    __slots__ = ("cost", "is_tenant", "max_keys", "requests", "threshold")
-
-    def __init__(self, threshold: LimitThreshold, now: float, max_tenants: int) -> None:
-        self.threshold = threshold
-        self.is_tenant = threshold.per is LimitScope.TENANT
-        keys = max_tenants if threshold.per is LimitScope.TENANT else 1
-        self.max_keys = keys
-        self.requests: BucketMap | None = None
-        self.cost: BucketMap | None = None
-        if threshold.request_rate is not None and threshold.request_capacity is not None:
-            self.requests = BucketMap(
-                threshold.request_capacity,
-                threshold.request_rate,
-                now,
-                threshold.warmup_seconds,
-                keys,
-            )
-        if threshold.cost_rate is not None and threshold.cost_capacity is not None:
-            self.cost = BucketMap(
-                threshold.cost_capacity, threshold.cost_rate, now, threshold.warmup_seconds, keys
-            )
-
-    def key(self, tenant: str) -> str:
-        return tenant if self.is_tenant else ""
-
-    def update(self, threshold: LimitThreshold, now: float, warmup_start: float) -> None:
-        """Take new numbers for the same limit (same name and scope) in place: the bucket maps
-        and every bucket in them keep their identity (tickets hold references to them), their
-        level carried over and clamped to the new capacity. A unit the limit no longer counts
-        drops its map; a unit it newly counts starts a fresh one."""
-        max_keys = self.max_keys
-        self.requests = _retune(
-            self.requests,
-            threshold.request_capacity,
-            threshold.request_rate,
-            threshold.warmup_seconds,
-            now,
-            warmup_start,
-            max_keys,
-        )
-        self.cost = _retune(
-            self.cost,
-            threshold.cost_capacity,
-            threshold.cost_rate,
-            threshold.warmup_seconds,
-            now,
-            warmup_start,
-            max_keys,
-        )
-        self.threshold = threshold
-
-
-def _retune(
-    bmap: BucketMap | None,
-    capacity: float | None,
-    rate: float | None,
-    warmup_seconds: float,
-    now: float,
-    warmup_start: float,
-    max_keys: int,
-) -> BucketMap | None:
-    """``bmap`` with a new capacity and rate (units, units per second), updated in place; a new
-    map when there was none; None when the unit is no longer limited. Each existing bucket is
-    first refilled at its old rate up to ``now``, then takes the new numbers with its level
-    clamped to the new (effective) capacity. A bucket's warm-up ramp stays as it was created
-    (a changed ``warmupSeconds`` applies to buckets created afterwards)."""
-    if capacity is None or rate is None:
-        return None
-    if bmap is None:
-        return BucketMap(capacity, rate, warmup_start, warmup_seconds, max_keys)
-    bmap.capacity = capacity
-    bmap.rate = rate
-    bmap.warmup_seconds = warmup_seconds
-    for _, b in bmap.items():
-        b.refill(now)
-        b.capacity = capacity
-        b.rate = rate
-        b.level = min(b.level, b.capacity_at(now))
-    return bmap
-
-
-@dataclass(slots=True)
-class Hold:
-    """A stop on every new admission (see :meth:`AdmissionController.hold`).
-
-    Attributes:
-        reason: the refusal reason (``fail_closed``, ``gpu_memory_low``).
-        retry_after: seconds a refused client should wait (used while ``until`` is None).
-        message: the explanation put in error bodies.
-        until: clock time at which the hold ends by itself; None = until lifted.
-    """
-
-    reason: Reason
-    retry_after: float
-    message: str
-    until: float | None = None
 
 
 class AdmissionController:
@@ -202,24 +58,38 @@ class AdmissionController:
         *,
         max_tenants: int = 100_000,
     ) -> None:
-        self.config = config
         self.clock = clock
         self.started_at = clock()
-        self._max_tenants = max_tenants
-        self._limits = [_Limit(t, self.started_at, max_tenants) for t in config.limits]
-        self._min_cost_capacity: float | None = _min_cost_capacity(config)
-        self.in_flight = 0
-        self.kv_reserved_tokens = 0
-        self._tickets: dict[int, Ticket] = {}
+        self._limits = Limits(config, self.started_at, max_tenants)
+        self._holds = Holds()
+        self._speed = DecodeSpeed()
         self._queue: dict[int, Waiter] = {}
         self._seq = 0
         self._head_blocked_shared = False
         self._resolved: list[Waiter] = []
-        self.seconds_per_token = DEFAULT_SECONDS_PER_TOKEN
-        self._holds: dict[str, Hold] = {}
         self._aging_rate = _aging_rate(config)
 
     # ------------------------------------------------------------------ observation
+
+    @property
+    def config(self) -> AdmissionConfig:
+        """The thresholds enforced now."""
+        return self._limits.config
+
+    @property
+    def in_flight(self) -> int:
+        """Admitted requests not yet released."""
+        return self._limits.in_flight
+
+    @property
+    def kv_reserved_tokens(self) -> int:
+        """KV tokens reserved by the requests in flight (block-rounded)."""
+        return self._limits.kv_reserved_tokens
+
+    @property
+    def seconds_per_token(self) -> float:
+        """Observed decode time per output token, seconds (the drain estimate's speed)."""
+        return self._speed.seconds_per_token
 
     @property
     def queue_length(self) -> int:
@@ -229,34 +99,21 @@ class AdmissionController:
     @property
     def kv_capacity_tokens(self) -> int | None:
         """KV capacity enforced, tokens (None: not enforced)."""
-        return self.config.kv_capacity_tokens
+        return self._limits.config.kv_capacity_tokens
 
     def bucket_levels(self) -> list[tuple[str, str, str, float, float]]:
         """(limit name, unit, key, level, capacity) for every bucket held in memory now.
         ``unit`` is ``requests`` or ``cost``; ``key`` is the tenant, or "" for pod-wide buckets."""
-        now = self.clock()
-        out = []
-        for lim in self._limits:
-            for unit, bmap in (("requests", lim.requests), ("cost", lim.cost)):
-                if bmap is None:
-                    continue
-                for key, b in bmap.items():
-                    out.append((lim.threshold.name, unit, key, b.peek(now), b.capacity_at(now)))
-        return out
+        return self._limits.bucket_levels(self.clock())
 
     def tenants_tracked(self) -> int:
         """Number of tenant buckets held in memory (bounded by ``max_tenants`` per limit)."""
-        return sum(
-            len(m)
-            for lim in self._limits
-            for m in (lim.requests, lim.cost)
-            if m is not None and lim.threshold.per is LimitScope.TENANT
-        )
+        return self._limits.tenants_tracked()
 
     def set_kv_capacity(self, tokens: int | None) -> None:
         """Enforce a new KV capacity (tokens; None = not enforced), e.g. the engine's own report.
         Reservations already held stay; waiters are re-examined on the next pump."""
-        self.config = dataclasses.replace(self.config, kv_capacity_tokens=tokens)
+        self._limits.set_kv_capacity(tokens)
 
     def reconfigure(self, config: AdmissionConfig) -> None:
         """Enforce new thresholds from now on without dropping in-flight work.
@@ -270,19 +127,7 @@ class AdmissionController:
         is already reserved admits nothing until enough is released. Waiters are re-examined
         on the next :meth:`pump` (``AsyncAdmission.kick``); nothing is decided here.
         """
-        now = self.clock()
-        old = {(lim.threshold.name, lim.threshold.per): lim for lim in self._limits}
-        limits: list[_Limit] = []
-        for t in config.limits:
-            lim = old.get((t.name, t.per))
-            if lim is None:
-                lim = _Limit(t, self.started_at, self._max_tenants)
-            else:
-                lim.update(t, now, self.started_at)
-            limits.append(lim)
-        self._limits = limits
-        self.config = config
-        self._min_cost_capacity = _min_cost_capacity(config)
+        self._limits.reconfigure(config, self.clock())
         self._aging_rate = _aging_rate(config)
 
     # ------------------------------------------------------------------ holds
@@ -313,17 +158,13 @@ class AdmissionController:
         their deadline (then they are refused with the hold's 503) or until every hold is lifted.
         In-flight requests are not touched. Raises ``ValueError`` if ``retry_after`` ≤ 0.
         """
-        if not retry_after > 0:
-            raise ValueError(f"retry_after must be > 0 seconds, got {retry_after}")
-        self._holds[key if key is not None else reason.value] = Hold(
-            reason, retry_after, message, until
-        )
+        name = key if key is not None else reason.value
+        self._holds.put(name, Hold(reason, retry_after, message, until))
 
     def lift(self, key: str | Reason) -> bool:
         """End the hold named ``key`` (a key given to :meth:`hold`, or the reason it defaulted
         to). Returns whether one was active. Waiters are admitted on the next :meth:`pump`."""
-        name = key.value if isinstance(key, Reason) else key
-        return self._holds.pop(name, None) is not None
+        return self._holds.lift(key.value if isinstance(key, Reason) else key)
 
     def active_hold(self) -> Hold | None:
         """The hold that decides now: of all active holds, the one with the longest remaining
@@ -331,208 +172,51 @@ class AdmissionController:
         Holds past their ``until`` are forgotten."""
         if not self._holds:
             return None
-        return self._active_hold(self.clock())
-
-    def _active_hold(self, now: float) -> Hold | None:
-        best: Hold | None = None
-        best_wait = -1.0
-        for key, h in list(self._holds.items()):
-            if h.until is not None and now >= h.until:
-                del self._holds[key]
-                continue
-            wait = h.retry_after if h.until is None else h.until - now
-            if wait > best_wait:
-                best, best_wait = h, wait
-        return best
-
-    def _hold_refusal(self, h: Hold, now: float, max_tokens: int) -> Decision:
-        wait = h.retry_after if h.until is None else h.until - now
-        return self._refuse(h.reason, h.reason.value, 503, wait, max_tokens, h.message)
-
-    @property
-    def fail_closed_until(self) -> float | None:
-        """Clock time until which admission is held with ``fail_closed`` through this
-        attribute (kept for compatibility: prefer :meth:`hold`); None when not held."""
-        h = self._holds.get(_FAIL_CLOSED_UNTIL)
-        return None if h is None else h.until
-
-    @fail_closed_until.setter
-    def fail_closed_until(self, until: float | None) -> None:
-        if until is None:
-            self._holds.pop(_FAIL_CLOSED_UNTIL, None)
-            return
-        self._holds[_FAIL_CLOSED_UNTIL] = Hold(
-            Reason.FAIL_CLOSED,
-            max(1e-3, until - self.clock()),
-            "admission thresholds are stale and failureMode is FailClosed",
-            until,
-        )
-
-    # ------------------------------------------------------------------ arithmetic
-
-    def _kv_tokens(self, prompt: int, max_tokens: int, n: int) -> int:
-        return round_up(prompt + n * max_tokens, self.config.block_size)
-
-    def _max_tokens_within(
-        self, prompt: int, n: int, kv_room: int | None, cost_room: float | None
-    ) -> int | None:
-        """Largest max_tokens whose reservation fits ``kv_room`` tokens and whose cost fits
-        ``cost_room`` units; None = unbounded by both."""
-        best: int | None = None
-        if kv_room is not None:
-            usable = (kv_room // self.config.block_size) * self.config.block_size
-            best = (usable - prompt) // n
-        cfg = self.config
-        if cost_room is not None and cfg.output_token_weight > 0:
-            by_cost = math.floor(
-                (cost_room - cfg.cost_per_request - prompt * cfg.prompt_token_weight)
-                / (n * cfg.output_token_weight)
-                + 1e-9
-            )
-            best = by_cost if best is None else min(best, by_cost)
-        elif cost_room is not None and cfg.cost(prompt, 0) > cost_room + 1e-9:
-            best = -1
-        return best
-
-    def _cost(self, req: AdmissionRequest, max_tokens: int) -> float:
-        return self.config.cost(req.prompt_tokens, req.n * max_tokens)
-
-    def _max_fit_ever(self, req: AdmissionRequest) -> int | None:
-        """Largest max_tokens that could ever be admitted (full capacities); None = unbounded."""
-        kv = self.config.kv_capacity_tokens
-        cost_room: float | None = None
-        for lim in self._limits:
-            cap = lim.threshold.cost_capacity
-            if lim.cost is not None and cap is not None:
-                cost_room = cap if cost_room is None else min(cost_room, cap)
-        return self._max_tokens_within(req.prompt_tokens, req.n, kv, cost_room)
-
-    # ------------------------------------------------------------------ checks
-
-    def _blocker(
-        self,
-        req: AdmissionRequest,
-        max_tokens: int,
-        now: float,
-        with_buckets: bool = True,
-        found: list[tuple[TokenBucket, float, bool]] | None = None,
-        kv: int = -1,
-        cost: float = -1.0,
-    ) -> _Blocker | None:
-        """What stops ``req`` with ``max_tokens`` now, or None if it fits. When ``found`` is
-        given, the buckets checked are appended to it as (bucket, units, is_cost), so the
-        reservation that follows in the same call needs no second lookup. ``kv`` and ``cost``
-        may be passed in when the caller already computed them."""
-        cfg = self.config
-        if cfg.max_concurrency is not None and self.in_flight >= cfg.max_concurrency:
-            return _Blocker(Reason.CONCURRENCY, "concurrency")
-        if cfg.kv_capacity_tokens is not None:
-            if kv < 0:
-                kv = self._kv_tokens(req.prompt_tokens, max_tokens, req.n)
-            if self.kv_reserved_tokens + kv > cfg.kv_capacity_tokens:
-                return _Blocker(Reason.KV_CAPACITY, "kv")
-        if not with_buckets:
-            return None
-        tenant = req.tenant
-        for lim in self._limits:
-            key = tenant if lim.is_tenant else ""
-            if lim.requests is not None:
-                b = lim.requests.get(key, now)
-                if b.refill(now) < 1.0:
-                    t = lim.threshold
-                    return _Blocker(Reason.RATE_LIMIT_REQUESTS, t.name, lim.is_tenant, b, 1.0, t)
-                if found is not None:
-                    found.append((b, 1.0, False))
-            if lim.cost is not None:
-                if cost < 0:
-                    cost = cfg.cost(req.prompt_tokens, req.n * max_tokens)
-                b = lim.cost.get(key, now)
-                if b.refill(now) < cost:
-                    t = lim.threshold
-                    return _Blocker(Reason.RATE_LIMIT_TOKENS, t.name, lim.is_tenant, b, cost, t)
-                if found is not None:
-                    found.append((b, cost, True))
-        return None
-
-    def _reserve(
-        self,
-        req: AdmissionRequest,
-        max_tokens: int,
-        now: float,
-        with_buckets: bool = True,
-        found: list[tuple[TokenBucket, float, bool]] | None = None,
-        kv: int = -1,
-    ) -> Ticket:
-        """Take the reservations for ``req``; only after :meth:`_blocker` said it fits, in the
-        same call (so every bucket holds at least what is taken)."""
-        if kv < 0:
-            kv = self._kv_tokens(req.prompt_tokens, max_tokens, req.n)
-        if found is None:
-            found = []
-            if with_buckets:
-                self._blocker(req, max_tokens, now, found=found)
-        for b, amount, _ in found:
-            b.level -= amount
-            b.pins += 1
-        ticket = Ticket(req.tenant, req.prompt_tokens, max_tokens, req.n, kv, now, found)
-        self.in_flight += 1
-        self.kv_reserved_tokens += kv
-        self._tickets[id(ticket)] = ticket
-        return ticket
+        return self._holds.active(self.clock())
 
     # ------------------------------------------------------------------ submit
 
     def submit(self, req: AdmissionRequest) -> Decision:
         """Decide on one request now.
 
+        1. A request that can never fit (cost above a bucket's full capacity, reservation above
+           the KV capacity) has its max_tokens clamped if the policy has Degrade with
+           ``minMaxTokens`` low enough, else is refused with 400 (``param`` says what to change).
+        2. If it fits now and nobody waits ahead for the same shared resources, it is admitted
+           and its reservations are taken in this call.
+        3. Otherwise the overload actions are tried in order: Degrade (clamp max_tokens to what
+           fits now, not below ``minMaxTokens``, else the ``fallbackModel``), Queue (bounded; on
+           timeout the actions after Queue apply), Reject (429 with Retry-After).
+
         Returns a :class:`Decision`: admitted/degraded with a ticket, rejected with status and
         Retry-After, or queued with a waiter (await it through the asyncio driver, or call
-        :meth:`pump` and read ``waiter.decision``). ``req.max_tokens`` must be ≥ 1.
+        :meth:`pump` and read ``waiter.decision``). ``req.max_tokens`` must be ≥ 1; it is
+        lowered in place when clamped.
         """
         now = self.clock()
-        cfg = self.config
+        limits = self._limits
+        cfg = limits.config
         if self._holds:
-            h = self._active_hold(now)
+            h = self._holds.active(now)
             if h is not None:
-                return self._hold_refusal(h, now, req.max_tokens)
+                return h.refusal(now, req.max_tokens)
         clamped = False
-        kv = self._kv_tokens(req.prompt_tokens, req.max_tokens, req.n)
+        kv = limits.kv_tokens(req.prompt_tokens, req.max_tokens, req.n)
         cost = cfg.cost(req.prompt_tokens, req.n * req.max_tokens)
-        cap = self._min_cost_capacity
-        fits_ever = (cfg.kv_capacity_tokens is None or kv <= cfg.kv_capacity_tokens) and (
-            cap is None or cost <= cap
-        )
-        max_fit = None if fits_ever else self._max_fit_ever(req)
-        if max_fit is not None and req.max_tokens > max_fit:
-            floor = cfg.min_max_tokens
-            if _DEGRADE in cfg.actions and floor is not None and max_fit >= floor:
+        if not limits.fits_ever(kv, cost):
+            max_fit = limits.max_fit_ever(req)
+            if max_fit is not None and req.max_tokens > max_fit:
+                floor = cfg.min_max_tokens
+                if not (_DEGRADE in cfg.actions and floor is not None and max_fit >= floor):
+                    return self._exceeds_capacity(req, max_fit)
                 req.max_tokens = max_fit
                 clamped = True
-                kv, cost = -1, -1.0
-            else:
-                refusal = self._refuse(
-                    Reason.EXCEEDS_CAPACITY,
-                    self._exceeding_limit(req),
-                    400,
-                    None,
-                    req.max_tokens,
-                    f"request needs more than this server's capacity allows "
-                    f"(prompt {req.prompt_tokens} tokens + max_tokens {req.max_tokens}"
-                    + ("" if req.n == 1 else f" × n {req.n}")
-                    + "); "
-                    + (
-                        f"lower max_tokens to at most {max_fit}"
-                        if max_fit >= 1
-                        else "shorten the prompt"
-                    ),
-                )
-                refusal.param = "max_tokens" if max_fit >= 1 else "prompt"
-                return refusal
-
-        found: list[tuple[TokenBucket, float, bool]] = []
-        blocker = self._blocker(req, req.max_tokens, now, found=found, kv=kv, cost=cost)
+                kv = limits.kv_tokens(req.prompt_tokens, max_fit, req.n)
+                cost = cfg.cost(req.prompt_tokens, req.n * max_fit)
+        found: list[BucketCharge] = []
+        blocker = limits.blocker(req, req.max_tokens, now, found=found, kv=kv, cost=cost)
         if blocker is None and not (self._queue and self._head_blocked_shared):
-            ticket = self._reserve(req, req.max_tokens, now, found=found, kv=kv)
+            ticket = limits.reserve(req, req.max_tokens, now, found=found, kv=kv)
             if clamped:
                 return Decision(
                     Outcome.DEGRADED,
@@ -543,10 +227,29 @@ class AdmissionController:
             return Decision(_ADMITTED, _OK, ticket, req.max_tokens)
         return self._overload(req, blocker, cfg.actions, now, clamped, 0.0)
 
+    def _exceeds_capacity(self, req: AdmissionRequest, max_fit: int) -> Decision:
+        """The 400 for a request that can never fit (no Retry-After: waiting cannot help)."""
+        fix = f"lower max_tokens to at most {max_fit}" if max_fit >= 1 else "shorten the prompt"
+        d = refusal(
+            Reason.EXCEEDS_CAPACITY,
+            self._limits.exceeding_limit(req),
+            400,
+            None,
+            req.max_tokens,
+            f"request needs more than this server's capacity allows "
+            f"(prompt {req.prompt_tokens} tokens + max_tokens {req.max_tokens}"
+            + ("" if req.n == 1 else f" × n {req.n}")
+            + f"); {fix}",
+        )
+        d.param = "max_tokens" if max_fit >= 1 else "prompt"
+        return d
+
+    # ------------------------------------------------------------------ overload actions
+
     def _overload(
         self,
         req: AdmissionRequest,
-        blocker: _Blocker | None,
+        blocker: Blocker | None,
         actions: tuple[str, ...],
         now: float,
         clamped: bool,
@@ -563,7 +266,7 @@ class AdmissionController:
             elif action == _QUEUE:
                 if req.priority < 0 or waited > 0:  # sheddable, or already timed out once
                     continue
-                if len(self._queue) >= self.config.queue_max_length:
+                if len(self._queue) >= self._limits.config.queue_max_length:
                     queue_full = True
                     continue
                 return self._enqueue(req, actions[i + 1 :], now, clamped)
@@ -572,38 +275,31 @@ class AdmissionController:
         return self._reject(req, blocker, now, waited, queue_full)
 
     def _degrade(
-        self, req: AdmissionRequest, blocker: _Blocker | None, now: float, waited: float
+        self, req: AdmissionRequest, blocker: Blocker | None, now: float, waited: float
     ) -> Decision | None:
-        cfg = self.config
+        """Admit ``req`` degraded if the policy allows: max_tokens clamped to what fits now
+        (not below ``minMaxTokens``), else the fallback model; None when neither applies."""
         if blocker is None:
             return None
         if waited == 0 and self._queue and self._head_blocked_shared:
             # Others already wait for the same capacity: a newcomer must not take it first,
             # not even a degraded one.
             return None
+        limits = self._limits
+        cfg = limits.config
         # 1. Clamp max_tokens to what fits now (not below minMaxTokens).
         if cfg.min_max_tokens is not None and blocker.reason in (
             Reason.KV_CAPACITY,
             Reason.RATE_LIMIT_TOKENS,
         ):
-            kv_room = (
-                None
-                if cfg.kv_capacity_tokens is None
-                else cfg.kv_capacity_tokens - self.kv_reserved_tokens
-            )
-            cost_room: float | None = None
-            for lim in self._limits:
-                if lim.cost is not None:
-                    level = lim.cost.get(lim.key(req.tenant), now).refill(now)
-                    cost_room = level if cost_room is None else min(cost_room, level)
-            m = self._max_tokens_within(req.prompt_tokens, req.n, kv_room, cost_room)
+            m = limits.max_fit_now(req, now)
             if (
                 m is not None
                 and cfg.min_max_tokens <= m < req.max_tokens
-                and self._blocker(req, m, now) is None
+                and limits.blocker(req, m, now) is None
             ):
                 req.max_tokens = m
-                ticket = self._reserve(req, m, now)
+                ticket = limits.reserve(req, m, now)
                 return Decision(
                     Outcome.DEGRADED,
                     Reason.MAX_TOKENS_CLAMPED,
@@ -618,9 +314,9 @@ class AdmissionController:
             cfg.fallback_model is not None
             and req.model != cfg.fallback_model
             and blocker.reason in (Reason.RATE_LIMIT_REQUESTS, Reason.RATE_LIMIT_TOKENS)
-            and self._blocker(req, req.max_tokens, now, with_buckets=False) is None
+            and limits.blocker(req, req.max_tokens, now, with_buckets=False) is None
         ):
-            ticket = self._reserve(req, req.max_tokens, now, with_buckets=False)
+            ticket = limits.reserve(req, req.max_tokens, now, with_buckets=False)
             return Decision(
                 Outcome.DEGRADED,
                 Reason.FALLBACK_MODEL,
@@ -635,26 +331,30 @@ class AdmissionController:
     def _reject(
         self,
         req: AdmissionRequest,
-        blocker: _Blocker | None,
+        blocker: Blocker | None,
         now: float,
         waited: float,
         queue_full: bool = False,
     ) -> Decision:
+        """The 429 for ``req``, its Retry-After from the blocking resource's refill or drain
+        time and, for a rate limit, the refusing bucket's state for the RateLimit headers."""
         if blocker is None:
-            blocker = self._head_blocker(now) or _Blocker(Reason.QUEUE_FULL, "queue")
-        wait = self._wait_for(req, blocker, now)
+            blocker = self._head_blocker(now) or Blocker(Reason.QUEUE_FULL, "queue")
+        wait = wait_seconds(
+            req, blocker, now, self._limits, self._queue.values(), self._speed.seconds_per_token
+        )
         message = _REFUSAL_TEXT[blocker.reason].format(limit=blocker.limit)
         reason = blocker.reason
         if waited > 0:
             reason = Reason.QUEUE_TIMEOUT
             message = f"timed out after {waited:.1f}s in the admission queue: {message}"
-        elif req.priority < 0 and _QUEUE in self.config.actions:
+        elif req.priority < 0 and _QUEUE in self._limits.config.actions:
             reason = Reason.SHEDDABLE
             message = f"sheddable request (negative priority) not queued: {message}"
         elif queue_full:
             reason = Reason.QUEUE_FULL
             message = f"the admission queue is full: {message}"
-        d = self._refuse(reason, blocker.limit, 429, wait, req.max_tokens, message)
+        d = refusal(reason, blocker.limit, 429, wait, req.max_tokens, message)
         d.queue_seconds = waited
         if blocker.bucket is not None and blocker.threshold is not None:
             t = blocker.threshold
@@ -666,82 +366,6 @@ class AdmissionController:
             d.unit = "tokens" if cost_unit else "requests"
         return d
 
-    @staticmethod
-    def _refuse(
-        reason: Reason, limit: str, status: int, wait: float | None, max_tokens: int, message: str
-    ) -> Decision:
-        return Decision(
-            Outcome.REJECTED,
-            reason,
-            status=status,
-            retry_after=None if wait is None else retry_after_seconds(wait),
-            max_tokens=max_tokens,
-            limit=limit,
-            message=message,
-        )
-
-    def _exceeding_limit(self, req: AdmissionRequest) -> str:
-        kv = self.config.kv_capacity_tokens
-        if kv is not None and self._kv_tokens(req.prompt_tokens, req.max_tokens, req.n) > kv:
-            return "kv"
-        for lim in self._limits:
-            cap = lim.threshold.cost_capacity
-            if cap is not None and self._cost(req, req.max_tokens) > cap:
-                return lim.threshold.name
-        return "capacity"
-
-    # ------------------------------------------------------------------ Retry-After
-
-    def _wait_for(self, req: AdmissionRequest, blocker: _Blocker, now: float) -> float:
-        """Seconds until the blocking resource could admit ``req``: bucket refill time, or the
-        expected drain of in-flight (and already queued) work for concurrency and KV."""
-        if blocker.bucket is not None:
-            # Waiters drawing on the same bucket are served first: count their demand too.
-            per_request = blocker.reason is Reason.RATE_LIMIT_REQUESTS
-            queued = 0.0
-            for w in self._queue.values():
-                other = w.request
-                if other is req or (blocker.tenant_scoped and other.tenant != req.tenant):
-                    continue
-                queued += (
-                    1.0
-                    if per_request
-                    else self.config.cost(other.prompt_tokens, other.n * other.max_tokens)
-                )
-            b = blocker.bucket
-            wait = b.seconds_until(blocker.amount, now)
-            if queued:
-                wait = max(wait, (blocker.amount + queued - b.refill(now)) / b.rate)
-            return wait
-        ends = sorted(
-            (t.admitted_at + (t.max_tokens + 1) * self.seconds_per_token, t.kv_tokens)
-            for t in self._tickets.values()
-        )
-        if not ends:
-            return self.seconds_per_token * max(1, req.max_tokens)
-        floor = self.seconds_per_token
-        queued_kv = sum(w.kv_tokens for w in self._queue.values())
-        if blocker.reason is Reason.KV_CAPACITY and self.config.kv_capacity_tokens is not None:
-            need = (
-                self.kv_reserved_tokens
-                + queued_kv
-                + self._kv_tokens(req.prompt_tokens, req.max_tokens, req.n)
-                - self.config.kv_capacity_tokens
-            )
-            freed = 0
-            for end, kv in ends:
-                freed += kv
-                if freed >= need:
-                    return max(floor, end - now)
-            return max(floor, ends[-1][0] - now)
-        # Concurrency (or "others queued ahead"): the (queued + 1)-th completion frees our slot.
-        slots_needed = len(self._queue) + 1
-        if self.config.max_concurrency is not None:
-            slots_needed += max(0, self.in_flight - self.config.max_concurrency)
-        rounds, idx = divmod(slots_needed - 1, len(ends))
-        span = ends[-1][0] - min(now, ends[0][0]) if rounds else 0.0
-        return max(floor, ends[idx][0] - now + rounds * max(span, floor))
-
     # ------------------------------------------------------------------ queue
 
     def _enqueue(
@@ -752,8 +376,8 @@ class AdmissionController:
             req,
             self._seq,
             now,
-            now + self.config.queue_max_wait_seconds,
-            self._kv_tokens(req.prompt_tokens, req.max_tokens, req.n),
+            now + self._limits.config.queue_max_wait_seconds,
+            self._limits.kv_tokens(req.prompt_tokens, req.max_tokens, req.n),
             remaining or (_REJECT,),
             clamped,
         )
@@ -768,7 +392,7 @@ class AdmissionController:
 
     def _ordered(self, now: float) -> list[Waiter]:
         waiters = list(self._queue.values())
-        order = self.config.queue_order
+        order = self._limits.config.queue_order
         if order is QueueOrder.PRIORITY:
             waiters.sort(key=lambda w: (-w.request.priority, w.seq))
         elif order is QueueOrder.SHORTEST_FIRST:
@@ -776,9 +400,9 @@ class AdmissionController:
             waiters.sort(key=lambda w: (w.kv_tokens - (now - w.enqueued_at) * rate, w.seq))
         return waiters
 
-    def _head_blocker(self, now: float) -> _Blocker | None:
+    def _head_blocker(self, now: float) -> Blocker | None:
         for w in self._ordered(now):
-            b = self._blocker(w.request, w.request.max_tokens, now)
+            b = self._limits.blocker(w.request, w.request.max_tokens, now)
             if b is not None and not b.tenant_scoped:
                 return b
         return None
@@ -798,34 +422,45 @@ class AdmissionController:
             self._head_blocked_shared = False
             return
         now = self.clock()
-        done = self._resolved
-        held = self._active_hold(now) if self._holds else None
+        held = self._holds.active(now) if self._holds else None
+        self._expire(now, held)
+        self._head_blocked_shared = False
+        if held is None:
+            self._admit_waiting(now)
+
+    def _expire(self, now: float, held: Hold | None) -> None:
+        """Decide on every waiter past its deadline: refused with ``held``'s 503 while a hold
+        is active (no admission of any kind, not even degraded), else by its remaining overload
+        actions (Degrade first, if the policy has it: having waited its turn, it may)."""
+        actions_cfg = self._limits.config.actions
         for w in [w for w in self._queue.values() if now >= w.deadline]:
             del self._queue[w.seq]
             waited = now - w.enqueued_at
-            if held is not None:  # no admission of any kind while held, not even degraded
-                d = self._hold_refusal(held, now, w.request.max_tokens)
+            if held is not None:
+                d = held.refusal(now, w.request.max_tokens)
                 d.message = f"timed out after {waited:.1f}s in the admission queue: {d.message}"
                 d.queue_seconds = waited
                 w.decision = d
-                done.append(w)
+                self._resolved.append(w)
                 continue
-            blocker = self._blocker(w.request, w.request.max_tokens, now)
+            blocker = self._limits.blocker(w.request, w.request.max_tokens, now)
             actions = w.remaining_actions
-            if _DEGRADE in self.config.actions and _DEGRADE not in actions:
-                actions = (_DEGRADE, *actions)  # having waited its turn, it may still degrade
+            if _DEGRADE in actions_cfg and _DEGRADE not in actions:
+                actions = (_DEGRADE, *actions)
             w.decision = self._overload(
                 w.request, blocker, actions, now, w.clamped, max(waited, 1e-9)
             )
-            done.append(w)
-        self._head_blocked_shared = False
-        if held is not None:
-            return
+            self._resolved.append(w)
+
+    def _admit_waiting(self, now: float) -> None:
+        """Admit the waiters that fit now, in queue order, until one blocked by a shared
+        resource (see :meth:`pump`)."""
+        limits = self._limits
         for w in self._ordered(now):
-            b = self._blocker(w.request, w.request.max_tokens, now)
+            b = limits.blocker(w.request, w.request.max_tokens, now)
             if b is None:
                 del self._queue[w.seq]
-                ticket = self._reserve(w.request, w.request.max_tokens, now)
+                ticket = limits.reserve(w.request, w.request.max_tokens, now)
                 outcome = Outcome.DEGRADED if w.clamped else Outcome.QUEUED
                 reason = Reason.MAX_TOKENS_CLAMPED if w.clamped else Reason.OK
                 w.decision = Decision(
@@ -835,7 +470,7 @@ class AdmissionController:
                     max_tokens=w.request.max_tokens,
                     queue_seconds=now - w.enqueued_at,
                 )
-                done.append(w)
+                self._resolved.append(w)
                 continue
             w.retry_at = (
                 None if b.bucket is None else now + max(1e-3, b.bucket.seconds_until(b.amount, now))
@@ -851,7 +486,7 @@ class AdmissionController:
         now = self.clock()
         for w in list(self._queue.values()):
             del self._queue[w.seq]
-            d = self._refuse(reason, "queue", status, retry_after, w.request.max_tokens, message)
+            d = refusal(reason, "queue", status, retry_after, w.request.max_tokens, message)
             d.queue_seconds = now - w.enqueued_at
             w.decision = d
             self._resolved.append(w)
@@ -865,15 +500,16 @@ class AdmissionController:
 
     def next_wake(self) -> float | None:
         """Clock time at which :meth:`pump` should next run even if nothing is released: the
-        earliest queue deadline or bucket refill a waiter needs; None when nobody waits."""
+        earliest queue deadline or bucket refill a waiter needs, or the end of a hold that ends
+        by itself (it lets waiters in); None when nobody waits."""
         t: float | None = None
         for w in self._queue.values():
             c = w.deadline if w.retry_at is None else min(w.deadline, w.retry_at)
             t = c if t is None else min(t, c)
         if t is not None:
-            for h in self._holds.values():  # a hold that ends by itself lets waiters in
-                if h.until is not None:
-                    t = min(t, h.until)
+            end = self._holds.next_end()
+            if end is not None:
+                t = min(t, end)
         return t
 
     # ------------------------------------------------------------------ release
@@ -902,32 +538,15 @@ class AdmissionController:
             return False
         ticket.released = True
         now = self.clock()
-        prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
-        cfg = self.config
-        actual = cfg.cost(prompt, completion_tokens) if reached_upstream else 0.0
-        for bucket, amount, is_cost in ticket.holds:
-            used = actual if is_cost else (1.0 if reached_upstream else 0.0)
-            if used < amount:
-                bucket.put_back(amount - used, now)
-            elif used > amount:
-                bucket.charge(used - amount, now)
-            bucket.pins -= 1
-        self.in_flight -= 1
-        self.kv_reserved_tokens -= ticket.kv_tokens
-        del self._tickets[id(ticket)]
-        if reached_upstream and completion_tokens > 0:
-            per_token = (now - ticket.admitted_at) / completion_tokens
-            self.seconds_per_token += EMA_ALPHA * (per_token - self.seconds_per_token)
+        limits = self._limits
+        if reached_upstream:
+            prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
+            limits.release(ticket, now, limits.config.cost(prompt, completion_tokens), 1.0)
+            if completion_tokens > 0:
+                self._speed.observe(now - ticket.admitted_at, completion_tokens)
+        else:
+            limits.release(ticket, now, 0.0, 0.0)
         return True
-
-
-#: Key of the hold set through the ``fail_closed_until`` compatibility attribute.
-_FAIL_CLOSED_UNTIL = "fail_closed_until"
-
-
-def _min_cost_capacity(config: AdmissionConfig) -> float | None:
-    caps = [t.cost_capacity for t in config.limits if t.cost_capacity is not None]
-    return min(caps) if caps else None
 
 
 def _aging_rate(config: AdmissionConfig) -> float:

@@ -2,17 +2,20 @@
 
 Outcomes and reasons are small closed enums so they can be metric labels (low cardinality), in
 the spirit of the Gateway API Inference Extension's flow-control outcomes
-(``pkg/epp/flowcontrol/types/outcomes.go``).
+(https://github.com/kubernetes-sigs/gateway-api-inference-extension/blob/main/pkg/epp/flowcontrol/types/outcomes.go).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeAlias
 
-if TYPE_CHECKING:
-    from kvgate_agent.admission.bucket import TokenBucket
+from kvgate_agent.admission.bucket import TokenBucket
+
+#: One bucket reservation held by a ticket: (bucket, units reserved, is the cost bucket). A
+#: plain tuple, not a NamedTuple: one is built per bucket on every admission.
+BucketCharge: TypeAlias = tuple[TokenBucket, float, bool]
 
 
 class Outcome(StrEnum):
@@ -79,8 +82,9 @@ class AdmissionRequest:
 class Ticket:
     """The reservations held by one admitted request, released exactly once.
 
-    ``holds`` lists (bucket, units reserved, is_cost_bucket); ``kv_tokens`` is the
-    KV reservation in tokens (block-rounded); ``max_tokens`` the output tokens admitted per choice.
+    ``holds`` lists the bucket reservations (see :data:`BucketCharge`); ``kv_tokens`` is the
+    KV reservation in tokens (block-rounded); ``max_tokens`` the output tokens admitted per choice;
+    ``admitted_at`` clock seconds.
     """
 
     tenant: str
@@ -89,7 +93,7 @@ class Ticket:
     n: int
     kv_tokens: int
     admitted_at: float
-    holds: list[tuple[TokenBucket, float, bool]] = field(default_factory=list)
+    holds: list[BucketCharge] = field(default_factory=list)
     released: bool = False
 
 

@@ -14,11 +14,13 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from kvgate_agent.contract.policy import API_VERSION, RateLimitPolicySpec, _Model
-
-NODE_ADMISSION_KIND = "NodeAdmission"
-NODE_ADMISSION_PLURAL = "nodeadmissions"
-RATE_LIMIT_POLICY_PLURAL = "ratelimitpolicies"
+from kvgate_agent.contract.api import (
+    API_VERSION,
+    NODE_ADMISSION_KIND,
+    NODE_ADMISSION_PLURAL,
+    RATE_LIMIT_POLICY_PLURAL,
+)
+from kvgate_agent.contract.policy import RateLimitPolicySpec, _Model
 
 
 class PolicyRef(_Model):

@@ -1,4 +1,5 @@
-"""The `RateLimitPolicy` manifest (``apiVersion: kvgate.io/v1alpha1``): kvgate's one policy format.
+"""The `RateLimitPolicy` manifest (``apiVersion`` :data:`~kvgate_agent.contract.api.API_VERSION`):
+kvgate's one policy format.
 
 The same document is applied with ``kubectl`` (the operator reads it from the API server) or read
 from a file by the standalone sidecar. Field names are camelCase as in the manifest; Python
@@ -17,15 +18,24 @@ import math
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-API_GROUP = "kvgate.io"
-API_VERSION = "kvgate.io/v1alpha1"
-KIND = "RateLimitPolicy"
+from kvgate_agent.contract.api import API_VERSION as API_VERSION
+from kvgate_agent.contract.api import GROUP, RATE_LIMIT_POLICY_KIND
+
+API_GROUP = GROUP
+KIND = RATE_LIMIT_POLICY_KIND
+
+#: The manifest's ``apiVersion`` and ``kind`` as pydantic checks them: a ``Literal`` must spell
+#: its value, so it is checked against :mod:`kvgate_agent.contract.api` at import.
+ApiVersionLiteral = Literal["kvgate.io/v1alpha1"]
+KindLiteral = Literal["RateLimitPolicy"]
+if get_args(ApiVersionLiteral) != (API_VERSION,) or get_args(KindLiteral) != (KIND,):
+    raise ImportError("RateLimitPolicy literals disagree with kvgate_agent.contract.api")
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -200,8 +210,8 @@ class CostSpec(_Model):
 
     cost = perRequest + prompt_tokens × promptTokenWeight + max_tokens × outputTokenWeight,
     reserved at admission and settled to the tokens actually produced when the response ends.
-    Counting the prompt matters: a quota on output alone lets huge prompts through (field lesson
-    L04, LiteLLM #17664).
+    Counting the prompt matters: a quota on output alone lets huge prompts through
+    (https://github.com/BerriAI/litellm/issues/17664).
     """
 
     per_request: NonNegativeFloat = 0.0
@@ -407,8 +417,8 @@ class ObjectMeta(_Model):
 class RateLimitPolicy(_Model):
     """A whole RateLimitPolicy manifest. ``status`` (written by the operator) is ignored here."""
 
-    api_version: Literal["kvgate.io/v1alpha1"]
-    kind: Literal["RateLimitPolicy"]
+    api_version: ApiVersionLiteral
+    kind: KindLiteral
     metadata: ObjectMeta
     spec: RateLimitPolicySpec = Field(default_factory=RateLimitPolicySpec)
     status: dict[str, Any] | None = None

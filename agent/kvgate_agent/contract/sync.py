@@ -11,8 +11,9 @@ About once a second each sidecar calls ``POST /v1/sync`` on the agent of its nod
   (empty body, same ``ETag``) when the answer would be identical to ``If-None-Match``: an
   unchanged answer costs one small request and no body.
 - Errors: ``401`` (no or invalid token), ``403`` (the token belongs to another pod),
-  ``422`` (malformed report), ``503`` (the agent has not read its NodeAdmission yet), each with
-  a JSON body ``{"error": {"message", "type", "code"}}``.
+  ``413`` (a report over 64 KiB), ``422`` (malformed report), ``503`` with ``Retry-After``
+  (the agent has not read its NodeAdmission yet, or cannot check the token now), each with a
+  JSON body ``{"error": {"message", "type", "code"}}``.
 
 Units: tokens, seconds. The ETag covers everything in the answer, so any change (new policy
 generation, new KV capacity, the GPU safety net closing or opening) changes it.
