@@ -3,10 +3,9 @@ rotated before they expire, and the CA bundle kept in the MutatingWebhookConfigu
 
 :func:`plan` decides what to renew (pure, the clock is an argument); :class:`CertificateManager`
 applies it against the cluster through a :class:`~kvgate_operator.certstore.CertStore`.
-Invariant: a client never meets a serving certificate whose CA is not yet in the ``caBundle``:
-an old CA stays in the bundle until it expires, the serving certificate is renewed from the
-current CA only when it is due, and when the bundle changes it is patched before the new
-serving certificate is stored and served.
+Invariant: the ``caBundle`` trusts the CA of every serving certificate the operator serves: an
+old CA stays in the bundle until it expires, and a changed bundle is patched before the
+certificate that needs it is stored and served.
 """
 
 from __future__ import annotations
