@@ -4,8 +4,9 @@ controller-runtime's envtest runs them (no Docker, no kubelet, no scheduler, no 
 The binaries come from ``scripts/build-k8s`` (kube-apiserver, etcd, helm). Everything else is made
 here, in a fresh temp dir:
 
-- certificates (with ``cryptography``): a CA; a serving certificate for 127.0.0.1/localhost; an
-  admin client certificate (CN=kvgate-admin, O=system:masters); an RSA service-account key pair;
+- certificates (with :mod:`kvgate_operator.pki`): a CA; a serving certificate for
+  127.0.0.1/localhost; an admin client certificate (CN=kvgate-admin, O=system:masters); an RSA
+  service-account key pair;
 - etcd on free loopback ports (``--unsafe-no-fsync``);
 - kube-apiserver on a free loopback port with RBAC authorization, the PodSecurity and
   MutatingAdmissionWebhook admission plugins, and the ServiceAccount admission plugin disabled
@@ -30,7 +31,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
-import ipaddress
 import json
 import os
 import shutil
@@ -43,19 +43,19 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvgate_operator import pki
 
 ADMIN_USER = "kvgate-admin"
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
+CERT_LIFETIME = datetime.timedelta(days=7)
+"""Lifetime of the test CA and of every certificate it issues."""
 
 
 class ControlPlaneError(RuntimeError):
@@ -70,120 +70,6 @@ class KubectlError(subprocess.CalledProcessError):
             f"{' '.join(map(str, self.cmd))} exited with {self.returncode}\n"
             f"stderr: {self.stderr}\nstdout: {self.stdout}"
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# Certificates
-
-
-def _pem_cert(cert: x509.Certificate) -> bytes:
-    return cert.public_bytes(serialization.Encoding.PEM)
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
-class CertificateAuthority:
-    """A throw-away CA (ECDSA P-256) that issues serving and client certificates."""
-
-    def __init__(self, common_name: str = "kvgate-test-ca") -> None:
-        self.key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-        now = datetime.datetime.now(datetime.UTC)
-        self.cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(self.key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=7))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(
-                x509.SubjectKeyIdentifier.from_public_key(self.key.public_key()), critical=False
-            )
-            .sign(self.key, hashes.SHA256())
-        )
-
-    @property
-    def cert_pem(self) -> bytes:
-        return _pem_cert(self.cert)
-
-    def issue(
-        self,
-        common_name: str,
-        *,
-        organizations: Sequence[str] = (),
-        hosts: Iterable[str] = (),
-        server: bool = False,
-        client: bool = False,
-    ) -> tuple[bytes, bytes]:
-        """A leaf certificate and its key, both PEM. ``hosts`` become IP or DNS SANs."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in organizations]
-        attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
-        now = datetime.datetime.now(datetime.UTC)
-        usages = [ExtendedKeyUsageOID.SERVER_AUTH] if server else []
-        usages += [ExtendedKeyUsageOID.CLIENT_AUTH] if client else []
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name(attrs))
-            .issuer_name(self.cert.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=7))
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=True,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=False,
-                    crl_sign=False,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(
-                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
-                critical=False,
-            )
-        )
-        if usages:
-            builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        sans: list[x509.GeneralName] = []
-        for host in hosts:
-            try:
-                sans.append(x509.IPAddress(ipaddress.ip_address(host)))
-            except ValueError:
-                sans.append(x509.DNSName(host))
-        if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        cert = builder.sign(self.key, hashes.SHA256())
-        return _pem_cert(cert), _pem_key(key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,9 +160,10 @@ class ControlPlane:
     - ``dir``: the temp dir (certificates, etcd data, logs, kubeconfigs, kubectl/helm caches).
     - ``host`` (``127.0.0.1``), ``port``, ``url`` (``https://127.0.0.1:<port>``): the API server.
     - ``etcd_url``: etcd's client URL (plain http on loopback).
-    - ``ca``: the :class:`CertificateAuthority` that signed the serving and admin certificates
-      (``ca.issue(...)`` makes more, e.g. for a webhook server); ``ca_file`` its PEM file and
-      ``ca_pem`` its PEM bytes (a webhook ``caBundle`` is ``base64(ca_pem)``).
+    - ``ca``: the CA (a :class:`kvgate_operator.pki.KeyPair`) that signed the serving and admin
+      certificates (``pki.issue(cp.ca, ...)`` makes more, e.g. for a webhook server);
+      ``ca_file`` its PEM file and ``ca_pem`` its PEM bytes (a webhook ``caBundle`` is
+      ``base64(ca_pem)``).
     - ``admin_cert_file``, ``admin_key_file``: the admin client certificate (CN=kvgate-admin,
       O=system:masters).
     - ``kubeconfig``: a kubeconfig file for the admin user (certificates embedded).
@@ -374,12 +261,16 @@ class ControlPlane:
     def _write_certs(self) -> None:
         d = self.dir / "pki"
         d.mkdir(mode=0o700)
-        self.ca = CertificateAuthority()
+        now = datetime.datetime.now(datetime.UTC)
+        self.ca = pki.new_ca(now, common_name="kvgate-test-ca", lifetime=CERT_LIFETIME)
         self.ca_pem = self.ca.cert_pem
         self.ca_file = d / "ca.crt"
         self.ca_file.write_bytes(self.ca_pem)
-        cert, key = self.ca.issue(
-            "kube-apiserver",
+        serving = pki.issue(
+            self.ca,
+            now,
+            CERT_LIFETIME,
+            common_name="kube-apiserver",
             hosts=[
                 "127.0.0.1",
                 "localhost",
@@ -391,20 +282,23 @@ class ControlPlane:
             server=True,
         )
         self.serving_cert_file, self.serving_key_file = d / "serving.crt", d / "serving.key"
-        self.serving_cert_file.write_bytes(cert)
-        self.serving_key_file.write_bytes(key)
-        cert, key = self.ca.issue(ADMIN_USER, organizations=["system:masters"], client=True)
-        self.admin_cert_file, self.admin_key_file = d / "admin.crt", d / "admin.key"
-        self.admin_cert_file.write_bytes(cert)
-        self.admin_key_file.write_bytes(key)
-        sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        self.sa_key_file, self.sa_pub_file = d / "sa.key", d / "sa.pub"
-        self.sa_key_file.write_bytes(_pem_key(sa_key))
-        self.sa_pub_file.write_bytes(
-            sa_key.public_key().public_bytes(
-                serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-            )
+        self.serving_cert_file.write_bytes(serving.cert_pem)
+        self.serving_key_file.write_bytes(serving.key_pem)
+        admin = pki.issue(
+            self.ca,
+            now,
+            CERT_LIFETIME,
+            common_name=ADMIN_USER,
+            organizations=["system:masters"],
+            client=True,
         )
+        self.admin_cert_file, self.admin_key_file = d / "admin.crt", d / "admin.key"
+        self.admin_cert_file.write_bytes(admin.cert_pem)
+        self.admin_key_file.write_bytes(admin.key_pem)
+        sa_key, sa_pub = pki.new_rsa_key_pems()
+        self.sa_key_file, self.sa_pub_file = d / "sa.key", d / "sa.pub"
+        self.sa_key_file.write_bytes(sa_key)
+        self.sa_pub_file.write_bytes(sa_pub)
 
     def _start_processes(self, attempt: int) -> None:
         d = self.dir

@@ -1,160 +1,67 @@
 """The webhook's TLS certificates: a self-signed CA and a serving certificate, kept in a Secret,
 rotated before they expire, and the CA bundle kept in the MutatingWebhookConfiguration.
 
-Two layers:
-
-- Pure (the clock is an argument): :func:`new_ca`, :func:`new_serving_cert`,
-  :class:`WebhookCerts` and :func:`plan`, which decides what to renew.
-- :class:`CertificateManager`: the same decisions against the cluster through a small
-  :class:`CertStore` (the real one wraps the kubernetes client; unit tests pass a fake).
-
-Lifetimes and rotation (all ECDSA P-256):
-
-- CA: 1 year, renewed when fewer than 90 days remain. The old CA stays in the ``caBundle`` until
-  it expires, so certificates it signed keep working during the overlap.
-- Serving certificate: 90 days (never past its CA's end), renewed when fewer than 30 days
-  remain, when the webhook's host names change, or when no trusted CA signed it. It is renewed
-  from the *current* CA; after a CA rotation the existing serving certificate (signed by the old
-  CA, still in the bundle) is kept until it is due, so by then the new CA has long been in the
-  bundle. When both fall due at once, the manager patches the bundle (old + new CA) before the
-  new serving certificate is written and served.
-
-The Secret (``kubernetes.io/tls``) holds ``tls.crt``/``tls.key`` (serving), ``ca.crt``/``ca.key``
-(the current CA, so a restart issues from the same CA and the ``caBundle`` does not churn) and
-``ca-bundle.crt`` (every CA still trusted, current first). Where the Secret cannot be read or
-written (RBAC), the manager keeps its certificates in memory and says so in a warning; a restart
-then makes a new CA and patches the ``caBundle`` again.
+:func:`plan` decides what to renew (pure, the clock is an argument); :class:`CertificateManager`
+applies it against the cluster through a :class:`~kvgate_operator.certstore.CertStore`.
+Invariant: the ``caBundle`` trusts the CA of every serving certificate the operator serves: an
+old CA stays in the bundle until it expires, and a changed bundle is patched before the
+certificate that needs it is stored and served.
 """
 
 from __future__ import annotations
 
 import base64
 import datetime as dt
-import ipaddress
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from functools import cached_property
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.hazmat.primitives import serialization
 from kubernetes.client.exceptions import ApiException
+
+from kvgate_operator import pki
+from kvgate_operator.certstore import CertStore, KubeCertStore
+from kvgate_operator.pki import CertificateError, KeyPair
+
+__all__ = [  # KubeCertStore is re-exported: the operator builds the manager from here
+    "CA_COMMON_NAME",
+    "CA_LIFETIME",
+    "CA_RENEW_BEFORE",
+    "SERVING_LIFETIME",
+    "SERVING_RENEW_BEFORE",
+    "CertificateManager",
+    "KubeCertStore",
+    "WebhookCerts",
+    "ca_bundle_patch",
+    "new_ca",
+    "new_serving_cert",
+    "plan",
+]
 
 log = logging.getLogger("kvgate.operator.certs")
 
 CA_LIFETIME = dt.timedelta(days=365)
 CA_RENEW_BEFORE = dt.timedelta(days=90)
+"""The CA is renewed when fewer than this remain; the old one stays in the bundle until it
+expires, so certificates it signed keep working during the overlap."""
 SERVING_LIFETIME = dt.timedelta(days=90)
 SERVING_RENEW_BEFORE = dt.timedelta(days=30)
-#: Certificates start this long before "now", so a client whose clock lags accepts them.
-BACKDATE = dt.timedelta(hours=1)
+"""The serving certificate is renewed when fewer than this remain, when the webhook's host names
+change, or when no trusted CA signed it."""
 CA_COMMON_NAME = "kvgate-webhook-ca"
-
-
-class CertificateError(ValueError):
-    """Stored certificate material that cannot be used (unparseable, mismatched, not a CA)."""
-
-
-# ----------------------------------------------------------------------------------------------
-# Pure: making and judging certificates
-
-
-@dataclass(frozen=True)
-class KeyPair:
-    """A certificate and its private key, both PEM."""
-
-    cert_pem: bytes
-    key_pem: bytes = field(repr=False)
-
-    @cached_property
-    def cert(self) -> x509.Certificate:
-        return x509.load_pem_x509_certificate(self.cert_pem)
-
-    @property
-    def not_after(self) -> dt.datetime:
-        return self.cert.not_valid_after_utc
-
-    def remaining(self, now: dt.datetime) -> dt.timedelta:
-        return self.not_after - now
-
-    def validate(self, *, ca: bool) -> None:
-        """Raise :class:`CertificateError` unless the key matches the certificate (and the
-        certificate is a CA when ``ca``)."""
-        try:
-            key = serialization.load_pem_private_key(self.key_pem, password=None)
-            cert = self.cert
-        except ValueError as exc:
-            raise CertificateError(f"unparseable certificate or key: {exc}") from exc
-        if key.public_key().public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        ) != cert.public_key().public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        ):
-            raise CertificateError("the private key does not match the certificate")
-        if ca:
-            try:
-                bc = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
-            except x509.ExtensionNotFound:
-                bc = None
-            if bc is None or not bc.ca:
-                raise CertificateError("the CA certificate is not a CA")
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def _key_usage(*, cert_sign: bool) -> x509.KeyUsage:
-    return x509.KeyUsage(
-        digital_signature=True,
-        content_commitment=False,
-        key_encipherment=False,
-        data_encipherment=False,
-        key_agreement=False,
-        key_cert_sign=cert_sign,
-        crl_sign=cert_sign,
-        encipher_only=False,
-        decipher_only=False,
-    )
 
 
 def new_ca(
     now: dt.datetime, *, common_name: str = CA_COMMON_NAME, lifetime: dt.timedelta = CA_LIFETIME
 ) -> KeyPair:
-    """A self-signed CA (ECDSA P-256) valid from ``now`` (backdated an hour) for ``lifetime``."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - BACKDATE)
-        .not_valid_after(now + lifetime)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(_key_usage(cert_sign=True), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
-
-
-def _san(host: str) -> x509.GeneralName:
-    try:
-        return x509.IPAddress(ipaddress.ip_address(host))
-    except ValueError:
-        return x509.DNSName(host)
+    """The webhook's self-signed CA, valid from ``now`` (backdated an hour) for ``lifetime``."""
+    return pki.new_ca(now, common_name=common_name, lifetime=lifetime)
 
 
 def new_serving_cert(
@@ -165,72 +72,18 @@ def new_serving_cert(
     lifetime: dt.timedelta = SERVING_LIFETIME,
 ) -> KeyPair:
     """A TLS server certificate for ``hosts`` (IP addresses become IP SANs, anything else DNS
-    SANs), signed by ``ca``, valid for ``lifetime`` but never past the CA's own end."""
+    SANs; the CN is the first DNS name, else the first host), signed by ``ca``, valid for
+    ``lifetime`` but never past the CA's own end.
+
+    Raises:
+        ValueError: ``hosts`` is empty.
+        CertificateError: ``ca``'s key is not an ECDSA key.
+    """
     if not hosts:
         raise ValueError("a serving certificate needs at least one host name")
-    ca_key = serialization.load_pem_private_key(ca.key_pem, password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise CertificateError("the CA key is not an ECDSA key")
-    key = ec.generate_private_key(ec.SECP256R1())
-    dns = [h for h in hosts if not isinstance(_san(h), x509.IPAddress)]
+    dns = [h for h in hosts if not isinstance(pki.san(h), x509.IPAddress)]
     common_name = (dns or list(hosts))[0][:64]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
-        .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - BACKDATE)
-        .not_valid_after(min(now + lifetime, ca.not_after))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(_key_usage(cert_sign=False), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    return KeyPair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
-
-
-def sans(cert: x509.Certificate) -> set[str]:
-    """A certificate's subject alternative names as strings (IPs normalised)."""
-    try:
-        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        return set()
-    return {str(n) for n in ext.get_values_for_type(x509.IPAddress)} | set(
-        ext.get_values_for_type(x509.DNSName)
-    )
-
-
-def _normalised_hosts(hosts: Iterable[str]) -> set[str]:
-    out = set()
-    for h in hosts:
-        san = _san(h)
-        out.add(str(san.value) if isinstance(san, x509.IPAddress) else h)
-    return out
-
-
-def signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
-    """Whether ``ca`` issued ``cert`` (issuer name and signature)."""
-    if cert.issuer != ca.subject:
-        return False
-    try:
-        cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature):
-        return False
-    return True
-
-
-def split_pem_certs(data: bytes) -> list[bytes]:
-    """Each certificate of a PEM bundle, as its own PEM (unparseable ones are dropped)."""
-    out = []
-    for cert in x509.load_pem_x509_certificates(data) if data.strip() else []:
-        out.append(cert.public_bytes(serialization.Encoding.PEM))
-    return out
+    return pki.issue(ca, now, lifetime, common_name=common_name, hosts=hosts, server=True)
 
 
 @dataclass(frozen=True)
@@ -252,7 +105,10 @@ class WebhookCerts:
         return b"".join(c.public_bytes(serialization.Encoding.PEM) for c in self.trusted(now))
 
     def to_secret_data(self, now: dt.datetime) -> dict[str, bytes]:
-        """The Secret's data (raw bytes; the store base64-encodes)."""
+        """The Secret's data (raw bytes; the store base64-encodes): ``tls.crt`` / ``tls.key``
+        (serving), ``ca.crt`` / ``ca.key`` (the current CA, so a restart issues from the same
+        CA and the ``caBundle`` does not churn) and ``ca-bundle.crt`` (every CA still trusted,
+        current first)."""
         return {
             "tls.crt": self.serving.cert_pem,
             "tls.key": self.serving.key_pem,
@@ -272,7 +128,7 @@ class WebhookCerts:
         ca.validate(ca=True)
         serving.validate(ca=False)
         try:
-            bundle = split_pem_certs(data.get("ca-bundle.crt") or b"")
+            bundle = pki.split_pem_certs(data.get("ca-bundle.crt") or b"")
         except ValueError as exc:
             raise CertificateError(f"unparseable ca-bundle.crt: {exc}") from exc
         current = ca.cert.public_bytes(serialization.Encoding.PEM)
@@ -285,7 +141,10 @@ def plan(
     """What the certificates should be at ``now``: ``(certs, reasons)``; ``reasons`` is empty
     when nothing changes (then ``certs`` is the same object). Reasons: ``created``,
     ``ca_rotated``, ``serving_rotated``, ``hosts_changed``, ``untrusted_issuer``,
-    ``expired_ca_dropped``."""
+    ``expired_ca_dropped``.
+
+    A serving certificate is always issued by the current CA; after a CA rotation the existing
+    one (signed by the old CA, still in the bundle) is kept until it is due."""
     if certs is None:
         ca = new_ca(now)
         return WebhookCerts(ca, new_serving_cert(ca, hosts, now)), ["created"]
@@ -307,112 +166,14 @@ def plan(
     renew = None
     if out.serving.remaining(now) < SERVING_RENEW_BEFORE:
         renew = "serving_rotated"
-    elif sans(serving) != _normalised_hosts(hosts):
+    elif pki.sans(serving) != pki.normalised_hosts(hosts):
         renew = "hosts_changed"
-    elif not any(signed_by(serving, ca) for ca in out.trusted(now)):
+    elif not any(pki.signed_by(serving, ca) for ca in out.trusted(now)):
         renew = "untrusted_issuer"
     if renew:
         out = replace(out, serving=new_serving_cert(out.ca, hosts, now))
         reasons.append(renew)
     return (out if reasons else certs), reasons
-
-
-# ----------------------------------------------------------------------------------------------
-# Against the cluster
-
-
-class CertStore(Protocol):
-    """Where certificates live and where the ``caBundle`` goes. Methods raise the kubernetes
-    client's ``ApiException`` on API errors."""
-
-    def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
-        """The Secret's data (decoded) and its resourceVersion; None when it does not exist."""
-        ...
-
-    def write_secret(
-        self, namespace: str, name: str, data: dict[str, bytes], resource_version: str | None
-    ) -> str:
-        """Create (``resource_version`` None) or replace the Secret; its new resourceVersion."""
-        ...
-
-    def read_webhook_config(self, name: str) -> dict[str, Any] | None:
-        """The MutatingWebhookConfiguration as a dict; None when it does not exist."""
-        ...
-
-    def patch_webhook_config(self, name: str, ops: list[dict[str, Any]]) -> None:
-        """Apply a JSON patch (RFC 6902) to the MutatingWebhookConfiguration."""
-        ...
-
-
-class KubeCertStore:
-    """:class:`CertStore` through the kubernetes client."""
-
-    def __init__(self, api: Any, timeout: float = 10.0) -> None:
-        from kubernetes import client
-
-        self.core = client.CoreV1Api(api)
-        self.admission = client.AdmissionregistrationV1Api(api)
-        self.api = api
-        self.timeout = timeout
-        self._types: dict[tuple[str, str], str] = {}  # a Secret's type is immutable: keep it
-
-    def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
-        try:
-            s = self.core.read_namespaced_secret(name, namespace, _request_timeout=self.timeout)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        data = {k: base64.b64decode(v) for k, v in (s.data or {}).items()}
-        self._types[(namespace, name)] = s.type or "Opaque"
-        return data, str(s.metadata.resource_version if s.metadata else "")
-
-    def write_secret(
-        self, namespace: str, name: str, data: dict[str, bytes], resource_version: str | None
-    ) -> str:
-        from kubernetes import client
-
-        body = client.V1Secret(
-            metadata=client.V1ObjectMeta(
-                name=name,
-                namespace=namespace,
-                resource_version=resource_version,
-                labels={"app.kubernetes.io/managed-by": "kvgate-operator"},
-            ),
-            type="kubernetes.io/tls",
-            data={k: base64.b64encode(v).decode("ascii") for k, v in data.items()},
-        )
-        if resource_version is None:
-            s = self.core.create_namespaced_secret(namespace, body, _request_timeout=self.timeout)
-        else:
-            # A replace must repeat the existing Secret's type: it is immutable, and an unset
-            # type defaults to Opaque, which the API server refuses for a kubernetes.io/tls one.
-            body.type = self._types.get((namespace, name), "kubernetes.io/tls")
-            s = self.core.replace_namespaced_secret(
-                name, namespace, body, _request_timeout=self.timeout
-            )
-        self._types[(namespace, name)] = str(s.type or body.type or "Opaque")
-        return str(s.metadata.resource_version if s.metadata else "")
-
-    def read_webhook_config(self, name: str) -> dict[str, Any] | None:
-        try:
-            obj = self.admission.read_mutating_webhook_configuration(
-                name, _request_timeout=self.timeout
-            )
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        result: dict[str, Any] = self.api.sanitize_for_serialization(obj)
-        return result
-
-    def patch_webhook_config(self, name: str, ops: list[dict[str, Any]]) -> None:
-        self.admission.patch_mutating_webhook_configuration(
-            name,
-            ops,
-            _request_timeout=self.timeout,
-            _content_type="application/json-patch+json",
-        )
 
 
 def ca_bundle_patch(config: dict[str, Any], bundle_b64: str) -> list[dict[str, Any]]:
@@ -445,8 +206,12 @@ def _describe(exc: ApiException) -> str:
 class CertificateManager:
     """The operator's self-signed webhook certificates, persisted in a Secret.
 
+    Where the Secret cannot be read or written (RBAC), the manager keeps its certificates in
+    memory and says so in a warning; a restart then makes a new CA and patches the ``caBundle``
+    again.
+
     Args:
-        store: the cluster (:class:`KubeCertStore`) or a fake.
+        store: the cluster (:class:`~kvgate_operator.certstore.KubeCertStore`) or a fake.
         namespace: where the Secret lives (the operator's namespace); None keeps the
             certificates in memory only (local runs without a namespace).
         secret_name: the Secret's name.

@@ -1,47 +1,10 @@
-"""Sidecar injection: decide whether a pod gets the kvgate sidecar and compute the mutation.
+"""Sidecar injection: whether a pod gets the kvgate sidecar, and the JSON Patch that adds it.
 
-Pure: no I/O, no kopf, no Kubernetes client. The mutating admission webhook (served by the
-operator) calls :func:`inject` with the pod from the ``AdmissionReview`` request and answers
-with :attr:`Injection.allowed`, :attr:`Injection.message` and :attr:`Injection.patch` (RFC 6902
-JSON Patch). The same pod always gives the same answer, and an injected pod is never injected
-again (the API server may call a webhook more than once: ``reinvocationPolicy: IfNeeded``).
-
-Rules, in the order they are applied (documented for users in the README):
-
-1. ``excluded_namespace`` (skipped): the namespace is in ``config.excluded_namespaces``
-   (``kube-system``, ``kube-public``, ``kube-node-lease``) or is kvgate's own namespace, whatever
-   the labels say: a label on kube-system cannot be relied on (managed platforms strip them).
-2. ``already_injected``: a container or init container named ``kvgate-sidecar``, or the
-   annotation ``kvgate.io/injected``, is present. Nothing changes.
-3. ``opted_out`` (skipped): annotation ``kvgate.io/inject: "false"``, or the pod label
-   ``kvgate.io/inject`` with any value but exactly ``"true"`` (``"false"``, ``"False"``,
-   ``"no"``...), wins over every opt-in.
-4. ``not_opted_in`` (skipped): neither the pod label ``kvgate.io/inject: "true"`` nor the
-   namespace label (``namespace_opt_in``).
-5. ``host_network`` (skipped): ``spec.hostNetwork: true``; the sidecar's port would be the node's.
-6. ``refused`` (the API server rejects the pod with :attr:`Injection.message`) for anything that
-   would leave an opted-in pod crash-looping or silently unprotected: ``bad_annotation`` (an
-   unreadable kvgate annotation), ``no_model_port`` (no ``kvgate.io/model-port`` annotation and
-   no TCP ``containerPort`` in any container), ``port_clash`` (the sidecar port is the model
-   port or a port of another container), ``name_clash`` (a volume ``kvgate-token`` or a port
-   named ``kvgate-http`` is already there), ``malformed_pod``.
-   Exception: a pod opted in only through its namespace that has no port at all is skipped
-   (``no_model_port``): it is not a server (a Job, a debug pod) and must not be blocked.
-7. ``injected``: otherwise.
-
-Annotations read on the pod:
-
-- ``kvgate.io/inject``: ``"false"`` opts out; ``"true"`` is accepted; anything else is refused.
-- ``kvgate.io/model-port``: the model server's port, 1..65535. Default: the first TCP
-  ``containerPort`` of the first container that has one.
-- ``kvgate.io/sidecar-port``: the port the sidecar listens on, 1..65535. Default
-  ``config.sidecar_port``. Point the Service's ``targetPort`` at it (port name ``kvgate-http``).
-- ``kvgate.io/policy``: the RateLimitPolicy expected to govern the pod (informational; passed to
-  the sidecar as ``KVGATE_EXPECTED_POLICY``).
-
-Annotation written: ``kvgate.io/injected``, compact JSON with sorted keys, e.g.
-``{"modelPort":8000,"native":true,"sidecarPort":8001,"version":"0.1.0"}``; ``version`` is
-:data:`TEMPLATE_VERSION`, the version of the injected container's template.
+Pure: no I/O, no kopf, no Kubernetes client. The mutating webhook calls :func:`inject` with the
+pod of an ``AdmissionReview`` request. Invariant: the same pod always gets the same answer, and
+an injected pod is never injected again (the API server may call a webhook more than once:
+``reinvocationPolicy: IfNeeded``). The rules are the ``_rule_*`` functions below, in the order
+:func:`inject` applies them; the first that decides gives the answer.
 """
 
 from __future__ import annotations
@@ -49,103 +12,59 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic.alias_generators import to_camel
+import jsonpatch
+
+from kvgate_operator.template import (
+    PORT_NAME,
+    SIDECAR_NAME,
+    TOKEN_VOLUME,
+    InjectionConfig,
+    injected_annotation,
+    sidecar_container,
+    token_volume,
+)
+
+__all__ = [  # the webhook's and the tests' names; the template's are re-exported from here
+    "ANNOTATION_INJECT",
+    "ANNOTATION_INJECTED",
+    "ANNOTATION_MODEL_PORT",
+    "ANNOTATION_POLICY",
+    "ANNOTATION_SIDECAR_PORT",
+    "LABEL_INJECT",
+    "SIDECAR_NAME",
+    "TOKEN_VOLUME",
+    "Action",
+    "Injection",
+    "InjectionConfig",
+    "PatchError",
+    "apply_patch",
+    "inject",
+]
 
 LABEL_INJECT = "kvgate.io/inject"
+"""Pod or namespace label: exactly ``"true"`` opts in; on a pod, any other value opts out."""
 ANNOTATION_INJECT = "kvgate.io/inject"
+"""Pod annotation: ``"false"`` opts out, ``"true"`` is accepted, anything else is refused."""
 ANNOTATION_INJECTED = "kvgate.io/injected"
+"""Written on injection: compact JSON, sorted keys, e.g.
+``{"modelPort":8000,"native":true,"sidecarPort":8001,"version":"0.1.0"}``."""
 ANNOTATION_MODEL_PORT = "kvgate.io/model-port"
+"""The model server's port, 1..65535. Default: the first TCP ``containerPort`` of the first
+container that has one."""
 ANNOTATION_SIDECAR_PORT = "kvgate.io/sidecar-port"
+"""The sidecar's port, 1..65535. Default ``InjectionConfig.sidecar_port``."""
 ANNOTATION_POLICY = "kvgate.io/policy"
-
-SIDECAR_NAME = "kvgate-sidecar"
-PORT_NAME = "kvgate-http"
-TOKEN_VOLUME = "kvgate-token"
-TOKEN_DIR = "/var/run/secrets/kvgate"
-TOKEN_FILE = TOKEN_DIR + "/token"
-RUN_AS_USER = 65532
-TEMPLATE_VERSION = "0.1.0"
-"""Version of the injected container's template: bump it whenever the template changes, so the
-operator can tell pods injected with an older one (``kvgate.io/injected``)."""
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+"""The RateLimitPolicy expected to govern the pod (informational; the sidecar's
+``KVGATE_EXPECTED_POLICY``)."""
 
 Action = Literal["injected", "already_injected", "skipped", "refused"]
 
-Resources = dict[str, dict[str, str | int | float]]
-"""A container's ``resources``: ``requests`` / ``limits`` → resource name → quantity."""
-
-
-def _default_resources() -> Resources:
-    return {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
-
-
 _PORT_RE = re.compile(r"[1-9][0-9]{0,4}")
 _DNS_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-
-
-class InjectionConfig(BaseModel):
-    """How the sidecar is injected. The chart renders it as JSON (camelCase keys) into the
-    operator's environment variable ``KVGATE_OPERATOR_INJECTION``.
-
-    Attributes:
-        sidecar_image: the kvgate-agent image; its entrypoint is ``kvgate-agent``.
-        image_pull_policy: ``Always``, ``IfNotPresent`` or ``Never``.
-        native_sidecar: True: an init container with ``restartPolicy: Always`` (Kubernetes
-            >= 1.29), which starts before and stops after the model server; False: a plain
-            container appended to ``spec.containers``.
-        sidecar_port: TCP port the sidecar listens on, unless the pod annotates
-            ``kvgate.io/sidecar-port``.
-        agent_port: the node agent's hostPort; the sidecar syncs with
-            ``http://$(KVGATE_HOST_IP):<agent_port>``.
-        token_audience: audience of the projected service-account token the sidecar presents.
-        token_expiration_seconds: lifetime of that token, seconds (Kubernetes minimum 600).
-        resources: the sidecar's ``resources`` (``requests`` / ``limits``), copied as is.
-        excluded_namespaces: never injected, whatever their labels say.
-        own_namespace: kvgate's own namespace, never injected (set by the operator).
-        drain_seconds: the sidecar's ``KVGATE_DRAIN_SECONDS`` (> 0).
-        log_level: the sidecar's ``KVGATE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR.
-    """
-
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
-    )
-
-    sidecar_image: str = Field("ghcr.io/kvgate/kvgate-agent:0.1.0", min_length=1)
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    native_sidecar: bool = True
-    sidecar_port: int = Field(8001, ge=1, le=65535)
-    agent_port: int = Field(9470, ge=1, le=65535)
-    token_audience: str = Field("kvgate-agent", min_length=1)
-    token_expiration_seconds: int = Field(3600, ge=600, le=2**32)
-    resources: Resources = Field(default_factory=_default_resources)
-    excluded_namespaces: list[str] = Field(
-        default_factory=lambda: ["kube-system", "kube-public", "kube-node-lease"]
-    )
-    own_namespace: str | None = None
-    drain_seconds: int = Field(30, gt=0)
-    log_level: str = "INFO"
-
-    @field_validator("resources")
-    @classmethod
-    def _resource_keys(cls, v: Resources) -> Resources:
-        unknown = sorted(set(v) - {"requests", "limits"})
-        if unknown:
-            raise ValueError(f"only 'requests' and 'limits' are allowed, got {unknown}")
-        return v
-
-    @field_validator("log_level")
-    @classmethod
-    def _log_level(cls, v: str) -> str:
-        level = v.upper()
-        if level not in LOG_LEVELS:
-            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, got {v!r}")
-        return level
 
 
 @dataclass(frozen=True)
@@ -154,7 +73,7 @@ class Injection:
 
     Attributes:
         action: ``injected``, ``already_injected``, ``skipped`` or ``refused``.
-        reason: stable snake_case reason (see the module docstring), for logs and metrics.
+        reason: stable snake_case reason (named by the rule that decided), for logs and metrics.
         message: human text; for ``refused`` the API server shows it to the user.
         pod: the pod after the mutation (a deep copy; equal to the input unless injected).
         patch: RFC 6902 operations turning the input pod into :attr:`pod`; empty unless
@@ -177,96 +96,24 @@ class PatchError(ValueError):
     """A JSON Patch operation that cannot be applied (bad path, missing member, bad index)."""
 
 
-# --------------------------------------------------------------------------------------------
-# JSON Patch (the subset inject emits, plus remove/replace/test for symmetry)
-
-
-def _pointer(path: str) -> list[str]:
-    if path == "":
-        return []
-    if not path.startswith("/"):
-        raise PatchError(f"JSON pointer must start with '/': {path!r}")
-    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
-
-
-def escape_pointer(token: str) -> str:
-    """Escape one JSON pointer reference token (RFC 6901): ``~`` → ``~0``, ``/`` → ``~1``."""
-    return token.replace("~", "~0").replace("/", "~1")
-
-
-def _index(container: list[Any], token: str, *, allow_end: bool) -> int:
-    if token == "-" and allow_end:
-        return len(container)
-    if not re.fullmatch(r"0|[1-9][0-9]*", token):
-        raise PatchError(f"bad array index {token!r}")
-    i = int(token)
-    if i > len(container) or (i == len(container) and not allow_end):
-        raise PatchError(f"array index {i} out of range (length {len(container)})")
-    return i
-
-
-def _parent(doc: Any, tokens: list[str]) -> Any:
-    node = doc
-    for tok in tokens:
-        if isinstance(node, dict):
-            if tok not in node:
-                raise PatchError(f"member {tok!r} not found")
-            node = node[tok]
-        elif isinstance(node, list):
-            node = node[_index(node, tok, allow_end=False)]
-        else:
-            raise PatchError(f"cannot descend into {type(node).__name__} at {tok!r}")
-    return node
+_PATCH_OPS = frozenset({"add", "remove", "replace", "test"})
 
 
 def apply_patch(doc: Mapping[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
-    """Apply RFC 6902 operations ``add``, ``remove``, ``replace`` and ``test`` to a deep copy of
-    ``doc`` and return it (``doc`` is not changed).
+    """Apply RFC 6902 operations ``add``, ``remove``, ``replace`` and ``test`` (with the
+    ``jsonpatch`` library) to a deep copy of ``doc`` and return it (``doc`` is not changed).
 
     Raises:
         PatchError: an operation is unknown or does not apply (missing parent, bad index,
-            failed ``test``).
+            failed ``test``), or the result is not an object.
     """
-    result: Any = copy.deepcopy(dict(doc))
     for op in ops:
-        kind = op.get("op")
-        tokens = _pointer(str(op.get("path", "")))
-        value = copy.deepcopy(op.get("value"))
-        if not tokens:
-            if kind in ("add", "replace"):
-                result = value
-                continue
-            if kind == "test":
-                if result != value:
-                    raise PatchError("test failed at ''")
-                continue
-            raise PatchError(f"cannot {kind} the whole document")
-        parent = _parent(result, tokens[:-1])
-        last = tokens[-1]
-        if kind == "add":
-            if isinstance(parent, dict):
-                parent[last] = value
-            elif isinstance(parent, list):
-                parent.insert(_index(parent, last, allow_end=True), value)
-            else:
-                raise PatchError(f"cannot add to {type(parent).__name__}")
-        elif kind in ("remove", "replace", "test"):
-            if isinstance(parent, dict):
-                if last not in parent:
-                    raise PatchError(f"member {last!r} not found")
-                key: Any = last
-            elif isinstance(parent, list):
-                key = _index(parent, last, allow_end=False)
-            else:
-                raise PatchError(f"cannot {kind} in {type(parent).__name__}")
-            if kind == "remove":
-                del parent[key]
-            elif kind == "replace":
-                parent[key] = value
-            elif parent[key] != value:
-                raise PatchError(f"test failed at {op.get('path')!r}")
-        else:
-            raise PatchError(f"unsupported op {kind!r}")
+        if op.get("op") not in _PATCH_OPS:
+            raise PatchError(f"unsupported op {op.get('op')!r}")
+    try:
+        result = jsonpatch.apply_patch(dict(doc), ops)
+    except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+        raise PatchError(str(exc)) from exc
     if not isinstance(result, dict):
         raise PatchError("the patched document is not an object")
     return result
@@ -302,6 +149,172 @@ def _tcp_ports(container: Mapping[str, Any]) -> list[int]:
     return out
 
 
+def _show(value: Any, limit: int = 64) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True)
+class _Pod:
+    """The request's pod (a deep copy) and its parts, each ``{}`` / ``[]`` where absent or not
+    of the expected type."""
+
+    src: dict[str, Any]
+    namespace: str
+    namespace_opt_in: bool
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return _dict(self.src.get("metadata"))
+
+    @property
+    def labels(self) -> dict[str, Any]:
+        return _dict(self.meta.get("labels"))
+
+    @property
+    def annotations(self) -> dict[str, Any]:
+        return _dict(self.meta.get("annotations"))
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return _dict(self.src.get("spec"))
+
+    @property
+    def by_label(self) -> bool:
+        """Opted in by the pod's own label (not only through its namespace)."""
+        return self.labels.get(LABEL_INJECT) == "true"
+
+    def groups(self) -> list[tuple[str, list[dict[str, Any]]]]:
+        """``("container", spec.containers)`` and ``("init container", spec.initContainers)``."""
+        return [
+            ("container", _containers(self.spec, "containers")),
+            ("init container", _containers(self.spec, "initContainers")),
+        ]
+
+    def skip(self, reason: str, message: str) -> Injection:
+        return Injection("skipped", reason, message, self.src)
+
+    def refuse(self, reason: str, message: str) -> Injection:
+        return Injection("refused", reason, message, self.src)
+
+
+@dataclass(frozen=True)
+class _Ports:
+    """The ports the sidecar is wired with, and where each came from (for messages)."""
+
+    model: int
+    model_from: str
+    sidecar: int
+    sidecar_annotated: bool
+
+    @property
+    def sidecar_what(self) -> str:
+        annotated = f" (annotation {ANNOTATION_SIDECAR_PORT})" if self.sidecar_annotated else ""
+        return f"sidecar port {self.sidecar}{annotated}"
+
+
+@dataclass(frozen=True)
+class _Annotations:
+    """The kvgate annotations that tune injection, validated; None where absent."""
+
+    model_port: int | None
+    sidecar_port: int | None
+    policy: str | None
+
+
+# --------------------------------------------------------------------------------------------
+# The rules, in the order inject() applies them. Each returns the decision, or None to go on.
+
+_Rule = Callable[[_Pod, InjectionConfig], Injection | None]
+
+
+def _rule_excluded_namespace(pod: _Pod, config: InjectionConfig) -> Injection | None:
+    """1. ``excluded_namespace`` (skipped): the request's or the pod's namespace is in
+    ``config.excluded_namespaces`` or is kvgate's own, whatever the labels say. A label on
+    kube-system cannot be relied on either way: managed platforms strip it on upgrade
+    (https://github.com/Kong/kubernetes-sidecar-injector/issues/4)."""
+    pod_ns = pod.meta.get("namespace")
+    for ns in (pod.namespace, pod_ns if isinstance(pod_ns, str) else None):
+        if ns is None:
+            continue
+        if ns in config.excluded_namespaces:
+            return pod.skip("excluded_namespace", f"kvgate: namespace {ns!r} is never injected")
+        if config.own_namespace is not None and ns == config.own_namespace:
+            return pod.skip(
+                "excluded_namespace",
+                f"kvgate: namespace {ns!r} is kvgate's own and is never injected",
+            )
+    return None
+
+
+def _rule_already_injected(pod: _Pod, config: InjectionConfig) -> Injection | None:
+    """2. ``already_injected``: a container or init container named ``kvgate-sidecar``, or the
+    annotation ``kvgate.io/injected``, is present (whatever the config now says)."""
+    names = {c.get("name") for _, group in pod.groups() for c in group}
+    if SIDECAR_NAME in names:
+        message = f"kvgate: the pod already has a container {SIDECAR_NAME!r}"
+    elif ANNOTATION_INJECTED in pod.annotations:
+        message = (
+            f"kvgate: the pod has annotation {ANNOTATION_INJECTED} but no {SIDECAR_NAME!r} "
+            f"container; remove the annotation to have the sidecar injected"
+        )
+    else:
+        return None
+    return Injection("already_injected", "already_injected", message, pod.src)
+
+
+def _rule_opted_out(pod: _Pod, config: InjectionConfig) -> Injection | None:
+    """3. ``opted_out`` (skipped): annotation ``kvgate.io/inject: "false"``, or the pod label
+    ``kvgate.io/inject`` with any value but exactly ``"true"`` (``"False"``, ``"no"``...). It
+    wins over every opt-in, the namespace's included."""
+    if pod.annotations.get(ANNOTATION_INJECT) == "false":
+        return pod.skip(
+            "opted_out", f'kvgate: opted out by annotation {ANNOTATION_INJECT}: "false"'
+        )
+    label = pod.labels.get(LABEL_INJECT)
+    if label is not None and label != "true":
+        return pod.skip("opted_out", f'kvgate: opted out by label {LABEL_INJECT}: "{label}"')
+    return None
+
+
+def _rule_not_opted_in(pod: _Pod, config: InjectionConfig) -> Injection | None:
+    """4. ``not_opted_in`` (skipped): neither the pod label ``kvgate.io/inject: "true"`` nor
+    the namespace's."""
+    if pod.by_label or pod.namespace_opt_in:
+        return None
+    return pod.skip(
+        "not_opted_in",
+        f'kvgate: neither the pod nor its namespace has label {LABEL_INJECT}: "true"',
+    )
+
+
+def _rule_host_network(pod: _Pod, config: InjectionConfig) -> Injection | None:
+    """5. ``host_network`` (skipped): ``spec.hostNetwork: true``; the sidecar's port would be
+    the node's."""
+    if pod.spec.get("hostNetwork") is not True:
+        return None
+    return pod.skip(
+        "host_network",
+        "kvgate: hostNetwork pods are not injected (the sidecar's port would be the node's)",
+    )
+
+
+# From here on the pod is opted in: anything that would leave it crash-looping or silently
+# unprotected is refused (the API server rejects the pod with the message).
+
+
+def _rule_bad_inject_annotation(pod: _Pod, config: InjectionConfig) -> Injection | None:
+    """6. ``bad_annotation`` (refused): ``kvgate.io/inject`` is neither ``"true"`` nor
+    ``"false"``."""
+    value = pod.annotations.get(ANNOTATION_INJECT)
+    if value is None or value == "true":
+        return None
+    return pod.refuse(
+        "bad_annotation",
+        f'kvgate: annotation {ANNOTATION_INJECT} must be "true" or "false", got {_show(value)}',
+    )
+
+
 def _shape_error(pod: Mapping[str, Any]) -> str | None:
     """Why the pod's structure cannot be patched safely, or None."""
     meta = pod.get("metadata")
@@ -333,131 +346,176 @@ def _shape_error(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _port_annotation(annotations: Mapping[str, Any], key: str) -> tuple[int | None, str | None]:
-    """(port, None) when annotated validly, (None, None) when absent, (None, error) when bad."""
-    if key not in annotations:
-        return None, None
-    raw = annotations[key]
+def _rule_malformed_pod(pod: _Pod, config: InjectionConfig) -> Injection | None:
+    """7. ``malformed_pod`` (refused): the pod's structure cannot be patched safely (see
+    :func:`_shape_error`)."""
+    shape = _shape_error(pod.src)
+    if shape is None:
+        return None
+    return pod.refuse("malformed_pod", f"kvgate: cannot inject the sidecar: {shape}")
+
+
+_GATES: tuple[_Rule, ...] = (
+    _rule_excluded_namespace,
+    _rule_already_injected,
+    _rule_opted_out,
+    _rule_not_opted_in,
+    _rule_host_network,
+    _rule_bad_inject_annotation,
+    _rule_malformed_pod,
+)
+
+
+def _port_annotation(pod: _Pod, key: str) -> int | Injection | None:
+    """The port annotated under ``key``; None when absent; the refusal when not 1..65535."""
+    if key not in pod.annotations:
+        return None
+    raw = pod.annotations[key]
     if isinstance(raw, str) and _PORT_RE.fullmatch(raw) and int(raw) <= 65535:
-        return int(raw), None
-    return None, (f"kvgate: annotation {key} must be a port number 1..65535, got {_show(raw)}")
-
-
-def _show(value: Any, limit: int = 64) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _skip(pod: dict[str, Any], reason: str, message: str) -> Injection:
-    return Injection("skipped", reason, message, pod)
-
-
-def _refuse(pod: dict[str, Any], reason: str, message: str) -> Injection:
-    return Injection("refused", reason, message, pod)
-
-
-# --------------------------------------------------------------------------------------------
-# The injected objects
-
-
-def _probe(path: str, port: int, period: int, failures: int) -> dict[str, Any]:
-    return {
-        "httpGet": {"path": path, "port": port},
-        "periodSeconds": period,
-        "failureThreshold": failures,
-    }
-
-
-def sidecar_container(
-    config: InjectionConfig, *, model_port: int, sidecar_port: int, policy: str | None
-) -> dict[str, Any]:
-    """The ``kvgate-sidecar`` container: ``kvgate-agent sidecar`` in cluster mode (thresholds
-    from the node agent), proxying ``0.0.0.0:<sidecar_port>`` to ``127.0.0.1:<model_port>``.
-
-    The env order is fixed: ``KVGATE_HOST_IP`` precedes ``KVGATE_AGENT_URL``, which refers to
-    it as ``$(KVGATE_HOST_IP)`` (Kubernetes expands only variables defined earlier)."""
-
-    def field_ref(name: str, path: str) -> dict[str, Any]:
-        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
-
-    env: list[dict[str, Any]] = [
-        {"name": "KVGATE_UPSTREAM", "value": f"http://127.0.0.1:{model_port}"},
-        {"name": "KVGATE_LISTEN", "value": f"0.0.0.0:{sidecar_port}"},
-        field_ref("KVGATE_HOST_IP", "status.hostIP"),
-        {"name": "KVGATE_AGENT_URL", "value": f"http://$(KVGATE_HOST_IP):{config.agent_port}"},
-        field_ref("KVGATE_POD_NAMESPACE", "metadata.namespace"),
-        field_ref("KVGATE_POD_NAME", "metadata.name"),
-        field_ref("KVGATE_POD_UID", "metadata.uid"),
-        field_ref("KVGATE_POD_IP", "status.podIP"),
-        {"name": "KVGATE_TOKEN_FILE", "value": TOKEN_FILE},
-        {"name": "KVGATE_DRAIN_SECONDS", "value": str(config.drain_seconds)},
-        {"name": "KVGATE_LOG_LEVEL", "value": config.log_level},
-    ]
-    if policy is not None:
-        env.append({"name": "KVGATE_EXPECTED_POLICY", "value": policy})
-    container: dict[str, Any] = {
-        "name": SIDECAR_NAME,
-        "image": config.sidecar_image,
-        "imagePullPolicy": config.image_pull_policy,
-        "args": ["sidecar"],
-        "ports": [{"name": PORT_NAME, "containerPort": sidecar_port, "protocol": "TCP"}],
-        "env": env,
-        "resources": copy.deepcopy(config.resources),
-        "volumeMounts": [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],
-        "readinessProbe": _probe("/readyz", sidecar_port, 5, 3),
-        "livenessProbe": _probe("/healthz", sidecar_port, 10, 3),
-        "startupProbe": _probe("/healthz", sidecar_port, 1, 30),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-    }
-    if config.native_sidecar:
-        container["restartPolicy"] = "Always"
-    return container
-
-
-def token_volume(config: InjectionConfig) -> dict[str, Any]:
-    """The ``kvgate-token`` volume: a projected service-account token for the node agent."""
-    return {
-        "name": TOKEN_VOLUME,
-        "projected": {
-            "sources": [
-                {
-                    "serviceAccountToken": {
-                        "audience": config.token_audience,
-                        "expirationSeconds": config.token_expiration_seconds,
-                        "path": "token",
-                    }
-                }
-            ]
-        },
-    }
-
-
-def injected_annotation(*, model_port: int, sidecar_port: int, native: bool) -> str:
-    """The value of ``kvgate.io/injected``: compact JSON, sorted keys."""
-    return json.dumps(
-        {
-            "modelPort": model_port,
-            "native": native,
-            "sidecarPort": sidecar_port,
-            "version": TEMPLATE_VERSION,
-        },
-        sort_keys=True,
-        separators=(",", ":"),
+        return int(raw)
+    return pod.refuse(
+        "bad_annotation",
+        f"kvgate: annotation {key} must be a port number 1..65535, got {_show(raw)}",
     )
 
 
-def _append_op(parent: Mapping[str, Any], parent_path: str, key: str, item: Any) -> dict[str, Any]:
-    """``add`` ``item`` at the end of ``parent[key]``, creating the list when absent or null."""
-    if isinstance(parent.get(key), list):
-        return {"op": "add", "path": f"{parent_path}/{key}/-", "value": item}
-    return {"op": "add", "path": f"{parent_path}/{key}", "value": [item]}
+def _rule_annotations(pod: _Pod) -> _Annotations | Injection:
+    """8. ``bad_annotation`` (refused): ``kvgate.io/model-port`` or ``kvgate.io/sidecar-port``
+    is not a port 1..65535, or ``kvgate.io/policy`` is not a RateLimitPolicy name (a lower-case
+    DNS subdomain)."""
+    model_port = _port_annotation(pod, ANNOTATION_MODEL_PORT)
+    if isinstance(model_port, Injection):
+        return model_port
+    sidecar_port = _port_annotation(pod, ANNOTATION_SIDECAR_PORT)
+    if isinstance(sidecar_port, Injection):
+        return sidecar_port
+    if ANNOTATION_POLICY not in pod.annotations:
+        return _Annotations(model_port, sidecar_port, None)
+    policy = pod.annotations[ANNOTATION_POLICY]
+    if isinstance(policy, str) and len(policy) <= 253 and _DNS_SUBDOMAIN_RE.fullmatch(policy):
+        return _Annotations(model_port, sidecar_port, policy)
+    return pod.refuse(
+        "bad_annotation",
+        f"kvgate: annotation {ANNOTATION_POLICY} must be a RateLimitPolicy name "
+        f"(lower-case DNS subdomain), got {_show(policy)}",
+    )
+
+
+def _rule_ports(pod: _Pod, ann: _Annotations, config: InjectionConfig) -> _Ports | Injection:
+    """9. ``no_model_port``: no ``kvgate.io/model-port`` annotation and no TCP
+    ``containerPort`` in any container. Refused, except for a pod opted in only through its
+    namespace: that is skipped (it is not a server, e.g. a Job or a debug pod, and must not be
+    blocked)."""
+    sidecar = config.sidecar_port if ann.sidecar_port is None else ann.sidecar_port
+    annotated = ann.sidecar_port is not None
+    if ann.model_port is not None:
+        return _Ports(ann.model_port, f"annotation {ANNOTATION_MODEL_PORT}", sidecar, annotated)
+    containers = _containers(pod.spec, "containers")
+    found = next(((c, p[0]) for c in containers if (p := _tcp_ports(c))), None)
+    if found is not None:
+        model_from = f"the first containerPort of container {_show(found[0].get('name'))}"
+        return _Ports(found[1], model_from, sidecar, annotated)
+    hint = (
+        f"kvgate: cannot tell the model server's port: no container declares a TCP "
+        f"containerPort; set annotation {ANNOTATION_MODEL_PORT}"
+    )
+    if not pod.by_label:
+        return pod.skip("no_model_port", hint + " (pod skipped: namespace opt-in only)")
+    return pod.refuse("no_model_port", hint)
+
+
+def _rule_clashes(pod: _Pod, ports: _Ports) -> Injection | None:
+    """10. ``port_clash`` (refused): the sidecar port is the model port or a TCP port of a
+    container. ``name_clash`` (refused): a container already has a port named ``kvgate-http``,
+    or the pod a volume named ``kvgate-token``. Containers are checked in order (containers,
+    then init containers), each for its ports then its port names; volumes last."""
+    fix = f"set annotation {ANNOTATION_SIDECAR_PORT} to a free port"
+    if ports.sidecar == ports.model:
+        return pod.refuse(
+            "port_clash",
+            f"kvgate: {ports.sidecar_what} is the model server's port ({ports.model_from}); {fix}",
+        )
+    for kind, group in pod.groups():
+        for c in group:
+            name = _show(c.get("name"))
+            if ports.sidecar in _tcp_ports(c):
+                return pod.refuse(
+                    "port_clash",
+                    f"kvgate: {ports.sidecar_what} is already used by {kind} {name}; {fix}",
+                )
+            if any(
+                isinstance(p, dict) and p.get("name") == PORT_NAME for p in c.get("ports") or []
+            ):
+                return pod.refuse(
+                    "name_clash",
+                    f"kvgate: {kind} {name} already has a port named {PORT_NAME!r}, which the "
+                    f"sidecar needs; rename it",
+                )
+    if any(v.get("name") == TOKEN_VOLUME for v in pod.spec.get("volumes") or []):
+        return pod.refuse(
+            "name_clash",
+            f"kvgate: the pod already has a volume named {TOKEN_VOLUME!r}, which the sidecar "
+            f"needs for its token; rename it, or opt the pod out with annotation "
+            f'{ANNOTATION_INJECT}: "false"',
+        )
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The mutation: one patch operation per object added
+
+
+def _marker_op(pod: _Pod, marker: str) -> dict[str, Any]:
+    """``add`` the ``kvgate.io/injected`` annotation, creating ``metadata`` or
+    ``metadata.annotations`` when absent."""
+    if not isinstance(pod.src.get("metadata"), dict):
+        return {
+            "op": "add",
+            "path": "/metadata",
+            "value": {"annotations": {ANNOTATION_INJECTED: marker}},
+        }
+    if not isinstance(pod.meta.get("annotations"), dict):
+        return {
+            "op": "add",
+            "path": "/metadata/annotations",
+            "value": {ANNOTATION_INJECTED: marker},
+        }
+    path = jsonpatch.JsonPointer.from_parts(("metadata", "annotations", ANNOTATION_INJECTED))
+    return {"op": "add", "path": path.path, "value": marker}
+
+
+def _append_op(spec: Mapping[str, Any], key: str, item: Any) -> dict[str, Any]:
+    """``add`` ``item`` at the end of ``spec[key]``, creating the list when absent or null."""
+    if isinstance(spec.get(key), list):
+        return {"op": "add", "path": f"/spec/{key}/-", "value": item}
+    return {"op": "add", "path": f"/spec/{key}", "value": [item]}
+
+
+def _rule_inject(
+    pod: _Pod, ports: _Ports, policy: str | None, config: InjectionConfig
+) -> Injection:
+    """11. ``injected``: the marker annotation, the sidecar (an init container with
+    ``restartPolicy: Always`` when ``config.native_sidecar``, else a plain container, appended
+    last) and the token volume. The patch is the single source of truth: the returned pod is
+    the patch applied."""
+    native = config.native_sidecar
+    container = sidecar_container(
+        config, model_port=ports.model, sidecar_port=ports.sidecar, policy=policy
+    )
+    marker = injected_annotation(model_port=ports.model, sidecar_port=ports.sidecar, native=native)
+    ops = [
+        _marker_op(pod, marker),
+        _append_op(pod.spec, "initContainers" if native else "containers", container),
+        _append_op(pod.spec, "volumes", token_volume(config)),
+    ]
+    mode = "native sidecar (init container)" if native else "container"
+    return Injection(
+        "injected",
+        "injected",
+        f"kvgate: sidecar injected as a {mode}: port {ports.sidecar} -> model port {ports.model}",
+        apply_patch(pod.src, ops),
+        ops,
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,199 +539,18 @@ def inject(
         config: how to inject.
 
     Returns:
-        The :class:`Injection`. Never raises for any pod content: unreadable input gives
-        ``refused`` (when opted in) or ``skipped``.
+        The :class:`Injection` of the first rule that decides. Never raises for any pod
+        content: unreadable input gives ``refused`` (when opted in) or ``skipped``.
     """
-    src: dict[str, Any] = copy.deepcopy(dict(pod))
-    meta = _dict(src.get("metadata"))
-    labels = _dict(meta.get("labels"))
-    annotations = _dict(meta.get("annotations"))
-    spec = _dict(src.get("spec"))
-
-    # 1. Namespaces kvgate never touches (L13: a label there cannot be trusted either way).
-    own = config.own_namespace
-    pod_ns = meta.get("namespace")
-    for ns in (namespace, pod_ns if isinstance(pod_ns, str) else None):
-        if ns is None:
-            continue
-        if ns in config.excluded_namespaces:
-            return _skip(src, "excluded_namespace", f"kvgate: namespace {ns!r} is never injected")
-        if own is not None and ns == own:
-            return _skip(
-                src,
-                "excluded_namespace",
-                f"kvgate: namespace {ns!r} is kvgate's own and is never injected",
-            )
-
-    # 2. Idempotence: never a second sidecar.
-    names = {
-        c.get("name") for key in ("containers", "initContainers") for c in _containers(spec, key)
-    }
-    if SIDECAR_NAME in names:
-        return Injection(
-            "already_injected",
-            "already_injected",
-            f"kvgate: the pod already has a container {SIDECAR_NAME!r}",
-            src,
-        )
-    if ANNOTATION_INJECTED in annotations:
-        return Injection(
-            "already_injected",
-            "already_injected",
-            f"kvgate: the pod has annotation {ANNOTATION_INJECTED} but no {SIDECAR_NAME!r} "
-            f"container; remove the annotation to have the sidecar injected",
-            src,
-        )
-
-    # 3./4. Opt-out beats opt-in.
-    ann_inject = annotations.get(ANNOTATION_INJECT)
-    label_inject = labels.get(LABEL_INJECT)
-    if ann_inject == "false":
-        return _skip(
-            src, "opted_out", f'kvgate: opted out by annotation {ANNOTATION_INJECT}: "false"'
-        )
-    if label_inject is not None and label_inject != "true":
-        # "false", but also "False", "no", "off": anything but exactly "true" is not an
-        # opt-in, and in an opted-in namespace the pod's own label must win.
-        return _skip(
-            src, "opted_out", f'kvgate: opted out by label {LABEL_INJECT}: "{label_inject}"'
-        )
-    by_label = label_inject == "true"
-    if not (by_label or namespace_opt_in):
-        return _skip(
-            src,
-            "not_opted_in",
-            f'kvgate: neither the pod nor its namespace has label {LABEL_INJECT}: "true"',
-        )
-
-    # 5. Nothing to protect through the pod network.
-    if spec.get("hostNetwork") is True:
-        return _skip(
-            src,
-            "host_network",
-            "kvgate: hostNetwork pods are not injected (the sidecar's port would be the node's)",
-        )
-
-    # 6. Opted in: refuse rather than inject something that cannot work.
-    if ann_inject is not None and ann_inject != "true":
-        return _refuse(
-            src,
-            "bad_annotation",
-            f'kvgate: annotation {ANNOTATION_INJECT} must be "true" or "false", '
-            f"got {_show(ann_inject)}",
-        )
-    shape = _shape_error(src)
-    if shape is not None:
-        return _refuse(src, "malformed_pod", f"kvgate: cannot inject the sidecar: {shape}")
-
-    model_ann, err = _port_annotation(annotations, ANNOTATION_MODEL_PORT)
-    if err is not None:
-        return _refuse(src, "bad_annotation", err)
-    sidecar_ann, err = _port_annotation(annotations, ANNOTATION_SIDECAR_PORT)
-    if err is not None:
-        return _refuse(src, "bad_annotation", err)
-    policy: str | None = None
-    if ANNOTATION_POLICY in annotations:
-        raw = annotations[ANNOTATION_POLICY]
-        if not (isinstance(raw, str) and len(raw) <= 253 and _DNS_SUBDOMAIN_RE.fullmatch(raw)):
-            return _refuse(
-                src,
-                "bad_annotation",
-                f"kvgate: annotation {ANNOTATION_POLICY} must be a RateLimitPolicy name "
-                f"(lower-case DNS subdomain), got {_show(raw)}",
-            )
-        policy = raw
-
-    containers = _containers(spec, "containers")
-    init_containers = _containers(spec, "initContainers")
-    if model_ann is not None:
-        model_port = model_ann
-        model_from = f"annotation {ANNOTATION_MODEL_PORT}"
-    else:
-        found = next(((c, p[0]) for c in containers if (p := _tcp_ports(c))), None)
-        if found is None:
-            hint = (
-                f"kvgate: cannot tell the model server's port: no container declares a TCP "
-                f"containerPort; set annotation {ANNOTATION_MODEL_PORT}"
-            )
-            if not by_label:
-                return _skip(src, "no_model_port", hint + " (pod skipped: namespace opt-in only)")
-            return _refuse(src, "no_model_port", hint)
-        model_port = found[1]
-        model_from = f"the first containerPort of container {_show(found[0].get('name'))}"
-    sidecar_port = config.sidecar_port if sidecar_ann is None else sidecar_ann
-    sidecar_what = f"sidecar port {sidecar_port}" + (
-        "" if sidecar_ann is None else f" (annotation {ANNOTATION_SIDECAR_PORT})"
-    )
-
-    fix = f"set annotation {ANNOTATION_SIDECAR_PORT} to a free port"
-    if sidecar_port == model_port:
-        return _refuse(
-            src,
-            "port_clash",
-            f"kvgate: {sidecar_what} is the model server's port ({model_from}); {fix}",
-        )
-    for kind, group in (("container", containers), ("init container", init_containers)):
-        for c in group:
-            if sidecar_port in _tcp_ports(c):
-                return _refuse(
-                    src,
-                    "port_clash",
-                    f"kvgate: {sidecar_what} is already used by {kind} "
-                    f"{_show(c.get('name'))}; {fix}",
-                )
-            for p in c.get("ports") or []:
-                if isinstance(p, dict) and p.get("name") == PORT_NAME:
-                    return _refuse(
-                        src,
-                        "name_clash",
-                        f"kvgate: {kind} {_show(c.get('name'))} already has a port named "
-                        f"{PORT_NAME!r}, which the sidecar needs; rename it",
-                    )
-    volumes = spec.get("volumes") or []
-    if any(v.get("name") == TOKEN_VOLUME for v in volumes):
-        return _refuse(
-            src,
-            "name_clash",
-            f"kvgate: the pod already has a volume named {TOKEN_VOLUME!r}, which the sidecar "
-            f"needs for its token; rename it, or opt the pod out with annotation "
-            f'{ANNOTATION_INJECT}: "false"',
-        )
-
-    # 7. Inject. The patch is the single source of truth: the returned pod is the patch applied.
-    native = config.native_sidecar
-    container = sidecar_container(
-        config, model_port=model_port, sidecar_port=sidecar_port, policy=policy
-    )
-    marker = injected_annotation(model_port=model_port, sidecar_port=sidecar_port, native=native)
-    ops: list[dict[str, Any]] = []
-    if not isinstance(src.get("metadata"), dict):
-        ops.append(
-            {
-                "op": "add",
-                "path": "/metadata",
-                "value": {"annotations": {ANNOTATION_INJECTED: marker}},
-            }
-        )
-    elif not isinstance(meta.get("annotations"), dict):
-        ops.append(
-            {"op": "add", "path": "/metadata/annotations", "value": {ANNOTATION_INJECTED: marker}}
-        )
-    else:
-        ops.append(
-            {
-                "op": "add",
-                "path": "/metadata/annotations/" + escape_pointer(ANNOTATION_INJECTED),
-                "value": marker,
-            }
-        )
-    ops.append(_append_op(spec, "/spec", "initContainers" if native else "containers", container))
-    ops.append(_append_op(spec, "/spec", "volumes", token_volume(config)))
-    mode = "native sidecar (init container)" if native else "container"
-    return Injection(
-        "injected",
-        "injected",
-        f"kvgate: sidecar injected as a {mode}: port {sidecar_port} -> model port {model_port}",
-        apply_patch(src, ops),
-        ops,
-    )
+    p = _Pod(copy.deepcopy(dict(pod)), namespace, namespace_opt_in)
+    for rule in _GATES:
+        decided = rule(p, config)
+        if decided is not None:
+            return decided
+    ann = _rule_annotations(p)
+    if isinstance(ann, Injection):
+        return ann
+    ports = _rule_ports(p, ann, config)
+    if isinstance(ports, Injection):
+        return ports
+    return _rule_clashes(p, ports) or _rule_inject(p, ports, ann.policy, config)

@@ -19,18 +19,14 @@ from kubernetes.client.exceptions import ApiException
 from kvgate_operator.certs import (
     CA_RENEW_BEFORE,
     SERVING_RENEW_BEFORE,
-    CertificateError,
     CertificateManager,
-    KeyPair,
     WebhookCerts,
     ca_bundle_patch,
     new_ca,
     new_serving_cert,
     plan,
-    sans,
-    signed_by,
-    split_pem_certs,
 )
+from kvgate_operator.pki import CertificateError, KeyPair, sans, signed_by, split_pem_certs
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 HOSTS = ["kvgate-webhook.kvgate-system.svc", "127.0.0.1"]

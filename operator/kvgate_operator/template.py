@@ -1,0 +1,186 @@
+"""The injected sidecar's template: its settings (:class:`InjectionConfig`), the
+``kvgate-sidecar`` container, its token volume and the ``kvgate.io/injected`` marker.
+
+Pure: no I/O. Invariant: :data:`TEMPLATE_VERSION` changes whenever what these functions build
+changes, so the operator can tell pods injected with an older template.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.alias_generators import to_camel
+
+SIDECAR_NAME = "kvgate-sidecar"
+PORT_NAME = "kvgate-http"
+TOKEN_VOLUME = "kvgate-token"
+TOKEN_DIR = "/var/run/secrets/kvgate"
+TOKEN_FILE = TOKEN_DIR + "/token"
+RUN_AS_USER = 65532
+TEMPLATE_VERSION = "0.1.0"
+"""Version of the injected container's template: bump it whenever the template changes, so the
+operator can tell pods injected with an older one (``kvgate.io/injected``)."""
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+Resources = dict[str, dict[str, str | int | float]]
+"""A container's ``resources``: ``requests`` / ``limits`` → resource name → quantity."""
+
+
+def _default_resources() -> Resources:
+    return {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "512Mi"}}
+
+
+class InjectionConfig(BaseModel):
+    """How the sidecar is injected. The chart renders it as JSON (camelCase keys) into the
+    operator's environment variable ``KVGATE_OPERATOR_INJECTION``.
+
+    Attributes:
+        sidecar_image: the kvgate-agent image; its entrypoint is ``kvgate-agent``.
+        image_pull_policy: ``Always``, ``IfNotPresent`` or ``Never``.
+        native_sidecar: True: an init container with ``restartPolicy: Always`` (Kubernetes
+            >= 1.29), which starts before and stops after the model server; False: a plain
+            container appended to ``spec.containers``.
+        sidecar_port: TCP port the sidecar listens on, unless the pod annotates
+            ``kvgate.io/sidecar-port``.
+        agent_port: the node agent's hostPort; the sidecar syncs with
+            ``http://$(KVGATE_HOST_IP):<agent_port>``.
+        token_audience: audience of the projected service-account token the sidecar presents.
+        token_expiration_seconds: lifetime of that token, seconds (Kubernetes minimum 600).
+        resources: the sidecar's ``resources`` (``requests`` / ``limits``), copied as is.
+        excluded_namespaces: never injected, whatever their labels say.
+        own_namespace: kvgate's own namespace, never injected (set by the operator).
+        drain_seconds: the sidecar's ``KVGATE_DRAIN_SECONDS`` (> 0).
+        log_level: the sidecar's ``KVGATE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR.
+    """
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+    sidecar_image: str = Field("ghcr.io/kvgate/kvgate-agent:0.1.0", min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    native_sidecar: bool = True
+    sidecar_port: int = Field(8001, ge=1, le=65535)
+    agent_port: int = Field(9470, ge=1, le=65535)
+    token_audience: str = Field("kvgate-agent", min_length=1)
+    token_expiration_seconds: int = Field(3600, ge=600, le=2**32)
+    resources: Resources = Field(default_factory=_default_resources)
+    excluded_namespaces: list[str] = Field(
+        default_factory=lambda: ["kube-system", "kube-public", "kube-node-lease"]
+    )
+    own_namespace: str | None = None
+    drain_seconds: int = Field(30, gt=0)
+    log_level: str = "INFO"
+
+    @field_validator("resources")
+    @classmethod
+    def _resource_keys(cls, v: Resources) -> Resources:
+        unknown = sorted(set(v) - {"requests", "limits"})
+        if unknown:
+            raise ValueError(f"only 'requests' and 'limits' are allowed, got {unknown}")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, v: str) -> str:
+        level = v.upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, got {v!r}")
+        return level
+
+
+def _probe(path: str, port: int, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+    }
+
+
+def sidecar_container(
+    config: InjectionConfig, *, model_port: int, sidecar_port: int, policy: str | None
+) -> dict[str, Any]:
+    """The ``kvgate-sidecar`` container: ``kvgate-agent sidecar`` in cluster mode (thresholds
+    from the node agent), proxying ``0.0.0.0:<sidecar_port>`` to ``127.0.0.1:<model_port>``.
+
+    The env order is fixed: ``KVGATE_HOST_IP`` precedes ``KVGATE_AGENT_URL``, which refers to
+    it as ``$(KVGATE_HOST_IP)`` (Kubernetes expands only variables defined earlier)."""
+
+    def field_ref(name: str, path: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env: list[dict[str, Any]] = [
+        {"name": "KVGATE_UPSTREAM", "value": f"http://127.0.0.1:{model_port}"},
+        {"name": "KVGATE_LISTEN", "value": f"0.0.0.0:{sidecar_port}"},
+        field_ref("KVGATE_HOST_IP", "status.hostIP"),
+        {"name": "KVGATE_AGENT_URL", "value": f"http://$(KVGATE_HOST_IP):{config.agent_port}"},
+        field_ref("KVGATE_POD_NAMESPACE", "metadata.namespace"),
+        field_ref("KVGATE_POD_NAME", "metadata.name"),
+        field_ref("KVGATE_POD_UID", "metadata.uid"),
+        field_ref("KVGATE_POD_IP", "status.podIP"),
+        {"name": "KVGATE_TOKEN_FILE", "value": TOKEN_FILE},
+        {"name": "KVGATE_DRAIN_SECONDS", "value": str(config.drain_seconds)},
+        {"name": "KVGATE_LOG_LEVEL", "value": config.log_level},
+    ]
+    if policy is not None:
+        env.append({"name": "KVGATE_EXPECTED_POLICY", "value": policy})
+    container: dict[str, Any] = {
+        "name": SIDECAR_NAME,
+        "image": config.sidecar_image,
+        "imagePullPolicy": config.image_pull_policy,
+        "args": ["sidecar"],
+        "ports": [{"name": PORT_NAME, "containerPort": sidecar_port, "protocol": "TCP"}],
+        "env": env,
+        "resources": copy.deepcopy(config.resources),
+        "volumeMounts": [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],
+        "readinessProbe": _probe("/readyz", sidecar_port, 5, 3),
+        "livenessProbe": _probe("/healthz", sidecar_port, 10, 3),
+        "startupProbe": _probe("/healthz", sidecar_port, 1, 30),
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if config.native_sidecar:
+        container["restartPolicy"] = "Always"
+    return container
+
+
+def token_volume(config: InjectionConfig) -> dict[str, Any]:
+    """The ``kvgate-token`` volume: a projected service-account token for the node agent."""
+    return {
+        "name": TOKEN_VOLUME,
+        "projected": {
+            "sources": [
+                {
+                    "serviceAccountToken": {
+                        "audience": config.token_audience,
+                        "expirationSeconds": config.token_expiration_seconds,
+                        "path": "token",
+                    }
+                }
+            ]
+        },
+    }
+
+
+def injected_annotation(*, model_port: int, sidecar_port: int, native: bool) -> str:
+    """The value of ``kvgate.io/injected``: compact JSON, sorted keys."""
+    return json.dumps(
+        {
+            "modelPort": model_port,
+            "native": native,
+            "sidecarPort": sidecar_port,
+            "version": TEMPLATE_VERSION,
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
