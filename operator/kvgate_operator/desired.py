@@ -1,23 +1,9 @@
 """From cluster state to desired state: pure functions, no I/O, no kopf.
 
-Input: a :class:`Snapshot` of RateLimitPolicies, Pods, Nodes and what the node agents reported.
-Output: the ``NodeAdmission`` spec every node should have and the status every policy should
-show. The reconciler compares these with what the API server holds and writes only the
-differences, so computing from scratch after any event (or an operator restart) converges to the
-same objects.
-
-Rules (documented for users in the README):
-
-- A policy selects pods in its own namespace by its label ``selector``. A pod counts when it is
-  bound to a node that exists (``spec.nodeName``), is not terminating and has not finished.
-- A policy being deleted (held by another controller's finalizer) governs nothing.
-- Two policies selecting the same pod: the oldest policy (creationTimestamp, then name) wins.
-  Both report the overlap in ``status.conflicts`` (and the reconciler emits an Event).
-- ``per: Global`` limits are split evenly across the policy's ready pods (Ready condition True);
-  a pod that is not ready yet gets the same share, so it does not get the whole budget at once.
-  With no ready pod the split is across all matched pods.
-- KV capacity: the engine's own report (via the agent, ``fromEngineMetrics``) beats
-  ``capacity.kvCacheTokens``.
+A :class:`Snapshot` of RateLimitPolicies, Pods, Nodes and the node agents' reports goes in; the
+``NodeAdmission`` spec of every node and the status of every policy come out (:func:`compute`).
+Invariant: the result depends on the snapshot alone, so computing from scratch after any event
+or an operator restart converges to the same objects.
 """
 
 from __future__ import annotations
@@ -280,11 +266,11 @@ def mark_write_failures(desired: Desired, snap: Snapshot, failed: dict[str, str]
             )
 
 
-def compute(snap: Snapshot) -> Desired:
-    """Desired NodeAdmission specs for every node and the status of every policy."""
+def _validate(policies: Mapping[Key, Policy]) -> tuple[dict[Key, PolicyOutcome], list[Policy]]:
+    """Every policy's acceptance, and the accepted ones, oldest first (precedence order)."""
     outcomes: dict[Key, PolicyOutcome] = {}
     valid: list[Policy] = []
-    for p in snap.policies.values():
+    for p in policies.values():
         if p.spec is None:
             outcomes[p.key] = PolicyOutcome(p.generation, False, "InvalidSpec", p.error or "")
         elif p.deleting:  # being deleted (another controller's finalizer may hold it)
@@ -299,11 +285,16 @@ def compute(snap: Snapshot) -> Desired:
             outcomes[p.key] = PolicyOutcome(p.generation, True, "Valid", "the policy is valid")
             valid.append(p)
     valid.sort(key=_precedence)
+    return outcomes, valid
+
+
+def _assign(snap: Snapshot, valid: list[Policy], outcomes: dict[Key, PolicyOutcome]) -> None:
+    """Give each counted pod to the oldest valid policy of its namespace that selects it
+    (``matched``); every other policy selecting it records the conflict (``lost``,
+    ``conflicts``)."""
     by_ns: dict[str, list[Policy]] = {}
     for p in valid:
         by_ns.setdefault(p.namespace, []).append(p)
-
-    owner: dict[Key, Policy] = {}
     for pod in sorted(snap.pods.values(), key=lambda x: x.key):
         if not pod.active or pod.node is None or pod.node not in snap.nodes:
             continue
@@ -315,7 +306,6 @@ def compute(snap: Snapshot) -> Desired:
         if not hits:
             continue
         winner = hits[0]
-        owner[pod.key] = winner
         outcomes[winner.key].matched.append(pod.key)
         for loser in hits[1:]:
             outcomes[loser.key].lost += 1
@@ -326,36 +316,57 @@ def compute(snap: Snapshot) -> Desired:
                 f"{pod.namespace}/{pod.name}: also selected by {loser.name}"
             )
 
+
+def _entries(snap: Snapshot, policy: Policy, outcome: PolicyOutcome) -> list[PodAdmission]:
+    """The NodeAdmission entries of a policy's matched pods, with their thresholds."""
+    assert policy.spec is not None
+    members = [snap.pods[k] for k in outcome.matched]
+    ready = sum(1 for m in members if m.ready)
+    has_global = any(rl.per is LimitScope.GLOBAL for rl in policy.spec.rate_limits)
+    # Without a Global limit the share means nothing: keep it 1 so pods coming and going
+    # do not rewrite every other pod's thresholds.
+    share = 1.0 / (ready or len(members)) if has_global else 1.0
+    ref = PolicyRef(
+        namespace=policy.namespace,
+        name=policy.name,
+        uid=policy.uid or None,
+        generation=policy.generation,
+    )
+    return [
+        PodAdmission(
+            namespace=pod.namespace,
+            name=pod.name,
+            uid=pod.uid,
+            policy=ref,
+            thresholds=resolve_thresholds(
+                policy.spec, min(1.0, share), snap.engine_capacity.get(pod.uid)
+            ),
+        )
+        for pod in members
+    ]
+
+
+def compute(snap: Snapshot) -> Desired:
+    """Desired NodeAdmission specs for every node (JSON-ready, entries sorted by namespace and
+    name) and the status of every policy.
+
+    Rules: a policy selects pods in its own namespace by its label selector; a pod counts when
+    it is bound to an existing node, not terminating and not finished. A policy being deleted
+    governs nothing. Of two policies selecting one pod the oldest (creationTimestamp, then
+    name) wins and both report the overlap. ``per: Global`` limits are split evenly across the
+    policy's ready pods (across all matched pods when none is ready). The engine's reported KV
+    capacity beats ``capacity.kvCacheTokens`` when ``fromEngineMetrics`` is set.
+    """
+    outcomes, valid = _validate(snap.policies)
+    _assign(snap, valid, outcomes)
     pods_by_node: dict[str, list[dict[str, Any]]] = {n: [] for n in snap.nodes}
     for pol_key, outcome in outcomes.items():
         if not outcome.matched:
             continue
-        policy = snap.policies[pol_key]
-        assert policy.spec is not None
-        members = [snap.pods[k] for k in outcome.matched]
-        ready = sum(1 for m in members if m.ready)
-        has_global = any(rl.per is LimitScope.GLOBAL for rl in policy.spec.rate_limits)
-        # Without a Global limit the share means nothing: keep it 1 so pods coming and going
-        # do not rewrite every other pod's thresholds.
-        share = 1.0 / (ready or len(members)) if has_global else 1.0
-        for pod in members:
-            thresholds = resolve_thresholds(
-                policy.spec, min(1.0, share), snap.engine_capacity.get(pod.uid)
-            )
-            entry = PodAdmission(
-                namespace=pod.namespace,
-                name=pod.name,
-                uid=pod.uid,
-                policy=PolicyRef(
-                    namespace=policy.namespace,
-                    name=policy.name,
-                    uid=policy.uid or None,
-                    generation=policy.generation,
-                ),
-                thresholds=thresholds,
-            )
-            assert pod.node is not None
-            pods_by_node[pod.node].append(
+        for entry in _entries(snap, snap.policies[pol_key], outcome):
+            node = snap.pods[(entry.namespace, entry.name)].node
+            assert node is not None
+            pods_by_node[node].append(
                 entry.model_dump(by_alias=True, exclude_none=True, mode="json")
             )
     node_specs = {}

@@ -1,23 +1,5 @@
 """The operator's Prometheus metrics, in its own registry (never the process-global one), served
-at ``/metrics`` on the liveness port next to ``/healthz``.
-
-- ``kvgate_webhook_injections_total{action,reason}`` (counter): each decision of the
-  sidecar-injection webhook. ``action``: ``injected``, ``already_injected``, ``skipped``,
-  ``refused``, or ``error`` (the webhook failed internally and let the pod through uninjected);
-  ``reason`` as in :mod:`kvgate_operator.inject` (``internal_error`` for ``error``).
-- ``kvgate_webhook_namespace_lookup_failures_total`` (counter): namespace label lookups that
-  failed (the pod was then treated as not opted in through its namespace).
-- ``kvgate_webhook_missed_injections_total`` (counter): pods that asked for the sidecar but were
-  admitted without it (webhook down or unreachable), once per pod, when its
-  ``InjectionMissed`` Event is posted.
-- ``kvgate_webhook_uninjected_pods`` (gauge): opted-in pods without the sidecar right now (as of
-  the last reconcile pass).
-- ``kvgate_webhook_serving`` (gauge): 1 while the webhook's HTTPS server is listening.
-- ``kvgate_webhook_certificate_expiry_timestamp_seconds`` (gauge): when the serving certificate
-  expires (Unix seconds).
-- ``kvgate_webhook_certificate_reloads_total`` (counter): serving certificates loaded into the
-  running server without a restart.
-"""
+at ``/metrics`` on the liveness port next to ``/healthz``."""
 
 from __future__ import annotations
 
@@ -34,7 +16,25 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created serie
 
 
 class OperatorMetrics:
-    """The operator's metrics; each instance has its own registry (tests make their own)."""
+    """The operator's metrics; each instance has its own registry (tests make their own).
+
+    - ``kvgate_webhook_injections_total{action,reason}`` (counter): each decision of the
+      sidecar-injection webhook. ``action``: ``injected``, ``already_injected``, ``skipped``,
+      ``refused``, or ``error`` (the webhook failed internally and let the pod through uninjected);
+      ``reason`` as in :mod:`kvgate_operator.inject` (``internal_error`` for ``error``).
+    - ``kvgate_webhook_namespace_lookup_failures_total`` (counter): namespace label lookups that
+      failed (the pod was then treated as not opted in through its namespace).
+    - ``kvgate_webhook_missed_injections_total`` (counter): pods that asked for the sidecar but were
+      admitted without it (webhook down or unreachable), once per pod, when its
+      ``InjectionMissed`` Event is posted.
+    - ``kvgate_webhook_uninjected_pods`` (gauge): opted-in pods without the sidecar right now (as of
+      the last reconcile pass).
+    - ``kvgate_webhook_serving`` (gauge): 1 while the webhook's HTTPS server is listening.
+    - ``kvgate_webhook_certificate_expiry_timestamp_seconds`` (gauge): when the serving certificate
+      expires (Unix seconds).
+    - ``kvgate_webhook_certificate_reloads_total`` (counter): serving certificates loaded into the
+      running server without a restart.
+    """
 
     content_type = CONTENT_TYPE_LATEST
 

@@ -2,29 +2,9 @@
 :func:`kvgate_operator.inject.inject`, a namespace-label cache, and a webhook server that
 reloads its certificate without restarting.
 
-How a request reaches the handler: kopf's :class:`kopf.WebhookServer` routes ``POST
-<path>/{id}`` (no root path here) and passes ``id`` as the webhook hint; kopf then runs only the
-admission handlers whose handler id equals it. The handler is registered with
-``id="inject-sidecar"``, so ``https://<host>:<port>/inject-sidecar`` (the path in the chart's
-MutatingWebhookConfiguration) runs exactly this handler; a request to any other path runs no
-handler and is allowed unchanged. ``settings.admission.managed`` stays None: the chart owns the
-MutatingWebhookConfiguration, the operator only keeps its ``caBundle`` in sync
-(:mod:`kvgate_operator.certs`).
-
-The patch: kopf gives the handler a :class:`kopf.Patch` (a JSON *merge* patch) and answers the
-API server with the JSON Patch that turns the request's object into the merge-patched one
-(``Patch.as_json_patch``: a diff). A merge patch replaces lists as a whole, so the handler puts
-the RFC 7386 difference between the request's pod and :attr:`Injection.pod` into it
-(:func:`merge_patch`): the lists ``inject()`` appended to (``spec.initContainers`` or
-``spec.containers``, ``spec.volumes``) whole, and the one new annotation. The pod the API server
-stores is therefore exactly ``Injection.pod``; a pod that needs nothing (already injected,
-skipped) gets no patch at all.
-
-Failure posture: a refused injection is an :class:`kopf.AdmissionError` (400), which the API
-server shows the user. Anything else that goes wrong inside the handler (a bug) lets the pod
-through uninjected, logged and counted as ``action="error"``, never blocks it: the reconcile
-pass then reports it as a missed injection. A failed namespace lookup counts as "namespace not
-opted in" (the pod's own label still works).
+Invariant: the webhook blocks a pod only by refusing its injection (a 400 the user sees);
+anything else that goes wrong inside the handler lets the pod through uninjected (logged,
+counted as ``action="error"``; the reconcile pass then reports it as a missed injection).
 """
 
 from __future__ import annotations
@@ -159,7 +139,16 @@ def kube_namespace_lookup(api: Any, timeout: float) -> Callable[[str], Mapping[s
 
 
 class InjectionWebhook:
-    """The ``inject-sidecar`` mutating admission handler (register with :meth:`register`)."""
+    """The ``inject-sidecar`` mutating admission handler (register with :meth:`register`).
+
+    Its patch: kopf gives the handler a :class:`kopf.Patch` (a JSON *merge* patch) and answers
+    the API server with the JSON Patch that turns the request's object into the merge-patched
+    one. A merge patch replaces lists as a whole, so the handler puts the RFC 7386 difference
+    between the request's pod and :attr:`Injection.pod` into it (:func:`merge_patch`): the
+    lists ``inject()`` appended to whole, and the new annotation. The pod the API server
+    stores is therefore exactly ``Injection.pod``; a pod that needs nothing gets no patch.
+    A failed namespace lookup counts as "namespace not opted in" (the pod's label still works).
+    """
 
     def __init__(
         self,
@@ -174,7 +163,15 @@ class InjectionWebhook:
         self.inject_fn = inject_fn
 
     def register(self, registry: kopf.OperatorRegistry | None = None) -> None:
-        """Register the handler with kopf (the default registry unless given)."""
+        """Register the handler with kopf (the default registry unless given).
+
+        kopf's :class:`kopf.WebhookServer` routes ``POST <path>/{id}`` and runs only the
+        admission handlers whose id equals ``id``: with ``id="inject-sidecar"``,
+        ``https://<host>:<port>/inject-sidecar`` (the path in the chart's
+        MutatingWebhookConfiguration) runs exactly this handler, and a request to any other
+        path runs none and is allowed unchanged. ``settings.admission.managed`` stays None: the
+        chart owns the MutatingWebhookConfiguration, the operator only keeps its ``caBundle``
+        in sync (:mod:`kvgate_operator.certs`)."""
         kopf.on.mutate(
             "",
             "v1",

@@ -62,13 +62,7 @@ class Operator:
                 self.kill()
 
     def healthz(self) -> int:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
-                return int(r.status)
-        except urllib.error.HTTPError as e:
-            return int(e.code)
-        except OSError:
-            return 0  # not listening (yet)
+        return _healthz(self.port)
 
 
 @pytest.fixture
@@ -448,3 +442,66 @@ def test_a_rejected_node_admission_write_is_reported_and_retried(
     wait_for(lambda: ready().get("reason") == "ThresholdsWritten", 60)
     specs, _ = converged(kube)
     assert len(entries(specs, "tm-node-1")) == 256
+
+
+def test_operator_in_process_converges_and_serves_liveness(
+    crds: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator run in this process by kopf's KopfRunner (standalone, cluster-wide, its
+    handlers from kvgate_operator.handlers, its settings from the same environment variables
+    the subprocess gets) reaches the same NodeAdmission and policy status."""
+    import kopf.testing
+    from kubernetes import client
+    from kubernetes.config import kube_config
+
+    kube = crds
+    port = free_port()
+    for name, value in {
+        "KVGATE_OPERATOR_LIVENESS_PORT": str(port),
+        "KVGATE_OPERATOR_DEBOUNCE_SECONDS": "0.1",
+        "KVGATE_OPERATOR_RESYNC_SECONDS": "3",
+        "KVGATE_OPERATOR_WEBHOOK_ENABLED": "false",
+    }.items():
+        monkeypatch.setenv(name, value)
+    # kopf's login and the operator's client read the kubeconfig at this path (the client
+    # library reads $KUBECONFIG once, at import); the default client configuration they set
+    # is put back afterwards.
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kube.kubeconfig))
+    monkeypatch.setattr(client.Configuration, "_default", client.Configuration._default)
+    ns = namespace(kube, "inprocess")
+    node(kube, "ip-node-1")
+    args = ["run", "--standalone", "--all-namespaces", "-m", "kvgate_operator.handlers"]
+    with kopf.testing.KopfRunner(args, timeout=60) as runner:
+        apply(
+            kube,
+            pod("llama-0", ns, "ip-node-1", {"app": "llama"}),
+            pod("web-0", ns, "ip-node-1", {"app": "web"}),
+            llama_policy(ns, max_requests=8),
+        )
+        specs, statuses = converged(kube)
+        a = entries(specs, "ip-node-1")["llama-0"]
+        assert "web-0" not in entries(specs, "ip-node-1")
+        assert a["policy"]["name"] == "llama"
+        assert a["thresholds"]["concurrency"]["maxRequests"] == 8
+        st = statuses[(ns, "llama")]
+        assert st["matchedPods"] == 1 and st["observedGeneration"] == 1
+        assert {c["type"]: c["status"] for c in st["conditions"]} == {
+            "Accepted": "True",
+            "Ready": "True",
+        }
+        wait_for(lambda: _healthz(port) == 200, 30)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            assert "last pass" in json.loads(r.read())["reconciler"]
+    assert runner.exception is None and runner.exit_code == 0
+    assert _healthz(port) == 0  # cleanup stopped the liveness server
+
+
+def _healthz(port: int) -> int:
+    """The liveness endpoint's HTTP status; 0 when nothing listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return 0

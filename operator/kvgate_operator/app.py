@@ -1,0 +1,252 @@
+"""The running operator as one object: settings, metrics, the reconcile loop, the liveness
+server and (when enabled) the sidecar-injection webhook with its certificates.
+
+Invariant: nothing is built at import. :mod:`kvgate_operator.handlers` makes one
+:class:`Operator` at kopf startup and keeps it in kopf's memo; the handlers only delegate to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import kopf
+from cryptography import x509
+from kubernetes import client, config
+
+from kvgate_operator.certs import CertificateManager, KubeCertStore
+from kvgate_operator.metrics import OperatorMetrics
+from kvgate_operator.reconciler import Reconciler
+from kvgate_operator.settings import OperatorSettings
+from kvgate_operator.triggers import Kind, Seen
+from kvgate_operator.webhook import (
+    InjectionWebhook,
+    NamespaceLabels,
+    ReloadingWebhookServer,
+    kube_namespace_lookup,
+)
+
+log = logging.getLogger("kvgate.operator")
+
+
+def default_api_client() -> client.ApiClient:
+    """A kubernetes client: in-cluster credentials, else the kubeconfig (``$KUBECONFIG``)."""
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+    except config.ConfigException:
+        config.load_kube_config()  # type: ignore[no-untyped-call]
+    return client.ApiClient()
+
+
+def _not_started(namespace: str) -> dict[str, str]:
+    raise RuntimeError("the operator has not started yet")
+
+
+class Operator:
+    """The operator's state and lifecycle: :meth:`start` at kopf startup, :meth:`stop` at
+    cleanup, :meth:`on_event` for every watch event.
+
+    Args:
+        settings: the operator settings.
+        api_client: makes a kubernetes ``ApiClient`` (called at :meth:`start`).
+    """
+
+    def __init__(
+        self,
+        settings: OperatorSettings,
+        api_client: Callable[[], client.ApiClient] = default_api_client,
+    ) -> None:
+        self.settings = settings
+        self.api_client = api_client
+        self.metrics = OperatorMetrics()
+        self.seen = Seen()
+        self.webhook = InjectionWebhook(
+            settings.injection,
+            NamespaceLabels(
+                _not_started,
+                ttl=settings.webhook_namespace_cache_seconds,
+                timeout=settings.webhook_namespace_lookup_timeout,
+            ),
+            self.metrics,
+        )
+        self.reconciler: Reconciler | None = None
+        self.webhook_server: ReloadingWebhookServer | None = None
+        #: When the serving certificate expires (None until one is loaded).
+        self.cert_not_after: dt.datetime | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._liveness: aiohttp.web.AppRunner | None = None
+        #: The self-signed certificates' rotation loop and the directory of their files.
+        self._cert_task: asyncio.Task[None] | None = None
+        self._cert_dir: Path | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(
+        self, kopf_settings: kopf.OperatorSettings, registry: kopf.OperatorRegistry | None = None
+    ) -> None:
+        """Configure kopf's watches, start the liveness server and the reconcile loop and, with
+        the webhook enabled, prepare its certificates and server and register its handler (in
+        ``registry``, kopf's default one unless given)."""
+        s = self.settings
+        kopf_settings.watching.server_timeout = s.watch_server_timeout
+        kopf_settings.watching.client_timeout = s.watch_client_timeout
+        kopf_settings.watching.connect_timeout = s.connect_timeout
+        kopf_settings.posting.level = logging.WARNING
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # no line per watch event
+        kopf_settings.persistence.finalizer = "kvgate.io/unused-finalizer"  # never added
+        self.reconciler = Reconciler(self.api_client(), s, metrics=self.metrics)
+        self._liveness = await self._serve_liveness(s.liveness_port)
+        if s.webhook_enabled:
+            self.webhook_server = await self._webhook_server()
+            kopf_settings.admission.server = self.webhook_server
+            kopf_settings.admission.managed = None  # the chart owns the configuration
+            self.webhook.register(registry)
+        self._task = asyncio.create_task(self.reconciler.run())
+        self.reconciler.trigger()
+
+    async def stop(self) -> None:
+        """Stop the reconcile loop, the certificate loop and the liveness server."""
+        for task in (self._task, self._cert_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._liveness is not None:
+            await self._liveness.cleanup()
+        if self._cert_dir is not None:
+            shutil.rmtree(self._cert_dir, ignore_errors=True)
+
+    def on_event(self, kind: Kind, event: Mapping[str, Any]) -> None:
+        """A watch event: ask for a pass when it changes what desired state reads
+        (:mod:`kvgate_operator.triggers`)."""
+        if self.seen.triggers(kind, event) and self.reconciler is not None:
+            self.reconciler.trigger()
+
+    def reconciler_alive(self) -> str:
+        """Liveness of the reconcile loop: a description when a pass succeeded recently.
+
+        Raises:
+            kopf.PermanentError: the loop is not running, or no pass succeeded recently.
+        """
+        r, task = self.reconciler, self._task
+        if r is None or task is None or task.done():
+            raise kopf.PermanentError("the reconcile loop is not running")
+        ok, why = r.healthy()
+        if not ok:
+            raise kopf.PermanentError(why)
+        return why
+
+    # ------------------------------------------------------------------ the webhook
+
+    def _cert_loaded(self, cert_pem: bytes) -> None:
+        """Record the serving certificate's expiry (a metric)."""
+        with contextlib.suppress(ValueError):
+            cert = x509.load_pem_x509_certificate(cert_pem)
+            self.metrics.cert_expiry.set(cert.not_valid_after_utc.timestamp())
+            self.cert_not_after = cert.not_valid_after_utc
+
+    def _server(self, certfile: Path, keyfile: Path) -> ReloadingWebhookServer:
+        s = self.settings
+        return ReloadingWebhookServer(
+            addr=s.webhook_addr,
+            port=s.webhook_port,
+            host=s.webhook_hosts[0],
+            certfile=certfile,
+            pkeyfile=keyfile,
+            file_check_interval=s.webhook_cert_sync_seconds,
+            metrics=self.metrics,
+            on_loaded=self._cert_loaded,
+        )
+
+    async def _webhook_server(self) -> ReloadingWebhookServer:
+        """Certificates (from the cert-manager directory, or self-signed and kept in the Secret,
+        with the caBundle synced and a rotation loop) and the server that serves them."""
+        s = self.settings
+        self.webhook.namespaces.lookup = kube_namespace_lookup(
+            self.api_client(), s.webhook_namespace_lookup_timeout
+        )
+        if s.webhook_cert_dir is not None:
+            log.info("webhook certificates from %s (reloaded when they change)", s.webhook_cert_dir)
+            return self._server(s.webhook_cert_dir / "tls.crt", s.webhook_cert_dir / "tls.key")
+        manager = CertificateManager(
+            KubeCertStore(self.api_client()),
+            namespace=s.pod_namespace,
+            secret_name=s.webhook_secret_name,
+            webhook_config_name=s.webhook_config_name,
+            hosts=s.webhook_hosts,
+        )
+        await asyncio.to_thread(manager.ensure)
+        await asyncio.to_thread(manager.sync_ca_bundle)
+        directory = self._cert_dir = Path(tempfile.mkdtemp(prefix="kvgate-webhook-"))
+        certfile, keyfile = manager.write_files(directory)
+        # The files only change through the rotation loop below, which reloads at once; the
+        # server's own file check is then just a backstop.
+        srv = self._server(certfile, keyfile)
+        self._cert_task = asyncio.create_task(
+            _rotate_forever(manager, srv, directory, s.webhook_cert_sync_seconds)
+        )
+        return srv
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _serve_liveness(self, port: int) -> aiohttp.web.AppRunner:
+        app = aiohttp.web.Application()
+        app.add_routes(
+            [aiohttp.web.get("/healthz", self._healthz), aiohttp.web.get("/metrics", self._metrics)]
+        )
+        runner = aiohttp.web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        await aiohttp.web.TCPSite(runner, "0.0.0.0", port, reuse_address=True).start()
+        return runner
+
+    async def _healthz(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
+        """``/healthz``: the reconcile loop's health (and the webhook's), as JSON; 500 when
+        no pass succeeded recently."""
+        body: dict[str, Any] = {}
+        status = 200
+        try:
+            body["reconciler"] = self.reconciler_alive()
+        except kopf.PermanentError as exc:
+            body["reconciler"] = str(exc)
+            status = 500
+        if self.settings.webhook_enabled:
+            server, not_after = self.webhook_server, self.cert_not_after
+            listening = server is not None and server.listening
+            body["webhook"] = ("listening" if listening else "not listening") + (
+                f", certificate valid until {not_after:%Y-%m-%dT%H:%M:%SZ}" if not_after else ""
+            )
+        return aiohttp.web.json_response(body, status=status)
+
+    async def _metrics(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.Response(
+            body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type}
+        )
+
+
+async def _rotate_forever(
+    manager: CertificateManager,
+    server: ReloadingWebhookServer,
+    directory: Path,
+    interval: float,
+) -> None:
+    """Every ``interval`` seconds: renew what is due (the caBundle is patched before a new CA's
+    certificate is served), reload the server in place, and keep the caBundle in sync (a Helm
+    upgrade resets it)."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            reasons = await asyncio.to_thread(manager.check)
+            if reasons:
+                manager.write_files(directory)
+                server.reload()
+            await asyncio.to_thread(manager.sync_ca_bundle)
+        except Exception:  # never let the loop die: the next round retries
+            log.exception("webhook certificate check failed")
