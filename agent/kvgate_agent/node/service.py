@@ -33,9 +33,10 @@ from pydantic import ValidationError
 
 from kvgate_agent.contract.nodeadmission import Condition, NodeAdmissionSpec, NodeAdmissionStatus
 from kvgate_agent.contract.sync import SyncReport
+from kvgate_agent.engines.metrics import parse_engine_metrics
 from kvgate_agent.gpu.monitor import GpuMonitor
 from kvgate_agent.node.auth import Authenticator, AuthError
-from kvgate_agent.node.engine import EngineView, parse_engine_metrics
+from kvgate_agent.node.engine import EngineView
 from kvgate_agent.node.podgpu import gpus_by_pod
 from kvgate_agent.node.state import EngineFacts, NodeState, PodKey, StatusGate
 
