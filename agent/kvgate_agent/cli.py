@@ -35,7 +35,7 @@ from kvgate_agent.sidecar.agent_link import (
     gpu_uuids_from_env,
     sidecar_metrics_url,
 )
-from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.tokens import TokenizerError
 
 log = logging.getLogger("kvgate")

@@ -27,10 +27,13 @@ from tokenizers import Tokenizer
 __all__ = [
     "DEFAULT_BYTES_PER_TOKEN",
     "NON_TEXT_PART_TOKENS",
+    "OPTIMISTIC_BYTES_PER_TOKEN",
     "REPLY_PRIMER_TOKENS",
     "TOKENS_PER_MESSAGE",
     "PromptCount",
     "PromptCounter",
+    "default_within_context",
+    "optimistic_prompt_tokens",
 ]
 
 TOKENS_PER_MESSAGE = 4
@@ -223,3 +226,36 @@ class PromptCounter:
         avg = self._avg + EMA_ALPHA * (estimated_bytes / text_tokens - self._avg)
         self._avg = min(max(avg, lo), hi)
         self._bpt = min(max(SAFETY_FACTOR * self._avg, MIN_BYTES_PER_TOKEN), MAX_BYTES_PER_TOKEN)
+
+
+OPTIMISTIC_BYTES_PER_TOKEN = 4.5
+"""Bytes per token for an optimistic prompt estimate: English text under Llama-3-class BPE
+vocabularies averages about 4 bytes per token; 4.5 errs towards fewer tokens."""
+
+
+def optimistic_prompt_tokens(prompt: PromptCount, bytes_per_token: float) -> int:
+    """A low estimate (tokens) of an inexact prompt count: the text part re-counted at
+    :data:`OPTIMISTIC_BYTES_PER_TOKEN` instead of the cautious ``bytes_per_token``."""
+    cautious_text = math.ceil(prompt.text_bytes / bytes_per_token)
+    rest = max(0, prompt.tokens - cautious_text)
+    return rest + math.ceil(prompt.text_bytes / OPTIMISTIC_BYTES_PER_TOKEN)
+
+
+def default_within_context(default: int, prompt: PromptCount, max_model_len: int) -> int:
+    """The max_tokens to charge and send for a request that gave none: the policy's default,
+    lowered so prompt + max_tokens stays within the engine's context (the engine's own default
+    is max_model_len − prompt; a request that works direct must not fail through kvgate).
+
+    An estimated prompt may under-count (digits, punctuation, CJK), so the room is taken against
+    an upper bound first: a byte-level BPE token covers at least one byte, so tokens ≤ text bytes
+    + fixed overhead. Where that leaves no room (a long prompt), the estimate is used instead.
+    """
+    upper = (
+        prompt.tokens
+        if prompt.exact
+        else max(prompt.tokens, prompt.text_bytes + prompt.overhead_tokens)
+    )
+    for bound in (upper, prompt.tokens):
+        if max_model_len - bound >= 1:
+            return min(default, max_model_len - bound)
+    return default
