@@ -1,30 +1,13 @@
-"""Parse one model server's Prometheus ``/metrics`` text into an :class:`EngineSample`.
+"""Parse one model server's Prometheus ``/metrics`` text (vLLM, SGLang, TGI, trtllm-serve) into
+an :class:`EngineSample`: running and waiting requests, KV usage (fraction 0..1), KV capacity and
+used KV (tokens). Several label sets of one metric (vLLM's ``engine`` per data-parallel rank,
+SGLang's ``dp_rank``) are summed, except the usage fraction, whose max is kept.
 
-Invariant: a value that is missing, non-finite, negative, out of range or not whole is unknown
-(``None``, with the reason in :attr:`EngineSample.invalid`), never read as 0 (idle) nor as full:
-an engine reporting bad values (e.g. ``kv_cache_usage_perc`` = −0.39,
-https://github.com/vllm-project/vllm-ascend/issues/10048) must not steer admission
+Invariant: a value that is non-finite, negative, out of range or not whole is unknown (``None``,
+with the reason in :attr:`EngineSample.invalid`), never read as 0 (idle) nor as full: engines do
+report such values (``kv_cache_usage_perc`` = −0.39,
+https://github.com/vllm-project/vllm-ascend/issues/10048), and admission must not act on them
 (https://github.com/llm-d/llm-d-router/pull/2547).
-
-Metrics read (running and waiting are request counts, usage a fraction 0..1, capacity and used
-tokens); several label sets of one metric (vLLM ``engine`` per data-parallel rank, SGLang
-``dp_rank``) are summed, except the usage fraction, whose max is kept (the fullest pool decides):
-
-- vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-  ``vllm:kv_cache_usage_perc`` (else the old ``vllm:gpu_cache_usage_perc``),
-  ``vllm:num_preemptions_total``; capacity = labels ``num_gpu_blocks`` × ``block_size`` of
-  ``vllm:cache_config_info``; used = usage × capacity
-  (https://github.com/vllm-project/vllm/blob/main/docs/design/metrics.md).
-- SGLang: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage``;
-  capacity = ``sglang:max_total_num_tokens`` (else ``num_pages`` × ``page_size`` of
-  ``sglang:cache_config_info``); used = ``sglang:num_used_tokens``
-  (https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/metrics/collector.py).
-- TGI: ``tgi_batch_current_size``, ``tgi_queue_size``; used = ``tgi_batch_current_max_tokens``;
-  no usage, no capacity (https://github.com/huggingface/text-generation-inference/blob/main/docs/source/reference/metrics.md).
-- trtllm-serve: ``trtllm_num_requests_running``, ``trtllm_num_requests_waiting``,
-  ``trtllm_kv_cache_utilization``; capacity = ``trtllm_kv_cache_max_blocks`` ×
-  ``trtllm_kv_cache_tokens_per_block``, as llm-d maps them
-  (https://github.com/llm-d/llm-d-router/blob/main/pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go).
 """
 
 from __future__ import annotations
@@ -125,6 +108,7 @@ def parse_engine_metrics(text: str, engine: str | None = None) -> EngineSample:
 
 
 def _collect(text: str) -> dict[str, dict[Labels, float]]:
+    """Per metric name, the value of each label set (a repeated label set: the last wins)."""
     series: dict[str, dict[Labels, float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -312,6 +296,12 @@ def _whole(text: str | None) -> int | None:
 
 
 def _vllm(series: Mapping[str, Mapping[Labels, float]]) -> EngineSample:
+    """vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+    ``vllm:kv_cache_usage_perc`` (else the old ``vllm:gpu_cache_usage_perc``),
+    ``vllm:num_preemptions_total``; capacity = labels ``num_gpu_blocks`` × ``block_size`` of
+    ``vllm:cache_config_info``; used = usage × capacity (an upper bound with several pools).
+    Names: https://github.com/vllm-project/vllm/blob/main/docs/design/metrics.md
+    """
     f = _Fields(series)
     f.count(RUNNING, "vllm:num_requests_running")
     f.count(WAITING, "vllm:num_requests_waiting")
@@ -324,6 +314,12 @@ def _vllm(series: Mapping[str, Mapping[Labels, float]]) -> EngineSample:
 
 
 def _sglang(series: Mapping[str, Mapping[Labels, float]]) -> EngineSample:
+    """SGLang (``--enable-metrics``): ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
+    ``sglang:token_usage``; capacity = ``sglang:max_total_num_tokens``, else labels
+    ``num_pages`` × ``page_size`` of ``sglang:cache_config_info``; used =
+    ``sglang:num_used_tokens``.
+    Names: https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/metrics/collector.py
+    """
     f = _Fields(series)
     f.count(RUNNING, "sglang:num_running_reqs")
     f.count(WAITING, "sglang:num_queue_reqs")
@@ -337,6 +333,11 @@ def _sglang(series: Mapping[str, Mapping[Labels, float]]) -> EngineSample:
 
 
 def _tgi(series: Mapping[str, Mapping[Labels, float]]) -> EngineSample:
+    """TGI: ``tgi_batch_current_size``, ``tgi_queue_size``; used =
+    ``tgi_batch_current_max_tokens``; no usage and no capacity (that is the
+    ``--max-batch-total-tokens`` flag).
+    Names: https://github.com/huggingface/text-generation-inference/blob/main/docs/source/reference/metrics.md
+    """
     f = _Fields(series)
     f.count(RUNNING, "tgi_batch_current_size")
     f.count(WAITING, "tgi_queue_size")
@@ -345,6 +346,12 @@ def _tgi(series: Mapping[str, Mapping[Labels, float]]) -> EngineSample:
 
 
 def _trtllm(series: Mapping[str, Mapping[Labels, float]]) -> EngineSample:
+    """trtllm-serve: ``trtllm_num_requests_running``, ``trtllm_num_requests_waiting``,
+    ``trtllm_kv_cache_utilization``; capacity = ``trtllm_kv_cache_max_blocks`` ×
+    ``trtllm_kv_cache_tokens_per_block``; used = usage × capacity.
+    Names as llm-d maps them:
+    https://github.com/llm-d/llm-d-router/blob/main/pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go
+    """
     f = _Fields(series)
     f.count(RUNNING, "trtllm_num_requests_running")
     f.count(WAITING, "trtllm_num_requests_waiting")
