@@ -356,7 +356,8 @@ class NodeAgent:
         second; the metric counts every one)."""
         key = (namespace, name, exc.code)
         now = self.clock()
-        if now - self._refusals_logged.get(key, -1e9) < 60.0:
+        last = self._refusals_logged.get(key)
+        if last is not None and now - last < 60.0:
             return
         if len(self._refusals_logged) > 4096:
             self._refusals_logged.clear()
