@@ -19,7 +19,7 @@ import yaml
 from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from tests.upstream import Upstream
 
 REPO = Path(__file__).resolve().parent.parent

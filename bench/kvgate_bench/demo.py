@@ -39,7 +39,7 @@ import aiohttp
 from aiohttp import web
 
 from kvgate_agent.contract.policy import LimitScope, RateLimitPolicy, load_policy
-from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_bench.loadgen import (
     LoadRun,
     RequestResult,

@@ -26,7 +26,7 @@ from kvgate_agent import cli
 from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.contract.sync import SYNC_PATH, SyncAnswer, SyncReport
 from kvgate_agent.sidecar.agent_link import AgentSettings, Mode
-from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from tests.conftest import free_port, gauges, serve_sidecar
 from tests.upstream import CHAT, Upstream
 

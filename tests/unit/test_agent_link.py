@@ -17,7 +17,7 @@ from kvgate_agent.sidecar.agent_link import (
     gpu_uuids_from_env,
     sidecar_metrics_url,
 )
-from kvgate_agent.sidecar.proxy import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 
 
 class FakeClock:

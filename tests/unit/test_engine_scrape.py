@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate_agent.node.engine import EngineSample, EngineView, parse_engine_metrics
+from kvgate_agent.engines.metrics import EngineSample, parse_engine_metrics
+from kvgate_agent.node.engine import EngineView
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

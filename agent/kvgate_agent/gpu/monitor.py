@@ -1,21 +1,8 @@
 """Poll every GPU through a backend, each call bounded in time, faults isolated per GPU.
 
-- Each GPU is read (memory, utilization, processes) as one task on a thread pool; all GPUs in
-  parallel, waited on until ``call_timeout`` (real seconds). A read still running then marks
-  that GPU unhealthy with reason ``"timeout"`` and is not started again for that GPU until the
-  hung call returns: a wedged driver call never piles up threads, and its late answer is
-  discarded (never served as fresh data).
-- One GPU's error never hides the others; unhealthy GPUs are reported with their reason.
-- ``init()`` failures are retried with exponential backoff on the injected clock: ``poll()``
-  calls ``init()`` again only once the backoff deadline has passed.
-- Utilization not supported (MIG) is ``None``, never 0. An empty process list is ``None``
-  ("unknown": PID namespaces hide processes), never "no usage". Implausible per-process values
-  (pid <= 0, used > device total, negative) are dropped with a warning.
-- ``poll()`` never raises for backend failures; the snapshot says what is wrong.
-
-Known limit: a backend call that hangs forever keeps a worker thread, and
-``concurrent.futures`` joins worker threads at interpreter exit; the agent should exit with
-``os._exit`` after its graceful shutdown if a GPU call is still hung.
+Invariant: :meth:`GpuMonitor.poll` never raises for backend failures and never serves a late or
+failed read as fresh data: the snapshot says, per GPU, what is wrong; what NVML does not support
+(utilization on MIG) or hides (processes) is ``None``, never 0.
 """
 
 from __future__ import annotations
@@ -99,6 +86,23 @@ class _Reading:
 
 class GpuMonitor:
     """Reads a :class:`GpuBackend` safely. ``poll()`` is thread-safe (serialised).
+
+    - Each GPU is read (memory, utilization, processes) as one task on a thread pool; all GPUs in
+      parallel, waited on until ``call_timeout`` (real seconds). A read still running then marks
+      that GPU unhealthy with reason ``"timeout"`` and is not started again for that GPU until the
+      hung call returns: a wedged driver call never piles up threads, and its late answer is
+      discarded (never served as fresh data).
+    - One GPU's error never hides the others; unhealthy GPUs are reported with their reason.
+    - ``init()`` failures are retried with exponential backoff on the injected clock: ``poll()``
+      calls ``init()`` again only once the backoff deadline has passed.
+    - Utilization not supported (MIG) is ``None``, never 0. An empty process list is ``None``
+      ("unknown": PID namespaces hide processes), never "no usage". Implausible per-process values
+      (pid <= 0, used > device total, negative) are dropped with a warning.
+    - ``poll()`` never raises for backend failures; the snapshot says what is wrong.
+
+    Known limit: a backend call that hangs forever keeps a worker thread, and
+    ``concurrent.futures`` joins worker threads at interpreter exit; the agent should exit with
+    ``os._exit`` after its graceful shutdown if a GPU call is still hung.
 
     Args:
         backend: the GPU library (``NvmlBackend``, or ``FakeGpuBackend`` in tests).

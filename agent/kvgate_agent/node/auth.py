@@ -1,17 +1,9 @@
-"""Who is syncing: a sidecar proves its pod with a projected service-account token.
+"""Who is syncing: a sidecar proves its pod with a projected service-account token (audience
+``kvgate-agent``), checked with a TokenReview (``authentication.k8s.io/v1``).
 
-The injected sidecar mounts a projected token with audience ``kvgate-agent`` (bound to its pod
-by the kubelet). The agent asks the API server about it with a TokenReview
-(``authentication.k8s.io/v1``) and reads the pod the token is bound to from the user's extra fields
-``authentication.kubernetes.io/pod-name`` and ``authentication.kubernetes.io/pod-uid``
-(Kubernetes docs, "Managing Service Accounts": bound service account tokens), and the namespace
-from the username ``system:serviceaccount:<namespace>:<name>``. The claimed pod (the sync report's
-namespace, name and uid) must be that pod: a pod cannot read or report for another.
-
-Results are cached by a hash of the token (never the token itself): accepted for
-``ok_ttl`` seconds, refused for ``refused_ttl`` seconds, at most ``max_entries`` kept, so a
-sidecar syncing every second costs one TokenReview a minute, and a flood of bad tokens cannot grow
-memory without bound.
+Invariant: the claimed pod (the sync report's namespace, name and uid) must be the pod the token
+is bound to, so a pod cannot read or report for another; results are cached by a hash of the
+token, never the token itself, in a bounded cache.
 """
 
 from __future__ import annotations
@@ -113,6 +105,14 @@ def kube_token_reviewer(api_client: Any, audience: str = TOKEN_AUDIENCE) -> Toke
 
 class Authenticator:
     """Checks sync tokens against the claimed pod, with a bounded cache.
+
+    The pod comes from the reviewed user's extra fields ``authentication.kubernetes.io/pod-name``
+    and ``authentication.kubernetes.io/pod-uid`` (bound service account tokens, Kubernetes docs
+    "Managing Service Accounts"), the namespace from the username
+    ``system:serviceaccount:<namespace>:<name>``. Accepted tokens are cached for ``ok_ttl``
+    seconds, refused ones for ``refused_ttl``, at most ``max_entries`` kept: a sidecar syncing
+    every second costs one TokenReview a minute, and a flood of bad tokens cannot grow memory
+    without bound.
 
     Args:
         reviewer: performs a TokenReview (blocking; called in a worker thread).

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvgate_agent.gpu.monitor import GpuSnapshot
     from kvgate_agent.node.service import NodeAgent
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created series only add noise
@@ -33,6 +34,40 @@ class _StateCollector(Collector):
         a = self.agent
         st = a.state
         now = self.clock()
+        snap = st.gpus  # one snapshot for the GPU gauges and their age
+        yield from self._gpus(snap)
+        yield from self._pods()
+        yield GaugeMetricFamily(
+            "kvgate_node_sidecars_connected",
+            "Sidecars that synced within the report expiry",
+            value=st.connected(now),
+        )
+        yield self._ages(now, snap)
+        reviews = CounterMetricFamily(
+            "kvgate_node_token_reviews",
+            "TokenReviews sent to the API server (cache misses), by result",
+            labels=["result"],
+        )
+        reviews.add_metric(["sent"], a.auth.reviews)
+        reviews.add_metric(["failed"], a.auth.review_errors)
+        reviews.add_metric(["stale_used"], a.auth.stale_uses)
+        yield reviews
+        implausible = GaugeMetricFamily(
+            "kvgate_node_engine_capacity_implausible",
+            "1 while a pod's engine reports a KV capacity the agent ignores (see reason)",
+            labels=["namespace", "pod", "reason"],
+        )
+        for (ns, name), why in st.implausible.items():
+            implausible.add_metric([ns, name, why], 1)
+        yield implausible
+        yield GaugeMetricFamily(
+            "kvgate_node_ready",
+            "1 when the agent is ready (see /readyz)",
+            value=1 if a.ready()[0] else 0,
+        )
+
+    def _gpus(self, snap: GpuSnapshot | None) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """GPU memory (bytes), health, utilization (percent) and NVML errors."""
         mem = GaugeMetricFamily(
             "kvgate_node_gpu_memory_bytes",
             "GPU (or MIG slice) memory as NVML reports it, bytes; absent when unreadable",
@@ -51,7 +86,6 @@ class _StateCollector(Collector):
         errors = CounterMetricFamily(
             "kvgate_node_nvml_errors", "NVML call failures since start, by kind", labels=["kind"]
         )
-        snap = st.gpus
         if snap is not None:
             for g in snap.gpus:
                 for kind, v in (
@@ -72,6 +106,9 @@ class _StateCollector(Collector):
         yield util
         yield errors
 
+    def _pods(self) -> Iterator[GaugeMetricFamily]:
+        """Per pod KV (tokens and bytes) and whether its safety net is open."""
+        st = self.agent.state
         kv_tokens = GaugeMetricFamily(
             "kvgate_node_pod_kv_tokens",
             "Per pod KV cache: reserved (sidecar), used (engine), capacity (best source), tokens",
@@ -106,11 +143,11 @@ class _StateCollector(Collector):
         yield kv_tokens
         yield kv_bytes
         yield safety
-        yield GaugeMetricFamily(
-            "kvgate_node_sidecars_connected",
-            "Sidecars that synced within the report expiry",
-            value=st.connected(now),
-        )
+
+    def _ages(self, now: float, snap: GpuSnapshot | None) -> GaugeMetricFamily:
+        """Age of each input the agent answers from, seconds."""
+        a = self.agent
+        st = a.state
         age = GaugeMetricFamily(
             "kvgate_node_data_age_seconds",
             "Age of each input: gpu (last NVML poll), nodeadmission (last spec read), "
@@ -126,29 +163,7 @@ class _StateCollector(Collector):
         for (ns, name), engine_age in a.engine_ages(now).items():
             if engine_age is not None:
                 age.add_metric(["engine", ns, name], engine_age)
-        yield age
-        reviews = CounterMetricFamily(
-            "kvgate_node_token_reviews",
-            "TokenReviews sent to the API server (cache misses), by result",
-            labels=["result"],
-        )
-        reviews.add_metric(["sent"], a.auth.reviews)
-        reviews.add_metric(["failed"], a.auth.review_errors)
-        reviews.add_metric(["stale_used"], a.auth.stale_uses)
-        yield reviews
-        implausible = GaugeMetricFamily(
-            "kvgate_node_engine_capacity_implausible",
-            "1 while a pod's engine reports a KV capacity the agent ignores (see reason)",
-            labels=["namespace", "pod", "reason"],
-        )
-        for (ns, name), why in st.implausible.items():
-            implausible.add_metric([ns, name, why], 1)
-        yield implausible
-        yield GaugeMetricFamily(
-            "kvgate_node_ready",
-            "1 when the agent is ready (see /readyz)",
-            value=1 if a.ready()[0] else 0,
-        )
+        return age
 
 
 class NodeMetrics:

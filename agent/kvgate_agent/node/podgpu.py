@@ -1,19 +1,10 @@
 """Which GPUs a pod uses, for the node agent's safety net (free GPU memory below the margin
 stops admission for the pods on that GPU).
 
-Sources, best first (:func:`gpus_for_pod`):
-
-1. ``"reported"``: the GPU UUIDs the pod's sidecar reports (it reads them in the pod), kept
-   only when they are on this node.
-2. ``"nvml_processes"``: NVML lists the compute processes on each GPU by PID; the agent runs
-   with ``hostPID: true``, so these PIDs are visible under ``/proc``, and each one's
-   ``/proc/<pid>/cgroup`` names its pod (:func:`pod_uid_of_pid`, :func:`gpus_by_pod`).
-3. ``"all_gpus"``: unknown, so every GPU on the node. Conservative on purpose: a pod counted on
-   a GPU it does not use may be throttled needlessly, while a pod missed on a GPU it does use
-   could push that GPU out of memory. Protecting GPU memory beats throughput (DESIGN.md).
-
-NVML may list no processes at all (PID namespaces, driver limits): an empty list means
-"unknown", which lands here as source 3, never as "this pod uses no GPU".
+Invariant: when it is not known, a pod is counted on every GPU of the node, never on none: a pod
+counted on a GPU it does not use may be throttled needlessly, while a pod missed on a GPU it uses
+could push that GPU out of memory. An empty NVML process list (PID namespaces, driver limits)
+means "unknown".
 """
 
 from __future__ import annotations
@@ -123,7 +114,13 @@ def gpus_for_pod(
     by_pod: Mapping[str, Iterable[str]],
     all_gpus: Iterable[str],
 ) -> tuple[set[str], GpuSource]:
-    """The GPUs a pod uses, and where that came from (see the module docstring).
+    """The GPUs a pod uses, and where that came from, best source first:
+
+    1. ``"reported"``: the GPU UUIDs the pod's sidecar reports (it reads them in the pod);
+    2. ``"nvml_processes"``: the GPUs NVML lists the pod's processes on (the agent runs with
+       ``hostPID: true``, and each PID's ``/proc/<pid>/cgroup`` names its pod:
+       :func:`pod_uid_of_pid`, :func:`gpus_by_pod`);
+    3. ``"all_gpus"``: unknown, so every GPU on the node.
 
     Args:
         pod_uid: the pod's ``metadata.uid`` (None when unknown: skips the NVML source).

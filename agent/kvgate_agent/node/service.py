@@ -1,16 +1,9 @@
-"""The node agent's I/O loops around the pure :class:`~kvgate_agent.node.state.NodeState`.
+"""The node agent's I/O around the pure :class:`~kvgate_agent.node.state.NodeState`: the GPU
+loop (NVML in a worker thread), the engine scrape loop, the NodeAdmission status loop and watch,
+and :meth:`NodeAgent.sync` answering sidecars.
 
-- GPU loop: ``GpuMonitor.poll()`` in a worker thread every ``gpu_poll_seconds`` (each NVML call
-  bounded in time, faults isolated per GPU), plus the pod → GPU map from NVML processes.
-- Engine loop: every ``scrape_seconds``, GET each synced pod's ``metricsUrl`` (bounded time),
-  parse it (vLLM, SGLang, TGI names) and keep it only while fresh.
-- Status loop: the NodeAdmission status, written when :class:`~kvgate_agent.node.state.StatusGate`
-  says so (meaningful change, bounded rate, heartbeat).
-- The NodeAdmission watch (a thread) sets the spec.
-- :meth:`NodeAgent.sync` answers a sidecar (authenticated) from the cached answer.
-
-Nothing here decides anything: the decisions are in ``state``, ``engine``, ``auth`` and
-``podgpu``.
+Invariant: nothing here decides anything: the decisions are in ``node.state``, ``node.engine``,
+``node.auth`` and ``node.podgpu``.
 """
 
 from __future__ import annotations
@@ -33,9 +26,10 @@ from pydantic import ValidationError
 
 from kvgate_agent.contract.nodeadmission import Condition, NodeAdmissionSpec, NodeAdmissionStatus
 from kvgate_agent.contract.sync import SyncReport
+from kvgate_agent.engines.metrics import parse_engine_metrics
 from kvgate_agent.gpu.monitor import GpuMonitor
 from kvgate_agent.node.auth import Authenticator, AuthError
-from kvgate_agent.node.engine import EngineView, parse_engine_metrics
+from kvgate_agent.node.engine import EngineView
 from kvgate_agent.node.podgpu import gpus_by_pod
 from kvgate_agent.node.state import EngineFacts, NodeState, PodKey, StatusGate
 
@@ -355,7 +349,8 @@ class NodeAgent:
         second; the metric counts every one)."""
         key = (namespace, name, exc.code)
         now = self.clock()
-        if now - self._refusals_logged.get(key, -1e9) < 60.0:
+        last = self._refusals_logged.get(key)
+        if last is not None and now - last < 60.0:
             return
         if len(self._refusals_logged) > 4096:
             self._refusals_logged.clear()

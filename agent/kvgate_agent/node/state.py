@@ -1,32 +1,9 @@
-"""What the node agent knows about its node, and the answers and status computed from it (pure).
+"""What the node agent knows about its node (the NodeAdmission spec, NVML, sidecar reports,
+engine metrics), and the sync answers and ``NodeAdmission`` status computed from it.
 
-Inputs, each set by the I/O layer (:mod:`kvgate_agent.node.service`):
-
-- the node's ``NodeAdmission`` spec (written by the operator): per pod, its thresholds;
-- the last :class:`~kvgate_agent.gpu.monitor.GpuSnapshot` (NVML) and which GPUs NVML sees each
-  pod's processes on;
-- each sidecar's last :class:`~kvgate_agent.contract.sync.SyncReport`;
-- each pod's engine facts scraped from its model server's ``/metrics`` (already checked for
-  staleness and range: ``None`` means unknown, never idle).
-
-Outputs: the :class:`~kvgate_agent.contract.sync.SyncAnswer` for a pod (thresholds with the best
-KV capacity, the GPU safety net, an ETag), and the ``NodeAdmission`` status.
-
-KV capacity for a pod, best source first (DESIGN.md, "KV cache arithmetic"):
-
-1. the engine's own report (vLLM ``vllm:cache_config_info`` num_gpu_blocks × block_size) when the
-   policy says ``capacity.fromEngineMetrics``; otherwise the engine's report still overrides
-   estimates, but not an explicit ``capacity.kvCacheTokens``;
-2. the explicit ``capacity.kvCacheTokens`` (already in the thresholds the operator wrote);
-3. an NVML estimate, when the policy gives ``gpuMemoryUtilization`` and the model shape:
-   ``(Σ total × gpuMemoryUtilization − weightsBytes − safetyMarginBytes × GPUs) / bytesPerToken``
-   over the pod's GPUs, only when the agent knows which GPUs are the pod's (or the node has one).
-
-Safety net: vLLM preallocates its KV pool, so NVML "used" does not move with load; NVML is
-the safety net, not the KV meter. When free memory on one of a pod's GPUs is below the policy's
-``capacity.safetyMarginBytes``, the pod's answer closes admission; it reopens once free memory is
-back above the margin by :data:`SAFETY_HYSTERESIS` of it (so a value hovering at the margin does
-not flap). A GPU whose memory cannot be read does not close the net: unknown is not "full".
+Invariant: pure (inputs are set by :mod:`kvgate_agent.node.service`), and unknown is never idle
+nor full: a missing engine figure or an unreadable GPU neither lowers a capacity nor closes the
+safety net.
 """
 
 from __future__ import annotations
@@ -49,7 +26,8 @@ from kvgate_agent.gpu.monitor import GpuSnapshot
 from kvgate_agent.gpu.monitor import GpuStatus as GpuReading
 from kvgate_agent.node.podgpu import GpuSource, gpus_for_pod
 
-#: Reopen the safety net only once free memory is this fraction of the margin above it.
+#: Reopen the safety net only once free memory is this fraction of the margin above it (a value
+#: hovering at the margin does not flap).
 SAFETY_HYSTERESIS = 0.1
 
 PodKey = tuple[str, str]  # (namespace, name)
@@ -201,7 +179,14 @@ class NodeState:
         return attribute_gpus(uid, rec.report.gpu_uuids if rec else (), self.gpus_by_pod, node)
 
     def safety_open(self, key: PodKey) -> bool:
-        """Whether the GPU safety net lets the pod admit new requests."""
+        """Whether the GPU safety net lets the pod admit new requests.
+
+        vLLM preallocates its KV pool, so NVML "used" does not move with load: NVML is the
+        safety net, not the KV meter. The net closes while free memory on one of the pod's GPUs
+        is below the policy's ``capacity.safetyMarginBytes`` and reopens once it is back above
+        the margin by :data:`SAFETY_HYSTERESIS` of it. A GPU whose memory cannot be read does
+        not close it.
+        """
         s = self._safety.get(key)
         return s is None or s.open
 
@@ -243,7 +228,19 @@ class NodeState:
         return ans
 
     def kv_capacity(self, key: PodKey) -> int | None:
-        """The pod's KV capacity, tokens, from the best source (see the module docstring)."""
+        """The pod's KV capacity, tokens, from the best source:
+
+        1. the engine's own report (vLLM ``vllm:cache_config_info`` num_gpu_blocks ×
+           block_size) when the policy says ``capacity.fromEngineMetrics``; otherwise the
+           engine's report still overrides estimates, but not an explicit
+           ``capacity.kvCacheTokens``;
+        2. the explicit ``capacity.kvCacheTokens`` (already in the thresholds the operator
+           wrote);
+        3. an NVML estimate, when the policy gives ``gpuMemoryUtilization`` and the model shape:
+           ``(Σ total × gpuMemoryUtilization − weightsBytes − safetyMarginBytes × GPUs) /
+           bytesPerToken`` over the pod's GPUs, only when the agent knows which GPUs are the
+           pod's (or the node has one).
+        """
         pod = self._pods.get(key)
         if pod is None:
             return None

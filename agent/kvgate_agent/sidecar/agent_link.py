@@ -1,16 +1,8 @@
 """The sidecar's link to the node agent: where its thresholds come from in a cluster.
 
-Two parts:
-
-- :class:`ThresholdsLink`, pure and clock-injected: remembers the last answer and when a sync
-  last succeeded, and decides the sidecar's :class:`Mode` from that (see the table there).
-- :class:`AgentLink`, an asyncio task: every ``syncIntervalSeconds`` (from the last answer;
-  1 s until one arrives) it POSTs a :class:`~kvgate_agent.contract.sync.SyncReport` to
-  ``<agent-url>/v1/sync`` with the pod's projected service-account token (read fresh from its
-  file each time: kubelet rotates it) and ``If-None-Match`` with the ETag it applies, and hands
-  each outcome to the sidecar. Each call is bounded by a timeout (2 s by default).
-
-Units: seconds; tokens in the report.
+:class:`ThresholdsLink` (pure, clock-injected) remembers the last answer and when a sync last
+succeeded and decides the sidecar's :class:`Mode`; :class:`AgentLink` (an asyncio task) syncs
+with the agent and hands each outcome to the sidecar. Units: seconds; tokens in the report.
 """
 
 from __future__ import annotations
@@ -287,6 +279,12 @@ class ThresholdsLink:
 
 class AgentLink:
     """The sync loop against the node agent (an asyncio task on the sidecar's loop).
+
+    Every ``syncIntervalSeconds`` (from the last answer; 1 s until one arrives) it POSTs a
+    :class:`~kvgate_agent.contract.sync.SyncReport` to ``<agent-url>/v1/sync`` with the pod's
+    projected service-account token (read fresh from its file each time: kubelet rotates it) and
+    ``If-None-Match`` with the ETag it applies. Each call is bounded by a timeout (2 s by
+    default).
 
     Args:
         settings: the agent's URL and the pod's identity.

@@ -8,6 +8,7 @@ they can never drift from the truth.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily
@@ -18,15 +19,22 @@ from kvgate_agent.contract.nodeadmission import PolicyRef
 from kvgate_agent.sidecar.agent_link import Mode, SyncResult, ThresholdsLink
 from kvgate_agent.sidecar.tenants import TenantLabels
 
-#: Queue wait buckets, seconds: from sub-millisecond to the 1-hour maxWaitSeconds bound.
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created series only add noise to every counter
 
+#: Queue wait buckets, seconds: from sub-millisecond to the 1-hour maxWaitSeconds bound.
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600)
+
+
+@dataclass(slots=True)
+class Flag:
+    """A yes/no the sidecar sets on its paths and a 0/1 gauge reads at scrape time."""
+
+    value: bool
 
 
 class _AdmissionCollector(Collector):
     def __init__(
-        self, controller: AdmissionController, labels: TenantLabels, upstream_ok: list[bool]
+        self, controller: AdmissionController, labels: TenantLabels, upstream_ok: Flag
     ) -> None:
         self.controller = controller
         self.labels = labels
@@ -98,7 +106,7 @@ class _AdmissionCollector(Collector):
         yield GaugeMetricFamily(
             "kvgate_upstream_up",
             "1 when the last upstream exchange succeeded",
-            value=1.0 if self.upstream_ok[0] else 0.0,
+            value=1.0 if self.upstream_ok.value else 0.0,
         )
 
 
@@ -149,13 +157,13 @@ class _LinkCollector(Collector):
 
 
 class _FlagCollector(Collector):
-    """A 0/1 gauge read from a one-element list at scrape time."""
+    """A 0/1 gauge read from a :class:`Flag` at scrape time."""
 
-    def __init__(self, name: str, doc: str, flag: list[bool]) -> None:
+    def __init__(self, name: str, doc: str, flag: Flag) -> None:
         self.name, self.doc, self.flag = name, doc, flag
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily(self.name, self.doc, value=1.0 if self.flag[0] else 0.0)
+        yield GaugeMetricFamily(self.name, self.doc, value=1.0 if self.flag.value else 0.0)
 
 
 class SidecarMetrics:
@@ -171,14 +179,18 @@ class SidecarMetrics:
         tokens: ``kvgate_tokens_total{kind, tenant}`` (prompt / completion tokens settled).
         ttft: ``kvgate_time_to_first_token_seconds`` through the sidecar (streams only).
         decision_counts: decisions so far by outcome (for the node agent's sync report).
+        upstream_ok: whether the last exchange with the model server succeeded
+            (``kvgate_upstream_up``).
+        policy_mismatch: the governing policy is not the annotated one
+            (``kvgate_policy_mismatch``).
         agent_sync: ``kvgate_agent_sync_total{result}``, once :meth:`attach_link` was called.
     """
 
     def __init__(self, controller: AdmissionController, tenant_label_limit: int = 50) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.tenant_label = TenantLabels(tenant_label_limit)
-        self.upstream_ok = [True]
-        self.policy_mismatch = [False]  # set by the sidecar after each agent answer
+        self.upstream_ok = Flag(True)
+        self.policy_mismatch = Flag(False)  # set by the sidecar after each agent answer
         r = self.registry
         self.decisions = Counter(
             "kvgate_admission_decisions",

@@ -1,4 +1,5 @@
-"""Parse and validate an admission-controlled request body, and rewrite it for the upstream.
+"""Parse and validate an admission-controlled request body, rewrite it for the upstream, and
+canonicalise request paths (:func:`canonical_path`).
 
 Covers ``POST /v1/chat/completions`` (``path_kind="chat"``) and ``POST /v1/completions``
 (``"completions"``). Only the fields admission depends on are checked; everything else is left
@@ -12,12 +13,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
+from urllib.parse import unquote
 
 from kvgate_agent.sidecar.openai_errors import RequestError
 
-__all__ = ["ParsedRequest", "parse_completion_request"]
+__all__ = [
+    "ADMITTED_PATHS",
+    "ParsedRequest",
+    "PathKind",
+    "canonical_path",
+    "parse_completion_request",
+]
 
 PathKind = Literal["chat", "completions"]
+#: The admission-controlled paths and the kind of request each takes.
+ADMITTED_PATHS: dict[str, PathKind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+}
 
 
 def _bad(message: str, param: str | None) -> RequestError:
@@ -175,58 +188,19 @@ def parse_completion_request(
             ``max_completion_tokens``, ``stream``, ``stream_options``,
             ``stream_options.include_usage``, ``n``.
     """
-    try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
-    except UnicodeDecodeError:
-        raise _bad("The request body is not valid UTF-8", None) from None
-    except (ValueError, RecursionError):
-        raise _bad("The request body is not valid JSON", None) from None
-    if not isinstance(body, dict):
-        raise _bad("The request body must be a JSON object", None)
-
+    body = _decode(raw)
     model = body.get("model")
     if not isinstance(model, str):
         raise _bad("'model' is required and must be a string", "model")
-
     if path_kind == "chat":
         _check_messages(body.get("messages"))
     else:
         if "prompt" not in body:
             raise _bad("'prompt' is required", "prompt")
         _check_prompt(body["prompt"])
-
-    field = "max_tokens"
-    client_max = _positive_int(body, "max_tokens")
-    if path_kind == "chat":
-        mct = _positive_int(body, "max_completion_tokens")
-        if mct is not None:
-            field, client_max = "max_completion_tokens", mct
-    if client_max is not None and max_model_len is not None and client_max > max_model_len:
-        raise _bad(
-            f"'{field}' is {client_max}, more than the model's context length {max_model_len}",
-            field,
-        )
-
-    stream = body.get("stream")
-    if stream is None:
-        stream = False
-    elif not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
-
-    wants_usage = False
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise _bad("'stream_options' must be an object", "stream_options")
-        inc = opts.get("include_usage")
-        if inc is not None and not isinstance(inc, bool):
-            raise _bad(
-                "'stream_options.include_usage' must be a boolean", "stream_options.include_usage"
-            )
-        wants_usage = inc is True
-
+    field, client_max = _client_limit(body, path_kind, max_model_len)
+    stream, wants_usage = _stream_options(body)
     n = _positive_int(body, "n") or 1
-
     if client_max is None:
         effective = default_max_tokens
         for bound in (max_tokens_cap, max_model_len):
@@ -236,7 +210,6 @@ def parse_completion_request(
     else:
         clamped = max_tokens_cap is not None and client_max > max_tokens_cap
         effective = min(client_max, max_tokens_cap) if max_tokens_cap is not None else client_max
-
     return ParsedRequest(
         body=body,
         model=model,
@@ -250,3 +223,73 @@ def parse_completion_request(
         max_tokens_field=field,
         n=n,
     )
+
+
+def _decode(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object (constants such as ``NaN`` refused)."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise _bad("The request body is not valid UTF-8", None) from None
+    except (ValueError, RecursionError):
+        raise _bad("The request body is not valid JSON", None) from None
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object", None)
+    return body
+
+
+def _client_limit(
+    body: dict[str, Any], path_kind: PathKind, max_model_len: int | None
+) -> tuple[str, int | None]:
+    """(the limit field to rewrite upstream, the client's output limit in tokens or None).
+    Chat's ``max_completion_tokens`` wins over ``max_tokens``; a limit above the context length
+    is refused."""
+    field = "max_tokens"
+    client_max = _positive_int(body, "max_tokens")
+    if path_kind == "chat":
+        mct = _positive_int(body, "max_completion_tokens")
+        if mct is not None:
+            field, client_max = "max_completion_tokens", mct
+    if client_max is not None and max_model_len is not None and client_max > max_model_len:
+        raise _bad(
+            f"'{field}' is {client_max}, more than the model's context length {max_model_len}",
+            field,
+        )
+    return field, client_max
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(``stream``, ``stream_options.include_usage``), each False when absent or null."""
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    wants_usage = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        inc = opts.get("include_usage")
+        if inc is not None and not isinstance(inc, bool):
+            raise _bad(
+                "'stream_options.include_usage' must be a boolean", "stream_options.include_usage"
+            )
+        wants_usage = inc is True
+    return stream, wants_usage
+
+
+def canonical_path(raw_path: str) -> str:
+    """``raw_path`` (the request target's path, query dropped) percent-decoded, with empty
+    and ``.`` segments removed and ``..`` applied, as a normalising server would see it."""
+    path = unquote(raw_path.split("?", 1)[0])
+    segments: list[str] = []
+    for seg in path.split("/"):
+        if seg in ("", "."):
+            continue
+        if seg == "..":
+            if segments:
+                segments.pop()
+            continue
+        segments.append(seg)
+    return "/" + "/".join(segments)

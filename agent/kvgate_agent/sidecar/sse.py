@@ -1,18 +1,10 @@
-"""Incremental accounting of an OpenAI-compatible streaming response (Server-Sent Events).
+"""Incremental accounting of an OpenAI-compatible streaming response (Server-Sent Events):
+usage, content deltas, ``[DONE]`` and mid-stream errors, read from the raw bytes as they arrive.
 
-The upstream (vLLM) streams ``data: {json}`` events separated by blank lines and ends with
-``data: [DONE]``. :class:`StreamAccountant` is fed the raw bytes exactly as they arrive from the
-socket, split anywhere, and returns the bytes to forward to the client. On the side it records the
-``usage`` object, counts content deltas, notices ``[DONE]`` and mid-stream ``error`` objects.
-
-Framing follows the WHATWG HTML "Server-sent events" event-stream grammar
-(https://html.spec.whatwg.org/multipage/server-sent-events.html#parsing-an-event-stream): lines
-end with CRLF, LF or CR; a blank line dispatches the event; lines starting with ``:`` are
-comments; ``data`` values of one event are joined with LF; one space after ``field:`` is dropped.
-
-Cost is linear in the bytes fed: each byte is searched for a line terminator once, and the buffer
-only holds the current, incomplete event. Nothing is decoded to ``str`` before an event is whole.
-Pure byte/JSON logic: no HTTP framework.
+Invariant: an event split anywhere across reads is accounted exactly once, when whole, so the
+final usage is never lost to a split (https://github.com/envoyproxy/ai-gateway/issues/2162).
+Framing follows the WHATWG event-stream grammar
+(https://html.spec.whatwg.org/multipage/server-sent-events.html#parsing-an-event-stream).
 """
 
 from __future__ import annotations
@@ -40,6 +32,13 @@ class Usage:
 
 class StreamAccountant:
     """Accounts one streaming response and optionally strips the proxy-requested usage chunk.
+
+    The upstream (vLLM) streams ``data: {json}`` events separated by blank lines and ends with
+    ``data: [DONE]``. Lines end with CRLF, LF or CR; a blank line dispatches the event; lines
+    starting with ``:`` are comments; ``data`` values of one event are joined with LF; one space
+    after ``field:`` is dropped. Cost is linear in the bytes fed: each byte is searched for a
+    line terminator once, the buffer only holds the current, incomplete event, and nothing is
+    decoded to ``str`` before an event is whole.
 
     Args:
         strip_usage_chunk: True when the proxy added ``stream_options.include_usage`` upstream

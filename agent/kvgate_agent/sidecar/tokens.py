@@ -1,17 +1,9 @@
-"""Prompt token counting for admission: exact with the model's tokenizer, else a safe estimate.
+"""Prompt token counting for admission: exact with the model's tokenizer, else a safe estimate,
+and the estimates built on a count (optimistic retry, defaulted ``max_tokens`` within the context).
 
-Chat framing follows OpenAI's cookbook "How to count tokens with tiktoken"
-(https://cookbook.openai.com/examples/how_to_count_tokens_with_tiktoken): every message costs a
-fixed overhead on top of its encoded text and the reply is primed with 3 more tokens. We take the
-cookbook's larger per-message figure (4, ``gpt-3.5-turbo-0301``) for every model, which also covers
-the role and separators of common open-model chat templates (Llama 3 frames a message with ~5
-special tokens, so the overhead stays an approximation even when ``exact`` is True).
-
-Without a tokenizer, text is estimated from its UTF-8 size as ``ceil(bytes / bytes_per_token)``.
-``bytes_per_token`` starts at 3.0, below the ~4 bytes/token of English BPE vocabularies (OpenAI,
-"What are tokens and how to count them?": "1 token ~= 4 chars in English"), so estimates
-over-count until :meth:`PromptCounter.observe` calibrates them against the server's reported
-``usage.prompt_tokens``. Pure logic: no HTTP framework.
+Invariant: without a tokenizer, estimates over-count (``ceil(bytes / bytes_per_token)`` with
+``bytes_per_token`` starting below English BPE's ~4) until :meth:`PromptCounter.observe`
+calibrates them against the server's reported ``usage.prompt_tokens``. Pure logic: no HTTP.
 """
 
 from __future__ import annotations
@@ -27,14 +19,21 @@ from tokenizers import Tokenizer
 __all__ = [
     "DEFAULT_BYTES_PER_TOKEN",
     "NON_TEXT_PART_TOKENS",
+    "OPTIMISTIC_BYTES_PER_TOKEN",
     "REPLY_PRIMER_TOKENS",
     "TOKENS_PER_MESSAGE",
     "PromptCount",
     "PromptCounter",
+    "default_within_context",
+    "optimistic_prompt_tokens",
 ]
 
 TOKENS_PER_MESSAGE = 4
-"""Per chat message overhead, tokens (OpenAI cookbook, ``tokens_per_message`` for -0301)."""
+"""Per chat message overhead, tokens: the larger per-message figure (``gpt-3.5-turbo-0301``) of
+OpenAI's cookbook "How to count tokens with tiktoken"
+(https://cookbook.openai.com/examples/how_to_count_tokens_with_tiktoken), used for every model;
+it also covers the role and separators of common open-model chat templates (Llama 3 frames a
+message with ~5 special tokens, so the overhead stays an approximation even when ``exact``)."""
 REPLY_PRIMER_TOKENS = 3
 """Tokens priming the assistant reply, once per chat request (OpenAI cookbook)."""
 NON_TEXT_PART_TOKENS = 765
@@ -42,7 +41,8 @@ NON_TEXT_PART_TOKENS = 765
 1024x1024 image at ``detail: high`` (85 base + 4 tiles x 170; OpenAI vision guide, "Calculating
 costs"); it also exceeds LLaVA-1.5's 576 image tokens. Override per model with the constructor."""
 DEFAULT_BYTES_PER_TOKEN = 3.0
-"""Initial estimate ratio, UTF-8 bytes per token: below English BPE's ~4, so it over-counts."""
+"""Initial estimate ratio, UTF-8 bytes per token: below English BPE's ~4 (OpenAI, "What are
+tokens and how to count them?": "1 token ~= 4 chars in English"), so it over-counts."""
 SAFETY_FACTOR = 0.9
 """Estimates divide by ``SAFETY_FACTOR x`` the observed average bytes/token (over-count 10%)."""
 MIN_BYTES_PER_TOKEN = 1.0
@@ -223,3 +223,36 @@ class PromptCounter:
         avg = self._avg + EMA_ALPHA * (estimated_bytes / text_tokens - self._avg)
         self._avg = min(max(avg, lo), hi)
         self._bpt = min(max(SAFETY_FACTOR * self._avg, MIN_BYTES_PER_TOKEN), MAX_BYTES_PER_TOKEN)
+
+
+OPTIMISTIC_BYTES_PER_TOKEN = 4.5
+"""Bytes per token for an optimistic prompt estimate: English text under Llama-3-class BPE
+vocabularies averages about 4 bytes per token; 4.5 errs towards fewer tokens."""
+
+
+def optimistic_prompt_tokens(prompt: PromptCount, bytes_per_token: float) -> int:
+    """A low estimate (tokens) of an inexact prompt count: the text part re-counted at
+    :data:`OPTIMISTIC_BYTES_PER_TOKEN` instead of the cautious ``bytes_per_token``."""
+    cautious_text = math.ceil(prompt.text_bytes / bytes_per_token)
+    rest = max(0, prompt.tokens - cautious_text)
+    return rest + math.ceil(prompt.text_bytes / OPTIMISTIC_BYTES_PER_TOKEN)
+
+
+def default_within_context(default: int, prompt: PromptCount, max_model_len: int) -> int:
+    """The max_tokens to charge and send for a request that gave none: the policy's default,
+    lowered so prompt + max_tokens stays within the engine's context (the engine's own default
+    is max_model_len − prompt; a request that works direct must not fail through kvgate).
+
+    An estimated prompt may under-count (digits, punctuation, CJK), so the room is taken against
+    an upper bound first: a byte-level BPE token covers at least one byte, so tokens ≤ text bytes
+    + fixed overhead. Where that leaves no room (a long prompt), the estimate is used instead.
+    """
+    upper = (
+        prompt.tokens
+        if prompt.exact
+        else max(prompt.tokens, prompt.text_bytes + prompt.overhead_tokens)
+    )
+    for bound in (upper, prompt.tokens):
+        if max_model_len - bound >= 1:
+            return min(default, max_model_len - bound)
+    return default

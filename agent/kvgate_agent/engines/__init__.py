@@ -1,0 +1,2 @@
+"""Model-server facts read from the engines' own exposition, shared by the sidecar and the node
+agent (pure: no HTTP)."""

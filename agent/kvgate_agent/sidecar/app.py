@@ -1,0 +1,371 @@
+"""The sidecar: an OpenAI-compatible reverse proxy that enforces admission in front of one model
+server (settings, wiring, routes, health and lifecycle).
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` go through admission; every other path
+is passed through untouched. The sidecar's own endpoints are ``/healthz``, ``/readyz`` and
+``/kvgate/metrics`` on the same port, and ``/metrics`` on the optional admin port. Thresholds come
+from a policy file (standalone) or from the node agent (:mod:`kvgate_agent.sidecar.thresholds`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvgate_agent.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionRequest,
+    AsyncAdmission,
+    Decision,
+    Reason,
+)
+from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy, RateLimitPolicySpec
+from kvgate_agent.contract.sync import SyncAnswer, SyncReport
+from kvgate_agent.sidecar import responses
+from kvgate_agent.sidecar.agent_link import (
+    AgentLink,
+    AgentSettings,
+    Mode,
+    SyncResult,
+    ThresholdsLink,
+)
+from kvgate_agent.sidecar.forward import Forwarder
+from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.openai_errors import RequestError
+from kvgate_agent.sidecar.probe import EngineProbe
+from kvgate_agent.sidecar.request import ADMITTED_PATHS, parse_completion_request
+from kvgate_agent.sidecar.tenants import priority_of, tenant_of
+from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
+from kvgate_agent.sidecar.tokens import (
+    PromptCount,
+    PromptCounter,
+    default_within_context,
+    optimistic_prompt_tokens,
+)
+
+
+@dataclass(slots=True)
+class SidecarSettings:
+    """Runtime settings of one sidecar.
+
+    Attributes:
+        upstream: base URL of the model server, e.g. ``http://127.0.0.1:8000``.
+        policy: the RateLimitPolicy enforced (standalone mode).
+        agent: the node agent to take thresholds from (cluster mode). Exactly one of
+            ``policy`` and ``agent`` must be given.
+        tokenizer_file: HF ``tokenizer.json`` for exact prompt counts (else a conservative
+            estimate corrected by reported usage).
+        max_body_bytes: request bodies above this get 413 (bytes).
+        connect_timeout: seconds to open an upstream connection.
+        read_timeout: seconds without any upstream byte before the request fails (None: no
+            limit).
+        drain_seconds: on SIGTERM, how long in-flight requests may take to finish.
+        engine_poll_seconds: how often the engine's KV capacity is re-read when
+            ``capacity.fromEngineMetrics`` is set.
+        tenant_label_limit: distinct tenant label values in metrics before ``other``.
+    """
+
+    upstream: str
+    policy: RateLimitPolicy | None = None
+    tokenizer_file: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    connect_timeout: float = 5.0
+    read_timeout: float | None = 600.0
+    drain_seconds: float = 30.0
+    engine_poll_seconds: float = 15.0
+    tenant_label_limit: int = 50
+    agent: AgentSettings | None = None
+
+
+class Sidecar:
+    """One sidecar: admission state, the upstream client and the aiohttp handlers.
+
+    Use :meth:`build_app` for the aiohttp application; the handlers only translate HTTP to and
+    from the admission core (:attr:`admission`), the engine probe (:attr:`engine`), the node
+    agent's thresholds (:attr:`thresholds`, agent mode) and the forwarder.
+
+    Raises ``ValueError`` unless exactly one of ``settings.policy`` (standalone) and
+    ``settings.agent`` (thresholds from the node agent) is given.
+    """
+
+    def __init__(
+        self, settings: SidecarSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if (settings.policy is None) == (settings.agent is None):
+            raise ValueError(
+                "give exactly one of a policy (standalone) or a node agent (cluster mode)"
+            )
+        self.settings = settings
+        self._policy_spec = NO_LIMITS if settings.policy is None else settings.policy.spec
+        self.controller = AdmissionController(AdmissionConfig.from_policy(self._policy_spec), clock)
+        self.admission = AsyncAdmission(self.controller)
+        self.metrics = SidecarMetrics(self.controller, settings.tenant_label_limit)
+        self.upstream = settings.upstream.rstrip("/")
+        #: Agent mode only: the node agent's thresholds and the link syncing with it.
+        self.thresholds: AgentThresholds | None = None
+        self.agent_link: AgentLink | None = None
+        self.engine = EngineProbe(
+            self.upstream,
+            self.controller,
+            self.admission,
+            lambda: self.spec,
+            self.metrics.upstream_ok,
+            settings.engine_poll_seconds,
+        )
+        if settings.agent is not None:
+            t = AgentThresholds(
+                settings.agent, clock, self.controller, self.admission, self.metrics, self.engine
+            )
+            self.thresholds = t
+            self.agent_link = AgentLink(settings.agent, t.link, self.sync_report, self._on_sync)
+            self.metrics.attach_link(t.link, self.current_mode, lambda: t.policy_ref)
+        self.counter = PromptCounter(settings.tokenizer_file)
+        self.forwarder = Forwarder(self.upstream, self.metrics, self.admission, self.counter)
+        self.session: aiohttp.ClientSession | None = None
+        self.draining = False
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def spec(self) -> RateLimitPolicySpec:
+        """The policy spec enforced now (the node agent's thresholds in agent mode)."""
+        return self._policy_spec if self.thresholds is None else self.thresholds.spec
+
+    @property
+    def link(self) -> ThresholdsLink | None:
+        """The thresholds' state when a node agent is used (None standalone)."""
+        return None if self.thresholds is None else self.thresholds.link
+
+    @property
+    def mode(self) -> Mode | None:
+        """The thresholds mode last enforced (None standalone)."""
+        return None if self.thresholds is None else self.thresholds.mode
+
+    @property
+    def capacity_known(self) -> bool:
+        """The KV capacity admission enforces is known."""
+        return self.engine.capacity_known
+
+    @property
+    def engine_kv_tokens(self) -> int | None:
+        """KV capacity the sidecar read from the engine itself (tokens), if it did."""
+        return self.engine.kv_tokens
+
+    @engine_kv_tokens.setter
+    def engine_kv_tokens(self, tokens: int | None) -> None:
+        self.engine.kv_tokens = tokens
+
+    @property
+    def engine_max_model_len(self) -> int | None:
+        """The engine's context length from ``/v1/models`` (tokens), if read."""
+        return self.engine.max_model_len
+
+    def refresh_mode(self, *, force: bool = False) -> Mode | None:
+        """Enforce the thresholds mode now (see :meth:`AgentThresholds.refresh`); None
+        standalone."""
+        return None if self.thresholds is None else self.thresholds.refresh(force=force)
+
+    def current_mode(self) -> Mode:
+        """The thresholds mode now (enforcing it if time moved it on). Agent mode only."""
+        mode = self.refresh_mode()
+        assert mode is not None, "no node agent configured"
+        return mode
+
+    def sync_report(self) -> SyncReport:
+        """What this sidecar tells the node agent now. Agent mode only."""
+        assert self.thresholds is not None, "no node agent configured"
+        return self.thresholds.sync_report()
+
+    def _on_sync(self, result: SyncResult, answer: SyncAnswer | None) -> None:
+        """What the agent link calls after every sync."""
+        assert self.thresholds is not None
+        self.thresholds.on_sync(result, answer)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def build_app(self) -> web.Application:
+        """The aiohttp application (routes and startup/cleanup hooks)."""
+        app = web.Application(client_max_size=self.settings.max_body_bytes + 1)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/kvgate/metrics", self.metrics_endpoint)
+        # Standalone, the mode wrapper has nothing to do: route straight to the handler.
+        handler = self.completion if self.thresholds is not None else self._completion
+        for path in ADMITTED_PATHS:
+            app.router.add_post(path, handler)
+        app.router.add_route("*", "/{tail:.*}", self.forwarder.passthrough)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    def build_admin_app(self) -> web.Application:
+        """Admin port: ``/metrics``, ``/healthz``, ``/readyz``."""
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=self.settings.connect_timeout,
+            sock_read=self.settings.read_timeout,
+        )
+        self.session = aiohttp.ClientSession(
+            timeout=timeout,
+            auto_decompress=False,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
+        self.forwarder.session = self.session
+        spec = self.spec
+        await self.engine.start(
+            self.session,
+            poll=spec.capacity.from_engine_metrics
+            or spec.model.max_model_len is None
+            or self.thresholds is not None,  # thresholds may ask for the engine's capacity later
+        )
+        if self.agent_link is not None:
+            self.refresh_mode(force=True)
+            await self.agent_link.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        if self.agent_link is not None:
+            await self.agent_link.stop()
+        await self.engine.stop()
+        self.admission.close()
+        if self.session is not None:
+            await self.session.close()
+
+    # ------------------------------------------------------------------ own endpoints
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        """Liveness: the process serves HTTP."""
+        return web.Response(text="ok")
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Readiness: not draining; with a node agent, a first answer arrived or the TTL has
+        passed since start; the model server answers its ``/health``; and, under FailClosed,
+        the engine's KV capacity is known (FailOpen serves without it)."""
+        if self.draining:
+            return web.Response(status=503, text="draining")
+        if self.thresholds is not None:
+            self.refresh_mode()
+            if not self.thresholds.link.ready():
+                return web.Response(status=503, text="waiting for thresholds from the node agent")
+        if not self.capacity_known and self.spec.failure_mode is FailureMode.FAIL_CLOSED:
+            return web.Response(status=503, text="waiting for the engine's KV capacity")
+        if not await self.engine.healthy():
+            return web.Response(status=503, text="the model server is not answering")
+        return web.Response(text="ok")
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        """Prometheus exposition of the sidecar's registry."""
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ------------------------------------------------------------------ admission path
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body (bytes). Raises :class:`RequestError` 413 above
+        ``max_body_bytes``."""
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise RequestError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+        chunks = []
+        size = 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(
+                    413, f"request body exceeds {limit} bytes", code="body_too_large"
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions`` and ``/v1/completions``: validate, admit, forward.
+        With a node agent, every answer says the thresholds mode in ``x-kvgate-thresholds``."""
+        if self.thresholds is None:
+            return await self._completion(request)
+        self.refresh_mode()
+        resp = await self._completion(request)
+        mode = self.mode
+        if not resp.prepared and mode is not None:  # streams got it with the admission headers
+            resp.headers[responses.THRESHOLDS_HEADER] = mode.value
+        return resp
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        if self.draining:
+            return responses.draining()
+        spec = self.spec
+        try:
+            raw = await self._read_body(request)
+            parsed = parse_completion_request(
+                raw,
+                ADMITTED_PATHS[request.path],
+                default_max_tokens=spec.tenants.default_max_tokens,
+                max_tokens_cap=spec.tenants.max_tokens_cap,
+                max_model_len=spec.model.max_model_len,
+            )
+            tenant = tenant_of(request.headers, spec.tenants.header)
+            priority = priority_of(request.headers, spec.priority.header)
+        except RequestError as exc:
+            self.metrics.count_decision("rejected", "invalid_request", "")
+            return responses.bad_request(exc)
+        prompt = self.counter.count(parsed.body)
+        max_tokens = parsed.max_tokens
+        mml = spec.model.max_model_len or self.engine.max_model_len
+        if parsed.max_tokens_defaulted and mml is not None:
+            max_tokens = default_within_context(max_tokens, prompt, mml)
+        areq = AdmissionRequest(tenant, prompt.tokens, max_tokens, priority, parsed.n, parsed.model)
+        d = await self._admit(areq, prompt)
+        m = self.metrics
+        label = m.tenant_label(tenant)
+        if d.ticket is None:
+            m.count_decision(d.outcome.value, d.reason.value, label)
+            if d.queue_seconds > 0:
+                m.queue_wait.observe(d.queue_seconds)
+            return responses.refusal(d, parsed.path_kind)
+        mode = self.mode
+        headers = responses.admitted_headers(
+            d, None if mode is None else mode.value, parsed.max_tokens_clamped
+        )
+        if d.queue_seconds > 0:
+            m.queue_wait.observe(d.queue_seconds)
+        m.count_decision(d.outcome.value, d.reason.value, label)
+        body = (
+            parsed.upstream_body(
+                max_tokens=d.max_tokens, model=d.model, include_usage=parsed.stream
+            )
+            or raw
+        )
+        return await self.forwarder.admitted(
+            request,
+            body,
+            d.ticket,
+            parsed,
+            headers,
+            prompt=prompt,
+            tenant_label=label,
+            started=started,
+        )
+
+    async def _admit(self, areq: AdmissionRequest, prompt: PromptCount) -> Decision:
+        """Admit ``areq``. "Never fits" must not rest on a cautious guess: an estimated prompt
+        refused as exceeding the capacity is retried with an optimistic count (the server's
+        reported usage corrects the charge afterwards)."""
+        d = await self.admission.admit(areq)
+        if d.reason is Reason.EXCEEDS_CAPACITY and not prompt.exact:
+            optimistic = optimistic_prompt_tokens(prompt, self.counter.bytes_per_token)
+            if optimistic < areq.prompt_tokens:
+                d = await self.admission.admit(replace(areq, prompt_tokens=optimistic))
+        return d

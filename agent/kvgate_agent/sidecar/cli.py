@@ -1,0 +1,309 @@
+"""``kvgate-agent sidecar``: the admission-controlling reverse proxy in front of one model server.
+
+Every flag also reads an environment variable (``KVGATE_<FLAG>``), so the injected sidecar is
+configured through its pod's environment. Exactly one of ``--policy FILE`` (standalone) and
+``--agent-url URL`` (thresholds from the node agent; ``--pod-namespace`` and ``--pod-name``
+required, usually from the downward API) is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+from kvgate_agent.admission import Reason
+from kvgate_agent.args import add_log_level, configure_logging
+from kvgate_agent.args import env as _env
+from kvgate_agent.args import hostport as _hostport
+from kvgate_agent.args import positive as _positive
+from kvgate_agent.contract.policy import FailureMode, PolicyError, RateLimitPolicy, load_policy
+from kvgate_agent.sidecar.agent_link import (
+    DEFAULT_TOKEN_FILE,
+    AgentSettings,
+    gpu_uuids_from_env,
+    sidecar_metrics_url,
+)
+from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.tokens import TokenizerError
+
+log = logging.getLogger("kvgate")
+
+
+def _url(value: str) -> str:
+    if not value.startswith(("http://", "https://")) or len(value) < 10:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {value!r}")
+    return value
+
+
+def add_sidecar_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``sidecar`` subcommand to ``kvgate-agent``'s parser. String defaults from the
+    environment go through each flag's type, so a bad ``KVGATE_*`` value is reported like a bad
+    flag."""
+    s = sub.add_parser(
+        "sidecar",
+        help="admission-controlling reverse proxy for a model server",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_source_args(s)
+    _add_agent_args(s)
+    _add_serving_args(s)
+    add_log_level(s)
+
+
+def _add_source_args(s: argparse.ArgumentParser) -> None:
+    """The model server and where thresholds come from (policy file or node agent)."""
+    s.add_argument(
+        "--upstream",
+        type=_url,
+        default=_env("UPSTREAM"),
+        required=_env("UPSTREAM") is None,
+        help="model server base URL, e.g. http://127.0.0.1:8000 [KVGATE_UPSTREAM]",
+    )
+    s.add_argument(
+        "--policy",
+        default=_env("POLICY"),
+        help="RateLimitPolicy manifest file (YAML or JSON): standalone mode; give this or "
+        "--agent-url [KVGATE_POLICY]",
+    )
+    s.add_argument(
+        "--agent-url",
+        type=_url,
+        default=_env("AGENT_URL"),
+        help="node agent base URL, e.g. http://$(HOST_IP):9443: thresholds come from it "
+        "(cluster mode; give this or --policy) [KVGATE_AGENT_URL]",
+    )
+
+
+def _add_agent_args(s: argparse.ArgumentParser) -> None:
+    """Agent mode: the pod's identity, its token and what applies without answers."""
+    s.add_argument(
+        "--token-file",
+        default=_env("TOKEN_FILE", DEFAULT_TOKEN_FILE),
+        help="projected service-account token (audience kvgate-agent) sent to the node agent, "
+        "re-read before every sync [KVGATE_TOKEN_FILE]",
+    )
+    s.add_argument(
+        "--pod-namespace",
+        default=_env("POD_NAMESPACE"),
+        help="this pod's namespace (downward API); required with --agent-url "
+        "[KVGATE_POD_NAMESPACE]",
+    )
+    s.add_argument(
+        "--pod-name",
+        default=_env("POD_NAME"),
+        help="this pod's name (downward API); required with --agent-url [KVGATE_POD_NAME]",
+    )
+    s.add_argument(
+        "--pod-uid",
+        default=_env("POD_UID"),
+        help="this pod's uid (downward API), checked by the node agent [KVGATE_POD_UID]",
+    )
+    s.add_argument(
+        "--pod-ip",
+        default=_env("POD_IP"),
+        help="this pod's IP (downward API): the node agent scrapes the engine's metrics "
+        "through http://POD_IP:PORT/metrics [KVGATE_POD_IP]",
+    )
+    s.add_argument(
+        "--failure-mode",
+        default=_env("FAILURE_MODE", FailureMode.FAIL_OPEN.value),
+        choices=[m.value for m in FailureMode],
+        help="with --agent-url: what applies until the node agent's first answer (FailOpen: no "
+        "limits; FailClosed: 503), and past the TTL when no policy selects the pod "
+        "[KVGATE_FAILURE_MODE]",
+    )
+    s.add_argument(
+        "--expected-policy",
+        default=_env("EXPECTED_POLICY"),
+        help="with --agent-url: the RateLimitPolicy this pod should be governed by (the "
+        "webhook sets it from the kvgate.io/policy annotation); a different or no policy is "
+        "logged and shown in kvgate_policy_mismatch [KVGATE_EXPECTED_POLICY]",
+    )
+    s.add_argument(
+        "--thresholds-ttl",
+        type=_positive(float),
+        default=_env("THRESHOLDS_TTL"),
+        help="with --agent-url: seconds the last thresholds stay enforced while the node "
+        "agent is unreachable, then the policy's failureMode applies (default: the agent's "
+        "ttlSeconds, 30 before its first answer) [KVGATE_THRESHOLDS_TTL]",
+    )
+
+
+def _add_serving_args(s: argparse.ArgumentParser) -> None:
+    """Listening, the tokenizer, body and time limits."""
+    s.add_argument(
+        "--listen",
+        type=_hostport,
+        default=_env("LISTEN", "127.0.0.1:8080"),
+        help="HOST:PORT to serve clients on [KVGATE_LISTEN]",
+    )
+    s.add_argument(
+        "--admin-listen",
+        type=_hostport,
+        default=_env("ADMIN_LISTEN"),
+        help="optional HOST:PORT serving /metrics, /healthz, /readyz [KVGATE_ADMIN_LISTEN]",
+    )
+    s.add_argument(
+        "--tokenizer",
+        default=_env("TOKENIZER"),
+        help="HF tokenizer.json for exact prompt counts [KVGATE_TOKENIZER]",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=_positive(int),
+        default=_env("MAX_BODY_BYTES", str(8 * 1024 * 1024)),
+        help="request body limit, bytes; larger bodies get 413 [KVGATE_MAX_BODY_BYTES]",
+    )
+    s.add_argument(
+        "--upstream-timeout",
+        type=_positive(float),
+        default=_env("UPSTREAM_TIMEOUT", "600"),
+        help="seconds without a byte from the model server before a request "
+        "fails with 504 [KVGATE_UPSTREAM_TIMEOUT]",
+    )
+    s.add_argument(
+        "--drain-seconds",
+        type=_positive(float),
+        default=_env("DRAIN_SECONDS", "30"),
+        help="on SIGTERM, how long in-flight requests may finish; keep it below "
+        "the pod's terminationGracePeriodSeconds [KVGATE_DRAIN_SECONDS]",
+    )
+
+
+async def run_sidecar(
+    settings: SidecarSettings, listen: tuple[str, int], admin: tuple[str, int] | None
+) -> int:
+    """Serve until SIGTERM/SIGINT, then: refuse new work (waiting requests get 503 with
+    Retry-After, the listener closes), let in-flight requests finish for up to
+    ``settings.drain_seconds`` (a second signal cuts that short), cancel what is left (every
+    reservation is released on that path too) and return 0."""
+    sidecar = Sidecar(settings)
+    runner = web.AppRunner(
+        sidecar.build_app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=1.0,
+        max_field_size=65536,
+        max_line_size=65536,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, listen[0], listen[1], backlog=1024)
+    await site.start()
+    admin_runner: web.AppRunner | None = None
+    if admin is not None:
+        admin_runner = web.AppRunner(
+            sidecar.build_admin_app(), access_log=None, shutdown_timeout=1.0
+        )
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, admin[0], admin[1]).start()
+    stop = asyncio.Event()
+    hurry = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    source = (
+        f"thresholds from {settings.agent.url}" if settings.agent is not None else "policy file"
+    )
+    print(
+        f"kvgate sidecar listening on http://{listen[0]}:{listen[1]} -> {settings.upstream} "
+        f"({source})",
+        flush=True,
+    )
+    await stop.wait()
+    log.info("shutting down: draining up to %.0fs", settings.drain_seconds)
+    sidecar.draining = True
+    sidecar.admission.reject_waiting(Reason.DRAINING, 503, 1.0, "the sidecar is shutting down")
+    await site.stop()  # stop accepting new connections
+    idle = asyncio.ensure_future(sidecar.admission.wait_idle(settings.drain_seconds))
+    cut = asyncio.ensure_future(hurry.wait())
+    await asyncio.wait({idle, cut}, return_when=asyncio.FIRST_COMPLETED)
+    cut.cancel()
+    if not idle.done() or not idle.result():
+        idle.cancel()
+        log.warning(
+            "stopping with %d requests in flight (drain deadline or second signal)",
+            sidecar.controller.in_flight,
+        )
+    await runner.cleanup()  # cancels what is still running: their reservations are released
+    if admin_runner is not None:
+        await admin_runner.cleanup()
+    return 0
+
+
+def agent_settings(args: argparse.Namespace) -> AgentSettings:
+    """The node-agent settings from parsed ``sidecar`` arguments (``--agent-url`` given); the
+    pod's GPUs come from ``KVGATE_GPU_UUIDS`` or ``NVIDIA_VISIBLE_DEVICES``."""
+    host, port = args.listen
+    return AgentSettings(
+        url=args.agent_url,
+        pod_namespace=args.pod_namespace,
+        pod_name=args.pod_name,
+        pod_uid=args.pod_uid or None,
+        token_file=args.token_file,
+        failure_mode=FailureMode(args.failure_mode),
+        ttl_override=args.thresholds_ttl,
+        metrics_url=sidecar_metrics_url(args.pod_ip or None, host, port),
+        gpu_uuids=gpu_uuids_from_env(os.environ),
+        expected_policy=args.expected_policy or None,
+    )
+
+
+def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``kvgate-agent sidecar``: check the mode (exactly one of ``--policy`` and
+    ``--agent-url``; exit 2 otherwise), then serve until signalled."""
+    if (args.policy is None) == (args.agent_url is None):
+        parser.error(
+            "sidecar: give exactly one of --policy (standalone) or --agent-url (thresholds "
+            "from the node agent)"
+        )
+    if args.agent_url is not None and not (args.pod_namespace and args.pod_name):
+        parser.error(
+            "sidecar: --agent-url needs --pod-namespace and --pod-name (KVGATE_POD_NAMESPACE, "
+            "KVGATE_POD_NAME from the downward API)"
+        )
+    configure_logging(args.log_level)
+    policy: RateLimitPolicy | None = None
+    agent: AgentSettings | None = None
+    if args.policy is not None:
+        try:
+            policy = load_policy(args.policy)
+        except PolicyError as exc:
+            print(f"kvgate-agent: {exc}", file=sys.stderr)
+            return 2
+    else:
+        agent = agent_settings(args)
+    settings = SidecarSettings(
+        upstream=args.upstream,
+        policy=policy,
+        agent=agent,
+        tokenizer_file=args.tokenizer,
+        max_body_bytes=args.max_body_bytes,
+        read_timeout=args.upstream_timeout,
+        drain_seconds=args.drain_seconds,
+    )
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        uvloop.install()
+    try:
+        return asyncio.run(run_sidecar(settings, args.listen, args.admin_listen))
+    except OSError as exc:  # e.g. the port is taken
+        print(
+            f"kvgate-agent: cannot serve on {args.listen[0]}:{args.listen[1]}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    except TokenizerError as exc:
+        print(f"kvgate-agent: {exc}", file=sys.stderr)
+        return 1

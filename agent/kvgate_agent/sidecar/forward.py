@@ -1,0 +1,325 @@
+"""Forwarding to the model server: the admitted request (with its stream relayed and its usage
+read), and pass-through for every other path.
+
+Invariant: an admitted request releases exactly what it reserved on every path (success,
+upstream error, timeout, client disconnect before or during the stream, cancellation): the
+release sits in one ``finally`` and is idempotent, so no slot leaks when a streaming client
+cancels (https://github.com/BerriAI/litellm/issues/27955). When the client goes away the upstream
+connection is closed at once, so the model server stops generating into a dead socket
+(https://github.com/BerriAI/litellm/issues/30244).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from kvgate_agent.admission import AsyncAdmission, Ticket
+from kvgate_agent.sidecar import responses
+from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.request import ADMITTED_PATHS, ParsedRequest, canonical_path
+from kvgate_agent.sidecar.sse import StreamAccountant
+from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
+
+log = logging.getLogger("kvgate.sidecar")
+
+#: Hop-by-hop headers (RFC 9110 §7.6.1) and those the proxy recomputes; never forwarded.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+
+def forward_headers(headers: Any) -> CIMultiDict[str]:
+    """``headers`` without the hop-by-hop ones."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in headers.items():
+        if k.lower() not in HOP_BY_HOP:
+            out.add(k, v)
+    return out
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while the sidecar was writing to it."""
+
+
+async def _to_client(write: Awaitable[object]) -> None:
+    """Await a write to the client; a closed client connection becomes :class:`_ClientGone`
+    (so it is never mistaken for an upstream failure)."""
+    try:
+        await write
+    except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError included
+        raise _ClientGone() from exc
+
+
+def usage_of(data: bytes) -> tuple[int | None, int | None]:
+    """(prompt_tokens, completion_tokens) reported in a non-streaming response body; each None
+    when absent or not a non-negative integer."""
+    try:
+        usage = json.loads(data).get("usage") or {}
+        prompt = usage.get("prompt_tokens")
+        completion = usage.get("completion_tokens")
+    except (ValueError, AttributeError):
+        return None, None
+    return (
+        prompt if type(prompt) is int and prompt >= 0 else None,
+        completion if type(completion) is int and completion >= 0 else None,
+    )
+
+
+@dataclass(slots=True)
+class _Exchange:
+    """One admitted request's trip upstream, settled when it ends.
+
+    ``completion_tokens``/``prompt_tokens``: what to charge (tokens; prompt None = as reserved);
+    ``reached``: the engine did GPU work for it; ``clean``: the upstream response was read to its
+    end, so its connection may be reused.
+    """
+
+    ticket: Ticket
+    parsed: ParsedRequest
+    headers: dict[str, str]
+    started: float  # time.perf_counter() at arrival, seconds
+    completion_tokens: int = 0
+    prompt_tokens: int | None = None
+    reached: bool = False
+    clean: bool = False
+    resp: aiohttp.ClientResponse | None = None
+    out: web.StreamResponse | None = None
+
+
+class Forwarder:
+    """Sends requests to the model server at ``upstream`` (``session`` set at startup)."""
+
+    def __init__(
+        self,
+        upstream: str,
+        metrics: SidecarMetrics,
+        admission: AsyncAdmission,
+        counter: PromptCounter,
+    ) -> None:
+        self.upstream = upstream
+        self.metrics = metrics
+        self.admission = admission
+        self.counter = counter
+        self.session: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ admitted requests
+
+    async def admitted(
+        self,
+        request: web.Request,
+        body: bytes,
+        ticket: Ticket,
+        parsed: ParsedRequest,
+        headers: dict[str, str],
+        *,
+        prompt: PromptCount,
+        tenant_label: str,
+        started: float,
+    ) -> web.StreamResponse:
+        """Forward an admitted request (``body`` as it goes upstream) and relay the answer with
+        ``headers`` added; then release ``ticket`` with what the engine reported (without a
+        report, what was reserved). ``started`` is ``time.perf_counter()`` at arrival (seconds).
+        Upstream failures become 502/504 (mid-stream: an in-band error event)."""
+        ex = _Exchange(ticket, parsed, headers, started)
+        m = self.metrics
+        try:
+            return await self._exchange(request, body, ex)
+        except asyncio.CancelledError:
+            m.client_disconnects.inc()
+            raise
+        except _ClientGone:
+            m.client_disconnects.inc()
+            assert ex.out is not None
+            return ex.out  # nobody to answer; the finally below releases everything
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            return await self._failed(ex, exc)
+        finally:
+            self._settle(ex, tenant_label, prompt)
+
+    async def _exchange(
+        self, request: web.Request, body: bytes, ex: _Exchange
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        m = self.metrics
+        fwd = forward_headers(request.headers)
+        fwd["Content-Type"] = responses.JSON
+        fwd.popall("Content-Encoding", None)  # the body was decoded on the way in
+        fwd.popall("Accept-Encoding", None)  # identity, so the stream can be read for usage
+        try:
+            ex.resp = resp = await self.session.post(
+                self.upstream + request.path_qs, data=body, headers=fwd
+            )
+        except aiohttp.ClientConnectorError as exc:
+            m.upstream_errors.labels("connect").inc()
+            m.upstream_ok.value = False
+            log.warning("upstream connect failed: %s", exc)
+            return responses.upstream_unreachable(ex.headers)
+        ex.reached = True
+        m.upstream_ok.value = True
+        out_headers = forward_headers(resp.headers)
+        out_headers.update(ex.headers)
+        if resp.status >= 500:
+            m.upstream_errors.labels("status_5xx").inc()
+        if ex.parsed.stream and resp.status == 200 and resp.content_type == "text/event-stream":
+            return await self._relay_stream(request, resp, out_headers, ex)
+        data = await resp.read()
+        ex.clean = True
+        if resp.status == 200:
+            ex.prompt_tokens, reported = usage_of(data)
+            # No usage reported: charge what was reserved rather than nothing.
+            t = ex.ticket
+            ex.completion_tokens = t.max_tokens * t.n if reported is None else reported
+        elif 400 <= resp.status < 500:
+            ex.reached = False  # the engine refused it: no GPU work to charge
+        return web.Response(status=resp.status, body=data, headers=out_headers)
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        out_headers: CIMultiDict[str],
+        ex: _Exchange,
+    ) -> web.StreamResponse:
+        """Relay an SSE stream, counting its completion tokens and reading its final usage
+        (the usage chunk is dropped unless the client asked for it)."""
+        acct = StreamAccountant(strip_usage_chunk=not ex.parsed.client_wants_usage)
+        ex.out = out = web.StreamResponse(status=resp.status, headers=out_headers)
+        await _to_client(out.prepare(request))
+        first = True
+        try:
+            async for chunk in resp.content.iter_any():
+                piece = acct.feed(chunk)
+                if piece:
+                    await _to_client(out.write(piece))
+                    if first:
+                        self.metrics.ttft.observe(time.perf_counter() - ex.started)
+                        first = False
+            tail = acct.finish()
+            if tail:
+                await _to_client(out.write(tail))
+            ex.clean = acct.done
+        finally:
+            ex.completion_tokens = acct.completion_tokens_estimate
+            if acct.usage is not None:
+                ex.prompt_tokens = acct.usage.prompt_tokens
+        await _to_client(out.write_eof())
+        return out
+
+    async def _failed(
+        self, ex: _Exchange, exc: TimeoutError | aiohttp.ClientError
+    ) -> web.StreamResponse:
+        """The model server failed (or timed out) after the connection was made."""
+        m = self.metrics
+        timeout = isinstance(exc, TimeoutError)
+        m.upstream_errors.labels("timeout" if timeout else "upstream_error").inc()
+        m.upstream_ok.value = False
+        log.warning("upstream failed mid-request: %r", exc)
+        out = ex.out
+        if out is None:  # nothing sent yet: a proper error response
+            return responses.upstream_failed(timeout, ex.headers)
+        # Mid-stream: tell the client in-band, as vLLM does, then end the stream.
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            await out.write(responses.upstream_failed_event(timeout))
+            await out.write_eof()
+        return out
+
+    def _settle(self, ex: _Exchange, tenant_label: str, prompt: PromptCount) -> None:
+        """Close or release the upstream response, release the ticket, count the tokens and
+        calibrate the prompt estimate with the reported usage."""
+        if ex.resp is not None:
+            if ex.clean:
+                ex.resp.release()
+            else:
+                ex.resp.close()  # drop the connection: the engine sees the peer go away
+        ticket = ex.ticket
+        self.admission.release(
+            ticket,
+            completion_tokens=ex.completion_tokens,
+            prompt_tokens=ex.prompt_tokens,
+            reached_upstream=ex.reached,
+        )
+        if ex.reached:
+            m = self.metrics
+            settled_prompt = ticket.prompt_tokens if ex.prompt_tokens is None else ex.prompt_tokens
+            m.tokens.labels("prompt", tenant_label).inc(settled_prompt)
+            m.tokens.labels("completion", tenant_label).inc(ex.completion_tokens)
+            if ex.prompt_tokens is not None and not prompt.exact:
+                self.counter.observe(prompt.text_bytes, ex.prompt_tokens, prompt.overhead_tokens)
+
+    # ------------------------------------------------------------------ pass-through
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Any other path: forwarded as is (the raw path, not re-normalised), body streamed
+        both ways. A path that only differs from an admission-controlled one by dot segments,
+        repeated slashes or percent-encoding is refused: an upstream that normalises it would
+        otherwise serve a completion that bypassed admission."""
+        assert self.session is not None
+        raw_path = request.raw_path
+        if canonical_path(raw_path) in ADMITTED_PATHS:
+            return responses.non_canonical_path()
+        fwd = forward_headers(request.headers)
+        fwd.popall("Content-Encoding", None)  # the body is decoded on the way in
+        data = request.content if request.body_exists else None
+        url = URL(self.upstream + raw_path, encoded=True)
+        try:
+            resp = await self.session.request(request.method, url, headers=fwd, data=data)
+        except aiohttp.ClientConnectorError:
+            self.metrics.upstream_errors.labels("connect").inc()
+            return responses.passthrough_unreachable()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.metrics.upstream_errors.labels("upstream_error").inc()
+            return responses.passthrough_failed(exc)
+        return await self._relay_passthrough(request, resp)
+
+    async def _relay_passthrough(
+        self, request: web.Request, resp: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        clean = False
+        try:
+            out_headers = forward_headers(resp.headers)
+            out_headers[responses.DECISION_HEADER] = "passthrough"
+            out = web.StreamResponse(status=resp.status, headers=out_headers)
+            if resp.content_length is not None:
+                out.content_length = resp.content_length
+            await _to_client(out.prepare(request))
+            async for chunk in resp.content.iter_any():
+                await _to_client(out.write(chunk))
+            await _to_client(out.write_eof())
+            clean = True
+            return out
+        except _ClientGone:
+            self.metrics.client_disconnects.inc()
+            return out
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.metrics.upstream_errors.labels("upstream_error").inc()
+            log.warning("upstream failed during pass-through: %r", exc)
+            return out
+        finally:
+            if clean:
+                resp.release()
+            else:
+                resp.close()

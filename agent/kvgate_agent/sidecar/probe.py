@@ -1,0 +1,201 @@
+"""The sidecar's own reads of its model server: KV capacity (``/metrics``), context length
+(``/v1/models``) and liveness (``/health``).
+
+Invariant: an implausible or unreadable KV capacity is never enforced; until one is read,
+``failureMode`` decides (FailOpen admits under the policy's explicit figure, FailClosed answers
+503 with a one-second Retry-After).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvgate_agent.admission import AdmissionController, AsyncAdmission, Reason
+from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
+from kvgate_agent.contract.sync import MAX_REPORTED
+from kvgate_agent.engines.metrics import kv_capacity_from_metrics
+from kvgate_agent.sidecar.metrics import Flag
+
+log = logging.getLogger("kvgate.sidecar")
+
+#: Bound on the sidecar's own reads of the model server (metrics, model list): a hung engine
+#: endpoint must not stall the capacity check for the request timeout (minutes).
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+#: Hold key on the admission controller while the KV capacity is unknown under FailClosed.
+HOLD_ENGINE_CAPACITY = "engine_capacity"
+#: How long a ``/health`` answer is reused, seconds.
+HEALTH_CACHE_SECONDS = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _HealthCheck:
+    at: float  # time.monotonic() of the check, seconds
+    ok: bool
+
+
+class EngineProbe:
+    """Reads the model server at ``upstream`` for the sidecar.
+
+    Attributes:
+        kv_tokens: KV capacity the engine reported (tokens), once read.
+        max_model_len: context length from ``/v1/models`` (tokens), once read.
+        capacity_known: the KV capacity admission enforces is known (read, explicit, or not
+            asked from the engine).
+
+    Args:
+        spec: the policy spec enforced now (it changes with the node agent's thresholds).
+        upstream_ok: set on each ``/health`` check (``kvgate_upstream_up``).
+        poll_seconds: how often the KV capacity is re-read once known.
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        controller: AdmissionController,
+        admission: AsyncAdmission,
+        spec: Callable[[], RateLimitPolicySpec],
+        upstream_ok: Flag,
+        poll_seconds: float,
+    ) -> None:
+        self.upstream = upstream
+        self.controller = controller
+        self.admission = admission
+        self.spec = spec
+        self.upstream_ok = upstream_ok
+        self.poll_seconds = poll_seconds
+        self.session: aiohttp.ClientSession | None = None
+        self.kv_tokens: int | None = None
+        self.max_model_len: int | None = None
+        self.capacity_known = not spec().capacity.from_engine_metrics
+        self._health: _HealthCheck | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+
+    async def start(self, session: aiohttp.ClientSession, *, poll: bool) -> None:
+        """Read the KV capacity once (when the spec asks for it), then, with ``poll``, keep
+        polling the engine in the background."""
+        self.session = session
+        self._wake = asyncio.Event()
+        if self.spec().capacity.from_engine_metrics:
+            await self.refresh_capacity()
+        if poll:
+            self._task = asyncio.create_task(self._poll())
+
+    async def stop(self) -> None:
+        """Stop polling."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def set_capacity_known(self, known: bool) -> None:
+        """After new thresholds: whether their KV capacity is known; if not, read the engine's
+        now rather than in a poll interval."""
+        self.capacity_known = known
+        if known:
+            self.controller.lift(HOLD_ENGINE_CAPACITY)
+        elif self._wake is not None:
+            self._wake.set()
+
+    async def refresh_capacity(self) -> None:
+        """Read the engine's KV capacity from its ``/metrics``. On failure the last known value
+        stays; if none was ever read, ``failureMode`` decides: FailOpen enforces the policy's
+        explicit ``kvCacheTokens`` (or no KV cap), FailClosed answers 503 until it is read."""
+        assert self.session is not None
+        tokens: int | None = None
+        try:
+            async with self.session.get(self.upstream + "/metrics", timeout=PROBE_TIMEOUT) as resp:
+                if resp.status == 200:
+                    tokens = kv_capacity_from_metrics(await resp.text())
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("cannot read engine metrics: %s", exc)
+        spec = self.spec()
+        mml = spec.model.max_model_len
+        if tokens is not None and (tokens > MAX_REPORTED or (mml is not None and tokens < mml)):
+            # vLLM refuses to start unless its KV cache holds one max_model_len sequence; a
+            # figure below that (or absurdly large) is a broken report: never enforce it.
+            log.warning("ignoring the engine's implausible KV capacity of %d tokens", tokens)
+            tokens = None
+        c = self.controller
+        if tokens is not None:
+            if tokens != c.config.kv_capacity_tokens:
+                log.info("KV capacity from engine metrics: %d tokens", tokens)
+            self.kv_tokens = tokens
+            c.set_kv_capacity(tokens)
+            c.lift(HOLD_ENGINE_CAPACITY)
+            self.capacity_known = True
+            self.admission.kick()
+        elif not self.capacity_known and spec.failure_mode is FailureMode.FAIL_CLOSED:
+            # The next attempt is in a second (see _poll): say so, honestly.
+            c.hold(
+                Reason.FAIL_CLOSED,
+                key=HOLD_ENGINE_CAPACITY,
+                retry_after=1.0,
+                until=c.clock() + 1.0,
+                message="the model server's KV capacity is not known yet and failureMode is "
+                "FailClosed",
+            )
+
+    async def refresh_max_model_len(self) -> None:
+        """Learn the engine's context length from ``GET /v1/models`` (vLLM reports
+        ``max_model_len`` per model) when the policy gives no ``model.maxModelLen``: a defaulted
+        max_tokens is then kept within it, as the engine's own default would be."""
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                self.upstream + "/v1/models", timeout=PROBE_TIMEOUT
+            ) as resp:
+                data = await resp.json(content_type=None) if resp.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            log.debug("cannot read /v1/models: %s", exc)
+            return
+        lens: list[int] = [
+            m["max_model_len"]
+            for m in (data or {}).get("data") or []
+            if isinstance(m, dict) and type(m.get("max_model_len")) is int
+        ]
+        if lens and min(lens) > 0:
+            self.max_model_len = min(lens)
+
+    async def _poll(self) -> None:
+        """Every second while something is unknown, else every ``poll_seconds`` (or when new
+        thresholds wake it): the context length until read, the KV capacity when asked for."""
+        while True:
+            if self.spec().model.max_model_len is None and self.max_model_len is None:
+                await self.refresh_max_model_len()
+            unknown = not self.capacity_known or (
+                self.spec().model.max_model_len is None and self.max_model_len is None
+            )
+            wake = self._wake
+            assert wake is not None
+            with contextlib.suppress(TimeoutError):  # new thresholds may wake it early
+                await asyncio.wait_for(wake.wait(), 1.0 if unknown else self.poll_seconds)
+            wake.clear()
+            if self.spec().capacity.from_engine_metrics:
+                await self.refresh_capacity()
+
+    async def healthy(self) -> bool:
+        """GET the model server's ``/health`` (vLLM, SGLang and TGI serve it), cached for
+        :data:`HEALTH_CACHE_SECONDS` so probes cannot hammer it. Any answer below 500 counts as
+        up."""
+        now = time.monotonic()
+        if self._health is not None and now - self._health.at < HEALTH_CACHE_SECONDS:
+            return self._health.ok
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                self.upstream + "/health", timeout=aiohttp.ClientTimeout(total=1.0)
+            ) as resp:
+                ok = resp.status < 500
+        except (TimeoutError, aiohttp.ClientError):
+            ok = False
+        self._health = _HealthCheck(now, ok)
+        self.upstream_ok.value = ok
+        return ok

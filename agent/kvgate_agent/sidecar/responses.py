@@ -1,0 +1,171 @@
+"""Every answer the sidecar gives itself: an admission decision or an error turned into an HTTP
+response with its ``x-kvgate-*``, ``Retry-After`` and ``RateLimit*`` headers.
+
+Invariant: every refusal carries ``x-kvgate-decision`` and ``x-kvgate-reason`` and an
+OpenAI-style error body (:mod:`kvgate_agent.sidecar.openai_errors`), so clients and SDKs see
+kvgate's refusals like the model server's own.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from kvgate_agent.admission import Decision, Outcome, Reason
+from kvgate_agent.sidecar.openai_errors import (
+    INVALID_REQUEST_ERROR,
+    RATE_LIMIT_ERROR,
+    RATE_LIMIT_EXCEEDED,
+    SERVER_ERROR,
+    SERVICE_UNAVAILABLE,
+    RequestError,
+    error_body,
+)
+from kvgate_agent.sidecar.request import PathKind
+
+JSON = "application/json"
+#: Response header naming the thresholds mode (see ``agent_link.Mode``) when a node agent is used.
+THRESHOLDS_HEADER = "x-kvgate-thresholds"
+DECISION_HEADER = "x-kvgate-decision"
+REASON_HEADER = "x-kvgate-reason"
+
+
+def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
+    """A response with a JSON ``body`` (already serialised)."""
+    return web.Response(status=status, body=body, content_type=JSON, headers=headers)
+
+
+def refusal(d: Decision, kind: PathKind = "chat") -> web.Response:
+    """The answer to a refused decision (``d.ticket`` is None): its status (400, 429 or 503),
+    ``Retry-After`` (seconds) when the decision gives one, ``RateLimit-Policy`` and ``RateLimit``
+    when a bucket refused, and an OpenAI error body (a 400 names the offending field: ``prompt``
+    is called ``messages`` for chat)."""
+    headers = {DECISION_HEADER: d.outcome.value, REASON_HEADER: d.reason.value}
+    if d.retry_after is not None:
+        headers["Retry-After"] = str(d.retry_after)
+    if d.bucket_capacity is not None and d.bucket_window is not None:
+        quota = max(1, round(d.bucket_capacity))
+        headers["RateLimit-Policy"] = (
+            f'"{d.limit}";q={quota};w={max(1, round(d.bucket_window))};qu="{d.unit}"'
+        )
+        remaining = max(0, int(d.bucket_remaining or 0.0))
+        headers["RateLimit"] = f'"{d.limit}";r={remaining};t={d.retry_after or 1}'
+    if d.status == 400:
+        param = d.param or "max_tokens"
+        if param == "prompt" and kind == "chat":
+            param = "messages"
+        body = error_body(d.message, INVALID_REQUEST_ERROR, param, d.reason.value)
+    elif d.status == 503:
+        body = error_body(d.message, SERVICE_UNAVAILABLE, None, d.reason.value)
+    else:
+        body = error_body(d.message, RATE_LIMIT_ERROR, None, RATE_LIMIT_EXCEEDED)
+    return json_response(d.status, body, headers)
+
+
+def admitted_headers(d: Decision, mode: str | None, max_tokens_clamped: bool) -> dict[str, str]:
+    """Headers added to the model server's answer for an admitted request: the decision, the
+    thresholds mode (agent mode), what was degraded (a smaller ``max_tokens`` or another model,
+    or the policy's ``max_tokens`` cap) and the queue wait (milliseconds) when it waited."""
+    headers = {DECISION_HEADER: d.outcome.value}
+    if mode is not None:
+        headers[THRESHOLDS_HEADER] = mode
+    if d.outcome is Outcome.DEGRADED:
+        headers[REASON_HEADER] = d.reason.value
+        headers["x-kvgate-degraded"] = (
+            f"model={d.model}" if d.model is not None else f"max_tokens={d.max_tokens}"
+        )
+    elif max_tokens_clamped:
+        headers[REASON_HEADER] = "max_tokens_cap"
+        headers["x-kvgate-degraded"] = f"max_tokens={d.max_tokens}"
+    if d.queue_seconds > 0:
+        headers["x-kvgate-queue-wait-ms"] = str(round(d.queue_seconds * 1000))
+    return headers
+
+
+def bad_request(exc: RequestError) -> web.Response:
+    """A request the sidecar refuses before admission (invalid body, too large, bad header)."""
+    return json_response(
+        exc.status,
+        exc.body(),
+        {DECISION_HEADER: "rejected", REASON_HEADER: "invalid_request"},
+    )
+
+
+def draining() -> web.Response:
+    """503 for a new request while the sidecar shuts down."""
+    return json_response(
+        503,
+        error_body("sidecar is shutting down", SERVICE_UNAVAILABLE),
+        {
+            "Retry-After": "1",
+            DECISION_HEADER: "rejected",
+            REASON_HEADER: Reason.DRAINING.value,
+        },
+    )
+
+
+def non_canonical_path() -> web.Response:
+    """400 for a path that only normalises to an admission-controlled one."""
+    return json_response(
+        400,
+        error_body(
+            "use the canonical path for completions (no dot segments, repeated slashes or escapes)",
+            INVALID_REQUEST_ERROR,
+            None,
+            "non_canonical_path",
+        ),
+        {DECISION_HEADER: "rejected", REASON_HEADER: "invalid_request"},
+    )
+
+
+def upstream_unreachable(headers: dict[str, str]) -> web.Response:
+    """502 when the model server cannot be connected to (admitted request); ``headers`` are the
+    admission headers already decided."""
+    code = "upstream_unreachable"
+    return json_response(
+        502,
+        error_body("model server unreachable", SERVER_ERROR, None, code),
+        {**headers, "Retry-After": "1", REASON_HEADER: code},
+    )
+
+
+def upstream_failed_text(timeout: bool) -> tuple[str, str]:
+    """(message, code) for a model server that failed while answering (or timed out)."""
+    if timeout:
+        return "the model server did not answer in time", "upstream_timeout"
+    return "the model server failed while answering", "upstream_error"
+
+
+def upstream_failed(timeout: bool, headers: dict[str, str]) -> web.Response:
+    """504 (timeout) or 502 when the model server failed before anything was sent on."""
+    message, code = upstream_failed_text(timeout)
+    return json_response(
+        504 if timeout else 502,
+        error_body(message, SERVER_ERROR, None, code),
+        {**headers, "Retry-After": "1", REASON_HEADER: code},
+    )
+
+
+def upstream_failed_event(timeout: bool) -> bytes:
+    """The in-band SSE error event sent when the model server fails mid-stream (as vLLM does)."""
+    message, code = upstream_failed_text(timeout)
+    return b"data: " + error_body(message, SERVER_ERROR, None, code) + b"\n\n"
+
+
+def passthrough_unreachable() -> web.Response:
+    """502 when a pass-through request cannot connect to the model server."""
+    return json_response(
+        502,
+        error_body("model server unreachable", SERVER_ERROR, None, "upstream_unreachable"),
+        {DECISION_HEADER: "passthrough", "Retry-After": "1"},
+    )
+
+
+def passthrough_failed(exc: BaseException) -> web.Response:
+    """502 when a pass-through request fails before the model server answered."""
+    return json_response(
+        502,
+        error_body(
+            f"model server failed: {type(exc).__name__}", SERVER_ERROR, None, "upstream_error"
+        ),
+        {DECISION_HEADER: "passthrough"},
+    )

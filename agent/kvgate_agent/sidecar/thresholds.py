@@ -1,0 +1,210 @@
+"""Agent mode: enforce what the node agent answers (thresholds, the GPU safety net,
+``failureMode`` past the TTL) and build the report the sidecar syncs with.
+
+Invariant: new thresholds take effect without dropping in-flight work
+(``AdmissionController.reconfigure``), and are only re-applied when they or the mode changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission, Reason
+from kvgate_agent.contract.nodeadmission import PodThresholds, PolicyRef
+from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
+from kvgate_agent.contract.sync import MAX_REPORTED, SafetyNet, SyncAnswer, SyncReport
+from kvgate_agent.sidecar.agent_link import AgentSettings, Mode, SyncResult, ThresholdsLink
+from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.probe import EngineProbe
+
+log = logging.getLogger("kvgate.sidecar")
+
+#: What an agent-mode sidecar enforces without thresholds (before the first answer, unmanaged
+#: pods, FailOpen without any thresholds): no rate limits, no caps; everything is admitted.
+NO_LIMITS = RateLimitPolicySpec()
+#: Hold keys on the admission controller (see ``AdmissionController.hold``).
+HOLD_THRESHOLDS = "thresholds"
+HOLD_GPU_MEMORY = "gpu_memory"
+
+
+class AgentThresholds:
+    """The thresholds' side of one agent-mode sidecar.
+
+    Attributes:
+        link: the thresholds' state (last answer, its age, the mode it implies).
+        mode: the mode last enforced (None before the first :meth:`refresh`).
+        spec: the policy spec enforced now (:data:`NO_LIMITS` until thresholds arrive).
+        safety_net: the GPU safety net of the last answer.
+        policy_ref: the policy governing this pod in the last answer, if any.
+    """
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        clock: Callable[[], float],
+        controller: AdmissionController,
+        admission: AsyncAdmission,
+        metrics: SidecarMetrics,
+        probe: EngineProbe,
+    ) -> None:
+        self.settings = settings
+        self.controller = controller
+        self.admission = admission
+        self.metrics = metrics
+        self.probe = probe
+        self.link = ThresholdsLink(
+            clock,
+            failure_mode=settings.failure_mode,
+            ttl_override=settings.ttl_override,
+            sync_interval=settings.sync_interval,
+        )
+        self.mode: Mode | None = None
+        self.spec: RateLimitPolicySpec = NO_LIMITS
+        self.safety_net = SafetyNet()
+        self.policy_ref: PolicyRef | None = None
+        self._mismatch_seen: tuple[bool, str | None] = (False, None)
+        self._applied: tuple[PodThresholds | None, bool] | None = None
+
+    def refresh(self, *, force: bool = False) -> Mode:
+        """Bring enforcement in line with the link's :class:`Mode` now (time alone moves
+        ``stale`` to ``fail_open``/``fail_closed``, so this runs on every admission-controlled
+        request, after every sync and at every scrape; it only acts when the mode changed, or
+        when ``force`` is set after a new answer). Returns the mode.
+
+        Per mode: ``live``/``stale`` enforce the last thresholds in full, with a
+        ``gpu_memory_low`` hold while the safety net is closed; ``fail_open`` enforces the last
+        thresholds' local caps only (concurrency cap and KV capacity; no rate limits, no
+        safety net); ``fail_closed`` holds every new request with ``fail_closed`` (503,
+        Retry-After = the sync interval); ``waiting`` enforces no limits, or holds under a
+        configured FailClosed; ``unmanaged`` enforces no limits.
+        """
+        link = self.link
+        mode = link.mode()
+        if mode is self.mode and not force:
+            return mode
+        if mode is not self.mode:
+            self._log_change(mode)
+        self.mode = mode
+        if mode in (Mode.WAITING, Mode.UNMANAGED):
+            self.apply(None)
+        else:
+            self.apply(link.thresholds, local_caps_only=mode is Mode.FAIL_OPEN)
+        c = self.controller
+        if mode is Mode.FAIL_CLOSED or (
+            mode is Mode.WAITING and link.failure_mode is FailureMode.FAIL_CLOSED
+        ):
+            c.hold(
+                Reason.FAIL_CLOSED,
+                key=HOLD_THRESHOLDS,
+                retry_after=link.sync_interval_seconds,
+                message="no current admission thresholds from the node agent and failureMode "
+                "is FailClosed",
+            )
+        else:
+            c.lift(HOLD_THRESHOLDS)
+        self._apply_safety_net(mode)
+        self.admission.kick()
+        return mode
+
+    def _log_change(self, mode: Mode) -> None:
+        age = self.link.age_seconds()
+        (log.info if mode in (Mode.LIVE, Mode.UNMANAGED, Mode.WAITING) else log.warning)(
+            "thresholds: %s -> %s (last successful sync: %s, TTL %.1fs)",
+            "none" if self.mode is None else self.mode.value,
+            mode.value,
+            "never" if age is None else f"{age:.1f}s ago",
+            self.link.ttl_seconds,
+        )
+
+    def _apply_safety_net(self, mode: Mode) -> None:
+        """Hold new requests with ``gpu_memory_low`` while the last answer's safety net is
+        closed (live and stale modes only)."""
+        net = self.safety_net
+        if mode in (Mode.LIVE, Mode.STALE) and not net.open:
+            detail = net.reason or "GPU free memory below the safety margin"
+            if net.gpu_uuid is not None:
+                detail += f" on {net.gpu_uuid}"
+            self.controller.hold(
+                Reason.GPU_MEMORY_LOW,
+                key=HOLD_GPU_MEMORY,
+                retry_after=net.retry_after_seconds,
+                message=f"admission paused to protect GPU memory: {detail}",
+            )
+        else:
+            self.controller.lift(HOLD_GPU_MEMORY)
+
+    def apply(self, thresholds: PodThresholds | None, *, local_caps_only: bool = False) -> None:
+        """Enforce ``thresholds`` from now on without dropping in-flight work (see
+        ``AdmissionController.reconfigure``); None = no limits. ``local_caps_only`` keeps the
+        pod's concurrency cap and KV capacity but drops the rate limits (FailOpen).
+
+        The spec's tenants, priority, queue and overload settings take effect for new requests.
+        The KV capacity is the sidecar's own reading of the engine when the spec says
+        ``capacity.fromEngineMetrics`` and it has one, else the thresholds'
+        ``kvCacheTokens`` as resolved by the operator. ``per: Global`` limits arrive already
+        split by ``globalShare`` (the operator did it), so they are not split again here.
+        Waiters are re-examined at once.
+        """
+        if self._applied is not None and self._applied == (thresholds, local_caps_only):
+            return
+        self._applied = (thresholds, local_caps_only)
+        spec: RateLimitPolicySpec = NO_LIMITS
+        kv: int | None = None
+        if thresholds is not None:
+            spec = thresholds
+            if local_caps_only:
+                spec = thresholds.model_copy(update={"rate_limits": []})
+            kv = thresholds.kv_capacity_tokens
+            if spec.capacity.from_engine_metrics and self.probe.kv_tokens is not None:
+                kv = self.probe.kv_tokens
+        self.spec = spec
+        self.controller.reconfigure(AdmissionConfig.from_policy(spec, kv_capacity_tokens=kv))
+        self.probe.set_capacity_known(not spec.capacity.from_engine_metrics or kv is not None)
+        self.admission.kick()
+
+    def on_sync(self, result: SyncResult, answer: SyncAnswer | None) -> None:
+        """After every sync: count it; on a new answer, take its safety net and policy."""
+        if self.metrics.agent_sync is not None:
+            self.metrics.agent_sync.labels(result.value).inc()
+        if answer is not None:
+            self.safety_net = answer.safety_net
+            self.policy_ref = None if answer.pod is None else answer.pod.policy
+            self._check_expected_policy()
+        self.refresh(force=answer is not None)
+
+    def _check_expected_policy(self) -> None:
+        """Compare the governing policy with the one the pod's ``kvgate.io/policy`` annotation
+        names: a mismatch (another policy, or none) is logged once per change and exported as
+        ``kvgate_policy_mismatch``; admission follows the agent either way."""
+        expected = self.settings.expected_policy
+        got = self.policy_ref.name if self.policy_ref is not None else None
+        mismatch = expected is not None and got != expected
+        if mismatch and (mismatch, got) != self._mismatch_seen:
+            log.warning(
+                "this pod is annotated kvgate.io/policy=%s but is governed by %s",
+                expected,
+                "no RateLimitPolicy" if got is None else f"RateLimitPolicy {got}",
+            )
+        self._mismatch_seen = (mismatch, got)
+        self.metrics.policy_mismatch.value = mismatch
+
+    def sync_report(self) -> SyncReport:
+        """What this sidecar tells the node agent now (tokens; decisions cumulative)."""
+        a = self.settings
+        c = self.controller
+        cap = c.kv_capacity_tokens
+        answer = self.link.answer
+        return SyncReport(
+            namespace=a.pod_namespace,
+            name=a.pod_name,
+            uid=a.pod_uid,
+            in_flight=c.in_flight,
+            queue_length=c.queue_length,
+            kv_reserved_tokens=min(c.kv_reserved_tokens, MAX_REPORTED),
+            kv_capacity_tokens=cap if cap is not None and 0 < cap <= MAX_REPORTED else None,
+            decisions={k: min(v, MAX_REPORTED) for k, v in self.metrics.decision_counts.items()},
+            metrics_url=a.metrics_url,
+            gpu_uuids=list(a.gpu_uuids),
+            thresholds_etag=None if answer is None else answer.etag,
+        )
