@@ -100,7 +100,7 @@ async def test_seeded_draw_without_header_on_the_h100_profile(sim: Any) -> None:
             assert finish == ("stop" if true < 300 else "length")
         async with http.get(base + "/sim/stats") as resp:
             stats = await resp.json()
-    assert stats["num_gpu_blocks"] == 29205
+    assert stats["num_gpu_blocks"] == 29205 and stats["profile"] == "h100-llama3-8b"
 
 
 async def test_the_sidecar_forwards_the_header_untouched(

@@ -491,6 +491,7 @@ class SimServer:
                 "waiting": eng.num_waiting,
                 "used_blocks": eng.used_blocks,
                 "num_gpu_blocks": eng.config.num_gpu_blocks,
+                "profile": self.config.profile,
                 "kv_usage": eng.kv_usage,
                 "preemptions": eng.preemptions_total,
                 "preemptions_by_tenant": eng.preemptions_by_tenant,
