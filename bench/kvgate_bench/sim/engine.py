@@ -184,7 +184,7 @@ class StepResult:
         decode_tokens: tokens decoded this step (one per decoding request).
         decode_seqs: ``D``, sequences that decoded this step.
         context_tokens: ``K``, the decoding sequences' total context (prompt +
-            generated, the new token included), tokens.
+            tokens generated before this step, each), tokens.
         duration_s: the modelled duration of the step,
             ``StepTimeModel.seconds(P, D, K)``; 0 when there was no work.
     """

@@ -7,7 +7,7 @@ One engine iteration (one :meth:`kvgate_bench.sim.engine.SimEngine.step`) takes
 * ``b`` per prefill token ``P`` scheduled in the step (compute-bound), seconds/token;
 * ``c`` per decoding sequence ``D`` in the step (scheduling, sampling), seconds/sequence;
 * ``d`` per context token ``K`` the decoding sequences attend to (their KV read
-  from HBM), seconds/token.
+  from HBM: prompt + tokens generated before the step), seconds/token.
 
 Profiles (:data:`PROFILES`, chosen by ``kvgate-sim --profile``):
 
@@ -52,7 +52,8 @@ From those:
 * ``d`` (KV read per context token): 2 (K and V) x 32 layers x 1024 (8 x 128)
   x 2 bytes = 131,072 bytes; / 3.35e12 B/s = 39.1 ns, x beta2b 1.947 =
   **0.076 us** (H100); / 2.039e12 B/s = 64.3 ns, x 1.947 = **0.125 us** (A100).
-* ``c`` (per decoding sequence): BLIS's beta6 = **4.4 us** (H100). The A100's
+* ``c`` (per decoding sequence): BLIS's beta6 = **4.4 us** (H100; BLIS charges it
+  for every request in the batch, prefilling ones too). The A100's
   **20 us** is the issue's value; it is close to the A100 blackbox fit's
   beta2 (18.2 us per decode token).
 * ``a`` (per step): streaming the weights once, 8.03e9 parameters x 2 bytes =
@@ -63,16 +64,16 @@ From those:
   exact rounding is not reproduced here). The same sum on the A100 (2.039
   TB/s) gives 10.73 + 1.03 + 0.13 = 11.9 ms: **12 ms**.
 * ``b`` (per prefill token), raised to the FLOP floor: BLIS's fitted prefill
-  terms are at or below what the GPU can compute (blackbox 17.25 us/token on
-  the H100; trained-physics beta1a = 0.152 x the roofline, about 2.1 us/token),
-  so short-prompt fits understate the cost of long prefills. A forward pass
-  costs about 2 FLOPs per parameter per token: 2 x (6.98e9 layer + 0.53e9
-  lm_head parameters) = 15.0 GFLOP (attention over the context adds a few
-  percent at these lengths). The H100 SXM datasheet
-  (https://www.nvidia.com/en-us/data-center/h100/) lists 1,979 TFLOP/s BF16
-  *with sparsity*, i.e. 989.5 TFLOP/s dense: 15.0e9 / 989.5e12 = 15.2 us at
-  100 % MFU; at BLIS's prefill MFU 0.45, 15.0e9 / (0.45 x 989.5e12) = 33.7 us:
-  **33 us**. The A100's **100 us** is the issue's value: 15.0e9 / 312e12 =
+  terms are at or under that floor (blackbox 17.25 us/token on the H100, i.e.
+  88 % MFU; trained-physics beta1a = 0.152 x the roofline, about 2.1
+  us/token), while a long, compute-bound prefill runs at a realistic MFU. A
+  forward pass costs about 2 FLOPs per parameter per token: 2 x (6.98e9 layer
+  + 0.53e9 lm_head parameters) = 15.0 GFLOP (attention adds 4 x 32 x 4096 =
+  0.52 MFLOP per token of context, 3.5 % at 1,000 tokens). The H100 SXM
+  datasheet (https://www.nvidia.com/en-us/data-center/h100/) lists 1,979
+  TFLOP/s BF16 *with sparsity*, i.e. 989.5 TFLOP/s dense: 15.0e9 / 989.5e12
+  = 15.2 us at 100 % MFU; at BLIS's prefill MFU 0.45, 15.0e9 / (0.45 x
+  989.5e12) = 33.7 us: **33 us**. The A100's **100 us** is the issue's value: 15.0e9 / 312e12 =
   48.1 us at 100 % MFU, so 100 us is 48 % MFU (BLIS calibrates the A100's
   prefill MFU at 0.38, which would give 127 us).
 
@@ -130,7 +131,7 @@ class StepTimeModel:
                 chunks, and prompt + generated tokens of resumed requests).
             decode_seqs: ``D``, sequences that decode one token in the step.
             context_tokens: ``K``, the decoding sequences' total context, tokens
-                (prompt + generated, the new token included).
+                (prompt + tokens generated before this step, each).
         """
         return (
             self.a_s
