@@ -55,7 +55,8 @@ from prometheus_client.exposition import generate_latest
 
 from kvgate_bench.sim.engine import EngineConfig, RequestRejected, SimEngine, StepResult
 from kvgate_bench.sim.lengths import OUTPUT_TOKENS_HEADER, OutputLengths, parse_output_tokens
-from kvgate_bench.sim.steptime import StepTimeModel, constant_profile, profile
+from kvgate_bench.sim.steptime import StepTimeModel, constant_profile
+from kvgate_bench.sim.steptime import profile as steptime_profile
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class SimConfig:
         """The step-time model of ``profile``; raises ``ValueError`` for an unknown one."""
         if self.profile == "constant":
             return constant_profile(self.decode_ms, self.prefill_us_per_token)
-        return profile(self.profile)
+        return steptime_profile(self.profile)
 
     @property
     def kv_tokens(self) -> int:
