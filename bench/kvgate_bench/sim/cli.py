@@ -8,7 +8,9 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from kvgate_bench.sim.lengths import OUTPUT_LENGTH_MODES
 from kvgate_bench.sim.server import SimConfig, start_sim
+from kvgate_bench.sim.steptime import PROFILE_NAMES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +22,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--model", default="kvgate-sim-model", help="served model name")
     p.add_argument("--extra-models", default="", help="comma-separated extra accepted model names")
-    p.add_argument("--kv-capacity-tokens", type=int, default=65536, help="KV pool size, tokens")
+    p.add_argument(
+        "--profile",
+        choices=PROFILE_NAMES,
+        default="constant",
+        help="step-time model: constant (--decode-ms + --prefill-us-per-token, whole-prompt "
+        "prefill) or a realistic a + b*prefill + c*decodes + d*context profile with "
+        "chunked prefill (default: constant)",
+    )
+    p.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        default=None,
+        help="KV pool size, tokens (default: the profile's; constant: 65536)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=8192, help="max prompt+completion tokens")
     p.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
@@ -28,11 +43,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="prefill tokens per step (default: max(8192, max-model-len))",
+        help="token budget per step: prefill tokens for constant (default max(8192, "
+        "max-model-len)), every scheduled token for chunked profiles (default 8192)",
     )
-    p.add_argument("--decode-ms", type=float, default=10.0, help="engine iteration time, ms")
     p.add_argument(
-        "--prefill-us-per-token", type=float, default=20.0, help="prefill cost per token, us"
+        "--decode-ms", type=float, default=10.0, help="constant profile: iteration time, ms"
+    )
+    p.add_argument(
+        "--prefill-us-per-token",
+        type=float,
+        default=20.0,
+        help="constant profile: prefill cost per token, us",
+    )
+    p.add_argument(
+        "--output-lengths",
+        choices=OUTPUT_LENGTH_MODES,
+        default="max",
+        help="true output length of requests without an x-sim-output-tokens header: max "
+        "(run to max_tokens) or lognormal (seeded draw, mu 5.02 sigma 0.86; default: max)",
+    )
+    p.add_argument(
+        "--output-seed", type=int, default=0, help="seed of the lognormal output lengths"
     )
     return p
 
@@ -49,6 +80,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_ms=args.decode_ms,
         prefill_us_per_token=args.prefill_us_per_token,
+        profile=args.profile,
+        output_lengths=args.output_lengths,
+        output_seed=args.output_seed,
     )
 
 
@@ -61,7 +95,7 @@ async def serve(config: SimConfig, host: str, port: int) -> None:
     runner, bound = await start_sim(config, host, port)
     print(
         f"kvgate-sim listening on http://{host}:{bound} model={config.model} "
-        f"blocks={config.num_gpu_blocks}x{config.block_size}",
+        f"profile={config.profile} blocks={config.num_gpu_blocks}x{config.block_size}",
         flush=True,
     )
     try:
@@ -76,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         config.engine_config()  # validate early
+        config.output_length_source()
     except ValueError as exc:
         print(f"kvgate-sim: {exc}", file=sys.stderr)
         return 2

@@ -4,35 +4,52 @@ The engine models the one thing kvgate cares about: how a paged KV cache of
 ``num_gpu_blocks`` blocks of ``block_size`` tokens fills up under continuous
 batching, and when the scheduler has to *preempt* (recompute) a running request
 because the pool ran out of blocks. It holds no clock: :meth:`SimEngine.step`
-advances exactly one engine iteration and returns what happened, and the caller
-(``kvgate_bench.sim.server``) turns that into wall-clock time.
+advances exactly one engine iteration and returns what happened together with
+the modelled duration of that iteration in seconds
+(:class:`kvgate_bench.sim.steptime.StepTimeModel`); the caller turns that into
+time: ``kvgate_bench.sim.server`` sleeps it on the real clock, an in-process
+driver can add it to a virtual clock.
 
-Behaviour follows ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``):
+Behaviour follows ``Scheduler.schedule`` in vLLM's
+https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/sched/scheduler.py:
 
 * RUNNING requests are scheduled first, in admission order. Each needs KV slots
-  for the tokens it computes this step; if the pool has no free block, the most
-  recently admitted running request is popped (``self.running.pop()``), all its
-  blocks are freed, its computed-token count is reset to 0, and it is put at the
-  FRONT of the waiting queue (``waiting.prepend_request``). If the victim is the
-  request being scheduled, it is simply not scheduled.
+  for the tokens it computes this step: one for a decode, the next chunk for a
+  request whose prefill is still partial (it was admitted last, so it comes
+  after the decodes). If the pool has no free block, the most recently admitted
+  running request is popped (``self.running.pop()``), all its blocks are freed,
+  its computed-token count is reset to 0, and it is put at the FRONT of the
+  waiting queue (``waiting.prepend_request``). If the victim is the request
+  being scheduled, it is simply not scheduled.
 * WAITING requests are admitted FIFO only when no preemption happened in this
-  step, while ``running < max_num_seqs``, while the prefill fits the token
-  budget and while its blocks fit above a small watermark (vLLM V0's
-  ``BlockSpaceManager`` ``watermark=0.01``). Admission stops at the first
-  request that does not fit (head-of-line, FCFS). A resumed request's prefill
-  covers its prompt plus every token generated so far (recompute preemption).
-* Every scheduled request then produces exactly one token (prefill produces the
-  first token, as in vLLM); a request that reaches ``max_tokens`` finishes and
-  frees its blocks.
+  step, while ``running < max_num_seqs``, while token budget is left and while
+  their blocks fit above a small watermark (vLLM V0's ``BlockSpaceManager``
+  ``watermark=0.01``). Admission stops at the first request that does not fit
+  (head-of-line, FCFS). A resumed request's prefill covers its prompt plus
+  every token generated so far (recompute preemption).
+* Token budget (``max_num_batched_tokens``): with ``chunked_prefill`` (vLLM V1's
+  default) it bounds every token scheduled in the step, decodes (one each)
+  included, and a prefill that does not fit takes what is left of the budget
+  (``num_new_tokens = min(num_new_tokens, token_budget)``) and continues in
+  the next steps. Without it (the ``constant`` profile, kvgate-sim's behaviour
+  before chunking) it bounds prefill tokens only and a prompt is prefilled
+  whole or not at all.
+* A request samples a token only in a step that completes its prefill (its
+  first token) or decodes (one more token). It finishes when it has produced
+  ``min(output_tokens, max_tokens)`` tokens: ``finish_reason`` ``length`` when
+  that is ``max_tokens`` (vLLM's ``check_stop`` tests the length cap before
+  EOS), ``stop`` when the model's true length (EOS) came first.
 
-Simplifications: no chunked prefill (the budget applies to prefill tokens only
-and must be at least ``max_model_len``), no prefix caching, no stop strings.
+Simplifications: no prefix caching, no stop strings, no
+``long_prefill_token_threshold``, no speculative decoding.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+from kvgate_bench.sim.steptime import StepTimeModel, constant_profile
 
 
 def cdiv(a: int, b: int) -> int:
@@ -62,10 +79,16 @@ class EngineConfig:
         block_size: tokens per KV block (vLLM default 16).
         max_model_len: maximum prompt + completion length in tokens.
         max_num_seqs: maximum number of RUNNING requests (vLLM default 256).
-        max_num_batched_tokens: prefill tokens admitted per step; must be at
-            least ``max_model_len`` since prefill is never chunked.
+        max_num_batched_tokens: the token budget of one step: every scheduled
+            token with ``chunked_prefill``, prefill tokens only without it
+            (then it must be at least ``max_model_len``, as a whole prompt
+            must fit).
         watermark: fraction of the pool kept free when admitting (not when
             decoding), as vLLM's block manager watermark (0.01).
+        chunked_prefill: chunk prefills under the token budget (vLLM V1) or
+            prefill whole prompts (kvgate-sim before profiles).
+
+    Raises ``ValueError`` on construction for sizes below their minimum.
     """
 
     num_gpu_blocks: int
@@ -74,13 +97,16 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     watermark: float = 0.01
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError("num_gpu_blocks, block_size and max_num_seqs must be >= 1")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2 tokens")
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if not self.chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len (prefill is not chunked)"
             )
@@ -99,7 +125,11 @@ class Sequence:
 
     ``generated`` counts output tokens produced so far (they survive
     preemption); ``num_computed`` counts tokens whose KV is in the cache (reset
-    to 0 on preemption); ``blocks`` is the number of KV blocks held.
+    to 0 on preemption); ``blocks`` is the number of KV blocks held;
+    ``prefill_len`` is the length of the current prefill (prompt + generated at
+    admission): the sequence decodes once ``num_computed`` reaches it.
+    ``output_tokens`` is the model's true output length (EOS included), or
+    ``None`` to run to ``max_tokens``. All counts are tokens.
     """
 
     request_id: str
@@ -107,15 +137,34 @@ class Sequence:
     max_tokens: int
     tenant: str
     arrival: int
+    output_tokens: int | None = None
     generated: int = 0
     num_computed: int = 0
     blocks: int = 0
     num_preemptions: int = 0
+    prefill_len: int = 0
 
     @property
     def num_tokens(self) -> int:
         """Prompt + generated tokens (vLLM ``Request.num_tokens``)."""
         return self.prompt_tokens + self.generated
+
+    @property
+    def target_tokens(self) -> int:
+        """Output tokens this request will produce: ``min(output_tokens, max_tokens)``."""
+        if self.output_tokens is None:
+            return self.max_tokens
+        return min(self.output_tokens, self.max_tokens)
+
+    @property
+    def finish_reason(self) -> str:
+        """``"length"`` if it runs to ``max_tokens``, ``"stop"`` if EOS comes first."""
+        return "length" if self.target_tokens >= self.max_tokens else "stop"
+
+    @property
+    def decoding(self) -> bool:
+        """True once the current prefill is complete (the next step decodes)."""
+        return self.num_computed >= self.prefill_len
 
 
 @dataclass
@@ -124,32 +173,46 @@ class StepResult:
 
     Attributes:
         new_tokens: request id -> 0-based index of the output token produced
-            this step (one token per scheduled request).
-        finished: ids that reached ``max_tokens`` this step (blocks freed).
+            this step (one per request that decoded or completed its prefill;
+            none for a partial prefill chunk).
+        finished: ids that produced their last token this step (blocks freed).
+        finish_reasons: finished id -> ``"stop"`` or ``"length"``.
         preempted: ids preempted this step (now at the front of waiting).
         admitted: ids admitted from waiting this step (new or resumed).
-        prefill_tokens: tokens prefilled this step (prompt, or prompt +
-            generated for resumed requests); drives the step's duration.
-        decode_tokens: tokens decoded this step (one per running request).
+        prefill_tokens: ``P``, tokens prefilled this step (prompt chunks, or
+            prompt + generated for resumed requests).
+        decode_tokens: tokens decoded this step (one per decoding request).
+        decode_seqs: ``D``, sequences that decoded this step.
+        context_tokens: ``K``, the decoding sequences' total context (prompt +
+            tokens generated before this step, each), tokens.
+        duration_s: the modelled duration of the step,
+            ``StepTimeModel.seconds(P, D, K)``; 0 when there was no work.
     """
 
     new_tokens: dict[str, int] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)
+    finish_reasons: dict[str, str] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
     admitted: list[str] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    decode_seqs: int = 0
+    context_tokens: int = 0
+    duration_s: float = 0.0
 
 
 class SimEngine:
     """Continuous-batching engine with a paged KV pool and recompute preemption.
 
     Pure and synchronous: no clock, no I/O. See the module docstring for the
-    scheduling rules and their source in vLLM.
+    scheduling rules and their source in vLLM. ``steptime`` prices each step
+    (default: the ``constant`` profile, 10 ms per step + 20 us per prefill
+    token).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, steptime: StepTimeModel | None = None) -> None:
         self.config = config
+        self.steptime = steptime if steptime is not None else constant_profile()
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self._by_id: dict[str, Sequence] = {}
@@ -232,17 +295,27 @@ class SimEngine:
             )
 
     def submit(
-        self, request_id: str, prompt_tokens: int, max_tokens: int, tenant: str = ""
+        self,
+        request_id: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        tenant: str = "",
+        output_tokens: int | None = None,
     ) -> Sequence:
         """Queue a request (tokens) at the back of waiting; it is admitted by step().
 
-        Raises :class:`RequestRejected` (see :meth:`check`) or ``ValueError``
-        for a duplicate live id.
+        ``output_tokens`` is the model's true output length (EOS included;
+        ``None``: run to ``max_tokens``); the request produces
+        ``min(output_tokens, max_tokens)`` tokens. Raises
+        :class:`RequestRejected` (see :meth:`check`), or ``ValueError`` for a
+        duplicate live id or ``output_tokens < 1``.
         """
         if request_id in self._by_id:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if output_tokens is not None and output_tokens < 1:
+            raise ValueError(f"output_tokens must be >= 1, got {output_tokens}")
         self.check(prompt_tokens, max_tokens)
-        seq = Sequence(request_id, prompt_tokens, max_tokens, tenant, self._arrivals)
+        seq = Sequence(request_id, prompt_tokens, max_tokens, tenant, self._arrivals, output_tokens)
         self._arrivals += 1
         self._by_id[request_id] = seq
         self.waiting.append(seq)
@@ -290,53 +363,84 @@ class SimEngine:
         self.preemptions_by_tenant[seq.tenant] = self.preemptions_by_tenant.get(seq.tenant, 0) + 1
 
     def step(self) -> StepResult:
-        """Advance one engine iteration: schedule, then produce one token each.
+        """Advance one engine iteration: schedule, compute, sample.
 
-        Returns a :class:`StepResult`; a no-op result when there is no work.
+        Returns a :class:`StepResult` with the modelled ``duration_s``; a no-op
+        result (duration 0) when there is no work.
         """
         result = StepResult()
-        scheduled: list[Sequence] = []
+        if not self.has_work:
+            return result
+        cfg = self.config
+        chunked = cfg.chunked_prefill
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []  # (sequence, tokens computed this step)
 
         # 1. RUNNING requests, oldest first; preempt from the tail when full.
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            while not self._allocate(seq, seq.num_tokens):
+            num_new = seq.num_tokens - seq.num_computed
+            if chunked:
+                num_new = min(num_new, budget)
+                if num_new == 0:  # budget spent: not scheduled this step, keeps its blocks
+                    i += 1
+                    continue
+            while not self._allocate(seq, seq.num_computed + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 result.preempted.append(victim.request_id)
                 if victim is seq:
                     break
             else:
-                scheduled.append(seq)
-                result.decode_tokens += seq.num_tokens - seq.num_computed
+                scheduled.append((seq, num_new))
+                if chunked:
+                    budget -= num_new
                 i += 1
 
         # 2. WAITING requests, FIFO, only if nothing was preempted this step.
-        budget = self.config.max_num_batched_tokens
         while not result.preempted and self.waiting:
             seq = self.waiting[0]
-            prefill = seq.num_tokens - seq.num_computed
-            if len(self.running) >= self.config.max_num_seqs or prefill > budget:
+            num_new = seq.num_tokens - seq.num_computed
+            if len(self.running) >= cfg.max_num_seqs:
                 break
-            if not self._allocate(seq, seq.num_tokens, reserve=self.config.watermark_blocks):
+            if chunked:
+                if budget <= 0:
+                    break
+                num_new = min(num_new, budget)
+            elif num_new > budget:
+                break
+            if not self._allocate(seq, seq.num_computed + num_new, reserve=cfg.watermark_blocks):
                 break
             self.waiting.popleft()
+            seq.prefill_len = seq.num_tokens
             self.running.append(seq)
-            scheduled.append(seq)
-            budget -= prefill
-            result.prefill_tokens += prefill
+            scheduled.append((seq, num_new))
+            budget -= num_new
             result.admitted.append(seq.request_id)
 
-        # 3. "Execute": every scheduled request computes its tokens and samples one.
-        for seq in scheduled:
-            seq.num_computed = seq.num_tokens
+        # 3. "Execute": compute the scheduled tokens; sample where a prefill
+        # completed or a sequence decoded.
+        for seq, num_new in scheduled:
+            if seq.decoding:
+                result.decode_tokens += num_new
+                result.decode_seqs += 1
+                result.context_tokens += seq.num_tokens
+            else:
+                result.prefill_tokens += num_new
+            seq.num_computed += num_new
+            if seq.num_computed < seq.num_tokens:
+                continue  # a partial prefill chunk: no token yet
             result.new_tokens[seq.request_id] = seq.generated
             seq.generated += 1
-            if seq.generated >= seq.max_tokens:
+            if seq.generated >= seq.target_tokens:
                 self.running.remove(seq)
                 del self._by_id[seq.request_id]
                 self._free(seq)
                 self.finished_total += 1
                 result.finished.append(seq.request_id)
+                result.finish_reasons[seq.request_id] = seq.finish_reason
+        result.duration_s = self.steptime.seconds(
+            result.prefill_tokens, result.decode_seqs, result.context_tokens
+        )
         return result

@@ -1,9 +1,12 @@
 """kvgate-sim HTTP server: a vLLM-compatible OpenAI API driven by :class:`SimEngine`.
 
 One background task runs the engine in real time while there is work: each
-iteration lasts ``decode_ms`` plus ``prefill_us_per_token`` per prefilled token,
-then the tokens it produced are delivered to the waiting handlers. When idle the
-task sleeps on an :class:`asyncio.Event` (no polling).
+iteration lasts the duration the engine's step-time model gives it
+(:mod:`kvgate_bench.sim.steptime`: the ``constant`` profile's ``decode_ms``
+plus ``prefill_us_per_token`` per prefilled token by default, or a realistic
+profile's ``a + b*P + c*D + d*K``), slept on the real clock, then the tokens it
+produced are delivered to the waiting handlers. When idle the task sleeps on an
+:class:`asyncio.Event` (no polling).
 
 Endpoints (JSON shapes as vLLM's OpenAI server returns them):
 
@@ -21,9 +24,15 @@ Prompt token counting (deterministic, no tokenizer):
   for a list of token ids.
 
 Generated token ``i`` is the word ``WORDS[i % len(WORDS)]`` with a leading
-space, so the completion's whitespace word count equals its token count. Every
-completion runs to ``max_tokens`` (finish_reason ``"length"``); ``max_tokens``
-(``max_completion_tokens`` for chat) defaults to ``max_model_len - prompt``.
+space, so the completion's whitespace word count equals its token count.
+``max_tokens`` (``max_completion_tokens`` for chat) defaults to
+``max_model_len - prompt``. A completion has ``min(L, max_tokens)`` tokens where
+``L`` is its true length: the simulator-only header ``x-sim-output-tokens``
+(an integer >= 1, else 400), or else a draw from
+:class:`kvgate_bench.sim.lengths.OutputLengths` (``--output-lengths``; by
+default no draw, so the completion runs to ``max_tokens``). finish_reason is
+``"stop"`` when ``L < max_tokens``, ``"length"`` otherwise; usage counts the
+tokens sent.
 
 The tenant of a request is its ``x-kvgate-tenant`` header ("" when absent).
 """
@@ -45,6 +54,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.exposition import generate_latest
 
 from kvgate_bench.sim.engine import EngineConfig, RequestRejected, SimEngine, StepResult
+from kvgate_bench.sim.lengths import OUTPUT_TOKENS_HEADER, OutputLengths, parse_output_tokens
+from kvgate_bench.sim.steptime import StepTimeModel, constant_profile
+from kvgate_bench.sim.steptime import profile as steptime_profile
 
 logger = logging.getLogger(__name__)
 
@@ -62,30 +74,56 @@ class SimConfig:
     Attributes:
         model: served model name; requests naming another model get 404.
         extra_models: further accepted model names (for fallback routing).
-        kv_capacity_tokens: KV pool size in tokens; blocks = this // block_size.
+        kv_capacity_tokens: KV pool size in tokens; blocks = this // block_size;
+            ``None`` means the profile's pool (``constant``: 65536).
         block_size: tokens per KV block.
         max_model_len: maximum prompt + completion tokens per request.
         max_num_seqs: maximum concurrently running requests.
-        max_num_batched_tokens: prefill tokens per step; ``None`` means
-            ``max(8192, max_model_len)``.
-        decode_ms: duration of one engine iteration, milliseconds.
-        prefill_us_per_token: extra iteration time per prefilled token, microseconds.
+        max_num_batched_tokens: token budget per step (prefill tokens only for
+            ``constant``, every scheduled token for the chunked-prefill
+            profiles); ``None`` means ``max(8192, max_model_len)`` for
+            ``constant`` and 8192 otherwise.
+        decode_ms: ``constant`` profile: duration of one engine iteration, milliseconds.
+        prefill_us_per_token: ``constant`` profile: extra iteration time per
+            prefilled token, microseconds.
+        profile: step-time profile (``constant``, ``h100-llama3-8b``,
+            ``a100-llama3-8b``; :mod:`kvgate_bench.sim.steptime`).
+        output_lengths: true lengths of requests without ``x-sim-output-tokens``:
+            ``max`` (run to max_tokens) or ``lognormal`` (seeded draws).
+        output_seed: seed of the ``lognormal`` draws.
     """
 
     model: str = "kvgate-sim-model"
     extra_models: tuple[str, ...] = ()
-    kv_capacity_tokens: int = 65536
+    kv_capacity_tokens: int | None = None
     block_size: int = 16
     max_model_len: int = 8192
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     decode_ms: float = 10.0
     prefill_us_per_token: float = 20.0
+    profile: str = "constant"
+    output_lengths: str = "max"
+    output_seed: int = 0
+
+    @property
+    def steptime(self) -> StepTimeModel:
+        """The step-time model of ``profile``; raises ``ValueError`` for an unknown one."""
+        if self.profile == "constant":
+            return constant_profile(self.decode_ms, self.prefill_us_per_token)
+        return steptime_profile(self.profile)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV pool size in tokens: ``kv_capacity_tokens`` or the profile's pool."""
+        if self.kv_capacity_tokens is not None:
+            return self.kv_capacity_tokens
+        return self.steptime.kv_capacity_tokens
 
     @property
     def num_gpu_blocks(self) -> int:
         """KV pool size in blocks."""
-        return self.kv_capacity_tokens // self.block_size
+        return self.kv_tokens // self.block_size
 
     @property
     def served_models(self) -> tuple[str, ...]:
@@ -93,19 +131,21 @@ class SimConfig:
         return (self.model, *(m for m in self.extra_models if m != self.model))
 
     def engine_config(self) -> EngineConfig:
-        """The :class:`EngineConfig` for this simulator."""
-        batched = self.max_num_batched_tokens or max(8192, self.max_model_len)
+        """The :class:`EngineConfig` for this simulator; ``ValueError`` if invalid."""
+        chunked = self.steptime.chunked_prefill
+        default_batched = 8192 if chunked else max(8192, self.max_model_len)
         return EngineConfig(
             num_gpu_blocks=self.num_gpu_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=batched,
+            max_num_batched_tokens=self.max_num_batched_tokens or default_batched,
+            chunked_prefill=chunked,
         )
 
-    def step_duration_s(self, prefill_tokens: int) -> float:
-        """Seconds one iteration takes: decode latency + prefill tokens x per-token cost."""
-        return self.decode_ms / 1e3 + prefill_tokens * self.prefill_us_per_token / 1e6
+    def output_length_source(self) -> OutputLengths:
+        """A fresh :class:`OutputLengths` for this configuration; ``ValueError`` if invalid."""
+        return OutputLengths(self.output_lengths, self.output_seed)
 
 
 class ApiError(Exception):
@@ -177,7 +217,8 @@ class SimServer:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.engine = SimEngine(config.engine_config())
+        self.engine = SimEngine(config.engine_config(), config.steptime)
+        self.lengths = config.output_length_source()
         self.runner: web.AppRunner | None = None
         self.active_requests = 0
         self._queues: dict[str, asyncio.Queue[int | None]] = {}
@@ -244,7 +285,7 @@ class SimServer:
                 while self.engine.has_work:
                     result = self.engine.step()
                     self._count_preemptions(result)
-                    await asyncio.sleep(self.config.step_duration_s(result.prefill_tokens))
+                    await asyncio.sleep(result.duration_s)
                     for rid, index in result.new_tokens.items():
                         queue = self._queues.get(rid)
                         if queue is not None:
@@ -340,9 +381,16 @@ class SimServer:
         if max_tokens is None:
             max_tokens = self.config.max_model_len - prompt_tokens
         tenant = request.headers.get(TENANT_HEADER, "")
+        try:
+            output_tokens = parse_output_tokens(request.headers.get(OUTPUT_TOKENS_HEADER))
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
-            self.engine.submit(rid, prompt_tokens, max_tokens, tenant)
+            self.engine.check(prompt_tokens, max_tokens)
+            if output_tokens is None:
+                output_tokens = self.lengths.draw()  # drawn only for requests the engine takes
+            seq = self.engine.submit(rid, prompt_tokens, max_tokens, tenant, output_tokens)
         except RequestRejected as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
         self.requests_total.labels(tenant=tenant).inc()
@@ -350,13 +398,13 @@ class SimServer:
         self._queues[rid] = queue
         self._wake.set()
         self.active_requests += 1
-        reply = _Reply(rid, str(body["model"]), chat, prompt_tokens)
+        reply = _Reply(rid, str(body["model"]), chat, prompt_tokens, seq.finish_reason)
         try:
             if body.get("stream"):
                 opts = body.get("stream_options") or {}
                 include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-                return await self._stream(request, reply, queue, max_tokens, include_usage)
-            return await self._collect(reply, queue, max_tokens)
+                return await self._stream(request, reply, queue, seq.target_tokens, include_usage)
+            return await self._collect(reply, queue, seq.target_tokens)
         finally:
             # Runs on completion, on error and on client disconnect (handler cancelled).
             self.active_requests -= 1
@@ -364,10 +412,10 @@ class SimServer:
             self.engine.cancel(rid)
 
     async def _collect(
-        self, reply: _Reply, queue: asyncio.Queue[int | None], max_tokens: int
+        self, reply: _Reply, queue: asyncio.Queue[int | None], target: int
     ) -> web.Response:
         text: list[str] = []
-        while len(text) < max_tokens:
+        while len(text) < target:
             index = await queue.get()
             if index is None:
                 raise ApiError(
@@ -383,7 +431,7 @@ class SimServer:
         request: web.Request,
         reply: _Reply,
         queue: asyncio.Queue[int | None],
-        max_tokens: int,
+        target: int,
         include_usage: bool,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
@@ -394,12 +442,12 @@ class SimServer:
             await resp.prepare(request)
             if reply.chat:
                 await resp.write(_sse(reply.chunk({"role": "assistant", "content": ""}, None)))
-            while sent < max_tokens:
+            while sent < target:
                 index = await queue.get()
                 if index is None:  # shutting down: end the stream without [DONE]
                     return resp
                 sent += 1
-                finish = "length" if sent == max_tokens else None
+                finish = reply.finish_reason if sent == target else None
                 await resp.write(_sse(reply.chunk(token_text(index), finish)))
             if include_usage:
                 await resp.write(_sse(reply.usage_chunk(sent)))
@@ -444,6 +492,7 @@ class SimServer:
                 "waiting": eng.num_waiting,
                 "used_blocks": eng.used_blocks,
                 "num_gpu_blocks": eng.config.num_gpu_blocks,
+                "profile": self.config.profile,
                 "kv_usage": eng.kv_usage,
                 "preemptions": eng.preemptions_total,
                 "preemptions_by_tenant": eng.preemptions_by_tenant,
@@ -457,12 +506,13 @@ class SimServer:
 
 @dataclass(frozen=True)
 class _Reply:
-    """Builds the OpenAI response objects of one request."""
+    """Builds the OpenAI response objects of one request (``finish_reason``: stop or length)."""
 
     rid: str
     model: str
     chat: bool
     prompt_tokens: int
+    finish_reason: str = "length"
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -506,7 +556,7 @@ class _Reply:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice.update(logprobs=None, finish_reason="length", stop_reason=None)
+        choice.update(logprobs=None, finish_reason=self.finish_reason, stop_reason=None)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [choice], "usage": self._usage(completion_tokens)}
 
