@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import yaml
 
+from kvgate_bench.toolkit import free_port, wait_until
 from kvgate_operator.desired import compute
 from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings
-from tests.conftest import free_port, policy_doc
+from tests.conftest import policy_doc
 
 GROUP = "kvgate.io"
 
@@ -153,11 +154,7 @@ def converged(kube: Any, timeout: float = 30) -> tuple[dict[str, Any], dict[Any,
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        time.sleep(0.1)
+    wait_until(cond, timeout, "the condition", interval=0.1)
 
 
 def entries(specs: dict[str, Any], node_name: str) -> dict[str, dict[str, Any]]:

@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from kvgate_bench.sim.server import SimConfig, start_sim
-from tests.conftest import SidecarFactory, free_port, gauges
+from kvgate_bench.toolkit import free_port
+from tests.conftest import SidecarFactory, gauges
 from tests.upstream import CHAT, Upstream
 
 

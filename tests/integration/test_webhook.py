@@ -35,7 +35,7 @@ from cryptography import x509
 from kopf._cogs.structs import bodies
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate_bench.nodestack import wait_until
+from kvgate_bench.toolkit import free_port, wait_until
 from kvgate_operator.certs import new_ca, new_serving_cert
 from kvgate_operator.inject import (
     ANNOTATION_INJECTED,
@@ -50,7 +50,6 @@ from kvgate_operator.webhook import (
     ReloadingWebhookServer,
     merge_patch,
 )
-from tests.conftest import free_port
 
 CONFIG_NAME = "kvgate-test-sidecar-injector"
 UNGUARDED_CONFIG_NAME = "kvgate-test-unguarded-injector"

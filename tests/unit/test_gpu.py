@@ -35,14 +35,7 @@ from kvgate_agent.gpu.fake import (
     write_scenario,
 )
 from kvgate_agent.gpu.nvml import map_nvml_error
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from kvgate_bench.toolkit import FakeClock
 
 
 def two_gpus_one_mig() -> list[FakeGpu]:
@@ -64,7 +57,7 @@ def fake() -> Iterator[FakeGpuBackend]:
 
 @pytest.fixture
 def clock() -> FakeClock:
-    return FakeClock()
+    return FakeClock(1000.0)
 
 
 @pytest.fixture
