@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate_bench.loadgen import percentile
+from kvgate_bench.toolkit import free_port, percentile, wait_port
 
 TARGET_ADDED_P50_MS = 0.35
 TARGET_ADDED_P99_MS = 1.0
@@ -247,29 +247,12 @@ spec:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on port {port} after {timeout}s")
-
-
 @contextlib.contextmanager
 def processes(workdir: Path, profile: Path | None = None) -> Iterator[tuple[int, int]]:
     """Start the upstream and the sidecar as child processes; yields (upstream, sidecar) ports
     and stops both (SIGTERM, then SIGKILL) on exit. With ``profile``, the sidecar runs under
     cProfile and writes its stats there when it exits."""
-    up_port, sc_port = _free_port(), _free_port()
+    up_port, sc_port = free_port(), free_port()
     policy = workdir / "policy.yaml"
     policy.write_text(POLICY_YAML)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -283,7 +266,7 @@ def processes(workdir: Path, profile: Path | None = None) -> Iterator[tuple[int,
                     stdout=up_log, stderr=subprocess.STDOUT, env=env,
                 )
             )  # fmt: skip
-        _wait_port(up_port, procs[0])
+        wait_port(up_port, procs[0])
         with (workdir / "sidecar.log").open("wb") as sc_log:
             procs.append(
                 subprocess.Popen(
@@ -295,7 +278,7 @@ def processes(workdir: Path, profile: Path | None = None) -> Iterator[tuple[int,
                     stdout=sc_log, stderr=subprocess.STDOUT, env=env,
                 )
             )  # fmt: skip
-        _wait_port(sc_port, procs[1])
+        wait_port(sc_port, procs[1])
         yield up_port, sc_port
     finally:
         for p in procs:

@@ -25,7 +25,6 @@ import argparse
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -34,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.nodestack import NodeStack, clamped_to, metric_value, wait_until
+from kvgate_bench.nodestack import NodeStack, clamped_to, metric_value
+from kvgate_bench.toolkit import cpu_seconds, find_k8s_bin, memory_kib, percentile, wait_until
 
 NS = "bench"
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cap_policy(cap: int) -> dict[str, Any]:
@@ -53,24 +52,11 @@ def cap_policy(cap: int) -> dict[str, Any]:
     }
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
-def rss_mib(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) in MiB."""
-    vals = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            k, v = line.split(":")
-            vals[k] = int(v.split()[0]) / 1024
-    return vals["VmRSS"], vals["VmHWM"]
-
-
 def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+    """:func:`~kvgate_bench.toolkit.percentile` of a list known not to be empty."""
+    got = percentile(values, q)
+    assert got is not None
+    return got
 
 
 def agent_metric(stack: NodeStack, name: str, **labels: str) -> float:
@@ -108,12 +94,12 @@ def propagation(stack: NodeStack, changes: int, probe_interval: float) -> dict[s
         del applied
     return {
         "changes": changes,
-        "p50_all": statistics.median(per_change),
+        "p50_all": pct(per_change, 50),
         "p99_all": pct(per_change, 99),
         "max_all": max(per_change),
-        "p50_sidecar": statistics.median(per_sidecar),
+        "p50_sidecar": pct(per_sidecar, 50),
         "p99_sidecar": pct(per_sidecar, 99),
-        "kubectl_p50": statistics.median(apply_only),
+        "kubectl_p50": pct(apply_only, 50),
         "kubectl_p99": pct(apply_only, 99),
     }
 
@@ -137,7 +123,7 @@ def agent_window(stack: NodeStack, window: float) -> dict[str, float]:
     )
     count1 = agent_metric(stack, "kvgate_node_sync_duration_seconds_count")
     sum1 = agent_metric(stack, "kvgate_node_sync_duration_seconds_sum")
-    rss, hwm = rss_mib(pid)
+    rss, hwm = memory_kib(pid, "VmRSS") / 1024, memory_kib(pid, "VmHWM") / 1024
     return {
         "cpu_pct": 100 * (c1 - c0) / (t1 - t0),
         "rss_mib": rss,
@@ -159,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-interval", type=float, default=0.02)
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = ap.parse_args(argv)
-    from tests.conftest import k8s_bin_dir
-
-    bin_dir = k8s_bin_dir()
+    try:
+        bin_dir = find_k8s_bin()
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 1
     if bin_dir is None:
         print("kube-apiserver/etcd not built: run scripts/build-k8s", file=sys.stderr)
         return 1

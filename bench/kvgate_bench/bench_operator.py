@@ -61,14 +61,22 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate_bench.controlplane import ControlPlane, free_port
+from kvgate_bench.controlplane import ControlPlane
+from kvgate_bench.toolkit import (
+    cpu_seconds,
+    fetch_text,
+    find_k8s_bin,
+    free_port,
+    memory_kib,
+    parse_samples,
+    samples_by_labels,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP = "kvgate.io"
@@ -86,22 +94,18 @@ Statuses = dict[Key, Any]
 
 
 def k8s_bin_dir(explicit: str | None) -> Path:
-    """kube-apiserver + etcd: ``--bin-dir``, $KVGATE_K8S_BIN, $KUBEBUILDER_ASSETS, else the newest
-    build in ~/.cache/kvgate/k8s/*/ (what scripts/build-k8s makes; tests/conftest.py's logic)."""
+    """kube-apiserver + etcd: ``--bin-dir``, else :func:`~kvgate_bench.toolkit.find_k8s_bin`.
 
-    def usable(d: Path) -> bool:
-        return all(os.access(d / tool, os.X_OK) for tool in ("kube-apiserver", "etcd"))
-
-    for value in (explicit, os.environ.get("KVGATE_K8S_BIN"), os.environ.get("KUBEBUILDER_ASSETS")):
-        if value:
-            if not usable(Path(value)):
-                raise SystemExit(f"{value} has no executable kube-apiserver and etcd")
-            return Path(value)
-    cache = Path(os.environ.get("KVGATE_CACHE", Path.home() / ".cache" / "kvgate")) / "k8s"
-    found = sorted(d for d in cache.glob("*/") if usable(d))
-    if not found:
+    Raises:
+        SystemExit: none found, or a named directory lacks them.
+    """
+    try:
+        found = find_k8s_bin(explicit)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if found is None:
         raise SystemExit("kube-apiserver/etcd not found: run scripts/build-k8s or pass --bin-dir")
-    return found[-1]
+    return found
 
 
 class Http:
@@ -167,23 +171,9 @@ class Http:
 # Metrics and process accounting
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
 def parse_prometheus(text: str, names: Iterable[str]) -> dict[tuple[str, tuple[Any, ...]], float]:
     """The samples of the metrics ``names``: {(name, sorted label pairs): value}."""
-    wanted = set(names)
-    out: dict[tuple[str, tuple[Any, ...]], float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        m = _SAMPLE.match(line)
-        if m is None or m.group(1) not in wanted:
-            continue
-        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
-        out[(m.group(1), labels)] = float(m.group(3))
-    return out
+    return samples_by_labels(parse_samples(text, names))
 
 
 @dataclass
@@ -204,15 +194,10 @@ class Counters:
     when: float
 
 
-def _metrics_text(url: str, ctx: ssl.SSLContext | None) -> str:
-    with urllib.request.urlopen(url, context=ctx, timeout=30) as r:
-        return str(r.read().decode())
-
-
 def read_counters(cp: ControlPlane, operator_pid: int | None) -> Counters:
     """``apiserver_request_total`` by labels, API server / etcd / operator CPU seconds."""
     api = parse_prometheus(
-        _metrics_text(cp.url + "/metrics", cp.ssl_context()),
+        fetch_text(cp.url + "/metrics", 30, cp.ssl_context()),
         (
             "apiserver_request_total",
             "process_cpu_seconds_total",
@@ -231,7 +216,7 @@ def read_counters(cp: ControlPlane, operator_pid: int | None) -> Counters:
             else:
                 durations[k] = (total, count + value)
     etcd = parse_prometheus(
-        _metrics_text(cp.etcd_url + "/metrics", None), ("process_cpu_seconds_total",)
+        fetch_text(cp.etcd_url + "/metrics", 30), ("process_cpu_seconds_total",)
     )
     reqs = {k: v for k, v in api.items() if k[0] == "apiserver_request_total"}
     return Counters(
@@ -239,8 +224,8 @@ def read_counters(cp: ControlPlane, operator_pid: int | None) -> Counters:
         durations,
         sum(v for k, v in api.items() if k[0] == "process_cpu_seconds_total"),
         sum(etcd.values()),
-        proc_cpu(operator_pid) if operator_pid else 0.0,
-        proc_cpu(operator_pid, operator_pid) if operator_pid else 0.0,
+        cpu_seconds(operator_pid) if operator_pid else 0.0,
+        cpu_seconds(operator_pid, operator_pid) if operator_pid else 0.0,
         time.monotonic(),
     )
 
@@ -313,32 +298,6 @@ def latencies(a: Counters, b: Counters) -> list[tuple[str, int, float]]:
         if n > 0:
             out.append((f"{verb} {res}{'/' + sub if sub else ''}", n, (total - t0) / n))
     return sorted(out, key=lambda x: -x[1] * x[2])
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu(pid: int, tid: int | None = None) -> float:
-    """User + system CPU seconds of process ``pid`` (its threads included), or of its thread
-    ``tid`` only."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    try:
-        stat = Path(path).read_text()
-    except OSError:
-        return 0.0
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
-def proc_mem_kib(pid: int, field_name: str) -> int:
-    """A ``/proc/<pid>/status`` memory field (``VmHWM``, ``VmRSS``) in KiB."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1006,9 +965,9 @@ def run(args: argparse.Namespace) -> int:
                 failures.append(f"heartbeats made the operator write {hb.writes.operator} times")
 
         log_after = sum(p.nodes + p.statuses + p.events for p in op.passes())
-        cpu_total = proc_cpu(op.pid)
-        hwm = proc_mem_kib(op.pid, "VmHWM")
-        rss = proc_mem_kib(op.pid, "VmRSS")
+        cpu_total = cpu_seconds(op.pid)
+        hwm = memory_kib(op.pid, "VmHWM")
+        rss = memory_kib(op.pid, "VmRSS")
         problems = op.problems()
         if not op.alive():
             failures.append("the operator exited")

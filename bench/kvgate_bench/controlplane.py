@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -53,6 +52,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from kvgate_bench.toolkit import free_port
 
 ADMIN_USER = "kvgate-admin"
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
@@ -188,13 +189,6 @@ class CertificateAuthority:
 
 # ----------------------------------------------------------------------------------------------
 # Processes
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (free now; a race with other binders is possible)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _parent_death_signal() -> Callable[[], None] | None:

@@ -6,8 +6,8 @@ every request it records what a client sees: HTTP status, time to first token, c
 received, the sidecar's ``x-kvgate-*`` headers and ``Retry-After``. Refused requests are not
 retried: the point is to count what the server did with the offered load.
 
-The summarisation functions at the bottom (:func:`percentile`, :func:`summarize`) are pure and
-unit-tested.
+The summaries at the bottom (:func:`summarize`) are pure; their percentiles are
+:func:`kvgate_bench.toolkit.percentile`.
 
 Units: times are seconds (floats, ``time.perf_counter``), token counts are model tokens.
 """
@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvgate_bench.toolkit import percentile
+
 __all__ = [
     "LoadRun",
     "RequestResult",
     "RequestSpec",
     "TenantSummary",
     "chat_body",
-    "percentile",
     "prompt_text",
     "run_load",
     "summarize",
@@ -312,24 +313,6 @@ async def run_load(
 
 
 # ---------------------------------------------------------------------- summaries (pure)
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation between closest
-    ranks (NumPy's default method); None for no values.
-
-    Raises:
-        ValueError: ``q`` outside [0, 100].
-    """
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True, slots=True)

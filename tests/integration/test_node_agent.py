@@ -28,8 +28,8 @@ from kvgate_bench.nodestack import (
     fake_gpus,
     http_get,
     metric_value,
-    wait_until,
 )
+from kvgate_bench.toolkit import wait_until
 from tests.conftest import policy_doc
 
 
