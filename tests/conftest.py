@@ -219,12 +219,23 @@ def k8s_bin_dir() -> Path | None:
         pytest.fail(str(e))
 
 
+#: Seconds a test may run (pytest-timeout) by folder; ``@pytest.mark.timeout(n)`` overrides.
+#: Unit tests use fake clocks and no processes; repository checks run helm and hadolint;
+#: integration tests start processes and a control plane.
+TIMEOUT_S = {"unit": 10.0, "repo": 60.0, "integration": 180.0}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that uses the ``kube`` fixture is marked ``k8s`` (``-m "not k8s"`` skips
-    them)."""
+    them); every test without its own ``timeout`` mark gets its folder's :data:`TIMEOUT_S`."""
+    tests_dir = Path(__file__).resolve().parent
     for item in items:
         if "kube" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.k8s)
+        if item.get_closest_marker("timeout") is None:
+            folder = item.path.resolve().relative_to(tests_dir).parts[0]
+            if folder in TIMEOUT_S:
+                item.add_marker(pytest.mark.timeout(TIMEOUT_S[folder]))
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from kvgate_agent.gpu.fake import (
     write_scenario,
 )
 from kvgate_agent.gpu.nvml import map_nvml_error
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.toolkit import FakeClock, poll_until
 
 
 def two_gpus_one_mig() -> list[FakeGpu]:
@@ -203,13 +203,9 @@ def test_hung_call_is_bounded_and_not_resubmitted(fake: FakeGpuBackend, clock: F
         assert fake.calls[("memory", "GPU-1")] == 1
 
         release.set()
-        deadline = time.monotonic() + 0.5
-        while True:  # the released call returns in the worker; then GPU-1 is read afresh
-            g1 = m.poll().gpu("GPU-1")
-            assert g1 is not None
-            if g1.healthy or time.monotonic() > deadline:
-                break
-            time.sleep(0.005)
+        # the released call returns in the worker; then GPU-1 is read afresh
+        g1 = poll_until(lambda: m.poll().gpu("GPU-1"), lambda g: g is None or g.healthy, 0.5, 0.005)
+        assert g1 is not None
         assert g1.healthy and g1.total_bytes == 40 * GiB
         assert fake.calls[("memory", "GPU-1")] == 2
     finally:
@@ -566,13 +562,9 @@ def test_file_fake_hang_exercises_the_call_timeout(
         assert g1 is not None and g1.healthy
 
         write_scenario(scenario_file, scenario(hang=False, used_bytes=7 * GiB))
-        deadline = time.monotonic() + 2.0
-        while True:  # the hung call notices the file within hang_poll_seconds
-            g0 = m.poll().gpu("GPU-0")
-            assert g0 is not None
-            if g0.healthy or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
+        # the hung call notices the file within hang_poll_seconds
+        g0 = poll_until(lambda: m.poll().gpu("GPU-0"), lambda g: g is None or g.healthy, 2.0, 0.01)
+        assert g0 is not None
         assert g0.healthy and g0.used_bytes == 7 * GiB
     finally:
         file_fake.release_all()
