@@ -52,6 +52,11 @@ def cap_policy(cap: int) -> dict[str, Any]:
     }
 
 
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of process ``pid`` in MiB."""
+    return memory_kib(pid, "VmRSS") / 1024, memory_kib(pid, "VmHWM") / 1024
+
+
 def pct(values: list[float], q: float) -> float:
     """:func:`~kvgate_bench.toolkit.percentile` of a list known not to be empty."""
     got = percentile(values, q)
@@ -123,7 +128,7 @@ def agent_window(stack: NodeStack, window: float) -> dict[str, float]:
     )
     count1 = agent_metric(stack, "kvgate_node_sync_duration_seconds_count")
     sum1 = agent_metric(stack, "kvgate_node_sync_duration_seconds_sum")
-    rss, hwm = memory_kib(pid, "VmRSS") / 1024, memory_kib(pid, "VmHWM") / 1024
+    rss, hwm = rss_mib(pid)
     return {
         "cpu_pct": 100 * (c1 - c0) / (t1 - t0),
         "rss_mib": rss,

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,17 @@ def clamped_to(url: str) -> int | None:
     status, headers, _ = chat(url, max_tokens=64)
     m = re.fullmatch(r"max_tokens=(\d+)", headers.get("x-kvgate-degraded", ""))
     return int(m.group(1)) if status == 200 and m else None
+
+
+def clamps_to(url: str, cap: int) -> Callable[[], bool]:
+    """A condition for :func:`~kvgate_bench.toolkit.wait_until`: the sidecar at ``url`` clamps
+    to ``cap`` tokens (:func:`clamped_to`)."""
+    return lambda: clamped_to(url) == cap
+
+
+def thresholds_are(url: str, mode: str) -> Callable[[], bool]:
+    """A condition: the sidecar at ``url`` answers with ``x-kvgate-thresholds: mode``."""
+    return lambda: chat(url)[1].get("x-kvgate-thresholds") == mode
 
 
 def metric_value(url: str, name: str, **labels: str) -> float | None:

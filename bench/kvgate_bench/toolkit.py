@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from ssl import SSLContext
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -100,7 +100,9 @@ class FakeUtcClock:
 # --------------------------------------------------------------------------------------- waiting
 
 
-def wait_until(cond: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+def wait_until(
+    cond: Callable[[], T | Literal[False] | None], timeout: float, what: str, interval: float = 0.05
+) -> T:
     """Call ``cond`` every ``interval`` seconds until it returns something truthy; return that.
 
     Raises:
@@ -117,10 +119,10 @@ def wait_until(cond: Callable[[], T], timeout: float, what: str, interval: float
 
 
 async def wait_until_async(
-    cond: Callable[[], Awaitable[T] | T], within: float, what: str, interval: float = 0.01
-) -> T:
-    """As :func:`wait_until` in an event loop: ``cond`` may be plain or a coroutine function;
-    the loop keeps running between calls.
+    cond: Callable[[], Awaitable[object] | object], within: float, what: str, interval: float = 0.01
+) -> None:
+    """Call ``cond`` every ``interval`` seconds until it returns something truthy, the event
+    loop running between calls; ``cond`` may be a plain or a coroutine function.
 
     Raises:
         TimeoutError: nothing truthy within ``within`` seconds.
@@ -131,7 +133,7 @@ async def wait_until_async(
         if isinstance(got, Awaitable):
             got = await got
         if got:
-            return got
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {within}s waiting for {what}")
         await asyncio.sleep(interval)

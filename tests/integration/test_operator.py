@@ -429,7 +429,8 @@ def test_a_rejected_node_admission_write_is_reported_and_retried(
     def ready() -> dict[str, Any]:
         got = json.loads(kube.kubectl("get", "rlp", "p", "-n", ns, "-o", "json").stdout)
         conds = (got.get("status") or {}).get("conditions") or []
-        return {c["type"]: c for c in conds}.get("Ready", {})
+        cond: dict[str, Any] = {c["type"]: c for c in conds}.get("Ready", {})
+        return cond
 
     wait_for(lambda: ready().get("reason") == "WriteFailed", 30)
     assert "NodeAdmission tm-node-1 could not be written" in ready()["message"]

@@ -592,7 +592,11 @@ async def test_long_prompt_is_not_refused_on_a_cautious_estimate(
 ) -> None:
     url, sc = await sidecar_factory(upstream.url, {"capacity": {"kvCacheTokens": 4096}})
     text = "The quick brown fox jumps over the lazy dog. " * 300  # 13.5 KB of English
-    body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": text}]}
+    body: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": text}],
+    }
     assert sc.counter.count(body).tokens > 4096  # the cautious estimate alone would refuse
     async with client.post(url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import jsonpatch
@@ -81,10 +81,10 @@ def model_pod(name: str = "m", ns: str = "models", **meta: Any) -> dict[str, Any
 
 def kopf_json_patch(handler: InjectionWebhook, pod: dict[str, Any]) -> list[dict[str, Any]]:
     """Run the handler the way kopf does, and return the JSON patch kopf would send."""
-    body = bodies.Body(pod)
+    body = bodies.Body(cast(bodies.RawBody, pod))
     patch = kopf.Patch(body=body)
     asyncio.run(handler.handle(body=body, patch=patch))
-    return list(patch.as_json_patch())
+    return [dict(op) for op in patch.as_json_patch()]
 
 
 def handler_for(ns_labels: dict[str, dict[str, str]] | None = None) -> InjectionWebhook:
@@ -176,12 +176,12 @@ def test_an_opted_in_pod_that_is_skipped_gets_a_warning() -> None:
     host = model_pod(labels={"kvgate.io/inject": "true"})
     host["spec"]["hostNetwork"] = True
     warnings: list[str] = []
-    body = bodies.Body(host)
+    body = bodies.Body(cast(bodies.RawBody, host))
     asyncio.run(h.handle(body=body, patch=kopf.Patch(body=body), warnings=warnings))
     assert len(warnings) == 1 and "host" in warnings[0].lower()
     warnings.clear()
     plain = model_pod()  # never asked: no warning
-    body = bodies.Body(plain)
+    body = bodies.Body(cast(bodies.RawBody, plain))
     asyncio.run(h.handle(body=body, patch=kopf.Patch(body=body), warnings=warnings))
     assert warnings == []
 

@@ -47,8 +47,9 @@ def days(n: float) -> dt.timedelta:
 def test_ca_is_a_p256_ca_valid_for_a_year() -> None:
     ca = new_ca(T0)
     cert = ca.cert
-    assert isinstance(cert.public_key(), ec.EllipticCurvePublicKey)
-    assert isinstance(cert.public_key().curve, ec.SECP256R1)
+    key = cert.public_key()
+    assert isinstance(key, ec.EllipticCurvePublicKey)
+    assert isinstance(key.curve, ec.SECP256R1)
     bc = cert.extensions.get_extension_for_class(x509.BasicConstraints)
     assert bc.critical and bc.value.ca
     ku = cert.extensions.get_extension_for_class(x509.KeyUsage).value

@@ -42,7 +42,7 @@ from kvgate_operator.inject import (
 try:  # an independent RFC 6902 implementation (kopf's dependency), to check ours against
     import jsonpatch
 except ImportError:  # pragma: no cover
-    jsonpatch = None
+    jsonpatch = None  # type: ignore[assignment]
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "inject"
 CASES = sorted(GOLDEN.glob("*.in.yaml"))
@@ -492,7 +492,7 @@ def test_config_is_frozen() -> None:
 
 def test_apply_patch_subset() -> None:
     doc = {"a": {"b/c": 1, "l": [1, 2]}}
-    ops = [
+    ops: list[dict[str, Any]] = [
         {"op": "add", "path": "/a/b~1c", "value": 2},
         {"op": "add", "path": "/a/l/-", "value": 3},
         {"op": "add", "path": "/a/l/0", "value": 0},
