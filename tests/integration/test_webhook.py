@@ -593,7 +593,8 @@ def test_kube_system_is_never_injected_even_without_the_configurations_guard(
     create(kube, model_pod("wh-guarded", "kube-system", labels=labels))
     assert not injected(get_pod(kube, "kube-system", "wh-guarded"))
     # Now a configuration without any namespace exclusion (as if a platform stripped it):
-    # the API server sends kube-system pods, and the operator itself skips them (L13).
+    # the API server sends kube-system pods, and the operator itself skips them
+    # (https://github.com/Kong/kubernetes-sidecar-injector/issues/4).
     before = webhook.metric(
         "kvgate_webhook_injections_total", action="skipped", reason="excluded_namespace"
     )

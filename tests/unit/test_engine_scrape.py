@@ -259,7 +259,9 @@ def test_engine_hint_and_detection_tie() -> None:
     assert s.ok and s.engine == "vllm" and s.running is None and s.invalid == {}
 
 
-# -- validity (L07) --------------------------------------------------------------------------------
+# -- validity -------------------------------------------------------------------------------------
+# Stale or impossible values must not be served as readings
+# (https://github.com/llm-d/llm-d-router/pull/2547).
 
 
 @pytest.mark.parametrize(
