@@ -172,8 +172,8 @@ class RawHTTP:
         sock.sendall(request)
         n = 0
         first = 0
-        header_end = -1
-        total = -1
+        header_end: int | None = None  # offset of the blank line ending the headers
+        total: int | None = None  # bytes of the whole response, when Content-Length gives it
         chunked = False
         while True:
             got = sock.recv_into(view[n:])
@@ -181,10 +181,11 @@ class RawHTTP:
                 raise ConnectionError("server closed the connection")
             n += got
             data = self.buf[:n]
-            if header_end < 0:
-                header_end = data.find(b"\r\n\r\n")
-                if header_end < 0:
+            if header_end is None:
+                found = data.find(b"\r\n\r\n")
+                if found < 0:
                     continue
+                header_end = found
                 head = bytes(data[:header_end]).lower()
                 chunked = b"transfer-encoding: chunked" in head
                 if not chunked:
@@ -196,7 +197,7 @@ class RawHTTP:
                     total = header_end + 4 + length
             if marker is not None and not first and data.find(marker, header_end) >= 0:
                 first = clock()
-            if (total >= 0 and n >= total) or (chunked and data.endswith(b"\r\n0\r\n\r\n")):
+            if (total is not None and n >= total) or (chunked and data.endswith(b"\r\n0\r\n\r\n")):
                 end_ns = clock()
                 break
             if n == len(self.buf):

@@ -150,7 +150,16 @@ def _granted(header: str | None, requested: int) -> int:
     return requested
 
 
-def _account_event(data: bytes, res: RequestResult, t0: float, deltas: list[int]) -> bool:
+@dataclass(slots=True)
+class _StreamSeen:
+    """What one response stream has shown so far: content deltas, and whether a usage chunk
+    came (then its ``completion_tokens`` count, not the deltas)."""
+
+    content_deltas: int = 0
+    usage: bool = False
+
+
+def _account_event(data: bytes, res: RequestResult, t0: float, seen: _StreamSeen) -> bool:
     """Account one SSE ``data`` payload; returns True on ``[DONE]``."""
     if data == b"[DONE]":
         return True
@@ -163,11 +172,11 @@ def _account_event(data: bytes, res: RequestResult, t0: float, deltas: list[int]
     usage = obj.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         res.completion_tokens = usage["completion_tokens"]
-        deltas[1] = 1
+        seen.usage = True
     for choice in obj.get("choices") or ():
         delta = choice.get("delta") if isinstance(choice, dict) else None
         if isinstance(delta, dict) and delta.get("content"):
-            deltas[0] += 1
+            seen.content_deltas += 1
             if res.ttft is None:
                 res.ttft = time.perf_counter() - t0
     return False
@@ -184,7 +193,7 @@ async def _one(
     body = chat_body(model, spec.prompt_tokens, spec.max_tokens)
     t0 = time.perf_counter()
     res = RequestResult(spec.tenant, 0, t0 - run_start, granted_max_tokens=spec.max_tokens)
-    deltas = [0, 0]  # content deltas seen, usage seen (0/1)
+    seen = _StreamSeen()
     try:
         async with asyncio.timeout(limit_s):
             async with session.post(
@@ -214,7 +223,7 @@ async def _one(
                             event, buf = buf[:end], buf[end + 2 :]
                             for line in event.split(b"\n"):
                                 if line.startswith(b"data:") and _account_event(
-                                    line[5:].strip(), res, t0, deltas
+                                    line[5:].strip(), res, t0, seen
                                 ):
                                     res.complete = True
                     if not res.complete:
@@ -227,8 +236,8 @@ async def _one(
         res.error = "cut off at the end of the run"
     except (aiohttp.ClientError, OSError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
-    if not deltas[1]:
-        res.completion_tokens = deltas[0]
+    if not seen.usage:
+        res.completion_tokens = seen.content_deltas
     res.latency = time.perf_counter() - t0
     return res
 
