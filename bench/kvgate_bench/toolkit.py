@@ -41,6 +41,7 @@ __all__ = [
     "parse_samples",
     "percentile",
     "poll_until",
+    "poll_until_async",
     "proc_usage",
     "sample_sum",
     "sample_value",
@@ -150,6 +151,22 @@ def poll_until(
         if done(got) or time.monotonic() > deadline:
             return got
         time.sleep(interval)
+
+
+async def poll_until_async(
+    fetch: Callable[[], Awaitable[T]],
+    done: Callable[[T], bool],
+    within: float,
+    interval: float = 0.02,
+) -> T:
+    """As :func:`poll_until` in an event loop, ``fetch`` a coroutine function: the last result,
+    once ``done`` holds for it or ``within`` seconds have passed."""
+    deadline = time.monotonic() + within
+    while True:
+        got = await fetch()
+        if done(got) or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(interval)
 
 
 def _exited(proc: subprocess.Popen[bytes] | None, what: str) -> None:

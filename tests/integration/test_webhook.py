@@ -35,7 +35,7 @@ from cryptography import x509
 from kopf._cogs.structs import bodies
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate_bench.toolkit import free_port, wait_until
+from kvgate_bench.toolkit import free_port, poll_until_async, wait_until
 from kvgate_operator.certs import new_ca, new_serving_cert
 from kvgate_operator.inject import (
     ANNOTATION_INJECTED,
@@ -257,13 +257,13 @@ async def test_webhook_server_reloads_its_certificate_in_place(tmp_path: Path) -
                 assert got.serial_number == first.cert.serial_number
                 # The key arrives: the next check loads the pair into the same context.
                 keyfile.write_bytes(second.key_pem)
-                deadline = time.monotonic() + 5
-                while True:
-                    got = await asyncio.to_thread(peer_cert, port, ca.cert_pem)
-                    if got.serial_number == second.cert.serial_number:
-                        break
-                    assert time.monotonic() < deadline, "certificate not reloaded"
-                    await asyncio.sleep(0.1)
+                got = await poll_until_async(
+                    lambda: asyncio.to_thread(peer_cert, port, ca.cert_pem),
+                    lambda c: c.serial_number == second.cert.serial_number,
+                    5,
+                    0.1,
+                )
+                assert got.serial_number == second.cert.serial_number, "certificate not reloaded"
                 # The listener never went away: the same session still gets answers.
                 async with http.post(url, json=review, ssl=ctx) as r:
                     assert r.status == 200
