@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvgate_bench.toolkit import free_port, wait_until
+from kvgate_bench.toolkit import free_port, poll_until, wait_until
 from kvgate_operator.desired import compute
 from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings
@@ -141,16 +141,11 @@ def cluster_state(kube: Any) -> tuple[dict[str, Any], dict[Any, Any]]:
 
 def converged(kube: Any, timeout: float = 30) -> tuple[dict[str, Any], dict[Any, Any]]:
     """Wait until the cluster equals the from-scratch computation; return it."""
-    deadline = time.monotonic() + timeout
-    want = got = None
-    while time.monotonic() < deadline:
-        want = from_scratch(kube)
-        got = cluster_state(kube)
-        if want == got:
-            return got
-        time.sleep(0.2)
+    want, got = poll_until(
+        lambda: (from_scratch(kube), cluster_state(kube)), lambda p: p[0] == p[1], timeout, 0.2
+    )
     assert got == want, "did not converge"
-    raise AssertionError("unreachable")
+    return got
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30) -> None:

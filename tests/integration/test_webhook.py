@@ -33,9 +33,15 @@ import pytest
 import yaml
 from cryptography import x509
 from kopf._cogs.structs import bodies
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate_bench.toolkit import free_port, poll_until_async, wait_until
+from kvgate_bench.toolkit import (
+    fetch_text,
+    free_port,
+    parse_samples,
+    poll_until_async,
+    samples_by_labels,
+    wait_until,
+)
 from kvgate_operator.certs import new_ca, new_serving_cert
 from kvgate_operator.inject import (
     ANNOTATION_INJECTED,
@@ -131,8 +137,7 @@ def test_an_injected_pod_gets_an_empty_patch_and_skipped_pods_none() -> None:
     assert kopf_json_patch(handler, model_pod()) == []  # not opted in
     counts = {
         (s.labels["action"], s.labels["reason"]): s.value
-        for f in text_string_to_metric_families(handler.metrics.render().decode())
-        for s in f.samples
+        for s in parse_samples(handler.metrics.render().decode())
         if s.name == "kvgate_webhook_injections_total"
     }
     assert counts == {
@@ -337,13 +342,8 @@ class WebhookOperator:
         return str(self.health().get("webhook", "")).startswith("listening")
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-        }
+        text = fetch_text(f"http://127.0.0.1:{self.port}/metrics", timeout=2)
+        return samples_by_labels(parse_samples(text))
 
     def metric(self, name: str, **labels: str) -> float:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
