@@ -1,32 +1,8 @@
-"""A pure, clock-free continuous-batching engine modelled on vLLM's V1 scheduler.
+"""A pure, clock-free continuous-batching engine modelled on vLLM's V1 scheduler: how a paged
+KV cache fills up under continuous batching, and when running requests get preempted.
 
-The engine models the one thing kvgate cares about: how a paged KV cache of
-``num_gpu_blocks`` blocks of ``block_size`` tokens fills up under continuous
-batching, and when the scheduler has to *preempt* (recompute) a running request
-because the pool ran out of blocks. It holds no clock: :meth:`SimEngine.step`
-advances exactly one engine iteration and returns what happened, and the caller
-(``kvgate_bench.sim.server``) turns that into wall-clock time.
-
-Behaviour follows ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``):
-
-* RUNNING requests are scheduled first, in admission order. Each needs KV slots
-  for the tokens it computes this step; if the pool has no free block, the most
-  recently admitted running request is popped (``self.running.pop()``), all its
-  blocks are freed, its computed-token count is reset to 0, and it is put at the
-  FRONT of the waiting queue (``waiting.prepend_request``). If the victim is the
-  request being scheduled, it is simply not scheduled.
-* WAITING requests are admitted FIFO only when no preemption happened in this
-  step, while ``running < max_num_seqs``, while the prefill fits the token
-  budget and while its blocks fit above a small watermark (vLLM V0's
-  ``BlockSpaceManager`` ``watermark=0.01``). Admission stops at the first
-  request that does not fit (head-of-line, FCFS). A resumed request's prefill
-  covers its prompt plus every token generated so far (recompute preemption).
-* Every scheduled request then produces exactly one token (prefill produces the
-  first token, as in vLLM); a request that reaches ``max_tokens`` finishes and
-  frees its blocks.
-
-Simplifications: no chunked prefill (the budget applies to prefill tokens only
-and must be at least ``max_model_len``), no prefix caching, no stop strings.
+Invariant: no clock and no I/O; :meth:`SimEngine.step` advances exactly one engine iteration and
+the caller (``kvgate_bench.sim.server``) turns that into wall-clock time.
 """
 
 from __future__ import annotations
@@ -142,10 +118,27 @@ class StepResult:
 
 
 class SimEngine:
-    """Continuous-batching engine with a paged KV pool and recompute preemption.
+    """Continuous-batching engine with a paged KV pool of ``num_gpu_blocks`` blocks of
+    ``block_size`` tokens, and recompute preemption. Pure and synchronous: no clock, no I/O.
 
-    Pure and synchronous: no clock, no I/O. See the module docstring for the
-    scheduling rules and their source in vLLM.
+    Each :meth:`step` follows ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule``):
+
+    * RUNNING requests are scheduled first, in admission order. Each needs KV slots for the
+      tokens it computes this step; if the pool has no free block, the most recently admitted
+      running request is popped (``self.running.pop()``), all its blocks are freed, its
+      computed-token count is reset to 0, and it is put at the FRONT of the waiting queue
+      (``waiting.prepend_request``). If the victim is the request being scheduled, it is simply
+      not scheduled.
+    * WAITING requests are admitted FIFO only when no preemption happened in this step, while
+      ``running < max_num_seqs``, while the prefill fits the token budget and while its blocks
+      fit above a small watermark (vLLM V0's ``BlockSpaceManager`` ``watermark=0.01``).
+      Admission stops at the first request that does not fit (head-of-line, FCFS). A resumed
+      request's prefill covers its prompt plus every token generated so far.
+    * Every scheduled request then produces exactly one token (prefill produces the first
+      token, as in vLLM); a request that reaches ``max_tokens`` finishes and frees its blocks.
+
+    Simplifications: no chunked prefill (the budget applies to prefill tokens only and must be
+    at least ``max_model_len``), no prefix caching, no stop strings.
     """
 
     def __init__(self, config: EngineConfig) -> None:
