@@ -1,14 +1,12 @@
-"""Shared fixtures: free loopback ports, the sidecar in-process or as a real process, the llm-d
-inference simulator as a real process."""
+"""Shared fixtures: the sidecar in-process or as a real process, the llm-d inference simulator as a
+real process, the local control plane. Clocks, waiting, ports and Prometheus reading are in
+:mod:`kvgate_bench.toolkit`."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,16 +18,10 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_bench.toolkit import find_k8s_bin, free_port, parse_samples, series, wait_http
 from tests.upstream import Upstream
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def policy_doc(spec: dict[str, Any], name: str = "test") -> dict[str, Any]:
@@ -40,22 +32,6 @@ def policy_doc(spec: dict[str, Any], name: str = "test") -> dict[str, Any]:
         "metadata": {"name": name},
         "spec": spec,
     }
-
-
-def wait_http(url: str, timeout: float = 15.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Wait until ``url`` answers (any HTTP status) or fail."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except urllib.error.HTTPError:
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer within {timeout}s")
 
 
 SidecarFactory = Callable[..., Awaitable[tuple[str, Sidecar]]]
@@ -80,15 +56,9 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def gauges(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """The sidecar's ``/kvgate/metrics`` as {series with labels: value}."""
+    """The sidecar's ``/kvgate/metrics`` as {series with labels: value} (:func:`series`)."""
     async with session.get(url + "/kvgate/metrics") as r:
-        text = await r.text()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+        return series(parse_samples(await r.text()))
 
 
 @pytest.fixture
@@ -241,29 +211,31 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 
 def k8s_bin_dir() -> Path | None:
-    """The directory with kube-apiserver and etcd: $KVGATE_K8S_BIN (set by scripts/test), else
-    $KUBEBUILDER_ASSETS, else the newest build in the cache (~/.cache/kvgate/k8s/*/)."""
+    """The directory with kube-apiserver and etcd (:func:`find_k8s_bin`); an unusable
+    $KVGATE_K8S_BIN or $KUBEBUILDER_ASSETS fails the test."""
+    try:
+        return find_k8s_bin()
+    except ValueError as e:
+        pytest.fail(str(e))
 
-    def usable(d: Path) -> bool:
-        return all(os.access(d / tool, os.X_OK) for tool in ("kube-apiserver", "etcd"))
 
-    for var in ("KVGATE_K8S_BIN", "KUBEBUILDER_ASSETS"):
-        value = os.environ.get(var)
-        if value:
-            if not usable(Path(value)):
-                pytest.fail(f"{var}={value} has no executable kube-apiserver and etcd")
-            return Path(value)
-    cache = Path(os.environ.get("KVGATE_CACHE", Path.home() / ".cache" / "kvgate")) / "k8s"
-    found = sorted(d for d in cache.glob("*/") if usable(d))
-    return found[-1] if found else None
+#: Seconds a test may run (pytest-timeout) by folder; ``@pytest.mark.timeout(n)`` overrides.
+#: Unit tests use fake clocks and no processes; repository checks run helm and hadolint;
+#: integration tests start processes and a control plane.
+TIMEOUT_S = {"unit": 10.0, "repo": 60.0, "integration": 180.0}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test that uses the ``kube`` fixture is marked ``k8s`` (``-m "not k8s"`` skips
-    them)."""
+    them); every test without its own ``timeout`` mark gets its folder's :data:`TIMEOUT_S`."""
+    tests_dir = Path(__file__).resolve().parent
     for item in items:
         if "kube" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.k8s)
+        if item.get_closest_marker("timeout") is None:
+            folder = item.path.resolve().relative_to(tests_dir).parts[0]
+            if folder in TIMEOUT_S:
+                item.add_marker(pytest.mark.timeout(TIMEOUT_S[folder]))
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import pstats
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +41,7 @@ from kvgate_agent.admission import (
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.request import parse_completion_request
 from kvgate_agent.sidecar.tokens import PromptCounter
+from kvgate_bench.toolkit import percentile
 
 #: Target for one decision (submit + release), microseconds at p50.
 TARGET_DECISION_US = 2.0
@@ -126,10 +126,6 @@ class Timing:
     iterations: int
 
 
-def _pct(sorted_ns: Sequence[int], q: float) -> float:
-    return float(sorted_ns[min(len(sorted_ns) - 1, int(q / 100.0 * len(sorted_ns)))])
-
-
 @dataclass(slots=True)
 class Op:
     """One operation to time: ``fn(i)`` for increasing ``i``; ``weight`` scales its share of the
@@ -172,19 +168,23 @@ def measure(ops: Sequence[Op], iterations: int, warmup: int, rounds: int = 10) -
                 op.next_i = i0 + 2 * k
     finally:
         gc.enable()
-    out = []
-    for op in ops:
-        op.samples.sort()
-        out.append(
-            Timing(
-                op.name,
-                _pct(op.samples, 50),
-                _pct(op.samples, 99),
-                statistics.median(op.loop_means),
-                len(op.samples),
-            )
+    return [
+        Timing(
+            op.name,
+            _pct(op.samples, 50),
+            _pct(op.samples, 99),
+            _pct(op.loop_means, 50),
+            len(op.samples),
         )
-    return out
+        for op in ops
+    ]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    """:func:`~kvgate_bench.toolkit.percentile` of a list known not to be empty."""
+    got = percentile(values, q)
+    assert got is not None
+    return got
 
 
 def build_controller() -> tuple[AdmissionController, list[AdmissionRequest]]:
@@ -229,7 +229,6 @@ def submit_only(iterations: int) -> tuple[float, float]:
                 samples.append(t1 - t0)
     finally:
         gc.enable()
-    samples.sort()
     return _pct(samples, 50) / 1000, _pct(samples, 99) / 1000
 
 

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate_bench.loadgen import percentile
+from kvgate_bench.toolkit import free_port, percentile, wait_port
 
 TARGET_ADDED_P50_MS = 0.35
 TARGET_ADDED_P99_MS = 1.0
@@ -172,8 +172,8 @@ class RawHTTP:
         sock.sendall(request)
         n = 0
         first = 0
-        header_end = -1
-        total = -1
+        header_end: int | None = None  # offset of the blank line ending the headers
+        total: int | None = None  # bytes of the whole response, when Content-Length gives it
         chunked = False
         while True:
             got = sock.recv_into(view[n:])
@@ -181,10 +181,11 @@ class RawHTTP:
                 raise ConnectionError("server closed the connection")
             n += got
             data = self.buf[:n]
-            if header_end < 0:
-                header_end = data.find(b"\r\n\r\n")
-                if header_end < 0:
+            if header_end is None:
+                found = data.find(b"\r\n\r\n")
+                if found < 0:
                     continue
+                header_end = found
                 head = bytes(data[:header_end]).lower()
                 chunked = b"transfer-encoding: chunked" in head
                 if not chunked:
@@ -196,7 +197,7 @@ class RawHTTP:
                     total = header_end + 4 + length
             if marker is not None and not first and data.find(marker, header_end) >= 0:
                 first = clock()
-            if (total >= 0 and n >= total) or (chunked and data.endswith(b"\r\n0\r\n\r\n")):
+            if (total is not None and n >= total) or (chunked and data.endswith(b"\r\n0\r\n\r\n")):
                 end_ns = clock()
                 break
             if n == len(self.buf):
@@ -247,29 +248,12 @@ spec:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on port {port} after {timeout}s")
-
-
 @contextlib.contextmanager
 def processes(workdir: Path, profile: Path | None = None) -> Iterator[tuple[int, int]]:
     """Start the upstream and the sidecar as child processes; yields (upstream, sidecar) ports
     and stops both (SIGTERM, then SIGKILL) on exit. With ``profile``, the sidecar runs under
     cProfile and writes its stats there when it exits."""
-    up_port, sc_port = _free_port(), _free_port()
+    up_port, sc_port = free_port(), free_port()
     policy = workdir / "policy.yaml"
     policy.write_text(POLICY_YAML)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -283,7 +267,7 @@ def processes(workdir: Path, profile: Path | None = None) -> Iterator[tuple[int,
                     stdout=up_log, stderr=subprocess.STDOUT, env=env,
                 )
             )  # fmt: skip
-        _wait_port(up_port, procs[0])
+        wait_port(up_port, procs[0])
         with (workdir / "sidecar.log").open("wb") as sc_log:
             procs.append(
                 subprocess.Popen(
@@ -295,7 +279,7 @@ def processes(workdir: Path, profile: Path | None = None) -> Iterator[tuple[int,
                     stdout=sc_log, stderr=subprocess.STDOUT, env=env,
                 )
             )  # fmt: skip
-        _wait_port(sc_port, procs[1])
+        wait_port(sc_port, procs[1])
         yield up_port, sc_port
     finally:
         for p in procs:

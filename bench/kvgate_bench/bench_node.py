@@ -25,7 +25,6 @@ import argparse
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -34,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.nodestack import NodeStack, clamped_to, metric_value, wait_until
+from kvgate_bench.nodestack import NodeStack, clamped_to, metric_value
+from kvgate_bench.toolkit import cpu_seconds, find_k8s_bin, memory_kib, percentile, wait_until
 
 NS = "bench"
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cap_policy(cap: int) -> dict[str, Any]:
@@ -53,24 +52,16 @@ def cap_policy(cap: int) -> dict[str, Any]:
     }
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
 def rss_mib(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) in MiB."""
-    vals = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            k, v = line.split(":")
-            vals[k] = int(v.split()[0]) / 1024
-    return vals["VmRSS"], vals["VmHWM"]
+    """(VmRSS, VmHWM) of process ``pid`` in MiB."""
+    return memory_kib(pid, "VmRSS") / 1024, memory_kib(pid, "VmHWM") / 1024
 
 
 def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+    """:func:`~kvgate_bench.toolkit.percentile` of a list known not to be empty."""
+    got = percentile(values, q)
+    assert got is not None
+    return got
 
 
 def agent_metric(stack: NodeStack, name: str, **labels: str) -> float:
@@ -108,12 +99,12 @@ def propagation(stack: NodeStack, changes: int, probe_interval: float) -> dict[s
         del applied
     return {
         "changes": changes,
-        "p50_all": statistics.median(per_change),
+        "p50_all": pct(per_change, 50),
         "p99_all": pct(per_change, 99),
         "max_all": max(per_change),
-        "p50_sidecar": statistics.median(per_sidecar),
+        "p50_sidecar": pct(per_sidecar, 50),
         "p99_sidecar": pct(per_sidecar, 99),
-        "kubectl_p50": statistics.median(apply_only),
+        "kubectl_p50": pct(apply_only, 50),
         "kubectl_p99": pct(apply_only, 99),
     }
 
@@ -150,6 +141,59 @@ def agent_window(stack: NodeStack, window: float) -> dict[str, float]:
     }
 
 
+def report_propagation(stack: NodeStack, args: argparse.Namespace) -> None:
+    """Phase 1: policy propagation to the first two sidecars."""
+    print(f"\n1. propagation, {args.changes} changes, 2 sidecars, sync every {args.sync_interval}s")
+    prop = propagation(stack, args.changes, args.probe_interval)
+    print(
+        f"   kubectl apply -> enforced on both sidecars: p50 {prop['p50_all']:.3f}s  "
+        f"p99 {prop['p99_all']:.3f}s  max {prop['max_all']:.3f}s"
+    )
+    print(
+        f"   per sidecar:                                p50 {prop['p50_sidecar']:.3f}s  "
+        f"p99 {prop['p99_sidecar']:.3f}s"
+    )
+    print(
+        f"   baseline, kubectl apply alone (no-op):      p50 {prop['kubectl_p50']:.3f}s  "
+        f"p99 {prop['kubectl_p99']:.3f}s"
+    )
+    ratio = prop["p50_all"] / prop["kubectl_p50"]
+    print(f"   ratio p50 propagation / kubectl alone: {ratio:.1f}x")
+
+
+def report_agent_cost(stack: NodeStack, sim: str, args: argparse.Namespace) -> None:
+    """Phase 2: the agent's CPU and memory with 2, then ``--sidecars`` sidecars syncing."""
+    print(f"\n2. agent cost, {args.window:.0f}s windows")
+    base = agent_window(stack, args.window)
+    extra = args.sidecars - 2
+    t0 = time.monotonic()
+    pods = [stack.add_model_pod(f"llm-{i:02d}", sim, start=False) for i in range(2, 2 + extra)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(stack.start_sidecar, pods))
+    wait_until(
+        lambda: agent_metric(stack, "kvgate_node_sidecars_connected") >= args.sidecars,
+        120,
+        f"{args.sidecars} sidecars connected",
+    )
+    print(f"   started {extra} more sidecars in {time.monotonic() - t0:.0f}s")
+    time.sleep(args.sync_interval * 3)
+    loaded = agent_window(stack, args.window)
+    for label, r in (("2 sidecars", base), (f"{args.sidecars} sidecars", loaded)):
+        print(
+            f"   {label:>12}: CPU {r['cpu_pct']:5.2f}%  RSS {r['rss_mib']:6.1f} MiB "
+            f"(peak {r['hwm_mib']:.1f})  syncs {r['syncs_per_s']:5.1f}/s  "
+            f"mean sync {r['sync_mean_ms']:.2f} ms  TokenReviews {r['token_reviews']:.0f}  "
+            f"connected {r['connected']:.0f}"
+        )
+    per = (loaded["cpu_pct"] - base["cpu_pct"]) / extra
+    ratio = loaded["cpu_pct"] / max(base["cpu_pct"], 1e-9)
+    grown = loaded["rss_mib"] - base["rss_mib"]
+    print(
+        f"   ratio CPU {args.sidecars}/2: {ratio:.1f}x; {per:.3f}% of one CPU per extra "
+        f"sidecar; RSS +{grown:.1f} MiB"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--changes", type=int, default=50)
@@ -159,9 +203,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-interval", type=float, default=0.02)
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
     args = ap.parse_args(argv)
-    from tests.conftest import k8s_bin_dir
-
-    bin_dir = k8s_bin_dir()
+    try:
+        bin_dir = find_k8s_bin()
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 1
     if bin_dir is None:
         print("kube-apiserver/etcd not built: run scripts/build-k8s", file=sys.stderr)
         return 1
@@ -179,57 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             sim = stack.start_sim(**{"decode-ms": 1})
             for i in range(2):
                 stack.add_model_pod(f"llm-{i:02d}", sim)
-            print(
-                f"\n1. propagation, {args.changes} changes, 2 sidecars, sync every "
-                f"{args.sync_interval}s"
-            )
-            prop = propagation(stack, args.changes, args.probe_interval)
-            print(
-                f"   kubectl apply -> enforced on both sidecars: p50 {prop['p50_all']:.3f}s  "
-                f"p99 {prop['p99_all']:.3f}s  max {prop['max_all']:.3f}s"
-            )
-            print(
-                f"   per sidecar:                                p50 {prop['p50_sidecar']:.3f}s  "
-                f"p99 {prop['p99_sidecar']:.3f}s"
-            )
-            print(
-                f"   baseline, kubectl apply alone (no-op):      p50 {prop['kubectl_p50']:.3f}s  "
-                f"p99 {prop['kubectl_p99']:.3f}s"
-            )
-            ratio = prop["p50_all"] / prop["kubectl_p50"]
-            print(f"   ratio p50 propagation / kubectl alone: {ratio:.1f}x")
-
-            print(f"\n2. agent cost, {args.window:.0f}s windows")
-            base = agent_window(stack, args.window)
-            extra = args.sidecars - 2
-            t0 = time.monotonic()
-            pods = [
-                stack.add_model_pod(f"llm-{i:02d}", sim, start=False) for i in range(2, 2 + extra)
-            ]
-            with ThreadPoolExecutor(8) as pool:
-                list(pool.map(stack.start_sidecar, pods))
-            wait_until(
-                lambda: agent_metric(stack, "kvgate_node_sidecars_connected") >= args.sidecars,
-                120,
-                f"{args.sidecars} sidecars connected",
-            )
-            print(f"   started {extra} more sidecars in {time.monotonic() - t0:.0f}s")
-            time.sleep(args.sync_interval * 3)
-            loaded = agent_window(stack, args.window)
-            for label, r in (("2 sidecars", base), (f"{args.sidecars} sidecars", loaded)):
-                print(
-                    f"   {label:>12}: CPU {r['cpu_pct']:5.2f}%  RSS {r['rss_mib']:6.1f} MiB "
-                    f"(peak {r['hwm_mib']:.1f})  syncs {r['syncs_per_s']:5.1f}/s  "
-                    f"mean sync {r['sync_mean_ms']:.2f} ms  TokenReviews {r['token_reviews']:.0f}  "
-                    f"connected {r['connected']:.0f}"
-                )
-            per = (loaded["cpu_pct"] - base["cpu_pct"]) / extra
-            ratio = loaded["cpu_pct"] / max(base["cpu_pct"], 1e-9)
-            grown = loaded["rss_mib"] - base["rss_mib"]
-            print(
-                f"   ratio CPU {args.sidecars}/2: {ratio:.1f}x; {per:.3f}% of one CPU per extra "
-                f"sidecar; RSS +{grown:.1f} MiB"
-            )
+            report_propagation(stack, args)
+            report_agent_cost(stack, sim, args)
         finally:
             stack.stop()
     if not args.keep:

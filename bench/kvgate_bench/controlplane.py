@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from typing import Any
 
 import yaml
 
+from kvgate_bench.toolkit import free_port
 from kvgate_operator import pki
 
 ADMIN_USER = "kvgate-admin"
@@ -74,13 +74,6 @@ class KubectlError(subprocess.CalledProcessError):
 
 # ----------------------------------------------------------------------------------------------
 # Processes
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (free now; a race with other binders is possible)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _parent_death_signal() -> Callable[[], None] | None:

@@ -6,8 +6,8 @@ every request it records what a client sees: HTTP status, time to first token, c
 received, the sidecar's ``x-kvgate-*`` headers and ``Retry-After``. Refused requests are not
 retried: the point is to count what the server did with the offered load.
 
-The summarisation functions at the bottom (:func:`percentile`, :func:`summarize`) are pure and
-unit-tested.
+The summaries at the bottom (:func:`summarize`) are pure; their percentiles are
+:func:`kvgate_bench.toolkit.percentile`.
 
 Units: times are seconds (floats, ``time.perf_counter``), token counts are model tokens.
 """
@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvgate_bench.toolkit import percentile
+
 __all__ = [
     "LoadRun",
     "RequestResult",
     "RequestSpec",
     "TenantSummary",
     "chat_body",
-    "percentile",
     "prompt_text",
     "run_load",
     "summarize",
@@ -149,7 +150,16 @@ def _granted(header: str | None, requested: int) -> int:
     return requested
 
 
-def _account_event(data: bytes, res: RequestResult, t0: float, deltas: list[int]) -> bool:
+@dataclass(slots=True)
+class _StreamSeen:
+    """What one response stream has shown so far: content deltas, and whether a usage chunk
+    came (then its ``completion_tokens`` count, not the deltas)."""
+
+    content_deltas: int = 0
+    usage: bool = False
+
+
+def _account_event(data: bytes, res: RequestResult, t0: float, seen: _StreamSeen) -> bool:
     """Account one SSE ``data`` payload; returns True on ``[DONE]``."""
     if data == b"[DONE]":
         return True
@@ -162,11 +172,11 @@ def _account_event(data: bytes, res: RequestResult, t0: float, deltas: list[int]
     usage = obj.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         res.completion_tokens = usage["completion_tokens"]
-        deltas[1] = 1
+        seen.usage = True
     for choice in obj.get("choices") or ():
         delta = choice.get("delta") if isinstance(choice, dict) else None
         if isinstance(delta, dict) and delta.get("content"):
-            deltas[0] += 1
+            seen.content_deltas += 1
             if res.ttft is None:
                 res.ttft = time.perf_counter() - t0
     return False
@@ -183,7 +193,7 @@ async def _one(
     body = chat_body(model, spec.prompt_tokens, spec.max_tokens)
     t0 = time.perf_counter()
     res = RequestResult(spec.tenant, 0, t0 - run_start, granted_max_tokens=spec.max_tokens)
-    deltas = [0, 0]  # content deltas seen, usage seen (0/1)
+    seen = _StreamSeen()
     try:
         async with asyncio.timeout(limit_s):
             async with session.post(
@@ -213,7 +223,7 @@ async def _one(
                             event, buf = buf[:end], buf[end + 2 :]
                             for line in event.split(b"\n"):
                                 if line.startswith(b"data:") and _account_event(
-                                    line[5:].strip(), res, t0, deltas
+                                    line[5:].strip(), res, t0, seen
                                 ):
                                     res.complete = True
                     if not res.complete:
@@ -226,8 +236,8 @@ async def _one(
         res.error = "cut off at the end of the run"
     except (aiohttp.ClientError, OSError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
-    if not deltas[1]:
-        res.completion_tokens = deltas[0]
+    if not seen.usage:
+        res.completion_tokens = seen.content_deltas
     res.latency = time.perf_counter() - t0
     return res
 
@@ -312,24 +322,6 @@ async def run_load(
 
 
 # ---------------------------------------------------------------------- summaries (pure)
-
-
-def percentile(values: Iterable[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) of ``values`` by linear interpolation between closest
-    ranks (NumPy's default method); None for no values.
-
-    Raises:
-        ValueError: ``q`` outside [0, 100].
-    """
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    xs = sorted(values)
-    if not xs:
-        return None
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True, slots=True)

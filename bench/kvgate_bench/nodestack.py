@@ -20,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -29,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_agent.gpu.fake import write_scenario
-from kvgate_bench.controlplane import ControlPlane, _stop, free_port
+from kvgate_bench.controlplane import ControlPlane, _stop
+from kvgate_bench.toolkit import free_port, parse_samples, sample_value, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
@@ -104,27 +103,22 @@ def clamped_to(url: str) -> int | None:
     return int(m.group(1)) if status == 200 and m else None
 
 
+def clamps_to(url: str, cap: int) -> Callable[[], bool]:
+    """A condition for :func:`~kvgate_bench.toolkit.wait_until`: the sidecar at ``url`` clamps
+    to ``cap`` tokens (:func:`clamped_to`)."""
+    return lambda: clamped_to(url) == cap
+
+
+def thresholds_are(url: str, mode: str) -> Callable[[], bool]:
+    """A condition: the sidecar at ``url`` answers with ``x-kvgate-thresholds: mode``."""
+    return lambda: chat(url)[1].get("x-kvgate-thresholds") == mode
+
+
 def metric_value(url: str, name: str, **labels: str) -> float | None:
     """The value of the sample ``name`` whose labels include ``labels`` in the Prometheus
     exposition at ``url``; None when absent or nothing answers."""
     _, text = http_get(url)
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return None
-
-
-def wait_until(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll ``cond`` until it returns something truthy; raise TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    return sample_value(parse_samples(text), name, **labels)
 
 
 def fake_gpus(

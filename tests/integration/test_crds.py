@@ -80,7 +80,10 @@ def policy(name: str, ns: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply(kube: Any, doc: dict[str, Any], *flags: str) -> subprocess.CompletedProcess[str]:
-    return kube.kubectl("apply", *flags, "-f", "-", input=yaml.safe_dump(doc), check=False)
+    done: subprocess.CompletedProcess[str] = kube.kubectl(
+        "apply", *flags, "-f", "-", input=yaml.safe_dump(doc), check=False
+    )
+    return done
 
 
 def get(kube: Any, *args: str) -> Any:

@@ -14,12 +14,12 @@ from kvgate_bench import demo
 from kvgate_bench.loadgen import (
     RequestResult,
     chat_body,
-    percentile,
     prompt_text,
     summarize,
     summarize_one,
 )
 from kvgate_bench.sim.server import count_chat_prompt_tokens
+from kvgate_bench.toolkit import percentile
 
 # ---------------------------------------------------------------------- loadgen (pure)
 

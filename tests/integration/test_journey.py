@@ -27,8 +27,9 @@ import pytest
 import yaml
 
 from kvgate_agent.gpu.fake import write_scenario
-from kvgate_bench.controlplane import ControlPlane, free_port
-from kvgate_bench.nodestack import _spawn, chat, fake_gpus, http_get, stop_process, wait_until
+from kvgate_bench.controlplane import ControlPlane
+from kvgate_bench.nodestack import _spawn, chat, fake_gpus, http_get, stop_process
+from kvgate_bench.toolkit import free_port, wait_until
 from tests.conftest import REPO
 
 RELEASE = "kvgate-journey"  # also the namespace; contains "kvgate", so names are "<release>-*"

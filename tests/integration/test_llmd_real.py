@@ -29,8 +29,8 @@ from typing import Any
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate_bench.toolkit import Sample, parse_samples, poll_until, sample_sum
 from tests.conftest import Proc
 
 pytestmark = pytest.mark.llmd
@@ -61,33 +61,16 @@ def client(base: str, retries: int = 0, tenant: str = TENANT) -> openai.OpenAI:
     )
 
 
-Sample = tuple[str, dict[str, str], float]
-
-
 def scrape(url: str) -> list[Sample]:
     """All samples of a Prometheus text exposition at ``url``."""
-    conn = _conn(url)
-    try:
-        conn.request("GET", "/" + url.split("/", 3)[3])
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    return [
-        (s.name, dict(s.labels), float(s.value))
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    ]
+    return parse_samples(_get(url))
 
 
-def value(samples: list[Sample], name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels`` (0 when none)."""
-    return sum(
-        v for n, lb, v in samples if n == name and all(lb.get(k) == w for k, w in labels.items())
-    )
+value = sample_sum  # the sum of the samples ``name`` with ``labels`` (0 when none)
 
 
 def has_sample(samples: list[Sample], name: str) -> bool:
-    return any(n == name for n, _, _ in samples)
+    return any(s.name == name for s in samples)
 
 
 def _conn(url: str) -> http.client.HTTPConnection:
@@ -122,13 +105,12 @@ def sim_quiesced(sim: Proc, successes: float, timeout: float = 5.0) -> list[Samp
     """Simulator metrics once ``successes`` requests have been recorded (they are recorded
     asynchronously after the response); scraped once more after that, so every counter the
     simulator updates before the success counter is in too."""
-    deadline = time.monotonic() + timeout
-    while True:
-        samples = scrape(sim.url + "/metrics")
-        got = value(samples, "vllm:request_success_total")
-        if got >= successes or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
+    samples = poll_until(
+        lambda: scrape(sim.url + "/metrics"),
+        lambda got: value(got, "vllm:request_success_total") >= successes,
+        timeout,
+    )
+    got = value(samples, "vllm:request_success_total")
     assert got == successes, f"simulator recorded {got} successful requests, expected {successes}"
     return scrape(sim.url + "/metrics")
 

@@ -25,11 +25,13 @@ from kvgate_bench.nodestack import (
     NodeStack,
     chat,
     clamped_to,
+    clamps_to,
     fake_gpus,
     http_get,
     metric_value,
-    wait_until,
+    thresholds_are,
 )
+from kvgate_bench.toolkit import wait_until
 from tests.conftest import policy_doc
 
 
@@ -85,7 +87,7 @@ def test_policy_reaches_both_sidecars_is_enforced_and_changes_propagate(stack: N
     b = stack.add_model_pod("llm-b", stack.start_sim())
     stack.apply(capped(ns, 8, **BURST))
     for mp in (a, b):
-        wait_until(lambda mp=mp: clamped_to(mp.url) == 8, 30, f"the policy on {mp.name}")
+        wait_until(clamps_to(mp.url, 8), 30, f"the policy on {mp.name}")
     # The rate limit is enforced per pod: a fresh tenant gets its burst, then 429 with Retry-After.
     codes = [chat(a.url, tenant="burst-tenant")[0] for _ in range(5)]
     assert codes.count(429) >= 1 and codes[0] == 200, codes
@@ -96,7 +98,7 @@ def test_policy_reaches_both_sidecars_is_enforced_and_changes_propagate(stack: N
     # A change propagates to both sidecars; in-flight work is not dropped meanwhile.
     stack.apply(capped(ns, 12, **BURST))
     for mp in (a, b):
-        wait_until(lambda mp=mp: clamped_to(mp.url) == 12, 30, f"the change on {mp.name}")
+        wait_until(clamps_to(mp.url, 12), 30, f"the change on {mp.name}")
 
     # The agent's status: both pods, the engine's own KV capacity (scraped through the sidecar),
     # the fake GPU, a heartbeat and Ready.
@@ -128,7 +130,7 @@ def test_agent_killed_under_load_then_fail_open_or_closed(stack: NodeStack) -> N
         capped(ns, 8, app="closed", failureMode="FailClosed"),
     )
     for mp in (opened, closed):
-        wait_until(lambda mp=mp: clamped_to(mp.url) == 8, 30, f"the policy on {mp.name}")
+        wait_until(clamps_to(mp.url, 8), 30, f"the policy on {mp.name}")
     assert chat(opened.url)[1].get("x-kvgate-thresholds") == "live"
 
     # Load on both sidecars while the agent dies: (seconds since the kill, pod, status, mode).
@@ -181,9 +183,7 @@ def test_agent_killed_under_load_then_fail_open_or_closed(stack: NodeStack) -> N
     # The agent back: both return to live thresholds.
     stack.start_agent()
     for mp in (opened, closed):
-        wait_until(
-            lambda mp=mp: chat(mp.url)[1].get("x-kvgate-thresholds") == "live", 15, "live again"
-        )
+        wait_until(thresholds_are(mp.url, "live"), 15, "live again")
     assert clamped_to(closed.url) == 8
 
 

@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 import yaml
 
+from kvgate_bench.toolkit import free_port, poll_until, wait_until
 from kvgate_operator.desired import compute
 from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings
-from tests.conftest import free_port, policy_doc
+from tests.conftest import policy_doc
 
 GROUP = "kvgate.io"
 
@@ -134,24 +135,15 @@ def cluster_state(kube: Any) -> tuple[dict[str, Any], dict[Any, Any]]:
 
 def converged(kube: Any, timeout: float = 30) -> tuple[dict[str, Any], dict[Any, Any]]:
     """Wait until the cluster equals the from-scratch computation; return it."""
-    deadline = time.monotonic() + timeout
-    want = got = None
-    while time.monotonic() < deadline:
-        want = from_scratch(kube)
-        got = cluster_state(kube)
-        if want == got:
-            return got
-        time.sleep(0.2)
+    want, got = poll_until(
+        lambda: (from_scratch(kube), cluster_state(kube)), lambda p: p[0] == p[1], timeout, 0.2
+    )
     assert got == want, "did not converge"
-    raise AssertionError("unreachable")
+    return got
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        time.sleep(0.1)
+    wait_until(cond, timeout, "the condition", interval=0.1)
 
 
 def entries(specs: dict[str, Any], node_name: str) -> dict[str, dict[str, Any]]:
@@ -426,7 +418,8 @@ def test_a_rejected_node_admission_write_is_reported_and_retried(
     def ready() -> dict[str, Any]:
         got = json.loads(kube.kubectl("get", "rlp", "p", "-n", ns, "-o", "json").stdout)
         conds = (got.get("status") or {}).get("conditions") or []
-        return {c["type"]: c for c in conds}.get("Ready", {})
+        cond: dict[str, Any] = {c["type"]: c for c in conds}.get("Ready", {})
+        return cond
 
     wait_for(lambda: ready().get("reason") == "WriteFailed", 30)
     assert "NodeAdmission tm-node-1 could not be written" in ready()["message"]

@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from kvgate_bench.sim.server import SimConfig, start_sim
-from tests.conftest import SidecarFactory, free_port, gauges
+from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
+from tests.conftest import SidecarFactory, gauges
 from tests.upstream import CHAT, Upstream
 
 
@@ -53,8 +54,7 @@ async def test_missing_max_tokens_is_charged_at_the_default_and_sent_upstream(
     )
     upstream.headers_delay = 0.3
     task = asyncio.create_task(client.post(url + "/v1/chat/completions", json=CHAT))
-    while not upstream.bodies:
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: upstream.bodies, 10, "the request upstream")
     # While in flight, the reservation is prompt + the default 77 tokens.
     prompt_estimate = sc.counter.count(CHAT).tokens
     assert sc.controller.kv_reserved_tokens == prompt_estimate + 77
@@ -332,13 +332,9 @@ async def test_client_gone_closes_upstream_within_1s_and_releases_everything(
     body = {**CHAT, "stream": True, "max_tokens": 1000}
     after = {"before_headers": 0, "first_token": 1, "mid_stream": 600}[phase]
     task = asyncio.create_task(_disconnect_after(url, body, after, delay=0.2))
-    while not upstream.bodies:
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: upstream.bodies, 10, "the request upstream")
     closed = await task
-    for _ in range(100):
-        if upstream.closed_at:
-            break
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: upstream.closed_at, 1.0, "the upstream connection to close")
     assert upstream.closed_at, "upstream connection still open"
     assert upstream.closed_at[0] - closed < 1.0
     await asyncio.sleep(0.05)
@@ -357,8 +353,7 @@ async def test_client_gone_while_queued_never_reaches_upstream(
     upstream.headers_delay = 1.0
     url, sc = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
     first = asyncio.create_task(client.post(url + "/v1/chat/completions", json=CHAT))
-    while not upstream.bodies:
-        await asyncio.sleep(0.01)
+    await wait_until_async(lambda: upstream.bodies, 10, "the request upstream")
     await _disconnect_after(url, CHAT, 0, delay=0.1)
     await asyncio.sleep(0.1)
     assert sc.controller.queue_length == 0
@@ -393,12 +388,11 @@ async def test_100_streams_cancelled_mid_flight_leave_every_gauge_at_zero(
             await _disconnect_after(url, body, 400 if i % 2 else 0, delay=0.05 * (i % 5))
 
         await asyncio.gather(*(one(i) for i in range(100)))
-        g: dict[str, float] = {}
-        for _ in range(100):
-            g = await gauges(client, url)
-            if g["kvgate_in_flight_requests"] == 0 and g["kvgate_queue_length"] == 0:
-                break
-            await asyncio.sleep(0.02)
+        g = await poll_until_async(
+            lambda: gauges(client, url),
+            lambda g: g["kvgate_in_flight_requests"] == 0 and g["kvgate_queue_length"] == 0,
+            5.0,
+        )
         assert g["kvgate_in_flight_requests"] == 0
         assert g["kvgate_kv_reserved_tokens"] == 0
         assert g["kvgate_queue_length"] == 0
@@ -463,10 +457,7 @@ async def test_defaulted_max_tokens_stays_within_the_engines_context(
     runner, port = await start_sim(SimConfig(max_model_len=1024, decode_ms=0))
     try:
         url, sc = await sidecar_factory(f"http://127.0.0.1:{port}", {})
-        for _ in range(100):
-            if sc.engine_max_model_len is not None:
-                break
-            await asyncio.sleep(0.02)
+        await wait_until_async(lambda: sc.engine_max_model_len is not None, 2.0, "/v1/models")
         assert sc.engine_max_model_len == 1024
         body = {
             "model": "kvgate-sim-model",
@@ -591,7 +582,11 @@ async def test_long_prompt_is_not_refused_on_a_cautious_estimate(
 ) -> None:
     url, sc = await sidecar_factory(upstream.url, {"capacity": {"kvCacheTokens": 4096}})
     text = "The quick brown fox jumps over the lazy dog. " * 300  # 13.5 KB of English
-    body = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": text}]}
+    body: dict[str, Any] = {
+        "model": "m",
+        "max_tokens": 100,
+        "messages": [{"role": "user", "content": text}],
+    }
     assert sc.counter.count(body).tokens > 4096  # the cautious estimate alone would refuse
     async with client.post(url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()

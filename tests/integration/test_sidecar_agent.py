@@ -13,7 +13,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,8 @@ from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.contract.sync import SYNC_PATH, SyncAnswer, SyncReport
 from kvgate_agent.sidecar.agent_link import AgentSettings, Mode
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from tests.conftest import free_port, gauges, serve_sidecar
+from kvgate_bench.toolkit import free_port, wait_until_async
+from tests.conftest import gauges, serve_sidecar
 from tests.upstream import CHAT, Upstream
 
 INTERVAL = 0.1
@@ -160,11 +160,7 @@ async def agent_sidecar(tmp_path: Path) -> AsyncIterator[MakeSidecar]:
 
 
 async def until(cond: Callable[[], bool], within: float = 2.0) -> None:
-    deadline = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
+    await wait_until_async(cond, within, "the condition")
 
 
 async def post(client: aiohttp.ClientSession, url: str, **extra: Any) -> tuple[int, Any, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import free_port
+from kvgate_bench.toolkit import free_port
 from tests.upstream import CHAT, Upstream
 
 MINIMAL_POLICY = "apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: x}\n"

@@ -16,6 +16,7 @@ import pytest
 
 from kvgate_bench.sim.engine import StepResult
 from kvgate_bench.sim.server import SIM_KEY, SimConfig, start_sim
+from kvgate_bench.toolkit import wait_until_async
 
 MODEL = "kvgate-sim-model"
 Factory = Callable[..., Awaitable[str]]
@@ -69,14 +70,7 @@ async def stats(http: aiohttp.ClientSession, base: str) -> dict[str, Any]:
 
 async def wait_for(pred: Callable[[], Awaitable[bool]], within_s: float = 1.0) -> None:
     """Poll ``pred`` every 10 ms; fail unless it holds within ``within_s`` seconds."""
-    deadline = asyncio.get_running_loop().time() + within_s
-    for _ in range(10_000):
-        if await pred():
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            break
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"condition not met within {within_s} s")
+    await wait_until_async(pred, within_s, "the condition")
 
 
 async def test_chat_completion_non_streaming(sim: Factory, http: aiohttp.ClientSession) -> None:

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import jsonpatch
@@ -33,9 +33,15 @@ import pytest
 import yaml
 from cryptography import x509
 from kopf._cogs.structs import bodies
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate_bench.nodestack import wait_until
+from kvgate_bench.toolkit import (
+    fetch_text,
+    free_port,
+    parse_samples,
+    poll_until_async,
+    samples_by_labels,
+    wait_until,
+)
 from kvgate_operator.certs import new_ca, new_serving_cert
 from kvgate_operator.inject import (
     ANNOTATION_INJECTED,
@@ -50,7 +56,6 @@ from kvgate_operator.webhook import (
     ReloadingWebhookServer,
     merge_patch,
 )
-from tests.conftest import free_port
 
 CONFIG_NAME = "kvgate-test-sidecar-injector"
 UNGUARDED_CONFIG_NAME = "kvgate-test-unguarded-injector"
@@ -82,10 +87,10 @@ def model_pod(name: str = "m", ns: str = "models", **meta: Any) -> dict[str, Any
 
 def kopf_json_patch(handler: InjectionWebhook, pod: dict[str, Any]) -> list[dict[str, Any]]:
     """Run the handler the way kopf does, and return the JSON patch kopf would send."""
-    body = bodies.Body(pod)
+    body = bodies.Body(cast(bodies.RawBody, pod))
     patch = kopf.Patch(body=body)
     asyncio.run(handler.handle(body=body, patch=patch))
-    return list(patch.as_json_patch())
+    return [dict(op) for op in patch.as_json_patch()]
 
 
 def handler_for(ns_labels: dict[str, dict[str, str]] | None = None) -> InjectionWebhook:
@@ -132,8 +137,7 @@ def test_an_injected_pod_gets_an_empty_patch_and_skipped_pods_none() -> None:
     assert kopf_json_patch(handler, model_pod()) == []  # not opted in
     counts = {
         (s.labels["action"], s.labels["reason"]): s.value
-        for f in text_string_to_metric_families(handler.metrics.render().decode())
-        for s in f.samples
+        for s in parse_samples(handler.metrics.render().decode())
         if s.name == "kvgate_webhook_injections_total"
     }
     assert counts == {
@@ -177,12 +181,12 @@ def test_an_opted_in_pod_that_is_skipped_gets_a_warning() -> None:
     host = model_pod(labels={"kvgate.io/inject": "true"})
     host["spec"]["hostNetwork"] = True
     warnings: list[str] = []
-    body = bodies.Body(host)
+    body = bodies.Body(cast(bodies.RawBody, host))
     asyncio.run(h.handle(body=body, patch=kopf.Patch(body=body), warnings=warnings))
     assert len(warnings) == 1 and "host" in warnings[0].lower()
     warnings.clear()
     plain = model_pod()  # never asked: no warning
-    body = bodies.Body(plain)
+    body = bodies.Body(cast(bodies.RawBody, plain))
     asyncio.run(h.handle(body=body, patch=kopf.Patch(body=body), warnings=warnings))
     assert warnings == []
 
@@ -258,13 +262,13 @@ async def test_webhook_server_reloads_its_certificate_in_place(tmp_path: Path) -
                 assert got.serial_number == first.cert.serial_number
                 # The key arrives: the next check loads the pair into the same context.
                 keyfile.write_bytes(second.key_pem)
-                deadline = time.monotonic() + 5
-                while True:
-                    got = await asyncio.to_thread(peer_cert, port, ca.cert_pem)
-                    if got.serial_number == second.cert.serial_number:
-                        break
-                    assert time.monotonic() < deadline, "certificate not reloaded"
-                    await asyncio.sleep(0.1)
+                got = await poll_until_async(
+                    lambda: asyncio.to_thread(peer_cert, port, ca.cert_pem),
+                    lambda c: c.serial_number == second.cert.serial_number,
+                    5,
+                    0.1,
+                )
+                assert got.serial_number == second.cert.serial_number, "certificate not reloaded"
                 # The listener never went away: the same session still gets answers.
                 async with http.post(url, json=review, ssl=ctx) as r:
                     assert r.status == 200
@@ -338,13 +342,8 @@ class WebhookOperator:
         return str(self.health().get("webhook", "")).startswith("listening")
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as r:
-            text = r.read().decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-        }
+        text = fetch_text(f"http://127.0.0.1:{self.port}/metrics", timeout=2)
+        return samples_by_labels(parse_samples(text))
 
     def metric(self, name: str, **labels: str) -> float:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
@@ -594,7 +593,8 @@ def test_kube_system_is_never_injected_even_without_the_configurations_guard(
     create(kube, model_pod("wh-guarded", "kube-system", labels=labels))
     assert not injected(get_pod(kube, "kube-system", "wh-guarded"))
     # Now a configuration without any namespace exclusion (as if a platform stripped it):
-    # the API server sends kube-system pods, and the operator itself skips them (L13).
+    # the API server sends kube-system pods, and the operator itself skips them
+    # (https://github.com/Kong/kubernetes-sidecar-injector/issues/4).
     before = webhook.metric(
         "kvgate_webhook_injections_total", action="skipped", reason="excluded_namespace"
     )

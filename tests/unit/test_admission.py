@@ -25,19 +25,7 @@ from kvgate_agent.admission import (
 )
 from kvgate_agent.admission.bucket import WARMUP_START_FRACTION
 from kvgate_agent.contract.policy import parse_policy
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand (seconds)."""
-
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
+from kvgate_bench.toolkit import FakeClock
 
 
 def make(spec: dict[str, Any], clock: FakeClock | None = None, **kw: Any) -> AdmissionController:
@@ -51,7 +39,7 @@ def make(spec: dict[str, Any], clock: FakeClock | None = None, **kw: Any) -> Adm
         "spec": spec,
     }
     cfg = AdmissionConfig.from_policy(parse_policy(doc).spec)
-    return AdmissionController(cfg, clock or FakeClock(), **kw)
+    return AdmissionController(cfg, clock or FakeClock(1000.0), **kw)
 
 
 def req(tenant: str = "a", prompt: int = 10, max_tokens: int = 10, **kw: Any) -> AdmissionRequest:
@@ -224,7 +212,7 @@ def test_cost_above_capacity_is_degraded_when_policy_allows() -> None:
 
 
 def test_retry_after_comes_from_the_refill_time() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make(
         {
             "rateLimits": [{"name": "t", "tokensPerMinute": 600, "burstTokens": 1000}],
@@ -251,7 +239,7 @@ def test_retry_after_is_an_integer_at_least_one() -> None:
 
 
 def test_settlement_refunds_unused_and_charges_excess() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make({"rateLimits": [{"name": "t", "tokensPerMinute": 0.001, "burstTokens": 1000}]}, clock)
     d = c.submit(req(prompt=100, max_tokens=400))  # reserves 500
     assert d.ticket is not None
@@ -320,7 +308,7 @@ def test_global_limits_are_split_by_share() -> None:
 
 
 def test_warmup_protects_a_fresh_pod_from_a_full_burst() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make(
         {
             "rateLimits": [
@@ -353,7 +341,7 @@ def _tickets(c: AdmissionController, n: int, **kw: Any) -> list[Any]:
 
 
 def test_concurrency_cap_queues_and_release_admits_in_fifo_order() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make({"concurrency": {"maxRequests": 2}}, clock)
     held = _tickets(c, 2)
     w1 = c.submit(req("x")).waiter
@@ -391,7 +379,7 @@ def test_priority_order() -> None:
 
 
 def test_shortest_first_with_aging_cannot_starve_long_requests() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make(
         {
             "concurrency": {"maxRequests": 1},
@@ -420,12 +408,12 @@ def test_shortest_first_with_aging_cannot_starve_long_requests() -> None:
 
 
 def test_queue_timeout_falls_through_to_the_next_action() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make({"concurrency": {"maxRequests": 1}, "queue": {"maxWaitSeconds": 2}}, clock)
     _tickets(c, 1, max_tokens=100)
     w = c.submit(req("x")).waiter
     assert w is not None
-    assert c.next_wake() == pytest.approx(clock.t + 2)
+    assert c.next_wake() == pytest.approx(clock.now + 2)
     clock.advance(2)
     c.pump()
     assert c.take_resolved() == [w] and w.decision is not None
@@ -435,7 +423,7 @@ def test_queue_timeout_falls_through_to_the_next_action() -> None:
 
 
 def test_queue_full_rejects_with_retry_after_from_drain_time() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make({"concurrency": {"maxRequests": 1}, "queue": {"maxLength": 1}}, clock)
     _tickets(c, 1, max_tokens=100)
     assert c.submit(req("q")).waiter is not None
@@ -454,7 +442,7 @@ def test_sheddable_requests_are_never_queued() -> None:
 
 
 def test_waiter_blocked_by_its_own_tenant_bucket_does_not_block_others() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make(
         {
             "rateLimits": [
@@ -467,7 +455,7 @@ def test_waiter_blocked_by_its_own_tenant_bucket_does_not_block_others() -> None
     wa = c.submit(req("a")).waiter  # a's bucket is empty: waits ~10 s
     assert wa is not None
     assert c.submit(req("b")).admitted  # b is not stuck behind a
-    assert c.next_wake() == pytest.approx(clock.t + 10, abs=0.01)
+    assert c.next_wake() == pytest.approx(clock.now + 10, abs=0.01)
     clock.advance(10)
     c.pump()
     assert c.take_resolved() == [wa]
@@ -526,7 +514,7 @@ def test_degrade_to_fallback_model_when_over_rate_limit() -> None:
 
 
 def test_degrade_does_not_let_a_newcomer_overtake_waiters() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make(
         {
             "capacity": {"kvCacheTokens": 1024},
@@ -551,7 +539,7 @@ def test_degrade_does_not_let_a_newcomer_overtake_waiters() -> None:
 
 
 def test_a_waiter_may_still_degrade_when_its_wait_times_out() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make(
         {
             "capacity": {"kvCacheTokens": 1024},
@@ -574,7 +562,7 @@ def test_a_waiter_may_still_degrade_when_its_wait_times_out() -> None:
 
 
 def test_retry_after_counts_the_demand_queued_on_the_same_bucket() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make(
         {
             "rateLimits": [{"name": "t", "requestsPerMinute": 60, "burstRequests": 1}],
@@ -659,7 +647,7 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.clock = FakeClock()
+        self.clock = FakeClock(1000.0)
         self.c = make(
             {
                 "capacity": {"kvCacheTokens": 2048},
@@ -788,7 +776,7 @@ def test_reconfigure_keeps_in_flight_tickets_and_kv_and_releases_them_afterwards
 
 
 def test_reconfigure_keeps_buckets_carries_the_level_over_and_clamps_it() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     limit = {"name": "t", "per": "Tenant", "tokensPerMinute": 600, "burstTokens": 400}
     c = make({"rateLimits": [limit]}, clock)
     t = c.submit(req("a", 100, 100)).ticket  # 200 of 400 taken
@@ -853,7 +841,7 @@ def test_reconfigure_keeps_the_queue_and_the_next_pump_admits_what_now_fits() ->
 
 
 def test_gpu_memory_hold_refuses_new_work_with_503_until_lifted() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make({"concurrency": {"maxRequests": 4}}, clock)
     t = c.submit(req("a")).ticket
     assert t is not None
@@ -868,7 +856,7 @@ def test_gpu_memory_hold_refuses_new_work_with_503_until_lifted() -> None:
 
 
 def test_pump_admits_nobody_while_held_and_waiters_time_out_with_the_hold() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make(
         {
             "concurrency": {"maxRequests": 1},
@@ -897,7 +885,7 @@ def test_pump_admits_nobody_while_held_and_waiters_time_out_with_the_hold() -> N
 
 
 def test_holds_with_keys_do_not_lift_each_other_and_the_longest_wait_answers() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make({}, clock)
     c.hold(Reason.FAIL_CLOSED, retry_after=1, message="stale", key="thresholds")
     c.hold(Reason.FAIL_CLOSED, retry_after=5, message="no capacity", key="engine", until=1005)
@@ -915,7 +903,7 @@ def test_holds_with_keys_do_not_lift_each_other_and_the_longest_wait_answers() -
 
 
 def test_a_timed_fail_closed_hold_wakes_waiters_when_it_ends() -> None:
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     c = make({"concurrency": {"maxRequests": 1}}, clock)
     t = c.submit(req("a")).ticket
     w = c.submit(req("b")).waiter

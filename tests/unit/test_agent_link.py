@@ -18,17 +18,7 @@ from kvgate_agent.sidecar.agent_link import (
     sidecar_metrics_url,
 )
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-
-
-class FakeClock:
-    def __init__(self, t: float = 500.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
+from kvgate_bench.toolkit import FakeClock
 
 
 def answer(
@@ -65,7 +55,7 @@ def answer(
 
 
 def test_waiting_until_the_first_answer_and_ready_after_the_ttl_anyway() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     link = ThresholdsLink(clock, failure_mode=FailureMode.FAIL_CLOSED, ttl_override=5)
     assert link.mode() is Mode.WAITING and not link.ready()
     assert link.failure_mode is FailureMode.FAIL_CLOSED
@@ -78,7 +68,7 @@ def test_waiting_until_the_first_answer_and_ready_after_the_ttl_anyway() -> None
 
 
 def test_default_ttl_is_30s_before_any_answer_then_the_answers() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     link = ThresholdsLink(clock)
     assert link.ttl_seconds == 30 and link.sync_interval_seconds == 1
     link.record_answer(answer(ttl=7, interval=0.25))
@@ -89,7 +79,7 @@ def test_default_ttl_is_30s_before_any_answer_then_the_answers() -> None:
 
 
 def test_live_stale_fail_open_and_back_to_live() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     link = ThresholdsLink(clock)
     link.record_answer(answer({"failureMode": "FailOpen"}, ttl=10))
     assert link.mode() is Mode.LIVE
@@ -110,7 +100,7 @@ def test_live_stale_fail_open_and_back_to_live() -> None:
 
 
 def test_fail_closed_past_the_ttl_when_the_policy_says_so() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     link = ThresholdsLink(clock, failure_mode=FailureMode.FAIL_OPEN, ttl_override=2)
     link.record_answer(answer({"failureMode": "FailClosed"}, ttl=60))
     assert link.ttl_seconds == 2  # the override wins over the answer
@@ -123,7 +113,7 @@ def test_fail_closed_past_the_ttl_when_the_policy_says_so() -> None:
 
 
 def test_unmanaged_pod_then_the_configured_failure_mode_past_the_ttl() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     link = ThresholdsLink(clock, failure_mode=FailureMode.FAIL_CLOSED)
     link.record_answer(answer(managed=False, ttl=5))
     assert link.mode() is Mode.UNMANAGED and link.thresholds is None
@@ -134,13 +124,13 @@ def test_unmanaged_pod_then_the_configured_failure_mode_past_the_ttl() -> None:
 
 
 def test_link_refuses_nonsense() -> None:
-    link = ThresholdsLink(FakeClock())
+    link = ThresholdsLink(FakeClock(500.0))
     with pytest.raises(ValueError):
         link.record_not_modified()  # 304 before any answer
     with pytest.raises(ValueError):
         link.record_failure(SyncResult.OK)
     with pytest.raises(ValueError):
-        ThresholdsLink(FakeClock(), ttl_override=0)
+        ThresholdsLink(FakeClock(500.0), ttl_override=0)
 
 
 def test_gpu_uuids_only_when_they_look_like_uuids() -> None:
@@ -201,13 +191,14 @@ def test_sidecar_needs_exactly_one_source_of_thresholds() -> None:
 
 
 async def test_sidecar_follows_the_modes_without_dropping_in_flight_work() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     sc = agent_sidecar(clock)
     sc.refresh_mode(force=True)
     early = ask(sc)
     assert sc.mode is Mode.WAITING and early.ticket is not None  # FailOpen: no limits yet
     sync(sc, answer({**LIMITED, "concurrency": {"maxRequests": 3}}, ttl=5, interval=0.5))
-    assert sc.mode is Mode.LIVE and sc.controller.config.max_concurrency == 3
+    # mypy keeps the narrowing of sc.mode across sync(), which changes it
+    assert sc.mode is Mode.LIVE and sc.controller.config.max_concurrency == 3  # type: ignore[comparison-overlap]
     first = ask(sc)
     assert first.ticket is not None and sc.controller.in_flight == 2  # the early one counts
     assert ask(sc).reason is Reason.RATE_LIMIT_REQUESTS  # burst of 1
@@ -229,7 +220,7 @@ async def test_sidecar_follows_the_modes_without_dropping_in_flight_work() -> No
 
 
 async def test_sidecar_fail_closed_holds_with_the_sync_interval_then_reopens() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     sc = agent_sidecar(clock)
     sc.refresh_mode(force=True)
     sync(sc, answer({**LIMITED, "failureMode": "FailClosed"}, ttl=5, interval=2.5))
@@ -239,11 +230,12 @@ async def test_sidecar_fail_closed_holds_with_the_sync_interval_then_reopens() -
     d = ask(sc)
     assert (d.status, d.reason, d.retry_after) == (503, Reason.FAIL_CLOSED, 3)
     sync(sc, None, SyncResult.NOT_MODIFIED)
-    assert sc.mode is Mode.LIVE and ask(sc).ticket is not None
+    # mypy keeps the narrowing of sc.mode across sync(), which changes it
+    assert sc.mode is Mode.LIVE and ask(sc).ticket is not None  # type: ignore[comparison-overlap]
 
 
 async def test_sidecar_waiting_under_a_configured_fail_closed_answers_503() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     sc = agent_sidecar(clock, failure_mode=FailureMode.FAIL_CLOSED)
     sc.refresh_mode(force=True)
     assert ask(sc).reason is Reason.FAIL_CLOSED
@@ -253,7 +245,7 @@ async def test_sidecar_waiting_under_a_configured_fail_closed_answers_503() -> N
 
 
 async def test_sidecar_safety_net_holds_with_gpu_memory_low_and_reopens() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     sc = agent_sidecar(clock)
     sc.refresh_mode(force=True)
     closed = {
@@ -275,7 +267,7 @@ async def test_sidecar_safety_net_holds_with_gpu_memory_low_and_reopens() -> Non
 
 
 async def test_sidecar_does_not_split_global_limits_twice_and_prefers_its_engine_reading() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     sc = agent_sidecar(clock)
     sc.refresh_mode(force=True)
     thresholds = {
@@ -296,7 +288,7 @@ async def test_sidecar_does_not_split_global_limits_twice_and_prefers_its_engine
 
 
 async def test_sync_report_reflects_the_admission_state() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     sc = agent_sidecar(
         clock,
         pod_uid="u-1",

@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from kubernetes.client.exceptions import ApiException
 
+from kvgate_bench.toolkit import FakeUtcClock
 from kvgate_operator.certs import (
     CA_RENEW_BEFORE,
     SERVING_RENEW_BEFORE,
@@ -42,8 +43,9 @@ def days(n: float) -> dt.timedelta:
 def test_ca_is_a_p256_ca_valid_for_a_year() -> None:
     ca = new_ca(T0)
     cert = ca.cert
-    assert isinstance(cert.public_key(), ec.EllipticCurvePublicKey)
-    assert isinstance(cert.public_key().curve, ec.SECP256R1)
+    key = cert.public_key()
+    assert isinstance(key, ec.EllipticCurvePublicKey)
+    assert isinstance(key.curve, ec.SECP256R1)
     bc = cert.extensions.get_extension_for_class(x509.BasicConstraints)
     assert bc.critical and bc.value.ca
     ku = cert.extensions.get_extension_for_class(x509.KeyUsage).value
@@ -255,15 +257,7 @@ class FakeStore:
         return [w["clientConfig"].get("caBundle") for w in self.config["webhooks"]]
 
 
-class Clock:
-    def __init__(self, now: dt.datetime = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> dt.datetime:
-        return self.now
-
-
-def manager(store: FakeStore, clock: Clock, namespace: str | None = "kvgate-system") -> Any:
+def manager(store: FakeStore, clock: FakeUtcClock, namespace: str | None = "kvgate-system") -> Any:
     return CertificateManager(
         store,
         namespace=namespace,
@@ -276,7 +270,7 @@ def manager(store: FakeStore, clock: Clock, namespace: str | None = "kvgate-syst
 
 
 def test_first_start_creates_and_stores_then_a_restart_reuses_the_same_ca() -> None:
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), FakeUtcClock(T0)
     m1 = manager(store, clock)
     assert m1.ensure() == ["created"] and m1.persistent
     assert store.secret is not None and store.secret_writes == 1
@@ -293,7 +287,7 @@ def test_first_start_creates_and_stores_then_a_restart_reuses_the_same_ca() -> N
 
 
 def test_ca_bundle_is_patched_only_where_it_differs() -> None:
-    store, clock = FakeStore(webhooks=3), Clock()
+    store, clock = FakeStore(webhooks=3), FakeUtcClock(T0)
     m = manager(store, clock)
     m.ensure()
     want = base64.b64encode(m.certs.ca_bundle(T0)).decode()
@@ -331,7 +325,7 @@ def test_ca_bundle_patch_adds_a_missing_client_config() -> None:
 
 
 def test_missing_configuration_is_not_an_error() -> None:
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), FakeUtcClock(T0)
     store.config = None
     m = manager(store, clock)
     m.ensure()
@@ -339,7 +333,7 @@ def test_missing_configuration_is_not_an_error() -> None:
 
 
 def test_rotation_stores_and_patches_the_bundle_before_serving_the_new_ca() -> None:
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), FakeUtcClock(T0)
     m = manager(store, clock)
     m.ensure()
     m.sync_ca_bundle()
@@ -363,7 +357,7 @@ def test_rotation_stores_and_patches_the_bundle_before_serving_the_new_ca() -> N
 def test_forbidden_secret_falls_back_to_memory_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), FakeUtcClock(T0)
     store.secret_error = 403
     m = manager(store, clock)
     assert m.ensure() == ["created"]
@@ -379,7 +373,7 @@ def test_forbidden_secret_falls_back_to_memory_with_a_warning(
 
 
 def test_transient_errors_at_start_are_retried_before_giving_up_on_the_secret() -> None:
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), FakeUtcClock(T0)
     existing = manager(store, clock)
     existing.ensure()
     calls = {"n": 0}
@@ -397,7 +391,7 @@ def test_transient_errors_at_start_are_retried_before_giving_up_on_the_secret() 
 
 
 def test_write_forbidden_keeps_memory_certificates(caplog: pytest.LogCaptureFixture) -> None:
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), FakeUtcClock(T0)
     store.write_error = 403
     m = manager(store, clock)
     assert m.ensure() == ["created"]
@@ -406,7 +400,7 @@ def test_write_forbidden_keeps_memory_certificates(caplog: pytest.LogCaptureFixt
 
 
 def test_unusable_secret_is_replaced(caplog: pytest.LogCaptureFixture) -> None:
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), FakeUtcClock(T0)
     store.secret = {"tls.crt": b"garbage", "tls.key": b"x", "ca.crt": b"y", "ca.key": b"z"}
     m = manager(store, clock)
     assert m.ensure() == ["created"]
@@ -415,7 +409,7 @@ def test_unusable_secret_is_replaced(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_no_namespace_means_memory_only() -> None:
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), FakeUtcClock(T0)
     m = manager(store, clock, namespace=None)
     assert m.ensure() == ["created"] and not m.persistent and store.secret_reads == 0
     clock.now += days(70)
@@ -423,7 +417,7 @@ def test_no_namespace_means_memory_only() -> None:
 
 
 def test_conflict_on_create_adopts_the_stored_certificates() -> None:
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), FakeUtcClock(T0)
     other = manager(store, clock)
     m = manager(store, clock)
     store.secret_error = None
@@ -445,7 +439,7 @@ def test_conflict_on_create_adopts_the_stored_certificates() -> None:
 
 
 def test_write_files_are_private_and_complete(tmp_path: Path) -> None:
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), FakeUtcClock(T0)
     m = manager(store, clock)
     m.ensure()
     cert, key = m.write_files(tmp_path / "tls")

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvgate_agent.engines.metrics import EngineSample, parse_engine_metrics
 from kvgate_agent.node.engine import EngineView
+from kvgate_bench.toolkit import FakeClock
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -259,7 +260,9 @@ def test_engine_hint_and_detection_tie() -> None:
     assert s.ok and s.engine == "vllm" and s.running is None and s.invalid == {}
 
 
-# -- validity (L07) --------------------------------------------------------------------------------
+# -- validity -------------------------------------------------------------------------------------
+# Stale or impossible values must not be served as readings
+# (https://github.com/llm-d/llm-d-router/pull/2547).
 
 
 @pytest.mark.parametrize(
@@ -361,16 +364,8 @@ def test_never_raises_on_any_value(name: str, value: float | str) -> None:
 # -- staleness -------------------------------------------------------------------------------------
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_staleness_transitions() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     view = EngineView(scrape_interval=5.0, clock=clock)
     assert view.max_age_seconds == 15.0
     r = view.reading("pod-a")
@@ -404,7 +399,7 @@ def test_staleness_transitions() -> None:
 
 
 def test_failed_or_invalid_scrapes_before_any_good_one() -> None:
-    clock = FakeClock()
+    clock = FakeClock(500.0)
     view = EngineView(scrape_interval=1.0, max_age_seconds=2.5, clock=clock)
     view.record_error("pod-b", "connection_refused")
     assert view.reading("pod-b").reason == "scrape_failed:connection_refused"

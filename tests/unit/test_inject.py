@@ -487,7 +487,7 @@ def test_config_is_frozen() -> None:
 
 def test_apply_patch_subset() -> None:
     doc = {"a": {"b/c": 1, "l": [1, 2]}}
-    ops = [
+    ops: list[dict[str, Any]] = [
         {"op": "add", "path": "/a/b~1c", "value": 2},
         {"op": "add", "path": "/a/l/-", "value": 3},
         {"op": "add", "path": "/a/l/0", "value": 0},

@@ -26,6 +26,7 @@ from kvgate_agent.node.state import (
     StatusGate,
     attribute_gpus,
 )
+from kvgate_bench.toolkit import FakeClock
 
 GiB = 1 << 30
 
@@ -248,14 +249,6 @@ def test_review_interpretation() -> None:
     assert review_from_status({"authenticated": True, "user": {"username": "alice"}}).status == 403
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 async def _inline(fn: Any) -> Review:
     return fn()  # type: ignore[no-any-return]
 
@@ -271,7 +264,7 @@ async def test_authenticator_matches_the_pod_and_caches() -> None:
             raise RuntimeError("apiserver down")
         return review_from_status(status_for("models", "a", "uid-a"))
 
-    clock = Clock()
+    clock = FakeClock()
     auth = Authenticator(reviewer, clock, ok_ttl=60, refused_ttl=5, run=_inline)
     ident = await auth.verify("Bearer good", "models", "a", "uid-a")
     assert ident.uid == "uid-a"
@@ -295,7 +288,7 @@ async def test_authenticator_matches_the_pod_and_caches() -> None:
     with pytest.raises(AuthError) as e:
         await auth.verify("Bearer boom", "models", "a", None)
     assert (e.value.status, e.value.code) == (503, "review_unavailable")  # not the token's fault
-    clock.t = 61
+    clock.now = 61
     await auth.verify("Bearer good", "models", "a", None)
     assert calls.count("good") == 2  # expired from the cache
 
@@ -308,11 +301,11 @@ async def test_an_api_server_outage_keeps_recently_accepted_tokens() -> None:
             raise ConnectionRefusedError("apiserver down")
         return review_from_status(status_for("models", "a", "uid-a"))
 
-    clock = Clock()
+    clock = FakeClock()
     auth = Authenticator(reviewer, clock, ok_ttl=60, stale_ttl=600, run=_inline)
     await auth.verify("Bearer good", "models", "a", None)
     down = True
-    clock.t = 300  # cache expired, API server unreachable: the earlier acceptance holds
+    clock.now = 300  # cache expired, API server unreachable: the earlier acceptance holds
     assert (await auth.verify("Bearer good", "models", "a", None)).name == "a"
     assert (auth.review_errors, auth.stale_uses) == (1, 1)
     with pytest.raises(AuthError) as e:  # but it still belongs to pod a only
@@ -321,7 +314,7 @@ async def test_an_api_server_outage_keeps_recently_accepted_tokens() -> None:
     with pytest.raises(AuthError) as e:  # a token never seen cannot be checked now
         await auth.verify("Bearer new", "models", "a", None)
     assert e.value.status == 503
-    clock.t = 700  # beyond stale_ttl: no longer trusted without asking
+    clock.now = 700  # beyond stale_ttl: no longer trusted without asking
     with pytest.raises(AuthError) as e:
         await auth.verify("Bearer good", "models", "a", None)
     assert e.value.status == 503
@@ -339,7 +332,7 @@ async def test_concurrent_checks_of_one_token_share_a_review() -> None:
         calls.append(token)
         return review_from_status(status_for("models", "a", "uid-a"))
 
-    auth = Authenticator(reviewer, Clock(), run=run)
+    auth = Authenticator(reviewer, FakeClock(), run=run)
     tasks = [asyncio.create_task(auth.verify("Bearer t", "models", "a", None)) for _ in range(20)]
     await asyncio.sleep(0)
     gate.set()
@@ -372,7 +365,10 @@ def test_a_stopped_agent_says_so() -> None:
 
 async def test_authenticator_cache_is_bounded() -> None:
     auth = Authenticator(
-        lambda t: review_from_status({"authenticated": False}), Clock(), max_entries=3, run=_inline
+        lambda t: review_from_status({"authenticated": False}),
+        FakeClock(),
+        max_entries=3,
+        run=_inline,
     )
     for i in range(10):
         with pytest.raises(AuthError):
@@ -422,7 +418,7 @@ async def test_a_cancelled_caller_does_not_cancel_the_shared_review() -> None:
         calls.append(token)
         return review_from_status(status_for("models", "a", "uid-a"))
 
-    auth = Authenticator(reviewer, Clock(), run=run)
+    auth = Authenticator(reviewer, FakeClock(), run=run)
     first = asyncio.create_task(auth.verify("Bearer t", "models", "a", None))
     second = asyncio.create_task(auth.verify("Bearer t", "models", "a", None))
     await asyncio.sleep(0)
@@ -440,14 +436,14 @@ async def test_after_a_failed_review_none_is_tried_for_a_while() -> None:
         calls.append(token)
         raise TimeoutError("apiserver hangs")
 
-    clock = Clock()
+    clock = FakeClock()
     auth = Authenticator(reviewer, clock, retry_after_failure=5, run=_inline)
     for _ in range(3):
         with pytest.raises(AuthError) as e:
             await auth.verify("Bearer t", "models", "a", None)
         assert e.value.status == 503
     assert calls == ["t"]  # one slow review, then immediate answers
-    clock.t = 6
+    clock.now = 6
     with pytest.raises(AuthError):
         await auth.verify("Bearer t", "models", "a", None)
     assert calls == ["t", "t"]

@@ -11,10 +11,10 @@ import pytest
 from kubernetes import client
 
 import kvgate_operator.handlers as handlers
+from kvgate_bench.toolkit import free_port
 from kvgate_operator.app import Operator
 from kvgate_operator.settings import OperatorSettings
 from kvgate_operator.triggers import Kind
-from tests.conftest import free_port
 
 
 def settings(**over: Any) -> OperatorSettings:

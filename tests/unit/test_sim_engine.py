@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 from kvgate_bench.sim.engine import EngineConfig, RequestRejected, SimEngine, StepResult, cdiv
 
 
-def make(blocks: int = 64, block_size: int = 4, **kw: int) -> SimEngine:
+def make(blocks: int = 64, block_size: int = 4, **kw: Any) -> SimEngine:
     kw.setdefault("max_model_len", 256)
     kw.setdefault("max_num_batched_tokens", 256)
     return SimEngine(EngineConfig(num_gpu_blocks=blocks, block_size=block_size, watermark=0, **kw))

@@ -1,47 +1,12 @@
-"""A pure, clock-free continuous-batching engine modelled on vLLM's V1 scheduler.
+"""A pure, clock-free continuous-batching engine modelled on vLLM's V1 scheduler: how a paged
+KV cache fills up under continuous batching, and when running requests get preempted.
 
-The engine models the one thing kvgate cares about: how a paged KV cache of
-``num_gpu_blocks`` blocks of ``block_size`` tokens fills up under continuous
-batching, and when the scheduler has to *preempt* (recompute) a running request
-because the pool ran out of blocks. It holds no clock: :meth:`SimEngine.step`
-advances exactly one engine iteration and returns what happened together with
-the modelled duration of that iteration in seconds
-(:class:`kvgate_bench.sim.steptime.StepTimeModel`); the caller turns that into
-time: ``kvgate_bench.sim.server`` sleeps it on the real clock, an in-process
-driver can add it to a virtual clock.
+Invariant: no clock and no I/O; :meth:`SimEngine.step` advances exactly one engine iteration and
+returns what happened with its modelled duration in seconds
+(:class:`kvgate_bench.sim.steptime.StepTimeModel`); the caller turns that into time
+(``kvgate_bench.sim.server`` sleeps it on the real clock, an in-process driver can add it to a
+virtual clock).
 
-Behaviour follows ``Scheduler.schedule`` in vLLM's
-https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/sched/scheduler.py:
-
-* RUNNING requests are scheduled first, in admission order. Each needs KV slots
-  for the tokens it computes this step: one for a decode, the next chunk for a
-  request whose prefill is still partial (it was admitted last, so it comes
-  after the decodes). If the pool has no free block, the most recently admitted
-  running request is popped (``self.running.pop()``), all its blocks are freed,
-  its computed-token count is reset to 0, and it is put at the FRONT of the
-  waiting queue (``waiting.prepend_request``). If the victim is the request
-  being scheduled, it is simply not scheduled.
-* WAITING requests are admitted FIFO only when no preemption happened in this
-  step, while ``running < max_num_seqs``, while token budget is left and while
-  their blocks fit above a small watermark (vLLM V0's ``BlockSpaceManager``
-  ``watermark=0.01``). Admission stops at the first request that does not fit
-  (head-of-line, FCFS). A resumed request's prefill covers its prompt plus
-  every token generated so far (recompute preemption).
-* Token budget (``max_num_batched_tokens``): with ``chunked_prefill`` (vLLM V1's
-  default) it bounds every token scheduled in the step, decodes (one each)
-  included, and a prefill that does not fit takes what is left of the budget
-  (``num_new_tokens = min(num_new_tokens, token_budget)``) and continues in
-  the next steps. Without it (the ``constant`` profile, kvgate-sim's behaviour
-  before chunking) it bounds prefill tokens only and a prompt is prefilled
-  whole or not at all.
-* A request samples a token only in a step that completes its prefill (its
-  first token) or decodes (one more token). It finishes when it has produced
-  ``min(output_tokens, max_tokens)`` tokens: ``finish_reason`` ``length`` when
-  that is ``max_tokens`` (vLLM's ``check_stop`` tests the length cap before
-  EOS), ``stop`` when the model's true length (EOS) came first.
-
-Simplifications: no prefix caching, no stop strings, no
-``long_prefill_token_threshold``, no speculative decoding.
 """
 
 from __future__ import annotations
@@ -202,12 +167,40 @@ class StepResult:
 
 
 class SimEngine:
-    """Continuous-batching engine with a paged KV pool and recompute preemption.
+    """Continuous-batching engine with a paged KV pool of ``num_gpu_blocks`` blocks of
+    ``block_size`` tokens, and recompute preemption. Pure and synchronous: no clock, no I/O.
 
-    Pure and synchronous: no clock, no I/O. See the module docstring for the
-    scheduling rules and their source in vLLM. ``steptime`` prices each step
-    (default: the ``constant`` profile, 10 ms per step + 20 us per prefill
-    token).
+    Pure and synchronous: no clock, no I/O. ``steptime`` prices each step (default: the
+    ``constant`` profile, 10 ms per step + 20 us per prefill token). Each :meth:`step` follows
+    ``Scheduler.schedule`` in vLLM's
+    https://github.com/vllm-project/vllm/blob/main/vllm/v1/core/sched/scheduler.py:
+
+    * RUNNING requests are scheduled first, in admission order. Each needs KV slots for the
+      tokens it computes this step: one for a decode, the next chunk for a request whose
+      prefill is still partial (it was admitted last, so it comes after the decodes). If the
+      pool has no free block, the most recently admitted running request is popped
+      (``self.running.pop()``), all its blocks are freed, its computed-token count is reset to
+      0, and it is put at the FRONT of the waiting queue (``waiting.prepend_request``). If the
+      victim is the request being scheduled, it is simply not scheduled.
+    * WAITING requests are admitted FIFO only when no preemption happened in this step, while
+      ``running < max_num_seqs``, while token budget is left and while their blocks fit above a
+      small watermark (vLLM V0's ``BlockSpaceManager`` ``watermark=0.01``). Admission stops at
+      the first request that does not fit (head-of-line, FCFS). A resumed request's prefill
+      covers its prompt plus every token generated so far (recompute preemption).
+    * Token budget (``max_num_batched_tokens``): with ``chunked_prefill`` (vLLM V1's default)
+      it bounds every token scheduled in the step, decodes (one each) included, and a prefill
+      that does not fit takes what is left of the budget (``num_new_tokens =
+      min(num_new_tokens, token_budget)``) and continues in the next steps. Without it (the
+      ``constant`` profile, kvgate-sim's behaviour before chunking) it bounds prefill tokens
+      only and a prompt is prefilled whole or not at all.
+    * A request samples a token only in a step that completes its prefill (its first token) or
+      decodes (one more token). It finishes when it has produced ``min(output_tokens,
+      max_tokens)`` tokens: ``finish_reason`` ``length`` when that is ``max_tokens`` (vLLM's
+      ``check_stop`` tests the length cap before EOS), ``stop`` when the model's true length
+      (EOS) came first.
+
+    Simplifications: no prefix caching, no stop strings, no ``long_prefill_token_threshold``,
+    no speculative decoding.
     """
 
     def __init__(self, config: EngineConfig, steptime: StepTimeModel | None = None) -> None:

@@ -1,40 +1,13 @@
-"""kvgate-sim HTTP server: a vLLM-compatible OpenAI API driven by :class:`SimEngine`.
+"""kvgate-sim HTTP server: a vLLM-compatible OpenAI API (chat and text completions with SSE
+streaming, ``/v1/models``, ``/health``, ``/metrics`` with vLLM's metric names, ``/sim/stats``)
+driven by :class:`~kvgate_bench.sim.engine.SimEngine` in real time.
 
-One background task runs the engine in real time while there is work: each
-iteration lasts the duration the engine's step-time model gives it
-(:mod:`kvgate_bench.sim.steptime`: the ``constant`` profile's ``decode_ms``
-plus ``prefill_us_per_token`` per prefilled token by default, or a realistic
-profile's ``a + b*P + c*D + d*K``), slept on the real clock, then the tokens it
-produced are delivered to the waiting handlers. When idle the task sleeps on an
-:class:`asyncio.Event` (no polling).
-
-Endpoints (JSON shapes as vLLM's OpenAI server returns them):
-
-* ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming via SSE,
-  ``stream_options.include_usage`` honoured as vLLM does)
-* ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, vLLM names
-  from ``vllm/v1/metrics/loggers.py``), ``GET /sim/stats`` (JSON, for tests)
-
-Prompt token counting (deterministic, no tokenizer):
-
-* chat: ``sum(len(content.split()) + 4 for each message) + 2``; list contents
-  count the words of their ``text`` parts;
-* completions: ``len(prompt.split())`` for a string, the sum over a list of
-  strings (treated as ONE prompt, unlike vLLM's batch semantics), ``len(list)``
-  for a list of token ids.
-
-Generated token ``i`` is the word ``WORDS[i % len(WORDS)]`` with a leading
-space, so the completion's whitespace word count equals its token count.
-``max_tokens`` (``max_completion_tokens`` for chat) defaults to
-``max_model_len - prompt``. A completion has ``min(L, max_tokens)`` tokens where
-``L`` is its true length: the simulator-only header ``x-sim-output-tokens``
-(an integer >= 1, else 400), or else a draw from
-:class:`kvgate_bench.sim.lengths.OutputLengths` (``--output-lengths``; by
-default no draw, so the completion runs to ``max_tokens``). finish_reason is
-``"stop"`` when ``L < max_tokens``, ``"length"`` otherwise; usage counts the
-tokens sent.
-
-The tenant of a request is its ``x-kvgate-tenant`` header ("" when absent).
+Invariant: deterministic output without a tokenizer; generated token ``i`` is the word
+``WORDS[i % len(WORDS)]`` with a leading space, so a completion's whitespace word count equals
+its token count. A completion has ``min(L, max_tokens)`` tokens, ``L`` its true length (the
+simulator-only header ``x-sim-output-tokens``, else a draw from
+:class:`kvgate_bench.sim.lengths.OutputLengths`, by default none: it runs to ``max_tokens``);
+finish_reason is ``"stop"`` when ``L < max_tokens``, ``"length"`` otherwise.
 """
 
 from __future__ import annotations
@@ -184,12 +157,15 @@ def _words(value: Any) -> int:
 
 
 def count_chat_prompt_tokens(messages: list[Any]) -> int:
-    """Prompt tokens of a chat request: sum(words(content) + 4) + 2."""
+    """Prompt tokens of a chat request: ``sum(words(content) + 4 for each message) + 2``; a list
+    content counts the words of its ``text`` parts."""
     return sum(_words(m.get("content")) + 4 for m in messages) + 2
 
 
 def count_completion_prompt_tokens(prompt: Any) -> int:
-    """Prompt tokens of a completions request (see module docstring)."""
+    """Prompt tokens of a completions request: the words of a string, the sum over a list of
+    strings (treated as ONE prompt, unlike vLLM's batch semantics), the length of a list of
+    token ids."""
     if isinstance(prompt, str):
         return len(prompt.split())
     if isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
@@ -213,7 +189,17 @@ def _sse(obj: Any) -> bytes:
 
 
 class SimServer:
-    """Engine + metrics + the real-time loop; the aiohttp handlers live here."""
+    """Engine + metrics + the real-time loop; the aiohttp handlers live here.
+
+    One background task runs the engine while there is work: each iteration lasts the duration
+    the engine's step-time model gives it (:mod:`kvgate_bench.sim.steptime`: the ``constant``
+    profile's ``decode_ms`` plus ``prefill_us_per_token`` per prefilled token by default, or a
+    realistic profile's ``a + b*P + c*D + d*K``), slept on the real clock, then the tokens it
+    produced go to the waiting handlers; when idle it sleeps on an :class:`asyncio.Event` (no
+    polling). JSON shapes are those of vLLM's OpenAI server; ``stream_options.include_usage``
+    is honoured as vLLM does; ``max_tokens`` (``max_completion_tokens`` for chat) defaults to ``max_model_len - prompt``.
+    A request's tenant is its ``x-kvgate-tenant`` header ("" when absent).
+    """
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config

@@ -334,6 +334,8 @@ def test_builder_installs_the_role_extra_with_the_constraints(role: str) -> None
     package_roots = pyproject()["tool"]["setuptools"]["packages"]["find"]["where"]
     needed = {"pyproject.toml", "constraints.txt", pyproject()["project"]["readme"], *package_roots}
     assert needed <= set(copied), needed - set(copied)
+    # Only what the image runs: not the development distribution (bench/) or the tests.
+    assert not {"bench", "tests"} & set(copied), copied
     for src in copied:
         assert (REPO / src).exists(), src
         assert not dockerignored(src), f"{src} is copied but .dockerignore leaves it out"
@@ -423,6 +425,8 @@ def dockerignored(path: str) -> bool:
         "agent/kvgate_agent/admission/bucket.cpython-311-x86_64-linux-gnu.so",
         "kvgate.egg-info/PKG-INFO",
         "build/lib/kvgate_agent/cli.py",
+        "bench/kvgate_bench/sim/server.py",
+        "bench/pyproject.toml",
     ],
 )
 def test_dockerignore_leaves_out(path: str) -> None:
@@ -438,7 +442,6 @@ def test_dockerignore_leaves_out(path: str) -> None:
         "agent/kvgate_agent/cli.py",
         "agent/kvgate_agent/py.typed",
         "operator/kvgate_operator/__main__.py",
-        "bench/kvgate_bench/py.typed",
     ],
 )
 def test_dockerignore_keeps(path: str) -> None:
