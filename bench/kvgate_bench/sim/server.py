@@ -196,9 +196,10 @@ class SimServer:
     profile's ``decode_ms`` plus ``prefill_us_per_token`` per prefilled token by default, or a
     realistic profile's ``a + b*P + c*D + d*K``), slept on the real clock, then the tokens it
     produced go to the waiting handlers; when idle it sleeps on an :class:`asyncio.Event` (no
-    polling). JSON shapes are those of vLLM's OpenAI server; ``stream_options.include_usage``
-    is honoured as vLLM does; ``max_tokens`` (``max_completion_tokens`` for chat) defaults to ``max_model_len - prompt``.
-    A request's tenant is its ``x-kvgate-tenant`` header ("" when absent).
+    polling). JSON shapes are those of vLLM's OpenAI server; ``stream_options.include_usage`` is
+    honoured as vLLM does; ``max_tokens`` (``max_completion_tokens`` for chat) defaults to
+    ``max_model_len - prompt``. A request's tenant is its ``x-kvgate-tenant`` header ("" when
+    absent).
     """
 
     def __init__(self, config: SimConfig) -> None:
