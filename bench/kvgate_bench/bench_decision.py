@@ -365,6 +365,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if (args.check and not met) else 0
 
 
+ADMISSION_HOT_MODULES = ("bucket", "config", "controller", "decision", "holds", "limits", "retry")
+"""The admission modules compiled by ``--mypyc`` (and by ``Dockerfile.agent`` with ``MYPYC=1``)."""
+
+
 def compiled_run(iterations: int) -> str:
     """Compile the admission modules with mypyc into a temp dir (unchanged sources) and run
     this benchmark there in a subprocess; its report. mypyc ships with mypy (the lint extra)."""
@@ -380,9 +384,7 @@ def compiled_run(iterations: int) -> str:
         shutil.copytree(
             src, Path(tmp) / "kvgate_agent", ignore=shutil.ignore_patterns("__pycache__", "*.so")
         )
-        mods = [
-            f"kvgate_agent/admission/{m}.py" for m in ("bucket", "config", "controller", "decision")
-        ]
+        mods = [f"kvgate_agent/admission/{m}.py" for m in ADMISSION_HOT_MODULES]
         mypyc = Path(sys.executable).parent / "mypyc"
         build = subprocess.run([str(mypyc), *mods], cwd=tmp, capture_output=True, text=True)
         if build.returncode != 0:

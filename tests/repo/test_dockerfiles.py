@@ -40,6 +40,8 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from kvgate_bench.bench_decision import ADMISSION_HOT_MODULES
+
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = {"agent": REPO / "Dockerfile.agent", "operator": REPO / "Dockerfile.operator"}
 #: The extra each image installs, and the entry point it runs.
@@ -352,6 +354,10 @@ def test_agent_mypyc_build_is_opt_in_and_pinned() -> None:
     words = shlex.split(run)
     assert words[words.index("mypy") - 1] == "/tmp/constraints.txt", "mypy at the pinned version"
     assert "mypy" in pins()
+    compiled_files = sorted(w for w in words if w.startswith("kvgate_agent/") and w.endswith(".py"))
+    assert compiled_files == sorted(
+        f"kvgate_agent/admission/{m}.py" for m in ADMISSION_HOT_MODULES
+    ), "the image compiles the same admission modules as bench_decision --mypyc"
 
 
 @pytest.mark.parametrize("role", DOCKERFILES)
