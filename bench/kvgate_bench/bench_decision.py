@@ -38,6 +38,7 @@ from kvgate_agent.admission import (
     AdmissionRequest,
     TokenBucket,
 )
+from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.request import parse_completion_request
 from kvgate_agent.sidecar.tokens import PromptCounter
@@ -50,7 +51,7 @@ TENANTS = 1000
 #: The benchmark's policy: realistic for one Llama-3.1-8B pod, with limits generous enough that
 #: every request is admitted (the admitted path is the hot path; refusals are rarer and cheaper).
 POLICY = {
-    "apiVersion": "kvgate.io/v1alpha1",
+    "apiVersion": API_VERSION,
     "kind": "RateLimitPolicy",
     "metadata": {"name": "bench"},
     "spec": {

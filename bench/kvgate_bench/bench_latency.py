@@ -36,6 +36,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvgate_agent.contract.api import API_VERSION
 from kvgate_bench.toolkit import free_port, percentile, wait_port
 
 TARGET_ADDED_P50_MS = 0.35
@@ -229,8 +230,9 @@ def build_request(port: int, stream: bool, path: str = "/v1/chat/completions") -
 # ---------------------------------------------------------------------- processes
 
 
-POLICY_YAML = """\
-apiVersion: kvgate.io/v1alpha1
+POLICY_YAML = (
+    f"apiVersion: {API_VERSION}\n"
+    + """\
 kind: RateLimitPolicy
 metadata:
   name: bench-latency
@@ -246,6 +248,7 @@ spec:
   queue: {maxLength: 64, maxWaitSeconds: 10, order: FIFO}
   overload: {actions: [Queue, Reject]}
 """
+)
 
 
 @contextlib.contextmanager

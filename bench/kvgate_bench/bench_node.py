@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from kvgate_agent.contract.api import API_VERSION
 from kvgate_bench.controlplane import ControlPlane
 from kvgate_bench.nodestack import NodeStack, clamped_to, metric_value
 from kvgate_bench.toolkit import cpu_seconds, find_k8s_bin, memory_kib, percentile, wait_until
@@ -41,7 +42,7 @@ NS = "bench"
 
 def cap_policy(cap: int) -> dict[str, Any]:
     return {
-        "apiVersion": "kvgate.io/v1alpha1",
+        "apiVersion": API_VERSION,
         "kind": "RateLimitPolicy",
         "metadata": {"name": "cap", "namespace": NS},
         "spec": {

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from kvgate_agent.contract.api import GROUP, VERSION
 from kvgate_bench.controlplane import ControlPlane
 from kvgate_bench.toolkit import (
     cpu_seconds,
@@ -79,8 +80,6 @@ from kvgate_bench.toolkit import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-GROUP = "kvgate.io"
-VERSION = "v1alpha1"
 WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "APPLY", "DELETE", "DELETECOLLECTION"})
 PER_NAMESPACE = 10  # policies per namespace
 

@@ -22,7 +22,8 @@ import kopf
 from cryptography import x509
 from kubernetes import client, config
 
-from kvgate_operator.certs import CertificateManager, KubeCertStore
+from kvgate_operator.certs import CertificateManager
+from kvgate_operator.certstore import KubeCertStore
 from kvgate_operator.metrics import OperatorMetrics
 from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings

@@ -26,17 +26,16 @@ from cryptography.hazmat.primitives import serialization
 from kubernetes.client.exceptions import ApiException
 
 from kvgate_operator import pki
-from kvgate_operator.certstore import CertStore, KubeCertStore
+from kvgate_operator.certstore import CertStore
 from kvgate_operator.pki import CertificateError, KeyPair
 
-__all__ = [  # KubeCertStore is re-exported: the operator builds the manager from here
+__all__ = [
     "CA_COMMON_NAME",
     "CA_LIFETIME",
     "CA_RENEW_BEFORE",
     "SERVING_LIFETIME",
     "SERVING_RENEW_BEFORE",
     "CertificateManager",
-    "KubeCertStore",
     "WebhookCerts",
     "ca_bundle_patch",
     "new_ca",

@@ -28,18 +28,15 @@ from kvgate_operator.template import (
     token_volume,
 )
 
-__all__ = [  # the webhook's and the tests' names; the template's are re-exported from here
+__all__ = [
     "ANNOTATION_INJECT",
     "ANNOTATION_INJECTED",
     "ANNOTATION_MODEL_PORT",
     "ANNOTATION_POLICY",
     "ANNOTATION_SIDECAR_PORT",
     "LABEL_INJECT",
-    "SIDECAR_NAME",
-    "TOKEN_VOLUME",
     "Action",
     "Injection",
-    "InjectionConfig",
     "PatchError",
     "apply_patch",
     "inject",

@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate_operator.inject import ANNOTATION_INJECTED, LABEL_INJECT, InjectionConfig, inject
+from kvgate_operator.inject import ANNOTATION_INJECTED, LABEL_INJECT, inject
+from kvgate_operator.template import InjectionConfig
 
 EVENT_REASON = "InjectionMissed"
 

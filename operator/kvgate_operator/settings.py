@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvgate_operator.inject import InjectionConfig
+from kvgate_operator.template import InjectionConfig
 
 
 class OperatorSettings(BaseSettings):

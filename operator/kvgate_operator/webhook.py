@@ -23,8 +23,9 @@ from typing import Any
 import aiohttp.web
 import kopf
 
-from kvgate_operator.inject import LABEL_INJECT, Injection, InjectionConfig, inject
+from kvgate_operator.inject import LABEL_INJECT, Injection, inject
 from kvgate_operator.metrics import OperatorMetrics
+from kvgate_operator.template import InjectionConfig
 
 log = logging.getLogger("kvgate.operator.webhook")
 

@@ -43,13 +43,9 @@ from kvgate_bench.toolkit import (
     wait_until,
 )
 from kvgate_operator.certs import new_ca, new_serving_cert
-from kvgate_operator.inject import (
-    ANNOTATION_INJECTED,
-    SIDECAR_NAME,
-    InjectionConfig,
-    inject,
-)
+from kvgate_operator.inject import ANNOTATION_INJECTED, inject
 from kvgate_operator.metrics import OperatorMetrics
+from kvgate_operator.template import SIDECAR_NAME, InjectionConfig
 from kvgate_operator.webhook import (
     InjectionWebhook,
     NamespaceLabels,

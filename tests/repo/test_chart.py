@@ -37,8 +37,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvgate_operator.inject import InjectionConfig
 from kvgate_operator.settings import OperatorSettings
+from kvgate_operator.template import InjectionConfig
 from tests.conftest import REPO, k8s_bin_dir
 
 CHART = REPO / "charts" / "kvgate"

@@ -31,14 +31,12 @@ from kvgate_operator.inject import (
     ANNOTATION_POLICY,
     ANNOTATION_SIDECAR_PORT,
     LABEL_INJECT,
-    SIDECAR_NAME,
-    TOKEN_VOLUME,
     Injection,
-    InjectionConfig,
     PatchError,
     apply_patch,
     inject,
 )
+from kvgate_operator.template import SIDECAR_NAME, TOKEN_VOLUME, InjectionConfig
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "inject"
 CASES = sorted(GOLDEN.glob("*.in.yaml"))

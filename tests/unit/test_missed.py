@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate_operator.inject import ANNOTATION_INJECT, ANNOTATION_INJECTED, InjectionConfig, inject
+from kvgate_operator.inject import ANNOTATION_INJECT, ANNOTATION_INJECTED, inject
 from kvgate_operator.missed import MissedPod, ReportedPods, event_name, find_missed
+from kvgate_operator.template import InjectionConfig
 
 CONFIG = InjectionConfig(own_namespace="kvgate-system")
 OPT_IN = {"kvgate.io/inject": "true"}

@@ -20,12 +20,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvgate_agent.contract.api import GROUP as API_GROUP
+from kvgate_agent.contract.api import VERSION
 from kvgate_agent.contract.nodeadmission import NODE_ADMISSION_PLURAL, NodeAdmissionSpec
-from kvgate_agent.contract.policy import API_GROUP
 
 log = logging.getLogger(__name__)
-
-VERSION = "v1alpha1"
 
 #: Called on the event loop with the spec (None: no object for this node) or an error text.
 SpecCallback = Callable[[NodeAdmissionSpec | None, str | None], None]
