@@ -18,6 +18,7 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_bench.sim.server import SimConfig, start_sim
 from kvgate_bench.toolkit import find_k8s_bin, free_port, parse_samples, series, wait_http
 from tests.upstream import Upstream
 
@@ -264,3 +265,21 @@ def kube() -> Iterator[Any]:
         )
     with ControlPlane(bin_dir) as cp:
         yield cp
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[Callable[..., Awaitable[str]]]:
+    """Start kvgate-sim servers in this process on free loopback ports (1 ms steps, no prefill
+    time unless overridden: ``await sim(kv_capacity_tokens=...)``); returns their base URLs and
+    stops them all at the end."""
+    runners: list[web.AppRunner] = []
+
+    async def start(**overrides: Any) -> str:
+        cfg = SimConfig(**{"decode_ms": 1.0, "prefill_us_per_token": 0.0, **overrides})
+        runner, port = await start_sim(cfg)
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()

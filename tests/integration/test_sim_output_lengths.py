@@ -4,33 +4,16 @@ stop/length, the seeded draw, the realistic profile, and the header passing the 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 
 from kvgate_bench.sim.lengths import OutputLengths
-from kvgate_bench.sim.server import SimConfig, start_sim
 from tests.conftest import SidecarFactory
 
 MODEL = "kvgate-sim-model"
 HEADER = "x-sim-output-tokens"
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[Any]:
-    runners: list[Any] = []
-
-    async def start(**overrides: Any) -> str:
-        cfg = SimConfig(**{"decode_ms": 1.0, "prefill_us_per_token": 0.0, **overrides})
-        runner, port = await start_sim(cfg)
-        runners.append(runner)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 def chat(**kw: Any) -> dict[str, Any]:

@@ -23,22 +23,6 @@ Factory = Callable[..., Awaitable[str]]
 
 
 @pytest.fixture
-async def sim() -> AsyncIterator[Factory]:
-    """Start simulators on free loopback ports; returns their base URLs."""
-    runners: list[Any] = []
-
-    async def start(**overrides: Any) -> str:
-        cfg = SimConfig(**{"decode_ms": 1.0, "prefill_us_per_token": 0.0, **overrides})
-        runner, port = await start_sim(cfg)
-        runners.append(runner)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
-
-
-@pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as session:
         yield session
