@@ -42,11 +42,8 @@ summed as a cross-check.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import datetime as dt
-import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -86,6 +83,7 @@ from kvgate_bench.bench_operator_cluster import (
 from kvgate_bench.controlplane import ControlPlane
 from kvgate_bench.toolkit import (
     cpu_seconds,
+    machine,
     memory_kib,
 )
 
@@ -184,24 +182,6 @@ def heartbeats(
         pages=lay.policy_pages,
         note=f"{sent} NodeAdmission status patches over {seconds:g} s ({rate:g}/s), then 2 s",
     )
-
-
-def machine() -> list[tuple[str, str]]:
-    cpu = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = 0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) // 1024 // 1024
-    return [
-        ("CPU", f"{cpu}, {os.cpu_count()} vCPUs"),
-        ("memory", f"{mem} GiB"),
-        ("kernel", platform.release()),
-        ("Python", platform.python_version()),
-    ]
 
 
 def fmt_s(x: float | None) -> str:

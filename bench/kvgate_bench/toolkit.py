@@ -13,6 +13,7 @@ import contextlib
 import datetime as dt
 import math
 import os
+import platform
 import socket
 import subprocess
 import time
@@ -322,6 +323,26 @@ def proc_usage(pid: int) -> ProcUsage:
     return ProcUsage(
         cpu_seconds(pid), memory_kib(pid, "VmRSS") * 1024, memory_kib(pid, "VmHWM") * 1024
     )
+
+
+def machine() -> list[tuple[str, str]]:
+    """The machine a benchmark ran on, as ``(what, value)`` rows: the CPU model (``/proc/cpuinfo``)
+    and vCPU count, memory in GiB (``/proc/meminfo``), the kernel and Python versions."""
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) // 1024 // 1024
+    return [
+        ("CPU", f"{cpu}, {os.cpu_count()} vCPUs"),
+        ("memory", f"{mem} GiB"),
+        ("kernel", platform.release()),
+        ("Python", platform.python_version()),
+    ]
 
 
 # ------------------------------------------------------------------------------------ statistics

@@ -1,1 +1,2 @@
-"""kvgate's control plane (kopf operator). A skeleton until the control-plane issue lands."""
+"""kvgate's control plane: a kopf operator that turns RateLimitPolicies into one NodeAdmission per
+node and serves the sidecar-injection webhook; ``handlers`` registers it with kopf."""

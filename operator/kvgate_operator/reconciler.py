@@ -25,12 +25,11 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
+from kvgate_agent.contract.api import GROUP as API_GROUP
+from kvgate_agent.contract.api import NODE_ADMISSION_PLURAL, RATE_LIMIT_POLICY_PLURAL, VERSION
 from kvgate_agent.contract.nodeadmission import (
-    NODE_ADMISSION_PLURAL,
-    RATE_LIMIT_POLICY_PLURAL,
     NodeAdmissionSpec,
 )
-from kvgate_agent.contract.policy import API_GROUP, API_VERSION
 from kvgate_operator.desired import (
     Key,
     Pod,
@@ -45,7 +44,6 @@ from kvgate_operator.plan import EventWrite, NodeWrite, Plan, StatusWrite, plan
 from kvgate_operator.settings import OperatorSettings
 
 log = logging.getLogger("kvgate.operator")
-VERSION = API_VERSION.removeprefix(f"{API_GROUP}/")
 FIELD_MANAGER = "kvgate-operator"
 #: Writes in flight at once during a pass (the first pass over a large cluster writes hundreds).
 WRITE_CONCURRENCY = 8

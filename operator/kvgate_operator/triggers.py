@@ -12,8 +12,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate_agent.contract.nodeadmission import NODE_ADMISSION_PLURAL, RATE_LIMIT_POLICY_PLURAL
-from kvgate_agent.contract.policy import API_VERSION
+from kvgate_agent.contract.api import API_VERSION, NODE_ADMISSION_PLURAL, RATE_LIMIT_POLICY_PLURAL
 
 
 class Kind(enum.Enum):

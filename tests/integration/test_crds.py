@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.nodeadmission import (
     Condition,
     GpuStatus,
@@ -35,7 +36,7 @@ from kvgate_agent.contract.nodeadmission import (
     PodUsage,
     PolicyRef,
 )
-from kvgate_agent.contract.policy import API_VERSION, PolicyError, load_policy, parse_policy
+from kvgate_agent.contract.policy import PolicyError, load_policy, parse_policy
 from kvgate_operator.desired import PolicyOutcome, resolve_thresholds
 
 pytestmark = pytest.mark.k8s

@@ -24,6 +24,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from kvgate_agent.contract.api import GROUP as API_GROUP
+from kvgate_agent.contract.api import RATE_LIMIT_POLICY_KIND as KIND
 from kvgate_agent.contract.nodeadmission import (
     Condition,
     GpuStatus,
@@ -35,8 +37,6 @@ from kvgate_agent.contract.nodeadmission import (
     PolicyRef,
 )
 from kvgate_agent.contract.policy import (
-    API_GROUP,
-    KIND,
     LabelSelectorRequirement,
     RateLimitPolicySpec,
     RateLimitSpec,

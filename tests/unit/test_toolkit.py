@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
+import platform
 
 import pytest
 
 from kvgate_bench.toolkit import (
     FakeClock,
     FakeUtcClock,
+    machine,
     parse_samples,
     poll_until,
     sample_sum,
@@ -76,3 +79,11 @@ def test_waits_return_at_once_when_the_condition_holds() -> None:
     assert poll_until(lambda: 4, lambda n: n == 3, 0.0) == 4  # the last reading, no raise
     with pytest.raises(TimeoutError, match="nothing"):
         wait_until(lambda: None, 0.0, "nothing", interval=0.0)
+
+
+def test_machine_names_cpu_memory_kernel_and_python() -> None:
+    rows = dict(machine())
+    assert set(rows) == {"CPU", "memory", "kernel", "Python"}
+    assert rows["CPU"].endswith(f"{os.cpu_count()} vCPUs")
+    assert rows["memory"].endswith(" GiB") and int(rows["memory"].split()[0]) >= 0
+    assert rows["Python"] == platform.python_version()

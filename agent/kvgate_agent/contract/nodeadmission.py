@@ -14,12 +14,6 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from kvgate_agent.contract.api import (
-    API_VERSION,
-    NODE_ADMISSION_KIND,
-    NODE_ADMISSION_PLURAL,
-    RATE_LIMIT_POLICY_PLURAL,
-)
 from kvgate_agent.contract.policy import RateLimitPolicySpec, _Model
 
 
@@ -136,10 +130,6 @@ class NodeAdmissionStatus(_Model):
 
 
 __all__ = [
-    "API_VERSION",
-    "NODE_ADMISSION_KIND",
-    "NODE_ADMISSION_PLURAL",
-    "RATE_LIMIT_POLICY_PLURAL",
     "Condition",
     "GpuStatus",
     "NodeAdmissionSpec",

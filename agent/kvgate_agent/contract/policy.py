@@ -24,11 +24,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvgate_agent.contract.api import API_VERSION as API_VERSION
-from kvgate_agent.contract.api import GROUP, RATE_LIMIT_POLICY_KIND
-
-API_GROUP = GROUP
-KIND = RATE_LIMIT_POLICY_KIND
+from kvgate_agent.contract.api import API_VERSION
+from kvgate_agent.contract.api import RATE_LIMIT_POLICY_KIND as KIND
 
 #: The manifest's ``apiVersion`` and ``kind`` as pydantic checks them: a ``Literal`` must spell
 #: its value, so it is checked against :mod:`kvgate_agent.contract.api` at import.

@@ -21,8 +21,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvgate_agent.contract.api import GROUP as API_GROUP
-from kvgate_agent.contract.api import VERSION
-from kvgate_agent.contract.nodeadmission import NODE_ADMISSION_PLURAL, NodeAdmissionSpec
+from kvgate_agent.contract.api import NODE_ADMISSION_PLURAL, VERSION
+from kvgate_agent.contract.nodeadmission import NodeAdmissionSpec
 
 log = logging.getLogger(__name__)
 
