@@ -11,7 +11,7 @@ seeded schedules, prints per workload and load each arm's best setting with its 
 its goodput ratio to ``none`` measured in the same run, the headline ratios of
 ``kvgate-maxtokens``, and the sweeps. ``--json`` writes ``{"results": [...], "sweeps": [...],
 "calibration": {...}, "meta": {...}}``. ``--short`` (``conversation`` and ``multi-tenant`` at
-loads 1 and 2, one seed, 120 s schedules, fewer settings) finishes within 5 minutes on 2 cores.
+loads 1 and 2, one seed, 300 s schedules, fewer settings) finishes within 5 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kvgate_bench.effectiveness.arms import ARM_NAMES, BASELINES, PLANNED_ARMS
 from kvgate_bench.effectiveness.runner import (
     Calibration,
     build_tasks,
-    calibrate,
+    calibrate_all,
     calibration_json,
     pick_best,
     run_all,
@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write the results to this file")
     p.add_argument("--plots", type=Path, help="write PNG plots here (needs matplotlib)")
     p.add_argument("--profile", default="h100-llama3-8b", choices=sorted(PROFILES))
-    p.add_argument("--duration", type=float, help="schedule length, s (default 600; --short 120)")
+    p.add_argument("--duration", type=float, help="schedule length, s (default 600; --short 300)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes")
     p.add_argument("--arms", help=f"comma-separated, from {','.join(ARM_NAMES)} (default all)")
     return p.parse_args(argv)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         [1.0, 2.0] if short else [0.5, 1.0, 1.5, 2.0, 3.0]
     )  # fmt: skip
     n_seeds = args.seeds if args.seeds is not None else (1 if short else 3)
-    duration = args.duration if args.duration is not None else (120.0 if short else 600.0)
+    duration = args.duration if args.duration is not None else (300.0 if short else 600.0)
     arms = args.arms.split(",") if args.arms else list(ARM_NAMES)
     for a in arms:
         if a not in ARM_NAMES:
@@ -237,10 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.jobs} process(es)",
         flush=True,
     )
-    cals: dict[str, Calibration] = {}
-    for w in workloads:
-        cal = calibrate(w, args.profile, min(duration, 120.0) if short else duration, args.seed)
-        cals[w] = cal
+    found = calibrate_all(workloads, args.profile, duration, args.seed, args.jobs)
+    cals: dict[str, Calibration] = dict(zip(workloads, found, strict=True))
+    for w, cal in cals.items():
         print(
             f"calibration {w}: none's goodput capacity {cal.capacity_goodput_tokens_per_s:.0f} "
             f"output tokens/s (peak at {cal.peak_rate_rps:.2f} req/s; {len(cal.probes)} probes); "

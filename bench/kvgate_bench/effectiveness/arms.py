@@ -428,13 +428,12 @@ def candidates(name: str, tenants: dict[str, Tenant], short: bool) -> list[dict[
     """The parameter settings swept for arm ``name`` (one empty dict for untuned arms).
     ``short`` sweeps fewer settings."""
     if name == "concurrency-cap":
-        caps = (16, 32, 64, 128) if short else (8, 16, 24, 32, 48, 64, 96, 128, 192)
-        timeouts = (1.0, 30.0) if short else (0.5, 2.0, 30.0)
+        caps = (32, 64, 96, 128, 192) if short else (16, 32, 48, 64, 96, 128, 160, 192, 256)
+        timeouts = (0.25, 1.0, 30.0) if short else (0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
         return [{"cap": c, "queue_timeout_s": q} for c in caps for q in timeouts]
     if name == "token-bucket":
         factors = (0.75, 1.0, 1.5) if short else (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
-        bursts = (60.0,) if short else (10.0, 60.0)
-        return [{"factor": f, "burst_s": b} for f in factors for b in bursts]
+        return [{"factor": f, "burst_s": b} for f in factors for b in (10.0, 60.0)]
     if name == "saturation-shed":
         has_batch = any(t.tier == BATCH for t in tenants.values())
         return [{"shed": "all"}, {"shed": "sheddable"}] if has_batch else [{"shed": "all"}]

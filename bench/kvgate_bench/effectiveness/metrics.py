@@ -14,12 +14,14 @@ Definitions (times in seconds, lengths in tokens):
   takes to clear it.
 * **Preemptions per 1,000 requests** = engine preemptions x 1000 / requests in the schedule.
 * **Jain's index** (Jain, Chiu and Hawe, 1984, https://arxiv.org/abs/cs/9809099): per
-  60-second window, over the tenants backlogged in it (a request of theirs arrived and not
-  yet ended during at least half of the window; a request refused at once is never
-  outstanding, so a tenant refused outright drops out rather than counting as starved), of
-  their weighted service x_i = output tokens served in the window / weight (a request's
-  tokens spread evenly between its first token and its finish): ``(sum x)^2 / (n sum
-  x^2)``; the mean over windows with at least two backlogged tenants, None when there is none.
+  60-second window, over the tenants backlogged in it, of their weighted service x_i = output
+  tokens served in the window / weight (a request's tokens spread evenly between its first
+  token and its finish): ``(sum x)^2 / (n sum x^2)``; the mean over windows with at least two
+  backlogged tenants, None when there is none. A tenant is backlogged in a window when its
+  demand was not met at once: a request of its waited for its first token (in the arm's queue,
+  the engine's queue or its prefill) during at least half of the window, or one arriving in
+  the window was refused. A tenant whose requests all start promptly is not backlogged: it got
+  what it asked for, whatever its share.
 * **KV utilisation** = the time average of the engine's KV usage (used / total blocks, read
   after each step) over the span.
 
@@ -41,7 +43,7 @@ TTFT_SLO_S = 0.5
 TPOT_SLO_S = 0.050
 BATCH_SLO_S = 600.0
 JAIN_WINDOW_S = 60.0
-#: Share of a window a tenant must have work outstanding to count as backlogged in it.
+#: Share of a window a tenant's requests must spend waiting for it to count as backlogged.
 BACKLOG_FRACTION = 0.5
 
 
@@ -102,20 +104,23 @@ def windowed_jain(
     n_windows = int(span_s // window_s)
     if n_windows < 1:
         return None
-    outstanding: dict[str, list[tuple[float, float]]] = {name: [] for name in tenants}
+    waiting: dict[str, list[tuple[float, float]]] = {name: [] for name in tenants}
+    refused = {name: [False] * n_windows for name in tenants}
     service = {name: [0.0] * n_windows for name in tenants}
     for rec in records:
         req = rec.request
-        end = rec.finished_at if rec.finished_at is not None else span_s
-        outstanding[req.tenant].append((req.arrival_s, end))
-        if rec.outcome == REJECTED or rec.first_token_at is None or rec.output_tokens == 0:
+        if rec.outcome == REJECTED or rec.first_token_at is None:
+            k = int(req.arrival_s // window_s)
+            if rec.outcome == REJECTED and k < n_windows:
+                refused[req.tenant][k] = True
             continue
-        a, b = rec.first_token_at, end
+        waiting[req.tenant].append((req.arrival_s, rec.first_token_at))
+        a = rec.first_token_at
+        b = rec.finished_at if rec.finished_at is not None else span_s
         sv = service[req.tenant]
         if b <= a:
-            k = min(n_windows - 1, int(b // window_s))
             if b < n_windows * window_s:
-                sv[k] += rec.output_tokens
+                sv[int(b // window_s)] += rec.output_tokens
             continue
         rate = rec.output_tokens / (b - a)
         k = int(a // window_s)
@@ -124,14 +129,15 @@ def windowed_jain(
             if hi > lo:
                 sv[k] += rate * (hi - lo)
             k += 1
-    merged = {name: _merged(iv) for name, iv in outstanding.items()}
+    merged = {name: _merged(iv) for name, iv in waiting.items()}
     scores: list[float] = []
     for k in range(n_windows):
         lo, hi = k * window_s, (k + 1) * window_s
         xs = [
             service[name][k] / tenants[name].weight
             for name, iv in merged.items()
-            if sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in iv) >= BACKLOG_FRACTION * window_s
+            if refused[name][k]
+            or sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in iv) >= BACKLOG_FRACTION * window_s
         ]
         if len(xs) >= 2:
             j = jain(xs)

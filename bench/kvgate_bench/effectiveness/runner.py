@@ -135,6 +135,22 @@ def calibrate(workload: str, prof: str, duration_s: float, seed: int) -> Calibra
     )
 
 
+def _calibrate_args(args: tuple[str, str, float, int]) -> Calibration:
+    return calibrate(*args)
+
+
+def calibrate_all(
+    workloads: list[str], prof: str, duration_s: float, seed: int, jobs: int
+) -> list[Calibration]:
+    """:func:`calibrate` each of ``workloads``, on up to ``jobs`` processes; in order."""
+    work = [(w, prof, duration_s, seed) for w in workloads]
+    if jobs <= 1 or len(work) == 1:
+        return [_calibrate_args(a) for a in work]
+    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    with ctx.Pool(min(jobs, len(work))) as pool:
+        return pool.map(_calibrate_args, work)
+
+
 @dataclass(frozen=True)
 class Task:
     """One simulated run: an arm setting on one schedule."""
