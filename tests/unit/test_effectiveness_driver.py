@@ -192,3 +192,35 @@ def test_saturation_detector_thresholds_and_staleness() -> None:
     assert arm.saturated(10.0)
     arm._waiting, arm._kv = 0, 0.8
     assert arm.saturated(10.0)
+
+
+def test_kvgate_arm_never_asks_to_be_woken_in_the_past() -> None:
+    """A waiter blocked by its own tenant's bucket behind a head blocked by KV keeps the
+    ``retry_at`` of the last pump that reached it; the arm must not wake again at that time."""
+    from kvgate_agent.admission import (
+        AdmissionConfig,
+        AdmissionController,
+        AdmissionRequest,
+        LimitThreshold,
+    )
+    from kvgate_agent.contract.policy import LimitScope, QueueOrder
+
+    arm = KvgateMaxTokensArm(context("multi-tenant"))
+    per_tenant = LimitThreshold("t", LimitScope.TENANT, None, None, 10.0, 1000.0, 0.0)
+    cfg = AdmissionConfig(
+        limits=(per_tenant,),
+        cost_per_request=500.0,
+        kv_capacity_tokens=1000,
+        queue_order=QueueOrder.PRIORITY,
+    )
+    ctl = arm.controller = AdmissionController(cfg, arm.clock)
+    assert ctl.submit(AdmissionRequest("x", 10, 390)).admitted  # KV 400, x's bucket 100 left
+    assert ctl.submit(AdmissionRequest("y", 10, 90)).admitted  # KV 512, y's bucket 400 left
+    waiter = ctl.submit(AdmissionRequest("y", 10, 40)).waiter  # y's bucket: 550 > 400
+    assert waiter is not None and waiter.retry_at == pytest.approx(15.0)
+    head = ctl.submit(AdmissionRequest("z", 10, 480, priority=1)).waiter  # KV: 512 + 496 > 1000
+    assert head is not None and ctl.take_resolved() == []
+    arm.on_wake(15.0)
+    assert ctl.queue_length == 2
+    at = arm.next_wake()
+    assert at is not None and at > 15.0

@@ -89,8 +89,11 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
 
 
 def _ratio(a: float | None, b: float | None) -> str:
-    if a is None or b is None or b == 0:
+    """``a / b`` as ``1.23x``; ``>100x`` when ``b`` is (nearly) nothing next to ``a``."""
+    if a is None or b is None or (a == 0 and b == 0):
         return "-"
+    if b <= 0 or a / b > 100:
+        return ">100x"
     return f"{a / b:.2f}x"
 
 
@@ -140,14 +143,19 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
         if k in gp:
             base = {b: gp[b] for b in BASELINES if gp.get(b) is not None}
             best = max(base, key=lambda b: base[b] or 0.0) if base else None
-            msg = f"{w} load {load:g}: {k} goodput {_ratio(gp[k], gp.get('none'))} none"
+            msg = (
+                f"{w} load {load:g}: {k} goodput {_fmt(gp[k])} tokens/s = "
+                f"{_ratio(gp[k], gp.get('none'))} none ({_fmt(gp.get('none'))})"
+            )
             if best is not None:
-                msg += f", {_ratio(gp[k], base[best])} the best baseline ({best})"
+                msg += (
+                    f", {_ratio(gp[k], base[best])} the best baseline ({best} {_fmt(base[best])})"
+                )
                 ibase = {b: igp[b] for b in BASELINES if igp.get(b) is not None}
                 ib = max(ibase, key=lambda b: ibase[b] or 0.0)
                 msg += (
-                    f"; interactive goodput {_ratio(igp[k], igp.get('none'))} none, "
-                    f"{_ratio(igp[k], ibase[ib])} the best baseline ({ib})"
+                    f"; interactive goodput {_fmt(igp[k])} = {_ratio(igp[k], igp.get('none'))} "
+                    f"none, {_ratio(igp[k], ibase[ib])} the best baseline ({ib} {_fmt(ibase[ib])})"
                 )
             heads.append(msg)
     return "\n".join(lines), heads
