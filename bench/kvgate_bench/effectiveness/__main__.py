@@ -1,0 +1,304 @@
+"""``python -m kvgate_bench.effectiveness``: admission effectiveness in virtual time.
+
+Usage::
+
+    python -m kvgate_bench.effectiveness [--short] [--workloads W,...] [--loads 0.5,1,1.5,2,3]
+        [--seeds N] [--seed S] [--json FILE] [--plots DIR] [--profile P] [--duration S]
+        [--jobs J] [--arms A,...]
+
+Calibrates the ``none`` arm's goodput capacity per workload, runs every arm setting on the same
+seeded schedules, prints per workload and load each arm's best setting with its figures and
+its goodput ratio to ``none`` measured in the same run, the headline ratios of
+``kvgate-maxtokens``, and the sweeps. ``--json`` writes ``{"results": [...], "sweeps": [...],
+"calibration": {...}, "meta": {...}}``. ``--short`` (``conversation`` and ``multi-tenant`` at
+loads 1 and 2, one seed, 300 s schedules, fewer settings) finishes within 5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvgate_bench.effectiveness.arms import ARM_NAMES, BASELINES, PLANNED_ARMS
+from kvgate_bench.effectiveness.runner import (
+    Calibration,
+    build_tasks,
+    calibrate_all,
+    calibration_json,
+    pick_best,
+    run_all,
+)
+from kvgate_bench.effectiveness.workloads import WORKLOADS
+from kvgate_bench.sim.steptime import PROFILES
+
+#: The keys of every ``results`` row, in the issue's order (more may follow).
+RESULT_KEYS: tuple[str, ...] = (
+    "workload",
+    "load",
+    "arm",
+    "seed",
+    "goodput_tokens_per_s",
+    "interactive_goodput_tokens_per_s",
+    "throughput_tokens_per_s",
+    "slo_attainment",
+    "preemptions_per_1k",
+    "ttft_p99_s",
+    "tpot_p99_s",
+    "jain",
+    "reject_precision",
+    "kv_utilisation",
+    "rejected",
+    "degraded",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m kvgate_bench.effectiveness",
+        description="Admission effectiveness of kvgate and the baselines, in virtual time.",
+    )
+    p.add_argument("--short", action="store_true", help="a quick run (< 5 min on 2 cores)")
+    p.add_argument("--workloads", help=f"comma-separated, from {','.join(WORKLOADS)}")
+    p.add_argument("--loads", help="comma-separated loads (x the none arm's goodput capacity)")
+    p.add_argument("--seeds", type=int, help="seeds per point (default 3; --short 1)")
+    p.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
+    p.add_argument("--json", type=Path, help="write the results to this file")
+    p.add_argument("--plots", type=Path, help="write PNG plots here (needs matplotlib)")
+    p.add_argument("--profile", default="h100-llama3-8b", choices=sorted(PROFILES))
+    p.add_argument("--duration", type=float, help="schedule length, s (default 600; --short 300)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes")
+    p.add_argument("--arms", help=f"comma-separated, from {','.join(ARM_NAMES)} (default all)")
+    return p.parse_args(argv)
+
+
+def _fmt(v: Any, spec: str = ".0f", scale: float = 1.0) -> str:
+    if v is None:
+        return "-"
+    return format(float(v) * scale, spec)
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    xs = [float(r[key]) for r in rows if r.get(key) is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    """``a / b`` as ``1.23x``; ``>100x`` when ``b`` is (nearly) nothing next to ``a``."""
+    if a is None or b is None or (a == 0 and b == 0):
+        return "-"
+    if b <= 0 or a / b > 100:
+        return ">100x"
+    return f"{a / b:.2f}x"
+
+
+def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str]]:
+    """The printed table (means over seeds) and the headline lines."""
+    lines: list[str] = []
+    heads: list[str] = []
+    header = (
+        f"{'arm':<17} {'setting':<28} {'goodput':>8} {'int.gp':>8} {'thrpt':>8} {'SLO%':>5} "
+        f"{'TTFTp99':>8} {'TPOTp99':>8} {'pre/1k':>7} {'rej':>6} {'deg':>5} {'jain':>5} "
+        f"{'KV%':>4} {'vs none':>7}"
+    )
+    points = sorted({(r["workload"], r["load"]) for r in results}, key=lambda x: (x[0], x[1]))
+    for w, load in points:
+        at = [r for r in results if r["workload"] == w and r["load"] == load]
+        lines.append(f"\n{w} at load {load:g} (goodput etc. in output tokens/s; means over seeds)")
+        lines.append(header)
+        lines.append("-" * len(header))
+        gp: dict[str, float | None] = {}
+        igp: dict[str, float | None] = {}
+        for arm in arms:
+            rs = [r for r in at if r["arm"] == arm]
+            if not rs:
+                continue
+            gp[arm] = _mean(rs, "goodput_tokens_per_s")
+            igp[arm] = _mean(rs, "interactive_goodput_tokens_per_s")
+            setting = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in rs[0]["params"].items()) or "-"  # fmt: skip
+            cells = [
+                f"{arm:<17}",
+                f"{setting:<28}",
+                f"{_fmt(gp[arm]):>8}",
+                f"{_fmt(igp[arm]):>8}",
+                f"{_fmt(_mean(rs, 'throughput_tokens_per_s')):>8}",
+                f"{_fmt(_mean(rs, 'slo_attainment'), '.1f', 100):>5}",
+                f"{_fmt(_mean(rs, 'ttft_p99_s'), '.2f'):>7}s",
+                f"{_fmt(_mean(rs, 'tpot_p99_s'), '.0f', 1e3):>6}ms",
+                f"{_fmt(_mean(rs, 'preemptions_per_1k'), '.1f'):>7}",
+                f"{_fmt(_mean(rs, 'rejected')):>6}",
+                f"{_fmt(_mean(rs, 'degraded')):>5}",
+                f"{_fmt(_mean(rs, 'jain'), '.2f'):>5}",
+                f"{_fmt(_mean(rs, 'kv_utilisation'), '.0f', 100):>4}",
+                f"{_ratio(gp[arm], gp.get('none')):>7}",
+            ]
+            lines.append(" ".join(cells))
+        k = "kvgate-maxtokens"
+        if k in gp:
+            base = {b: gp[b] for b in BASELINES if gp.get(b) is not None}
+            best = max(base, key=lambda b: base[b] or 0.0) if base else None
+            msg = (
+                f"{w} load {load:g}: {k} goodput {_fmt(gp[k])} tokens/s = "
+                f"{_ratio(gp[k], gp.get('none'))} none ({_fmt(gp.get('none'))})"
+            )
+            if best is not None:
+                msg += (
+                    f", {_ratio(gp[k], base[best])} the best baseline ({best} {_fmt(base[best])})"
+                )
+                ibase = {b: igp[b] for b in BASELINES if igp.get(b) is not None}
+                ib = max(ibase, key=lambda b: ibase[b] or 0.0)
+                msg += (
+                    f"; interactive goodput {_fmt(igp[k])} = {_ratio(igp[k], igp.get('none'))} "
+                    f"none, {_ratio(igp[k], ibase[ib])} the best baseline ({ib} {_fmt(ibase[ib])})"
+                )
+            heads.append(msg)
+    return "\n".join(lines), heads
+
+
+def sweep_table(sweeps: list[dict[str, Any]]) -> str:
+    """The tuned arms' sweeps: mean goodput of every setting."""
+    lines = ["\nsweeps (mean goodput, output tokens/s; the best setting is reported above)"]
+    for s in sorted(sweeps, key=lambda s: (s["workload"], s["load"], s["arm"], str(s["params"]))):
+        if not s["params"]:
+            continue
+        setting = ",".join(f"{k}={v}" for k, v in s["params"].items())
+        lines.append(
+            f"  {s['workload']:<13} load {s['load']:<4g} {s['arm']:<16} {setting:<30} "
+            f"goodput {_fmt(s['goodput_tokens_per_s']):>6}  interactive "
+            f"{_fmt(s['interactive_goodput_tokens_per_s']):>6}  SLO "
+            f"{_fmt(s['slo_attainment'], '.1f', 100)}%"
+        )
+    return "\n".join(lines)
+
+
+def plots(results: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Goodput, interactive TTFT p99 and preemptions against load, one PNG per workload and
+    figure; needs matplotlib (checked by the caller)."""
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for w in sorted({r["workload"] for r in results}):
+        for key, label in (
+            ("goodput_tokens_per_s", "goodput (output tokens/s)"),
+            ("ttft_p99_s", "interactive TTFT p99 (s)"),
+            ("preemptions_per_1k", "preemptions per 1,000 requests"),
+        ):
+            fig, ax = plt.subplots(figsize=(6, 4))
+            for arm in ARM_NAMES:
+                rs = [r for r in results if r["workload"] == w and r["arm"] == arm]
+                loads = sorted({r["load"] for r in rs})
+                ys = [_mean([r for r in rs if r["load"] == x], key) for x in loads]
+                ax.plot(loads, ys, marker="o", label=arm)
+            ax.set_xlabel("load (x the none arm's goodput capacity)")
+            ax.set_ylabel(label)
+            ax.set_title(w)
+            ax.legend(fontsize="small")
+            path = out / f"effectiveness-{w}-{key}.png"
+            fig.savefig(path, dpi=100, bbox_inches="tight")
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    short = args.short
+    workloads = (
+        args.workloads.split(",") if args.workloads else
+        (["conversation", "multi-tenant"] if short else list(WORKLOADS))
+    )  # fmt: skip
+    loads = [float(x) for x in args.loads.split(",")] if args.loads else (
+        [1.0, 2.0] if short else [0.5, 1.0, 1.5, 2.0, 3.0]
+    )  # fmt: skip
+    n_seeds = args.seeds if args.seeds is not None else (1 if short else 3)
+    duration = args.duration if args.duration is not None else (300.0 if short else 600.0)
+    arms = args.arms.split(",") if args.arms else list(ARM_NAMES)
+    for a in arms:
+        if a not in ARM_NAMES:
+            planned = " (planned in issue 10, not built yet)" if a in PLANNED_ARMS else ""
+            print(f"unknown arm {a!r}{planned}", file=sys.stderr)
+            return 2
+    for w in workloads:
+        if w not in WORKLOADS:
+            print(f"unknown workload {w!r}; choose from {','.join(WORKLOADS)}", file=sys.stderr)
+            return 2
+    if "none" not in arms:
+        arms.insert(0, "none")
+    if args.plots is not None and importlib.util.find_spec("matplotlib") is None:
+        print("--plots: matplotlib is not installed in this environment; skipping plots")
+        args.plots = None
+    seeds = list(range(args.seed, args.seed + n_seeds))
+    print(
+        f"effectiveness: profile {args.profile}, workloads {','.join(workloads)}, loads "
+        f"{','.join(f'{x:g}' for x in loads)}, seeds {seeds}, {duration:g} s schedules, "
+        f"{args.jobs} process(es)",
+        flush=True,
+    )
+    found = calibrate_all(workloads, args.profile, duration, args.seed, args.jobs)
+    cals: dict[str, Calibration] = dict(zip(workloads, found, strict=True))
+    for w, cal in cals.items():
+        print(
+            f"calibration {w}: none's goodput capacity {cal.capacity_goodput_tokens_per_s:.0f} "
+            f"output tokens/s (peak at {cal.peak_rate_rps:.2f} req/s; {len(cal.probes)} probes); "
+            f"E[out] {cal.mean_output_tokens:.0f} tokens, so load 1 = "
+            f"{cal.load1_rate_rps:.2f} req/s",
+            flush=True,
+        )
+    tasks = build_tasks(workloads, loads, seeds, cals, args.profile, duration, short, arms)
+
+    def progress(done: int, total: int) -> None:
+        if done == total or done % max(1, total // 10) == 0:
+            print(f"  {done}/{total} runs ({time.monotonic() - started:.0f} s)", flush=True)
+
+    rows = run_all(tasks, args.jobs, progress)
+    chosen, sweeps = pick_best(rows)
+    text, heads = table(chosen, arms)
+    print(text)
+    print(sweep_table(sweeps))
+    elapsed = time.monotonic() - started
+    cpu = sum(float(r["cpu_s"]) for r in rows)
+    print("\nheadline (goodput ratios measured in this run):")
+    for h in heads:
+        print("  " + h)
+    print(
+        f"\n{len(rows)} runs, {sum(int(r['requests']) for r in rows)} requests simulated, "
+        f"{cpu:.0f} CPU s in the runs; wall {elapsed:.0f} s"
+    )
+    if args.json is not None:
+        results = [{**{k: r.get(k) for k in RESULT_KEYS}, **r} for r in chosen]
+        doc = {
+            "results": results,
+            "sweeps": sweeps,
+            "calibration": {w: calibration_json(c) for w, c in cals.items()},
+            "meta": {
+                "profile": args.profile,
+                "duration_s": duration,
+                "seeds": seeds,
+                "short": short,
+                "wall_s": elapsed,
+                "runs": len(rows),
+                "not_computed": ["reject_precision", "retry_after_error_s"],
+                "planned_arms": list(PLANNED_ARMS),
+            },
+        }
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.plots is not None:
+        for path in plots(chosen, args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,440 @@
+"""The arms of the effectiveness benchmark: what a platform team would put in front of the engine.
+
+Each arm is faithful to the system it stands for and takes the knobs its users would tune;
+:func:`candidates` lists the settings the benchmark sweeps for each (the best is reported per
+workload and load, and the sweep with it):
+
+``none``
+    The engine alone: every request goes straight into vLLM's FCFS waiting queue.
+``concurrency-cap``
+    A cap on requests in flight with a FIFO queue in front and a queue timeout (an API
+    gateway's or a client pool's semaphore; Envoy's circuit-breaker ``max_requests`` with
+    pending requests). Swept: the cap and the queue timeout.
+``token-bucket``
+    Per-tenant request and token buckets checked on arrival and charged the request's real
+    usage (prompt + completion tokens) after the response, as LiteLLM's per-key ``rpm_limit``
+    / ``tpm_limit`` (https://docs.litellm.ai/docs/proxy/users) and Envoy AI Gateway's
+    usage-based rate limiting (the check happens on each request, the usage read from the
+    response is deducted afterwards:
+    https://aigateway.envoyproxy.io/docs/0.1/capabilities/usage-based-ratelimiting) do. A
+    tenant whose bucket is empty (or in debt) is refused with 429. Each tenant's rates are its
+    weighted share of the server's measured capacity times a swept factor; the burst is one
+    window's worth (LiteLLM counts per minute).
+``saturation-shed``
+    llm-d's saturation detector in front of the engine: metrics scraped every 50 ms; the
+    server is saturated when its waiting queue holds >= 5 requests or its KV usage is >= 0.8,
+    or when the last scrape is older than 200 ms; a saturated server sheds (429) the arriving
+    request. llm-d sheds only sheddable requests (negative priority); ``shed=sheddable`` does
+    that with the batch tier as sheddable, ``shed=all`` sheds every request. Swept: the mode.
+``kvgate-maxtokens``
+    Today's kvgate: the real :class:`kvgate_agent.admission.AdmissionController` on the virtual
+    clock, driven as the sidecar drives it (``submit`` on arrival, ``take_resolved`` after every
+    call, ``pump`` on release and at ``next_wake``, ``release`` with the completion tokens the
+    engine reported), enforcing one default policy (:meth:`KvgateMaxTokensArm.policy`): KV
+    capacity = the engine's pool with reservations of prompt + max_tokens, a concurrency cap of
+    max_num_seqs, per-tenant token buckets of half the server's capacity, a ShortestFirst queue
+    of 100 for 10 s, Degrade to 128 tokens before queueing.
+
+The later arms of issue 10 (``kvgate``: reservations sized by a predicted length;
+``kvgate-noisy``: its predictor's errors forced to lognormal sigma 1.0; ``oracle``: kvgate told
+the true lengths) are :data:`PLANNED_ARMS`: subclass :class:`KvgateMaxTokensArm` and override
+:meth:`~KvgateMaxTokensArm.policy` and :meth:`~KvgateMaxTokensArm.admission_request`, then add
+them to :data:`ARM_FACTORIES` and :func:`candidates`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate_agent.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionRequest,
+    Decision,
+    Outcome,
+    Ticket,
+)
+from kvgate_agent.contract.policy import RateLimitPolicySpec
+from kvgate_bench.effectiveness.driver import Arm, Gate
+from kvgate_bench.effectiveness.workloads import BATCH, Request, Tenant
+from kvgate_bench.sim.engine import EngineConfig
+from kvgate_bench.toolkit import FakeClock
+
+#: Arms built now, in report order.
+ARM_NAMES: tuple[str, ...] = (
+    "none",
+    "concurrency-cap",
+    "token-bucket",
+    "saturation-shed",
+    "kvgate-maxtokens",
+)
+#: Arms of issue 10 not built yet (see the module docstring for where they plug in).
+PLANNED_ARMS: tuple[str, ...] = ("kvgate", "kvgate-noisy", "oracle")
+#: The baselines kvgate is compared with.
+BASELINES: tuple[str, ...] = ("concurrency-cap", "token-bucket", "saturation-shed")
+
+
+@dataclass(frozen=True)
+class ArmContext:
+    """What an arm may know about the deployment it guards (a platform team knows it too).
+
+    Attributes:
+        engine: the engine's configuration (KV pool = ``num_gpu_blocks x block_size`` tokens).
+        tenants: the workload's tenants by name (weights, tiers).
+        capacity_rps: the request rate at load 1 (the ``none`` arm's measured goodput
+            capacity), requests per second.
+        capacity_tokens_per_s: prompt + output tokens per second at load 1.
+    """
+
+    engine: EngineConfig
+    tenants: dict[str, Tenant]
+    capacity_rps: float
+    capacity_tokens_per_s: float
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The engine's KV pool, tokens."""
+        return self.engine.num_gpu_blocks * self.engine.block_size
+
+    def share(self, tenant: str) -> float:
+        """``tenant``'s weighted share of the server (0..1)."""
+        total = sum(t.weight for t in self.tenants.values())
+        return self.tenants[tenant].weight / total
+
+
+class NoneArm(Arm):
+    """No admission: every request goes to the engine at once (its FCFS queue decides)."""
+
+    name = "none"
+
+    def on_arrival(self, req: Request, now: float) -> None:
+        self.gate.dispatch(req, now)
+
+
+class ConcurrencyCapArm(Arm):
+    """At most ``cap`` requests in the engine; the rest wait FIFO, refused (503) after waiting
+    ``queue_timeout_s`` seconds.
+
+    ``max_in_flight`` records the largest number in flight seen (never above ``cap``).
+    """
+
+    name = "concurrency-cap"
+
+    def __init__(self, cap: int, queue_timeout_s: float) -> None:
+        super().__init__()
+        if cap < 1 or queue_timeout_s <= 0:
+            raise ValueError("cap must be >= 1 and queue_timeout_s > 0")
+        self.cap = cap
+        self.queue_timeout_s = queue_timeout_s
+        self.params = {"cap": cap, "queue_timeout_s": queue_timeout_s}
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self._queue: deque[tuple[Request, float]] = deque()  # (request, deadline), FIFO
+
+    def _send(self, req: Request, now: float) -> None:
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.gate.dispatch(req, now)
+
+    def on_arrival(self, req: Request, now: float) -> None:
+        if self.in_flight < self.cap and not self._queue:
+            self._send(req, now)
+        else:
+            self._queue.append((req, now + self.queue_timeout_s))
+
+    def _drain(self, now: float) -> None:
+        q = self._queue
+        while q and q[0][1] <= now:
+            self.gate.reject(q.popleft()[0], now, None)
+        while q and self.in_flight < self.cap:
+            self._send(q.popleft()[0], now)
+
+    def on_finish(self, req: Request, output_tokens: int, now: float) -> None:
+        self.in_flight -= 1
+        self._drain(now)
+
+    def next_wake(self) -> float | None:
+        return self._queue[0][1] if self._queue else None  # FIFO: deadlines are in order
+
+    def on_wake(self, now: float) -> None:
+        self._drain(now)
+
+
+class _DebtBucket:
+    """A bucket of ``capacity`` units refilled at ``rate`` units/s that may go into debt
+    (usage charged after the response can exceed what was left)."""
+
+    __slots__ = ("capacity", "last", "level", "rate")
+
+    def __init__(self, capacity: float, rate: float, now: float) -> None:
+        self.capacity, self.rate, self.level, self.last = capacity, rate, capacity, now
+
+    def refill(self, now: float) -> float:
+        if now > self.last:
+            self.level = min(self.capacity, self.level + (now - self.last) * self.rate)
+            self.last = now
+        return self.level
+
+    def seconds_until(self, level: float, now: float) -> float:
+        return max(0.0, (level - self.refill(now)) / self.rate)
+
+
+class TokenBucketArm(Arm):
+    """Per-tenant request and token buckets, charged after the response (see the module
+    docstring). Tenant ``t`` gets ``factor x share(t) x capacity`` requests and tokens per
+    second, with bursts of ``burst_s`` seconds' worth."""
+
+    name = "token-bucket"
+
+    def __init__(self, ctx: ArmContext, factor: float, burst_s: float = 60.0) -> None:
+        super().__init__()
+        if factor <= 0 or burst_s <= 0:
+            raise ValueError("factor and burst_s must be > 0")
+        self.ctx = ctx
+        self.factor = factor
+        self.burst_s = burst_s
+        self.params = {"factor": factor, "burst_s": burst_s}
+        self._req: dict[str, _DebtBucket] = {}
+        self._tok: dict[str, _DebtBucket] = {}
+
+    def _buckets(self, tenant: str, now: float) -> tuple[_DebtBucket, _DebtBucket]:
+        rb = self._req.get(tenant)
+        if rb is None:
+            share = self.ctx.share(tenant) * self.factor
+            rr = share * self.ctx.capacity_rps
+            tr = share * self.ctx.capacity_tokens_per_s
+            rb = self._req[tenant] = _DebtBucket(max(1.0, rr * self.burst_s), rr, now)
+            self._tok[tenant] = _DebtBucket(max(1.0, tr * self.burst_s), tr, now)
+        return rb, self._tok[tenant]
+
+    def on_arrival(self, req: Request, now: float) -> None:
+        rb, tb = self._buckets(req.tenant, now)
+        if rb.refill(now) < 1.0:
+            self.gate.reject(req, now, math.ceil(max(1.0, rb.seconds_until(1.0, now))))
+        elif tb.refill(now) <= 0.0:
+            self.gate.reject(req, now, math.ceil(max(1.0, tb.seconds_until(1e-9, now))))
+        else:
+            rb.level -= 1.0
+            self.gate.dispatch(req, now)
+
+    def on_finish(self, req: Request, output_tokens: int, now: float) -> None:
+        _, tb = self._buckets(req.tenant, now)
+        tb.refill(now)
+        tb.level -= req.prompt_tokens + output_tokens
+
+
+class SaturationShedArm(Arm):
+    """llm-d's saturation detector (see the module docstring): scrape every ``scrape_s``,
+    saturated at ``queue_threshold`` waiting or ``kv_threshold`` KV usage or metrics older
+    than ``staleness_s``; shed the arriving request (``shed=all``) or only sheddable (batch)
+    ones (``shed=sheddable``) while saturated."""
+
+    name = "saturation-shed"
+
+    def __init__(
+        self,
+        shed: str = "all",
+        queue_threshold: int = 5,
+        kv_threshold: float = 0.8,
+        scrape_s: float = 0.05,
+        staleness_s: float = 0.2,
+    ) -> None:
+        super().__init__()
+        if shed not in ("all", "sheddable"):
+            raise ValueError("shed must be 'all' or 'sheddable'")
+        self.shed = shed
+        self.queue_threshold, self.kv_threshold = queue_threshold, kv_threshold
+        self.scrape_s, self.staleness_s = scrape_s, staleness_s
+        self.params = {"shed": shed}
+        self._scraped_at = -math.inf
+        self._waiting = 0
+        self._kv = 0.0
+        self._next_scrape = 0.0
+
+    def start(self, gate: Gate, now: float) -> None:
+        super().start(gate, now)
+        self._next_scrape = now
+
+    def saturated(self, now: float) -> bool:
+        """Whether the detector says saturated at ``now`` (from the last scrape)."""
+        return (
+            now - self._scraped_at > self.staleness_s
+            or self._waiting >= self.queue_threshold
+            or self._kv >= self.kv_threshold
+        )
+
+    def on_arrival(self, req: Request, now: float) -> None:
+        if now >= self._next_scrape:
+            # The engine sat idle (no timer ran): every scrape since read the same idle state.
+            self.on_wake(now - (now - self._next_scrape) % self.scrape_s)
+        sheddable = self.shed == "all" or req.tier == BATCH
+        if sheddable and self.saturated(now):
+            self.gate.reject(req, now, None)
+        else:
+            self.gate.dispatch(req, now)
+
+    def next_wake(self) -> float | None:
+        # While the engine is idle its gauges cannot change: no timer (so a drained run ends);
+        # on_arrival catches the scrapes up.
+        return self._next_scrape if self.gate.engine.has_work else None
+
+    def on_wake(self, now: float) -> None:
+        eng = self.gate.engine
+        self._waiting, self._kv, self._scraped_at = eng.num_waiting, eng.kv_usage, now
+        self._next_scrape = now + self.scrape_s
+
+
+class KvgateMaxTokensArm(Arm):
+    """Today's kvgate: the real admission core on the virtual clock (see the module docstring).
+
+    ``max_kv_reserved`` records the largest KV reservation seen (tokens); after a run the
+    controller's ``in_flight``, ``kv_reserved_tokens`` and ``queue_length`` are back to 0.
+    """
+
+    name = "kvgate-maxtokens"
+    #: The policy's ``tenants.defaultMaxTokens`` (the CRD default), tokens.
+    DEFAULT_MAX_TOKENS = 1024
+
+    def __init__(self, ctx: ArmContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.clock = FakeClock()
+        self.spec = RateLimitPolicySpec.model_validate(self.policy())
+        self.controller = AdmissionController(AdmissionConfig.from_policy(self.spec), self.clock)
+        self._tickets: dict[str, Ticket] = {}
+        self._waiting: dict[int, Request] = {}
+        self.max_kv_reserved = 0
+        self._pumped_at = -math.inf
+        self.params = {}
+
+    def policy(self) -> dict[str, Any]:
+        """The RateLimitPolicy ``spec`` enforced (camelCase, as in a manifest)."""
+        ctx = self.ctx
+        per_tenant_tpm = max(1.0, 0.5 * ctx.capacity_tokens_per_s * 60.0)
+        return {
+            "model": {"blockSize": ctx.engine.block_size, "maxModelLen": ctx.engine.max_model_len},
+            "capacity": {"kvCacheTokens": ctx.kv_capacity_tokens},
+            "concurrency": {"maxRequests": ctx.engine.max_num_seqs},
+            "tenants": {"defaultMaxTokens": self.DEFAULT_MAX_TOKENS},
+            "rateLimits": [
+                {"name": "per-tenant", "per": "Tenant", "tokensPerMinute": per_tenant_tpm}
+            ],
+            "queue": {"maxLength": 100, "maxWaitSeconds": 10, "order": "ShortestFirst"},
+            "overload": {
+                "actions": ["Degrade", "Queue", "Reject"],
+                "degrade": {"minMaxTokens": 128},
+            },
+        }
+
+    def admission_request(self, req: Request) -> AdmissionRequest:
+        """What the sidecar would hand the core for ``req``: the policy's default max_tokens
+        (within the context, as ``default_within_context``) when the client set none."""
+        mt = req.max_tokens
+        if mt is None:
+            mml = self.ctx.engine.max_model_len
+            mt = min(self.spec.tenants.default_max_tokens, max(1, mml - req.prompt_tokens))
+        return AdmissionRequest(req.tenant, req.prompt_tokens, mt, 0)
+
+    def _apply(self, req: Request, d: Decision, now: float) -> None:
+        if d.ticket is not None:
+            self._tickets[req.rid] = d.ticket
+            degraded = d.outcome is Outcome.DEGRADED
+            self.gate.dispatch(req, now, d.max_tokens, degraded=degraded)
+            if self.gate.sequences.get(req.rid) is None:  # the engine refused it (400)
+                self.controller.release(self._tickets.pop(req.rid), completion_tokens=0)
+        elif d.waiter is not None:
+            self._waiting[d.waiter.seq] = req
+        else:
+            self.gate.reject(req, now, None if d.retry_after is None else float(d.retry_after))
+
+    def _settle(self, now: float) -> None:
+        ctl = self.controller
+        for w in ctl.take_resolved():
+            req = self._waiting.pop(w.seq)
+            if w.decision is not None:
+                self._apply(req, w.decision, now)
+        self.max_kv_reserved = max(self.max_kv_reserved, ctl.kv_reserved_tokens)
+
+    def on_arrival(self, req: Request, now: float) -> None:
+        self.clock.now = now
+        self._apply(req, self.controller.submit(self.admission_request(req)), now)
+        self._settle(now)
+
+    def on_finish(self, req: Request, output_tokens: int, now: float) -> None:
+        self.clock.now = now
+        ticket = self._tickets.pop(req.rid)
+        self.controller.release(
+            ticket, completion_tokens=output_tokens, prompt_tokens=req.prompt_tokens
+        )
+        self.controller.pump()
+        self._settle(now)
+
+    def next_wake(self) -> float | None:
+        """The controller's :meth:`~AdmissionController.next_wake`, unless that is a time
+        already pumped at: a waiter blocked by its own tenant's bucket keeps the ``retry_at``
+        of the last pump that reached it, and a pump whose scan stops earlier (at a head
+        blocked by KV or concurrency) leaves it in the past, so ``next_wake`` keeps returning
+        it (the sidecar's timer would refire at once until a release). Pumping again before
+        the next deadline or a later ``retry_at`` cannot change anything (releases and
+        arrivals pump anyway), so the driver is woken then instead."""
+        ctl = self.controller
+        at = ctl.next_wake()
+        if at is None or at > self._pumped_at:
+            return at
+        times = [w.deadline for w in ctl._queue.values()]
+        times += [
+            w.retry_at
+            for w in ctl._queue.values()
+            if w.retry_at is not None and w.retry_at > self._pumped_at
+        ]
+        return min(times) if times else None
+
+    def on_wake(self, now: float) -> None:
+        self.clock.now = now
+        self.controller.pump()
+        self._pumped_at = now
+        self._settle(now)
+
+
+ArmFactory = Callable[[ArmContext, dict[str, Any]], Arm]
+
+#: Arm name -> factory(context, params).
+ARM_FACTORIES: dict[str, ArmFactory] = {
+    "none": lambda ctx, p: NoneArm(),
+    "concurrency-cap": lambda ctx, p: ConcurrencyCapArm(int(p["cap"]), float(p["queue_timeout_s"])),
+    "token-bucket": lambda ctx, p: TokenBucketArm(
+        ctx, float(p["factor"]), float(p.get("burst_s", 60.0))
+    ),
+    "saturation-shed": lambda ctx, p: SaturationShedArm(str(p.get("shed", "all"))),
+    "kvgate-maxtokens": lambda ctx, p: KvgateMaxTokensArm(ctx),
+}
+
+
+def make_arm(name: str, ctx: ArmContext, params: dict[str, Any]) -> Arm:
+    """A fresh arm ``name`` with ``params``. Raises ``ValueError`` for an unknown or planned
+    arm."""
+    factory = ARM_FACTORIES.get(name)
+    if factory is None:
+        planned = " (planned, not built yet)" if name in PLANNED_ARMS else ""
+        raise ValueError(f"unknown arm {name!r}{planned}; choose from {', '.join(ARM_NAMES)}")
+    return factory(ctx, params)
+
+
+def candidates(name: str, tenants: dict[str, Tenant], short: bool) -> list[dict[str, Any]]:
+    """The parameter settings swept for arm ``name`` (one empty dict for untuned arms).
+    ``short`` sweeps fewer settings."""
+    if name == "concurrency-cap":
+        caps = (32, 64, 96, 128, 192) if short else (16, 32, 48, 64, 96, 128, 160, 192, 256)
+        timeouts = (0.25, 1.0, 30.0) if short else (0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
+        return [{"cap": c, "queue_timeout_s": q} for c in caps for q in timeouts]
+    if name == "token-bucket":
+        factors = (0.75, 1.0, 1.5) if short else (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
+        return [{"factor": f, "burst_s": b} for f in factors for b in (10.0, 60.0)]
+    if name == "saturation-shed":
+        has_batch = any(t.tier == BATCH for t in tenants.values())
+        return [{"shed": "all"}, {"shed": "sheddable"}] if has_batch else [{"shed": "all"}]
+    return [{}]

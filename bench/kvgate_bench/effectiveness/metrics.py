@@ -1,0 +1,226 @@
+"""Figures of one run: goodput, SLO attainment, latency percentiles, preemptions, fairness.
+
+Definitions (times in seconds, lengths in tokens):
+
+* **SLO** of a request: ``interactive``: TTFT <= :data:`TTFT_SLO_S` (0.5 s) and TPOT <=
+  :data:`TPOT_SLO_S` (50 ms); ``batch``: finished within :data:`BATCH_SLO_S` (10 min) of its
+  arrival. A rejected request misses; so does a degraded one cut below the output it would
+  have produced undegraded (the client did not get its answer).
+* **TTFT** = first token's time - arrival (queueing in the arm included); **TPOT** = (finish -
+  first token) / (output tokens - 1), 0 for a one-token output.
+* **Goodput** = output tokens of the requests that met their SLO / the run's span;
+  **throughput** = all output tokens / the span. The span is ``max(schedule duration, last
+  finish)``: the run drains, so an arm that lets a backlog build up is charged the time it
+  takes to clear it.
+* **Preemptions per 1,000 requests** = engine preemptions x 1000 / requests in the schedule.
+* **Jain's index** (Jain, Chiu and Hawe, 1984, https://arxiv.org/abs/cs/9809099): per
+  60-second window, over the tenants backlogged in it, of their weighted service x_i = output
+  tokens served in the window / weight (a request's tokens spread evenly between its first
+  token and its finish): ``(sum x)^2 / (n sum x^2)``; the mean over windows with at least two
+  backlogged tenants, None when there is none. A tenant is backlogged in a window when its
+  demand was not met at once: a request of its waited for its first token (in the arm's queue,
+  the engine's queue or its prefill) during at least half of the window, or one arriving in
+  the window was refused. A tenant whose requests all start promptly is not backlogged: it got
+  what it asked for, whatever its share.
+* **KV utilisation** = the time average of the engine's KV usage (used / total blocks, read
+  after each step) over the span.
+
+Not computed yet (None in the results): reject precision (needs a replay of each rejected
+request) and the Retry-After error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate_bench.effectiveness.driver import DEGRADED, REJECTED, RequestRecord, RunResult
+from kvgate_bench.effectiveness.workloads import BATCH, INTERACTIVE, Tenant
+from kvgate_bench.toolkit import percentile
+
+TTFT_SLO_S = 0.5
+TPOT_SLO_S = 0.050
+BATCH_SLO_S = 600.0
+JAIN_WINDOW_S = 60.0
+#: Share of a window a tenant's requests must spend waiting for it to count as backlogged.
+BACKLOG_FRACTION = 0.5
+
+
+def ttft_s(rec: RequestRecord) -> float | None:
+    """Time to first token, seconds (None when it produced none)."""
+    if rec.first_token_at is None:
+        return None
+    return rec.first_token_at - rec.request.arrival_s
+
+
+def tpot_s(rec: RequestRecord) -> float | None:
+    """Time per output token after the first, seconds (None when not served)."""
+    if rec.first_token_at is None or rec.finished_at is None or rec.outcome == REJECTED:
+        return None
+    if rec.output_tokens <= 1:
+        return 0.0
+    return (rec.finished_at - rec.first_token_at) / (rec.output_tokens - 1)
+
+
+def met_slo(rec: RequestRecord) -> bool:
+    """Whether ``rec`` met its tier's SLO (see the module docstring)."""
+    if rec.outcome == REJECTED or rec.finished_at is None or rec.truncated_by_arm:
+        return False
+    if rec.request.tier == BATCH:
+        return rec.finished_at - rec.request.arrival_s <= BATCH_SLO_S
+    ttft, tpot = ttft_s(rec), tpot_s(rec)
+    return ttft is not None and tpot is not None and ttft <= TTFT_SLO_S and tpot <= TPOT_SLO_S
+
+
+def jain(values: Iterable[float]) -> float | None:
+    """Jain's fairness index of ``values``: ``(sum x)^2 / (n sum x^2)``, in [1/n, 1]; None for
+    no values or all zero."""
+    xs = list(values)
+    sq = sum(x * x for x in xs)
+    if not xs or sq == 0:
+        return None
+    return sum(xs) ** 2 / (len(xs) * sq)
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def windowed_jain(
+    records: list[RequestRecord],
+    tenants: dict[str, Tenant],
+    span_s: float,
+    window_s: float = JAIN_WINDOW_S,
+) -> float | None:
+    """Mean Jain's index of backlogged tenants' weighted service per window (module docstring)."""
+    n_windows = int(span_s // window_s)
+    if n_windows < 1:
+        return None
+    waiting: dict[str, list[tuple[float, float]]] = {name: [] for name in tenants}
+    refused = {name: [False] * n_windows for name in tenants}
+    service = {name: [0.0] * n_windows for name in tenants}
+    for rec in records:
+        req = rec.request
+        if rec.outcome == REJECTED or rec.first_token_at is None:
+            k = int(req.arrival_s // window_s)
+            if rec.outcome == REJECTED and k < n_windows:
+                refused[req.tenant][k] = True
+            continue
+        waiting[req.tenant].append((req.arrival_s, rec.first_token_at))
+        a = rec.first_token_at
+        b = rec.finished_at if rec.finished_at is not None else span_s
+        sv = service[req.tenant]
+        if b <= a:
+            if b < n_windows * window_s:
+                sv[int(b // window_s)] += rec.output_tokens
+            continue
+        rate = rec.output_tokens / (b - a)
+        k = int(a // window_s)
+        while k < n_windows and k * window_s < b:
+            lo, hi = max(a, k * window_s), min(b, (k + 1) * window_s)
+            if hi > lo:
+                sv[k] += rate * (hi - lo)
+            k += 1
+    merged = {name: _merged(iv) for name, iv in waiting.items()}
+    scores: list[float] = []
+    for k in range(n_windows):
+        lo, hi = k * window_s, (k + 1) * window_s
+        xs = [
+            service[name][k] / tenants[name].weight
+            for name, iv in merged.items()
+            if refused[name][k]
+            or sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in iv) >= BACKLOG_FRACTION * window_s
+        ]
+        if len(xs) >= 2:
+            j = jain(xs)
+            if j is not None:
+                scores.append(j)
+    return sum(scores) / len(scores) if scores else None
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Latency percentiles of one tier's served requests, seconds (None when none served)."""
+
+    requests: int
+    met: int
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tpot_p50_s: float | None
+    tpot_p99_s: float | None
+
+
+def _tier_stats(records: list[RequestRecord]) -> TierStats:
+    ttfts = [x for x in (ttft_s(r) for r in records) if x is not None]
+    tpots = [x for x in (tpot_s(r) for r in records) if x is not None]
+    return TierStats(
+        len(records),
+        sum(1 for r in records if met_slo(r)),
+        percentile(ttfts, 50),
+        percentile(ttfts, 99),
+        percentile(tpots, 50),
+        percentile(tpots, 99),
+    )
+
+
+def summarize(run: RunResult) -> dict[str, Any]:
+    """The figures of ``run`` as a JSON-ready dict: the keys of the issue's ``--json`` rows
+    (less ``workload``, ``load``, ``arm`` and ``seed``, which the caller adds) plus ``params``,
+    ``requests``, ``ttft_p50_s``, ``tpot_p50_s``, ``tiers`` (per-tier counts and
+    percentiles), ``span_s`` and ``cpu_s``."""
+    sched = run.schedule
+    records = run.records
+    span = max(sched.duration_s, run.end_s)
+    n = len(records)
+    good = [r for r in records if met_slo(r)]
+    goodput = sum(r.output_tokens for r in good) / span
+    interactive_good = sum(r.output_tokens for r in good if r.request.tier == INTERACTIVE) / span
+    served = [r for r in records if r.outcome != REJECTED]
+    throughput = sum(r.output_tokens for r in served) / span
+    preemptions = sum(r.preemptions for r in records)
+    tiers = {}
+    for tier in (INTERACTIVE, BATCH):
+        recs = [r for r in records if r.request.tier == tier]
+        if recs:
+            tiers[tier] = _tier_stats(recs)
+    headline = tiers.get(INTERACTIVE) or _tier_stats(records)
+    return {
+        "params": dict(run.params),
+        "requests": n,
+        "goodput_tokens_per_s": goodput,
+        "interactive_goodput_tokens_per_s": interactive_good,
+        "throughput_tokens_per_s": throughput,
+        "slo_attainment": len(good) / n if n else None,
+        "preemptions_per_1k": preemptions * 1000.0 / n if n else None,
+        "ttft_p50_s": headline.ttft_p50_s,
+        "ttft_p99_s": headline.ttft_p99_s,
+        "tpot_p50_s": headline.tpot_p50_s,
+        "tpot_p99_s": headline.tpot_p99_s,
+        "jain": windowed_jain(records, sched.tenants, span),
+        "reject_precision": None,
+        "retry_after_error_s": None,
+        "kv_utilisation": run.kv_busy_s / span,
+        "rejected": sum(1 for r in records if r.outcome == REJECTED),
+        "degraded": sum(1 for r in records if r.outcome == DEGRADED),
+        "tiers": {
+            tier: {
+                "requests": s.requests,
+                "slo_met": s.met,
+                "ttft_p50_s": s.ttft_p50_s,
+                "ttft_p99_s": s.ttft_p99_s,
+                "tpot_p50_s": s.tpot_p50_s,
+                "tpot_p99_s": s.tpot_p99_s,
+            }
+            for tier, s in tiers.items()
+        },
+        "span_s": span,
+        "cpu_s": run.cpu_s,
+    }

@@ -1,0 +1,278 @@
+"""Calibration, the sweep over workload x load x arm x setting x seed, and picking each arm's best.
+
+**Load.** Load L means an offered output-token rate of L x the ``none`` arm's goodput capacity:
+``rate(L) = L x C / E[out]`` requests per second, where ``E[out]`` is the mean output a request
+of the workload produces when served to the end (its true length capped by its max_tokens, or by
+the engine's default when unset; over 20,000 seeded requests) and ``C`` is the largest goodput
+(tokens/s) the ``none`` arm reaches over arrival rates: :func:`calibrate` doubles the rate from
+1 request/s until goodput stops growing by 5 %, then narrows the peak by golden-section search
+on the log of the rate (calibration schedules of ``duration_s``, seed ``seed``).
+
+**Tuning.** Every setting of :func:`kvgate_bench.effectiveness.arms.candidates` runs on the same
+schedules (same seeds) as the others; for each workload and load the setting with the best mean
+goodput over seeds is reported for its arm (tuned on the very schedules it is scored on: a
+generous tuning for the baselines). kvgate runs its one default policy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvgate_bench.effectiveness.arms import ARM_NAMES, ArmContext, candidates, make_arm
+from kvgate_bench.effectiveness.driver import (
+    engine_config,
+    engine_default_max_tokens,
+    simulate,
+)
+from kvgate_bench.effectiveness.metrics import summarize
+from kvgate_bench.effectiveness.workloads import generate, served_output_tokens, tenants_of
+from kvgate_bench.sim.steptime import StepTimeModel, profile
+
+#: Requests sampled for ``E[out]`` and ``E[prompt + out]``.
+MEAN_SAMPLE = 20_000
+
+
+@dataclass
+class Calibration:
+    """The ``none`` arm's goodput capacity for one workload and profile.
+
+    Attributes:
+        workload, profile: what was calibrated.
+        capacity_goodput_tokens_per_s: ``C``, the largest goodput seen, output tokens/s.
+        peak_rate_rps: the arrival rate at which it was seen, requests/s.
+        mean_output_tokens: ``E[out]``, tokens per request.
+        mean_total_tokens: ``E[prompt + out]``, tokens per request.
+        probes: (rate requests/s, goodput tokens/s) of every calibration run.
+    """
+
+    workload: str
+    profile: str
+    capacity_goodput_tokens_per_s: float
+    peak_rate_rps: float
+    mean_output_tokens: float
+    mean_total_tokens: float
+    probes: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def load1_rate_rps(self) -> float:
+        """Arrival rate at load 1, requests/s: ``C / E[out]``."""
+        return self.capacity_goodput_tokens_per_s / self.mean_output_tokens
+
+    def rate(self, load: float) -> float:
+        """Arrival rate at ``load``, requests/s."""
+        return load * self.load1_rate_rps
+
+    def context(self, steptime: StepTimeModel, workload: str) -> ArmContext:
+        """What the arms may know: the engine, the tenants and the capacity at load 1."""
+        return ArmContext(
+            engine_config(steptime),
+            {t.name: t for t in tenants_of(workload)},
+            self.load1_rate_rps,
+            self.load1_rate_rps * self.mean_total_tokens,
+        )
+
+
+def mean_lengths(workload: str, seed: int) -> tuple[float, float]:
+    """(E[out], E[prompt + out]) of ``workload``'s requests served to the end, tokens."""
+    sched = generate(workload, 100.0, MEAN_SAMPLE / 100.0, seed + 7919)
+    outs = [served_output_tokens(r, engine_default_max_tokens) for r in sched.requests]
+    totals = [o + r.prompt_tokens for o, r in zip(outs, sched.requests, strict=True)]
+    return sum(outs) / len(outs), sum(totals) / len(totals)
+
+
+def none_goodput(workload: str, rate: float, duration_s: float, seed: int, prof: str) -> float:
+    """Goodput of the ``none`` arm at ``rate`` requests/s, output tokens/s."""
+    steptime = profile(prof)
+    run = simulate(
+        generate(workload, rate, duration_s, seed), make_arm("none", _dummy(), {}), steptime
+    )
+    return float(summarize(run)["goodput_tokens_per_s"])
+
+
+def _dummy() -> ArmContext:
+    return ArmContext(engine_config(profile("constant")), {}, 1.0, 1.0)
+
+
+def calibrate(workload: str, prof: str, duration_s: float, seed: int) -> Calibration:
+    """Measure the ``none`` arm's goodput capacity (see the module docstring)."""
+    probes: dict[float, float] = {}
+
+    def g(rate: float) -> float:
+        if rate not in probes:
+            probes[rate] = none_goodput(workload, rate, duration_s, seed, prof)
+        return probes[rate]
+
+    rate = 1.0
+    while g(2 * rate) > 1.05 * g(rate) and rate < 4096:
+        rate *= 2
+    # The peak lies in [rate / 2, 4 rate]: golden-section search on log(rate).
+    lo, hi = math.log(rate / 2), math.log(rate * 4)
+    phi = (math.sqrt(5) - 1) / 2
+    a, b = hi - phi * (hi - lo), lo + phi * (hi - lo)
+    for _ in range(5):
+        if g(math.exp(a)) >= g(math.exp(b)):
+            hi, b = b, a
+            a = hi - phi * (hi - lo)
+        else:
+            lo, a = a, b
+            b = lo + phi * (hi - lo)
+    peak_rate = max(probes, key=lambda r: probes[r])
+    mean_out, mean_total = mean_lengths(workload, seed)
+    return Calibration(
+        workload,
+        prof,
+        probes[peak_rate],
+        peak_rate,
+        mean_out,
+        mean_total,
+        sorted(probes.items()),
+    )
+
+
+def _calibrate_args(args: tuple[str, str, float, int]) -> Calibration:
+    return calibrate(*args)
+
+
+def calibrate_all(
+    workloads: list[str], prof: str, duration_s: float, seed: int, jobs: int
+) -> list[Calibration]:
+    """:func:`calibrate` each of ``workloads``, on up to ``jobs`` processes; in order."""
+    work = [(w, prof, duration_s, seed) for w in workloads]
+    if jobs <= 1 or len(work) == 1:
+        return [_calibrate_args(a) for a in work]
+    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    with ctx.Pool(min(jobs, len(work))) as pool:
+        return pool.map(_calibrate_args, work)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One simulated run: an arm setting on one schedule."""
+
+    workload: str
+    load: float
+    seed: int
+    arm: str
+    params: tuple[tuple[str, Any], ...]
+    profile: str
+    duration_s: float
+    calibration: Calibration
+
+
+def run_task(task: Task) -> dict[str, Any]:
+    """Simulate ``task``; its summary row (see :func:`kvgate_bench.effectiveness.metrics.summarize`)
+    with ``workload``, ``load``, ``arm`` and ``seed``."""
+    steptime = profile(task.profile)
+    cal = task.calibration
+    ctx = cal.context(steptime, task.workload)
+    sched = generate(task.workload, cal.rate(task.load), task.duration_s, task.seed)
+    run = simulate(sched, make_arm(task.arm, ctx, dict(task.params)), steptime)
+    row = {"workload": task.workload, "load": task.load, "arm": task.arm, "seed": task.seed}
+    row.update(summarize(run))
+    row["rate_rps"] = sched.rate_rps
+    return row
+
+
+def build_tasks(
+    workloads: Iterable[str],
+    loads: Iterable[float],
+    seeds: Iterable[int],
+    calibrations: dict[str, Calibration],
+    prof: str,
+    duration_s: float,
+    short: bool,
+    arms: Iterable[str] = ARM_NAMES,
+) -> list[Task]:
+    """Every (workload, load, seed, arm, setting) run, the heaviest (highest load) first."""
+    tasks = []
+    arm_list = list(arms)
+    for w in workloads:
+        tenants = {t.name: t for t in tenants_of(w)}
+        for load in loads:
+            for seed in seeds:
+                for arm in arm_list:
+                    for p in candidates(arm, tenants, short):
+                        params = tuple(sorted(p.items()))
+                        tasks.append(
+                            Task(w, load, seed, arm, params, prof, duration_s, calibrations[w])
+                        )
+    tasks.sort(key=lambda t: -t.load)
+    return tasks
+
+
+def run_all(
+    tasks: list[Task], jobs: int, progress: Callable[[int, int], None] | None = None
+) -> list[dict[str, Any]]:
+    """Run ``tasks`` on ``jobs`` processes (1: in this process); rows in task order."""
+    rows: list[dict[str, Any]] = []
+    if jobs <= 1:
+        for i, t in enumerate(tasks):
+            rows.append(run_task(t))
+            if progress:
+                progress(i + 1, len(tasks))
+        return rows
+    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    with ctx.Pool(jobs) as pool:
+        for i, row in enumerate(pool.imap(run_task, tasks, chunksize=1)):
+            rows.append(row)
+            if progress:
+                progress(i + 1, len(tasks))
+    return rows
+
+
+def _key(params: dict[str, Any]) -> str:
+    return json.dumps(params, sort_keys=True)
+
+
+def pick_best(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(rows of each arm's best setting per workload and load, the sweep: one entry per
+    setting with its mean goodput, interactive goodput and SLO attainment over seeds)."""
+    groups: dict[tuple[str, float, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["load"], r["arm"], _key(r["params"])), []).append(r)
+    sweep = []
+    for (w, load, arm, _), rs in groups.items():
+        sweep.append(
+            {
+                "workload": w,
+                "load": load,
+                "arm": arm,
+                "params": rs[0]["params"],
+                "seeds": len(rs),
+                "goodput_tokens_per_s": _mean(r["goodput_tokens_per_s"] for r in rs),
+                "interactive_goodput_tokens_per_s": _mean(
+                    r["interactive_goodput_tokens_per_s"] for r in rs
+                ),
+                "slo_attainment": _mean(r["slo_attainment"] for r in rs),
+                "preemptions_per_1k": _mean(r["preemptions_per_1k"] for r in rs),
+            }
+        )
+    best: dict[tuple[str, float, str], dict[str, Any]] = {}
+    for s in sweep:
+        k = (s["workload"], s["load"], s["arm"])
+        if k not in best or s["goodput_tokens_per_s"] > best[k]["goodput_tokens_per_s"]:
+            best[k] = s
+    chosen = [
+        r
+        for r in rows
+        if _key(r["params"]) == _key(best[(r["workload"], r["load"], r["arm"])]["params"])
+    ]
+    return chosen, sweep
+
+
+def _mean(values: Iterable[Any]) -> float | None:
+    xs = [float(v) for v in values if v is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def calibration_json(cal: Calibration) -> dict[str, Any]:
+    """``cal`` as JSON-ready data, with the load-1 rate."""
+    d = asdict(cal)
+    d["load1_rate_rps"] = cal.load1_rate_rps
+    return d

@@ -1,0 +1,239 @@
+"""Seeded, generated request schedules for the admission-effectiveness benchmark (no download).
+
+Three workloads, each a list of :class:`Request` sorted by arrival time (seconds from 0):
+
+``conversation``
+    Eight chat tenants of equal weight, all ``interactive``; Poisson arrivals. Prompt tokens
+    lognormal mu 6.63 sigma 0.99 (median e^6.63 = 757), true output tokens lognormal mu 5.02
+    sigma 0.86 (median 151): the lognormal fits of the conversation trace of the Azure LLM
+    inference dataset 2023
+    (https://github.com/Azure/AzurePublicDataset/blob/master/AzureLLMInferenceDataset2023.md).
+``code``
+    Four coding-assistant tenants, ``interactive``; each alternates ON periods (exponential,
+    mean :data:`CODE_ON_MEAN_S`) with Poisson arrivals and silent OFF periods (mean
+    :data:`CODE_OFF_MEAN_S`): bursts at 3x the mean rate. Prompt lognormal mu 7.00 sigma 1.36
+    (median 1097), output mu 2.79 sigma 0.85 (median 16): the code trace's fits (same source).
+``multi-tenant``
+    Three ``interactive`` chat tenants (TTFT SLO), one ``batch`` tenant (completion SLO) and one
+    misbehaving ``interactive`` tenant ``noisy`` that sends 5x its share, every request with
+    max_tokens 4096. Every tenant's weight (its entitled share) is 1; inter-arrival times are
+    Gamma with a coefficient of variation of 2 (shape 1/4). Lengths from the conversation fits.
+
+Clients' max_tokens are drawn uniformly from :data:`MAX_TOKENS_CHOICES` (``None``: unset, the
+server's default applies). Lengths are clipped to the model's context: a prompt to at most
+``max_model_len - 256`` tokens (1 % of conversation prompts, 7 % of code prompts), a max_tokens
+that would overflow the context lowered to ``max_model_len - prompt`` (a client that respects
+the context window), a true output to at most ``max_model_len - prompt``.
+
+Everything here is pure and seeded: the same (workload, rate, duration, seed) gives the same
+schedule. Times are seconds, lengths tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: Workload names, in report order.
+WORKLOADS: tuple[str, ...] = ("conversation", "code", "multi-tenant")
+#: What clients send as max_tokens (None: unset, the policy's or the engine's default).
+MAX_TOKENS_CHOICES: tuple[int | None, ...] = (None, 256, 512, 1024, 4096)
+#: Lognormal fits (mu, sigma of the natural log of tokens) of the Azure LLM inference trace 2023.
+CONVERSATION_PROMPT = (6.63, 0.99)
+CONVERSATION_OUTPUT = (5.02, 0.86)
+CODE_PROMPT = (7.00, 1.36)
+CODE_OUTPUT = (2.79, 0.85)
+#: ``code`` ON/OFF periods, seconds (means of exponentials): bursts at (on + off) / on = 3x.
+CODE_ON_MEAN_S = 5.0
+CODE_OFF_MEAN_S = 10.0
+#: ``multi-tenant``: Gamma inter-arrival coefficient of variation, and the noisy tenant's excess.
+MULTI_TENANT_CV = 2.0
+NOISY_DEMAND = 5.0
+NOISY_MAX_TOKENS = 4096
+#: Room kept for output when clipping a prompt to the context, tokens.
+PROMPT_HEADROOM = 256
+
+INTERACTIVE = "interactive"
+BATCH = "batch"
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """One tenant of a workload.
+
+    Attributes:
+        name: the tenant key (``x-kvgate-tenant``).
+        tier: ``interactive`` (TTFT and TPOT SLO) or ``batch`` (completion SLO).
+        weight: its entitled share of the server, relative to the others (fairness weight).
+        demand: the share of the arrivals it sends, relative to the others.
+    """
+
+    name: str
+    tier: str
+    weight: float = 1.0
+    demand: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a schedule.
+
+    Attributes:
+        rid: unique id.
+        arrival_s: arrival time, seconds from the schedule's start.
+        tenant: tenant name.
+        tier: ``interactive`` or ``batch``.
+        prompt_tokens: prompt length, tokens (>= 1).
+        max_tokens: the client's max_tokens, or None when unset.
+        output_tokens: the model's true output length (EOS included), tokens (>= 1); the
+            engine stops at ``min(output_tokens, max_tokens)``.
+    """
+
+    rid: str
+    arrival_s: float
+    tenant: str
+    tier: str
+    prompt_tokens: int
+    max_tokens: int | None
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A workload's requests over ``duration_s`` seconds at ``rate_rps`` requests per second.
+
+    ``requests`` are sorted by ``arrival_s``; ``tenants`` maps name -> :class:`Tenant`.
+    """
+
+    workload: str
+    rate_rps: float
+    duration_s: float
+    seed: int
+    tenants: dict[str, Tenant]
+    requests: list[Request]
+
+
+def tenants_of(workload: str) -> list[Tenant]:
+    """The tenants of ``workload``. Raises ``ValueError`` for an unknown name."""
+    if workload == "conversation":
+        return [Tenant(f"chat-{i}", INTERACTIVE) for i in range(8)]
+    if workload == "code":
+        return [Tenant(f"code-{i}", INTERACTIVE) for i in range(4)]
+    if workload == "multi-tenant":
+        return [
+            Tenant("chat-a", INTERACTIVE),
+            Tenant("chat-b", INTERACTIVE),
+            Tenant("chat-c", INTERACTIVE),
+            Tenant("batch", BATCH),
+            Tenant("noisy", INTERACTIVE, demand=NOISY_DEMAND),
+        ]
+    raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+
+
+def _lognormal(rng: random.Random, mu_sigma: tuple[float, float]) -> int:
+    return max(1, round(rng.lognormvariate(*mu_sigma)))
+
+
+def _poisson_times(rng: random.Random, rate: float, start: float, end: float) -> list[float]:
+    out: list[float] = []
+    t = start + rng.expovariate(rate)
+    while t < end:
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _gamma_times(rng: random.Random, rate: float, cv: float, end: float) -> list[float]:
+    """Renewal arrivals with Gamma inter-arrival times of mean ``1/rate`` and CV ``cv``."""
+    shape = 1.0 / (cv * cv)
+    scale = 1.0 / (rate * shape)
+    out: list[float] = []
+    t = rng.gammavariate(shape, scale) * rng.random()  # a stationary-ish start
+    while t < end:
+        out.append(t)
+        t += rng.gammavariate(shape, scale)
+    return out
+
+
+def _on_off_times(rng: random.Random, mean_rate: float, end: float) -> list[float]:
+    """A Markov-modulated Poisson process: ON periods at ``mean_rate x (on + off) / on``."""
+    on_rate = mean_rate * (CODE_ON_MEAN_S + CODE_OFF_MEAN_S) / CODE_ON_MEAN_S
+    # Start in the stationary state: ON with probability on / (on + off).
+    on = rng.random() < CODE_ON_MEAN_S / (CODE_ON_MEAN_S + CODE_OFF_MEAN_S)
+    t = 0.0
+    out: list[float] = []
+    while t < end:
+        if on:
+            period_end = min(end, t + rng.expovariate(1.0 / CODE_ON_MEAN_S))
+            out.extend(_poisson_times(rng, on_rate, t, period_end))
+        else:
+            period_end = t + rng.expovariate(1.0 / CODE_OFF_MEAN_S)
+        t, on = period_end, not on
+    return out
+
+
+def generate(
+    workload: str,
+    rate_rps: float,
+    duration_s: float,
+    seed: int,
+    *,
+    max_model_len: int = 8192,
+) -> Schedule:
+    """The seeded schedule of ``workload`` at ``rate_rps`` requests/s (all tenants together)
+    over ``duration_s`` seconds.
+
+    Each tenant draws from its own ``random.Random`` derived from (seed, workload, tenant), so
+    tenants do not perturb each other's draws. Raises ``ValueError`` for an unknown workload
+    or a rate or duration <= 0.
+    """
+    if rate_rps <= 0 or duration_s <= 0:
+        raise ValueError("rate_rps and duration_s must be > 0")
+    tenants = tenants_of(workload)
+    total_demand = sum(t.demand for t in tenants)
+    if workload == "code":
+        prompt_fit, output_fit = CODE_PROMPT, CODE_OUTPUT
+    else:
+        prompt_fit, output_fit = CONVERSATION_PROMPT, CONVERSATION_OUTPUT
+    prompt_max = max(1, max_model_len - PROMPT_HEADROOM)
+    drafts: list[tuple[float, str, str, int, int | None, int]] = []
+    for tenant in tenants:
+        rng = random.Random(f"{seed}/{workload}/{tenant.name}")
+        rate = rate_rps * tenant.demand / total_demand
+        times: list[float]
+        if workload == "conversation":
+            times = _poisson_times(rng, rate, 0.0, duration_s)
+        elif workload == "code":
+            times = _on_off_times(rng, rate, duration_s)
+        else:
+            times = _gamma_times(rng, rate, MULTI_TENANT_CV, duration_s)
+        for t in times:
+            prompt = min(prompt_max, _lognormal(rng, prompt_fit))
+            room = max_model_len - prompt
+            output = min(room, _lognormal(rng, output_fit))
+            max_tokens = rng.choice(MAX_TOKENS_CHOICES)
+            if tenant.name == "noisy":
+                max_tokens = NOISY_MAX_TOKENS
+            if max_tokens is not None:
+                max_tokens = min(max_tokens, room)
+            drafts.append((t, tenant.name, tenant.tier, prompt, max_tokens, output))
+    drafts.sort(key=lambda d: (d[0], d[1]))
+    requests = [
+        Request(f"{workload}-{seed}-{i}", t, name, tier, prompt, mt, out)
+        for i, (t, name, tier, prompt, mt, out) in enumerate(drafts)
+    ]
+    return Schedule(workload, rate_rps, duration_s, seed, {t.name: t for t in tenants}, requests)
+
+
+def served_output_tokens(req: Request, default_max_tokens: Callable[[Request], int]) -> int:
+    """Output tokens ``req`` produces when served to the end: its true length capped by its
+    max_tokens, or by ``default_max_tokens(req)`` when unset."""
+    cap = req.max_tokens if req.max_tokens is not None else default_max_tokens(req)
+    return min(req.output_tokens, cap)
+
+
+def lognormal_median(mu_sigma: tuple[float, float]) -> float:
+    """The median of a lognormal with these (mu, sigma): ``e^mu`` (tokens)."""
+    return math.exp(mu_sigma[0])
