@@ -461,6 +461,45 @@ def test_waiter_blocked_by_its_own_tenant_bucket_does_not_block_others() -> None
     assert c.take_resolved() == [wa]
 
 
+def test_next_wake_never_asks_for_a_pump_in_the_past_behind_a_shared_blocker() -> None:
+    # A waits on its own bucket (refill at +10 s). Then a higher-priority waiter that the KV
+    # pool blocks ranks ahead of it: a pump stops there, and A's refill time from the earlier
+    # pass must not be left behind for next_wake, or the asyncio driver would re-pump at once
+    # forever (a busy loop until a release).
+    clock = FakeClock(1000.0)
+    c = make(
+        {
+            "capacity": {"kvCacheTokens": 1024},
+            "model": {"blockSize": 16},
+            "queue": {"order": "Priority", "maxWaitSeconds": 60},
+            "rateLimits": [
+                {"name": "t", "per": "Tenant", "requestsPerMinute": 6, "burstRequests": 1}
+            ],
+        },
+        clock,
+    )
+    held = c.submit(req("big", prompt=500, max_tokens=300)).ticket  # 800 of 1024 reserved
+    assert held is not None
+    assert c.submit(req("a")).ticket is not None
+    wa = c.submit(req("a")).waiter  # a's bucket is empty: waits ~10 s
+    assert wa is not None and c.next_wake() == pytest.approx(clock.now + 10, abs=0.01)
+    vip = c.submit(req("vip", prompt=200, max_tokens=200, priority=5)).waiter  # KV-blocked
+    assert vip is not None
+    clock.advance(10)
+    c.pump()
+    assert c.take_resolved() == []  # vip is ahead and blocked by the shared KV pool
+    wake = c.next_wake()
+    assert wake is not None and wake > clock.now  # the deadlines, not a time already past
+    clock.advance(1)
+    c.pump()
+    wake = c.next_wake()
+    assert wake is not None and wake > clock.now
+    c.release(held, completion_tokens=300)
+    c.pump()
+    assert {w.request.tenant for w in c.take_resolved()} == {"vip", "a"}
+    assert c.queue_length == 0 and c.next_wake() is None
+
+
 def test_cancel_removes_a_waiter() -> None:
     c = make({"concurrency": {"maxRequests": 1}})
     _tickets(c, 1)

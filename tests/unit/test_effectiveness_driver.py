@@ -195,8 +195,9 @@ def test_saturation_detector_thresholds_and_staleness() -> None:
 
 
 def test_kvgate_arm_never_asks_to_be_woken_in_the_past() -> None:
-    """A waiter blocked by its own tenant's bucket behind a head blocked by KV keeps the
-    ``retry_at`` of the last pump that reached it; the arm must not wake again at that time."""
+    """A waiter blocked by its own tenant's bucket behind a head blocked by KV: the controller
+    must not leave the refill time of an earlier pump for ``next_wake`` (it used to, and the
+    driver then woke at that past time again and again)."""
     from kvgate_agent.admission import (
         AdmissionConfig,
         AdmissionController,

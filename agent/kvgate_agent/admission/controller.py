@@ -456,7 +456,8 @@ class AdmissionController:
         """Admit the waiters that fit now, in queue order, until one blocked by a shared
         resource (see :meth:`pump`)."""
         limits = self._limits
-        for w in self._ordered(now):
+        waiters = iter(self._ordered(now))
+        for w in waiters:
             b = limits.blocker(w.request, w.request.max_tokens, now)
             if b is None:
                 del self._queue[w.seq]
@@ -477,6 +478,11 @@ class AdmissionController:
             )
             if not b.tenant_scoped:
                 self._head_blocked_shared = True
+                # Those behind it cannot go first, whatever their own bucket says: a release
+                # pumps again. A refill time left from an earlier pass would be in the past and
+                # make next_wake() ask for a pump at once, again and again.
+                for behind in waiters:
+                    behind.retry_at = None
                 break
 
     def reject_waiting(self, reason: Reason, status: int, retry_after: float, message: str) -> None:

@@ -308,7 +308,6 @@ class KvgateMaxTokensArm(Arm):
         self._tickets: dict[str, Ticket] = {}
         self._waiting: dict[int, Request] = {}
         self.max_kv_reserved = 0
-        self._pumped_at = -math.inf
         self.params = {}
 
     def policy(self) -> dict[str, Any]:
@@ -374,29 +373,13 @@ class KvgateMaxTokensArm(Arm):
         self._settle(now)
 
     def next_wake(self) -> float | None:
-        """The controller's :meth:`~AdmissionController.next_wake`, unless that is a time
-        already pumped at: a waiter blocked by its own tenant's bucket keeps the ``retry_at``
-        of the last pump that reached it, and a pump whose scan stops earlier (at a head
-        blocked by KV or concurrency) leaves it in the past, so ``next_wake`` keeps returning
-        it (the sidecar's timer would refire at once until a release). Pumping again before
-        the next deadline or a later ``retry_at`` cannot change anything (releases and
-        arrivals pump anyway), so the driver is woken then instead."""
-        ctl = self.controller
-        at = ctl.next_wake()
-        if at is None or at > self._pumped_at:
-            return at
-        times = [w.deadline for w in ctl._queue.values()]
-        times += [
-            w.retry_at
-            for w in ctl._queue.values()
-            if w.retry_at is not None and w.retry_at > self._pumped_at
-        ]
-        return min(times) if times else None
+        """The controller's :meth:`~AdmissionController.next_wake`, as the sidecar's timer
+        uses it."""
+        return self.controller.next_wake()
 
     def on_wake(self, now: float) -> None:
         self.clock.now = now
         self.controller.pump()
-        self._pumped_at = now
         self._settle(now)
 
 
