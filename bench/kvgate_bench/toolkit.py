@@ -110,14 +110,10 @@ def wait_until(
     Raises:
         TimeoutError: nothing truthy within ``timeout`` seconds (the message names ``what``).
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    got = poll_until(cond, bool, timeout, interval)
+    if not got:
+        raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+    return got
 
 
 async def wait_until_async(
@@ -129,16 +125,13 @@ async def wait_until_async(
     Raises:
         TimeoutError: nothing truthy within ``within`` seconds.
     """
-    deadline = time.monotonic() + within
-    while True:
+
+    async def fetch() -> object:
         got = cond()
-        if isinstance(got, Awaitable):
-            got = await got
-        if got:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(interval)
+        return await got if isinstance(got, Awaitable) else got
+
+    if not await poll_until_async(fetch, bool, within, interval):
+        raise TimeoutError(f"timed out after {within}s waiting for {what}")
 
 
 def poll_until(
