@@ -330,18 +330,15 @@ class Sidecar:
         d = await self._admit(areq, prompt)
         m = self.metrics
         label = m.tenant_label(tenant)
+        m.count_decision(d.outcome.value, d.reason.value, label)
+        if d.queue_seconds > 0:
+            m.queue_wait.observe(d.queue_seconds)
         if d.ticket is None:
-            m.count_decision(d.outcome.value, d.reason.value, label)
-            if d.queue_seconds > 0:
-                m.queue_wait.observe(d.queue_seconds)
             return responses.refusal(d, parsed.path_kind)
         mode = self.mode
         headers = responses.admitted_headers(
             d, None if mode is None else mode.value, parsed.max_tokens_clamped
         )
-        if d.queue_seconds > 0:
-            m.queue_wait.observe(d.queue_seconds)
-        m.count_decision(d.outcome.value, d.reason.value, label)
         body = (
             parsed.upstream_body(
                 max_tokens=d.max_tokens, model=d.model, include_usage=parsed.stream
