@@ -76,7 +76,7 @@ def _add_source_args(s: argparse.ArgumentParser) -> None:
         "--agent-url",
         type=_url,
         default=_env("AGENT_URL"),
-        help="node agent base URL, e.g. http://$(HOST_IP):9443: thresholds come from it "
+        help="node agent base URL, e.g. http://$(HOST_IP):9470: thresholds come from it "
         "(cluster mode; give this or --policy) [KVGATE_AGENT_URL]",
     )
 
