@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from kvgate_bench.effectiveness.arms import (
+    ABLATIONS,
     ARM_NAMES,
     ArmContext,
     ConcurrencyCapArm,
@@ -68,6 +69,10 @@ class Recording(Arm):
         self.times.append(now)
         self.inner.on_finish(req, output_tokens, now)
 
+    def on_tokens(self, new_tokens: dict[str, int], now: float) -> None:
+        self.times.append(now)
+        self.inner.on_tokens(new_tokens, now)
+
     def next_wake(self) -> float | None:
         return self.inner.next_wake()
 
@@ -99,6 +104,12 @@ ARM_PARAMS: list[tuple[str, dict[str, Any]]] = [
     ("token-bucket", {"factor": 0.5, "burst_s": 10.0}),
     ("saturation-shed", {"shed": "all"}),
     ("kvgate-maxtokens", {}),
+    ("kvgate", {}),
+    ("kvgate-noisy", {}),
+    ("oracle", {}),
+    ("kvgate-no-kv", {}),
+    ("kvgate-no-degrade", {}),
+    ("kvgate-fifo", {}),
 ]
 
 
@@ -114,11 +125,11 @@ def test_every_request_ends_and_time_is_monotone(arm: str, params: dict[str, Any
 
 
 def test_all_built_arms_are_covered() -> None:
-    assert {a for a, _ in ARM_PARAMS} == set(ARM_NAMES)
+    assert {a for a, _ in ARM_PARAMS} == set(ARM_NAMES) | set(ABLATIONS)
     for name in ARM_NAMES:
         assert candidates(name, context("multi-tenant").tenants, short=True)
-    with pytest.raises(ValueError, match="planned"):
-        make_arm("oracle", context("conversation"), {})
+    with pytest.raises(ValueError, match="unknown arm"):
+        make_arm("kvgate-nope", context("conversation"), {})
 
 
 def test_none_serves_everything() -> None:

@@ -130,11 +130,11 @@ def test_json_of_a_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert r["reject_precision"] is None
         assert r["goodput_tokens_per_s"] <= r["throughput_tokens_per_s"] + 1e-9
     assert doc["calibration"]["conversation"]["capacity_goodput_tokens_per_s"] > 0
-    assert doc["meta"]["planned_arms"] == ["kvgate", "kvgate-noisy", "oracle"]
+    assert doc["meta"]["profile"] == "h100-llama3-8b"
     text = capsys.readouterr().out
     assert "conversation at load 1" in text and "kvgate-maxtokens goodput" in text
 
 
 def test_unknown_arm_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--arms", "oracle"]) == 2
-    assert "planned" in capsys.readouterr().err
+    assert main(["--arms", "kvgate-nope"]) == 2
+    assert "unknown arm 'kvgate-nope'" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from kvgate_agent.contract.policy import (
     OverloadAction,
     QueueOrder,
     RateLimitPolicySpec,
+    ReservationMode,
 )
 
 
@@ -40,7 +41,10 @@ class AdmissionConfig:
     """Everything the admission core needs, in tokens, seconds and cost units.
 
     ``kv_capacity_tokens`` None means no KV reservation is enforced (capacity unknown);
-    ``max_concurrency`` None means no concurrency cap.
+    ``max_concurrency`` None means no concurrency cap. ``reservation`` and
+    ``reservation_quantile``: how KV reservations are sized (:mod:`.predictor`);
+    ``ttft_slo_seconds``/``tpot_slo_seconds``: the latency SLOs of requests with priority >=
+    ``slo_min_priority`` (:mod:`.slo`), None = not served.
     """
 
     limits: tuple[LimitThreshold, ...] = ()
@@ -59,6 +63,11 @@ class AdmissionConfig:
     min_max_tokens: int | None = None
     fallback_model: str | None = None
     failure_mode: FailureMode = FailureMode.FAIL_OPEN
+    reservation: ReservationMode = ReservationMode.PREDICTED
+    reservation_quantile: float = 0.9
+    ttft_slo_seconds: float | None = None
+    tpot_slo_seconds: float | None = None
+    slo_min_priority: int = 0
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         """Cost units: perRequest + prompt × promptTokenWeight + output × outputTokenWeight."""
@@ -131,4 +140,9 @@ class AdmissionConfig:
             min_max_tokens=None if degrade is None else degrade.min_max_tokens,
             fallback_model=None if degrade is None else degrade.fallback_model,
             failure_mode=spec.failure_mode,
+            reservation=spec.capacity.reservation,
+            reservation_quantile=spec.capacity.reservation_quantile,
+            ttft_slo_seconds=spec.slo.ttft_seconds,
+            tpot_slo_seconds=spec.slo.tpot_seconds,
+            slo_min_priority=spec.slo.min_priority,
         )

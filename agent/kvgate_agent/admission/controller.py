@@ -28,6 +28,7 @@ from kvgate_agent.admission.decision import (
 from kvgate_agent.admission.holds import Hold, Holds
 from kvgate_agent.admission.limits import Blocker, Limits
 from kvgate_agent.admission.retry import DecodeSpeed, refusal, wait_seconds
+from kvgate_agent.admission.slo import SloState
 from kvgate_agent.contract.policy import OverloadAction, QueueOrder
 
 Clock = Callable[[], float]
@@ -68,6 +69,13 @@ class AdmissionController:
         self._head_blocked_shared = False
         self._resolved: list[Waiter] = []
         self._aging_rate = _aging_rate(config)
+        self._slo = SloState(
+            config.tpot_slo_seconds,
+            config.ttft_slo_seconds,
+            config.max_concurrency,
+            self.started_at,
+        )
+        self._sync_limit()
 
     # ------------------------------------------------------------------ observation
 
@@ -95,6 +103,30 @@ class AdmissionController:
     def queue_length(self) -> int:
         """Requests waiting now."""
         return len(self._queue)
+
+    @property
+    def concurrency_limit(self) -> int | None:
+        """The concurrency cap enforced now (the policy's, or the adaptive limit when lower;
+        None = none)."""
+        return self._limits.concurrency_limit
+
+    @property
+    def slo(self) -> SloState:
+        """The SLO measurements (inter-token time, departure rate, prefill time) and the
+        adaptive limit, read only."""
+        return self._slo
+
+    @property
+    def kv_headroom_tokens(self) -> int:
+        """KV tokens kept free for the growth of predicted reservations in flight."""
+        return self._limits.headroom
+
+    def predicted_output_tokens(
+        self, tenant: str, model: str | None, max_tokens: int
+    ) -> int | None:
+        """The length predictor's output tokens per choice for such a request (None: not enough
+        samples yet)."""
+        return self._limits.predictor.predict(tenant, model, max_tokens)
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -129,6 +161,22 @@ class AdmissionController:
         """
         self._limits.reconfigure(config, self.clock())
         self._aging_rate = _aging_rate(config)
+        self._slo.retune(config.tpot_slo_seconds, config.ttft_slo_seconds, config.max_concurrency)
+        self._sync_limit()
+
+    def _sync_limit(self) -> None:
+        cap = self._limits.config.max_concurrency
+        adaptive = self._slo.limit
+        self._limits.concurrency_limit = (
+            cap if adaptive is None else adaptive if cap is None else min(cap, adaptive)
+        )
+
+    def _tick(self, now: float) -> None:
+        slo = self._slo
+        before = slo.limit
+        slo.tick(now, self._limits.in_flight)
+        if slo.limit != before:
+            self._sync_limit()
 
     # ------------------------------------------------------------------ holds
 
@@ -213,7 +261,9 @@ class AdmissionController:
                 clamped = True
                 kv = limits.kv_tokens(req.prompt_tokens, max_fit, req.n)
                 cost = cfg.cost(req.prompt_tokens, req.n * max_fit)
+        self._tick(now)
         found: list[BucketCharge] = []
+        kv = limits.reservation(req, req.max_tokens)
         blocker = limits.blocker(req, req.max_tokens, now, found=found, kv=kv, cost=cost)
         if blocker is None and not (self._queue and self._head_blocked_shared):
             ticket = limits.reserve(req, req.max_tokens, now, found=found, kv=kv)
@@ -225,6 +275,8 @@ class AdmissionController:
                     max_tokens=req.max_tokens,
                 )
             return Decision(_ADMITTED, _OK, ticket, req.max_tokens)
+        if blocker is not None and blocker.reason is Reason.CONCURRENCY:
+            self._slo.reached()
         return self._overload(req, blocker, cfg.actions, now, clamped, 0.0)
 
     def _exceeds_capacity(self, req: AdmissionRequest, max_fit: int) -> Decision:
@@ -258,6 +310,7 @@ class AdmissionController:
         """Try the overload actions in order. ``blocker`` None means "fits, but others wait
         ahead for the same resources"."""
         queue_full = False
+        slo_wait: float | None = None
         for i, action in enumerate(actions):
             if action == _DEGRADE:
                 d = self._degrade(req, blocker, now, waited)
@@ -269,10 +322,22 @@ class AdmissionController:
                 if len(self._queue) >= self._limits.config.queue_max_length:
                     queue_full = True
                     continue
-                return self._enqueue(req, actions[i + 1 :], now, clamped)
+                budget = self._wait_budget(req)
+                if budget is not None:
+                    expected = self._slo.expected_wait(len(self._queue))
+                    if expected is not None and expected > budget:
+                        slo_wait = expected
+                        continue
+                return self._enqueue(req, actions[i + 1 :], now, clamped, budget)
             else:
                 break
-        return self._reject(req, blocker, now, waited, queue_full)
+        return self._reject(req, blocker, now, waited, queue_full, slo_wait)
+
+    def _wait_budget(self, req: AdmissionRequest) -> float | None:
+        """Seconds ``req`` may wait under its TTFT SLO; None when no TTFT SLO applies to it."""
+        if req.priority < self._limits.config.slo_min_priority:
+            return None
+        return self._slo.wait_budget()
 
     def _degrade(
         self, req: AdmissionRequest, blocker: Blocker | None, now: float, waited: float
@@ -335,14 +400,19 @@ class AdmissionController:
         now: float,
         waited: float,
         queue_full: bool = False,
+        slo_wait: float | None = None,
     ) -> Decision:
         """The 429 for ``req``, its Retry-After from the blocking resource's refill or drain
-        time and, for a rate limit, the refusing bucket's state for the RateLimit headers."""
+        time (or the expected queue wait, when that is what refused it) and, for a rate limit,
+        the refusing bucket's state for the RateLimit headers."""
         if blocker is None:
             blocker = self._head_blocker(now) or Blocker(Reason.QUEUE_FULL, "queue")
-        wait = wait_seconds(
-            req, blocker, now, self._limits, self._queue.values(), self._speed.seconds_per_token
-        )
+        if slo_wait is not None:
+            wait = slo_wait
+        else:
+            wait = wait_seconds(
+                req, blocker, now, self._limits, self._queue.values(), self._speed.seconds_per_token
+            )
         message = _REFUSAL_TEXT[blocker.reason].format(limit=blocker.limit)
         reason = blocker.reason
         if waited > 0:
@@ -354,6 +424,12 @@ class AdmissionController:
         elif queue_full:
             reason = Reason.QUEUE_FULL
             message = f"the admission queue is full: {message}"
+        elif slo_wait is not None:
+            reason = Reason.SLO
+            message = (
+                f"the expected queue wait ({slo_wait:.2f}s) exceeds the time-to-first-token SLO: "
+                f"{message}"
+            )
         d = refusal(reason, blocker.limit, 429, wait, req.max_tokens, message)
         d.queue_seconds = waited
         if blocker.bucket is not None and blocker.threshold is not None:
@@ -369,15 +445,23 @@ class AdmissionController:
     # ------------------------------------------------------------------ queue
 
     def _enqueue(
-        self, req: AdmissionRequest, remaining: tuple[str, ...], now: float, clamped: bool
+        self,
+        req: AdmissionRequest,
+        remaining: tuple[str, ...],
+        now: float,
+        clamped: bool,
+        budget: float | None = None,
     ) -> Decision:
+        """Queue ``req`` until the policy's maximum wait, or its SLO's wait ``budget`` (seconds)
+        when that is shorter."""
         self._seq += 1
+        max_wait = self._limits.config.queue_max_wait_seconds
         w = Waiter(
             req,
             self._seq,
             now,
-            now + self._limits.config.queue_max_wait_seconds,
-            self._limits.kv_tokens(req.prompt_tokens, req.max_tokens, req.n),
+            now + (max_wait if budget is None else min(max_wait, budget)),
+            self._limits.reservation(req, req.max_tokens),
             remaining or (_REJECT,),
             clamped,
         )
@@ -422,6 +506,7 @@ class AdmissionController:
             self._head_blocked_shared = False
             return
         now = self.clock()
+        self._tick(now)
         held = self._holds.active(now) if self._holds else None
         self._expire(now, held)
         self._head_blocked_shared = False
@@ -434,7 +519,7 @@ class AdmissionController:
         actions (Degrade first, if the policy has it: having waited its turn, it may)."""
         actions_cfg = self._limits.config.actions
         for w in [w for w in self._queue.values() if now >= w.deadline]:
-            del self._queue[w.seq]
+            self._dequeue(w)
             waited = now - w.enqueued_at
             if held is not None:
                 d = held.refusal(now, w.request.max_tokens)
@@ -460,7 +545,7 @@ class AdmissionController:
         for w in waiters:
             b = limits.blocker(w.request, w.request.max_tokens, now)
             if b is None:
-                del self._queue[w.seq]
+                self._dequeue(w)
                 ticket = limits.reserve(w.request, w.request.max_tokens, now)
                 outcome = Outcome.DEGRADED if w.clamped else Outcome.QUEUED
                 reason = Reason.MAX_TOKENS_CLAMPED if w.clamped else Reason.OK
@@ -491,7 +576,7 @@ class AdmissionController:
         :meth:`take_resolved`."""
         now = self.clock()
         for w in list(self._queue.values()):
-            del self._queue[w.seq]
+            self._dequeue(w)
             d = refusal(reason, "queue", status, retry_after, w.request.max_tokens, message)
             d.queue_seconds = now - w.enqueued_at
             w.decision = d
@@ -501,8 +586,13 @@ class AdmissionController:
     def cancel(self, waiter: Waiter) -> None:
         """Remove a waiter whose client went away. If it had already been admitted, the caller
         must :meth:`release` its ticket (this method does not, to keep ownership clear)."""
-        if self._queue.pop(waiter.seq, None) is not None and not self._queue:
-            self._head_blocked_shared = False
+        if self._queue.get(waiter.seq) is waiter:
+            self._dequeue(waiter)
+            if not self._queue:
+                self._head_blocked_shared = False
+
+    def _dequeue(self, w: Waiter) -> None:
+        del self._queue[w.seq]
 
     def next_wake(self) -> float | None:
         """Clock time at which :meth:`pump` should next run even if nothing is released: the
@@ -545,14 +635,49 @@ class AdmissionController:
         ticket.released = True
         now = self.clock()
         limits = self._limits
+        slo = self._slo
         if reached_upstream:
             prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
             limits.release(ticket, now, limits.config.cost(prompt, completion_tokens), 1.0)
             if completion_tokens > 0:
                 self._speed.observe(now - ticket.admitted_at, completion_tokens)
+                limits.learn(ticket, completion_tokens)
+                if ticket.last_token_at is None and completion_tokens > ticket.n:
+                    # Not streamed: the whole response time, prefill included (an overestimate).
+                    slo.observe_gap(now - ticket.admitted_at, completion_tokens / ticket.n)
+            slo.observe_departure()
         else:
             limits.release(ticket, now, 0.0, 0.0)
+        self._tick(now)
         return True
+
+    # ------------------------------------------------------------------ live correction
+
+    def observe_tokens(self, ticket: Ticket, generated: int) -> None:
+        """``ticket``'s request has produced ``generated`` output tokens so far (all choices), as
+        its stream passes. Measures the time to first token and between tokens (the adaptive
+        limit's input, :mod:`.slo`) and grows a predicted reservation block by block once the
+        sequence outgrows it (never past prompt + n x max_tokens). O(1); a no-op after release
+        or when ``generated`` did not increase."""
+        prev = ticket.generated
+        if ticket.released or generated <= prev:
+            return
+        now = self.clock()
+        last = ticket.last_token_at
+        if last is None:
+            self._slo.observe_first_token(now - ticket.admitted_at)
+        else:
+            self._slo.observe_gap(now - last, (generated - prev) / ticket.n)
+        ticket.generated = generated
+        ticket.last_token_at = now
+        if ticket.prompt_tokens + generated >= ticket.kv_tokens:
+            self._limits.grow(ticket, generated)
+        self._tick(now)
+
+    def observe_engine_kv(self, used_tokens: int | None) -> None:
+        """The engine reports ``used_tokens`` KV tokens in use (None: unknown). Where that is
+        more than kvgate has reserved (plus headroom), admission counts the engine's figure."""
+        self._limits.engine_kv_used = used_tokens
 
 
 def _aging_rate(config: AdmissionConfig) -> float:

@@ -39,6 +39,8 @@ class Reason(StrEnum):
     their TTL, or the engine's KV capacity unknown) and ``failureMode`` is FailClosed.
     ``gpu_memory_low``: admission is held because the node agent's GPU safety net closed (NVML
     free memory on one of the pod's GPUs below the policy's margin).
+    ``slo``: the expected queue wait already exceeds the request's TTFT SLO (``slo.ttftSeconds``),
+    so it is refused at once rather than queued to miss it.
     """
 
     OK = "ok"
@@ -49,6 +51,7 @@ class Reason(StrEnum):
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
     SHEDDABLE = "sheddable"
+    SLO = "slo"
     EXCEEDS_CAPACITY = "exceeds_capacity"
     MAX_TOKENS_CLAMPED = "max_tokens_clamped"
     FALLBACK_MODEL = "fallback_model"
@@ -67,7 +70,10 @@ class AdmissionRequest:
         max_tokens: output tokens the request may produce, per choice.
         priority: higher = more important; negative = sheddable (never queued).
         n: number of choices generated (output and KV scale with it).
-        model: the model asked for (to know whether a fallback rewrite changes anything).
+        model: the model asked for (to know whether a fallback rewrite changes anything, and
+            the length predictor's key).
+        predicted_output_tokens: output tokens per choice to reserve for instead of the
+            predictor's estimate (a benchmark's oracle; None in production).
     """
 
     tenant: str
@@ -76,15 +82,20 @@ class AdmissionRequest:
     priority: int = 0
     n: int = 1
     model: str | None = None
+    predicted_output_tokens: int | None = None
 
 
 @dataclass(slots=True, eq=False)
 class Ticket:
     """The reservations held by one admitted request, released exactly once.
 
-    ``holds`` lists the bucket reservations (see :data:`BucketCharge`); ``kv_tokens`` is the
-    KV reservation in tokens (block-rounded); ``max_tokens`` the output tokens admitted per choice;
-    ``admitted_at`` clock seconds.
+    ``holds`` lists the bucket reservations (see :data:`BucketCharge`). ``kv_tokens``: the KV
+    reservation now, tokens (block-rounded; live correction grows it);
+    ``kv_reserved_at_admission``: what was reserved at admission; ``kv_max``: the worst case,
+    prompt + n x max_tokens block-rounded (the reservation never grows past it).
+    ``max_tokens``: output tokens admitted per choice; ``admitted_at``: clock seconds.
+    ``generated``, ``last_token_at``: output tokens streamed so far (all choices) and when the
+    last of them passed (clock seconds; None before the first).
     """
 
     tenant: str
@@ -95,6 +106,11 @@ class Ticket:
     admitted_at: float
     holds: list[BucketCharge] = field(default_factory=list)
     released: bool = False
+    model: str | None = None
+    kv_max: int = 0
+    kv_reserved_at_admission: int = 0
+    generated: int = 0
+    last_token_at: float | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -4,8 +4,12 @@ Invariant: a reservation is taken only right after :meth:`Limits.blocker` found 
 the same call, and given back exactly once by :meth:`Limits.release`; so ``in_flight`` and
 ``kv_reserved_tokens`` are always the sums over the live tickets, and no bucket goes below 0.
 
-KV reservation = prompt + n × max_tokens rounded up to the block size (vLLM allocates KV in
-blocks: PagedAttention, Kwon et al., SOSP 2023).
+KV reservation = prompt + n × min(max_tokens, L) rounded up to the block size (vLLM allocates KV
+in blocks: PagedAttention, Kwon et al., SOSP 2023, https://arxiv.org/abs/2309.06180), where L is
+the predicted output length (:mod:`.predictor`; max_tokens under ``reservation: MaxTokens`` or
+before enough samples). A reservation below the worst case grows block by block as its tokens
+stream (:meth:`Limits.grow`); admission keeps :attr:`Limits.headroom` free for that growth, and
+where the engine reports more KV in use than is reserved, the engine's figure counts.
 """
 
 from __future__ import annotations
@@ -17,7 +21,13 @@ from dataclasses import dataclass
 from kvgate_agent.admission.bucket import BucketMap, TokenBucket
 from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
 from kvgate_agent.admission.decision import AdmissionRequest, BucketCharge, Reason, Ticket
-from kvgate_agent.contract.policy import LimitScope
+from kvgate_agent.admission.predictor import LengthPredictor
+from kvgate_agent.contract.policy import LimitScope, ReservationMode
+
+#: Weight of each settled request in the mean overrun (tokens a reservation grew by).
+OVERRUN_ALPHA = 0.05
+#: Headroom kept for the growth of predicted reservations never exceeds this share of the pool.
+MAX_HEADROOM_SHARE = 0.2
 
 
 def round_up(tokens: int, block_size: int) -> int:
@@ -151,15 +161,27 @@ class Limits:
         in_flight: admitted requests not yet released.
         kv_reserved_tokens: KV tokens reserved by them (block-rounded).
         tickets: the live tickets by ``id``.
+        predictor: the output-length predictor (learned at release).
+        concurrency_limit: the concurrency cap enforced now: the policy's, or the adaptive
+            limit when lower (set by the controller); None = none.
+        overrun_mean: mean tokens a predicted reservation grew by before release.
+        predicted_in_flight: tickets in flight whose reservation is below their worst case.
+        engine_kv_used: KV tokens the engine reports in use (None: not known).
     """
 
     __slots__ = (
         "_max_tenants",
         "_started_at",
+        "concurrency_limit",
         "config",
+        "engine_kv_used",
         "in_flight",
         "kv_reserved_tokens",
         "min_cost_capacity",
+        "overrun_mean",
+        "predicted",
+        "predicted_in_flight",
+        "predictor",
         "rate_limits",
         "tickets",
     )
@@ -173,6 +195,12 @@ class Limits:
         self.in_flight = 0
         self.kv_reserved_tokens = 0
         self.tickets: dict[int, Ticket] = {}
+        self.predictor = LengthPredictor(config.reservation_quantile, max_tenants)
+        self.predicted = config.reservation is ReservationMode.PREDICTED
+        self.concurrency_limit = config.max_concurrency
+        self.overrun_mean = 0.0
+        self.predicted_in_flight = 0
+        self.engine_kv_used: int | None = None
 
     # ------------------------------------------------------------------ configuration
 
@@ -193,6 +221,8 @@ class Limits:
         self.rate_limits = limits
         self.config = config
         self.min_cost_capacity = _min_cost_capacity(config)
+        self.predictor.reset_quantile(config.reservation_quantile)
+        self.predicted = config.reservation is ReservationMode.PREDICTED
 
     def set_kv_capacity(self, tokens: int | None) -> None:
         """Enforce a new KV capacity (tokens; None = not enforced); reservations held stay."""
@@ -224,8 +254,54 @@ class Limits:
     # ------------------------------------------------------------------ arithmetic
 
     def kv_tokens(self, prompt: int, max_tokens: int, n: int) -> int:
-        """KV tokens a request reserves: prompt + n × max_tokens, block-rounded."""
+        """KV tokens a request may ever hold: prompt + n × max_tokens, block-rounded."""
         return round_up(prompt + n * max_tokens, self.config.block_size)
+
+    def reservation(self, req: AdmissionRequest, max_tokens: int) -> int:
+        """KV tokens reserved for ``req`` admitted with ``max_tokens``: prompt + n x min(max_tokens,
+        L), block-rounded, L the predicted output per choice (``req.predicted_output_tokens``
+        when set, else the predictor's; max_tokens when neither, or under ``MaxTokens``)."""
+        out = max_tokens
+        if self.predicted:
+            p = req.predicted_output_tokens
+            if p is None:
+                p = self.predictor.predict(req.tenant, req.model, max_tokens)
+            if p is not None and p < max_tokens:
+                out = max(1, p)
+        return round_up(req.prompt_tokens + req.n * out, self.config.block_size)
+
+    @property
+    def headroom(self) -> int:
+        """KV tokens kept free for the growth of predicted reservations in flight: their count x
+        the mean overrun, at most :data:`MAX_HEADROOM_SHARE` of the pool."""
+        cap = self.config.kv_capacity_tokens
+        if cap is None or not self.predicted_in_flight:
+            return 0
+        return min(
+            int(MAX_HEADROOM_SHARE * cap), math.ceil(self.predicted_in_flight * self.overrun_mean)
+        )
+
+    def kv_in_use(self) -> int:
+        """KV tokens counted as taken: the reservations plus the headroom, or the engine's own
+        figure when it reports more."""
+        used = self.kv_reserved_tokens + self.headroom
+        engine = self.engine_kv_used
+        return used if engine is None or engine <= used else engine
+
+    def grow(self, ticket: Ticket, tokens: int) -> int:
+        """Extend ``ticket``'s reservation to hold prompt + ``tokens`` output tokens (all
+        choices) and the next token, block by block, never past its worst case; returns the
+        tokens added (0 if it already held them). Taken unconditionally: the sequence runs
+        already (the headroom is what keeps this inside the pool)."""
+        need = min(
+            ticket.kv_max, round_up(ticket.prompt_tokens + tokens + 1, self.config.block_size)
+        )
+        extra = need - ticket.kv_tokens
+        if extra <= 0:
+            return 0
+        ticket.kv_tokens = need
+        self.kv_reserved_tokens += extra
+        return extra
 
     def fits_ever(self, kv: int, cost: float) -> bool:
         """Whether a reservation of ``kv`` tokens and ``cost`` units fits the full capacities."""
@@ -270,7 +346,7 @@ class Limits:
     def max_fit_now(self, req: AdmissionRequest, now: float) -> int | None:
         """Largest max_tokens that fits the KV room and every cost bucket's level now."""
         kv = self.config.kv_capacity_tokens
-        kv_room = None if kv is None else kv - self.kv_reserved_tokens
+        kv_room = None if kv is None else kv - self.kv_in_use()
         cost_room: float | None = None
         for lim in self.rate_limits:
             if lim.cost is not None:
@@ -312,12 +388,13 @@ class Limits:
             kv, cost: the request's KV tokens and cost units, when the caller has them already.
         """
         cfg = self.config
-        if cfg.max_concurrency is not None and self.in_flight >= cfg.max_concurrency:
+        limit = self.concurrency_limit
+        if limit is not None and self.in_flight >= limit:
             return Blocker(Reason.CONCURRENCY, "concurrency")
         if cfg.kv_capacity_tokens is not None:
             if kv is None:
-                kv = self.kv_tokens(req.prompt_tokens, max_tokens, req.n)
-            if self.kv_reserved_tokens + kv > cfg.kv_capacity_tokens:
+                kv = self.reservation(req, max_tokens)
+            if self.kv_in_use() + kv > cfg.kv_capacity_tokens:
                 return Blocker(Reason.KV_CAPACITY, "kv")
         if not with_buckets:
             return None
@@ -355,7 +432,7 @@ class Limits:
         same call (so every bucket holds at least what is taken). ``found`` and ``kv`` as that
         call left them, when the caller has them."""
         if kv is None:
-            kv = self.kv_tokens(req.prompt_tokens, max_tokens, req.n)
+            kv = self.reservation(req, max_tokens)
         if found is None:
             found = []
             if with_buckets:
@@ -363,7 +440,22 @@ class Limits:
         for b, amount, _ in found:
             b.level -= amount
             b.pins += 1
-        ticket = Ticket(req.tenant, req.prompt_tokens, max_tokens, req.n, kv, now, found)
+        kv_max = self.kv_tokens(req.prompt_tokens, max_tokens, req.n)
+        ticket = Ticket(
+            req.tenant,
+            req.prompt_tokens,
+            max_tokens,
+            req.n,
+            kv,
+            now,
+            found,
+            False,
+            req.model,
+            kv_max,
+            kv,
+        )
+        if kv < kv_max:
+            self.predicted_in_flight += 1
         self.in_flight += 1
         self.kv_reserved_tokens += kv
         self.tickets[id(ticket)] = ticket
@@ -383,7 +475,23 @@ class Limits:
             bucket.pins -= 1
         self.in_flight -= 1
         self.kv_reserved_tokens -= ticket.kv_tokens
+        if ticket.kv_reserved_at_admission < ticket.kv_max:
+            self.predicted_in_flight -= 1
         del self.tickets[id(ticket)]
+
+    def learn(self, ticket: Ticket, completion_tokens: int) -> None:
+        """Learn from a settled ticket whose request produced ``completion_tokens`` (all choices):
+        the length predictor's sample, and how far a predicted reservation had to grow."""
+        self.predictor.observe(
+            ticket.tenant, ticket.model, ticket.max_tokens, completion_tokens // max(1, ticket.n)
+        )
+        base = ticket.kv_reserved_at_admission
+        if base < ticket.kv_max:
+            final = min(
+                ticket.kv_max,
+                round_up(ticket.prompt_tokens + completion_tokens, self.config.block_size),
+            )
+            self.overrun_mean += OVERRUN_ALPHA * (max(0, final - base) - self.overrun_mean)
 
 
 def _min_cost_capacity(config: AdmissionConfig) -> float | None:

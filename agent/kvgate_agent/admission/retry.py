@@ -120,7 +120,8 @@ def _drain_wait(
         need = (
             limits.kv_reserved_tokens
             + sum(w.kv_tokens for w in queue)
-            + limits.kv_tokens(req.prompt_tokens, req.max_tokens, req.n)
+            + limits.reservation(req, req.max_tokens)
+            + limits.headroom
             - cfg.kv_capacity_tokens
         )
         freed = 0
@@ -131,8 +132,8 @@ def _drain_wait(
         return max(floor, ends[-1][0] - now)
     # Concurrency (or "others queued ahead"): the (queued + 1)-th completion frees our slot.
     slots_needed = len(queue) + 1
-    if cfg.max_concurrency is not None:
-        slots_needed += max(0, limits.in_flight - cfg.max_concurrency)
+    if limits.concurrency_limit is not None:
+        slots_needed += max(0, limits.in_flight - limits.concurrency_limit)
     rounds, idx = divmod(slots_needed - 1, len(ends))
     span = ends[-1][0] - min(now, ends[0][0]) if rounds else 0.0
     return max(floor, ends[idx][0] - now + rounds * max(span, floor))

@@ -102,6 +102,14 @@ class ModelSpec(_Model):
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_cache_dtype.nbytes
 
 
+class ReservationMode(StrEnum):
+    """How much KV a request reserves: ``Predicted`` (prompt + min(max_tokens, a predicted
+    length), learned online) or ``MaxTokens`` (prompt + max_tokens, the worst case)."""
+
+    PREDICTED = "Predicted"
+    MAX_TOKENS = "MaxTokens"
+
+
 class CapacitySpec(_Model):
     """Where the pod's KV capacity comes from, best source first.
 
@@ -116,6 +124,16 @@ class CapacitySpec(_Model):
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
     weights_bytes: NonNegativeInt | None = None
     safety_margin_bytes: NonNegativeInt | None = None
+    reservation: ReservationMode = ReservationMode.PREDICTED
+    reservation_quantile: Annotated[float, Field(ge=0.5, le=0.999)] = 0.9
+
+
+class SloSpec(_Model):
+    """Latency SLOs admission serves (requests with priority >= ``minPriority``)."""
+
+    ttft_seconds: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None = None
+    tpot_seconds: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = None
+    min_priority: int = 0
 
 
 class ConcurrencySpec(_Model):
@@ -362,6 +380,7 @@ class RateLimitPolicySpec(_Model):
     queue: QueueSpec = Field(default_factory=QueueSpec)
     priority: PrioritySpec = Field(default_factory=PrioritySpec)
     overload: OverloadSpec = Field(default_factory=OverloadSpec)
+    slo: SloSpec = Field(default_factory=SloSpec)
     failure_mode: FailureMode = FailureMode.FAIL_OPEN
 
     @model_validator(mode="after")

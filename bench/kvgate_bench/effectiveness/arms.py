@@ -35,16 +35,27 @@ workload and load, and the sweep with it):
     max_num_seqs, per-tenant token buckets of half the server's capacity, a ShortestFirst queue
     of 100 for 10 s, Degrade to 128 tokens before queueing.
 
-The later arms of issue 10 (``kvgate``: reservations sized by a predicted length;
-``kvgate-noisy``: its predictor's errors forced to lognormal sigma 1.0; ``oracle``: kvgate told
-the true lengths) are :data:`PLANNED_ARMS`: subclass :class:`KvgateMaxTokensArm` and override
-:meth:`~KvgateMaxTokensArm.policy` and :meth:`~KvgateMaxTokensArm.admission_request`, then add
-them to :data:`ARM_FACTORIES` and :func:`candidates`.
+``kvgate``
+    kvgate's default policy (:meth:`KvgateArm.policy`): the same, plus reservations of prompt +
+    the predicted output length (``capacity.reservation: Predicted``, the 0.9 quantile) grown
+    block by block as tokens stream, and the workload's SLOs (``slo.ttftSeconds`` 0.5,
+    ``slo.tpotSeconds`` 0.05 for priority >= 1: interactive clients send priority 1, batch
+    ones 0): the adaptive concurrency limit and shedding by expected queue wait. The arm feeds
+    the controller every streamed token (``observe_tokens``), as the sidecar does.
+``kvgate-noisy``
+    ``kvgate`` whose length prediction is the true length x a lognormal error of sigma 1.0
+    (seeded per request): a much worse predictor than the learned one.
+``oracle``
+    ``kvgate`` told each request's true output length (capped by its max_tokens).
+``kvgate-no-kv``, ``kvgate-no-degrade``, ``kvgate-fifo``
+    Ablations of ``kvgate``: no KV reservation (no ``capacity.kvCacheTokens``); no Degrade
+    action; a FIFO queue instead of ShortestFirst.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +71,7 @@ from kvgate_agent.admission import (
 )
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_bench.effectiveness.driver import Arm, Gate
+from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
 from kvgate_bench.effectiveness.workloads import BATCH, Request, Tenant
 from kvgate_bench.sim.engine import EngineConfig
 from kvgate_bench.toolkit import FakeClock
@@ -71,9 +83,12 @@ ARM_NAMES: tuple[str, ...] = (
     "token-bucket",
     "saturation-shed",
     "kvgate-maxtokens",
+    "kvgate",
+    "kvgate-noisy",
+    "oracle",
 )
-#: Arms of issue 10 not built yet (see the module docstring for where they plug in).
-PLANNED_ARMS: tuple[str, ...] = ("kvgate", "kvgate-noisy", "oracle")
+#: Ablations of ``kvgate``: run when asked for by name (``--arms``).
+ABLATIONS: tuple[str, ...] = ("kvgate-no-kv", "kvgate-no-degrade", "kvgate-fifo")
 #: The baselines kvgate is compared with.
 BASELINES: tuple[str, ...] = ("concurrency-cap", "token-bucket", "saturation-shed")
 
@@ -383,6 +398,88 @@ class KvgateMaxTokensArm(Arm):
         self._settle(now)
 
 
+class KvgateArm(KvgateMaxTokensArm):
+    """kvgate's default policy: predicted reservations, live correction, SLO-driven concurrency
+    and shedding (see the module docstring). ``variant`` selects an ablation: ``no-kv``,
+    ``no-degrade`` or ``fifo``."""
+
+    name = "kvgate"
+    #: Priority interactive clients send (``slo.minPriority``); batch clients send 0.
+    INTERACTIVE_PRIORITY = 1
+
+    def __init__(self, ctx: ArmContext, variant: str | None = None) -> None:
+        if variant not in (None, "no-kv", "no-degrade", "fifo"):
+            raise ValueError(f"unknown kvgate variant {variant!r}")
+        self.variant = variant
+        super().__init__(ctx)
+        if variant is not None:
+            self.name = f"kvgate-{variant}"
+
+    def policy(self) -> dict[str, Any]:
+        spec = super().policy()
+        spec["capacity"] = {
+            **spec["capacity"],
+            "reservation": "Predicted",
+            "reservationQuantile": 0.9,
+        }
+        spec["slo"] = {
+            "ttftSeconds": TTFT_SLO_S,
+            "tpotSeconds": TPOT_SLO_S,
+            "minPriority": self.INTERACTIVE_PRIORITY,
+        }
+        if self.variant == "no-kv":
+            del spec["capacity"]["kvCacheTokens"]
+        elif self.variant == "no-degrade":
+            spec["overload"] = {"actions": ["Queue", "Reject"]}
+        elif self.variant == "fifo":
+            spec["queue"] = {**spec["queue"], "order": "FIFO"}
+        return spec
+
+    def admission_request(self, req: Request) -> AdmissionRequest:
+        ar = super().admission_request(req)
+        ar.priority = 0 if req.tier == BATCH else self.INTERACTIVE_PRIORITY
+        ar.model = "model"
+        ar.predicted_output_tokens = self.predicted_output(req, ar.max_tokens)
+        return ar
+
+    def predicted_output(self, req: Request, max_tokens: int) -> int | None:
+        """The length to reserve for instead of the learned prediction (None: learned)."""
+        return None
+
+    def on_tokens(self, new_tokens: dict[str, int], now: float) -> None:
+        self.clock.now = now
+        tickets = self._tickets
+        observe = self.controller.observe_tokens
+        for rid, index in new_tokens.items():
+            t = tickets.get(rid)
+            if t is not None:
+                observe(t, index + 1)
+
+
+class OracleArm(KvgateArm):
+    """``kvgate`` told each request's true output length, capped by its max_tokens."""
+
+    name = "oracle"
+
+    def predicted_output(self, req: Request, max_tokens: int) -> int | None:
+        return min(req.output_tokens, max_tokens)
+
+
+class NoisyKvgateArm(KvgateArm):
+    """``kvgate`` whose prediction is the true length x exp(N(0, ``sigma``)), seeded per
+    request id (the same request gets the same error in every run)."""
+
+    name = "kvgate-noisy"
+
+    def __init__(self, ctx: ArmContext, sigma: float = 1.0) -> None:
+        super().__init__(ctx)
+        self.sigma = sigma
+
+    def predicted_output(self, req: Request, max_tokens: int) -> int | None:
+        err = random.Random(f"noise:{req.rid}").gauss(0.0, self.sigma)
+        return max(1, min(max_tokens, round(req.output_tokens * math.exp(err))))
+
+
 ArmFactory = Callable[[ArmContext, dict[str, Any]], Arm]
 
 #: Arm name -> factory(context, params).
@@ -394,16 +491,20 @@ ARM_FACTORIES: dict[str, ArmFactory] = {
     ),
     "saturation-shed": lambda ctx, p: SaturationShedArm(str(p.get("shed", "all"))),
     "kvgate-maxtokens": lambda ctx, p: KvgateMaxTokensArm(ctx),
+    "kvgate": lambda ctx, p: KvgateArm(ctx),
+    "kvgate-noisy": lambda ctx, p: NoisyKvgateArm(ctx),
+    "oracle": lambda ctx, p: OracleArm(ctx),
+    "kvgate-no-kv": lambda ctx, p: KvgateArm(ctx, "no-kv"),
+    "kvgate-no-degrade": lambda ctx, p: KvgateArm(ctx, "no-degrade"),
+    "kvgate-fifo": lambda ctx, p: KvgateArm(ctx, "fifo"),
 }
 
 
 def make_arm(name: str, ctx: ArmContext, params: dict[str, Any]) -> Arm:
-    """A fresh arm ``name`` with ``params``. Raises ``ValueError`` for an unknown or planned
-    arm."""
+    """A fresh arm ``name`` with ``params``. Raises ``ValueError`` for an unknown arm."""
     factory = ARM_FACTORIES.get(name)
     if factory is None:
-        planned = " (planned, not built yet)" if name in PLANNED_ARMS else ""
-        raise ValueError(f"unknown arm {name!r}{planned}; choose from {', '.join(ARM_NAMES)}")
+        raise ValueError(f"unknown arm {name!r}; choose from {', '.join(ARM_NAMES + ABLATIONS)}")
     return factory(ctx, params)
 
 

@@ -173,6 +173,11 @@ class Arm(ABC):
     def on_finish(self, req: Request, output_tokens: int, now: float) -> None:  # noqa: B027
         """``req`` finished at ``now`` having produced ``output_tokens``."""
 
+    def on_tokens(self, new_tokens: dict[str, int], now: float) -> None:  # noqa: B027
+        """An engine step ending at ``now`` produced output tokens: request id -> 0-based index
+        of the token (what a proxy sees as the stream passes). Called before that step's
+        :meth:`on_finish` calls."""
+
     def next_wake(self) -> float | None:
         """Virtual time at which the arm wants :meth:`on_wake` (None: no timer)."""
         return None
@@ -279,6 +284,8 @@ def simulate(
                 records[rid].first_token_at = t
         for rid in result.preempted:
             records[rid].preemptions += 1
+        if result.new_tokens:
+            arm.on_tokens(result.new_tokens, t)
         for rid in result.finished:
             rec = records[rid]
             seq = gate.sequences.pop(rid)

@@ -1,0 +1,180 @@
+"""Serving the latency SLOs: an adaptive concurrency limit and the expected queue wait.
+
+**Adaptive concurrency** (policy ``slo.tpotSeconds``): the time per output token a running
+request sees is the engine's step time, and that grows with the batch (more sequences, more
+context, more prefill in each step). kvgate measures it from the streamed tokens that pass
+(:meth:`SloState.observe_gap`) and, once per :data:`INTERVAL_S`, moves a concurrency limit:
+down by :data:`DECREASE` while the smoothed inter-token time is above ``TARGET_FRACTION x
+tpotSeconds``, up by :data:`INCREASE` of itself (at least 1) while it is below
+``RAISE_FRACTION x`` that and the limit was reached in the interval. That is the AIMD limit of
+Netflix's concurrency-limits (https://github.com/Netflix/concurrency-limits) with the SLO as
+the latency target, so the cap a platform team would otherwise hand-tune per workload follows
+the load.
+
+**Expected queue wait** (policy ``slo.ttftSeconds``): requests leave the queue as admitted ones
+finish; with ``k`` waiting ahead and a departure rate ``mu`` (releases per second, smoothed over
+the intervals), a newcomer waits about ``(k + 1) / mu`` seconds (Little's law,
+https://doi.org/10.1287/opre.9.3.383). The time budget for waiting is the TTFT SLO less the
+observed time from admission to the first token (prefill); a request that would wait longer is
+refused at once with that wait as its Retry-After, instead of queued to miss its SLO.
+
+Invariant: pure and clock-injected (times are passed in); every method is O(1).
+"""
+
+from __future__ import annotations
+
+import math
+
+#: Length of one measurement interval, seconds.
+INTERVAL_S = 0.5
+#: Smoothing of the per-interval means across intervals (weight of the newest).
+SMOOTHING = 0.1
+#: The limit is lowered while the smoothed inter-token time exceeds this share of the target:
+#: per-request TPOT spreads around the mean, so the mean is held below the SLO.
+TARGET_FRACTION = 1.0
+#: ... and raised while it is below this share of the target (a dead band between the two).
+RAISE_FRACTION = 0.85
+#: Multiplicative decrease of the limit per interval over target.
+DECREASE = 0.95
+#: Additive increase per interval under target, as a share of the limit (at least 1).
+INCREASE = 0.05
+#: Lowest adaptive limit, requests.
+MIN_LIMIT = 4
+#: The wait budget is never below this share of the TTFT SLO (prefill estimates can be high).
+MIN_WAIT_SHARE = 0.2
+
+
+class SloState:
+    """The measurements and the adaptive limit of one pod.
+
+    Args:
+        tpot_seconds: target time per output token, seconds (None: no adaptive limit).
+        ttft_seconds: TTFT SLO, seconds (None: no shedding by expected wait).
+        max_limit: the policy's concurrency cap (None: unbounded; the adaptive limit then starts
+            at :data:`DEFAULT_START`).
+        now: clock seconds at creation.
+
+    Attributes:
+        limit: the adaptive concurrency limit now (None when ``tpot_seconds`` is None).
+        gap_s: smoothed inter-token time, seconds (None before any sample).
+        departure_rps: smoothed releases per second (None before the first interval).
+        prefill_s: smoothed admission-to-first-token time, seconds (0 before any sample).
+    """
+
+    DEFAULT_START = 64
+
+    __slots__ = (
+        "_departures",
+        "_gap_n",
+        "_gap_sum",
+        "_interval_end",
+        "_reached",
+        "departure_rps",
+        "gap_s",
+        "limit",
+        "max_limit",
+        "prefill_s",
+        "tpot_seconds",
+        "ttft_seconds",
+    )
+
+    def __init__(
+        self,
+        tpot_seconds: float | None,
+        ttft_seconds: float | None,
+        max_limit: int | None,
+        now: float,
+    ) -> None:
+        self.tpot_seconds = tpot_seconds
+        self.ttft_seconds = ttft_seconds
+        self.max_limit = max_limit
+        self.limit: int | None = None
+        if tpot_seconds is not None:
+            self.limit = max_limit if max_limit is not None else self.DEFAULT_START
+        self.gap_s: float | None = None
+        self.departure_rps: float | None = None
+        self.prefill_s = 0.0
+        self._gap_sum = 0.0
+        self._gap_n = 0.0
+        self._departures = 0
+        self._reached = False
+        self._interval_end = now + INTERVAL_S
+
+    def retune(
+        self, tpot_seconds: float | None, ttft_seconds: float | None, max_limit: int | None
+    ) -> None:
+        """Take a changed policy's SLOs and cap; the measurements stay, the limit is clamped."""
+        self.tpot_seconds, self.ttft_seconds, self.max_limit = tpot_seconds, ttft_seconds, max_limit
+        if tpot_seconds is None:
+            self.limit = None
+        elif self.limit is None:
+            self.limit = max_limit if max_limit is not None else self.DEFAULT_START
+        elif max_limit is not None:
+            self.limit = min(self.limit, max_limit)
+
+    # ------------------------------------------------------------------ measurements
+
+    def observe_gap(self, seconds: float, tokens: float) -> None:
+        """``tokens`` (> 0) output tokens of one request arrived over ``seconds``."""
+        self._gap_sum += seconds
+        self._gap_n += tokens
+
+    def observe_first_token(self, seconds: float) -> None:
+        """One request's first token came ``seconds`` after its admission."""
+        self.prefill_s += 0.1 * (seconds - self.prefill_s)
+
+    def observe_departure(self) -> None:
+        """One admitted request was released."""
+        self._departures += 1
+
+    def reached(self) -> None:
+        """The adaptive limit stopped a request (so raising it could admit more)."""
+        self._reached = True
+
+    # ------------------------------------------------------------------ control
+
+    def tick(self, now: float, in_flight: int) -> None:
+        """Close every measurement interval that ended by ``now`` and move the limit."""
+        if now < self._interval_end:
+            return
+        elapsed = INTERVAL_S + (now - self._interval_end)
+        self._interval_end = now + INTERVAL_S
+        rate = self._departures / elapsed
+        self.departure_rps = (
+            rate
+            if self.departure_rps is None
+            else self.departure_rps + SMOOTHING * (rate - self.departure_rps)
+        )
+        self._departures = 0
+        if self._gap_n:
+            mean = self._gap_sum / self._gap_n
+            self.gap_s = (
+                mean if self.gap_s is None else self.gap_s + SMOOTHING * (mean - self.gap_s)
+            )
+        self._gap_sum, self._gap_n = 0.0, 0.0
+        reached, self._reached = (
+            self._reached or (self.limit is not None and in_flight >= self.limit),
+            False,
+        )
+        if self.limit is None or self.tpot_seconds is None or self.gap_s is None:
+            return
+        if self.gap_s > TARGET_FRACTION * self.tpot_seconds:
+            self.limit = max(MIN_LIMIT, math.floor(self.limit * DECREASE))
+        elif reached and self.gap_s < RAISE_FRACTION * self.tpot_seconds:
+            up = self.limit + max(1, math.floor(self.limit * INCREASE))
+            self.limit = up if self.max_limit is None else min(self.max_limit, up)
+
+    def expected_wait(self, ahead: int) -> float | None:
+        """Seconds a newcomer with ``ahead`` requests waiting before it would wait; None while
+        no departure rate is known."""
+        mu = self.departure_rps
+        if mu is None or mu <= 0:
+            return None
+        return (ahead + 1) / mu
+
+    def wait_budget(self) -> float | None:
+        """Seconds a request under the TTFT SLO may wait in the queue: the SLO less the observed
+        prefill time, at least :data:`MIN_WAIT_SHARE` of the SLO; None without a TTFT SLO."""
+        if self.ttft_seconds is None:
+            return None
+        return max(MIN_WAIT_SHARE * self.ttft_seconds, self.ttft_seconds - self.prefill_s)
