@@ -554,6 +554,11 @@ class AdmissionController:
             limits.release(ticket, now, 0.0, 0.0)
         return True
 
+    def observe_tokens(self, ticket: Ticket, generated: int) -> None:
+        """Live correction: ``generated`` output tokens (all choices) produced so far by
+        ``ticket``'s request, as its stream passes. O(1); a no-op after release."""
+        return None  # lead replaces
+
 
 def _aging_rate(config: AdmissionConfig) -> float:
     """ShortestFirst aging, KV tokens per second: after half the maximum wait, a waiting
