@@ -178,6 +178,36 @@ INVALID = [
         "greater than or equal to 0",
     ),
     bad(
+        "reservation-enum",
+        {"capacity.reservation": "Foo"},
+        "spec.capacity.reservation",
+        "Unsupported value",
+    ),
+    bad(
+        "reservation-quantile-max",
+        {"capacity.reservationQuantile": 1.5},
+        "spec.capacity.reservationQuantile",
+        "less than or equal to 0.999",
+    ),
+    bad(
+        "reservation-quantile-min",
+        {"capacity.reservationQuantile": 0.25},
+        "spec.capacity.reservationQuantile",
+        "greater than or equal to 0.5",
+    ),
+    bad("ttft-zero", {"slo.ttftSeconds": 0}, "spec.slo.ttftSeconds", "greater than 0"),
+    bad(
+        "ttft-max", {"slo.ttftSeconds": 7200}, "spec.slo.ttftSeconds", "less than or equal to 3600"
+    ),
+    bad("tpot-zero", {"slo.tpotSeconds": 0}, "spec.slo.tpotSeconds", "greater than 0"),
+    bad("tpot-max", {"slo.tpotSeconds": 11}, "spec.slo.tpotSeconds", "less than or equal to 10"),
+    bad(
+        "slo-min-priority-range",
+        {"slo.minPriority": 1001},
+        "spec.slo.minPriority",
+        "less than or equal to 1000",
+    ),
+    bad(
         "max-requests-type",
         {"concurrency.maxRequests": "many"},
         "spec.concurrency.maxRequests",
@@ -432,6 +462,18 @@ VALID_EDGES = [
     ),
     pytest.param(
         {
+            "capacity.reservation": "MaxTokens",
+            "capacity.reservationQuantile": 0.999,
+            "slo": {"ttftSeconds": 3600, "tpotSeconds": 10, "minPriority": -1000},
+        },
+        id="reservation-and-slo-bounds",
+    ),
+    pytest.param(
+        {"capacity.reservationQuantile": 0.5, "slo": {"ttftSeconds": 0.001, "minPriority": 1000}},
+        id="reservation-and-slo-low-bounds",
+    ),
+    pytest.param(
+        {
             "selector": {
                 "matchExpressions": [
                     {"key": "a", "operator": "NotIn", "values": ["b"]},
@@ -483,6 +525,12 @@ def test_defaults_are_filled_in(kv: Any, ns: str) -> None:
     assert stored["tenants"] == {"header": "x-kvgate-tenant", "defaultMaxTokens": 1024}
     assert stored["overload"] == {"actions": ["Queue", "Reject"]}
     assert stored["failureMode"] == "FailOpen"
+    assert stored["capacity"] == {
+        "fromEngineMetrics": False,
+        "reservation": "Predicted",
+        "reservationQuantile": 0.9,
+    }
+    assert stored["slo"] == {"minPriority": 0}
     assert stored["queue"] == {"maxLength": 100, "maxWaitSeconds": 30, "order": "FIFO"}
     assert stored["cost"] == {"perRequest": 0, "promptTokenWeight": 1, "outputTokenWeight": 1}
     assert stored["rateLimits"] == [

@@ -7,7 +7,12 @@ from typing import Any
 
 import pytest
 
-from kvgate_agent.contract.policy import PolicyError, load_policy, parse_policy
+from kvgate_agent.contract.policy import (
+    PolicyError,
+    ReservationMode,
+    load_policy,
+    parse_policy,
+)
 from tests.conftest import REPO, policy_doc
 
 
@@ -27,6 +32,45 @@ def test_defaults() -> None:
     assert [a.value for a in s.overload.actions] == ["Queue", "Reject"]
     assert s.cost.per_request == 0 and s.cost.prompt_token_weight == 1
     assert s.failure_mode.value == "FailOpen"
+    assert s.capacity.reservation is ReservationMode.PREDICTED
+    assert s.capacity.reservation_quantile == 0.9
+    assert s.slo.ttft_seconds is None and s.slo.tpot_seconds is None
+    assert s.slo.min_priority == 0
+
+
+def test_reservation_and_slo_by_their_manifest_names() -> None:
+    spec = {
+        "capacity": {"reservation": "MaxTokens", "reservationQuantile": 0.99},
+        "slo": {"ttftSeconds": 0.5, "tpotSeconds": 0.05, "minPriority": 1},
+    }
+    s = parse_policy(policy_doc(spec)).spec
+    assert s.capacity.reservation is ReservationMode.MAX_TOKENS
+    assert s.capacity.reservation_quantile == 0.99
+    assert (s.slo.ttft_seconds, s.slo.tpot_seconds, s.slo.min_priority) == (0.5, 0.05, 1)
+    # The bounds are inclusive where the manifest says so.
+    edges = {
+        "capacity": {"reservationQuantile": 0.5},
+        "slo": {"ttftSeconds": 3600, "tpotSeconds": 10, "minPriority": -1000},
+    }
+    e = parse_policy(policy_doc(edges)).spec
+    assert e.capacity.reservation_quantile == 0.5 and e.slo.min_priority == -1000
+    assert parse_policy(policy_doc({"slo": {"minPriority": 1000}})).spec.slo.min_priority == 1000
+    assert parse_policy(policy_doc({"capacity": {"reservationQuantile": 0.999}}))
+
+
+def test_reservation_and_slo_round_trip() -> None:
+    """Dumped by alias, the new fields read back to the same policy (what the operator writes
+    into thresholds is what the sidecar reads)."""
+    spec = {
+        "capacity": {"reservation": "MaxTokens", "reservationQuantile": 0.75},
+        "slo": {"ttftSeconds": 2, "minPriority": -5},
+    }
+    first = parse_policy(policy_doc(spec))
+    dumped = first.model_dump(by_alias=True, exclude_none=True, mode="json")
+    assert dumped["spec"]["capacity"]["reservation"] == "MaxTokens"
+    assert dumped["spec"]["capacity"]["reservationQuantile"] == 0.75
+    assert dumped["spec"]["slo"] == {"ttftSeconds": 2.0, "minPriority": -5}
+    assert parse_policy(dumped) == first
 
 
 @pytest.mark.parametrize(
@@ -72,6 +116,26 @@ def test_defaults() -> None:
             "spec.selector",
         ),
         ({"cost": {"promptTokenWeight": float("nan")}}, "spec.cost.promptTokenWeight"),
+        ({"capacity": {"reservation": "Foo"}}, "spec.capacity.reservation"),
+        ({"capacity": {"reservation": "predicted"}}, "spec.capacity.reservation"),
+        ({"capacity": {"reservationQuantile": 1.5}}, "spec.capacity.reservationQuantile"),
+        ({"capacity": {"reservationQuantile": 1.0}}, "spec.capacity.reservationQuantile"),
+        ({"capacity": {"reservationQuantile": 0.49}}, "spec.capacity.reservationQuantile"),
+        (
+            {"capacity": {"reservationQuantile": float("nan")}},
+            "spec.capacity.reservationQuantile",
+        ),
+        ({"capacity": {"reservation_quantile": 0.9}}, "spec.capacity.reservation_quantile"),
+        ({"slo": {"ttftSeconds": 0}}, "spec.slo.ttftSeconds"),
+        ({"slo": {"ttftSeconds": -1}}, "spec.slo.ttftSeconds"),
+        ({"slo": {"ttftSeconds": 3601}}, "spec.slo.ttftSeconds"),
+        ({"slo": {"tpotSeconds": 0}}, "spec.slo.tpotSeconds"),
+        ({"slo": {"tpotSeconds": 10.5}}, "spec.slo.tpotSeconds"),
+        ({"slo": {"tpotSeconds": float("inf")}}, "spec.slo.tpotSeconds"),
+        ({"slo": {"minPriority": 1001}}, "spec.slo.minPriority"),
+        ({"slo": {"minPriority": -1001}}, "spec.slo.minPriority"),
+        ({"slo": {"minPriority": 0.5}}, "spec.slo.minPriority"),
+        ({"slo": {"ttft": 0.5}}, "spec.slo.ttft"),
     ],
 )
 def test_invalid_policies_name_the_field(spec: dict[str, Any], field: str) -> None:

@@ -103,20 +103,29 @@ class ModelSpec(_Model):
 
 
 class ReservationMode(StrEnum):
-    """How much KV a request reserves: ``Predicted`` (prompt + min(max_tokens, a predicted
-    length), learned online) or ``MaxTokens`` (prompt + max_tokens, the worst case)."""
+    """How much KV cache an admitted request reserves (see :class:`CapacitySpec`)."""
 
     PREDICTED = "Predicted"
     MAX_TOKENS = "MaxTokens"
 
 
 class CapacitySpec(_Model):
-    """Where the pod's KV capacity comes from, best source first.
+    """Where the pod's KV capacity comes from, best source first, and how much of it a request
+    reserves.
 
     ``fromEngineMetrics``: the engine's own report (vLLM ``vllm:cache_config_info``
     num_gpu_blocks × block_size). ``kvCacheTokens``: an explicit capacity. The NVML estimate
     (total × ``gpuMemoryUtilization`` − ``weightsBytes`` − ``safetyMarginBytes``) is computed by
     the node agent.
+
+    ``reservation``: ``Predicted`` (default) reserves prompt + min(max_tokens, L) tokens rounded
+    up to whole KV blocks, where L is a decaying high quantile (``reservationQuantile``, a
+    fraction in [0.5, 0.999]) of the output lengths this pod's engine reported for the same
+    tenant, model and max_tokens band, learned online; max_tokens until that band has enough
+    samples. Sizing by predicted rather than maximum output length is S3's idea (Jin et al.,
+    2023, "S3: Increasing GPU Utilization during Generative Inference for Higher Throughput",
+    https://arxiv.org/abs/2306.06000). ``MaxTokens`` reserves prompt + max_tokens: the worst
+    case, never outgrown.
     """
 
     kv_cache_tokens: PositiveInt | None = None
@@ -125,15 +134,7 @@ class CapacitySpec(_Model):
     weights_bytes: NonNegativeInt | None = None
     safety_margin_bytes: NonNegativeInt | None = None
     reservation: ReservationMode = ReservationMode.PREDICTED
-    reservation_quantile: Annotated[float, Field(ge=0.5, le=0.999)] = 0.9
-
-
-class SloSpec(_Model):
-    """Latency SLOs admission serves (requests with priority >= ``minPriority``)."""
-
-    ttft_seconds: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None = None
-    tpot_seconds: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = None
-    min_priority: int = 0
+    reservation_quantile: Annotated[float, Field(ge=0.5, le=0.999, allow_inf_nan=False)] = 0.9
 
 
 class ConcurrencySpec(_Model):
@@ -263,6 +264,29 @@ class PrioritySpec(_Model):
     (never queued under overload)."""
 
     header: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9-]+$")] = "x-kvgate-priority"
+
+
+#: Priorities a request may carry (the sidecar refuses a priority header outside it with 400).
+MIN_PRIORITY = -1000
+MAX_PRIORITY = 1000
+
+
+class SloSpec(_Model):
+    """Latency targets (seconds) for requests with priority >= ``minPriority``; requests below
+    it (batch, sheddable) have none. Unset targets are not enforced.
+
+    ``ttftSeconds``: time-to-first-token SLO, in (0, 3600]. A request whose expected queue wait
+    already exceeds it is degraded or refused at once with an honest Retry-After, instead of
+    queued to fail. ``tpotSeconds``: target time per output token, in (0, 10]; kvgate lowers its
+    concurrency limit while the observed inter-token time exceeds it and raises it while below
+    (adaptive concurrency in the style of Netflix's concurrency-limits,
+    https://github.com/Netflix/concurrency-limits). ``minPriority``: in [-1000, 1000], the
+    priority header's range; default 0, so sheddable (negative-priority) requests have no SLO.
+    """
+
+    ttft_seconds: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None = None
+    tpot_seconds: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = None
+    min_priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
 
 
 class OverloadAction(StrEnum):

@@ -205,20 +205,35 @@ class Forwarder:
         ex: _Exchange,
     ) -> web.StreamResponse:
         """Relay an SSE stream, counting its completion tokens and reading its final usage
-        (the usage chunk is dropped unless the client asked for it)."""
+        (the usage chunk is dropped unless the client asked for it).
+
+        As events pass, the controller is told the output tokens generated so far (all
+        choices; :attr:`StreamAccountant.completion_tokens_estimate`) whenever that count
+        grows: at most once per upstream read, so at most once per SSE event, and never a
+        smaller count than the last one (the exact total is settled at release)."""
         acct = StreamAccountant(strip_usage_chunk=not ex.parsed.client_wants_usage)
         ex.out = out = web.StreamResponse(status=resp.status, headers=out_headers)
         await _to_client(out.prepare(request))
         first = True
+        observe = self.admission.core.observe_tokens
+        ticket = ex.ticket
+        told = 0  # output tokens last reported to the controller
         try:
             async for chunk in resp.content.iter_any():
                 piece = acct.feed(chunk)
+                generated = acct.completion_tokens_estimate
+                if generated > told:
+                    told = generated
+                    observe(ticket, generated)
                 if piece:
                     await _to_client(out.write(piece))
                     if first:
                         self.metrics.ttft.observe(time.perf_counter() - ex.started)
                         first = False
             tail = acct.finish()
+            generated = acct.completion_tokens_estimate
+            if generated > told:  # a last event without its blank line
+                observe(ticket, generated)
             if tail:
                 await _to_client(out.write(tail))
             ex.clean = acct.done

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
+from kvgate_agent.contract.policy import MAX_PRIORITY, MIN_PRIORITY
 from kvgate_agent.sidecar.openai_errors import RequestError
 
 ANONYMOUS = "anonymous"
@@ -50,7 +51,8 @@ def priority_of(headers: Mapping[str, str], header: str) -> int:
     = sheddable; 0 when absent.
 
     Raises:
-        RequestError: 400 when the header is not an integer in [-1000, 1000].
+        RequestError: 400 when the header is not an integer in [MIN_PRIORITY, MAX_PRIORITY]
+            ([-1000, 1000]).
     """
     value = headers.get(header)
     if value is None or value.strip() == "":
@@ -61,8 +63,10 @@ def priority_of(headers: Mapping[str, str], header: str) -> int:
         raise RequestError(
             400, f"header {header} must be an integer, got {value[:32]!r}", param=header
         ) from None
-    if not -1000 <= p <= 1000:
-        raise RequestError(400, f"header {header} must be between -1000 and 1000", param=header)
+    if not MIN_PRIORITY <= p <= MAX_PRIORITY:
+        raise RequestError(
+            400, f"header {header} must be between {MIN_PRIORITY} and {MAX_PRIORITY}", param=header
+        )
     return p
 
 
