@@ -366,7 +366,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if (args.check and not met) else 0
 
 
-ADMISSION_HOT_MODULES = ("bucket", "config", "controller", "decision", "holds", "limits", "retry")
+ADMISSION_HOT_MODULES = (
+    "bucket",
+    "config",
+    "controller",
+    "decision",
+    "holds",
+    "limits",
+    "overload",
+    "predictor",
+    "retry",
+    "slo",
+)
 """The admission modules compiled by ``--mypyc`` (and by ``Dockerfile.agent`` with ``MYPYC=1``)."""
 
 

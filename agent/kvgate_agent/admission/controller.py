@@ -27,7 +27,8 @@ from kvgate_agent.admission.decision import (
 )
 from kvgate_agent.admission.holds import Hold, Holds
 from kvgate_agent.admission.limits import Blocker, Limits
-from kvgate_agent.admission.retry import DecodeSpeed, refusal, wait_seconds
+from kvgate_agent.admission.overload import OverloadActions
+from kvgate_agent.admission.retry import DecodeSpeed, refusal
 from kvgate_agent.admission.slo import SloState
 from kvgate_agent.contract.policy import OverloadAction, QueueOrder
 
@@ -41,7 +42,7 @@ _QUEUE = OverloadAction.QUEUE.value
 _REJECT = OverloadAction.REJECT.value
 
 
-class AdmissionController:
+class AdmissionController(OverloadActions):
     """Admission state of one pod.
 
     Args:
@@ -278,169 +279,6 @@ class AdmissionController:
         if blocker is not None and blocker.reason is Reason.CONCURRENCY:
             self._slo.reached()
         return self._overload(req, blocker, cfg.actions, now, clamped, 0.0)
-
-    def _exceeds_capacity(self, req: AdmissionRequest, max_fit: int) -> Decision:
-        """The 400 for a request that can never fit (no Retry-After: waiting cannot help)."""
-        fix = f"lower max_tokens to at most {max_fit}" if max_fit >= 1 else "shorten the prompt"
-        d = refusal(
-            Reason.EXCEEDS_CAPACITY,
-            self._limits.exceeding_limit(req),
-            400,
-            None,
-            req.max_tokens,
-            f"request needs more than this server's capacity allows "
-            f"(prompt {req.prompt_tokens} tokens + max_tokens {req.max_tokens}"
-            + ("" if req.n == 1 else f" × n {req.n}")
-            + f"); {fix}",
-        )
-        d.param = "max_tokens" if max_fit >= 1 else "prompt"
-        return d
-
-    # ------------------------------------------------------------------ overload actions
-
-    def _overload(
-        self,
-        req: AdmissionRequest,
-        blocker: Blocker | None,
-        actions: tuple[str, ...],
-        now: float,
-        clamped: bool,
-        waited: float,
-    ) -> Decision:
-        """Try the overload actions in order. ``blocker`` None means "fits, but others wait
-        ahead for the same resources"."""
-        queue_full = False
-        slo_wait: float | None = None
-        for i, action in enumerate(actions):
-            if action == _DEGRADE:
-                d = self._degrade(req, blocker, now, waited)
-                if d is not None:
-                    return d
-            elif action == _QUEUE:
-                if req.priority < 0 or waited > 0:  # sheddable, or already timed out once
-                    continue
-                if len(self._queue) >= self._limits.config.queue_max_length:
-                    queue_full = True
-                    continue
-                budget = self._wait_budget(req)
-                if budget is not None:
-                    expected = self._slo.expected_wait(len(self._queue))
-                    if expected is not None and expected > budget:
-                        slo_wait = expected
-                        continue
-                return self._enqueue(req, actions[i + 1 :], now, clamped, budget)
-            else:
-                break
-        return self._reject(req, blocker, now, waited, queue_full, slo_wait)
-
-    def _wait_budget(self, req: AdmissionRequest) -> float | None:
-        """Seconds ``req`` may wait under its TTFT SLO; None when no TTFT SLO applies to it."""
-        if req.priority < self._limits.config.slo_min_priority:
-            return None
-        return self._slo.wait_budget()
-
-    def _degrade(
-        self, req: AdmissionRequest, blocker: Blocker | None, now: float, waited: float
-    ) -> Decision | None:
-        """Admit ``req`` degraded if the policy allows: max_tokens clamped to what fits now
-        (not below ``minMaxTokens``), else the fallback model; None when neither applies."""
-        if blocker is None:
-            return None
-        if waited == 0 and self._queue and self._head_blocked_shared:
-            # Others already wait for the same capacity: a newcomer must not take it first,
-            # not even a degraded one.
-            return None
-        limits = self._limits
-        cfg = limits.config
-        # 1. Clamp max_tokens to what fits now (not below minMaxTokens).
-        if cfg.min_max_tokens is not None and blocker.reason in (
-            Reason.KV_CAPACITY,
-            Reason.RATE_LIMIT_TOKENS,
-        ):
-            m = limits.max_fit_now(req, now)
-            if (
-                m is not None
-                and cfg.min_max_tokens <= m < req.max_tokens
-                and limits.blocker(req, m, now) is None
-            ):
-                req.max_tokens = m
-                ticket = limits.reserve(req, m, now)
-                return Decision(
-                    Outcome.DEGRADED,
-                    Reason.MAX_TOKENS_CLAMPED,
-                    ticket=ticket,
-                    max_tokens=m,
-                    queue_seconds=waited,
-                    limit=blocker.limit,
-                )
-        # 2. Serve a tenant over its rate limit with the fallback model: rate-limit buckets are
-        #    skipped, the GPU protections (concurrency, KV) still apply.
-        if (
-            cfg.fallback_model is not None
-            and req.model != cfg.fallback_model
-            and blocker.reason in (Reason.RATE_LIMIT_REQUESTS, Reason.RATE_LIMIT_TOKENS)
-            and limits.blocker(req, req.max_tokens, now, with_buckets=False) is None
-        ):
-            ticket = limits.reserve(req, req.max_tokens, now, with_buckets=False)
-            return Decision(
-                Outcome.DEGRADED,
-                Reason.FALLBACK_MODEL,
-                ticket=ticket,
-                max_tokens=req.max_tokens,
-                model=cfg.fallback_model,
-                queue_seconds=waited,
-                limit=blocker.limit,
-            )
-        return None
-
-    def _reject(
-        self,
-        req: AdmissionRequest,
-        blocker: Blocker | None,
-        now: float,
-        waited: float,
-        queue_full: bool = False,
-        slo_wait: float | None = None,
-    ) -> Decision:
-        """The 429 for ``req``, its Retry-After from the blocking resource's refill or drain
-        time (or the expected queue wait, when that is what refused it) and, for a rate limit,
-        the refusing bucket's state for the RateLimit headers."""
-        if blocker is None:
-            blocker = self._head_blocker(now) or Blocker(Reason.QUEUE_FULL, "queue")
-        if slo_wait is not None:
-            wait = slo_wait
-        else:
-            wait = wait_seconds(
-                req, blocker, now, self._limits, self._queue.values(), self._speed.seconds_per_token
-            )
-        message = _REFUSAL_TEXT[blocker.reason].format(limit=blocker.limit)
-        reason = blocker.reason
-        if waited > 0:
-            reason = Reason.QUEUE_TIMEOUT
-            message = f"timed out after {waited:.1f}s in the admission queue: {message}"
-        elif req.priority < 0 and _QUEUE in self._limits.config.actions:
-            reason = Reason.SHEDDABLE
-            message = f"sheddable request (negative priority) not queued: {message}"
-        elif queue_full:
-            reason = Reason.QUEUE_FULL
-            message = f"the admission queue is full: {message}"
-        elif slo_wait is not None:
-            reason = Reason.SLO
-            message = (
-                f"the expected queue wait ({slo_wait:.2f}s) exceeds the time-to-first-token SLO: "
-                f"{message}"
-            )
-        d = refusal(reason, blocker.limit, 429, wait, req.max_tokens, message)
-        d.queue_seconds = waited
-        if blocker.bucket is not None and blocker.threshold is not None:
-            t = blocker.threshold
-            cost_unit = blocker.reason is Reason.RATE_LIMIT_TOKENS
-            d.bucket_remaining = blocker.bucket.refill(now)
-            d.bucket_capacity = blocker.bucket.capacity
-            rate = t.cost_rate if cost_unit else t.request_rate
-            d.bucket_window = 60.0 if rate is None else blocker.bucket.capacity / rate
-            d.unit = "tokens" if cost_unit else "requests"
-        return d
 
     # ------------------------------------------------------------------ queue
 
@@ -685,12 +523,3 @@ def _aging_rate(config: AdmissionConfig) -> float:
     request outranks any new one."""
     ref = config.max_model_len or config.kv_capacity_tokens or 8192
     return ref / max(1e-3, config.queue_max_wait_seconds / 2)
-
-
-_REFUSAL_TEXT = {
-    Reason.RATE_LIMIT_REQUESTS: "request rate limit '{limit}' exceeded",
-    Reason.RATE_LIMIT_TOKENS: "token rate limit '{limit}' exceeded",
-    Reason.CONCURRENCY: "the model server is at its concurrency limit",
-    Reason.KV_CAPACITY: "the model server's KV cache is fully reserved",
-    Reason.QUEUE_FULL: "requests are waiting ahead for the same capacity",
-}
