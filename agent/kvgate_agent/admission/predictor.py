@@ -14,7 +14,7 @@ quantile. A key with fewer than :data:`MIN_SAMPLES` samples falls back to the po
 every tenant for that model and band, and that to max_tokens.
 
 Invariant: pure, no clock; :meth:`LengthPredictor.predict` is O(1) (a cached value per key),
-:meth:`LengthPredictor.observe` O(:data:`BINS`) and runs at release, off the admission path.
+:meth:`LengthPredictor.observe` O(1) amortised and runs at release, off the admission path.
 Memory is bounded: at most ``max_keys`` keys, the least recently updated evicted first.
 """
 
@@ -31,6 +31,10 @@ BINS = 124
 DECAY = 0.99
 #: Samples (undecayed count) a key needs before its quantile is trusted.
 MIN_SAMPLES = 20
+#: The cached quantile is re-read every this many samples.
+REFRESH = 8
+#: Weights are rescaled to 1 once a new sample's weight passes this.
+_RESCALE_AT = 1e100
 _LOG_RATIO = math.log(BIN_RATIO)
 #: Upper edge of each bin, tokens (bin 0 holds lengths <= 1).
 _EDGES = tuple(math.floor(BIN_RATIO**i) for i in range(BINS))
@@ -54,34 +58,45 @@ def _bin(tokens: int) -> int:
 
 
 class _Histogram:
-    """Decaying weights over the geometric bins of one key, and its cached quantile."""
+    """Decaying weights over the geometric bins of one key, and its cached quantile.
 
-    __slots__ = ("count", "quantile", "total", "weights")
+    Decay by :data:`DECAY` per sample is done by growing the new sample's weight by 1 / DECAY
+    instead of shrinking all the others (the same ratios, O(1) per sample); the weights are
+    rescaled before they could overflow. The quantile is re-read every :data:`REFRESH`
+    samples (O(:data:`BINS`), so O(1) amortised)."""
+
+    __slots__ = ("count", "quantile", "step", "total", "weights")
 
     def __init__(self) -> None:
         self.weights = [0.0] * BINS
         self.total = 0.0
+        self.step = 1.0
         self.count = 0
         self.quantile = 0
 
     def add(self, tokens: int, q: float) -> None:
-        w = self.weights
-        for i in range(BINS):
-            w[i] *= DECAY
-        w[_bin(tokens)] += 1.0
-        self.total = self.total * DECAY + 1.0
+        self.weights[_bin(tokens)] += self.step
+        self.total += self.step
+        self.step /= DECAY
         self.count += 1
-        self.read(q)
+        if self.step > _RESCALE_AT:
+            w = self.weights
+            for i in range(BINS):
+                w[i] /= self.step
+            self.total /= self.step
+            self.step = 1.0
+        if self.count % REFRESH == 0 or self.count == MIN_SAMPLES:
+            self.read(q)
 
     def read(self, q: float) -> None:
         """Refresh the cached ``q`` quantile: the upper edge of the bin where the cumulative
         weight reaches ``q`` of the total, tokens."""
         w = self.weights
-        target = q * self.total
+        target = q * self.total * (1 - 1e-12)
         acc = 0.0
         for i in range(BINS):
             acc += w[i]
-            if acc >= target - 1e-12:
+            if acc >= target:
                 self.quantile = _EDGES[i]
                 return
         self.quantile = _EDGES[BINS - 1]
