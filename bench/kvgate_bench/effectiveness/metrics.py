@@ -205,8 +205,12 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "tpot_p50_s": headline.tpot_p50_s,
         "tpot_p99_s": headline.tpot_p99_s,
         "jain": windowed_jain(records, sched.tenants, span),
-        "reject_precision": None,
+        "reject_precision": None,  # by replay: kvgate_bench.effectiveness.runner.replay_best
+        "reject_replays": 0,
         "retry_after_error_s": None,
+        "retry_after_abs_error_s": None,
+        "retry_after_samples": 0,
+        "retry_after_censored": 0,
         "kv_utilisation": run.kv_busy_s / span,
         "rejected": sum(1 for r in records if r.outcome == REJECTED),
         "degraded": sum(1 for r in records if r.outcome == DEGRADED),
