@@ -21,6 +21,7 @@ from kvgate_bench.effectiveness.runner import (
     Calibration,
     Task,
     replay_best,
+    replay_units,
     run_all,
 )
 from kvgate_bench.effectiveness.workloads import INTERACTIVE, Request, Schedule, Tenant
@@ -234,17 +235,26 @@ def test_sample_is_seeded_bounded_and_arm_refusals_only() -> None:
 def test_replay_best_fills_the_reported_rows() -> None:
     cal = Calibration("multi-tenant", "h100-llama3-8b", 1400.0, 5.0, 150.0, 1000.0)
     params = (("cap", 4), ("queue_timeout_s", 0.05))
+    tb = (("burst_s", 2.0), ("factor", 0.2))
     tasks = [
         Task("multi-tenant", 2.0, 1, "concurrency-cap", params, "h100-llama3-8b", 8.0, cal, 4),
         Task("multi-tenant", 2.0, 1, "none", (), "h100-llama3-8b", 8.0, cal, 4),
+        Task("multi-tenant", 2.0, 1, "token-bucket", tb, "h100-llama3-8b", 8.0, cal, 4),
     ]
     rows = run_all(tasks, 1)
-    assert rows[0]["rejected"] > 4 and rows[1]["rejected"] == 0
+    assert rows[0]["rejected"] > 4 and rows[1]["rejected"] == 0 and rows[2]["rejected"] > 4
+    units = replay_units(tasks, rows, rows)
+    # 4 forced replays per row with refusals, and 4 probe replays (one each) for the bucket's.
+    assert [(u.row, u.rid is None) for u in units].count((2, True)) == 4
+    assert all(len(u.suggested) == 1 for u in units if u.rid is None)
+    assert len(units) == 12
     cpu = replay_best(tasks, rows, rows, 1)
-    cap, none = rows
+    cap, none, bucket = rows
+    assert bucket["retry_after_samples"] + bucket["retry_after_censored"] == 4
+    assert bucket["retry_after_error_s"] is not None
     assert cap["reject_replays"] == 4 and cap["reject_precision"] is not None
     assert 0.0 <= cap["reject_precision"] <= 1.0
     assert cap["retry_after_error_s"] is None and cap["retry_after_samples"] == 0  # no hint
     assert none["reject_precision"] is None and none["reject_replays"] == 0
-    assert cpu == pytest.approx(cap["replay_cpu_s"]) and cpu > 0
+    assert cpu == pytest.approx(cap["replay_cpu_s"] + bucket["replay_cpu_s"]) and cpu > 0
     assert all("replay_sample" not in r for r in rows)

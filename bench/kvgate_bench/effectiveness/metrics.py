@@ -39,22 +39,21 @@ order of SHA-256(``"<seed>/<request id>"``): seeded, the same in every process.
   (the engine's default when unset); the arm never sees it, the other requests are decided
   as before and compete with it. Missed = not :func:`met_slo` in that replay. None when the
   arm refused nothing (``reject_replays``: the replays behind the figure).
-* **Retry-After error**, for the sampled refused requests that carried a Retry-After (the
-  first K of them in the same order), seconds: one replay per run in which each of them, once
-  refused, is re-offered to the arm as a new arrival (a copy, same tenant and lengths) at
-  ``t_reject + delta`` for delta in :data:`~kvgate_bench.effectiveness.replay.PROBE_DELTAS_S`
-  (0.1 s to 120 s) and its own Retry-After; one copy outstanding at a time (a probe time that
-  comes while the previous copy waits in the arm's queue is skipped), until the arm admits one.
-  The admitted copy runs in the engine, as the retry of a client that honoured the header
-  would. The *actual* wait is the delta of the admitted copy (to the grid's resolution: the
-  true earliest success lies after the previous probe time); a request with no copy admitted
-  by the last delta is *censored* (``retry_after_censored``) and left out. The figure:
-  ``retry_after_error_s`` = median of (suggested - actual), signed (positive: told to wait
-  longer than needed; negative: told a time at which a retry is still refused);
-  ``retry_after_abs_error_s`` = median of |suggested - actual|; ``retry_after_samples`` = how
-  many had an actual wait. The probed requests share the replay, so up to K retries are added
-  to the schedule together (a small change next to its thousands of requests); None when no
-  refusal carried a Retry-After (``concurrency-cap`` and ``saturation-shed`` send none).
+* **Retry-After error**, for the sampled refused requests that carried a Retry-After (the first K
+  of them in the same order), seconds: for each, one replay in which, once refused, it is
+  re-offered to the arm as a new arrival (a copy, same tenant and lengths) at ``t_reject + delta``
+  for delta in :data:`~kvgate_bench.effectiveness.replay.PROBE_DELTAS_S` (0.1 s to 120 s) and its
+  own Retry-After; one copy outstanding at a time (a probe time that comes while the previous copy
+  waits in the arm's queue is skipped), until the arm admits one (at once or from its queue: a
+  retry that queued and was then served succeeded, its wait counted from its offer). The admitted
+  copy runs in the engine, as the retry of a client that honoured the header would. The *actual*
+  wait is the delta of the admitted copy (to the grid's resolution: the true earliest success lies
+  after the previous probe time); a request with no copy admitted by the last delta is *censored*
+  (``retry_after_censored``) and left out. The figure: ``retry_after_error_s`` = median of
+  (suggested - actual), signed (positive: told to wait longer than needed; negative: told a time
+  at which a retry is still refused); ``retry_after_abs_error_s`` = median of |suggested -
+  actual|; ``retry_after_samples`` = how many had an actual wait. None when no refusal carried a
+  Retry-After (``concurrency-cap`` and ``saturation-shed`` send none).
 * ``replay_cpu_s``: CPU seconds (process time) the row's replays took, schedule generation
   included. Each replay stops once its answer is known (the forced request finished, every
   probed request's wait known).

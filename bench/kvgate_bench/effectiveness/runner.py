@@ -17,7 +17,8 @@ generous tuning for the baselines). kvgate runs its one default policy.
 :mod:`kvgate_bench.effectiveness.metrics`) are measured only for the reported rows (each arm's
 best setting, every seed): :func:`replay_best` replays each of up to ``Task.replays`` sampled
 rejections of such a row (:mod:`kvgate_bench.effectiveness.replay`) on the same process pool as
-:func:`run_all`, one replay per sampled rejection plus one probe replay per row.
+:func:`run_all`: one forced replay per sampled rejection and one probe replay per sampled
+rejection that carried a Retry-After.
 """
 
 from __future__ import annotations
@@ -274,7 +275,8 @@ def _key(params: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class ReplayUnit:
     """One replay of a reported row: force request ``rid`` past the arm, or (``rid`` None)
-    probe the rejections of ``suggested`` (id, Retry-After s)."""
+    probe the rejections of ``suggested`` (id, Retry-After s; one per replay, so that the
+    retries of one do not change what the arm decides on another)."""
 
     row: int
     task: Task
@@ -308,8 +310,9 @@ def replay_units(
         task = by_key[(r["workload"], r["load"], r["arm"], r["seed"], _key(r["params"]))]
         sample = r.get(SAMPLE_KEY) or {"rejected": [], "retry": {}}
         units.extend(ReplayUnit(i, task, rid) for rid in sample["rejected"])
-        if sample["retry"]:
-            units.append(ReplayUnit(i, task, None, tuple(sorted(sample["retry"].items()))))
+        units.extend(
+            ReplayUnit(i, task, None, ((rid, ra),)) for rid, ra in sorted(sample["retry"].items())
+        )
     return units
 
 
@@ -335,7 +338,7 @@ def replay_best(
         if rid is not None:
             met.setdefault(i, []).append(bool(value))
         else:
-            waits[i] = value
+            waits.setdefault(i, {}).update(value)
 
     if jobs <= 1:
         for k, u in enumerate(units):
