@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after the backend is chosen
+from matplotlib.ticker import FuncFormatter
 
 from kvgate_bench.effectiveness.arms import ARM_NAMES
 
@@ -77,6 +78,10 @@ def write_plots(results: Sequence[dict[str, Any]], out: Path) -> list[Path]:
                 drawn += 1
             if log and drawn:
                 ax.set_yscale("log")
+                plain = FuncFormatter(lambda y, _pos: f"{y:g}")
+                ax.yaxis.set_major_formatter(plain)
+                ax.yaxis.set_minor_formatter(plain)
+            ax.set_xticks(loads)
             ax.set_xlabel("load (x the none arm's goodput capacity)")
             ax.set_ylabel(label)
             ax.set_title(f"{w}: {label.split(' (')[0]}")
