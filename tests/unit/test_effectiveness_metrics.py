@@ -127,12 +127,21 @@ def test_json_of_a_tiny_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert r["workload"] == "conversation" and r["load"] == 1.0 and r["seed"] == 1
         for k in RESULT_KEYS[4:]:
             assert r[k] is None or isinstance(r[k], (int, float)), k
-        assert r["reject_precision"] is None
+        if r["rejected"] == 0:
+            assert r["reject_precision"] is None and r["reject_replays"] == 0
+        if r["reject_precision"] is not None:
+            assert 0.0 <= r["reject_precision"] <= 1.0 and r["reject_replays"] >= 1
         assert r["goodput_tokens_per_s"] <= r["throughput_tokens_per_s"] + 1e-9
     assert doc["calibration"]["conversation"]["capacity_goodput_tokens_per_s"] > 0
     assert doc["meta"]["profile"] == "h100-llama3-8b"
-    text = capsys.readouterr().out
+    assert doc["meta"]["replays"] == 16 and doc["meta"]["replay_cpu_s"] >= 0
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs == [f"effectiveness-conversation-{f}.png" for f in
+                    ("goodput", "preemptions", "ttft-p99")]  # fmt: skip
+    captured = capsys.readouterr()
+    text = captured.out
     assert "conversation at load 1" in text and "kvgate-maxtokens goodput" in text
+    assert "runs 1/" not in text  # progress never on stdout
 
 
 def test_unknown_arm_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,7 @@ Usage::
 
     python -m kvgate_bench.effectiveness [--short] [--workloads W,...] [--loads 0.5,1,1.5,2,3]
         [--seeds N] [--seed S] [--json FILE] [--plots DIR] [--profile P] [--duration S]
-        [--jobs J] [--arms A,...]
+        [--jobs J] [--arms A,...] [--replays K] [--progress]
 
 Calibrates the ``none`` arm's goodput capacity per workload, runs every arm setting on the same
 seeded schedules, prints per workload and load each arm's best setting with its figures and
@@ -12,6 +12,13 @@ its goodput ratio to ``none`` measured in the same run, the headline ratios of
 ``kvgate-maxtokens``, and the sweeps. ``--json`` writes ``{"results": [...], "sweeps": [...],
 "calibration": {...}, "meta": {...}}``. ``--short`` (``conversation`` and ``multi-tenant`` at
 loads 1 and 2, one seed, 300 s schedules, fewer settings) finishes within 5 minutes on 2 cores.
+
+Reject precision and the Retry-After error are measured by replaying up to ``--replays``
+(default 16) sampled rejections of each reported row (see
+:mod:`kvgate_bench.effectiveness.metrics`); their CPU time is printed apart from the runs'.
+``--plots DIR`` writes the PNGs of :mod:`kvgate_bench.effectiveness.plots`. A progress line
+(phase, done / total, elapsed, ETA) goes to stderr when it is a terminal or with
+``--progress``; stdout carries the report only.
 """
 
 from __future__ import annotations
@@ -22,16 +29,20 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from kvgate_bench.effectiveness.arms import ABLATIONS, ARM_NAMES, BASELINES
+from kvgate_bench.effectiveness.replay import DEFAULT_REPLAYS, PROBE_DELTAS_S
 from kvgate_bench.effectiveness.runner import (
     Calibration,
     build_tasks,
     calibrate_all,
     calibration_json,
     pick_best,
+    replay_best,
     run_all,
 )
 from kvgate_bench.effectiveness.workloads import WORKLOADS
@@ -78,13 +89,69 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated, from {','.join(ARM_NAMES + ABLATIONS)} (default: all but the "
         "ablations)",
     )
+    p.add_argument(
+        "--replays",
+        type=int,
+        default=DEFAULT_REPLAYS,
+        help=f"rejections replayed per reported run (default {DEFAULT_REPLAYS}; 0: none)",
+    )
+    p.add_argument(
+        "--progress", action="store_true", help="progress on stderr even when not a terminal"
+    )
     return p.parse_args(argv)
+
+
+class Progress:
+    """A progress display on ``stream``: phase, done / total, elapsed (since the display was
+    made) and ETA (the phase's mean time per item so far x the items left), seconds.
+
+    ``live``: one line rewritten in place (a terminal); otherwise a line per tenth of a phase
+    and at its end. ``clock``: monotonic seconds (injected by the tests).
+    """
+
+    def __init__(
+        self, stream: TextIO, live: bool, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.stream, self.live, self.clock = stream, live, clock
+        self.started = clock()
+        self._phase = ""
+        self._phase_started = self.started
+
+    def line(self, phase: str, done: int, total: int) -> str:
+        """The text shown for ``done`` of ``total`` in ``phase``."""
+        now = self.clock()
+        if phase != self._phase:
+            self._phase, self._phase_started = phase, now
+        elapsed = now - self.started
+        text = f"{phase} {done}/{total}, elapsed {elapsed:.0f} s"
+        if 0 < done < total:
+            eta = (now - self._phase_started) / done * (total - done)
+            text += f", ETA {eta:.0f} s"
+        return text
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        text = self.line(phase, done, total)
+        if self.live:
+            end = "\n" if done >= total else ""
+            self.stream.write(f"\r\x1b[K{text}{end}")
+        elif done >= total or done % max(1, total // 10) == 0:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def phase(self, name: str) -> Callable[[int, int], None]:
+        """A (done, total) callback for ``name``."""
+        return lambda done, total: self(name, done, total)
 
 
 def _fmt(v: Any, spec: str = ".0f", scale: float = 1.0) -> str:
     if v is None:
         return "-"
     return format(float(v) * scale, spec)
+
+
+def _secs(v: float | None) -> str:
+    """A signed duration: ``+1.5s``, ``-`` for None."""
+    return "-" if v is None else f"{v:+.1f}s"
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -108,7 +175,7 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
     header = (
         f"{'arm':<17} {'setting':<28} {'goodput':>8} {'int.gp':>8} {'thrpt':>8} {'SLO%':>5} "
         f"{'TTFTp99':>8} {'TPOTp99':>8} {'pre/1k':>7} {'rej':>6} {'deg':>5} {'jain':>5} "
-        f"{'KV%':>4} {'vs none':>7}"
+        f"{'KV%':>4} {'rejP%':>5} {'RAerr':>6} {'vs none':>7}"
     )
     points = sorted({(r["workload"], r["load"]) for r in results}, key=lambda x: (x[0], x[1]))
     for w, load in points:
@@ -140,6 +207,8 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
                 f"{_fmt(_mean(rs, 'degraded')):>5}",
                 f"{_fmt(_mean(rs, 'jain'), '.2f'):>5}",
                 f"{_fmt(_mean(rs, 'kv_utilisation'), '.0f', 100):>4}",
+                f"{_fmt(_mean(rs, 'reject_precision'), '.0f', 100):>5}",
+                f"{_secs(_mean(rs, 'retry_after_error_s')):>6}",
                 f"{_ratio(gp[arm], gp.get('none')):>7}",
             ]
             lines.append(" ".join(cells))
@@ -181,39 +250,6 @@ def sweep_table(sweeps: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plots(results: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Goodput, interactive TTFT p99 and preemptions against load, one PNG per workload and
-    figure; needs matplotlib (checked by the caller)."""
-    import matplotlib  # type: ignore[import-not-found, unused-ignore]
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for w in sorted({r["workload"] for r in results}):
-        for key, label in (
-            ("goodput_tokens_per_s", "goodput (output tokens/s)"),
-            ("ttft_p99_s", "interactive TTFT p99 (s)"),
-            ("preemptions_per_1k", "preemptions per 1,000 requests"),
-        ):
-            fig, ax = plt.subplots(figsize=(6, 4))
-            for arm in ARM_NAMES:
-                rs = [r for r in results if r["workload"] == w and r["arm"] == arm]
-                loads = sorted({r["load"] for r in rs})
-                ys = [_mean([r for r in rs if r["load"] == x], key) for x in loads]
-                ax.plot(loads, ys, marker="o", label=arm)
-            ax.set_xlabel("load (x the none arm's goodput capacity)")
-            ax.set_ylabel(label)
-            ax.set_title(w)
-            ax.legend(fontsize="small")
-            path = out / f"effectiveness-{w}-{key}.png"
-            fig.savefig(path, dpi=100, bbox_inches="tight")
-            plt.close(fig)
-            written.append(path)
-    return written
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
@@ -241,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots is not None and importlib.util.find_spec("matplotlib") is None:
         print("--plots: matplotlib is not installed in this environment; skipping plots")
         args.plots = None
+    show = Progress(sys.stderr, live=sys.stderr.isatty())
+    shown = args.progress or sys.stderr.isatty()
     seeds = list(range(args.seed, args.seed + n_seeds))
     print(
         f"effectiveness: profile {args.profile}, workloads {','.join(workloads)}, loads "
@@ -248,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.jobs} process(es)",
         flush=True,
     )
+    if shown:
+        show("calibration", 0, len(workloads))
     found = calibrate_all(workloads, args.profile, duration, args.seed, args.jobs)
+    if shown:
+        show("calibration", len(workloads), len(workloads))
     cals: dict[str, Calibration] = dict(zip(workloads, found, strict=True))
     for w, cal in cals.items():
         print(
@@ -259,13 +301,12 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     tasks = build_tasks(workloads, loads, seeds, cals, args.profile, duration, short, arms)
-
-    def progress(done: int, total: int) -> None:
-        if done == total or done % max(1, total // 10) == 0:
-            print(f"  {done}/{total} runs ({time.monotonic() - started:.0f} s)", flush=True)
-
-    rows = run_all(tasks, args.jobs, progress)
+    tasks = [replace(t, replays=max(0, args.replays)) for t in tasks]
+    rows = run_all(tasks, args.jobs, show.phase("runs") if shown else None)
     chosen, sweeps = pick_best(rows)
+    replay_cpu = replay_best(
+        tasks, rows, chosen, args.jobs, show.phase("replays") if shown else None
+    )
     text, heads = table(chosen, arms)
     print(text)
     print(sweep_table(sweeps))
@@ -276,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + h)
     print(
         f"\n{len(rows)} runs, {sum(int(r['requests']) for r in rows)} requests simulated, "
-        f"{cpu:.0f} CPU s in the runs; wall {elapsed:.0f} s"
+        f"{cpu:.0f} CPU s in the runs; replays of the reported rows (reject precision, "
+        f"Retry-After): {replay_cpu:.0f} CPU s more ({100 * replay_cpu / max(cpu, 1e-9):.0f}% "
+        f"of the runs'); wall {elapsed:.0f} s"
     )
     if args.json is not None:
         results = [{**{k: r.get(k) for k in RESULT_KEYS}, **r} for r in chosen]
@@ -291,13 +334,18 @@ def main(argv: list[str] | None = None) -> int:
                 "short": short,
                 "wall_s": elapsed,
                 "runs": len(rows),
-                "not_computed": ["reject_precision", "retry_after_error_s"],
+                "cpu_s": cpu,
+                "replays": max(0, args.replays),
+                "replay_cpu_s": replay_cpu,
+                "probe_deltas_s": list(PROBE_DELTAS_S),
             },
         }
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plots is not None:
-        for path in plots(chosen, args.plots):
+        from kvgate_bench.effectiveness.plots import write_plots
+
+        for path in write_plots(chosen, args.plots):
             print(f"wrote {path}")
     return 0
 

@@ -16,14 +16,30 @@ is applied at its end, ``t + duration``, and finished requests are reported to t
 
 Every request ends ``served``, ``degraded`` (served with max_tokens lowered by the arm) or
 ``rejected``; :func:`simulate` raises if one is left pending.
+
+Two replay options serve the counterfactual figures of
+:mod:`kvgate_bench.effectiveness.replay` (they leave a plain run unchanged):
+
+* ``force_dispatch``: these requests bypass the arm: the driver dispatches each to the engine
+  at its arrival time itself (the client's max_tokens, or the engine's default), and the arm
+  never sees it (no :meth:`Arm.on_arrival`, no :meth:`Arm.on_finish`).
+* ``probes``: for a request the arm rejects, copies of it are offered to the arm as new
+  arrivals (ids ``<rid>~<k>``) at ``t_reject + delta`` for the given deltas, one outstanding
+  at a time (a probe time that comes while the previous copy is still undecided is skipped),
+  until the arm admits one; the admitted copy runs in the engine like any request (a client
+  that honoured a Retry-After). :attr:`RunResult.probe_waits` holds, per original id, the
+  delta of the copy that was admitted, or None when none was.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvgate_bench.effectiveness.workloads import Request, Schedule
@@ -102,10 +118,17 @@ class RequestRecord:
 class Gate:
     """What the driver offers an arm: the engine's gauges (read only) and two verbs."""
 
-    def __init__(self, engine: SimEngine, records: dict[str, RequestRecord]) -> None:
+    def __init__(
+        self,
+        engine: SimEngine,
+        records: dict[str, RequestRecord],
+        on_decided: Callable[[Request, bool, float], None] | None = None,
+    ) -> None:
         self.engine = engine
         self._records = records
         self.sequences: dict[str, Sequence] = {}
+        #: Called with (request, admitted, now) on every dispatch and reject (replay probes).
+        self._on_decided = on_decided
 
     def dispatch(
         self, req: Request, now: float, max_tokens: int | None = None, degraded: bool = False
@@ -120,6 +143,8 @@ class Gate:
             mt = req.max_tokens if req.max_tokens is not None else engine_default_max_tokens(req)
         rec.admitted_at = now
         rec.max_tokens_sent = mt
+        if self._on_decided is not None:
+            self._on_decided(req, True, now)
         try:
             seq = self.engine.submit(req.rid, req.prompt_tokens, mt, req.tenant, req.output_tokens)
         except RequestRejected:
@@ -138,6 +163,8 @@ class Gate:
         rec.outcome = REJECTED
         rec.finished_at = now
         rec.retry_after_s = retry_after_s
+        if self._on_decided is not None:
+            self._on_decided(req, False, now)
 
 
 class Arm(ABC):
@@ -204,6 +231,11 @@ class RunResult:
         kv_busy_s: integral of the engine's KV usage (0..1) over virtual time, seconds.
         steps: engine steps taken.
         cpu_s: CPU seconds the simulation took (process time).
+        probe_records: the records of the probe copies offered (``probes``), in offer order.
+        probe_waits: original id -> seconds from its rejection to the offer of the copy the
+            arm admitted, or None when none was (``probes`` only; ids the arm did not reject
+            are absent).
+        stopped_early: ``simulate(..., stop_when_known=True)`` returned before the drain.
     """
 
     schedule: Schedule
@@ -215,6 +247,76 @@ class RunResult:
     steps: int
     cpu_s: float
     engine: SimEngine = field(repr=False)
+    probe_records: list[RequestRecord] = field(default_factory=list)
+    probe_waits: dict[str, float | None] = field(default_factory=dict)
+    stopped_early: bool = False
+
+    def record(self, rid: str) -> RequestRecord:
+        """The record of request ``rid`` of the schedule. Raises ``KeyError`` if absent."""
+        for rec in self.records:
+            if rec.request.rid == rid:
+                return rec
+        raise KeyError(rid)
+
+
+class _Probes:
+    """The probe copies of :func:`simulate`'s ``probes`` option (see the module docstring)."""
+
+    def __init__(self, deltas: Mapping[str, Seq[float]], records: dict[str, RequestRecord]) -> None:
+        self.deltas = {rid: sorted(d) for rid, d in deltas.items()}
+        self.records = records
+        self.heap: list[tuple[float, int, Request]] = []  # (offer time, order, copy)
+        self.rejected_at: dict[str, float] = {}
+        self.next_k: dict[str, int] = {}
+        self.origin: dict[str, str] = {}  # copy id -> original id
+        self.waits: dict[str, float | None] = {}
+        self.offered: list[RequestRecord] = []
+        #: Originals whose wait is not known yet (not admitted, deltas not exhausted).
+        self.open = set(self.deltas)
+        self._order = 0
+
+    def _offer_next(self, rid: str, after: float) -> None:
+        """Queue the next copy of ``rid`` at the first probe time after ``after``."""
+        t0 = self.rejected_at[rid]
+        deltas = self.deltas[rid]
+        k = self.next_k.get(rid, 0)
+        while k < len(deltas) and t0 + deltas[k] <= after:
+            k += 1
+        self.next_k[rid] = k + 1
+        if k >= len(deltas):
+            self.open.discard(rid)
+            return
+        orig = self.records[rid].request
+        copy = replace(orig, rid=f"{rid}~{k}", arrival_s=t0 + deltas[k])
+        self.origin[copy.rid] = rid
+        self._order += 1
+        heapq.heappush(self.heap, (copy.arrival_s, self._order, copy))
+
+    def decided(self, req: Request, admitted: bool, now: float) -> None:
+        """Gate hook: an original rejected, or a copy admitted or rejected, at ``now``."""
+        rid = self.origin.get(req.rid)
+        if rid is None:
+            if req.rid not in self.deltas:
+                return
+            if admitted:  # the arm admitted the original: nothing to probe
+                self.open.discard(req.rid)
+                return
+            self.rejected_at[req.rid] = now
+            self.waits[req.rid] = None
+            self._offer_next(req.rid, now)  # deltas are > 0: the first one
+        elif admitted:
+            self.waits[rid] = req.arrival_s - self.rejected_at[rid]
+            self.open.discard(rid)
+        else:
+            self._offer_next(rid, now)
+
+    def pop(self) -> Request:
+        """The next copy to offer, registered as a request."""
+        copy = heapq.heappop(self.heap)[2]
+        rec = RequestRecord(copy)
+        self.records[copy.rid] = rec
+        self.offered.append(rec)
+        return copy
 
 
 def simulate(
@@ -224,17 +326,37 @@ def simulate(
     config: EngineConfig | None = None,
     *,
     max_virtual_s: float = math.inf,
+    force_dispatch: frozenset[str] = frozenset(),
+    probes: Mapping[str, Seq[float]] | None = None,
+    stop_when_known: bool = False,
 ) -> RunResult:
     """Run ``schedule`` through ``arm`` into a fresh engine until every request has ended.
 
+    ``force_dispatch``: ids of requests that bypass the arm; ``probes``: id -> retry deltas,
+    seconds (> 0), for the copies offered after the arm rejects that request (both: see the
+    module docstring). ``stop_when_known``: return as soon as every forced request has ended
+    and every probed request's wait is known (what follows cannot change them); the result's
+    ``stopped_early`` is then True and other requests may still be pending (and
+    ``end_s``, ``kv_busy_s`` cover the part run).
+
     Raises ``RuntimeError`` if a request is left pending when nothing more can happen, or the
-    virtual clock passes ``max_virtual_s`` (a guard for tests).
+    virtual clock passes ``max_virtual_s`` (a guard for tests); ``ValueError`` for a probe
+    delta <= 0.
     """
     c0 = time.process_time()
     cfg = config if config is not None else engine_config(steptime)
     engine = SimEngine(cfg, steptime)
     records = {r.rid: RequestRecord(r) for r in schedule.requests}
-    gate = Gate(engine, records)
+    pr: _Probes | None = None
+    if probes:
+        if any(d <= 0 for ds in probes.values() for d in ds):
+            raise ValueError("probe deltas must be > 0")
+        pr = _Probes(probes, records)
+    gate = Gate(engine, records, pr.decided if pr is not None else None)
+    forced = force_dispatch
+    extra = pr.heap if pr is not None else []
+    watch = [records[rid] for rid in forced] if stop_when_known else []
+    stopped = False
     arm.start(gate, 0.0)
     arrivals = schedule.requests
     n = len(arrivals)
@@ -245,6 +367,11 @@ def simulate(
     wake_floor = 0.0
     inf = math.inf
     while True:
+        if stop_when_known and (
+            all(r.finished_at is not None for r in watch) and (pr is None or not pr.open)
+        ):
+            stopped = True
+            break
         if engine.has_work:
             result = engine.step()
             steps += 1
@@ -252,6 +379,8 @@ def simulate(
         else:
             result = None
             na = arrivals[i].arrival_s if i < n else inf
+            if extra and extra[0][0] < na:
+                na = extra[0][0]
             w = arm.next_wake()
             nw = inf if w is None else max(w, wake_floor)
             t1 = max(t, min(na, nw))
@@ -262,14 +391,23 @@ def simulate(
         # Arrivals and wake-ups inside (t, t1], in time order, at their own times.
         while True:
             na = arrivals[i].arrival_s if i < n else inf
+            probe = bool(extra) and extra[0][0] < na
+            if probe:
+                na = extra[0][0]
             w = arm.next_wake()
             nw = inf if w is None else max(w, wake_floor, t)
             if na <= nw:
                 if na > t1:
                     break
-                req = arrivals[i]
-                i += 1
-                arm.on_arrival(req, max(na, t))
+                if probe and pr is not None:
+                    req = pr.pop()
+                else:
+                    req = arrivals[i]
+                    i += 1
+                if forced and req.rid in forced:
+                    gate.dispatch(req, max(na, t))
+                else:
+                    arm.on_arrival(req, max(na, t))
             else:
                 if nw > t1:
                     break
@@ -293,9 +431,10 @@ def simulate(
             rec.output_tokens = seq.generated
             if rec.outcome == PENDING:
                 rec.outcome = SERVED
-            arm.on_finish(rec.request, seq.generated, t)
+            if not (forced and rid in forced):
+                arm.on_finish(rec.request, seq.generated, t)
     left = [r.request.rid for r in records.values() if r.outcome == PENDING]
-    if left:
+    if left and not stopped:
         raise RuntimeError(f"{len(left)} requests never ended, e.g. {left[:3]}")
     end = max([t] + [r.finished_at for r in records.values() if r.finished_at is not None])
     return RunResult(
@@ -308,4 +447,7 @@ def simulate(
         steps,
         time.process_time() - c0,
         engine,
+        pr.offered if pr is not None else [],
+        dict(pr.waits) if pr is not None else {},
+        stopped,
     )

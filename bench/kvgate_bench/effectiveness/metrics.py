@@ -25,8 +25,38 @@ Definitions (times in seconds, lengths in tokens):
 * **KV utilisation** = the time average of the engine's KV usage (used / total blocks, read
   after each step) over the span.
 
-Not computed yet (None in the results): reject precision (needs a replay of each rejected
-request) and the Retry-After error.
+By replay (:mod:`kvgate_bench.effectiveness.replay`, run by
+:func:`kvgate_bench.effectiveness.runner.replay_best` for the reported rows only: each arm's
+best setting per workload and load, every seed). A replay runs the same schedule into a fresh
+engine through a fresh arm of the same setting; the driver being deterministic, it is the
+original run up to the first changed event. The sample: of the requests the *arm* refused (not
+the engine's 400 for a request it cannot hold), the first K (``--replays``, default 16) in the
+order of SHA-256(``"<seed>/<request id>"``): seeded, the same in every process.
+
+* **Reject precision** = the share of the sampled refused requests that would have missed
+  their SLO had they been admitted: for each, one replay in which that request alone bypasses
+  the arm and enters the engine's queue at its arrival time, with the client's max_tokens
+  (the engine's default when unset); the arm never sees it, the other requests are decided
+  as before and compete with it. Missed = not :func:`met_slo` in that replay. None when the
+  arm refused nothing (``reject_replays``: the replays behind the figure).
+* **Retry-After error**, for the sampled refused requests that carried a Retry-After (the first K
+  of them in the same order), seconds: for each, one replay in which, once refused, it is
+  re-offered to the arm as a new arrival (a copy, same tenant and lengths) at ``t_reject + delta``
+  for delta in :data:`~kvgate_bench.effectiveness.replay.PROBE_DELTAS_S` (0.1 s to 120 s) and its
+  own Retry-After; one copy outstanding at a time (a probe time that comes while the previous copy
+  waits in the arm's queue is skipped), until the arm admits one (at once or from its queue: a
+  retry that queued and was then served succeeded, its wait counted from its offer). The admitted
+  copy runs in the engine, as the retry of a client that honoured the header would. The *actual*
+  wait is the delta of the admitted copy (to the grid's resolution: the true earliest success lies
+  after the previous probe time); a request with no copy admitted by the last delta is *censored*
+  (``retry_after_censored``) and left out. The figure: ``retry_after_error_s`` = median of
+  (suggested - actual), signed (positive: told to wait longer than needed; negative: told a time
+  at which a retry is still refused); ``retry_after_abs_error_s`` = median of |suggested -
+  actual|; ``retry_after_samples`` = how many had an actual wait. None when no refusal carried a
+  Retry-After (``concurrency-cap`` and ``saturation-shed`` send none).
+* ``replay_cpu_s``: CPU seconds (process time) the row's replays took, schedule generation
+  included. Each replay stops once its answer is known (the forced request finished, every
+  probed request's wait known).
 """
 
 from __future__ import annotations
@@ -205,8 +235,12 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "tpot_p50_s": headline.tpot_p50_s,
         "tpot_p99_s": headline.tpot_p99_s,
         "jain": windowed_jain(records, sched.tenants, span),
-        "reject_precision": None,
+        "reject_precision": None,  # by replay: kvgate_bench.effectiveness.runner.replay_best
+        "reject_replays": 0,
         "retry_after_error_s": None,
+        "retry_after_abs_error_s": None,
+        "retry_after_samples": 0,
+        "retry_after_censored": 0,
         "kv_utilisation": run.kv_busy_s / span,
         "rejected": sum(1 for r in records if r.outcome == REJECTED),
         "degraded": sum(1 for r in records if r.outcome == DEGRADED),

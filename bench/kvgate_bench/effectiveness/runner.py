@@ -12,6 +12,13 @@ on the log of the rate (calibration schedules of ``duration_s``, seed ``seed``).
 schedules (same seeds) as the others; for each workload and load the setting with the best mean
 goodput over seeds is reported for its arm (tuned on the very schedules it is scored on: a
 generous tuning for the baselines). kvgate runs its one default policy.
+
+**Replays.** Reject precision and the Retry-After error (defined in
+:mod:`kvgate_bench.effectiveness.metrics`) are measured only for the reported rows (each arm's
+best setting, every seed): :func:`replay_best` replays each of up to ``Task.replays`` sampled
+rejections of such a row (:mod:`kvgate_bench.effectiveness.replay`) on the same process pool as
+:func:`run_all`: one forced replay per sampled rejection and one probe replay per sampled
+rejection that carried a Retry-After.
 """
 
 from __future__ import annotations
@@ -20,18 +27,33 @@ import json
 import math
 import multiprocessing
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvgate_bench.effectiveness.arms import ARM_NAMES, ArmContext, candidates, make_arm
 from kvgate_bench.effectiveness.driver import (
+    Arm,
     engine_config,
     engine_default_max_tokens,
     simulate,
 )
 from kvgate_bench.effectiveness.metrics import summarize
-from kvgate_bench.effectiveness.workloads import generate, served_output_tokens, tenants_of
+from kvgate_bench.effectiveness.replay import (
+    DEFAULT_REPLAYS,
+    precision,
+    replay_forced,
+    replay_probes,
+    retry_after_error,
+    sample_rejected,
+)
+from kvgate_bench.effectiveness.workloads import (
+    Schedule,
+    generate,
+    served_output_tokens,
+    tenants_of,
+)
 from kvgate_bench.sim.steptime import StepTimeModel, profile
 
 #: Requests sampled for ``E[out]`` and ``E[prompt + out]``.
@@ -163,19 +185,39 @@ class Task:
     profile: str
     duration_s: float
     calibration: Calibration
+    #: Rejections sampled for the replays (0: none).
+    replays: int = DEFAULT_REPLAYS
 
 
-def run_task(task: Task) -> dict[str, Any]:
-    """Simulate ``task``; its summary row (see :func:`kvgate_bench.effectiveness.metrics.summarize`)
-    with ``workload``, ``load``, ``arm`` and ``seed``."""
+def arm_factory(task: Task) -> tuple[Schedule, Callable[[], Arm], StepTimeModel]:
+    """(``task``'s schedule, a factory of fresh arms of its setting, its step-time model): what
+    a run and each of its replays start from."""
     steptime = profile(task.profile)
     cal = task.calibration
     ctx = cal.context(steptime, task.workload)
     sched = generate(task.workload, cal.rate(task.load), task.duration_s, task.seed)
-    run = simulate(sched, make_arm(task.arm, ctx, dict(task.params)), steptime)
+    return sched, lambda: make_arm(task.arm, ctx, dict(task.params)), steptime
+
+
+#: The row key of the rejections sampled for the replays (removed by :func:`replay_best`).
+SAMPLE_KEY = "replay_sample"
+
+
+def run_task(task: Task) -> dict[str, Any]:
+    """Simulate ``task``; its summary row (see :func:`kvgate_bench.effectiveness.metrics.summarize`)
+    with ``workload``, ``load``, ``arm`` and ``seed``, and under :data:`SAMPLE_KEY` the
+    rejections sampled for the replays: ``{"rejected": [rid, ...], "retry": {rid: Retry-After
+    s}}``."""
+    sched, make, steptime = arm_factory(task)
+    run = simulate(sched, make(), steptime)
     row = {"workload": task.workload, "load": task.load, "arm": task.arm, "seed": task.seed}
     row.update(summarize(run))
     row["rate_rps"] = sched.rate_rps
+    retry = sample_rejected(run.records, task.replays, task.seed, with_retry_after=True)
+    row[SAMPLE_KEY] = {
+        "rejected": [r.request.rid for r in sample_rejected(run.records, task.replays, task.seed)],
+        "retry": {r.request.rid: float(r.retry_after_s or 0.0) for r in retry},
+    }
     return row
 
 
@@ -228,6 +270,103 @@ def run_all(
 
 def _key(params: dict[str, Any]) -> str:
     return json.dumps(params, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class ReplayUnit:
+    """One replay of a reported row: force request ``rid`` past the arm, or (``rid`` None)
+    probe the rejections of ``suggested`` (id, Retry-After s; one per replay, so that the
+    retries of one do not change what the arm decides on another)."""
+
+    row: int
+    task: Task
+    rid: str | None = None
+    suggested: tuple[tuple[str, float], ...] = ()
+
+
+def run_replay(unit: ReplayUnit) -> tuple[int, str | None, Any, float]:
+    """(row, rid, result, CPU s) of ``unit``: result = met its SLO (bool) for a forced replay,
+    id -> actual wait (s or None) for a probe replay; the CPU seconds (process time) cover
+    the whole unit (the schedule's generation and the arm's construction too)."""
+    c0 = time.process_time()
+    sched, make, steptime = arm_factory(unit.task)
+    if unit.rid is not None:
+        met, _ = replay_forced(sched, make, steptime, unit.rid)
+        return unit.row, unit.rid, met, time.process_time() - c0
+    waits, _ = replay_probes(sched, make, steptime, dict(unit.suggested))
+    return unit.row, None, waits, time.process_time() - c0
+
+
+def replay_units(
+    tasks: list[Task], rows: list[dict[str, Any]], chosen: list[dict[str, Any]]
+) -> list[ReplayUnit]:
+    """The replays of ``chosen`` (rows of ``rows``, which are ``tasks``' rows in order)."""
+    by_key = {
+        (r["workload"], r["load"], r["arm"], r["seed"], _key(r["params"])): t
+        for r, t in zip(rows, tasks, strict=True)
+    }
+    units: list[ReplayUnit] = []
+    for i, r in enumerate(chosen):
+        task = by_key[(r["workload"], r["load"], r["arm"], r["seed"], _key(r["params"]))]
+        sample = r.get(SAMPLE_KEY) or {"rejected": [], "retry": {}}
+        units.extend(ReplayUnit(i, task, rid) for rid in sample["rejected"])
+        units.extend(
+            ReplayUnit(i, task, None, ((rid, ra),)) for rid, ra in sorted(sample["retry"].items())
+        )
+    return units
+
+
+def replay_best(
+    tasks: list[Task],
+    rows: list[dict[str, Any]],
+    chosen: list[dict[str, Any]],
+    jobs: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> float:
+    """Fill ``reject_precision``, ``reject_replays``, ``retry_after_error_s``,
+    ``retry_after_abs_error_s``, ``retry_after_samples``, ``retry_after_censored`` and
+    ``replay_cpu_s`` of the ``chosen`` rows by replay, on ``jobs`` processes; drop
+    :data:`SAMPLE_KEY` from every row. Returns the replays' CPU seconds."""
+    units = replay_units(tasks, rows, chosen)
+    met: dict[int, list[bool]] = {}
+    waits: dict[int, dict[str, float | None]] = {}
+    cpu: dict[int, float] = {}
+
+    def take(res: tuple[int, str | None, Any, float]) -> None:
+        i, rid, value, c = res
+        cpu[i] = cpu.get(i, 0.0) + c
+        if rid is not None:
+            met.setdefault(i, []).append(bool(value))
+        else:
+            waits.setdefault(i, {}).update(value)
+
+    if jobs <= 1:
+        for k, u in enumerate(units):
+            take(run_replay(u))
+            if progress:
+                progress(k + 1, len(units))
+    else:
+        ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+        with ctx.Pool(jobs) as pool:
+            for k, res in enumerate(pool.imap_unordered(run_replay, units, chunksize=1)):
+                take(res)
+                if progress:
+                    progress(k + 1, len(units))
+    for i, r in enumerate(chosen):
+        sample = r.get(SAMPLE_KEY) or {"rejected": [], "retry": {}}
+        r["reject_precision"] = precision(met.get(i, []))
+        r["reject_replays"] = len(met.get(i, []))
+        err = retry_after_error(sample["retry"], waits.get(i, {}))
+        r["retry_after_error_s"] = err.median_s
+        r["retry_after_abs_error_s"] = err.median_abs_s
+        r["retry_after_samples"] = err.samples
+        r["retry_after_censored"] = err.censored
+        r["replay_cpu_s"] = cpu.get(i, 0.0)
+    for r in rows:
+        r.pop(SAMPLE_KEY, None)
+    for r in chosen:
+        r.pop(SAMPLE_KEY, None)
+    return sum(cpu.values())
 
 
 def pick_best(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
