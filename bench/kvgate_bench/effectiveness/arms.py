@@ -47,9 +47,11 @@ workload and load, and the sweep with it):
     (seeded per request): a much worse predictor than the learned one.
 ``oracle``
     ``kvgate`` told each request's true output length (capped by its max_tokens).
-``kvgate-no-kv``, ``kvgate-no-degrade``, ``kvgate-fifo``
+``kvgate-no-kv``, ``kvgate-no-degrade``, ``kvgate-fifo``, ``kvgate-tenant-budgets``
     Ablations of ``kvgate``: no KV reservation (no ``capacity.kvCacheTokens``); no Degrade
-    action; a FIFO queue instead of ShortestFirst.
+    action; a FIFO queue instead of ShortestFirst; per-tenant token budgets of an equal share
+    of the capacity x 1.5 (what a platform team that knows its tenants would set; the default
+    policy's per-tenant limit is half the server).
 """
 
 from __future__ import annotations
@@ -88,7 +90,12 @@ ARM_NAMES: tuple[str, ...] = (
     "oracle",
 )
 #: Ablations of ``kvgate``: run when asked for by name (``--arms``).
-ABLATIONS: tuple[str, ...] = ("kvgate-no-kv", "kvgate-no-degrade", "kvgate-fifo")
+ABLATIONS: tuple[str, ...] = (
+    "kvgate-no-kv",
+    "kvgate-no-degrade",
+    "kvgate-fifo",
+    "kvgate-tenant-budgets",
+)
 #: The baselines kvgate is compared with.
 BASELINES: tuple[str, ...] = ("concurrency-cap", "token-bucket", "saturation-shed")
 
@@ -408,7 +415,7 @@ class KvgateArm(KvgateMaxTokensArm):
     INTERACTIVE_PRIORITY = 1
 
     def __init__(self, ctx: ArmContext, variant: str | None = None) -> None:
-        if variant not in (None, "no-kv", "no-degrade", "fifo"):
+        if variant not in (None, "no-kv", "no-degrade", "fifo", "tenant-budgets"):
             raise ValueError(f"unknown kvgate variant {variant!r}")
         self.variant = variant
         super().__init__(ctx)
@@ -433,6 +440,21 @@ class KvgateArm(KvgateMaxTokensArm):
             spec["overload"] = {"actions": ["Queue", "Reject"]}
         elif self.variant == "fifo":
             spec["queue"] = {**spec["queue"], "order": "FIFO"}
+        elif self.variant == "tenant-budgets":
+            # Every tenant's tokensPerMinute = an equal share of the load-1 token capacity x
+            # 1.5 with a 10 s burst (the token-bucket baseline's best multi-tenant setting; the
+            # workloads' tenants all weigh 1), as kvgate's own per-tenant limit: charged prompt +
+            # max_tokens at admission and settled to the real usage at release.
+            ctx = self.ctx
+            tpm = 1.5 * ctx.capacity_tokens_per_s * 60.0 / max(1, len(ctx.tenants))
+            spec["rateLimits"] = [
+                {
+                    "name": "per-tenant",
+                    "per": "Tenant",
+                    "tokensPerMinute": tpm,
+                    "burstTokens": max(ctx.engine.max_model_len, round(tpm / 6)),
+                }
+            ]
         return spec
 
     def admission_request(self, req: Request) -> AdmissionRequest:
@@ -497,6 +519,7 @@ ARM_FACTORIES: dict[str, ArmFactory] = {
     "kvgate-no-kv": lambda ctx, p: KvgateArm(ctx, "no-kv"),
     "kvgate-no-degrade": lambda ctx, p: KvgateArm(ctx, "no-degrade"),
     "kvgate-fifo": lambda ctx, p: KvgateArm(ctx, "fifo"),
+    "kvgate-tenant-budgets": lambda ctx, p: KvgateArm(ctx, "tenant-budgets"),
 }
 
 
