@@ -110,6 +110,7 @@ ARM_PARAMS: list[tuple[str, dict[str, Any]]] = [
     ("kvgate-no-kv", {}),
     ("kvgate-no-degrade", {}),
     ("kvgate-fifo", {}),
+    ("kvgate-tenant-budgets", {}),
 ]
 
 
