@@ -4,6 +4,9 @@ nothing may leak once everything is released or gone."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -29,8 +32,8 @@ QUEUE_LENGTH = 6
 SLO_MIN_PRIORITY = 1
 
 
-def config(actions: tuple[OverloadAction, ...]) -> AdmissionConfig:
-    return AdmissionConfig(
+def config(actions: tuple[OverloadAction, ...], **kw: Any) -> AdmissionConfig:
+    cfg = AdmissionConfig(
         limits=(
             LimitThreshold(
                 name="t",
@@ -55,6 +58,7 @@ def config(actions: tuple[OverloadAction, ...]) -> AdmissionConfig:
         tpot_slo_seconds=0.02,
         slo_min_priority=SLO_MIN_PRIORITY,
     )
+    return dataclasses.replace(cfg, **kw)
 
 
 class PredictedAdmissionMachine(RuleBasedStateMachine):
@@ -172,6 +176,35 @@ class PredictedAdmissionMachine(RuleBasedStateMachine):
 
     @rule()
     def pump(self) -> None:
+        self.c.pump()
+        self._collect()
+
+    @rule(
+        reservation=st.sampled_from(ReservationMode),
+        quantile=st.sampled_from([0.5, 0.9, 0.99]),
+        tpot=st.sampled_from([None, 0.001, 0.02, 1.0]),
+        ttft=st.sampled_from([None, 0.1, 1.0, 10.0]),
+        max_concurrency=st.integers(1, MAX_CONCURRENCY),
+    )
+    def reconfigure(
+        self,
+        reservation: ReservationMode,
+        quantile: float,
+        tpot: float | None,
+        ttft: float | None,
+        max_concurrency: int,
+    ) -> None:
+        """A changed policy (same KV capacity): tickets and waiters stay."""
+        self.c.reconfigure(
+            config(
+                self.ACTIONS,
+                reservation=reservation,
+                reservation_quantile=quantile,
+                tpot_slo_seconds=tpot,
+                ttft_slo_seconds=ttft,
+                max_concurrency=max_concurrency,
+            )
+        )
         self.c.pump()
         self._collect()
 
