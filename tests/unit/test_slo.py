@@ -1,0 +1,169 @@
+"""SloState: the adaptive concurrency limit on the TPOT SLO, the departure rate, the wait budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate_agent.admission.slo import (
+    DECREASE,
+    INTERVAL_S,
+    MIN_LIMIT,
+    MIN_WAIT_SHARE,
+    RAISE_FRACTION,
+    SloState,
+)
+
+
+class Driver:
+    """Closes one measurement interval per :meth:`interval`, with a given inter-token time."""
+
+    def __init__(self, state: SloState, now: float = 0.0) -> None:
+        self.state = state
+        self.now = now
+
+    def interval(
+        self, gap_s: float | None, in_flight: int = 0, departures: int = 0, reached: bool = False
+    ) -> int | None:
+        if gap_s is not None:
+            self.state.observe_gap(gap_s * 10, 10)
+        for _ in range(departures):
+            self.state.observe_departure()
+        if reached:
+            self.state.reached()
+        self.now += INTERVAL_S
+        self.state.tick(self.now, in_flight)
+        return self.state.limit
+
+
+def test_limit_starts_at_the_cap_or_the_default() -> None:
+    assert SloState(0.05, None, 100, 0.0).limit == 100
+    assert SloState(0.05, None, None, 0.0).limit == SloState.DEFAULT_START
+
+
+def test_no_tick_before_the_interval_ends() -> None:
+    s = SloState(0.05, None, 100, 0.0)
+    s.observe_gap(1.0, 1)
+    s.tick(INTERVAL_S / 2, 0)
+    assert s.gap_s is None and s.limit == 100 and s.departure_rps is None
+
+
+def test_limit_decreases_while_gap_above_target_never_below_min() -> None:
+    s = SloState(0.05, None, 100, 0.0)
+    d = Driver(s)
+    limits = [d.interval(0.2) for _ in range(200)]
+    assert limits[0] == int(100 * DECREASE)
+    for a, b in zip([100, *limits], limits, strict=False):
+        assert a is not None and b is not None
+        assert b < a or b == MIN_LIMIT
+    assert limits[-1] == MIN_LIMIT
+    assert all(lim is not None and lim >= MIN_LIMIT for lim in limits)
+
+
+def test_limit_increases_only_when_reached_and_gap_low() -> None:
+    s = SloState(0.05, None, 100, 0.0)
+    d = Driver(s)
+    for _ in range(20):
+        d.interval(0.2)
+    # Bring the smoothed gap well under RAISE_FRACTION x target without reaching the limit:
+    # it keeps falling while the smoothed gap is still above the target, and never rises.
+    prev = s.limit
+    for _ in range(200):
+        lim = d.interval(0.001, in_flight=0)
+        assert lim is not None and prev is not None and lim <= prev
+        prev = lim
+    assert s.gap_s is not None and s.gap_s < RAISE_FRACTION * 0.05
+    low = s.limit
+    assert low is not None and MIN_LIMIT <= low < 100
+    for _ in range(20):
+        assert d.interval(0.001, in_flight=low - 1) == low
+    # Reached (in flight at the limit, or reached() told): it rises.
+    up = d.interval(0.001, in_flight=low)
+    assert up is not None and up > low
+    up2 = d.interval(0.001, reached=True)
+    assert up2 is not None and up2 > up
+    # ... never above the cap.
+    for _ in range(500):
+        lim = d.interval(0.001, reached=True)
+        assert lim is not None and lim <= 100
+    assert s.limit == 100
+
+
+def test_no_increase_in_the_dead_band() -> None:
+    s = SloState(0.1, None, None, 0.0)
+    d = Driver(s)
+    start = s.limit
+    # 0.09 s per token: below the target (no decrease), above 0.85 x it (no increase).
+    for _ in range(50):
+        assert d.interval(0.09, reached=True) == start
+
+
+def test_increase_without_cap_is_unbounded_above_default() -> None:
+    s = SloState(0.1, None, None, 0.0)
+    d = Driver(s)
+    for _ in range(20):
+        d.interval(0.01, reached=True)
+    assert s.limit is not None and s.limit > SloState.DEFAULT_START
+
+
+def test_expected_wait_none_without_departures() -> None:
+    s = SloState(None, 1.0, None, 0.0)
+    assert s.expected_wait(0) is None  # no interval closed yet
+    d = Driver(s)
+    d.interval(None, departures=0)
+    assert s.departure_rps == 0
+    assert s.expected_wait(3) is None  # a rate of zero
+
+
+def test_expected_wait_is_k_plus_one_over_mu() -> None:
+    s = SloState(None, 1.0, None, 0.0)
+    d = Driver(s)
+    d.interval(None, departures=5)  # 5 in 0.5 s: 10 per second
+    assert s.departure_rps == pytest.approx(10.0)
+    assert s.expected_wait(0) == pytest.approx(0.1)
+    assert s.expected_wait(3) == pytest.approx(0.4)
+    # A late tick spreads the departures over the whole elapsed time.
+    for _ in range(4):
+        s.observe_departure()
+    s.tick(d.now + 2 * INTERVAL_S, 0)  # 4 in 1 s: rate 4, smoothed 10 + 0.1 x (4 - 10)
+    assert s.departure_rps == pytest.approx(9.4)
+    assert s.expected_wait(1) == pytest.approx(2 / 9.4)
+
+
+def test_wait_budget_is_ttft_less_prefill_floored() -> None:
+    s = SloState(None, 2.0, None, 0.0)
+    assert s.wait_budget() == pytest.approx(2.0)
+    s.observe_first_token(1.0)  # smoothed prefill 0.1
+    assert s.prefill_s == pytest.approx(0.1)
+    assert s.wait_budget() == pytest.approx(1.9)
+    for _ in range(200):
+        s.observe_first_token(10.0)
+    assert s.prefill_s > 2.0
+    assert s.wait_budget() == pytest.approx(MIN_WAIT_SHARE * 2.0)
+
+
+def test_wait_budget_none_without_ttft() -> None:
+    s = SloState(0.05, None, None, 0.0)
+    s.observe_first_token(0.5)
+    assert s.wait_budget() is None
+
+
+def test_no_limit_when_tpot_none() -> None:
+    s = SloState(None, 1.0, 50, 0.0)
+    assert s.limit is None
+    d = Driver(s)
+    for _ in range(20):
+        assert d.interval(5.0, in_flight=1000, reached=True) is None
+    assert s.gap_s is not None  # still measured
+
+
+def test_retune_sets_clears_and_clamps_the_limit() -> None:
+    s = SloState(None, None, 50, 0.0)
+    s.retune(0.05, None, 50)
+    assert s.limit == 50
+    s.retune(0.05, None, 20)
+    assert s.limit == 20
+    s.retune(None, None, 20)
+    assert s.limit is None
+    s.retune(0.05, 1.0, None)
+    assert s.limit == SloState.DEFAULT_START
+    assert s.ttft_seconds == 1.0
