@@ -27,7 +27,7 @@ class Driver:
         if gap_s is not None:
             self.state.observe_gap(gap_s * 10, 10)
         for _ in range(departures):
-            self.state.observe_departure()
+            self.state.observe_departure(0.5)
         if reached:
             self.state.reached()
         self.now += INTERVAL_S
@@ -107,26 +107,29 @@ def test_increase_without_cap_is_unbounded_above_default() -> None:
 
 def test_expected_wait_none_without_departures() -> None:
     s = SloState(None, 1.0, None, 0.0)
-    assert s.expected_wait(0) is None  # no interval closed yet
+    assert s.expected_wait(0, 4) is None  # no release seen yet
     d = Driver(s)
     d.interval(None, departures=0)
-    assert s.departure_rps == 0
-    assert s.expected_wait(3) is None  # a rate of zero
+    assert s.departure_rps == 0 and s.service_s is None
+    assert s.expected_wait(3, 4) is None
+    s.observe_departure(0.5)
+    assert s.expected_wait(3, 0) is None  # nothing in flight: nothing to drain
 
 
-def test_expected_wait_is_k_plus_one_over_mu() -> None:
+def test_expected_wait_is_k_plus_one_times_service_over_in_flight() -> None:
     s = SloState(None, 1.0, None, 0.0)
     d = Driver(s)
-    d.interval(None, departures=5)  # 5 in 0.5 s: 10 per second
+    d.interval(None, departures=5)  # each held its place 0.5 s
     assert s.departure_rps == pytest.approx(10.0)
-    assert s.expected_wait(0) == pytest.approx(0.1)
-    assert s.expected_wait(3) == pytest.approx(0.4)
-    # A late tick spreads the departures over the whole elapsed time.
-    for _ in range(4):
-        s.observe_departure()
-    s.tick(d.now + 2 * INTERVAL_S, 0)  # 4 in 1 s: rate 4, smoothed 10 + 0.1 x (4 - 10)
-    assert s.departure_rps == pytest.approx(9.4)
-    assert s.expected_wait(1) == pytest.approx(2 / 9.4)
+    assert s.service_s == pytest.approx(0.5)
+    # 5 in flight of 0.5 s each: a place frees every 0.1 s.
+    assert s.expected_wait(0, 5) == pytest.approx(0.1)
+    assert s.expected_wait(3, 5) == pytest.approx(0.4)
+    assert s.expected_wait(3, 10) == pytest.approx(0.2)
+    # Not the release rate: a full server after light load still drains at N / S.
+    s.observe_departure(1.5)  # smoothed 0.5 + 0.05 x (1.5 - 0.5)
+    assert s.service_s == pytest.approx(0.55)
+    assert s.expected_wait(1, 5) == pytest.approx(2 * 0.55 / 5)
 
 
 def test_wait_budget_is_ttft_less_prefill_floored() -> None:

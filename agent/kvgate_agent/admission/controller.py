@@ -66,6 +66,7 @@ class AdmissionController(OverloadActions):
         self._holds = Holds()
         self._speed = DecodeSpeed()
         self._queue: dict[int, Waiter] = {}
+        self._waiting_by_priority: dict[int, int] = {}
         self._seq = 0
         self._head_blocked_shared = False
         self._resolved: list[Waiter] = []
@@ -304,6 +305,8 @@ class AdmissionController(OverloadActions):
             clamped,
         )
         self._queue[w.seq] = w
+        by = self._waiting_by_priority
+        by[req.priority] = by.get(req.priority, 0) + 1
         self.pump()
         if w.decision is not None:  # admitted at once: the caller gets it directly
             self._resolved.remove(w)
@@ -431,6 +434,13 @@ class AdmissionController(OverloadActions):
 
     def _dequeue(self, w: Waiter) -> None:
         del self._queue[w.seq]
+        by = self._waiting_by_priority
+        p = w.request.priority
+        left = by[p] - 1
+        if left:
+            by[p] = left
+        else:
+            del by[p]
 
     def next_wake(self) -> float | None:
         """Clock time at which :meth:`pump` should next run even if nothing is released: the
@@ -483,7 +493,7 @@ class AdmissionController(OverloadActions):
                 if ticket.last_token_at is None and completion_tokens > ticket.n:
                     # Not streamed: the whole response time, prefill included (an overestimate).
                     slo.observe_gap(now - ticket.admitted_at, completion_tokens / ticket.n)
-            slo.observe_departure()
+            slo.observe_departure(now - ticket.admitted_at)
         else:
             limits.release(ticket, now, 0.0, 0.0)
         self._tick(now)

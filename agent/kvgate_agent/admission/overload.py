@@ -16,8 +16,8 @@ from __future__ import annotations
 from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason, Waiter
 from kvgate_agent.admission.limits import Blocker, Limits
 from kvgate_agent.admission.retry import DecodeSpeed, refusal, wait_seconds
-from kvgate_agent.admission.slo import SloState
-from kvgate_agent.contract.policy import OverloadAction
+from kvgate_agent.admission.slo import SHED_FACTOR, SloState
+from kvgate_agent.contract.policy import OverloadAction, QueueOrder
 
 _DEGRADE = OverloadAction.DEGRADE.value
 _QUEUE = OverloadAction.QUEUE.value
@@ -31,6 +31,7 @@ class OverloadActions:
     _slo: SloState
     _speed: DecodeSpeed
     _head_blocked_shared: bool
+    _waiting_by_priority: dict[int, int]
 
     def _enqueue(
         self,
@@ -90,14 +91,28 @@ class OverloadActions:
                     continue
                 budget = self._wait_budget(req)
                 if budget is not None:
-                    expected = self._slo.expected_wait(len(self._queue))
-                    if expected is not None and expected > budget:
+                    expected = self._expected_wait(req, blocker, now)
+                    if expected is not None and expected > budget * SHED_FACTOR:
                         slo_wait = expected
                         continue
                 return self._enqueue(req, actions[i + 1 :], now, clamped, budget)
             else:
                 break
         return self._reject(req, blocker, now, waited, queue_full, slo_wait)
+
+    def _expected_wait(
+        self, req: AdmissionRequest, blocker: Blocker | None, now: float
+    ) -> float | None:
+        """Seconds ``req`` would wait in the queue: its own bucket's refill time when only that
+        blocks it, else the drain time of the waiters ahead (:meth:`SloState.expected_wait`;
+        under Priority order only those of at least its priority are ahead). O(distinct
+        priorities waiting)."""
+        if blocker is not None and blocker.tenant_scoped and blocker.bucket is not None:
+            return blocker.bucket.seconds_until(blocker.amount, now)
+        ahead = len(self._queue)
+        if self._limits.config.queue_order is QueueOrder.PRIORITY:
+            ahead = sum(n for p, n in self._waiting_by_priority.items() if p >= req.priority)
+        return self._slo.expected_wait(ahead, self._limits.in_flight)
 
     def _wait_budget(self, req: AdmissionRequest) -> float | None:
         """Seconds ``req`` may wait under its TTFT SLO; None when no TTFT SLO applies to it."""

@@ -12,11 +12,16 @@ the latency target, so the cap a platform team would otherwise hand-tune per wor
 the load.
 
 **Expected queue wait** (policy ``slo.ttftSeconds``): requests leave the queue as admitted ones
-finish; with ``k`` waiting ahead and a departure rate ``mu`` (releases per second, smoothed over
-the intervals), a newcomer waits about ``(k + 1) / mu`` seconds (Little's law,
-https://doi.org/10.1287/opre.9.3.383). The time budget for waiting is the TTFT SLO less the
-observed time from admission to the first token (prefill); a request that would wait longer is
-refused at once with that wait as its Retry-After, instead of queued to miss its SLO.
+finish. With ``N`` requests in flight that each hold their place for ``S`` seconds on average
+(admission to release, smoothed), the full server frees a place every ``S / N`` seconds
+(Little's law, https://doi.org/10.1287/opre.9.3.383), so a newcomer with ``k`` waiting ahead
+waits about ``(k + 1) x S / N`` seconds. (The measured release rate is no substitute: below
+saturation it is the arrival rate, far below how fast a full server drains.)
+
+The time budget for waiting is the TTFT SLO less the observed time from admission to the first
+token (prefill). A request expected to wait more than :data:`SHED_FACTOR` times its budget is
+refused at once, with the expected wait as its Retry-After, instead of queued to miss its SLO;
+one that is queued leaves the queue at its budget.
 
 Invariant: pure and clock-injected (times are passed in); every method is O(1).
 """
@@ -38,6 +43,14 @@ RAISE_FRACTION = 0.85
 DECREASE = 0.95
 #: Additive increase per interval under target, as a share of the limit (at least 1).
 INCREASE = 0.05
+#: A request under a TTFT SLO is refused at once when its expected wait exceeds this many times
+#: its wait budget; between one and this many, it is queued and its deadline (the budget)
+#: decides. The estimate is an upper bound (waiters ahead also leave by timing out) and a refusal
+#: is final, so only the clearly hopeless are refused unqueued. 2 measured best on the
+#: effectiveness benchmark (1, 1.5, 2.5 tried: docs/benchmarks.md).
+SHED_FACTOR = 2.0
+#: Weight of each release in the mean service time.
+SERVICE_ALPHA = 0.05
 #: Lowest adaptive limit, requests.
 MIN_LIMIT = 4
 #: The wait budget is never below this share of the TTFT SLO (prefill estimates can be high).
@@ -59,6 +72,7 @@ class SloState:
         gap_s: smoothed inter-token time, seconds (None before any sample).
         departure_rps: smoothed releases per second (None before the first interval).
         prefill_s: smoothed admission-to-first-token time, seconds (0 before any sample).
+        service_s: smoothed admission-to-release time, seconds (None before any sample).
     """
 
     DEFAULT_START = 64
@@ -74,6 +88,7 @@ class SloState:
         "limit",
         "max_limit",
         "prefill_s",
+        "service_s",
         "tpot_seconds",
         "ttft_seconds",
     )
@@ -94,6 +109,7 @@ class SloState:
         self.gap_s: float | None = None
         self.departure_rps: float | None = None
         self.prefill_s = 0.0
+        self.service_s: float | None = None
         self._gap_sum = 0.0
         self._gap_n = 0.0
         self._departures = 0
@@ -123,9 +139,11 @@ class SloState:
         """One request's first token came ``seconds`` after its admission."""
         self.prefill_s += 0.1 * (seconds - self.prefill_s)
 
-    def observe_departure(self) -> None:
-        """One admitted request was released."""
+    def observe_departure(self, seconds: float) -> None:
+        """One admitted request was released ``seconds`` after its admission."""
         self._departures += 1
+        sv = self.service_s
+        self.service_s = seconds if sv is None else sv + SERVICE_ALPHA * (seconds - sv)
 
     def reached(self) -> None:
         """The adaptive limit stopped a request (so raising it could admit more)."""
@@ -164,13 +182,13 @@ class SloState:
             up = self.limit + max(1, math.floor(self.limit * INCREASE))
             self.limit = up if self.max_limit is None else min(self.max_limit, up)
 
-    def expected_wait(self, ahead: int) -> float | None:
-        """Seconds a newcomer with ``ahead`` requests waiting before it would wait; None while
-        no departure rate is known."""
-        mu = self.departure_rps
-        if mu is None or mu <= 0:
+    def expected_wait(self, ahead: int, in_flight: int) -> float | None:
+        """Seconds a newcomer with ``ahead`` requests waiting before it would wait while
+        ``in_flight`` requests hold the server: ``(ahead + 1) x service_s / in_flight``; None
+        before any request was released or with nothing in flight."""
+        if self.service_s is None or in_flight <= 0:
             return None
-        return (ahead + 1) / mu
+        return (ahead + 1) * self.service_s / in_flight
 
     def wait_budget(self) -> float | None:
         """Seconds a request under the TTFT SLO may wait in the queue: the SLO less the observed
