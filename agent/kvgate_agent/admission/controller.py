@@ -26,7 +26,7 @@ from kvgate_agent.admission.decision import (
     Waiter,
 )
 from kvgate_agent.admission.holds import Hold, Holds
-from kvgate_agent.admission.limits import Blocker, Limits
+from kvgate_agent.admission.limits import ENGINE_KV_TTL_S, Blocker, Limits
 from kvgate_agent.admission.overload import OverloadActions
 from kvgate_agent.admission.retry import DecodeSpeed, refusal
 from kvgate_agent.admission.slo import SloState
@@ -524,8 +524,10 @@ class AdmissionController(OverloadActions):
 
     def observe_engine_kv(self, used_tokens: int | None) -> None:
         """The engine reports ``used_tokens`` KV tokens in use (None: unknown). Where that is
-        more than kvgate has reserved (plus headroom), admission counts the engine's figure."""
+        more than kvgate has reserved (plus headroom), admission counts the engine's figure,
+        for :data:`~kvgate_agent.admission.limits.ENGINE_KV_TTL_S` seconds from now."""
         self._limits.engine_kv_used = used_tokens
+        self._limits.engine_kv_until = self.clock() + ENGINE_KV_TTL_S
 
 
 def _aging_rate(config: AdmissionConfig) -> float:

@@ -26,6 +26,8 @@ from kvgate_agent.contract.policy import LimitScope, ReservationMode
 
 #: Weight of each settled request in the mean overrun (tokens a reservation grew by).
 OVERRUN_ALPHA = 0.05
+#: An engine KV report counts for this long, seconds (a stale one must not hold admission).
+ENGINE_KV_TTL_S = 3.0
 #: Headroom kept for the growth of predicted reservations never exceeds this share of the pool.
 MAX_HEADROOM_SHARE = 0.2
 
@@ -167,6 +169,7 @@ class Limits:
         overrun_mean: mean tokens a predicted reservation grew by before release.
         predicted_in_flight: tickets in flight whose reservation is below their worst case.
         engine_kv_used: KV tokens the engine reports in use (None: not known).
+        engine_kv_until: clock time after which that report is too old to count.
     """
 
     __slots__ = (
@@ -174,6 +177,7 @@ class Limits:
         "_started_at",
         "concurrency_limit",
         "config",
+        "engine_kv_until",
         "engine_kv_used",
         "in_flight",
         "kv_reserved_tokens",
@@ -201,6 +205,7 @@ class Limits:
         self.overrun_mean = 0.0
         self.predicted_in_flight = 0
         self.engine_kv_used: int | None = None
+        self.engine_kv_until = 0.0
 
     # ------------------------------------------------------------------ configuration
 
@@ -281,12 +286,14 @@ class Limits:
             int(MAX_HEADROOM_SHARE * cap), math.ceil(self.predicted_in_flight * self.overrun_mean)
         )
 
-    def kv_in_use(self) -> int:
+    def kv_in_use(self, now: float) -> int:
         """KV tokens counted as taken: the reservations plus the headroom, or the engine's own
         figure when it reports more."""
         used = self.kv_reserved_tokens + self.headroom
         engine = self.engine_kv_used
-        return used if engine is None or engine <= used else engine
+        if engine is None or engine <= used or now > self.engine_kv_until:
+            return used
+        return engine
 
     def grow(self, ticket: Ticket, tokens: int) -> int:
         """Extend ``ticket``'s reservation to hold prompt + ``tokens`` output tokens (all
@@ -346,7 +353,7 @@ class Limits:
     def max_fit_now(self, req: AdmissionRequest, now: float) -> int | None:
         """Largest max_tokens that fits the KV room and every cost bucket's level now."""
         kv = self.config.kv_capacity_tokens
-        kv_room = None if kv is None else kv - self.kv_in_use()
+        kv_room = None if kv is None else kv - self.kv_in_use(now)
         cost_room: float | None = None
         for lim in self.rate_limits:
             if lim.cost is not None:
@@ -394,7 +401,7 @@ class Limits:
         if cfg.kv_capacity_tokens is not None:
             if kv is None:
                 kv = self.reservation(req, max_tokens)
-            if self.kv_in_use() + kv > cfg.kv_capacity_tokens:
+            if self.kv_in_use(now) + kv > cfg.kv_capacity_tokens:
                 return Blocker(Reason.KV_CAPACITY, "kv")
         if not with_buckets:
             return None
