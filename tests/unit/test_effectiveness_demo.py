@@ -3,7 +3,7 @@ three arms and every tenant, its takeaway's ratios agree with the goodputs it pr
 reports where kvgate does worse.
 
 The calibration is replaced by a fixed one (the real search takes seconds; it has its own tests
-through the benchmark's runner), everything else runs: a 10 s schedule through the 17 arm
+through the benchmark's runner), everything else runs: a 10 s schedule at load 3 through the 17 arm
 settings in this process.
 """
 
@@ -30,7 +30,10 @@ def fixed_calibration(workload: str, prof: str, duration_s: float, seed: int) ->
 def run_demo(monkeypatch: pytest.MonkeyPatch, *args: str) -> str:
     monkeypatch.setattr(demo, "calibrate", fixed_calibration)
     out = io.StringIO()
-    assert demo.main(["--duration", "10", "--jobs", "1", "--quiet", *args], out=out) == 0
+    assert (
+        demo.main(["--duration", "10", "--load", "3", "--jobs", "1", "--quiet", *args], out=out)
+        == 0
+    )
     return out.getvalue()
 
 
