@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_bench.effectiveness.arms import ABLATIONS, ARM_NAMES, BASELINES
-from kvgate_bench.effectiveness.progress import Progress
+from kvgate_bench.effectiveness.progress import Progress as Progress  # re-exported
 from kvgate_bench.effectiveness.replay import DEFAULT_REPLAYS, PROBE_DELTAS_S
 from kvgate_bench.effectiveness.runner import (
     Calibration,
