@@ -71,7 +71,8 @@ def test_demo_tables_hold_the_arms_and_tenants_and_the_takeaway_agrees(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     text = run_demo(monkeypatch)
-    n_requests = int(re.search(r"seed 1, ([0-9]+) requests", text).group(1))  # type: ignore[union-attr]
+    flat = " ".join(text.split())  # the setup text and the takeaway are wrapped
+    n_requests = int(re.search(r"seed 1, ([0-9]+) requests", flat).group(1))  # type: ignore[union-attr]
     assert n_requests > 50
     rows = arm_rows(text)
     assert list(rows) == ["none", "concurrency-cap*", "kvgate"]
@@ -92,7 +93,7 @@ def test_demo_tables_hold_the_arms_and_tenants_and_the_takeaway_agrees(
     m = re.search(
         rf"goodput: kvgate {NUMBER} tokens/s = {NUMBER}x none \({NUMBER}\) and {NUMBER}x the "
         rf"tuned concurrency cap \({NUMBER}, cap=([0-9]+),queue_timeout_s=",
-        text,
+        flat,
     )
     assert m is not None, text
     gk, r_none, gn, r_cap, gc = (float(m.group(i)) for i in range(1, 6))

@@ -40,6 +40,7 @@ import argparse
 import multiprocessing
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +77,8 @@ from kvgate_bench.effectiveness.workloads import (
 from kvgate_bench.sim.steptime import PROFILES, StepTimeModel, profile
 from kvgate_bench.toolkit import percentile
 
+#: Width of the setup text, characters.
+WIDTH = 100
 #: The arms compared, in report order.
 DEMO_ARMS: tuple[str, ...] = ("none", "concurrency-cap", "kvgate")
 #: How each workload's arrivals come (for the setup text).
@@ -344,41 +347,43 @@ def setup_text(
     cap_pol, queue = pol.get("capacity", {}), pol.get("queue", {})
     degrade = pol.get("overload", {}).get("degrade", {})
     rate = sched.rate_rps
+    paragraphs = [
+        f"kvgate demo, in virtual time: the {args.workload} workload, one seeded "
+        f"{args.duration:g} s schedule (seed {args.seed}, {len(sched.requests)} requests, "
+        f"{rate:.2f} req/s) through three admission arms, each in front of a fresh engine.",
+        "",
+        f"engine  the {steptime.name} model of vLLM V1 (FCFS waiting queue, max_num_seqs "
+        f"{eng.max_num_seqs}, chunked prefill of {eng.max_num_batched_tokens} tokens a step, "
+        f"KV pool {ctx.kv_capacity_tokens:,} tokens in {eng.block_size}-token blocks, "
+        "recompute preemption); a step takes "
+        f"{steptime.a_s * 1e3:g} ms + {steptime.b_s * 1e6:g} us/prefill token + "
+        f"{steptime.c_s * 1e6:g} us/decoding sequence + {steptime.d_s * 1e6:g} us/context "
+        "token (derivation: kvgate_bench/sim/steptime.py). A request stops at its true "
+        "output length (Azure LLM trace 2023 fits) or its max_tokens.",
+        f"tenants {', '.join(tenants)}; {ARRIVALS[args.workload]}; clients' max_tokens "
+        f"drawn from {mts}.",
+        f"SLOs    interactive: TTFT <= {TTFT_SLO_S:g} s and TPOT <= {TPOT_SLO_S * 1e3:g} ms; "
+        f"batch: finished within {BATCH_SLO_S:g} s. A refused request misses, so does one "
+        "cut short. Goodput = output tokens/s of the requests that met their SLO, over the "
+        "run until its backlog drained.",
+        f"load    {args.load:g} = {args.load:g}x the arrival rate at which `none` reaches "
+        f"its peak goodput: calibrated here, C = {cal.capacity_goodput_tokens_per_s:.0f} "
+        f"tokens/s (at {cal.peak_rate_rps:.2f} req/s, {len(cal.probes)} probes), E[out] "
+        f"{cal.mean_output_tokens:.0f} tokens, so load 1 = C / E[out] = "
+        f"{cal.load1_rate_rps:.2f} req/s.",
+        "arms    none: the engine alone. concurrency-cap*: at most `cap` requests in the "
+        f"engine, a FIFO queue with a timeout in front; all {n_caps} settings swept on this "
+        "very schedule and the best goodput kept: a generous tuning (an operator tunes on "
+        "yesterday's traffic). kvgate: the admission core on its one default policy, not "
+        f"tuned to this workload (reservation {cap_pol.get('reservation', 'MaxTokens')} at "
+        f"the {cap_pol.get('reservationQuantile', '-')} quantile of learned output lengths, "
+        f"grown as tokens stream; a {queue.get('order')} queue of {queue.get('maxLength')} "
+        f"for {queue.get('maxWaitSeconds')} s; Degrade to {degrade.get('minMaxTokens')} "
+        "tokens; concurrency and shedding driven by the SLOs above).",
+    ]
     return "\n".join(
-        [
-            f"kvgate demo, in virtual time: the {args.workload} workload, ONE seeded "
-            f"{args.duration:g} s schedule (seed {args.seed}, {len(sched.requests)} requests, "
-            f"{rate:.2f} req/s) through three admission arms, each in front of a fresh engine.",
-            "",
-            f"engine  the {steptime.name} model of vLLM V1 (FCFS waiting queue, max_num_seqs "
-            f"{eng.max_num_seqs}, chunked prefill of {eng.max_num_batched_tokens} tokens a step, "
-            f"KV pool {ctx.kv_capacity_tokens:,} tokens in {eng.block_size}-token blocks, "
-            "recompute preemption); a step takes "
-            f"{steptime.a_s * 1e3:g} ms + {steptime.b_s * 1e6:g} us/prefill token + "
-            f"{steptime.c_s * 1e6:g} us/decoding sequence + {steptime.d_s * 1e6:g} us/context "
-            "token (derivation: kvgate_bench/sim/steptime.py). A request stops at its true "
-            "output length (Azure LLM trace 2023 fits) or its max_tokens.",
-            f"tenants {', '.join(tenants)}; {ARRIVALS[args.workload]}; clients' max_tokens "
-            f"drawn from {mts}.",
-            f"SLOs    interactive: TTFT <= {TTFT_SLO_S:g} s and TPOT <= {TPOT_SLO_S * 1e3:g} ms; "
-            f"batch: finished within {BATCH_SLO_S:g} s. A refused request misses, so does one "
-            "cut short. Goodput = output tokens/s of the requests that met their SLO, over the "
-            "run until its backlog drained.",
-            f"load    {args.load:g} = {args.load:g}x the arrival rate at which `none` reaches "
-            f"its peak goodput: calibrated here, C = {cal.capacity_goodput_tokens_per_s:.0f} "
-            f"tokens/s (at {cal.peak_rate_rps:.2f} req/s, {len(cal.probes)} probes), E[out] "
-            f"{cal.mean_output_tokens:.0f} tokens, so load 1 = C / E[out] = "
-            f"{cal.load1_rate_rps:.2f} req/s.",
-            "arms    none: the engine alone. concurrency-cap*: at most `cap` requests in the "
-            f"engine, a FIFO queue with a timeout in front; all {n_caps} settings swept on this "
-            "very schedule and the best goodput kept: a generous tuning (an operator tunes on "
-            "yesterday's traffic). kvgate: the admission core on its one default policy, not "
-            f"tuned to this workload (reservation {cap_pol.get('reservation', 'MaxTokens')} at "
-            f"the {cap_pol.get('reservationQuantile', '-')} quantile of learned output lengths, "
-            f"grown as tokens stream; a {queue.get('order')} queue of {queue.get('maxLength')} "
-            f"for {queue.get('maxWaitSeconds')} s; Degrade to {degrade.get('minMaxTokens')} "
-            "tokens; concurrency and shedding driven by the SLOs above).",
-        ]
+        textwrap.fill(x, WIDTH, subsequent_indent=" " * (8 if i else 0), break_on_hyphens=False)
+        for i, x in enumerate(paragraphs)
     )
 
 
@@ -490,8 +495,8 @@ def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
     p(setup_text(args, steptime, ctx, cal, sched, len(caps)))
     p()
     p(
-        "per arm (goodput, throughput: output tokens/s; SLO met: share of all requests; "
-        "TTFT/TPOT p99: interactive requests served; * the tuned cap)"
+        "per arm (goodput, throughput: output tokens/s; SLO met: share of all requests;\n"
+        "TTFT/TPOT p99: of the interactive requests served; * the tuned cap)"
     )
     p(arm_table(chosen))
     p()
@@ -506,12 +511,13 @@ def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:
     p()
     p("takeaway (measured in this run):")
     for line in takeaway(chosen):
-        p("  " + line)
+        indent = "      " if line.startswith("  - ") else "    "
+        p(textwrap.fill("  " + line, WIDTH, subsequent_indent=indent, break_on_hyphens=False))
     cpu = sum(float(r.summary["cpu_s"]) for r in runs)
     p()
     p(
         f"{len(runs)} runs of {len(sched.requests)} requests, {cpu:.0f} CPU s simulated; "
-        f"wall {time.monotonic() - started:.0f} s (calibration included). The same kind of "
+        f"wall {time.monotonic() - started:.0f} s (calibration included).\nThe same kind of "
         "story over real HTTP through the sidecar: python -m kvgate_bench.demo"
     )
     return 0
