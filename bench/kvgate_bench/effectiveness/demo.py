@@ -28,7 +28,7 @@ core in one process, nothing sleeps), on the ``h100-llama3-8b`` engine profile
 The figures' definitions are :mod:`kvgate_bench.effectiveness.metrics`' (SLOs, goodput, span).
 A progress display goes to stderr (one line rewritten in place on a terminal, a line per tenth
 of a phase otherwise; ``--quiet``: none); stdout carries the report only. With the defaults it
-takes about 40 s on 2 cores. The real-time counterpart over HTTP, through the sidecar and
+takes about 45 s on 2 cores. The real-time counterpart over HTTP, through the sidecar and
 kvgate-sim, is ``python -m kvgate_bench.demo``.
 
 Units: times in seconds, lengths in tokens, goodput and throughput in output tokens/s.
