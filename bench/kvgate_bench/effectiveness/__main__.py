@@ -29,12 +29,12 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from kvgate_bench.effectiveness.arms import ABLATIONS, ARM_NAMES, BASELINES
+from kvgate_bench.effectiveness.progress import Progress as Progress  # re-exported
 from kvgate_bench.effectiveness.replay import DEFAULT_REPLAYS, PROBE_DELTAS_S
 from kvgate_bench.effectiveness.runner import (
     Calibration,
@@ -99,48 +99,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--progress", action="store_true", help="progress on stderr even when not a terminal"
     )
     return p.parse_args(argv)
-
-
-class Progress:
-    """A progress display on ``stream``: phase, done / total, elapsed (since the display was
-    made) and ETA (the phase's mean time per item so far x the items left), seconds.
-
-    ``live``: one line rewritten in place (a terminal); otherwise a line per tenth of a phase
-    and at its end. ``clock``: monotonic seconds (injected by the tests).
-    """
-
-    def __init__(
-        self, stream: TextIO, live: bool, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.stream, self.live, self.clock = stream, live, clock
-        self.started = clock()
-        self._phase = ""
-        self._phase_started = self.started
-
-    def line(self, phase: str, done: int, total: int) -> str:
-        """The text shown for ``done`` of ``total`` in ``phase``."""
-        now = self.clock()
-        if phase != self._phase:
-            self._phase, self._phase_started = phase, now
-        elapsed = now - self.started
-        text = f"{phase} {done}/{total}, elapsed {elapsed:.0f} s"
-        if 0 < done < total:
-            eta = (now - self._phase_started) / done * (total - done)
-            text += f", ETA {eta:.0f} s"
-        return text
-
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        text = self.line(phase, done, total)
-        if self.live:
-            end = "\n" if done >= total else ""
-            self.stream.write(f"\r\x1b[K{text}{end}")
-        elif done >= total or done % max(1, total // 10) == 0:
-            self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def phase(self, name: str) -> Callable[[int, int], None]:
-        """A (done, total) callback for ``name``."""
-        return lambda done, total: self(name, done, total)
 
 
 def _fmt(v: Any, spec: str = ".0f", scale: float = 1.0) -> str:
