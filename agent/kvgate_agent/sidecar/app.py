@@ -68,6 +68,9 @@ class SidecarSettings:
         drain_seconds: on SIGTERM, how long in-flight requests may take to finish.
         engine_poll_seconds: how often the engine's KV capacity is re-read when
             ``capacity.fromEngineMetrics`` is set.
+        engine_usage_seconds: how often the engine's KV tokens in use are read from its
+            ``/metrics`` while a KV capacity is enforced; admission counts that figure where it
+            exceeds kvgate's own reservations (0: never read).
         tenant_label_limit: distinct tenant label values in metrics before ``other``.
     """
 
@@ -79,6 +82,7 @@ class SidecarSettings:
     read_timeout: float | None = 600.0
     drain_seconds: float = 30.0
     engine_poll_seconds: float = 15.0
+    engine_usage_seconds: float = 1.0
     tenant_label_limit: int = 50
     agent: AgentSettings | None = None
 
@@ -117,6 +121,7 @@ class Sidecar:
             lambda: self.spec,
             self.metrics.upstream_ok,
             settings.engine_poll_seconds,
+            settings.engine_usage_seconds,
         )
         if settings.agent is not None:
             t = AgentThresholds(

@@ -42,6 +42,16 @@ def _url(value: str) -> str:
     return value
 
 
+def _non_negative_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {value!r}")
+    return seconds
+
+
 def add_sidecar_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``sidecar`` subcommand to ``kvgate-agent``'s parser. String defaults from the
     environment go through each flag's type, so a bad ``KVGATE_*`` value is reported like a bad
@@ -175,6 +185,14 @@ def _add_serving_args(s: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long in-flight requests may finish; keep it below "
         "the pod's terminationGracePeriodSeconds [KVGATE_DRAIN_SECONDS]",
     )
+    s.add_argument(
+        "--engine-usage-seconds",
+        type=_non_negative_seconds,
+        default=_env("ENGINE_USAGE_SECONDS", "1"),
+        help="how often the model server's KV tokens in use are read from its /metrics "
+        "while a KV capacity is enforced; admission counts that figure where it exceeds "
+        "kvgate's own reservations; 0 disables [KVGATE_ENGINE_USAGE_SECONDS]",
+    )
 
 
 async def run_sidecar(
@@ -291,6 +309,7 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         max_body_bytes=args.max_body_bytes,
         read_timeout=args.upstream_timeout,
         drain_seconds=args.drain_seconds,
+        engine_usage_seconds=args.engine_usage_seconds,
     )
     with contextlib.suppress(ImportError):
         import uvloop

@@ -1,5 +1,6 @@
 """The sidecar's own reads of its model server: KV capacity (``/metrics``), context length
-(``/v1/models``) and liveness (``/health``).
+(``/v1/models``), liveness (``/health``) and, every ``usage_seconds``, the KV tokens in use
+(:mod:`kvgate_agent.sidecar.engine_usage`).
 
 Invariant: an implausible or unreadable KV capacity is never enforced; until one is read,
 ``failureMode`` decides (FailOpen admits under the policy's explicit figure, FailClosed answers
@@ -21,6 +22,7 @@ from kvgate_agent.admission import AdmissionController, AsyncAdmission, Reason
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED
 from kvgate_agent.engines.metrics import kv_capacity_from_metrics
+from kvgate_agent.sidecar.engine_usage import EngineUsagePoll
 from kvgate_agent.sidecar.metrics import Flag
 
 log = logging.getLogger("kvgate.sidecar")
@@ -53,6 +55,8 @@ class EngineProbe:
         spec: the policy spec enforced now (it changes with the node agent's thresholds).
         upstream_ok: set on each ``/health`` check (``kvgate_upstream_up``).
         poll_seconds: how often the KV capacity is re-read once known.
+        usage_seconds: how often the KV tokens in use are read while a KV capacity is
+            enforced (0: never).
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class EngineProbe:
         spec: Callable[[], RateLimitPolicySpec],
         upstream_ok: Flag,
         poll_seconds: float,
+        usage_seconds: float = 0.0,
     ) -> None:
         self.upstream = upstream
         self.controller = controller
@@ -77,19 +82,29 @@ class EngineProbe:
         self._health: _HealthCheck | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
+        self.usage = (
+            EngineUsagePoll(upstream, controller, admission, usage_seconds)
+            if usage_seconds > 0
+            else None
+        )
 
     async def start(self, session: aiohttp.ClientSession, *, poll: bool) -> None:
         """Read the KV capacity once (when the spec asks for it), then, with ``poll``, keep
-        polling the engine in the background."""
+        polling the engine in the background. The KV usage poll (``usage_seconds`` > 0) runs
+        regardless: a capacity may be enforced later (new thresholds)."""
         self.session = session
         self._wake = asyncio.Event()
         if self.spec().capacity.from_engine_metrics:
             await self.refresh_capacity()
         if poll:
             self._task = asyncio.create_task(self._poll())
+        if self.usage is not None:
+            self.usage.start(session)
 
     async def stop(self) -> None:
-        """Stop polling."""
+        """Stop polling (both polls)."""
+        if self.usage is not None:
+            await self.usage.stop()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

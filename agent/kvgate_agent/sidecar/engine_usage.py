@@ -1,0 +1,94 @@
+"""The sidecar's cheap, frequent read of the KV tokens its model server has in use.
+
+Requests can reach the engine around kvgate (another client, a second sidecar, a restart with
+requests still running): the engine's own figure is then larger than kvgate's reservations,
+and admission counts it (``AdmissionController.observe_engine_kv``; a figure counts for
+``kvgate_agent.admission.limits.ENGINE_KV_TTL_S`` seconds, so a stalled poll never holds
+admission). Read only while a KV capacity is enforced: without one, KV use decides nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+
+from kvgate_agent.admission import AdmissionController, AsyncAdmission
+from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
+from kvgate_agent.engines.metrics import parse_engine_metrics
+
+log = logging.getLogger("kvgate.sidecar")
+
+#: Bound on one usage read, seconds: a figure answered later than its own lifetime is of no use.
+USAGE_TIMEOUT = aiohttp.ClientTimeout(total=ENGINE_KV_TTL_S)
+
+
+class EngineUsagePoll:
+    """Every ``interval`` seconds (after the previous read ends), ``GET upstream/metrics`` and
+    hand ``kv_used_tokens`` (:func:`~kvgate_agent.engines.metrics.parse_engine_metrics`) to
+    ``controller.observe_engine_kv``; None when the engine does not report it or the read
+    fails. A failed read is logged at debug once per outage, and its recovery once.
+
+    Args:
+        upstream: model server base URL, e.g. ``http://127.0.0.1:8000``.
+        controller: the admission state fed.
+        admission: kicked after each figure, so a waiting request is reconsidered at once when
+            the engine frees KV.
+        interval: seconds between reads (> 0).
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        controller: AdmissionController,
+        admission: AsyncAdmission,
+        interval: float,
+    ) -> None:
+        if not interval > 0:
+            raise ValueError(f"the usage poll interval must be > 0 seconds, not {interval}")
+        self.upstream = upstream
+        self.controller = controller
+        self.admission = admission
+        self.interval = interval
+        self.failing = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        """Start polling in the background with ``session``."""
+        self._task = asyncio.create_task(self._run(session))
+
+    async def stop(self) -> None:
+        """Stop polling (waits for the task to end)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def read(self, session: aiohttp.ClientSession) -> int | None:
+        """One read: the KV tokens the engine reports in use, or None (not reported, unread)."""
+        try:
+            async with session.get(self.upstream + "/metrics", timeout=USAGE_TIMEOUT) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(
+                        resp.request_info, (), status=resp.status, message=resp.reason or ""
+                    )
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError, UnicodeDecodeError) as exc:
+            if not self.failing:
+                log.debug("cannot read the engine's KV usage (silent until it recovers): %s", exc)
+            self.failing = True
+            return None
+        if self.failing:
+            log.debug("reading the engine's KV usage again")
+        self.failing = False
+        return parse_engine_metrics(text).kv_used_tokens
+
+    async def _run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            if self.controller.kv_capacity_tokens is not None:
+                self.controller.observe_engine_kv(await self.read(session))
+                self.admission.kick()
+            await asyncio.sleep(self.interval)

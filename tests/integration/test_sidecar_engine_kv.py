@@ -1,0 +1,95 @@
+"""The engine's own KV figure over real HTTP on loopback: requests sent to kvgate-sim around the
+sidecar fill its KV pool, and a sidecar reading the engine's usage refuses what kvgate's own
+bookkeeping would admit, until those requests end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+
+from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
+from kvgate_bench.sim.server import SimConfig, start_sim
+from kvgate_bench.toolkit import poll_until_async, wait_until_async
+from tests.conftest import SidecarFactory
+
+#: kvgate-sim's pool (tokens) and a direct request's prompt and output (tokens): two direct
+#: requests hold 2 x (1500 + 150) = 3300 of 4096 tokens; the sidecar's request reserves
+#: prompt + 1000 (MaxTokens), which fits kvgate's own count (nothing reserved) but not the
+#: engine's.
+POOL, DIRECT_PROMPT, DIRECT_OUTPUT, VIA_SIDECAR_MAX_TOKENS = 4096, 1500, 150, 1000
+DECODE_MS = 20.0  # the direct requests run DIRECT_OUTPUT x DECODE_MS = 3 s
+
+SPEC: dict[str, Any] = {
+    "capacity": {"fromEngineMetrics": True, "reservation": "MaxTokens"},
+    "model": {"blockSize": 16},
+    "overload": {"actions": ["Reject"]},
+}
+VIA_SIDECAR = {
+    "model": "kvgate-sim-model",
+    "max_tokens": VIA_SIDECAR_MAX_TOKENS,
+    "messages": [{"role": "user", "content": "hello"}],
+}
+
+
+async def _direct(client: aiohttp.ClientSession, sim: str) -> None:
+    """One long streamed completion straight to kvgate-sim, read to its end."""
+    body = {
+        "model": "kvgate-sim-model",
+        "prompt": [1] * DIRECT_PROMPT,
+        "max_tokens": DIRECT_OUTPUT,
+        "stream": True,
+    }
+    headers = {"x-sim-output-tokens": str(DIRECT_OUTPUT)}
+    async with client.post(sim + "/v1/completions", json=body, headers=headers) as r:
+        assert r.status == 200
+        await r.read()
+
+
+async def _via(client: aiohttp.ClientSession, url: str) -> tuple[int, str, str]:
+    """One short request through a sidecar: (status, x-kvgate-decision, x-kvgate-reason)."""
+    headers = {"x-sim-output-tokens": "1"}
+    async with client.post(url + "/v1/chat/completions", json=VIA_SIDECAR, headers=headers) as r:
+        await r.read()
+        return r.status, r.headers["x-kvgate-decision"], r.headers.get("x-kvgate-reason", "")
+
+
+async def test_engine_kv_used_around_the_sidecar_refuses_until_it_is_freed(
+    sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    runner, port = await start_sim(
+        SimConfig(kv_capacity_tokens=POOL, max_model_len=2048, decode_ms=DECODE_MS)
+    )
+    try:
+        sim = f"http://127.0.0.1:{port}"
+        url, sc = await sidecar_factory(sim, SPEC, engine_usage_seconds=0.1)
+        blind, _ = await sidecar_factory(sim, SPEC, engine_usage_seconds=0)
+        assert sc.controller.kv_capacity_tokens == POOL  # read from vllm:cache_config_info
+        assert (await _via(client, url))[1] == "admitted"  # an idle engine: it fits
+
+        direct = [asyncio.create_task(_direct(client, sim)) for _ in range(2)]
+
+        async def engine_full() -> bool:
+            async with client.get(sim + "/sim/stats") as r:
+                return int((await r.json())["used_blocks"]) * 16 >= 2 * DIRECT_PROMPT
+
+        await wait_until_async(engine_full, 5.0, "the direct requests holding KV")
+        # The engine is full: kvgate's own count (nothing reserved) would admit, the engine's
+        # figure refuses.
+        got = await poll_until_async(lambda: _via(client, url), lambda g: g[1] != "admitted", 1.5)
+        assert got[1:] == ("rejected", "kv_capacity") and got[0] in (429, 503), got
+        assert not any(t.done() for t in direct), "the direct requests ended too soon"
+        assert (await _via(client, blind))[1] == "admitted"  # without the usage poll: blind
+        assert sc.controller.in_flight == 0
+
+        await asyncio.gather(*direct)
+        ended = time.monotonic()
+        got = await poll_until_async(
+            lambda: _via(client, url), lambda g: g[1] == "admitted", ENGINE_KV_TTL_S + 1.0
+        )
+        assert got[1] == "admitted", got
+        assert time.monotonic() - ended <= ENGINE_KV_TTL_S + 1.0
+    finally:
+        await runner.cleanup()
