@@ -5,14 +5,25 @@ bookkeeping would admit, until those requests end."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
 import aiohttp
+import pytest
 
+from kvgate_agent.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionRequest,
+    AsyncAdmission,
+    Outcome,
+)
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
+from kvgate_agent.contract.policy import OverloadAction
+from kvgate_agent.sidecar.engine_usage import EngineUsagePoll
 from kvgate_bench.sim.server import SimConfig, start_sim
-from kvgate_bench.toolkit import poll_until_async, wait_until_async
+from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import SidecarFactory
 
 #: kvgate-sim's pool (tokens) and a direct request's prompt and output (tokens): two direct
@@ -93,3 +104,32 @@ async def test_engine_kv_used_around_the_sidecar_refuses_until_it_is_freed(
         assert time.monotonic() - ended <= ENGINE_KV_TTL_S + 1.0
     finally:
         await runner.cleanup()
+
+
+async def test_an_unreadable_engine_counts_as_unknown_and_is_logged_once(
+    client: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    controller = AdmissionController(
+        AdmissionConfig(kv_capacity_tokens=POOL, actions=(OverloadAction.REJECT,))
+    )
+    controller.observe_engine_kv(POOL)  # the engine was full at the last read
+    request = AdmissionRequest("t", 10, 100)
+    assert controller.submit(request).outcome is Outcome.REJECTED
+    poll = EngineUsagePoll(
+        f"http://127.0.0.1:{free_port()}", controller, AsyncAdmission(controller), 0.01
+    )
+    with caplog.at_level(logging.DEBUG, logger="kvgate.sidecar"):
+        poll.start(client)
+        await wait_until_async(lambda: poll.failing, 5.0, "a failed read")
+        await asyncio.sleep(0.1)  # about ten more failed reads
+        await poll.stop()
+    said = [r.getMessage() for r in caplog.records if "KV usage" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("cannot read"), said
+    # An unread figure is unknown: the old one stops counting at once.
+    assert controller.submit(request).outcome is Outcome.ADMITTED
+
+
+def test_a_non_positive_interval_is_refused() -> None:
+    controller = AdmissionController(AdmissionConfig())
+    with pytest.raises(ValueError, match="> 0"):
+        EngineUsagePoll("http://127.0.0.1:1", controller, AsyncAdmission(controller), 0)
