@@ -8,13 +8,14 @@ Usage::
 
 Calibrates the ``none`` arm's goodput capacity per workload, runs every arm setting on the same
 seeded schedules, prints per workload and load each arm's best setting with its figures and
-its goodput ratio to ``none`` measured in the same run, the headline ratios of
-``kvgate-maxtokens``, and the sweeps. ``--json`` writes ``{"results": [...], "sweeps": [...],
-"calibration": {...}, "meta": {...}}``. ``--short`` (``conversation`` and ``multi-tenant`` at
-loads 1 and 2, one seed, 300 s schedules, fewer settings) finishes within 5 minutes on 2 cores.
+its goodput ratio to ``none`` measured in the same run, the headline ratios of ``kvgate`` (to
+``none``, the best baseline, the oracle and ``kvgate-maxtokens``), and the sweeps. ``--json``
+writes ``{"results": [...], "sweeps": [...], "calibration": {...}, "meta": {...}}``.
+``--short`` (``conversation`` and ``multi-tenant`` at loads 1 and 2, one seed, 300 s schedules,
+fewer settings and replays) finishes within 5 minutes on 2 cores.
 
 Reject precision and the Retry-After error are measured by replaying up to ``--replays``
-(default 16) sampled rejections of each reported row (see
+(default 16; ``--short`` 3) sampled rejections of each reported row (see
 :mod:`kvgate_bench.effectiveness.metrics`); their CPU time is printed apart from the runs'.
 ``--plots DIR`` writes the PNGs of :mod:`kvgate_bench.effectiveness.plots`. A progress line
 (phase, done / total, elapsed, ETA) goes to stderr when it is a terminal or with
@@ -48,6 +49,8 @@ from kvgate_bench.effectiveness.runner import (
 from kvgate_bench.effectiveness.workloads import WORKLOADS
 from kvgate_bench.sim.steptime import PROFILES
 
+#: Rejections replayed per reported row under ``--short`` (a replay costs about a run).
+SHORT_REPLAYS = 3
 #: The keys of every ``results`` row, in the issue's order (more may follow).
 RESULT_KEYS: tuple[str, ...] = (
     "workload",
@@ -92,8 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--replays",
         type=int,
-        default=DEFAULT_REPLAYS,
-        help=f"rejections replayed per reported run (default {DEFAULT_REPLAYS}; 0: none)",
+        help=f"rejections replayed per reported run (default {DEFAULT_REPLAYS}; --short "
+        f"{SHORT_REPLAYS}; 0: none)",
     )
     p.add_argument(
         "--progress", action="store_true", help="progress on stderr even when not a terminal"
@@ -170,26 +173,39 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
                 f"{_ratio(gp[arm], gp.get('none')):>7}",
             ]
             lines.append(" ".join(cells))
-        k = "kvgate-maxtokens"
-        if k in gp:
-            base = {b: gp[b] for b in BASELINES if gp.get(b) is not None}
-            best = max(base, key=lambda b: base[b] or 0.0) if base else None
-            msg = (
-                f"{w} load {load:g}: {k} goodput {_fmt(gp[k])} tokens/s = "
-                f"{_ratio(gp[k], gp.get('none'))} none ({_fmt(gp.get('none'))})"
-            )
-            if best is not None:
-                msg += (
-                    f", {_ratio(gp[k], base[best])} the best baseline ({best} {_fmt(base[best])})"
-                )
-                ibase = {b: igp[b] for b in BASELINES if igp.get(b) is not None}
-                ib = max(ibase, key=lambda b: ibase[b] or 0.0)
-                msg += (
-                    f"; interactive goodput {_fmt(igp[k])} = {_ratio(igp[k], igp.get('none'))} "
-                    f"none, {_ratio(igp[k], ibase[ib])} the best baseline ({ib} {_fmt(ibase[ib])})"
-                )
-            heads.append(msg)
+        for k in ("kvgate", "kvgate-maxtokens"):
+            if k in gp:
+                heads.append(_headline(w, load, k, gp, igp))
     return "\n".join(lines), heads
+
+
+def _headline(w: str, load: float, k: str, gp: dict[str, Any], igp: dict[str, Any]) -> str:
+    """One headline: arm ``k``'s goodput against none, the best baseline, and (for ``kvgate``)
+    the oracle, its noisy variant and kvgate-maxtokens, all measured in this run."""
+    base = {b: gp[b] for b in BASELINES if gp.get(b) is not None}
+    best = max(base, key=lambda b: base[b] or 0.0) if base else None
+    msg = (
+        f"{w} load {load:g}: {k} goodput {_fmt(gp[k])} tokens/s = "
+        f"{_ratio(gp[k], gp.get('none'))} none ({_fmt(gp.get('none'))})"
+    )
+    if best is not None:
+        msg += f", {_ratio(gp[k], base[best])} the best baseline ({best} {_fmt(base[best])})"
+        ibase = {b: igp[b] for b in BASELINES if igp.get(b) is not None}
+        ib = max(ibase, key=lambda b: ibase[b] or 0.0)
+        msg += (
+            f"; interactive goodput {_fmt(igp[k])} = {_ratio(igp[k], igp.get('none'))} "
+            f"none, {_ratio(igp[k], ibase[ib])} the best baseline ({ib} {_fmt(ibase[ib])})"
+        )
+    if k == "kvgate":
+        for other, label in (
+            ("oracle", "the oracle"),
+            ("kvgate-maxtokens", "kvgate-maxtokens"),
+        ):
+            if gp.get(other) is not None:
+                msg += f"; {_ratio(gp[k], gp[other])} {label} ({_fmt(gp[other])})"
+        if gp.get("kvgate-noisy") is not None and gp.get("oracle") is not None:
+            msg += f"; kvgate-noisy = {_ratio(gp['kvgate-noisy'], gp['oracle'])} the oracle"
+    return msg
 
 
 def sweep_table(sweeps: list[dict[str, Any]]) -> str:
@@ -259,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     tasks = build_tasks(workloads, loads, seeds, cals, args.profile, duration, short, arms)
+    if args.replays is None:
+        args.replays = SHORT_REPLAYS if short else DEFAULT_REPLAYS
     tasks = [replace(t, replays=max(0, args.replays)) for t in tasks]
     rows = run_all(tasks, args.jobs, show.phase("runs") if shown else None)
     chosen, sweeps = pick_best(rows)

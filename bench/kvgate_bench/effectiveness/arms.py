@@ -41,7 +41,8 @@ workload and load, and the sweep with it):
     block by block as tokens stream, and the workload's SLOs (``slo.ttftSeconds`` 0.5,
     ``slo.tpotSeconds`` 0.05 for priority >= 1: interactive clients send priority 1, batch
     ones 0): the adaptive concurrency limit and shedding by expected queue wait. The arm feeds
-    the controller every streamed token (``observe_tokens``), as the sidecar does.
+    the controller every streamed token (``observe_tokens``) and, every second, the engine's
+    KV usage (``observe_engine_kv``), as the sidecar does.
 ``kvgate-noisy``
     ``kvgate`` whose length prediction is the true length x a lognormal error of sigma 1.0
     (seeded per request): a much worse predictor than the learned one.
@@ -468,8 +469,17 @@ class KvgateArm(KvgateMaxTokensArm):
         """The length to reserve for instead of the learned prediction (None: learned)."""
         return None
 
+    #: How often the arm reads the engine's KV usage into the controller, seconds (the sidecar's
+    #: ``--engine-usage-seconds`` default).
+    ENGINE_USAGE_S = 1.0
+    _next_usage = 0.0
+
     def on_tokens(self, new_tokens: dict[str, int], now: float) -> None:
         self.clock.now = now
+        if now >= self._next_usage:
+            eng = self.gate.engine
+            self.controller.observe_engine_kv(math.ceil(eng.kv_usage * self.ctx.kv_capacity_tokens))
+            self._next_usage = now + self.ENGINE_USAGE_S
         tickets = self._tickets
         observe = self.controller.observe_tokens
         for rid, index in new_tokens.items():
@@ -535,7 +545,7 @@ def candidates(name: str, tenants: dict[str, Tenant], short: bool) -> list[dict[
     """The parameter settings swept for arm ``name`` (one empty dict for untuned arms).
     ``short`` sweeps fewer settings."""
     if name == "concurrency-cap":
-        caps = (32, 64, 96, 128, 192) if short else (16, 32, 48, 64, 96, 128, 160, 192, 256)
+        caps = (64, 96, 128, 192) if short else (16, 32, 48, 64, 96, 128, 160, 192, 256)
         timeouts = (0.25, 1.0, 30.0) if short else (0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
         return [{"cap": c, "queue_timeout_s": q} for c in caps for q in timeouts]
     if name == "token-bucket":
