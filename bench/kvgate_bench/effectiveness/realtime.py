@@ -483,6 +483,20 @@ def context_at(steptime: StepTimeModel, workload: str, rate_rps: float, seed: in
     )
 
 
+#: Relative tolerance of the virtual/real agreement on goodput and on preemptions.
+GOODPUT_TOLERANCE = 0.10
+#: Absolute tolerance on preemptions, counts: a request that joins the engine one step earlier
+#: or later over HTTP can add or save a preemption or two; on a handful of preemptions 10 % is
+#: below one.
+PREEMPTIONS_ABS_TOLERANCE = 2
+
+
+def preemptions_agree(virtual: int, real: int) -> bool:
+    """``|real - virtual| <= max(10 % of the larger, 2)`` (counts over the whole run)."""
+    tol = max(GOODPUT_TOLERANCE * max(virtual, real), PREEMPTIONS_ABS_TOLERANCE)
+    return abs(real - virtual) <= tol
+
+
 @dataclass(frozen=True)
 class Agreement:
     """Virtual- and real-time figures of one arm on one schedule (``summarize`` rows)."""
@@ -493,6 +507,14 @@ class Agreement:
     virtual_preemptions: int
     real_preemptions: int
     run: RealtimeRun
+
+    @property
+    def agree(self) -> bool:
+        """Goodput within :data:`GOODPUT_TOLERANCE` and preemptions within
+        :func:`preemptions_agree`."""
+        return abs(self.goodput_ratio - 1.0) <= GOODPUT_TOLERANCE and preemptions_agree(
+            self.virtual_preemptions, self.real_preemptions
+        )
 
     @property
     def goodput_ratio(self) -> float:
@@ -559,6 +581,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-capacity-tokens", type=int, help="KV pool, tokens (default: profile's)")
     p.add_argument("--time-scale", type=float, default=1.0, help="real s per modelled s")
     p.add_argument("--in-process", action="store_true", help="kvgate-sim in this process")
+    p.add_argument(
+        "--real-profile",
+        choices=sorted(PROFILES),
+        help="run kvgate-sim on this profile instead (a check that a mismatch shows)",
+    )
     p.add_argument("--json", type=Path, help="write both summaries here")
     return p.parse_args(argv)
 
@@ -590,13 +617,15 @@ async def _main(args: argparse.Namespace) -> int:
         steptime,
         time_scale=args.time_scale,
         sim_subprocess=not args.in_process,
+        real_profile=args.real_profile,
     )
     print(_row("virtual", a.virtual, a.virtual_preemptions))
     print(_row("real", a.real, a.real_preemptions))
     run = a.run
     print(
-        f"  real/virtual goodput {a.goodput_ratio:.3f}; wall {run.wall_s:.1f} s, kvgate-sim "
-        f"late {run.late_s:.3f} s, send lag max {run.send_lag_max_s * 1000:.1f} ms"
+        f"  {'agree' if a.agree else 'DISAGREE'}: real/virtual goodput {a.goodput_ratio:.3f}; "
+        f"wall {run.wall_s:.1f} s, kvgate-sim late {run.late_s:.3f} s, "
+        f"send lag max {run.send_lag_max_s * 1000:.1f} ms"
     )
     if args.json is not None:
         args.json.write_text(
