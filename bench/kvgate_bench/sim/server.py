@@ -238,6 +238,8 @@ class SimServer:
         #: Real seconds the engine loop fell behind its step deadlines by more than
         #: MAX_LAG_S (written off, so the modelled timeline stretched by that much).
         self.late_s = 0.0
+        #: The most (real seconds) a step started after its deadline (the previous step's end).
+        self.lag_max_s = 0.0
         #: Engine steps taken.
         self.steps = 0
         self.registry = CollectorRegistry(auto_describe=True)
@@ -308,6 +310,7 @@ class SimServer:
                     # step ended, so the loop's own CPU time (stepping, delivering tokens) does
                     # not stretch the modelled timeline. Lag beyond MAX_LAG_S is written off.
                     late = loop.time() - end
+                    self.lag_max_s = max(self.lag_max_s, late)
                     if late > MAX_LAG_S:
                         self.late_s += late - MAX_LAG_S
                         end += late - MAX_LAG_S
@@ -533,6 +536,7 @@ class SimServer:
                 "active_connections": len(server.connections) if server is not None else None,
                 "time_scale": self.config.time_scale,
                 "late_s": self.late_s,
+                "lag_max_s": self.lag_max_s,
                 "steps": self.steps,
             }
         )
