@@ -15,25 +15,32 @@ the engine model in one process on a virtual clock. This module runs the same
   sidecar (:class:`kvgate_agent.sidecar.app.Sidecar`) in front, in this process, enforcing that
   spec as a RateLimitPolicy manifest. The other arms have no real-time counterpart here.
 * **client**: one aiohttp task per request sends, at the request's arrival time, a streaming
-  chat completion with its tenant in ``x-kvgate-tenant``, its ``max_tokens`` (omitted when
-  the schedule has none) and its true output length in the simulator-only header
+  completion with its tenant in ``x-kvgate-tenant``, its ``max_tokens`` (omitted when the
+  schedule has none) and its true output length in the simulator-only header
   ``x-sim-output-tokens`` (the sidecar forwards it untouched, kvgate-sim stops there).
 
-**Prompt tokens.** kvgate-sim counts a chat prompt as ``words + 4`` per message ``+ 2``; the
-prompt is one user message of ``prompt_tokens - 6`` words, so kvgate-sim sees exactly the
-schedule's count. The sidecar is given a word-level tokenizer (one token per whitespace-separated
-word, written to a temporary ``tokenizer.json``), so its count is exact too, plus its fixed chat
-framing (4 per message + 3 for the reply primer: ``prompt_tokens + 1``): one token more than the
-virtual-time arm charges, about 0.1 % of a conversation prompt. (A prompt under 7 tokens, which
-the workloads practically never draw, is sent as an empty message: kvgate-sim then counts 6.)
+**Prompt tokens.** By default the prompt is a list of ``prompt_tokens`` token ids
+(``/v1/completions``): kvgate-sim and the sidecar both count one token per id, exactly the
+schedule's count, at no tokenizing cost. With ``chat`` it is a chat completion of one user
+message of ``prompt_tokens - 6`` words, which kvgate-sim counts as ``words + 4`` per message
+``+ 2`` (exactly the schedule's count); the sidecar is then given a word-level tokenizer (one
+token per whitespace-separated word, a temporary ``tokenizer.json``) and counts the words plus
+its fixed chat framing (4 per message + 3 for the reply primer): ``prompt_tokens + 1``, one token
+more than the virtual-time arm charges. (A prompt under 7 tokens, which the workloads practically
+never draw, is sent as an empty message: kvgate-sim then counts 6.) Why token ids by default: the
+tokenizer runs on the sidecar's event loop, about 2 us per word here (1.6 ms for the median
+conversation prompt of 757 tokens, 16 ms for 7,900), and a burst of long prompts delays the
+tokens the sidecar relays and, in this process, the client's next sends (multi-tenant's bursty
+arrivals at load 1.5: sends 100-200 ms late).
 
 **What is measured**, per request, on the real clock from the schedule's start: the first
-token's time (the first chunk with non-empty content), the finish (the chunk carrying
-``finish_reason``), the output tokens (content chunks; each is one token in kvgate-sim),
-refusals (any status but 200: 429/503 from the sidecar, 400 from either), a degradation
-(``x-kvgate-decision: degraded``, its ``x-kvgate-degraded: max_tokens=N``), and the times
-kvgate-sim preempted it (``/sim/preemptions``, by the ``id`` of its chunks). The KV usage is
-sampled from ``/sim/stats`` every :data:`KV_SAMPLE_S` seconds. They fill the same
+token's time (the first chunk with text: a non-empty ``text``, or ``delta.content`` in chat),
+the finish (the chunk carrying ``finish_reason``), the output tokens (chunks with text; each is
+one token in kvgate-sim), refusals (any status but 200: 429/503 from the sidecar, 400 from
+either), a degradation (``x-kvgate-decision: degraded``, its ``x-kvgate-degraded:
+max_tokens=N``), and the times kvgate-sim preempted it (``/sim/preemptions``, by the ``id``
+of its chunks). The KV usage is sampled from ``/sim/stats`` every :data:`KV_SAMPLE_S` seconds.
+They fill the same
 :class:`~kvgate_bench.effectiveness.driver.RequestRecord` / ``RunResult`` the virtual driver
 builds, so :func:`kvgate_bench.effectiveness.metrics.summarize` scores both the same way.
 
@@ -102,8 +109,10 @@ from kvgate_bench.toolkit import free_port, percentile
 KV_SAMPLE_S = 0.1
 #: kvgate-sim's fixed chat framing: 4 tokens per message + 2 (``count_chat_prompt_tokens``).
 SIM_CHAT_OVERHEAD = 6
-#: The word every prompt is made of (one token for kvgate-sim and for the sidecar's tokenizer).
+#: The word chat prompts are made of (one token for kvgate-sim and for the sidecar's tokenizer).
 PROMPT_WORD = "hi"
+#: The token id completions prompts are made of.
+PROMPT_TOKEN_ID = 1000
 MODEL = "kvgate-sim-model"
 #: The arm that stands for kvgate in :func:`compare` and the test (switch when ``kvgate`` lands).
 DEFAULT_KVGATE_ARM = "kvgate-maxtokens"
@@ -182,14 +191,19 @@ def prompt_text(prompt_tokens: int) -> str:
     return " ".join([PROMPT_WORD] * max(0, prompt_tokens - SIM_CHAT_OVERHEAD))
 
 
-def request_body(req: Request) -> dict[str, Any]:
-    """The streaming chat completion sent for ``req`` (``max_tokens`` only when it has one)."""
+def request_body(req: Request, chat: bool = False) -> dict[str, Any]:
+    """The streaming request sent for ``req``: a completion whose prompt is
+    ``req.prompt_tokens`` token ids, or (``chat``) a chat completion of one user message of
+    ``prompt_tokens - 6`` words; ``max_tokens`` only when the schedule has one."""
     body: dict[str, Any] = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens)}],
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt_text(req.prompt_tokens)}]
+    else:
+        body["prompt"] = [PROMPT_TOKEN_ID] * req.prompt_tokens
     if req.max_tokens is not None:
         body["max_tokens"] = req.max_tokens
     return body
@@ -289,14 +303,14 @@ async def _sim(sc: SimConfig, subprocess: bool, engines: list[SimEngine]) -> Asy
 
 @contextlib.asynccontextmanager
 async def _sidecar(
-    upstream: str, spec: dict[str, Any], time_scale: float, tokenizer: Path
+    upstream: str, spec: dict[str, Any], time_scale: float, tokenizer: Path | None
 ) -> AsyncIterator[str]:
     """The kvgate sidecar enforcing ``spec`` in front of ``upstream``, in this loop, its
     admission clock in modelled seconds; yields its base URL."""
     settings = SidecarSettings(
         upstream=upstream,
         policy=parse_policy(policy_manifest(spec)),
-        tokenizer_file=str(tokenizer),
+        tokenizer_file=None if tokenizer is None else str(tokenizer),
         read_timeout=None,
     )
     clock: Callable[[], float] = time.monotonic
@@ -314,7 +328,9 @@ async def _sidecar(
 
 
 @contextlib.asynccontextmanager
-async def _sidecar_process(upstream: str, spec: dict[str, Any], tmp: Path) -> AsyncIterator[str]:
+async def _sidecar_process(
+    upstream: str, spec: dict[str, Any], tmp: Path, tokenizer: Path | None
+) -> AsyncIterator[str]:
     """The ``kvgate-agent sidecar`` CLI enforcing ``spec`` in front of ``upstream``, as a child
     process on the real clock; yields its base URL. Raises ``RuntimeError`` if it does not
     answer ``/healthz`` within 30 s (its log is in the message)."""
@@ -326,8 +342,10 @@ async def _sidecar_process(upstream: str, spec: dict[str, Any], tmp: Path) -> As
     argv = [
         sys.executable, "-m", "kvgate_agent", "sidecar", "--upstream", upstream,
         "--policy", str(policy), "--listen", f"127.0.0.1:{port}",
-        "--tokenizer", str(tmp / "tokenizer.json"), "--upstream-timeout", "3600",
+        "--upstream-timeout", "3600",
     ]  # fmt: skip
+    if tokenizer is not None:
+        argv += ["--tokenizer", str(tokenizer)]
     with log.open("wb") as fh:
         proc = await asyncio.create_subprocess_exec(*argv, stdout=fh, stderr=fh)
     try:
@@ -362,9 +380,10 @@ _DEGRADED_MAX_TOKENS = re.compile(r"max_tokens=(\d+)")
 class _Client:
     """Sends a schedule's requests at their arrival times and records what came back."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, scale: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, url: str, scale: float, chat: bool) -> None:
         self.session = session
-        self.url = url + "/v1/chat/completions"
+        self.chat = chat
+        self.url = url + ("/v1/chat/completions" if chat else "/v1/completions")
         self.scale = scale
         self.loop = asyncio.get_running_loop()
         self.t0 = 0.0
@@ -384,7 +403,9 @@ class _Client:
         self.send_lags[req.rid] = self.now() - req.arrival_s
         headers = {TENANT_HEADER: req.tenant, OUTPUT_TOKENS_HEADER: str(req.output_tokens)}
         try:
-            async with self.session.post(self.url, json=request_body(req), headers=headers) as r:
+            async with self.session.post(
+                self.url, json=request_body(req, self.chat), headers=headers
+            ) as r:
                 await self._read(rec, r, default_max_tokens)
         except (aiohttp.ClientError, ValueError) as exc:
             self.errors.append(f"{req.rid}: {exc!r}")
@@ -428,7 +449,8 @@ class _Client:
                 if obj.get("usage"):
                     usage = obj["usage"].get("completion_tokens")
                 for choice in obj.get("choices") or ():
-                    if choice.get("delta", {}).get("content"):
+                    text = choice["delta"].get("content") if self.chat else choice.get("text")
+                    if text:
                         tokens += 1
                         if rec.first_token_at is None:
                             rec.first_token_at = self.now()
@@ -467,6 +489,7 @@ async def run_realtime(
     time_scale: float = 1.0,
     sim_subprocess: bool = True,
     sidecar_process: bool = False,
+    chat: bool = False,
 ) -> RealtimeRun:
     """Run ``schedule`` over HTTP through arm ``arm`` (``none`` or a kvgate arm, its policy
     built from ``ctx``) into kvgate-sim running ``ctx.engine`` under profile ``profile_name``
@@ -488,8 +511,9 @@ async def run_realtime(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     connector = aiohttp.TCPConnector(limit=0)
     with tempfile.TemporaryDirectory(prefix="kvgate-realtime-") as tmp:
-        tokenizer = Path(tmp) / "tokenizer.json"
-        write_word_tokenizer(tokenizer)
+        tokenizer = Path(tmp) / "tokenizer.json" if chat else None
+        if tokenizer is not None:
+            write_word_tokenizer(tokenizer)
         async with (
             _sim(sc, sim_subprocess, engines) as sim_url,
             contextlib.AsyncExitStack() as stack,
@@ -497,12 +521,14 @@ async def run_realtime(
         ):
             url = sim_url
             if spec is not None and sidecar_process:
-                url = await stack.enter_async_context(_sidecar_process(sim_url, spec, Path(tmp)))
+                url = await stack.enter_async_context(
+                    _sidecar_process(sim_url, spec, Path(tmp), tokenizer)
+                )
             elif spec is not None:
                 url = await stack.enter_async_context(
                     _sidecar(sim_url, spec, time_scale, tokenizer)
                 )
-            client = _Client(session, url, time_scale)
+            client = _Client(session, url, time_scale, chat)
             mml = ctx.engine.max_model_len
             defaults = [
                 engine_default_max_tokens(r, mml)
@@ -626,6 +652,7 @@ async def compare(
     time_scale: float = 1.0,
     sim_subprocess: bool = True,
     sidecar_process: bool = False,
+    chat: bool = False,
     real_profile: str | None = None,
 ) -> Agreement:
     """Run ``schedule`` through ``arm`` in virtual time (``steptime``, ``ctx.engine``) and in
@@ -639,6 +666,7 @@ async def compare(
         time_scale=time_scale,
         sim_subprocess=sim_subprocess,
         sidecar_process=sidecar_process,
+        chat=chat,
     )
     return Agreement(
         arm,
@@ -676,6 +704,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-capacity-tokens", type=int, help="KV pool, tokens (default: profile's)")
     p.add_argument("--time-scale", type=float, default=1.0, help="real s per modelled s")
     p.add_argument("--in-process", action="store_true", help="kvgate-sim in this process")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat completions of words (the sidecar counts them with a word-level tokenizer) "
+        "instead of completions of token ids",
+    )
     p.add_argument(
         "--sidecar-process",
         action="store_true",
@@ -718,6 +752,7 @@ async def _main(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         sim_subprocess=not args.in_process,
         sidecar_process=args.sidecar_process,
+        chat=args.chat,
         real_profile=args.real_profile,
     )
     print(_row("virtual", a.virtual, a.virtual_preemptions))
