@@ -168,7 +168,10 @@ def arm_policy(arm: str, ctx: ArmContext) -> dict[str, Any] | None:
     ``ValueError`` for an arm with no real-time counterpart (the baselines) or an unknown one."""
     if arm == "none":
         return None
-    a = make_arm(arm, ctx, {})
+    try:
+        a = make_arm(arm, ctx, {})
+    except KeyError:  # a baseline that needs its tuned parameters
+        a = None
     if not isinstance(a, KvgateMaxTokensArm):
         raise ValueError(f"arm {arm!r} has no real-time counterpart (none or a kvgate arm)")
     return a.policy()
