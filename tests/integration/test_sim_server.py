@@ -354,3 +354,43 @@ async def test_engine_failure_aborts_requests_and_fails_health(
         assert "engine loop died" in caplog.text
     finally:
         await runner.cleanup()
+
+
+async def test_preemptions_are_reported_per_response_id(
+    sim: Factory, http: aiohttp.ClientSession
+) -> None:
+    base = await sim(kv_capacity_tokens=1024, max_model_len=1024)  # as the test above
+
+    async def one() -> str:
+        body = chat_body("lorem " * 10, max_tokens=200)
+        async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
+            data: dict[str, Any] = await resp.json()
+            return str(data["id"])
+
+    ids = set(await asyncio.gather(*(one() for _ in range(8))))
+    async with http.get(f"{base}/sim/preemptions") as resp:
+        pre = await resp.json()
+    s = await stats(http, base)
+    assert pre["total"] == s["preemptions"] > 0
+    assert set(pre["requests"]) <= ids and sum(pre["requests"].values()) == pre["total"]
+
+
+async def test_time_scale_stretches_steps_and_steps_keep_to_their_deadlines(
+    sim: Factory, http: aiohttp.ClientSession
+) -> None:
+    # 400 decode steps of 0.5 ms: 0.2 s modelled. Paced to deadlines the loop's own time per
+    # step (stepping, delivering the token, the sleep's overshoot) does not add up; slept after
+    # the work (kvgate-sim before pacing) it took about 3x as long on a 2-core machine.
+    loop = asyncio.get_running_loop()
+    for scale in (1.0, 2.0):
+        base = await sim(decode_ms=0.5, time_scale=scale)
+        body = chat_body(max_tokens=400, stream=True)
+        t0 = loop.time()
+        async with http.post(f"{base}/v1/chat/completions", json=body) as resp:
+            await resp.read()
+        elapsed = loop.time() - t0
+        s = await stats(http, base)
+        assert s["steps"] == 400 and s["time_scale"] == scale
+        assert 0.2 * scale <= elapsed < 1.1 * 0.2 * scale + s["late_s"], elapsed
+    with pytest.raises(ValueError, match="time_scale"):
+        SimConfig(time_scale=0)

@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output-seed", type=int, default=0, help="seed of the lognormal output lengths"
     )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="real seconds per modelled second: steps last this many times their modelled "
+        "duration (> 1 runs slower than the modelled GPU, for load generators on small "
+        "machines; default 1)",
+    )
     return p
 
 
@@ -83,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         profile=args.profile,
         output_lengths=args.output_lengths,
         output_seed=args.output_seed,
+        time_scale=args.time_scale,
     )
 
 
@@ -95,7 +104,8 @@ async def serve(config: SimConfig, host: str, port: int) -> None:
     runner, bound = await start_sim(config, host, port)
     print(
         f"kvgate-sim listening on http://{host}:{bound} model={config.model} "
-        f"profile={config.profile} blocks={config.num_gpu_blocks}x{config.block_size}",
+        f"profile={config.profile} blocks={config.num_gpu_blocks}x{config.block_size} "
+        f"time_scale={config.time_scale:g}",
         flush=True,
     )
     try:
@@ -108,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvgate-sim`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        config = config_from_args(args)
+        config = config_from_args(args)  # ValueError: e.g. a time scale <= 0
         config.engine_config()  # validate early
         config.output_length_source()
     except ValueError as exc:

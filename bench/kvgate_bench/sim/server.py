@@ -1,5 +1,6 @@
 """kvgate-sim HTTP server: a vLLM-compatible OpenAI API (chat and text completions with SSE
-streaming, ``/v1/models``, ``/health``, ``/metrics`` with vLLM's metric names, ``/sim/stats``)
+streaming, ``/v1/models``, ``/health``, ``/metrics`` with vLLM's metric names, ``/sim/stats``,
+``/sim/preemptions``)
 driven by :class:`~kvgate_bench.sim.engine.SimEngine` in real time.
 
 Invariant: deterministic output without a tokenizer; generated token ``i`` is the word
@@ -18,6 +19,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,11 @@ from kvgate_bench.sim.steptime import profile as steptime_profile
 logger = logging.getLogger(__name__)
 
 TENANT_HEADER = "x-kvgate-tenant"
+#: How far (real seconds) the engine loop may fall behind its step deadlines and catch up
+#: (shorter sleeps); beyond it the lag is written off (``/sim/stats`` ``late_s``).
+MAX_LAG_S = 0.25
+#: Preempted requests whose counts ``/sim/preemptions`` keeps (the most recent).
+PREEMPTED_KEPT = 100_000
 WORDS: tuple[str, ...] = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy",
     "dog", "while", "kv", "blocks", "fill", "up", "and", "drain",
@@ -64,6 +71,12 @@ class SimConfig:
         output_lengths: true lengths of requests without ``x-sim-output-tokens``:
             ``max`` (run to max_tokens) or ``lognormal`` (seeded draws).
         output_seed: seed of the ``lognormal`` draws.
+        time_scale: real seconds per modelled second (> 0): each step lasts
+            ``time_scale x`` its modelled duration on the real clock. Above 1 the
+            simulator runs slower than the GPU it models, so that a load generator and a
+            proxy on a small machine keep up; the client then sends its arrivals
+            ``time_scale x`` later and divides what it measures by it (see
+            :mod:`kvgate_bench.effectiveness.realtime`).
     """
 
     model: str = "kvgate-sim-model"
@@ -78,6 +91,11 @@ class SimConfig:
     profile: str = "constant"
     output_lengths: str = "max"
     output_seed: int = 0
+    time_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.time_scale > 0:
+            raise ValueError("time_scale must be > 0")
 
     @property
     def steptime(self) -> StepTimeModel:
@@ -194,8 +212,11 @@ class SimServer:
     One background task runs the engine while there is work: each iteration lasts the duration
     the engine's step-time model gives it (:mod:`kvgate_bench.sim.steptime`: the ``constant``
     profile's ``decode_ms`` plus ``prefill_us_per_token`` per prefilled token by default, or a
-    realistic profile's ``a + b*P + c*D + d*K``), slept on the real clock, then the tokens it
-    produced go to the waiting handlers; when idle it sleeps on an :class:`asyncio.Event` (no
+    realistic profile's ``a + b*P + c*D + d*K``) times ``time_scale``, paced on the real clock
+    to deadlines (step ``k`` ends at the start of the busy period plus the scaled durations of
+    steps ``1..k``, so the loop's own CPU time does not stretch it; a lag over
+    :data:`MAX_LAG_S` is written off and counted in ``/sim/stats`` ``late_s``), then the tokens
+    it produced go to the waiting handlers; when idle it sleeps on an :class:`asyncio.Event` (no
     polling). JSON shapes are those of vLLM's OpenAI server; ``stream_options.include_usage`` is
     honoured as vLLM does; ``max_tokens`` (``max_completion_tokens`` for chat) defaults to
     ``max_model_len - prompt``. A request's tenant is its ``x-kvgate-tenant`` header ("" when
@@ -212,6 +233,15 @@ class SimServer:
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
+        #: Response id -> times preempted, for the last PREEMPTED_KEPT preempted requests.
+        self.preempted_requests: OrderedDict[str, int] = OrderedDict()
+        #: Real seconds the engine loop fell behind its step deadlines by more than
+        #: MAX_LAG_S (written off, so the modelled timeline stretched by that much).
+        self.late_s = 0.0
+        #: The most (real seconds) a step started after its deadline (the previous step's end).
+        self.lag_max_s = 0.0
+        #: Engine steps taken.
+        self.steps = 0
         self.registry = CollectorRegistry(auto_describe=True)
         self._init_metrics()
 
@@ -265,14 +295,27 @@ class SimServer:
         server reports itself dead (503 on /health and new requests), as vLLM
         does when its engine core dies.
         """
+        loop = asyncio.get_running_loop()
+        scale = self.config.time_scale
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
+                end = loop.time()  # the first step starts now
                 while self.engine.has_work:
                     result = self.engine.step()
+                    self.steps += 1
                     self._count_preemptions(result)
-                    await asyncio.sleep(result.duration_s)
+                    # Paced to deadlines: a step ends its (scaled) duration after the previous
+                    # step ended, so the loop's own CPU time (stepping, delivering tokens) does
+                    # not stretch the modelled timeline. Lag beyond MAX_LAG_S is written off.
+                    late = loop.time() - end
+                    self.lag_max_s = max(self.lag_max_s, late)
+                    if late > MAX_LAG_S:
+                        self.late_s += late - MAX_LAG_S
+                        end += late - MAX_LAG_S
+                    end += result.duration_s * scale
+                    await asyncio.sleep(max(0.0, end - loop.time()))
                     for rid, index in result.new_tokens.items():
                         queue = self._queues.get(rid)
                         if queue is not None:
@@ -282,10 +325,14 @@ class SimServer:
             self._abort_all()
 
     def _count_preemptions(self, result: StepResult) -> None:
+        kept = self.preempted_requests
         for rid in result.preempted:
             self.preemptions.inc()
             seq = self.engine.get(rid)
             self.preemptions_by_tenant.labels(tenant=seq.tenant if seq else "").inc()
+            kept[rid] = kept.pop(rid, 0) + 1
+            if len(kept) > PREEMPTED_KEPT:
+                kept.popitem(last=False)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """aiohttp cleanup context: runs the engine loop for the app's lifetime."""
@@ -487,7 +534,19 @@ class SimServer:
                 "cancelled_total": eng.cancelled_total,
                 "active_requests": self.active_requests,
                 "active_connections": len(server.connections) if server is not None else None,
+                "time_scale": self.config.time_scale,
+                "late_s": self.late_s,
+                "lag_max_s": self.lag_max_s,
+                "steps": self.steps,
             }
+        )
+
+    async def preempted(self, request: web.Request) -> web.Response:
+        """GET /sim/preemptions: ``{"total": n, "requests": {response id: times}}``: the
+        preemptions so far and, for the last :data:`PREEMPTED_KEPT` preempted requests, how
+        often each was preempted (by the ``id`` of its completion chunks)."""
+        return web.json_response(
+            {"total": self.engine.preemptions_total, "requests": dict(self.preempted_requests)}
         )
 
 
@@ -567,6 +626,7 @@ def create_app(config: SimConfig) -> web.Application:
     app.router.add_get("/health", sim.health)
     app.router.add_get("/metrics", sim.metrics)
     app.router.add_get("/sim/stats", sim.stats)
+    app.router.add_get("/sim/preemptions", sim.preempted)
     return app
 
 
