@@ -84,7 +84,13 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_bench.effectiveness.arms import ArmContext, KvgateMaxTokensArm, make_arm
+from kvgate_bench.effectiveness.arms import (
+    ArmContext,
+    KvgateMaxTokensArm,
+    NoisyKvgateArm,
+    OracleArm,
+    make_arm,
+)
 from kvgate_bench.effectiveness.driver import (
     DEGRADED,
     PENDING,
@@ -114,8 +120,10 @@ PROMPT_WORD = "hi"
 #: The token id completions prompts are made of.
 PROMPT_TOKEN_ID = 1000
 MODEL = "kvgate-sim-model"
+#: The sidecar's default priority header (``spec.priority.header``).
+PRIORITY_HEADER = "x-kvgate-priority"
 #: The arm that stands for kvgate in :func:`compare` and the test (switch when ``kvgate`` lands).
-DEFAULT_KVGATE_ARM = "kvgate-maxtokens"
+DEFAULT_KVGATE_ARM = "kvgate"
 
 
 def sim_config(profile_name: str, config: EngineConfig, time_scale: float = 1.0) -> SimConfig:
@@ -172,9 +180,22 @@ def arm_policy(arm: str, ctx: ArmContext) -> dict[str, Any] | None:
         a = make_arm(arm, ctx, {})
     except KeyError:  # a baseline that needs its tuned parameters
         a = None
-    if not isinstance(a, KvgateMaxTokensArm):
-        raise ValueError(f"arm {arm!r} has no real-time counterpart (none or a kvgate arm)")
+    if not isinstance(a, KvgateMaxTokensArm) or isinstance(a, OracleArm | NoisyKvgateArm):
+        raise ValueError(
+            f"arm {arm!r} has no real-time counterpart (none or a kvgate arm; the oracle's and "
+            "kvgate-noisy's lengths exist in the virtual-time process only)"
+        )
     return a.policy()
+
+
+def arm_priorities(arm: str, ctx: ArmContext) -> Callable[[Request], int] | None:
+    """The ``x-kvgate-priority`` each request of arm ``arm`` carries (as the virtual-time arm's
+    ``admission_request`` gives it); None for ``none``. Raises as :func:`arm_policy`."""
+    if arm_policy(arm, ctx) is None:
+        return None
+    a = make_arm(arm, ctx, {})
+    assert isinstance(a, KvgateMaxTokensArm)
+    return lambda req: a.admission_request(req).priority
 
 
 def write_word_tokenizer(path: Path) -> None:
@@ -383,8 +404,16 @@ _DEGRADED_MAX_TOKENS = re.compile(r"max_tokens=(\d+)")
 class _Client:
     """Sends a schedule's requests at their arrival times and records what came back."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, scale: float, chat: bool) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        scale: float,
+        chat: bool,
+        priority: Callable[[Request], int] | None = None,
+    ) -> None:
         self.session = session
+        self.priority = priority
         self.chat = chat
         self.url = url + ("/v1/chat/completions" if chat else "/v1/completions")
         self.scale = scale
@@ -405,6 +434,8 @@ class _Client:
             await asyncio.sleep(delay)
         self.send_lags[req.rid] = self.now() - req.arrival_s
         headers = {TENANT_HEADER: req.tenant, OUTPUT_TOKENS_HEADER: str(req.output_tokens)}
+        if self.priority is not None:
+            headers[PRIORITY_HEADER] = str(self.priority(req))
         try:
             async with self.session.post(
                 self.url, json=request_body(req, self.chat), headers=headers
@@ -531,7 +562,7 @@ async def run_realtime(
                 url = await stack.enter_async_context(
                     _sidecar(sim_url, spec, time_scale, tokenizer)
                 )
-            client = _Client(session, url, time_scale, chat)
+            client = _Client(session, url, time_scale, chat, arm_priorities(arm, ctx))
             mml = ctx.engine.max_model_len
             defaults = [
                 engine_default_max_tokens(r, mml)
