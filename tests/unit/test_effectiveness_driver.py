@@ -237,3 +237,17 @@ def test_kvgate_arm_never_asks_to_be_woken_in_the_past() -> None:
     assert ctl.queue_length == 2
     at = arm.next_wake()
     assert at is not None and at > 15.0
+
+
+def test_steptime_of_replaces_the_kv_pool() -> None:
+    from kvgate_bench.effectiveness.runner import steptime_of
+    from kvgate_bench.sim.steptime import profile
+
+    base = profile("h100-llama3-8b")
+    assert steptime_of("h100-llama3-8b") == base
+    small = steptime_of("h100-llama3-8b@65536")
+    assert small.kv_capacity_tokens == 65536 != base.kv_capacity_tokens
+    assert small.chunked_prefill == base.chunked_prefill
+    for bad in ("h100-llama3-8b@0", "h100-llama3-8b@x", "h100-llama3-8b@-5"):
+        with pytest.raises(ValueError, match="positive"):
+            steptime_of(bad)

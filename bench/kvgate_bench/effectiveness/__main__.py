@@ -85,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write the results to this file")
     p.add_argument("--plots", type=Path, help="write PNG plots here (needs matplotlib)")
     p.add_argument("--profile", default="h100-llama3-8b", choices=sorted(PROFILES))
+    p.add_argument(
+        "--kv-capacity-tokens",
+        type=int,
+        help="replace the profile's KV pool (tokens), e.g. 65536: a KV-bound server",
+    )
     p.add_argument("--duration", type=float, help="schedule length, s (default 600; --short 300)")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes")
     p.add_argument(
@@ -262,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     if shown:
         show("calibration", 0, len(workloads))
+    if args.kv_capacity_tokens is not None:
+        if args.kv_capacity_tokens < 8192:  # one max_model_len sequence must fit
+            print("--kv-capacity-tokens must be at least 8192", file=sys.stderr)
+            return 2
+        args.profile = f"{args.profile}@{args.kv_capacity_tokens}"
     found = calibrate_all(workloads, args.profile, duration, args.seed, args.jobs)
     if shown:
         show("calibration", len(workloads), len(workloads))

@@ -23,6 +23,7 @@ rejection that carried a Retry-After.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -108,9 +109,23 @@ def mean_lengths(workload: str, seed: int) -> tuple[float, float]:
     return sum(outs) / len(outs), sum(totals) / len(totals)
 
 
+def steptime_of(prof: str) -> StepTimeModel:
+    """The step-time model named ``prof``: a profile name (``steptime.PROFILES``), optionally
+    ``@`` a KV pool in tokens replacing the profile's (``h100-llama3-8b@65536``: the same GPU
+    with less room for KV, e.g. a larger model's weights). Raises ``ValueError`` for an
+    unknown profile or a pool that is not a positive integer."""
+    name, _, pool = prof.partition("@")
+    st = profile(name)
+    if not pool:
+        return st
+    if not pool.isdigit() or int(pool) <= 0:
+        raise ValueError(f"KV pool must be a positive number of tokens, got {pool!r}")
+    return dataclasses.replace(st, kv_capacity_tokens=int(pool))
+
+
 def none_goodput(workload: str, rate: float, duration_s: float, seed: int, prof: str) -> float:
     """Goodput of the ``none`` arm at ``rate`` requests/s, output tokens/s."""
-    steptime = profile(prof)
+    steptime = steptime_of(prof)
     run = simulate(
         generate(workload, rate, duration_s, seed), make_arm("none", _dummy(), {}), steptime
     )
@@ -192,7 +207,7 @@ class Task:
 def arm_factory(task: Task) -> tuple[Schedule, Callable[[], Arm], StepTimeModel]:
     """(``task``'s schedule, a factory of fresh arms of its setting, its step-time model): what
     a run and each of its replays start from."""
-    steptime = profile(task.profile)
+    steptime = steptime_of(task.profile)
     cal = task.calibration
     ctx = cal.context(steptime, task.workload)
     sched = generate(task.workload, cal.rate(task.load), task.duration_s, task.seed)
