@@ -475,8 +475,11 @@ class AdmissionController(OverloadActions):
                 request and no prompt tokens are charged.
 
         The cost bucket is refunded what was reserved but not used, or charged the excess (never
-        below 0). Returns False (and does nothing) if the ticket was already released: release
-        happens exactly once whatever path calls it.
+        below 0). A request that reached upstream and produced output also teaches the length
+        predictor (a stream cut short, by the client or a timeout, is learned at the length it
+        reached: what it held in the engine's KV) and the SLO state (its time in flight). Returns
+        False (and does nothing) if the ticket was already released: release happens exactly once
+        whatever path calls it.
         """
         if ticket.released:
             return False
@@ -490,9 +493,6 @@ class AdmissionController(OverloadActions):
             if completion_tokens > 0:
                 self._speed.observe(now - ticket.admitted_at, completion_tokens)
                 limits.learn(ticket, completion_tokens)
-                if ticket.last_token_at is None and completion_tokens > ticket.n:
-                    # Not streamed: the whole response time, prefill included (an overestimate).
-                    slo.observe_gap(now - ticket.admitted_at, completion_tokens / ticket.n)
             slo.observe_departure(now - ticket.admitted_at)
         else:
             limits.release(ticket, now, 0.0, 0.0)

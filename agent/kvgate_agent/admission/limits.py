@@ -1,7 +1,8 @@
 """The limit bookkeeping of one pod: rate-limit buckets, the concurrency count, the KV reservation.
 
 Invariant: a reservation is taken only right after :meth:`Limits.blocker` found that it fits, in
-the same call, and given back exactly once by :meth:`Limits.release`; so ``in_flight`` and
+the same call (only live correction, :meth:`Limits.grow`, extends one unconditionally: its
+sequence runs already), and given back exactly once by :meth:`Limits.release`; so ``in_flight`` and
 ``kv_reserved_tokens`` are always the sums over the live tickets, and no bucket goes below 0.
 
 KV reservation = prompt + n × min(max_tokens, L) rounded up to the block size (vLLM allocates KV
@@ -28,6 +29,9 @@ from kvgate_agent.contract.policy import LimitScope, ReservationMode
 OVERRUN_ALPHA = 0.05
 #: An engine KV report counts for this long, seconds (a stale one must not hold admission).
 ENGINE_KV_TTL_S = 3.0
+#: Keys the length predictor keeps (tenant x model x band, and the pooled ones), about 1.5 KB
+#: each.
+PREDICTOR_KEYS = 10_000
 #: Headroom kept for the growth of predicted reservations never exceeds this share of the pool.
 MAX_HEADROOM_SHARE = 0.2
 
@@ -199,7 +203,9 @@ class Limits:
         self.in_flight = 0
         self.kv_reserved_tokens = 0
         self.tickets: dict[int, Ticket] = {}
-        self.predictor = LengthPredictor(config.reservation_quantile, max_tenants)
+        self.predictor = LengthPredictor(
+            config.reservation_quantile, min(max_tenants, PREDICTOR_KEYS)
+        )
         self.predicted = config.reservation is ReservationMode.PREDICTED
         self.concurrency_limit = config.max_concurrency
         self.overrun_mean = 0.0

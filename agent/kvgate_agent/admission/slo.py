@@ -46,8 +46,8 @@ INCREASE = 0.05
 #: A request under a TTFT SLO is refused at once when its expected wait exceeds this many times
 #: its wait budget; between one and this many, it is queued and its deadline (the budget)
 #: decides. The estimate is an upper bound (waiters ahead also leave by timing out) and a refusal
-#: is final, so only the clearly hopeless are refused unqueued. 2 measured best on the
-#: effectiveness benchmark (1, 1.5, 2.5 tried: docs/benchmarks.md).
+#: is final, so only the clearly hopeless are refused unqueued. Chosen on the effectiveness
+#: benchmark (1, 1.5, 2 and 2.5 tried; the table is in docs/benchmarks.md, "What kvgate does").
 SHED_FACTOR = 2.0
 #: Weight of each release in the mean service time.
 SERVICE_ALPHA = 0.05

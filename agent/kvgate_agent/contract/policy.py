@@ -118,14 +118,14 @@ class CapacitySpec(_Model):
     (total × ``gpuMemoryUtilization`` − ``weightsBytes`` − ``safetyMarginBytes``) is computed by
     the node agent.
 
-    ``reservation``: ``Predicted`` (default) reserves prompt + min(max_tokens, L) tokens rounded
-    up to whole KV blocks, where L is a decaying high quantile (``reservationQuantile``, a
-    fraction in [0.5, 0.999]) of the output lengths this pod's engine reported for the same
-    tenant, model and max_tokens band, learned online; max_tokens until that band has enough
-    samples. Sizing by predicted rather than maximum output length is S3's idea (Jin et al.,
-    2023, "S3: Increasing GPU Utilization during Generative Inference for Higher Throughput",
-    https://arxiv.org/abs/2306.06000). ``MaxTokens`` reserves prompt + max_tokens: the worst
-    case, never outgrown.
+    ``reservation``: ``Predicted`` (default) reserves prompt + min(max_tokens, L) tokens rounded up
+    to whole KV blocks, where L is a decaying high quantile (``reservationQuantile``, a fraction in
+    [0.5, 0.999]) of the output lengths this pod's engine reported for the same tenant, model and
+    max_tokens band (all tenants' pooled while the tenant's has too few), learned online; max_tokens
+    until that band has enough samples. Sizing by predicted rather than maximum output length is
+    S3's idea (Jin et al., 2023, "S3: Increasing GPU Utilization during Generative Inference for
+    Higher Throughput", https://arxiv.org/abs/2306.06000). ``MaxTokens`` reserves prompt +
+    max_tokens: the worst case, never outgrown.
     """
 
     kv_cache_tokens: PositiveInt | None = None
@@ -272,16 +272,21 @@ MAX_PRIORITY = 1000
 
 
 class SloSpec(_Model):
-    """Latency targets (seconds) for requests with priority >= ``minPriority``; requests below
-    it (batch, sheddable) have none. Unset targets are not enforced.
+    """Latency targets (seconds). Unset targets are not enforced.
 
-    ``ttftSeconds``: time-to-first-token SLO, in (0, 3600]. A request whose expected queue wait
-    already exceeds it is degraded or refused at once with an honest Retry-After, instead of
-    queued to fail. ``tpotSeconds``: target time per output token, in (0, 10]; kvgate lowers its
-    concurrency limit while the observed inter-token time exceeds it and raises it while below
-    (adaptive concurrency in the style of Netflix's concurrency-limits,
-    https://github.com/Netflix/concurrency-limits). ``minPriority``: in [-1000, 1000], the
-    priority header's range; default 0, so sheddable (negative-priority) requests have no SLO.
+    ``ttftSeconds``: time-to-first-token SLO, in (0, 3600], for requests with priority >=
+    ``minPriority``. Such a request waits in the queue at most the SLO less the observed
+    admission-to-first-token time (its wait budget); one whose expected queue wait exceeds twice
+    that is refused at once with the expected wait as its Retry-After, instead of queued to fail.
+    ``tpotSeconds``: target time per output token, in (0, 10], measured from streamed tokens
+    of every request (whatever its priority; non-streamed responses are not measured): kvgate
+    lowers its concurrency limit by 5 % per half second while the smoothed inter-token time is
+    above it, and raises it by 5 % while below 0.85 x it and the limit was reached (adaptive
+    concurrency in the style of Netflix's concurrency-limits,
+    https://github.com/Netflix/concurrency-limits); never below 4 nor above
+    ``concurrency.maxRequests``. ``minPriority``: in [-1000, 1000], the priority header's range;
+    default 0. Negative priorities are sheddable and never queued, so they get no TTFT budget
+    whatever ``minPriority`` says.
     """
 
     ttft_seconds: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None = None

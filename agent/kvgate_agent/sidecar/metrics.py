@@ -71,12 +71,7 @@ class _AdmissionCollector(Collector):
                     "KV capacity admission enforces, bytes",
                     value=cap * bpt,
                 )
-        if c.config.max_concurrency is not None:
-            yield GaugeMetricFamily(
-                "kvgate_concurrency_limit",
-                "Concurrency cap, requests",
-                value=c.config.max_concurrency,
-            )
+        yield from self._limits(c)
         level = GaugeMetricFamily(
             "kvgate_bucket_level",
             "Units left in a rate-limit bucket (tenant label bounded)",
@@ -108,6 +103,31 @@ class _AdmissionCollector(Collector):
             "1 when the last upstream exchange succeeded",
             value=1.0 if self.upstream_ok.value else 0.0,
         )
+
+    @staticmethod
+    def _limits(c: AdmissionController) -> Iterator[GaugeMetricFamily]:
+        """The concurrency limit enforced now, the adaptive limit's input, the KV headroom."""
+        cap = c.kv_capacity_tokens
+        if c.concurrency_limit is not None:
+            yield GaugeMetricFamily(
+                "kvgate_concurrency_limit",
+                "Concurrency cap enforced now (the policy's, or the adaptive limit of "
+                "slo.tpotSeconds when lower), requests",
+                value=c.concurrency_limit,
+            )
+        slo = c.slo
+        if slo.gap_s is not None:
+            yield GaugeMetricFamily(
+                "kvgate_inter_token_seconds",
+                "Smoothed time between streamed output tokens (the adaptive limit's input), s",
+                value=slo.gap_s,
+            )
+        if cap is not None:
+            yield GaugeMetricFamily(
+                "kvgate_kv_headroom_tokens",
+                "KV kept free for the growth of predicted reservations in flight, tokens",
+                value=c.kv_headroom_tokens,
+            )
 
 
 class _LinkCollector(Collector):

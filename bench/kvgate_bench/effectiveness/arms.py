@@ -367,7 +367,10 @@ class KvgateMaxTokensArm(Arm):
             degraded = d.outcome is Outcome.DEGRADED
             self.gate.dispatch(req, now, d.max_tokens, degraded=degraded)
             if self.gate.sequences.get(req.rid) is None:  # the engine refused it (400)
-                self.controller.release(self._tickets.pop(req.rid), completion_tokens=0)
+                # As the sidecar settles a 4xx from upstream: nothing was served.
+                self.controller.release(
+                    self._tickets.pop(req.rid), completion_tokens=0, reached_upstream=False
+                )
         elif d.waiter is not None:
             self._waiting[d.waiter.seq] = req
         else:
