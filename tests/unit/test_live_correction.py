@@ -19,6 +19,7 @@ from kvgate_agent.admission import (
     retry_after_seconds,
     round_up,
 )
+from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
 from kvgate_agent.admission.predictor import BIN_RATIO, MIN_SAMPLES
 from kvgate_agent.admission.slo import INTERVAL_S, SHED_FACTOR
 from kvgate_agent.contract.policy import LimitScope, OverloadAction, QueueOrder, ReservationMode
@@ -354,3 +355,68 @@ def test_slo_wait_counts_only_waiters_ahead_in_priority_order() -> None:
         assert c.submit(req(max_tokens=10, priority=0)).outcome is Outcome.QUEUED
     d = c.submit(req(max_tokens=10, priority=2))  # first in priority order
     assert d.outcome is Outcome.QUEUED, (d, d.message)
+
+
+# ---------------------------------------------------------------- the SLO loop, through the core
+
+
+def stream_one_interval(
+    c: AdmissionController, clock: FakeClock, tickets: list[Ticket], gap_s: float
+) -> None:
+    """Every ticket streams one token per ``gap_s`` for one measurement interval."""
+    steps = max(1, round(INTERVAL_S / gap_s))
+    for _ in range(steps):
+        clock.advance(gap_s)
+        for t in tickets:
+            c.observe_tokens(t, t.generated + 1)
+
+
+def test_streamed_gaps_over_target_lower_the_limit_and_under_it_raise_it() -> None:
+    c, clock = make(kv_capacity_tokens=None, max_concurrency=64, tpot_slo_seconds=0.05)
+    assert c.concurrency_limit == 64
+    tickets = [admitted(c.submit(req(max_tokens=4096))) for _ in range(8)]
+    for t in tickets:
+        c.observe_tokens(t, 1)  # first tokens: no gap yet
+    for _ in range(20):  # 80 ms between tokens, over the 50 ms target
+        stream_one_interval(c, clock, tickets, 0.08)
+    low = c.concurrency_limit
+    assert low is not None and 8 < low < 64
+    assert c.slo.gap_s == pytest.approx(0.08, rel=0.05)
+    # Fast tokens (the smoothed gap falls below the target within ~20 intervals), but the limit
+    # is not reached (8 in flight): once the gap has settled it stays where it is.
+    for _ in range(30):
+        stream_one_interval(c, clock, tickets, 0.01)
+    assert c.slo.gap_s is not None and c.slo.gap_s < 0.85 * 0.05
+    low = c.concurrency_limit
+    assert low is not None and 8 < low
+    for _ in range(10):
+        stream_one_interval(c, clock, tickets, 0.01)
+    assert c.concurrency_limit == low
+    # Fill up to the limit (refused beyond it): now it rises again.
+    while c.in_flight < low:
+        tickets.append(admitted(c.submit(req(max_tokens=4096))))
+    assert c.submit(req(max_tokens=4096, priority=-1)).limit == "concurrency"
+    for _ in range(10):
+        stream_one_interval(c, clock, tickets, 0.01)
+        while c.concurrency_limit is not None and c.in_flight < c.concurrency_limit:
+            tickets.append(admitted(c.submit(req(max_tokens=4096))))
+    limit = c.concurrency_limit
+    assert limit is not None and low < limit <= 64
+
+
+def test_non_streamed_responses_do_not_move_the_limit() -> None:
+    c, clock = make(kv_capacity_tokens=None, max_concurrency=64, tpot_slo_seconds=0.05)
+    for _ in range(200):  # 20 tokens in 2 s each (prefill included): not a TPOT measurement
+        t = admitted(c.submit(req(max_tokens=100)))
+        clock.advance(2.0)
+        c.release(t, completion_tokens=20)
+    assert c.slo.gap_s is None
+    assert c.concurrency_limit == 64
+
+
+def test_an_engine_report_stops_counting_after_its_ttl() -> None:
+    c, clock = make(kv_capacity_tokens=10_000, max_concurrency=None)
+    c.observe_engine_kv(9_990)
+    assert c.submit(req(max_tokens=100, priority=-1)).limit == "kv"  # sheddable: not queued
+    clock.advance(ENGINE_KV_TTL_S + 0.1)  # no newer report: the old one no longer counts
+    admitted(c.submit(req(max_tokens=100)))
