@@ -548,7 +548,7 @@ def candidates(name: str, tenants: dict[str, Tenant], short: bool) -> list[dict[
     """The parameter settings swept for arm ``name`` (one empty dict for untuned arms).
     ``short`` sweeps fewer settings."""
     if name == "concurrency-cap":
-        caps = (64, 96, 128, 192) if short else (16, 32, 48, 64, 96, 128, 160, 192, 256)
+        caps = (32, 64, 96, 128, 192) if short else (16, 32, 48, 64, 96, 128, 160, 192, 256)
         timeouts = (0.25, 1.0, 30.0) if short else (0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
         return [{"cap": c, "queue_timeout_s": q} for c in caps for q in timeouts]
     if name == "token-bucket":
