@@ -423,7 +423,7 @@ def takeaway(report: DemoReport) -> list[str]:
         cut = "none" if pk == 0 else f"{pk} ({_ratio(pd, pk)} fewer)"
         lines.append(
             f"Without kvgate the engine preempted {pd} times as its KV pool overflowed; "
-            f"with kvgate reserving prompt + max_tokens at admission: {cut}."
+            f"with kvgate reserving each request's KV at admission: {cut}."
         )
     elif pd == pk == 0:
         lines.append(

@@ -245,7 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     arms = args.arms.split(",") if args.arms else list(ARM_NAMES)
     for a in arms:
         if a not in ARM_NAMES + ABLATIONS:
-            print(f"unknown arm {a!r}", file=sys.stderr)
+            print(
+                f"unknown arm {a!r}; choose from {','.join(ARM_NAMES + ABLATIONS)}",
+                file=sys.stderr,
+            )
             return 2
     for w in workloads:
         if w not in WORKLOADS:

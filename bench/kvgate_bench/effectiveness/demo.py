@@ -379,7 +379,9 @@ def setup_text(
         f"the {cap_pol.get('reservationQuantile', '-')} quantile of learned output lengths, "
         f"grown as tokens stream; a {queue.get('order')} queue of {queue.get('maxLength')} "
         f"for {queue.get('maxWaitSeconds')} s; Degrade to {degrade.get('minMaxTokens')} "
-        "tokens; concurrency and shedding driven by the SLOs above).",
+        "tokens; concurrency and shedding driven by the SLOs above, which its policy states "
+        "as slo.ttftSeconds / tpotSeconds, interactive clients sending priority 1; a per-tenant "
+        "token budget of half the server's measured capacity).",
     ]
     return "\n".join(
         textwrap.fill(x, WIDTH, subsequent_indent=" " * (8 if i else 0), break_on_hyphens=False)

@@ -690,7 +690,9 @@ async def compare(
     real_profile: str | None = None,
 ) -> Agreement:
     """Run ``schedule`` through ``arm`` in virtual time (``steptime``, ``ctx.engine``) and in
-    real time (kvgate-sim on ``real_profile`` or ``profile_name``, same engine)."""
+    real time (kvgate-sim on ``real_profile`` or ``profile_name``, same engine). Raises
+    ``ValueError`` for an arm with no real-time counterpart (see :func:`arm_policy`)."""
+    arm_policy(arm, ctx)  # refuse a baseline before running anything
     run_v = simulate(schedule, make_arm(arm, ctx, {}), steptime, ctx.engine)
     run_r = await run_realtime(
         schedule,
@@ -827,10 +829,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m kvgate_bench.effectiveness.realtime``; the exit status."""
     coro = _main(parse_args(argv))
     try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)  # the client and the sidecar share this loop: the faster the better
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.run(coro)
+        return uvloop.run(coro)  # the client and the sidecar share this loop: the faster the better
+    except ValueError as exc:  # e.g. an arm with no real-time counterpart
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
