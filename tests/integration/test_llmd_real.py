@@ -491,7 +491,11 @@ def _open_stream(sidecar: Proc) -> socket.socket:
 @pytest.fixture
 def slow_pair(llmd_sim: Start, sidecar_process: Start) -> Iterator[tuple[Proc, Proc]]:
     sim = llmd_sim("--mode", "echo", "--inter-token-latency", "50ms", "--max-model-len", "1024")
-    sidecar = sidecar_process(sim.url, {"capacity": {"kvCacheTokens": 100000}})
+    # No engine usage poll: its keep-alive /metrics connection would be counted with the
+    # request's upstream connection, which is what these tests follow.
+    sidecar = sidecar_process(
+        sim.url, {"capacity": {"kvCacheTokens": 100000}}, "--engine-usage-seconds", "0"
+    )
     yield sim, sidecar
     # The simulator finishes the abandoned request before exiting on SIGTERM: do not wait 10 s.
     sim.popen.kill()
