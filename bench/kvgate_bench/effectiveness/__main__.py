@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_bench.effectiveness.arms import ABLATIONS, ARM_NAMES, BASELINES
+from kvgate_bench.effectiveness.metrics import ratio_text as _ratio
 from kvgate_bench.effectiveness.progress import Progress as Progress  # re-exported
 from kvgate_bench.effectiveness.replay import DEFAULT_REPLAYS, PROBE_DELTAS_S
 from kvgate_bench.effectiveness.runner import (
@@ -123,15 +124,6 @@ def _secs(v: float | None) -> str:
 def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
     xs = [float(r[key]) for r in rows if r.get(key) is not None]
     return sum(xs) / len(xs) if xs else None
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    """``a / b`` as ``1.23x``; ``>100x`` when ``b`` is (nearly) nothing next to ``a``."""
-    if a is None or b is None or (a == 0 and b == 0):
-        return "-"
-    if b <= 0 or a / b > 100:
-        return ">100x"
-    return f"{a / b:.2f}x"
 
 
 def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str]]:

@@ -61,6 +61,7 @@ from kvgate_bench.effectiveness.metrics import (
     summarize,
     ttft_s,
 )
+from kvgate_bench.effectiveness.metrics import ratio_text as _ratio
 from kvgate_bench.effectiveness.progress import Progress
 from kvgate_bench.effectiveness.runner import Calibration, calibrate
 from kvgate_bench.effectiveness.workloads import (
@@ -246,15 +247,6 @@ def calibrate_shown(
 
 def _num(v: float | None, spec: str = ".0f", scale: float = 1.0) -> str:
     return "-" if v is None else format(v * scale, spec)
-
-
-def _ratio(a: float | None, b: float | None) -> str:
-    """``a / b`` as ``1.23x``; ``-`` when undefined; ``>100x`` when ``b`` is next to nothing."""
-    if a is None or b is None or (a == 0 and b == 0):
-        return "-"
-    if b <= 0 or a / b > 100:
-        return ">100x"
-    return f"{a / b:.2f}x"
 
 
 def _setting(params: dict[str, Any]) -> str:

@@ -258,3 +258,13 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "span_s": span,
         "cpu_s": run.cpu_s,
     }
+
+
+def ratio_text(a: float | None, b: float | None) -> str:
+    """``a / b`` as ``1.23x`` for reports; ``-`` when undefined; ``>100x`` when ``b`` is (nearly)
+    nothing next to ``a``."""
+    if a is None or b is None or (a == 0 and b == 0):
+        return "-"
+    if b <= 0 or a / b > 100:
+        return ">100x"
+    return f"{a / b:.2f}x"

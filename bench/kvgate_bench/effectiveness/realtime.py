@@ -171,6 +171,18 @@ def policy_manifest(spec: dict[str, Any], name: str = "effectiveness") -> dict[s
     }
 
 
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    """Terminate ``proc`` if it still runs; kill it after 10 s."""
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            async with asyncio.timeout(10):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
 def arm_policy(arm: str, ctx: ArmContext) -> dict[str, Any] | None:
     """The kvgate policy ``spec`` arm ``arm`` enforces; None for ``none``. Raises
     ``ValueError`` for an arm with no real-time counterpart (the baselines) or an unknown one."""
@@ -315,14 +327,7 @@ async def _sim(sc: SimConfig, subprocess: bool, engines: list[SimEngine]) -> Asy
             raise RuntimeError(f"kvgate-sim did not start: {line!r}")
         yield m.group(1)
     finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                async with asyncio.timeout(10):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await _stop(proc)
 
 
 @contextlib.asynccontextmanager
@@ -380,14 +385,7 @@ async def _sidecar_process(
             await asyncio.sleep(0.1)
         yield url
     finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                async with asyncio.timeout(10):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await _stop(proc)
 
 
 async def _healthy(url: str) -> bool:
