@@ -236,11 +236,11 @@ def slo_controller(**kw: Any) -> tuple[AdmissionController, FakeClock]:
         queue_max_wait_seconds=30.0,
         **kw,
     )
-    for _ in range(4):  # one release per 0.5 s interval: 2 per second
+    for _ in range(4):  # each holds its place 0.5 s
         t = admitted(c.submit(req(max_tokens=10, priority=1)))
         clock.advance(INTERVAL_S)
         c.release(t, completion_tokens=10)
-    assert c.slo.departure_rps == pytest.approx(2.0)
+    assert c.slo.service_s == pytest.approx(0.5)
     for _ in range(2):  # fill the concurrency cap
         admitted(c.submit(req(max_tokens=10, priority=1)))
     return c, clock
@@ -323,11 +323,11 @@ def test_slo_shedding_ignores_departures_for_a_tenant_rate_limit() -> None:
     )
     # A 0.9 s TTFT SLO: the other tenant's drain estimate (2 s) is past SHED_FACTOR x 0.9 s.
     c, clock = make(kv_capacity_tokens=None, limits=(limit,), ttft_slo_seconds=0.9)
-    for _ in range(3):  # another tenant: one release per 2 s, a departure rate of 0.5/s
+    for _ in range(3):  # another tenant: each request holds its place 2 s
         t = admitted(c.submit(req(max_tokens=10, tenant="bg")))
         clock.advance(2.0)
         c.release(t, completion_tokens=10)
-    assert c.slo.departure_rps == pytest.approx(0.5)
+    assert c.slo.service_s == pytest.approx(2.0)
     admitted(c.submit(req(max_tokens=10)))
     d = c.submit(req(max_tokens=10))  # tenant a's bucket is empty: it refills in 0.5 s
     assert d.reason is not Reason.SLO, (d, d.message)

@@ -1,4 +1,4 @@
-"""SloState: the adaptive concurrency limit on the TPOT SLO, the departure rate, the wait budget."""
+"""SloState: the adaptive concurrency limit on the TPOT SLO, the service time, the wait budget."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_no_tick_before_the_interval_ends() -> None:
     s = SloState(0.05, None, 100, 0.0)
     s.observe_gap(1.0, 1)
     s.tick(INTERVAL_S / 2, 0)
-    assert s.gap_s is None and s.limit == 100 and s.departure_rps is None
+    assert s.gap_s is None and s.limit == 100 and s.service_s is None
 
 
 def test_limit_decreases_while_gap_above_target_never_below_min() -> None:
@@ -110,7 +110,7 @@ def test_expected_wait_none_without_departures() -> None:
     assert s.expected_wait(0, 4) is None  # no release seen yet
     d = Driver(s)
     d.interval(None, departures=0)
-    assert s.departure_rps == 0 and s.service_s is None
+    assert s.service_s is None
     assert s.expected_wait(3, 4) is None
     s.observe_departure(0.5)
     assert s.expected_wait(3, 0) is None  # nothing in flight: nothing to drain
@@ -120,7 +120,6 @@ def test_expected_wait_is_k_plus_one_times_service_over_in_flight() -> None:
     s = SloState(None, 1.0, None, 0.0)
     d = Driver(s)
     d.interval(None, departures=5)  # each held its place 0.5 s
-    assert s.departure_rps == pytest.approx(10.0)
     assert s.service_s == pytest.approx(0.5)
     # 5 in flight of 0.5 s each: a place frees every 0.1 s.
     assert s.expected_wait(0, 5) == pytest.approx(0.1)

@@ -70,7 +70,6 @@ class SloState:
     Attributes:
         limit: the adaptive concurrency limit now (None when ``tpot_seconds`` is None).
         gap_s: smoothed inter-token time, seconds (None before any sample).
-        departure_rps: smoothed releases per second (None before the first interval).
         prefill_s: smoothed admission-to-first-token time, seconds (0 before any sample).
         service_s: smoothed admission-to-release time, seconds (None before any sample).
     """
@@ -78,12 +77,10 @@ class SloState:
     DEFAULT_START = 64
 
     __slots__ = (
-        "_departures",
         "_gap_n",
         "_gap_sum",
         "_interval_end",
         "_reached",
-        "departure_rps",
         "gap_s",
         "limit",
         "max_limit",
@@ -107,12 +104,10 @@ class SloState:
         if tpot_seconds is not None:
             self.limit = max_limit if max_limit is not None else self.DEFAULT_START
         self.gap_s: float | None = None
-        self.departure_rps: float | None = None
         self.prefill_s = 0.0
         self.service_s: float | None = None
         self._gap_sum = 0.0
         self._gap_n = 0.0
-        self._departures = 0
         self._reached = False
         self._interval_end = now + INTERVAL_S
 
@@ -141,7 +136,6 @@ class SloState:
 
     def observe_departure(self, seconds: float) -> None:
         """One admitted request was released ``seconds`` after its admission."""
-        self._departures += 1
         sv = self.service_s
         self.service_s = seconds if sv is None else sv + SERVICE_ALPHA * (seconds - sv)
 
@@ -155,15 +149,7 @@ class SloState:
         """Close every measurement interval that ended by ``now`` and move the limit."""
         if now < self._interval_end:
             return
-        elapsed = INTERVAL_S + (now - self._interval_end)
         self._interval_end = now + INTERVAL_S
-        rate = self._departures / elapsed
-        self.departure_rps = (
-            rate
-            if self.departure_rps is None
-            else self.departure_rps + SMOOTHING * (rate - self.departure_rps)
-        )
-        self._departures = 0
         if self._gap_n:
             mean = self._gap_sum / self._gap_n
             self.gap_s = (
