@@ -183,9 +183,10 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
             await proc.wait()
 
 
-def arm_policy(arm: str, ctx: ArmContext) -> dict[str, Any] | None:
-    """The kvgate policy ``spec`` arm ``arm`` enforces; None for ``none``. Raises
-    ``ValueError`` for an arm with no real-time counterpart (the baselines) or an unknown one."""
+def kvgate_arm(arm: str, ctx: ArmContext) -> KvgateMaxTokensArm | None:
+    """The virtual-time arm ``arm`` stands for in real time (its policy, its clients'
+    priorities); None for ``none``. Raises ``ValueError`` for an arm with no real-time
+    counterpart (the baselines, the oracle, kvgate-noisy) or an unknown one."""
     if arm == "none":
         return None
     try:
@@ -197,17 +198,14 @@ def arm_policy(arm: str, ctx: ArmContext) -> dict[str, Any] | None:
             f"arm {arm!r} has no real-time counterpart (none or a kvgate arm; the oracle's and "
             "kvgate-noisy's lengths exist in the virtual-time process only)"
         )
-    return a.policy()
+    return a
 
 
-def arm_priorities(arm: str, ctx: ArmContext) -> Callable[[Request], int] | None:
-    """The ``x-kvgate-priority`` each request of arm ``arm`` carries (as the virtual-time arm's
-    ``admission_request`` gives it); None for ``none``. Raises as :func:`arm_policy`."""
-    if arm_policy(arm, ctx) is None:
-        return None
-    a = make_arm(arm, ctx, {})
-    assert isinstance(a, KvgateMaxTokensArm)
-    return lambda req: a.admission_request(req).priority
+def arm_policy(arm: str, ctx: ArmContext) -> dict[str, Any] | None:
+    """The kvgate policy ``spec`` arm ``arm`` enforces; None for ``none``. Raises as
+    :func:`kvgate_arm`."""
+    a = kvgate_arm(arm, ctx)
+    return None if a is None else a.policy()
 
 
 def write_word_tokenizer(path: Path) -> None:
@@ -533,7 +531,10 @@ async def run_realtime(
     in this event loop."""
     if sidecar_process and time_scale != 1.0:
         raise ValueError("a sidecar process keeps the real clock: time_scale must be 1")
-    spec = arm_policy(arm, ctx)
+    ka = kvgate_arm(arm, ctx)
+    spec = None if ka is None else ka.policy()
+    # Each request's x-kvgate-priority, as the virtual-time arm's admission_request gives it.
+    priority = None if ka is None else (lambda req: ka.admission_request(req).priority)
     sc = sim_config(profile_name, ctx.engine, time_scale)
     c0 = time.process_time()
     w0 = time.perf_counter()
@@ -560,7 +561,7 @@ async def run_realtime(
                 url = await stack.enter_async_context(
                     _sidecar(sim_url, spec, time_scale, tokenizer)
                 )
-            client = _Client(session, url, time_scale, chat, arm_priorities(arm, ctx))
+            client = _Client(session, url, time_scale, chat, priority)
             mml = ctx.engine.max_model_len
             defaults = [
                 engine_default_max_tokens(r, mml)
@@ -690,7 +691,7 @@ async def compare(
     """Run ``schedule`` through ``arm`` in virtual time (``steptime``, ``ctx.engine``) and in
     real time (kvgate-sim on ``real_profile`` or ``profile_name``, same engine). Raises
     ``ValueError`` for an arm with no real-time counterpart (see :func:`arm_policy`)."""
-    arm_policy(arm, ctx)  # refuse a baseline before running anything
+    kvgate_arm(arm, ctx)  # refuse a baseline before running anything
     run_v = simulate(schedule, make_arm(arm, ctx, {}), steptime, ctx.engine)
     run_r = await run_realtime(
         schedule,
