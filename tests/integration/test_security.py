@@ -88,10 +88,21 @@ def sync(stack: NodeStack, ns: str, name: str, token: str) -> tuple[int, str]:
         return int(e.code), e.read().decode()
 
 
-def code_of(answer: tuple[int, str]) -> tuple[int, str]:
-    """``(status, error code)`` of a refused sync (the agent's OpenAI-style error body)."""
+def code_of(answer: tuple[int, str]) -> tuple[int, str, str]:
+    """``(status, error code, message)`` of a refused sync (the agent's OpenAI-style error body,
+    whose message for a 401 is the TokenReview's own error)."""
     status, body = answer
-    return status, str(json.loads(body)["error"]["code"]) if status >= 400 else ""
+    if status < 400:
+        return status, "", ""
+    error = json.loads(body)["error"]
+    return status, str(error["code"]), str(error["message"])
+
+
+def refused(answer: tuple[int, str], status: int, code: str, says: str) -> bool:
+    """The sync was refused with ``status`` and ``code``, its message containing ``says``."""
+    got = code_of(answer)
+    assert got[:2] == (status, code) and says in got[2], got
+    return True
 
 
 @pytest.fixture
@@ -106,13 +117,16 @@ def stack(kube: ControlPlane, tmp_path: Path) -> Iterator[NodeStack]:
 
 
 def test_sync_tokens_checked_by_the_real_token_review(stack: NodeStack) -> None:
+    """The real agent's sync API, each token checked by the API server's TokenReview: 401 for
+    an expired token, a forged signature, a deleted pod's token (also once the name is reused);
+    403 for another service account's pod, a same-named pod elsewhere, a token bound to no pod;
+    200 for the right pod throughout. Every refusal is counted in the agent's metrics."""
     cp, ns = stack.cp, stack.namespace
     stack.start_agent()
     victim = stack.add_model_pod("victim", "http://127.0.0.1:9", start=False)
-    stack.apply(
-        {**policy_doc({"selector": {"matchLabels": {"app": "llm"}}}, "sec"), "metadata": {
-            "name": "sec", "namespace": ns}},
-    )  # fmt: skip
+    policy = policy_doc({"selector": {"matchLabels": {"app": "llm"}}}, "sec")
+    policy["metadata"]["namespace"] = ns
+    stack.apply(policy)
     wait_until(lambda: (stack.node_admission() or {}).get("spec", {}).get("pods"), 30, "spec")
     good = victim.token_file.read_text()
     assert sync(stack, ns, "victim", good)[0] == 200
@@ -122,7 +136,7 @@ def test_sync_tokens_checked_by_the_real_token_review(stack: NodeStack) -> None:
     now = int(time.time())
     key = cp.sa_key_file.read_bytes()
     past = resign(good, key, iat=now - 7200, nbf=now - 7200, exp=now - 3600)
-    assert code_of(sync(stack, ns, "victim", past)) == (401, "invalid_token")
+    assert refused(sync(stack, ns, "victim", past), 401, "invalid_token", "token has expired")
     assert sync(stack, ns, "victim", resign(good, key, iat=now - 60, nbf=now - 60))[0] == 200
     # A forged signature (another key, the same claims).
     other_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -134,19 +148,19 @@ def test_sync_tokens_checked_by_the_real_token_review(stack: NodeStack) -> None:
             serialization.NoEncryption(),
         ),
     )
-    assert code_of(sync(stack, ns, "victim", forged)) == (401, "invalid_token")
+    assert refused(sync(stack, ns, "victim", forged), 401, "invalid_token", "invalid bearer")
 
     # A deleted pod's token (never used before, so not cached): the TokenReview refuses it;
     # and after a pod of the same name is created again (a new uid), still.
     gone = stack.add_model_pod("gone", "http://127.0.0.1:9", start=False)
     gone_token = gone.token_file.read_text()
     cp.kubectl("delete", "pod", "gone", "-n", ns, "--force", "--grace-period=0")
-    assert code_of(sync(stack, ns, "gone", gone_token)) == (401, "invalid_token")
+    assert refused(sync(stack, ns, "gone", gone_token), 401, "invalid_token", "invalidated")
     stack.create_pod("gone", {"app": "llm"})
-    assert code_of(sync(stack, ns, "gone", resign(gone_token, key, jti="x"))) == (
-        401,
-        "invalid_token",
-    )
+    # (Re-signed with another jti: a new string, so the agent asks the API server again
+    # instead of answering from its 5 s cache of refusals; the claims still name the old uid.)
+    again = resign(gone_token, key, jti="again")
+    assert refused(sync(stack, ns, "gone", again), 401, "invalid_token", "does not match")
 
     # Another service account: the API server will not bind its token to the victim pod, and
     # its own pod's token does not pass for the victim's.
@@ -154,30 +168,24 @@ def test_sync_tokens_checked_by_the_real_token_review(stack: NodeStack) -> None:
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "intruder",
          "namespace": ns}},
     )  # fmt: skip
-    with pytest.raises(KubectlError) as refused:
+    with pytest.raises(KubectlError) as no_token:
         stack.pod_token("victim", victim.uid, service_account="intruder")
-    assert "different service account" in refused.value.stderr or "serviceaccount" in str(
-        refused.value
-    )
+    assert "different serviceaccount name" in no_token.value.stderr
     intruder_uid = _pod_with_account(stack, "intruder-pod", "intruder")
     intruder = stack.pod_token("intruder-pod", intruder_uid, service_account="intruder")
-    status, body = sync(stack, ns, "victim", intruder)
-    assert (status, json.loads(body)["error"]["code"]) == (403, "wrong_pod")
-    assert "intruder-pod" in body
+    assert refused(sync(stack, ns, "victim", intruder), 403, "wrong_pod", f"{ns}/intruder-pod")
     # A same-named pod in another namespace.
     cp.kubectl("create", "namespace", "sec-sync-other", check=False)
     cp.kubectl("create", "serviceaccount", "model", "-n", "sec-sync-other", check=False)
     twin = NodeStack(cp, stack.work, "sec-sync-other", node_name=stack.node_name)
     twin_uid = twin.create_pod("victim", {"app": "llm"})
-    assert code_of(sync(stack, ns, "victim", twin.pod_token("victim", twin_uid))) == (
-        403,
-        "wrong_pod",
-    )
+    twin_token = twin.pod_token("victim", twin_uid)
+    assert refused(sync(stack, ns, "victim", twin_token), 403, "wrong_pod", "sec-sync-other/victim")
     # The victim's service account, for the right audience, but bound to no pod.
     unbound = cp.kubectl(
         "create", "token", "model", "-n", ns, "--audience", "kvgate-agent", "--duration", "1h"
     ).stdout.strip()
-    assert code_of(sync(stack, ns, "victim", unbound)) == (403, "not_pod_bound")
+    assert refused(sync(stack, ns, "victim", unbound), 403, "not_pod_bound", "bound to a pod")
 
     # Through all of that, the right pod's token still works.
     assert sync(stack, ns, "victim", good)[0] == 200
