@@ -218,8 +218,10 @@ def _pod_with_account(stack: NodeStack, name: str, account: str) -> str:
 
 
 def render(cp: ControlPlane, *sets: str) -> list[dict[str, Any]]:
-    """``helm template`` of the chart (release and namespace :data:`RELEASE`)."""
+    """``helm template`` of the chart (release and namespace :data:`RELEASE`) for this API
+    server's Kubernetes version."""
     args = [f"--set={s}" for s in sets]
+    args.append("--kube-version=" + str(cp.get_json("/version")["gitVersion"]).lstrip("v"))
     out = cp.helm("template", RELEASE, str(REPO / "charts" / "kvgate"), "-n", RELEASE, *args).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
