@@ -281,6 +281,10 @@ def agent_token_on(cp: ControlPlane, node: str) -> str:
 
 
 def test_an_agent_writes_only_its_own_nodes_status(release: ControlPlane) -> None:
+    """Node A's agent (its pod-bound token names node A, as ``kubectl auth whoami`` shows) writes
+    A's NodeAdmission status through the agent's own StatusWriter and is refused B's (403 from
+    the chart's ValidatingAdmissionPolicy, B unchanged); the same service account with a token
+    bound to no pod is refused even A's."""
     from kubernetes.client.exceptions import ApiException
 
     cp = release
