@@ -8,8 +8,10 @@ here, in a fresh temp dir:
   127.0.0.1/localhost; an admin client certificate (CN=kvgate-admin, O=system:masters); an RSA
   service-account key pair;
 - etcd on free loopback ports (``--unsafe-no-fsync``);
-- kube-apiserver on a free loopback port with RBAC authorization, the PodSecurity and
-  MutatingAdmissionWebhook admission plugins, and the ServiceAccount admission plugin disabled
+- kube-apiserver on a free loopback port with RBAC authorization, the PodSecurity,
+  MutatingAdmissionWebhook and ValidatingAdmissionPolicy admission plugins (the last two are on
+  by default; named so a change of defaults cannot turn them off), and the ServiceAccount
+  admission plugin disabled
   (nothing would create the default service accounts);
 - a kubeconfig for the admin user.
 
@@ -327,7 +329,8 @@ class ControlPlane:
                 f"--tls-private-key-file={self.serving_key_file}",
                 f"--client-ca-file={self.ca_file}",
                 "--authorization-mode=RBAC",
-                "--enable-admission-plugins=PodSecurity,MutatingAdmissionWebhook",
+                "--enable-admission-plugins="
+                "PodSecurity,MutatingAdmissionWebhook,ValidatingAdmissionPolicy",
                 "--disable-admission-plugins=ServiceAccount",
                 f"--service-account-issuer={self.url}",
                 f"--service-account-key-file={self.sa_pub_file}",

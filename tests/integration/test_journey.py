@@ -69,9 +69,15 @@ class Journey:
         self.webhook_port = free_port()
         self.agent_port = free_port()
 
-    def sa_kubeconfig(self, name: str) -> Path:
-        """A kubeconfig authenticating as the chart's service account ``name``."""
-        token = self.cp.kubectl("create", "token", name, "-n", RELEASE, "--duration", "2h")
+    def sa_kubeconfig(self, name: str, pod: dict[str, Any] | None = None) -> Path:
+        """A kubeconfig authenticating as the chart's service account ``name``; with ``pod``
+        (a Pod object), its token is bound to that pod, as the kubelet mints it."""
+        bound = []
+        if pod is not None:
+            meta = pod["metadata"]
+            bound = ["--bound-object-kind", "Pod", "--bound-object-name", meta["name"],
+                     "--bound-object-uid", meta["uid"]]  # fmt: skip
+        token = self.cp.kubectl("create", "token", name, "-n", RELEASE, "--duration", "2h", *bound)
         return self.cp.kubeconfig_for_token(token.stdout.strip(), name)
 
     def spawn(self, args: list[str], env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
@@ -213,12 +219,19 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
     agent = ds["spec"]["template"]["spec"]["containers"][0]
     assert agent["args"] == ["node"] and ds["spec"]["template"]["spec"]["hostPID"] is True
     env = resolve_env(agent["env"], {"spec.nodeName": NODE})
+    # Its pod on the node (the chart's policy lets an agent write only the NodeAdmission of the
+    # node its pod-bound token names).
+    agent_pod = {"apiVersion": "v1", "kind": "Pod",
+                 "metadata": {"name": f"{RELEASE}-agent-0", "namespace": RELEASE},
+                 "spec": {**ds["spec"]["template"]["spec"], "nodeName": NODE}}  # fmt: skip
+    cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(agent_pod))
+    agent_pod = get(cp, "pod", f"{RELEASE}-agent-0", "-n", RELEASE)
     scenario = j.work / "gpus.json"
     write_scenario(scenario, fake_gpus(1))
     env.update(
         KVGATE_LISTEN=f"127.0.0.1:{j.agent_port}",  # hostPort on the host IP = loopback here
         KVGATE_GPU_BACKEND=f"fake:{scenario}",  # no GPU on this machine
-        KVGATE_KUBECONFIG_FILE=str(j.sa_kubeconfig(f"{RELEASE}-agent")),
+        KVGATE_KUBECONFIG_FILE=str(j.sa_kubeconfig(f"{RELEASE}-agent", agent_pod)),
         KVGATE_SYNC_INTERVAL="0.25",
     )
     j.spawn([sys.executable, "-m", "kvgate_agent", *agent["args"]], env, "agent.log")

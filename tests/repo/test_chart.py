@@ -264,6 +264,7 @@ BAD_VALUES = {
         "--set",
         "webhook.url=https://127.0.0.1:9443/inject-sidecar",
     ],
+    "own-node policy before Kubernetes 1.30": ["--kube-version", "1.29.0"],
 }
 
 
@@ -280,7 +281,9 @@ def test_bad_values_rejected(
 ) -> None:
     r = bad_renders[case]
     assert r.returncode != 0, f"{case}: helm template accepted {BAD_VALUES[case]}"
-    assert "schema" in r.stderr or "exclude each other" in r.stderr, r.stderr
+    assert any(why in r.stderr for why in ("schema", "exclude each other", "needs Kubernetes")), (
+        r.stderr
+    )
 
 
 def _schema() -> dict[str, Any]:
@@ -514,6 +517,31 @@ def test_secrets_role_only_when_the_operator_makes_its_certificate(docs: dict[st
     assert "Role/kvgate-operator" in _kinds(docs["default"])
     assert "Role/kvgate-operator" not in _kinds(docs["cert-manager"])
     assert "RoleBinding/kvgate-operator" not in _kinds(docs["cert-manager"])
+
+
+def test_agent_own_node_policy(docs: dict[str, Docs], helm: Helm) -> None:
+    """The ValidatingAdmissionPolicy that keeps each agent to its own node's NodeAdmission: for
+    the agent's service account only, on every write of a NodeAdmission and its status, bound
+    with Deny; off with agent.ownNodePolicy.enabled=false. (Its effect is tested on the API
+    server: tests/integration/test_security.py.)"""
+    d = docs["default"]
+    vap = _one(d, "ValidatingAdmissionPolicy", "kvgate-agent-own-node")["spec"]
+    assert vap["failurePolicy"] == "Fail"
+    (rule,) = vap["matchConstraints"]["resourceRules"]
+    assert rule["apiGroups"] == ["kvgate.io"]
+    assert set(rule["resources"]) == {"nodeadmissions", "nodeadmissions/status"}
+    assert set(rule["operations"]) == {"CREATE", "UPDATE", "DELETE"}
+    (cond,) = vap["matchConditions"]
+    assert cond["expression"] == (
+        "request.userInfo.username == 'system:serviceaccount:kvgate-system:kvgate-agent'"
+    )
+    (check,) = vap["validations"]
+    assert "request.name" in check["expression"]
+    binding = _one(d, "ValidatingAdmissionPolicyBinding", "kvgate-agent-own-node")["spec"]
+    assert binding == {"policyName": "kvgate-agent-own-node", "validationActions": ["Deny"]}
+    off = ("--set", "agent.ownNodePolicy.enabled=false")
+    for r in helm(_template_args(*off), _template_args(*off, "--kube-version", "1.29.0")):
+        assert r.returncode == 0 and "ValidatingAdmissionPolicy" not in r.stdout, r.stderr
 
 
 def test_bindings_point_at_the_service_accounts(docs: dict[str, Docs]) -> None:
@@ -991,9 +1019,58 @@ def test_network_policies(docs: dict[str, Docs]) -> None:
     assert metrics["ports"] == [{"port": "http", "protocol": "TCP"}]
     assert metrics["from"][0]["namespaceSelector"]
     agent = _one(d, "NetworkPolicy", "kvgate-agent")["spec"]
+    assert agent["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "agent"
+    assert agent["policyTypes"] == ["Ingress"]
     (rule,) = agent["ingress"]
     assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-    assert rule["from"] == [{"namespaceSelector": {}}, {"ipBlock": {"cidr": "192.168.0.0/16"}}]
+    # The sidecars (the webhook's own selectors), the scrapers, the extra peers; nothing else.
+    assert rule["from"] == [
+        *_sidecar_peers(d),
+        *metrics["from"],
+        {"ipBlock": {"cidr": "192.168.0.0/16"}},
+    ]
+
+
+def _sidecar_peers(d: Docs) -> list[dict[str, Any]]:
+    """The pods the webhook injects, as NetworkPolicy peers: each webhook's namespace and object
+    selectors, less the namespace-name exclusion (a NetworkPolicy peer cannot exclude by name;
+    the webhook never injects there, so no sidecar runs there)."""
+    mwc = _one(d, "MutatingWebhookConfiguration", "kvgate-sidecar-injector")
+    peers = []
+    for w in mwc["webhooks"]:
+        ns = [e for e in w["namespaceSelector"]["matchExpressions"] if e["key"] == LABEL]
+        pod = w["objectSelector"]["matchExpressions"]
+        assert len(ns) == 1 and [e["key"] for e in pod] == [LABEL]
+        if ns[0]["operator"] == "In":  # the namespace opted in: every pod not opted out
+            peers.append(
+                {
+                    "namespaceSelector": {"matchLabels": {LABEL: "true"}},
+                    "podSelector": {"matchExpressions": pod},
+                }
+            )
+        else:  # any namespace: pods opted in by their own label
+            assert pod == [{"key": LABEL, "operator": "In", "values": ["true"]}]
+            peers.insert(
+                0, {"namespaceSelector": {}, "podSelector": {"matchLabels": {LABEL: "true"}}}
+            )
+    return peers
+
+
+LABEL = "kvgate.io/inject"
+
+
+def test_network_policies_without_scrapers(helm: Helm) -> None:
+    """With networkPolicy.enabled and nothing else: the webhook port from anywhere (the API
+    server's address is not known), no metrics rule, the agent's port from the sidecars only.
+    No CNI runs in the tests, so nothing enforces these: the selectors are what is checked."""
+    (r,) = helm(_template_args("--set", "networkPolicy.enabled=true"))
+    assert r.returncode == 0, r.stderr
+    d = [x for x in yaml.safe_load_all(r.stdout) if x]
+    op = _one(d, "NetworkPolicy", "kvgate-operator")["spec"]
+    assert op["ingress"] == [{"ports": [{"port": "webhook", "protocol": "TCP"}]}]
+    (rule,) = _one(d, "NetworkPolicy", "kvgate-agent")["spec"]["ingress"]
+    assert rule["from"] == _sidecar_peers(d) and len(rule["from"]) == 2
+    assert all(peer["podSelector"] for peer in rule["from"])  # never a whole namespace
 
 
 #: PromQL functions, keywords and Grafana's query helpers: not metric names.

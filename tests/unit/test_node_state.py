@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from kvgate_agent.node.auth import (
     AuthError,
     Review,
     review_from_status,
+    token_expiry,
 )
 from kvgate_agent.node.service import metrics_url_allowed
 from kvgate_agent.node.state import (
@@ -318,6 +321,51 @@ async def test_an_api_server_outage_keeps_recently_accepted_tokens() -> None:
     with pytest.raises(AuthError) as e:
         await auth.verify("Bearer good", "models", "a", None)
     assert e.value.status == 503
+
+
+def _jwt(claims: dict[str, Any]) -> str:
+    """An unsigned JWT-shaped token with ``claims`` (the reviewer below accepts it anyway)."""
+
+    def part(obj: dict[str, Any]) -> str:
+        return base64.urlsafe_b64encode(json.dumps(obj).encode()).decode().rstrip("=")
+
+    return f"{part({'alg': 'RS256'})}.{part(claims)}.c2ln"
+
+
+def test_token_expiry_reads_exp_or_nothing() -> None:
+    assert token_expiry(_jwt({"exp": 1700000000})) == 1700000000.0
+    for token in ("opaque", "a.b.c", _jwt({"exp": "soon"}), _jwt({"exp": True}), _jwt({})):
+        assert token_expiry(token) is None, token
+
+
+async def test_no_acceptance_outlives_the_tokens_exp() -> None:
+    """An accepted token is trusted for ok_ttl (60 s), and for stale_ttl (600 s) while the API
+    server is down, but never past its own exp: here 30 s after it was first accepted."""
+    down = False
+
+    def reviewer(token: str) -> Review:
+        if down:
+            raise ConnectionRefusedError("apiserver down")
+        return review_from_status(status_for("models", "a", "uid-a"))
+
+    clock, wall = FakeClock(), FakeClock(1_000_000.0)
+    auth = Authenticator(reviewer, clock, ok_ttl=60, stale_ttl=600, run=_inline, wall=wall)
+    token = "Bearer " + _jwt({"exp": wall.now + 30})
+    await auth.verify(token, "models", "a", None)
+    clock.now, wall.now = 29, wall.now + 29
+    await auth.verify(token, "models", "a", None)
+    assert auth.reviews == 1  # still cached, before exp
+    down = True
+    clock.now, wall.now = 31, wall.now + 2  # past exp: the cache no longer vouches for it
+    with pytest.raises(AuthError) as e:
+        await auth.verify(token, "models", "a", None)
+    assert e.value.status == 503 and auth.stale_uses == 0
+    down, clock.now = False, 40  # past retry_after_failure (5 s)
+    opaque = "Bearer not-a-jwt"  # no exp to read: the plain TTLs apply
+    await auth.verify(opaque, "models", "a", None)
+    clock.now += 59
+    await auth.verify(opaque, "models", "a", None)
+    assert auth.reviews == 3
 
 
 async def test_concurrent_checks_of_one_token_share_a_review() -> None:

@@ -9,7 +9,10 @@ token, never the token itself, in a bounded cache.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -103,6 +106,27 @@ def kube_token_reviewer(api_client: Any, audience: str = TOKEN_AUDIENCE) -> Toke
     return review
 
 
+def token_expiry(token: str) -> float | None:
+    """The ``exp`` claim (Unix seconds) of a JWT, read without checking its signature; None when
+    ``token`` is not a JWT with a numeric ``exp``.
+
+    Only ever used to *shorten* how long an accepted token is trusted (the TokenReview checked
+    the signature): a token must not outlive its own expiry in the cache (RFC 7519 section
+    4.1.4, https://www.rfc-editor.org/rfc/rfc7519#section-4.1.4).
+    """
+    parts = token.split(".")
+    if len(parts) != 3:
+        return None
+    try:
+        payload = json.loads(base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4)))
+    except (binascii.Error, ValueError):
+        return None
+    exp = payload.get("exp") if isinstance(payload, dict) else None
+    if isinstance(exp, bool) or not isinstance(exp, int | float):
+        return None
+    return float(exp)
+
+
 class Authenticator:
     """Checks sync tokens against the claimed pod, with a bounded cache.
 
@@ -122,11 +146,14 @@ class Authenticator:
         stale_ttl: when the API server cannot be asked (down, or the request fails), a token
             accepted within this many seconds stays accepted: an API server outage must not
             turn into an outage of every model pod (the answer is the same thresholds the pod
-            already holds). Projected tokens expire (1 h by default), which bounds the reuse.
+            already holds). No acceptance outlives the token's own ``exp`` (projected tokens
+            expire after 1 h by default).
         retry_after_failure: after a failed TokenReview, no new one is tried for this many
             seconds (recent acceptances are used, others get 503 at once), so a hung API server
             does not make every sync wait for its own review.
         max_entries: cache bound.
+        wall: Unix seconds (injected), to compare with a token's ``exp``: no acceptance, fresh
+            or stale, is trusted past the token's own expiry (:func:`token_expiry`).
 
     Concurrent checks of one token share a single TokenReview (its own task: cancelling one
     caller never cancels the others).
@@ -143,9 +170,11 @@ class Authenticator:
         retry_after_failure: float = 5.0,
         max_entries: int = 4096,
         run: Callable[[Callable[[], Review]], Awaitable[Review]] | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.reviewer = reviewer
         self.clock = clock
+        self.wall = wall
         self.ok_ttl = ok_ttl
         self.refused_ttl = refused_ttl
         self.stale_ttl = max(stale_ttl, ok_ttl)
@@ -220,7 +249,12 @@ class Authenticator:
             raise _ReviewFailed() from exc
         ok = review.identity is not None
         fresh = now + (self.ok_ttl if ok else self.refused_ttl)
-        self._cache[key] = (review, fresh, now + self.stale_ttl if ok else fresh)
+        stale = now + self.stale_ttl if ok else fresh
+        expiry = token_expiry(token) if ok else None
+        if expiry is not None:  # never trusted past its own exp, on the monotonic clock
+            left = max(0.0, expiry - self.wall())
+            fresh, stale = min(fresh, now + left), min(stale, now + left)
+        self._cache[key] = (review, fresh, stale)
         self._cache.move_to_end(key)
         while len(self._cache) > self.max_entries:
             self._cache.popitem(last=False)
