@@ -648,6 +648,167 @@ def test_a_port_clash_is_refused_with_the_message_in_kubectls_error(
     assert webhook.metric("kvgate_webhook_injections_total", action="refused", reason="port_clash")
 
 
+class PortAdder:
+    """A second mutating webhook, as a service mesh or a monitoring agent would install: it adds
+    a ``metrics-exporter`` container listening on the port in the pod's annotation
+    ``test.kvgate.io/exporter-port`` (default 8001, the sidecar's), once. A real HTTPS server
+    on loopback (its own CA) in a thread; ``seen`` records the containers and init containers of
+    every pod it was sent."""
+
+    ANNOTATION = "test.kvgate.io/exporter-port"
+
+    def __init__(self, tmp: Path) -> None:
+        import http.server
+        import threading
+
+        now = dt.datetime.now(dt.UTC)
+        self.ca = new_ca(now, common_name="port-adder-ca")
+        pair = new_serving_cert(self.ca, ["127.0.0.1"], now)
+        (tmp / "adder.crt").write_bytes(pair.cert_pem)
+        (tmp / "adder.key").write_bytes(pair.key_pem)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(tmp / "adder.crt", tmp / "adder.key")
+        self.seen: list[list[str]] = []
+        adder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = json.dumps(adder.review(review)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def review(self, review: dict[str, Any]) -> dict[str, Any]:
+        pod = review["request"]["object"]
+        spec = pod["spec"]
+        names = [c["name"] for k in ("initContainers", "containers") for c in spec.get(k) or []]
+        self.seen.append(names)
+        response: dict[str, Any] = {"uid": review["request"]["uid"], "allowed": True}
+        if "metrics-exporter" not in names:
+            port = int((pod["metadata"].get("annotations") or {}).get(self.ANNOTATION, "8001"))
+            exporter = {
+                "name": "metrics-exporter",
+                "image": "prom/statsd-exporter",
+                "ports": [{"containerPort": port}],
+            }
+            ops = [{"op": "add", "path": "/spec/containers/-", "value": exporter}]
+            response["patchType"] = "JSONPatch"
+            response["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
+        kind = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}
+        return {**kind, "response": response}
+
+    def config(self, name: str, ns: str) -> dict[str, Any]:
+        """Its MutatingWebhookConfiguration, for pods of ``ns`` only; ``name`` sorts after the
+        kvgate configuration's, so the API server calls it after kvgate, and then kvgate again
+        (``reinvocationPolicy: IfNeeded``)."""
+        return {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": name},
+            "webhooks": [
+                {
+                    "name": "port-adder.test.kvgate.io",
+                    "clientConfig": {
+                        "url": f"https://127.0.0.1:{self.port}/add",
+                        "caBundle": base64.b64encode(self.ca.cert_pem).decode(),
+                    },
+                    "rules": [
+                        {
+                            "operations": ["CREATE"],
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "resources": ["pods"],
+                        }
+                    ],
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": ns},
+                    },
+                    "admissionReviewVersions": ["v1"],
+                    "sideEffects": "None",
+                    "failurePolicy": "Fail",  # never silently skipped: the test must see it
+                    "timeoutSeconds": 5,
+                    "reinvocationPolicy": "Never",
+                }
+            ],
+        }
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_port_clash_added_by_a_later_webhook_is_refused_on_reinvocation(
+    crds: Any, webhook: WebhookOperator, tmp_path: Path
+) -> None:
+    """kvgate injects; a second webhook then adds a container on the sidecar's port; the API
+    server calls kvgate again (its reinvocationPolicy IfNeeded): the pod is refused with the
+    first-invocation message, never admitted with two containers on one port."""
+    kube = crds
+    ns = namespace(kube, "wh-reinvoke")
+    adder = PortAdder(tmp_path)
+    name = "zz-kvgate-test-port-adder"
+    assert name > CONFIG_NAME
+    try:
+        apply(kube, adder.config(name, ns))
+        labels = {"kvgate.io/inject": "true"}
+        ann = {PortAdder.ANNOTATION: "9000"}
+        # Until the API server calls the adder, a dry run comes back without its container.
+        wait_for(
+            lambda: (
+                "metrics-exporter"
+                in [
+                    c["name"]
+                    for c in json.loads(
+                        dry_create(
+                            kube, model_pod("probe", ns, labels=labels, annotations=ann)
+                        ).stdout
+                    )["spec"]["containers"]
+                ]
+            ),
+            30,
+            "the API server to call the second webhook",
+        )
+        # A container on another port: injected by kvgate, then the exporter added, admitted.
+        create(kube, model_pod("other-port", ns, labels=labels, annotations=ann))
+        pod = get_pod(kube, ns, "other-port")
+        assert injected(pod) and sidecar_of(pod)
+        assert [c["name"] for c in pod["spec"]["containers"]] == ["vllm", "metrics-exporter"]
+        # On the sidecar's port: refused, with the message of a first-invocation clash.
+        before = webhook.metric(
+            "kvgate_webhook_injections_total", action="refused", reason="port_clash"
+        )
+        adder.seen.clear()
+        out = create(kube, model_pod("same-port", ns, labels=labels), check=False)
+        assert out.returncode != 0, out.stdout
+        assert "kvgate: sidecar port 8001 is already used by container 'metrics-exporter'" in (
+            out.stderr
+        )
+        assert "kvgate.io/sidecar-port" in out.stderr
+        # The adder was called with kvgate's sidecar already in the pod: the refusal came from
+        # the reinvocation, not from a first invocation that saw the exporter.
+        assert adder.seen and all(SIDECAR_NAME in names for names in adder.seen), adder.seen
+        assert kube.kubectl("get", "pod", "same-port", "-n", ns, check=False).returncode != 0
+        after = webhook.metric(
+            "kvgate_webhook_injections_total", action="refused", reason="port_clash"
+        )
+        assert after >= before + 1
+    finally:
+        kube.kubectl("delete", "mutatingwebhookconfiguration", name, check=False)
+        adder.close()
+
+
 def test_cert_manager_mode_serves_the_mounted_certificate_and_reloads_it(
     crds: Any, webhook: WebhookOperator, tmp_path: Path
 ) -> None:
