@@ -869,6 +869,95 @@ def test_cert_manager_mode_serves_the_mounted_certificate_and_reloads_it(
         webhook.start()
 
 
+def served_cert(port: int) -> tuple[int, bytes]:
+    """The serving certificate the webhook presents now (not verified): (serial, the key id of
+    the CA that signed it)."""
+    cert = x509.load_pem_x509_certificate(
+        ssl.get_server_certificate(("127.0.0.1", port), timeout=5).encode()
+    )
+    aki = cert.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value
+    return cert.serial_number, aki.key_identifier or b""
+
+
+def test_certificate_rotation_under_load_fails_no_admission(
+    crds: Any, webhook: WebhookOperator, tmp_path: Path
+) -> None:
+    """Pods are created continuously (4 threads) while the operator rotates its serving
+    certificate every ~2 s and its CA every ~6 s (lifetimes of seconds through the settings,
+    checked every 0.5 s): every create succeeds and every pod is injected, so the API server
+    never met a certificate it did not trust (failurePolicy Ignore would have let a pod through
+    uninjected). Short mode: 120 creates over ~20 s; ``KVGATE_SOAK=long``: 1,200 over ~200 s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kubernetes import client
+
+    kube = crds
+    long = os.environ.get("KVGATE_SOAK") == "long"
+    total, duration = (1200, 200.0) if long else (120, 20.0)
+    name = "kvgate-test-rotating-injector"
+    op = WebhookOperator(
+        kube,
+        tmp_path / "operator.log",
+        KVGATE_OPERATOR_WEBHOOK_CONFIG_NAME=name,
+        KVGATE_OPERATOR_WEBHOOK_SECRET_NAME="kvgate-webhook-tls-rotating",
+        KVGATE_OPERATOR_WEBHOOK_CERT_SYNC_SECONDS="0.5",
+        KVGATE_OPERATOR_WEBHOOK_CA_LIFETIME_SECONDS="14",
+        KVGATE_OPERATOR_WEBHOOK_CA_RENEW_BEFORE_SECONDS="8",
+        KVGATE_OPERATOR_WEBHOOK_SERVING_LIFETIME_SECONDS="8",
+        KVGATE_OPERATOR_WEBHOOK_SERVING_RENEW_BEFORE_SECONDS="6",
+    )
+    apply(kube, webhook_config(name, f"https://127.0.0.1:{op.webhook_port}/inject-sidecar"))
+    webhook.stop()  # only the rotating operator injects meanwhile
+    try:
+        op.start()
+        ns = namespace(kube, "wh-rotation", {"kvgate.io/inject": "true"})
+        wait_for(lambda: effective(kube, ns), 30, "the rotating operator's webhook")
+        failures: list[str] = []
+        uninjected: list[str] = []
+        seconds: list[float] = []
+        start = time.monotonic()
+
+        def create_one(i: int) -> None:
+            time.sleep(max(0.0, start + i * duration / total - time.monotonic()))
+            t = time.monotonic()
+            try:
+                with kube.api_client() as api:
+                    core: Any = client.CoreV1Api(api)
+                    got = core.create_namespaced_pod(
+                        ns, model_pod(f"r-{i}", ns), _request_timeout=30
+                    )
+            except Exception as exc:  # any failed admission is a finding
+                failures.append(f"r-{i}: {exc}")
+                return
+            seconds.append(time.monotonic() - t)
+            if ANNOTATION_INJECTED not in (got.metadata.annotations or {}):
+                uninjected.append(f"r-{i}")
+
+        served: set[tuple[int, bytes]] = set()
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(create_one, i) for i in range(total)]
+            while not all(f.done() for f in futures):
+                served.add(served_cert(op.webhook_port))
+                time.sleep(0.2)
+        cas = {aki for _, aki in served}
+        reloads = op.metric("kvgate_webhook_certificate_reloads_total")
+        seconds.sort()
+        print(
+            f"rotation under load: {total} creates in {time.monotonic() - start:.1f}s, "
+            f"{len(failures)} failed, {len(uninjected)} uninjected; {len(served)} serving "
+            f"certificates from {len(cas)} CAs seen, {reloads:.0f} reloads; create p50 "
+            f"{seconds[len(seconds) // 2] * 1000:.0f} ms, max {seconds[-1] * 1000:.0f} ms"
+        )
+        assert failures == [] and uninjected == []
+        assert len(served) >= duration / 4 and len(cas) >= 3, (len(served), len(cas))
+        assert reloads >= duration / 4
+        assert "Traceback" not in op.log.read_text()
+    finally:
+        op.stop()
+        kube.kubectl("delete", "mutatingwebhookconfiguration", name, check=False)
+        webhook.start()
+
+
 def test_a_pod_created_while_the_operator_is_down_is_reported_as_missed(
     crds: Any, webhook: WebhookOperator
 ) -> None:
