@@ -961,8 +961,21 @@ def test_certificate_rotation_under_load_fails_no_admission(
 def test_a_pod_created_while_the_operator_is_down_is_reported_as_missed(
     crds: Any, webhook: WebhookOperator
 ) -> None:
+    """The webhook gone (the operator stopped: connections refused) and the webhook hung (the
+    operator frozen with SIGSTOP: its socket accepts, nothing answers): the API server admits
+    the pod as is (failurePolicy Ignore; after timeoutSeconds when hung), and the operator,
+    back, reports each pod once (an InjectionMissed event, the missed-injection metrics)."""
     kube = crds
     ns = namespace(kube, "wh-missed", {"kvgate.io/inject": "true"})
+
+    def warned(uid: str) -> list[dict[str, Any]]:
+        events = json.loads(kube.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
+        return [
+            e
+            for e in events
+            if e["reason"] == "InjectionMissed" and e["involvedObject"].get("uid") == uid
+        ]
+
     webhook.stop()
     # failurePolicy Ignore: the API server cannot reach the webhook and admits the pod as is.
     create(kube, model_pod("uninjected", ns))
@@ -971,22 +984,36 @@ def test_a_pod_created_while_the_operator_is_down_is_reported_as_missed(
     uid = pod["metadata"]["uid"]
     webhook.start()
 
-    def warned() -> list[dict[str, Any]]:
-        events = json.loads(kube.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
-        return [
-            e
-            for e in events
-            if e["reason"] == "InjectionMissed" and e["involvedObject"].get("uid") == uid
-        ]
-
-    events = wait_for(warned, 30, "an InjectionMissed event")
+    events = wait_for(lambda: warned(uid), 30, "an InjectionMissed event")
     assert events[0]["type"] == "Warning"
     assert "namespace label kvgate.io/inject=true" in events[0]["message"]
     assert webhook.metric("kvgate_webhook_missed_injections_total") >= 1
     assert webhook.metric("kvgate_webhook_uninjected_pods") >= 1
+
+    # Hung: the operator frozen; the create waits out timeoutSeconds (5 s), then passes.
+    assert webhook.proc is not None
+    missed_before = webhook.metric("kvgate_webhook_missed_injections_total")
+    os.kill(webhook.proc.pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        out = create(kube, model_pod("while-hung", ns), check=False)
+        took = time.monotonic() - t
+    finally:
+        os.kill(webhook.proc.pid, signal.SIGCONT)
+    assert out.returncode == 0, out.stderr
+    hung = get_pod(kube, ns, "while-hung")
+    assert not injected(hung)
+    assert 4 <= took < 30, took  # the webhook's timeoutSeconds, not a hang of the API server
+    print(f"webhook hung: the create took {took:.1f}s and passed uninjected")
+    wait_for(lambda: warned(hung["metadata"]["uid"]), 30, "an InjectionMissed event (hung)")
+    assert webhook.metric("kvgate_webhook_missed_injections_total") == missed_before + 1
+    assert webhook.listening()  # the thawed operator serves again
+    create(kube, model_pod("after-thaw", ns))
+    assert injected(get_pod(kube, ns, "after-thaw"))
     # Once per pod: more passes post nothing more.
     time.sleep(5)
-    assert len(warned()) == 1 and events[0].get("count", 1) == 1
+    assert len(warned(uid)) == 1 and events[0].get("count", 1) == 1
+    assert len(warned(hung["metadata"]["uid"])) == 1
 
 
 def test_a_restarted_operator_keeps_its_ca_and_the_ca_bundle(
