@@ -879,6 +879,7 @@ def served_cert(port: int) -> tuple[int, bytes]:
     return cert.serial_number, aki.key_identifier or b""
 
 
+@pytest.mark.timeout(600 if os.environ.get("KVGATE_SOAK") == "long" else 180)
 def test_certificate_rotation_under_load_fails_no_admission(
     crds: Any, webhook: WebhookOperator, tmp_path: Path
 ) -> None:
