@@ -270,7 +270,10 @@ def _rule_already_injected(pod: _Pod, config: InjectionConfig) -> Injection | No
 
 def _clash_after_injection(pod: _Pod) -> Injection | None:
     """The clash (rule 10's checks, volumes aside) between the injected sidecar's port (its
-    port named ``kvgate-http``) and the pod's other containers, or None."""
+    port named ``kvgate-http``) and the pod's other containers, or None (also for a pod whose
+    shape cannot be checked: the API server's own validation refuses it)."""
+    if _shape_error(pod.src) is not None:
+        return None
     sidecar = next(c for _, g in pod.groups() for c in g if c.get("name") == SIDECAR_NAME)
     ports = sidecar.get("ports")
     own = [p for p in ports if isinstance(p, dict)] if isinstance(ports, list) else []

@@ -352,6 +352,17 @@ def test_a_clash_added_after_injection_is_refused_on_reinvocation(native: bool) 
         assert (r.action, r.reason) == ("already_injected", "already_injected")
 
 
+def test_a_malformed_container_added_after_injection_never_raises() -> None:
+    injected = inject(
+        vllm_pod(labels={LABEL_INJECT: "true"}), namespace="m", namespace_opt_in=False, config=CFG
+    ).pod
+    for ports in (5, "8001", [8001], {"containerPort": 8001}):
+        pod = copy.deepcopy(injected)
+        pod["spec"]["containers"].append({"name": "x", "ports": ports})
+        r = inject(pod, namespace="m", namespace_opt_in=False, config=CFG)
+        assert r.action == "already_injected" and r.patch == []
+
+
 def test_a_reinvocation_clash_names_an_annotated_sidecar_port() -> None:
     pod = vllm_pod(labels={LABEL_INJECT: "true"}, annotations={ANNOTATION_SIDECAR_PORT: "9100"})
     injected = inject(pod, namespace="m", namespace_opt_in=False, config=CFG).pod
