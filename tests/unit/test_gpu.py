@@ -272,6 +272,42 @@ def test_swapped_pid_and_memory_fields_are_dropped_and_counted(
     assert g0 is not None and g0.processes == (ProcessMemory(4242, 6 * GiB),)
 
 
+def test_nvml_backend_passes_a_swapped_entry_on_and_the_monitor_drops_it(clock: FakeClock) -> None:
+    """The real NVML backend on a stand-in ``pynvml`` whose compute-process structs have pid and
+    usedGpuMemory exchanged (https://github.com/gpuopenanalytics/pynvml/issues/50)."""
+    from types import SimpleNamespace
+
+    procs = [
+        SimpleNamespace(pid=6 * GiB, usedGpuMemory=4242),  # pid 4242 using 6 GiB, swapped
+        SimpleNamespace(pid=4243, usedGpuMemory=GiB),  # read right
+    ]
+    stub = SimpleNamespace(
+        NVMLError=RuntimeError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: "h0",
+        nvmlDeviceGetUUID=lambda h: b"GPU-0",
+        nvmlDeviceGetName=lambda h: b"H200",
+        nvmlDeviceGetMigMode=lambda h: [0, 0],
+        nvmlDeviceGetMemoryInfo=lambda h, version=None: SimpleNamespace(
+            total=140 * GiB, used=7 * GiB, free=133 * GiB, reserved=0
+        ),
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=50),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: procs,
+        nvmlMemory_v2=2,
+    )
+    backend = NvmlBackend(nvml=stub)  # type: ignore[arg-type]
+    m = GpuMonitor(backend, clock=clock, call_timeout=2.0, pid_max=4194304)
+    try:
+        snap = m.poll()
+    finally:
+        m.close()
+    g = snap.gpu("GPU-0")
+    assert g is not None and g.healthy and g.processes == (ProcessMemory(4243, GiB),)
+    assert snap.dropped_processes == {("GPU-0", "pid_out_of_range"): 1}
+
+
 def test_pid_max_is_read_from_proc_and_capped(tmp_path: Path) -> None:
     f = tmp_path / "pid_max"
     f.write_text("32768\n")
