@@ -183,6 +183,7 @@ class Operator:
             secret_name=s.webhook_secret_name,
             webhook_config_name=s.webhook_config_name,
             hosts=s.webhook_hosts,
+            lifetimes=s.webhook_lifetimes,
         )
         await asyncio.to_thread(manager.ensure)
         await asyncio.to_thread(manager.sync_ca_bundle)

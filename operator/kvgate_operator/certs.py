@@ -36,6 +36,7 @@ __all__ = [
     "SERVING_LIFETIME",
     "SERVING_RENEW_BEFORE",
     "CertificateManager",
+    "Lifetimes",
     "WebhookCerts",
     "ca_bundle_patch",
     "new_ca",
@@ -54,6 +55,37 @@ SERVING_RENEW_BEFORE = dt.timedelta(days=30)
 """The serving certificate is renewed when fewer than this remain, when the webhook's host names
 change, or when no trusted CA signed it."""
 CA_COMMON_NAME = "kvgate-webhook-ca"
+
+
+@dataclass(frozen=True)
+class Lifetimes:
+    """How long the CA and the serving certificate are valid, and how long before their end
+    they are renewed (the defaults above; shorter ones rotate often, e.g. in tests).
+
+    Raises:
+        ValueError: a renewal margin is not in ``(0, lifetime)``, or the CA's margin is below
+            the serving lifetime (a serving certificate would then be cut short by its CA's end
+            and renewed at every check).
+    """
+
+    ca: dt.timedelta = CA_LIFETIME
+    ca_renew_before: dt.timedelta = CA_RENEW_BEFORE
+    serving: dt.timedelta = SERVING_LIFETIME
+    serving_renew_before: dt.timedelta = SERVING_RENEW_BEFORE
+
+    def __post_init__(self) -> None:
+        zero = dt.timedelta(0)
+        for what, life, before in (
+            ("CA", self.ca, self.ca_renew_before),
+            ("serving", self.serving, self.serving_renew_before),
+        ):
+            if not zero < before < life:
+                raise ValueError(f"the {what} renewal margin must be in (0, lifetime)")
+        if self.ca_renew_before < self.serving:
+            raise ValueError("the CA's renewal margin must be at least the serving lifetime")
+
+
+DEFAULT_LIFETIMES = Lifetimes()
 
 
 def new_ca(
@@ -135,18 +167,25 @@ class WebhookCerts:
 
 
 def plan(
-    certs: WebhookCerts | None, hosts: Sequence[str], now: dt.datetime
+    certs: WebhookCerts | None,
+    hosts: Sequence[str],
+    now: dt.datetime,
+    lifetimes: Lifetimes = DEFAULT_LIFETIMES,
 ) -> tuple[WebhookCerts, list[str]]:
     """What the certificates should be at ``now``: ``(certs, reasons)``; ``reasons`` is empty
     when nothing changes (then ``certs`` is the same object). Reasons: ``created``,
     ``ca_rotated``, ``serving_rotated``, ``hosts_changed``, ``untrusted_issuer``,
     ``expired_ca_dropped``.
 
-    A serving certificate is always issued by the current CA; after a CA rotation the existing
-    one (signed by the old CA, still in the bundle) is kept until it is due."""
+    A serving certificate is issued by the current CA, except in the pass that rotates the CA:
+    the API server may still verify with the ``caBundle`` it had before the patch for a moment,
+    so a serving certificate due then is issued by the old CA while that one is valid (and
+    renewed by the new CA once due again). After a CA rotation the existing serving
+    certificate (signed by the old CA, still in the bundle) is kept until it is due."""
+    lt = lifetimes
     if certs is None:
-        ca = new_ca(now)
-        return WebhookCerts(ca, new_serving_cert(ca, hosts, now)), ["created"]
+        ca = new_ca(now, lifetime=lt.ca)
+        return WebhookCerts(ca, new_serving_cert(ca, hosts, now, lifetime=lt.serving)), ["created"]
     reasons: list[str] = []
     out = certs
     # Drop previous CAs that expired.
@@ -156,21 +195,23 @@ def plan(
     if alive != out.previous_cas:
         out = replace(out, previous_cas=alive)
         reasons.append("expired_ca_dropped")
-    if out.ca.remaining(now) < CA_RENEW_BEFORE:
+    signer = out.ca
+    if out.ca.remaining(now) < lt.ca_renew_before:
         old = out.ca
         keep = (old.cert_pem,) if old.not_after > now else ()
-        out = replace(out, ca=new_ca(now), previous_cas=keep + out.previous_cas)
+        out = replace(out, ca=new_ca(now, lifetime=lt.ca), previous_cas=keep + out.previous_cas)
         reasons.append("ca_rotated")
+        signer = old if keep else out.ca
     serving = out.serving.cert
     renew = None
-    if out.serving.remaining(now) < SERVING_RENEW_BEFORE:
+    if out.serving.remaining(now) < lt.serving_renew_before:
         renew = "serving_rotated"
     elif pki.sans(serving) != pki.normalised_hosts(hosts):
         renew = "hosts_changed"
     elif not any(pki.signed_by(serving, ca) for ca in out.trusted(now)):
         renew = "untrusted_issuer"
     if renew:
-        out = replace(out, serving=new_serving_cert(out.ca, hosts, now))
+        out = replace(out, serving=new_serving_cert(signer, hosts, now, lifetime=lt.serving))
         reasons.append(renew)
     return (out if reasons else certs), reasons
 
@@ -219,6 +260,7 @@ class CertificateManager:
         hosts: the serving certificate's host names / IP addresses.
         clock: the current time (UTC, aware); injected by tests.
         sleep: how to wait between retries of transient errors at start (injected by tests).
+        lifetimes: the certificates' lifetimes and renewal margins.
     """
 
     def __init__(
@@ -231,8 +273,10 @@ class CertificateManager:
         hosts: Sequence[str],
         clock: Callable[[], dt.datetime] = _utcnow,
         sleep: Callable[[float], None] = time.sleep,
+        lifetimes: Lifetimes = DEFAULT_LIFETIMES,
     ) -> None:
         self.store = store
+        self.lifetimes = lifetimes
         self.namespace = namespace
         self.secret_name = secret_name
         self.webhook_config_name = webhook_config_name
@@ -280,7 +324,7 @@ class CertificateManager:
                         )
                         break
                     self.sleep(min(8.0, 0.5 * 2**attempt))
-        certs, reasons = plan(loaded, self.hosts, now)
+        certs, reasons = plan(loaded, self.hosts, now, self.lifetimes)
         self.certs = certs
         if reasons and self.persistent:
             self._store(now)
@@ -319,7 +363,7 @@ class CertificateManager:
                 except ApiException:
                     theirs = None
                 if theirs is not None:
-                    self.certs, _ = plan(theirs, self.hosts, now)
+                    self.certs, _ = plan(theirs, self.hosts, now, self.lifetimes)
                     return True
                 return False
             if self.persistent or exc.status not in (401, 403):
@@ -353,7 +397,7 @@ class CertificateManager:
                 self.certs = stored
                 self.persistent = True
         before = self.certs.ca_bundle(now)
-        certs, reasons = plan(self.certs, self.hosts, now)
+        certs, reasons = plan(self.certs, self.hosts, now, self.lifetimes)
         reasons = adopted + reasons
         self.certs = certs
         if certs.ca_bundle(now) != before:

@@ -3,7 +3,8 @@
 Pure: no I/O, no kopf, no Kubernetes client. The mutating webhook calls :func:`inject` with the
 pod of an ``AdmissionReview`` request. Invariant: the same pod always gets the same answer, and
 an injected pod is never injected again (the API server may call a webhook more than once:
-``reinvocationPolicy: IfNeeded``). The rules are the ``_rule_*`` functions below, in the order
+``reinvocationPolicy: IfNeeded``), but is checked again for port and name clashes, which a
+later webhook may have added. The rules are the ``_rule_*`` functions below, in the order
 :func:`inject` applies them; the first that decides gives the answer.
 """
 
@@ -13,7 +14,7 @@ import copy
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import jsonpatch
@@ -246,9 +247,16 @@ def _rule_excluded_namespace(pod: _Pod, config: InjectionConfig) -> Injection | 
 
 def _rule_already_injected(pod: _Pod, config: InjectionConfig) -> Injection | None:
     """2. ``already_injected``: a container or init container named ``kvgate-sidecar``, or the
-    annotation ``kvgate.io/injected``, is present (whatever the config now says)."""
+    annotation ``kvgate.io/injected``, is present (whatever the config now says). Except
+    ``port_clash`` / ``name_clash`` (refused, as rule 10): a pod kvgate injected (annotation and
+    container both present) whose other containers now use the sidecar's port or port name, as
+    when a later webhook added a container and the API server calls kvgate again
+    (``reinvocationPolicy: IfNeeded``): two containers on one port crash-loop."""
     names = {c.get("name") for _, group in pod.groups() for c in group}
     if SIDECAR_NAME in names:
+        clash = _clash_after_injection(pod) if ANNOTATION_INJECTED in pod.annotations else None
+        if clash is not None:
+            return clash
         message = f"kvgate: the pod already has a container {SIDECAR_NAME!r}"
     elif ANNOTATION_INJECTED in pod.annotations:
         message = (
@@ -258,6 +266,28 @@ def _rule_already_injected(pod: _Pod, config: InjectionConfig) -> Injection | No
     else:
         return None
     return Injection("already_injected", "already_injected", message, pod.src)
+
+
+def _clash_after_injection(pod: _Pod) -> Injection | None:
+    """The clash (rule 10's checks, volumes aside) between the injected sidecar's port (its
+    port named ``kvgate-http``) and the pod's other containers, or None (also for a pod whose
+    shape cannot be checked: the API server's own validation refuses it)."""
+    if _shape_error(pod.src) is not None:
+        return None
+    sidecar = next(c for _, g in pod.groups() for c in g if c.get("name") == SIDECAR_NAME)
+    ports = sidecar.get("ports")
+    own = [p for p in ports if isinstance(p, dict)] if isinstance(ports, list) else []
+    port = next((p.get("containerPort") for p in own if p.get("name") == PORT_NAME), None)
+    if not isinstance(port, int) or isinstance(port, bool):
+        return None
+    spec = {
+        key: [c for c in _containers(pod.spec, key) if c.get("name") != SIDECAR_NAME]
+        for key in ("containers", "initContainers")
+    }
+    others = _Pod({**pod.src, "spec": spec}, pod.namespace, pod.namespace_opt_in)
+    annotated = ANNOTATION_SIDECAR_PORT in pod.annotations
+    clash = _container_clashes(others, _Ports(0, "", port, annotated))
+    return None if clash is None else replace(clash, pod=pod.src)
 
 
 def _rule_opted_out(pod: _Pod, config: InjectionConfig) -> Injection | None:
@@ -426,12 +456,29 @@ def _rule_clashes(pod: _Pod, ports: _Ports) -> Injection | None:
     container. ``name_clash`` (refused): a container already has a port named ``kvgate-http``,
     or the pod a volume named ``kvgate-token``. Containers are checked in order (containers,
     then init containers), each for its ports then its port names; volumes last."""
-    fix = f"set annotation {ANNOTATION_SIDECAR_PORT} to a free port"
     if ports.sidecar == ports.model:
         return pod.refuse(
             "port_clash",
-            f"kvgate: {ports.sidecar_what} is the model server's port ({ports.model_from}); {fix}",
+            f"kvgate: {ports.sidecar_what} is the model server's port ({ports.model_from}); "
+            f"set annotation {ANNOTATION_SIDECAR_PORT} to a free port",
         )
+    clash = _container_clashes(pod, ports)
+    if clash is not None:
+        return clash
+    if any(v.get("name") == TOKEN_VOLUME for v in pod.spec.get("volumes") or []):
+        return pod.refuse(
+            "name_clash",
+            f"kvgate: the pod already has a volume named {TOKEN_VOLUME!r}, which the sidecar "
+            f"needs for its token; rename it, or opt the pod out with annotation "
+            f'{ANNOTATION_INJECT}: "false"',
+        )
+    return None
+
+
+def _container_clashes(pod: _Pod, ports: _Ports) -> Injection | None:
+    """Rule 10's checks of the containers (then init containers), in order: each for its TCP
+    ports (``port_clash``), then its port names (``name_clash``)."""
+    fix = f"set annotation {ANNOTATION_SIDECAR_PORT} to a free port"
     for kind, group in pod.groups():
         for c in group:
             name = _show(c.get("name"))
@@ -448,13 +495,6 @@ def _rule_clashes(pod: _Pod, ports: _Ports) -> Injection | None:
                     f"kvgate: {kind} {name} already has a port named {PORT_NAME!r}, which the "
                     f"sidecar needs; rename it",
                 )
-    if any(v.get("name") == TOKEN_VOLUME for v in pod.spec.get("volumes") or []):
-        return pod.refuse(
-            "name_clash",
-            f"kvgate: the pod already has a volume named {TOKEN_VOLUME!r}, which the sidecar "
-            f"needs for its token; rename it, or opt the pod out with annotation "
-            f'{ANNOTATION_INJECT}: "false"',
-        )
     return None
 
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvgate_operator.certs import (
+    CA_LIFETIME,
+    CA_RENEW_BEFORE,
+    SERVING_LIFETIME,
+    SERVING_RENEW_BEFORE,
+    Lifetimes,
+)
 from kvgate_operator.template import InjectionConfig
 
 
@@ -49,6 +57,11 @@ class OperatorSettings(BaseSettings):
         webhook_cert_sync_seconds: how often the operator checks its certificate for renewal,
             re-syncs the ``caBundle`` (a Helm upgrade may have reset it) and, with
             ``webhook_cert_dir``, re-reads the files.
+        webhook_ca_lifetime_seconds, webhook_ca_renew_before_seconds,
+        webhook_serving_lifetime_seconds, webhook_serving_renew_before_seconds: the self-signed
+            CA's and serving certificate's lifetimes and how long before their end they are
+            renewed (default 365/90 and 90/30 days; see
+            :class:`~kvgate_operator.certs.Lifetimes` for the constraints).
         webhook_namespace_cache_seconds: how long the webhook trusts a namespace's labels
             before looking them up again.
         webhook_namespace_lookup_timeout: seconds a namespace lookup may take; past it the pod
@@ -81,6 +94,10 @@ class OperatorSettings(BaseSettings):
     webhook_self_signed: bool = True
     webhook_secret_name: str = Field("kvgate-webhook-tls", min_length=1)
     webhook_cert_sync_seconds: float = Field(60.0, gt=0)
+    webhook_ca_lifetime_seconds: float = Field(CA_LIFETIME.total_seconds(), gt=0)
+    webhook_ca_renew_before_seconds: float = Field(CA_RENEW_BEFORE.total_seconds(), gt=0)
+    webhook_serving_lifetime_seconds: float = Field(SERVING_LIFETIME.total_seconds(), gt=0)
+    webhook_serving_renew_before_seconds: float = Field(SERVING_RENEW_BEFORE.total_seconds(), gt=0)
     webhook_namespace_cache_seconds: float = Field(5.0, ge=0)
     webhook_namespace_lookup_timeout: float = Field(1.5, gt=0)
     injection: InjectionConfig = Field(default_factory=InjectionConfig)
@@ -95,7 +112,22 @@ class OperatorSettings(BaseSettings):
                 "(cert-manager) or KVGATE_OPERATOR_WEBHOOK_SELF_SIGNED=true, or disable it with "
                 "KVGATE_OPERATOR_WEBHOOK_ENABLED=false"
             )
+        self.webhook_lifetimes  # noqa: B018  # raises ValueError when inconsistent
         return self
+
+    @property
+    def webhook_lifetimes(self) -> Lifetimes:
+        """The self-signed certificates' lifetimes (:class:`~kvgate_operator.certs.Lifetimes`).
+
+        Raises:
+            ValueError: inconsistent lifetimes and renewal margins.
+        """
+        return Lifetimes(
+            ca=dt.timedelta(seconds=self.webhook_ca_lifetime_seconds),
+            ca_renew_before=dt.timedelta(seconds=self.webhook_ca_renew_before_seconds),
+            serving=dt.timedelta(seconds=self.webhook_serving_lifetime_seconds),
+            serving_renew_before=dt.timedelta(seconds=self.webhook_serving_renew_before_seconds),
+        )
 
     @property
     def webhook_hosts(self) -> list[str]:

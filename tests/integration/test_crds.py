@@ -404,6 +404,37 @@ INVALID = [
         "empty for Exists",
         standalone_too=False,
     ),
+    # Label syntax: the model's validators, the CRD's patterns and CEL (found by the policy fuzz)
+    bad(
+        "selector-label-value-syntax",
+        {"selector.matchLabels": {"app": "has space"}},
+        "spec.selector.matchLabels.app",
+        "should match",
+    ),
+    bad(
+        "selector-label-key-syntax",
+        {"selector.matchLabels": {"bad key": "x"}},
+        "spec.selector.matchLabels",
+        "keys must be label keys",
+    ),
+    bad(
+        "selector-label-key-prefix-length",
+        {"selector.matchLabels": {"a" * 254 + "/x": "x"}},
+        "spec.selector.matchLabels",
+        "keys must be label keys",
+    ),
+    bad(
+        "selector-expression-key-syntax",
+        {"selector.matchExpressions": [{"key": "-x", "operator": "Exists"}]},
+        "spec.selector.matchExpressions[0].key",
+        "should match",
+    ),
+    bad(
+        "selector-expression-value-syntax",
+        {"selector.matchExpressions": [{"key": "a", "operator": "In", "values": ["_x"]}]},
+        "spec.selector.matchExpressions[0].values[0]",
+        "should match",
+    ),
 ]
 
 

@@ -268,6 +268,25 @@ def test_gpu_faults_and_the_safety_net_show_in_status_metrics_and_admission(
     m = stack.agent_url + "/metrics"
     g0, g1 = (g["uuid"] for g in gpus["gpus"])
 
+    # A process entry with its pid and used memory exchanged, as some driver/binding pairs
+    # report (https://github.com/gpuopenanalytics/pynvml/issues/50): pid 6442450944 using
+    # 4,242 bytes is dropped and counted, the GPU stays healthy, admission goes on.
+    gpus["gpus"][0]["processes"] = [{"pid": 4242, "used_bytes": 6 * GiB}]
+    gpus["gpus"][0]["swapped_process_fields"] = True
+    write_scenario(stack.scenario, gpus)
+
+    def dropped() -> float:
+        v = metric_value(
+            m, "kvgate_node_gpu_process_entries_dropped_total", gpu=g0, reason="pid_out_of_range"
+        )
+        return v or 0
+
+    wait_until(lambda: dropped() >= 1, 15, "the implausible process entry counted")
+    assert metric_value(m, "kvgate_node_gpu_healthy", gpu=g0) == 1
+    assert chat(mp.url)[0] == 200
+    gpus["gpus"][0]["processes"] = []
+    gpus["gpus"][0]["swapped_process_fields"] = False
+
     # One GPU lost: it is unhealthy with the reason, the other still read, the agent Ready.
     gpus["gpus"][1]["error"] = "lost"
     write_scenario(stack.scenario, gpus)

@@ -648,6 +648,167 @@ def test_a_port_clash_is_refused_with_the_message_in_kubectls_error(
     assert webhook.metric("kvgate_webhook_injections_total", action="refused", reason="port_clash")
 
 
+class PortAdder:
+    """A second mutating webhook, as a service mesh or a monitoring agent would install: it adds
+    a ``metrics-exporter`` container listening on the port in the pod's annotation
+    ``test.kvgate.io/exporter-port`` (default 8001, the sidecar's), once. A real HTTPS server
+    on loopback (its own CA) in a thread; ``seen`` records the containers and init containers of
+    every pod it was sent."""
+
+    ANNOTATION = "test.kvgate.io/exporter-port"
+
+    def __init__(self, tmp: Path) -> None:
+        import http.server
+        import threading
+
+        now = dt.datetime.now(dt.UTC)
+        self.ca = new_ca(now, common_name="port-adder-ca")
+        pair = new_serving_cert(self.ca, ["127.0.0.1"], now)
+        (tmp / "adder.crt").write_bytes(pair.cert_pem)
+        (tmp / "adder.key").write_bytes(pair.key_pem)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(tmp / "adder.crt", tmp / "adder.key")
+        self.seen: list[list[str]] = []
+        adder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = json.dumps(adder.review(review)).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def review(self, review: dict[str, Any]) -> dict[str, Any]:
+        pod = review["request"]["object"]
+        spec = pod["spec"]
+        names = [c["name"] for k in ("initContainers", "containers") for c in spec.get(k) or []]
+        self.seen.append(names)
+        response: dict[str, Any] = {"uid": review["request"]["uid"], "allowed": True}
+        if "metrics-exporter" not in names:
+            port = int((pod["metadata"].get("annotations") or {}).get(self.ANNOTATION, "8001"))
+            exporter = {
+                "name": "metrics-exporter",
+                "image": "prom/statsd-exporter",
+                "ports": [{"containerPort": port}],
+            }
+            ops = [{"op": "add", "path": "/spec/containers/-", "value": exporter}]
+            response["patchType"] = "JSONPatch"
+            response["patch"] = base64.b64encode(json.dumps(ops).encode()).decode()
+        kind = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}
+        return {**kind, "response": response}
+
+    def config(self, name: str, ns: str) -> dict[str, Any]:
+        """Its MutatingWebhookConfiguration, for pods of ``ns`` only; ``name`` sorts after the
+        kvgate configuration's, so the API server calls it after kvgate, and then kvgate again
+        (``reinvocationPolicy: IfNeeded``)."""
+        return {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "metadata": {"name": name},
+            "webhooks": [
+                {
+                    "name": "port-adder.test.kvgate.io",
+                    "clientConfig": {
+                        "url": f"https://127.0.0.1:{self.port}/add",
+                        "caBundle": base64.b64encode(self.ca.cert_pem).decode(),
+                    },
+                    "rules": [
+                        {
+                            "operations": ["CREATE"],
+                            "apiGroups": [""],
+                            "apiVersions": ["v1"],
+                            "resources": ["pods"],
+                        }
+                    ],
+                    "namespaceSelector": {
+                        "matchLabels": {"kubernetes.io/metadata.name": ns},
+                    },
+                    "admissionReviewVersions": ["v1"],
+                    "sideEffects": "None",
+                    "failurePolicy": "Fail",  # never silently skipped: the test must see it
+                    "timeoutSeconds": 5,
+                    "reinvocationPolicy": "Never",
+                }
+            ],
+        }
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_port_clash_added_by_a_later_webhook_is_refused_on_reinvocation(
+    crds: Any, webhook: WebhookOperator, tmp_path: Path
+) -> None:
+    """kvgate injects; a second webhook then adds a container on the sidecar's port; the API
+    server calls kvgate again (its reinvocationPolicy IfNeeded): the pod is refused with the
+    first-invocation message, never admitted with two containers on one port."""
+    kube = crds
+    ns = namespace(kube, "wh-reinvoke")
+    adder = PortAdder(tmp_path)
+    name = "zz-kvgate-test-port-adder"
+    assert name > CONFIG_NAME
+    try:
+        apply(kube, adder.config(name, ns))
+        labels = {"kvgate.io/inject": "true"}
+        ann = {PortAdder.ANNOTATION: "9000"}
+        # Until the API server calls the adder, a dry run comes back without its container.
+        wait_for(
+            lambda: (
+                "metrics-exporter"
+                in [
+                    c["name"]
+                    for c in json.loads(
+                        dry_create(
+                            kube, model_pod("probe", ns, labels=labels, annotations=ann)
+                        ).stdout
+                    )["spec"]["containers"]
+                ]
+            ),
+            30,
+            "the API server to call the second webhook",
+        )
+        # A container on another port: injected by kvgate, then the exporter added, admitted.
+        create(kube, model_pod("other-port", ns, labels=labels, annotations=ann))
+        pod = get_pod(kube, ns, "other-port")
+        assert injected(pod) and sidecar_of(pod)
+        assert [c["name"] for c in pod["spec"]["containers"]] == ["vllm", "metrics-exporter"]
+        # On the sidecar's port: refused, with the message of a first-invocation clash.
+        before = webhook.metric(
+            "kvgate_webhook_injections_total", action="refused", reason="port_clash"
+        )
+        adder.seen.clear()
+        out = create(kube, model_pod("same-port", ns, labels=labels), check=False)
+        assert out.returncode != 0, out.stdout
+        assert "kvgate: sidecar port 8001 is already used by container 'metrics-exporter'" in (
+            out.stderr
+        )
+        assert "kvgate.io/sidecar-port" in out.stderr
+        # The adder was called with kvgate's sidecar already in the pod: the refusal came from
+        # the reinvocation, not from a first invocation that saw the exporter.
+        assert adder.seen and all(SIDECAR_NAME in names for names in adder.seen), adder.seen
+        assert kube.kubectl("get", "pod", "same-port", "-n", ns, check=False).returncode != 0
+        after = webhook.metric(
+            "kvgate_webhook_injections_total", action="refused", reason="port_clash"
+        )
+        assert after >= before + 1
+    finally:
+        kube.kubectl("delete", "mutatingwebhookconfiguration", name, check=False)
+        adder.close()
+
+
 def test_cert_manager_mode_serves_the_mounted_certificate_and_reloads_it(
     crds: Any, webhook: WebhookOperator, tmp_path: Path
 ) -> None:
@@ -708,11 +869,114 @@ def test_cert_manager_mode_serves_the_mounted_certificate_and_reloads_it(
         webhook.start()
 
 
+def served_cert(port: int) -> tuple[int, bytes]:
+    """The serving certificate the webhook presents now (not verified): (serial, the key id of
+    the CA that signed it)."""
+    cert = x509.load_pem_x509_certificate(
+        ssl.get_server_certificate(("127.0.0.1", port), timeout=5).encode()
+    )
+    aki = cert.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value
+    return cert.serial_number, aki.key_identifier or b""
+
+
+@pytest.mark.timeout(600 if os.environ.get("KVGATE_SOAK") == "long" else 180)
+def test_certificate_rotation_under_load_fails_no_admission(
+    crds: Any, webhook: WebhookOperator, tmp_path: Path
+) -> None:
+    """Pods are created continuously (4 threads) while the operator rotates its serving
+    certificate every ~2 s and its CA every ~6 s (lifetimes of seconds through the settings,
+    checked every 0.5 s): every create succeeds and every pod is injected, so the API server
+    never met a certificate it did not trust (failurePolicy Ignore would have let a pod through
+    uninjected). Short mode: 120 creates over ~20 s; ``KVGATE_SOAK=long``: 1,200 over ~200 s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kubernetes import client
+
+    kube = crds
+    long = os.environ.get("KVGATE_SOAK") == "long"
+    total, duration = (1200, 200.0) if long else (120, 20.0)
+    name = "kvgate-test-rotating-injector"
+    op = WebhookOperator(
+        kube,
+        tmp_path / "operator.log",
+        KVGATE_OPERATOR_WEBHOOK_CONFIG_NAME=name,
+        KVGATE_OPERATOR_WEBHOOK_SECRET_NAME="kvgate-webhook-tls-rotating",
+        KVGATE_OPERATOR_WEBHOOK_CERT_SYNC_SECONDS="0.5",
+        KVGATE_OPERATOR_WEBHOOK_CA_LIFETIME_SECONDS="14",
+        KVGATE_OPERATOR_WEBHOOK_CA_RENEW_BEFORE_SECONDS="8",
+        KVGATE_OPERATOR_WEBHOOK_SERVING_LIFETIME_SECONDS="8",
+        KVGATE_OPERATOR_WEBHOOK_SERVING_RENEW_BEFORE_SECONDS="6",
+    )
+    apply(kube, webhook_config(name, f"https://127.0.0.1:{op.webhook_port}/inject-sidecar"))
+    webhook.stop()  # only the rotating operator injects meanwhile
+    try:
+        op.start()
+        ns = namespace(kube, "wh-rotation", {"kvgate.io/inject": "true"})
+        wait_for(lambda: effective(kube, ns), 30, "the rotating operator's webhook")
+        failures: list[str] = []
+        uninjected: list[str] = []
+        seconds: list[float] = []
+        start = time.monotonic()
+
+        def create_one(i: int) -> None:
+            time.sleep(max(0.0, start + i * duration / total - time.monotonic()))
+            t = time.monotonic()
+            try:
+                with kube.api_client() as api:
+                    core: Any = client.CoreV1Api(api)
+                    got = core.create_namespaced_pod(
+                        ns, model_pod(f"r-{i}", ns), _request_timeout=30
+                    )
+            except Exception as exc:  # any failed admission is a finding
+                failures.append(f"r-{i}: {exc}")
+                return
+            seconds.append(time.monotonic() - t)
+            if ANNOTATION_INJECTED not in (got.metadata.annotations or {}):
+                uninjected.append(f"r-{i}")
+
+        served: set[tuple[int, bytes]] = set()
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(create_one, i) for i in range(total)]
+            while not all(f.done() for f in futures):
+                served.add(served_cert(op.webhook_port))
+                time.sleep(0.2)
+        cas = {aki for _, aki in served}
+        reloads = op.metric("kvgate_webhook_certificate_reloads_total")
+        seconds.sort()
+        print(
+            f"rotation under load: {total} creates in {time.monotonic() - start:.1f}s, "
+            f"{len(failures)} failed, {len(uninjected)} uninjected; {len(served)} serving "
+            f"certificates from {len(cas)} CAs seen, {reloads:.0f} reloads; create p50 "
+            f"{seconds[len(seconds) // 2] * 1000:.0f} ms, max {seconds[-1] * 1000:.0f} ms"
+        )
+        assert failures == [] and uninjected == []
+        assert len(served) >= duration / 4 and len(cas) >= 3, (len(served), len(cas))
+        assert reloads >= duration / 4
+        assert "Traceback" not in op.log.read_text()
+    finally:
+        op.stop()
+        kube.kubectl("delete", "mutatingwebhookconfiguration", name, check=False)
+        webhook.start()
+
+
 def test_a_pod_created_while_the_operator_is_down_is_reported_as_missed(
     crds: Any, webhook: WebhookOperator
 ) -> None:
+    """The webhook gone (the operator stopped: connections refused) and the webhook hung (the
+    operator frozen with SIGSTOP: its socket accepts, nothing answers): the API server admits
+    the pod as is (failurePolicy Ignore; after timeoutSeconds when hung), and the operator,
+    back, reports each pod once (an InjectionMissed event, the missed-injection metrics)."""
     kube = crds
     ns = namespace(kube, "wh-missed", {"kvgate.io/inject": "true"})
+
+    def warned(uid: str) -> list[dict[str, Any]]:
+        events = json.loads(kube.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
+        return [
+            e
+            for e in events
+            if e["reason"] == "InjectionMissed" and e["involvedObject"].get("uid") == uid
+        ]
+
     webhook.stop()
     # failurePolicy Ignore: the API server cannot reach the webhook and admits the pod as is.
     create(kube, model_pod("uninjected", ns))
@@ -721,22 +985,36 @@ def test_a_pod_created_while_the_operator_is_down_is_reported_as_missed(
     uid = pod["metadata"]["uid"]
     webhook.start()
 
-    def warned() -> list[dict[str, Any]]:
-        events = json.loads(kube.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
-        return [
-            e
-            for e in events
-            if e["reason"] == "InjectionMissed" and e["involvedObject"].get("uid") == uid
-        ]
-
-    events = wait_for(warned, 30, "an InjectionMissed event")
+    events = wait_for(lambda: warned(uid), 30, "an InjectionMissed event")
     assert events[0]["type"] == "Warning"
     assert "namespace label kvgate.io/inject=true" in events[0]["message"]
     assert webhook.metric("kvgate_webhook_missed_injections_total") >= 1
     assert webhook.metric("kvgate_webhook_uninjected_pods") >= 1
+
+    # Hung: the operator frozen; the create waits out timeoutSeconds (5 s), then passes.
+    assert webhook.proc is not None
+    missed_before = webhook.metric("kvgate_webhook_missed_injections_total")
+    os.kill(webhook.proc.pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        out = create(kube, model_pod("while-hung", ns), check=False)
+        took = time.monotonic() - t
+    finally:
+        os.kill(webhook.proc.pid, signal.SIGCONT)
+    assert out.returncode == 0, out.stderr
+    hung = get_pod(kube, ns, "while-hung")
+    assert not injected(hung)
+    assert 4 <= took < 30, took  # the webhook's timeoutSeconds, not a hang of the API server
+    print(f"webhook hung: the create took {took:.1f}s and passed uninjected")
+    wait_for(lambda: warned(hung["metadata"]["uid"]), 30, "an InjectionMissed event (hung)")
+    assert webhook.metric("kvgate_webhook_missed_injections_total") == missed_before + 1
+    assert webhook.listening()  # the thawed operator serves again
+    create(kube, model_pod("after-thaw", ns))
+    assert injected(get_pod(kube, ns, "after-thaw"))
     # Once per pod: more passes post nothing more.
     time.sleep(5)
-    assert len(warned()) == 1 and events[0].get("count", 1) == 1
+    assert len(warned(uid)) == 1 and events[0].get("count", 1) == 1
+    assert len(warned(hung["metadata"]["uid"])) == 1
 
 
 def test_a_restarted_operator_keeps_its_ca_and_the_ca_bundle(

@@ -64,14 +64,16 @@ CONSTRAINTS = (
 #: estimator assumes (a rule over an unbounded list or string is refused at CRD creation) and
 #: keep objects small; label-selector limits are Kubernetes' own (label values <= 63 chars,
 #: qualified keys <= 317); object names and namespaces are Kubernetes names; timestamps are
-#: RFC 3339 (the API server checks ``format: date-time``). Paths: ``[]`` is a list item,
-#: ``{}`` a map value.
+#: RFC 3339 (the API server checks ``format: date-time``). Label keys and values: the model
+#: checks their syntax in a validator (``_check_label_key`` / ``_check_label_value``), the CRD
+#: with patterns and a CEL rule on the keys (tests/integration/test_policy_fuzz.py found the
+#: CRD storing selectors the model refuses). Paths: ``[]`` is a list item, ``{}`` a map value.
 CRD_ONLY: dict[str, set[str]] = {
-    "rlp:spec.selector.matchLabels{}": {"maxLength"},
+    "rlp:spec.selector.matchLabels{}": {"maxLength", "pattern"},
     "rlp:spec.selector.matchExpressions": {"maxItems"},
-    "rlp:spec.selector.matchExpressions[].key": {"maxLength"},
+    "rlp:spec.selector.matchExpressions[].key": {"maxLength", "pattern"},
     "rlp:spec.selector.matchExpressions[].values": {"maxItems"},
-    "rlp:spec.selector.matchExpressions[].values[]": {"maxLength"},
+    "rlp:spec.selector.matchExpressions[].values[]": {"maxLength", "pattern"},
     "rlp:spec.tenants.header": {"maxLength"},
     "rlp:spec.priority.header": {"maxLength"},
     "rlp:spec.overload.degrade.fallbackModel": {"maxLength"},

@@ -21,6 +21,7 @@ from kvgate_operator.certs import (
     CA_RENEW_BEFORE,
     SERVING_RENEW_BEFORE,
     CertificateManager,
+    Lifetimes,
     WebhookCerts,
     ca_bundle_patch,
     new_ca,
@@ -183,6 +184,79 @@ def test_a_serving_cert_from_an_untrusted_ca_is_reissued() -> None:
     stranger = new_serving_cert(new_ca(T0), HOSTS, T0)
     new, reasons = plan(WebhookCerts(certs.ca, stranger), HOSTS, T0)
     assert reasons == ["untrusted_issuer"] and signed_by(new.serving.cert, certs.ca.cert)
+
+
+def test_a_serving_cert_due_in_the_pass_that_rotates_the_ca_is_issued_by_the_old_ca() -> None:
+    """The API server may verify with the caBundle it had before the patch for a moment: the
+    first serving certificate after a CA rotation is still issued by the CA it already trusts;
+    the next renewal is the new CA's."""
+    certs = fresh()
+    at = certs.ca.not_after - CA_RENEW_BEFORE + dt.timedelta(hours=1)  # both due (day 275)
+    assert certs.serving.remaining(at) < SERVING_RENEW_BEFORE
+    rotated, reasons = plan(certs, HOSTS, at)
+    assert reasons == ["ca_rotated", "serving_rotated"]
+    assert signed_by(rotated.serving.cert, certs.ca.cert)  # the old CA, already trusted
+    assert rotated.serving.not_after == certs.ca.not_after  # capped at the old CA's end
+    later = rotated.serving.not_after - SERVING_RENEW_BEFORE + dt.timedelta(hours=1)
+    renewed, reasons = plan(rotated, HOSTS, later)
+    assert reasons == ["serving_rotated"] and signed_by(renewed.serving.cert, renewed.ca.cert)
+    # An old CA already expired cannot sign: the new one does at once.
+    gone = certs.ca.not_after + days(1)
+    fresh_ca, reasons = plan(certs, HOSTS, gone)
+    assert reasons == ["ca_rotated", "serving_rotated"] and fresh_ca.previous_cas == ()
+    assert signed_by(fresh_ca.serving.cert, fresh_ca.ca.cert)
+
+
+def test_short_lifetimes_rotate_both_and_every_served_cert_stays_trusted() -> None:
+    """Lifetimes of seconds (the rotation test's settings): follow checks every half second
+    for two minutes; the serving certificate is always signed by a CA in the bundle published
+    one check earlier (what the API server may still hold)."""
+    s = dt.timedelta(seconds=1)
+    lt = Lifetimes(ca=22 * s, ca_renew_before=12 * s, serving=12 * s, serving_renew_before=9 * s)
+    certs, _ = plan(None, HOSTS, T0, lt)
+    at, seen = T0, {"ca_rotated": 0, "serving_rotated": 0}
+    published = certs.ca_bundle(T0)
+    while at < T0 + 120 * s:
+        at += s / 2
+        certs, reasons = plan(certs, HOSTS, at, lt)
+        for r in reasons:
+            seen[r] = seen.get(r, 0) + 1
+        trusted = x509.load_pem_x509_certificates(published)
+        assert any(signed_by(certs.serving.cert, c) for c in trusted), (at, reasons)
+        assert certs.serving.remaining(at) > dt.timedelta(0)
+        published = certs.ca_bundle(at)
+    assert seen["ca_rotated"] >= 10 and seen["serving_rotated"] >= 30
+    assert seen["expired_ca_dropped"] >= 9  # old CAs leave the bundle
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"serving_renew_before": days(90)},  # not below the lifetime
+        {"ca_renew_before": days(0)},
+        {"ca_renew_before": days(30)},  # below the serving lifetime (90 days)
+    ],
+)
+def test_inconsistent_lifetimes_are_refused(bad: dict[str, dt.timedelta]) -> None:
+    with pytest.raises(ValueError, match="renewal margin"):
+        Lifetimes(**bad)
+
+
+def test_settings_carry_the_lifetimes() -> None:
+    from pydantic import ValidationError
+
+    from kvgate_operator.settings import OperatorSettings
+
+    assert OperatorSettings().webhook_lifetimes == Lifetimes()
+    short = OperatorSettings(
+        webhook_ca_lifetime_seconds=60,
+        webhook_ca_renew_before_seconds=30,
+        webhook_serving_lifetime_seconds=20,
+        webhook_serving_renew_before_seconds=10,
+    )
+    assert short.webhook_lifetimes.serving == dt.timedelta(seconds=20)
+    with pytest.raises(ValidationError, match="renewal margin"):
+        OperatorSettings(webhook_serving_renew_before_seconds=days(100).total_seconds())
 
 
 def test_secret_data_round_trips() -> None:

@@ -32,8 +32,10 @@ from kvgate_agent.gpu.fake import (
     FakeGpuBackend,
     FileFakeGpuBackend,
     GiB,
+    swapped_fields,
     write_scenario,
 )
+from kvgate_agent.gpu.monitor import PID_MAX_LIMIT, read_pid_max
 from kvgate_agent.gpu.nvml import map_nvml_error
 from kvgate_bench.toolkit import FakeClock, poll_until
 
@@ -217,23 +219,105 @@ def test_hung_call_is_bounded_and_not_resubmitted(fake: FakeGpuBackend, clock: F
 
 
 def test_implausible_process_values_dropped(
-    monitor: GpuMonitor, fake: FakeGpuBackend, caplog: pytest.LogCaptureFixture
+    fake: FakeGpuBackend, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
+    monitor = GpuMonitor(fake, clock=clock, call_timeout=0.5, pid_max=32768)
     fake.gpus["GPU-0"].processes = [
         ProcessMemory(0, GiB),  # pid 0
         ProcessMemory(-5, GiB),  # negative pid
-        ProcessMemory(77, 81 * GiB),  # more than the device holds (swapped fields)
+        ProcessMemory(32768, GiB),  # pid_max itself is never allocated
+        ProcessMemory(77, 81 * GiB),  # more than the device holds
+        ProcessMemory(78, -1),  # negative usage
         ProcessMemory(88, 2 * GiB),
-        ProcessMemory(99, None),  # usage not available: pid still valid
+        ProcessMemory(32767, None),  # usage not available: pid still valid
     ]
     fake.gpus["GPU-1"].processes = [ProcessMemory(12, 10**15)]  # all dropped -> unknown
-    with caplog.at_level(logging.WARNING, logger="kvgate_agent.gpu.monitor"):
-        snap = monitor.poll()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvgate_agent.gpu.monitor"):
+            snap = monitor.poll()
+            again = monitor.poll()
+    finally:
+        monitor.close()
     g0, g1 = snap.gpu("GPU-0"), snap.gpu("GPU-1")
-    assert g0 is not None and g0.processes == (ProcessMemory(88, 2 * GiB), ProcessMemory(99, None))
+    assert g0 is not None
+    assert g0.processes == (ProcessMemory(88, 2 * GiB), ProcessMemory(32767, None))
     assert g1 is not None and g1.processes is None
-    assert snap.errors_by_kind == {"implausible_process": 4}
-    assert sum("dropped process" in r.message for r in caplog.records) == 4
+    assert snap.errors_by_kind == {}  # not NVML call failures
+    assert snap.dropped_processes == {
+        ("GPU-0", "pid_out_of_range"): 3,
+        ("GPU-0", "used_above_total"): 1,
+        ("GPU-0", "used_negative"): 1,
+        ("GPU-1", "used_above_total"): 1,
+    }
+    assert again.dropped_processes == {k: 2 * v for k, v in snap.dropped_processes.items()}
+    # Logged once per (GPU, reason), however many entries and polls.
+    assert sum("dropped process entry" in r.message for r in caplog.records) == 4
+
+
+def test_swapped_pid_and_memory_fields_are_dropped_and_counted(
+    monitor: GpuMonitor, fake: FakeGpuBackend
+) -> None:
+    """pid 4242 using 6 GiB, reported with the two fields exchanged (pid 6442450944, 4,242
+    bytes: https://github.com/gpuopenanalytics/pynvml/issues/50), is dropped whatever the
+    machine's pid_max: no 64-bit kernel allocates a pid above 4,194,304."""
+    fake.gpus["GPU-0"].processes = [ProcessMemory(4242, 6 * GiB)]
+    fake.gpus["GPU-0"].swapped_process_fields = True
+    assert swapped_fields(ProcessMemory(4242, 6 * GiB)) == ProcessMemory(6442450944, 4242)
+    snap = monitor.poll()
+    g0 = snap.gpu("GPU-0")
+    assert g0 is not None and g0.healthy and g0.processes is None  # unknown, not "pid 6442450944"
+    assert snap.dropped_processes == {("GPU-0", "pid_out_of_range"): 1}
+    fake.gpus["GPU-0"].swapped_process_fields = False  # a fixed driver: believed again
+    g0 = monitor.poll().gpu("GPU-0")
+    assert g0 is not None and g0.processes == (ProcessMemory(4242, 6 * GiB),)
+
+
+def test_nvml_backend_passes_a_swapped_entry_on_and_the_monitor_drops_it(clock: FakeClock) -> None:
+    """The real NVML backend on a stand-in ``pynvml`` whose compute-process structs have pid and
+    usedGpuMemory exchanged (https://github.com/gpuopenanalytics/pynvml/issues/50)."""
+    from types import SimpleNamespace
+
+    procs = [
+        SimpleNamespace(pid=6 * GiB, usedGpuMemory=4242),  # pid 4242 using 6 GiB, swapped
+        SimpleNamespace(pid=4243, usedGpuMemory=GiB),  # read right
+    ]
+    stub = SimpleNamespace(
+        NVMLError=RuntimeError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: "h0",
+        nvmlDeviceGetUUID=lambda h: b"GPU-0",
+        nvmlDeviceGetName=lambda h: b"H200",
+        nvmlDeviceGetMigMode=lambda h: [0, 0],
+        nvmlDeviceGetMemoryInfo=lambda h, version=None: SimpleNamespace(
+            total=140 * GiB, used=7 * GiB, free=133 * GiB, reserved=0
+        ),
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=50),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: procs,
+        nvmlMemory_v2=2,
+    )
+    backend = NvmlBackend(nvml=stub)  # type: ignore[arg-type]
+    m = GpuMonitor(backend, clock=clock, call_timeout=2.0, pid_max=4194304)
+    try:
+        snap = m.poll()
+    finally:
+        m.close()
+    g = snap.gpu("GPU-0")
+    assert g is not None and g.healthy and g.processes == (ProcessMemory(4243, GiB),)
+    assert snap.dropped_processes == {("GPU-0", "pid_out_of_range"): 1}
+
+
+def test_pid_max_is_read_from_proc_and_capped(tmp_path: Path) -> None:
+    f = tmp_path / "pid_max"
+    f.write_text("32768\n")
+    assert read_pid_max(f) == 32768
+    f.write_text("99999999\n")  # beyond what a 64-bit kernel accepts
+    assert read_pid_max(f) == PID_MAX_LIMIT == 4194304
+    f.write_text("garbage")
+    assert read_pid_max(f) == PID_MAX_LIMIT
+    assert read_pid_max(tmp_path / "absent") == PID_MAX_LIMIT
+    assert 1 < read_pid_max() <= PID_MAX_LIMIT  # this machine's
 
 
 def test_empty_process_list_is_unknown(monitor: GpuMonitor) -> None:
@@ -441,6 +525,19 @@ def test_file_fake_values_follow_the_file(file_monitor: GpuMonitor, scenario_fil
     mig, g1 = snap.gpu("MIG-0a"), snap.gpu("GPU-1")
     assert mig is not None and mig.healthy and mig.utilization is None  # never 0
     assert g1 is not None and not g1.healthy and g1.reason == "lost: no longer enumerated"
+
+
+def test_file_fake_reports_swapped_process_fields(
+    file_monitor: GpuMonitor, scenario_file: Path
+) -> None:
+    write_scenario(
+        scenario_file,
+        scenario(processes=[{"pid": 4242, "used_bytes": 6 * GiB}], swapped_process_fields=True),
+    )
+    snap = file_monitor.poll()
+    g0 = snap.gpu("GPU-0")
+    assert g0 is not None and g0.healthy and g0.processes is None
+    assert snap.dropped_processes == {("GPU-0", "pid_out_of_range"): 1}
 
 
 @pytest.mark.parametrize("kind", ["lost", "not_supported", "library_missing", "timeout", "unknown"])

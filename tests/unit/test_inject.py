@@ -309,6 +309,69 @@ def test_port_clash_message_is_actionable() -> None:
     )
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_clash_added_after_injection_is_refused_on_reinvocation(native: bool) -> None:
+    """Another webhook adds a container on the sidecar's port after kvgate injected the pod;
+    the API server calls kvgate again (reinvocationPolicy IfNeeded): refused with the
+    first-invocation message, not "already injected"."""
+    cfg = InjectionConfig(native_sidecar=native)
+    injected = inject(
+        vllm_pod(labels={LABEL_INJECT: "true"}), namespace="m", namespace_opt_in=False, config=cfg
+    ).pod
+
+    def with_extra(key: str, ports: list[dict[str, Any]]) -> dict[str, Any]:
+        pod = copy.deepcopy(injected)
+        pod["spec"].setdefault(key, []).append({"name": "exporter", "image": "e", "ports": ports})
+        return pod
+
+    for key, kind in (("containers", "container"), ("initContainers", "init container")):
+        pod = with_extra(key, [{"containerPort": 8001}])
+        r = inject(pod, namespace="m", namespace_opt_in=False, config=cfg)
+        assert (r.action, r.reason, r.allowed, r.patch, r.pod) == (
+            "refused",
+            "port_clash",
+            False,
+            [],
+            pod,
+        )
+        assert r.message == (
+            f"kvgate: sidecar port 8001 is already used by {kind} 'exporter'; "
+            "set annotation kvgate.io/sidecar-port to a free port"
+        )
+    r = inject(
+        with_extra("containers", [{"containerPort": 9000, "name": "kvgate-http"}]),
+        namespace="m",
+        namespace_opt_in=False,
+        config=cfg,
+    )
+    assert (r.action, r.reason) == ("refused", "name_clash")
+    # Other ports, or UDP on the sidecar's port, are no clash: still "already injected".
+    for ports in ([{"containerPort": 9000}], [{"containerPort": 8001, "protocol": "UDP"}]):
+        pod = with_extra("containers", ports)
+        r = inject(pod, namespace="m", namespace_opt_in=False, config=cfg)
+        assert (r.action, r.reason) == ("already_injected", "already_injected")
+
+
+def test_a_malformed_container_added_after_injection_never_raises() -> None:
+    injected = inject(
+        vllm_pod(labels={LABEL_INJECT: "true"}), namespace="m", namespace_opt_in=False, config=CFG
+    ).pod
+    for ports in (5, "8001", [8001], {"containerPort": 8001}):
+        pod = copy.deepcopy(injected)
+        pod["spec"]["containers"].append({"name": "x", "ports": ports})
+        r = inject(pod, namespace="m", namespace_opt_in=False, config=CFG)
+        assert r.action == "already_injected" and r.patch == []
+
+
+def test_a_reinvocation_clash_names_an_annotated_sidecar_port() -> None:
+    pod = vllm_pod(labels={LABEL_INJECT: "true"}, annotations={ANNOTATION_SIDECAR_PORT: "9100"})
+    injected = inject(pod, namespace="m", namespace_opt_in=False, config=CFG).pod
+    injected["spec"]["containers"].append({"name": "x", "ports": [{"containerPort": 9100}]})
+    r = inject(injected, namespace="m", namespace_opt_in=False, config=CFG)
+    assert r.reason == "port_clash"
+    assert "sidecar port 9100 (annotation kvgate.io/sidecar-port) is already used by" in r.message
+
+
 @pytest.mark.parametrize(
     "value", ["0", "65536", "-1", "+80", " 80", "80 ", "8_000", "0800", "٨٠٠٠", "", "http"]
 )
@@ -609,4 +672,6 @@ def test_arbitrary_pod_shapes_never_raise(
     else:
         assert r.patch == [] and r.pod == pod
     if annotations.get(ANNOTATION_INJECT) == "false":
-        assert r.action in ("skipped", "already_injected")
+        assert r.action in ("skipped", "already_injected") or (
+            r.reason in ("port_clash", "name_clash") and ANNOTATION_INJECTED in annotations
+        )  # a pod kvgate injected is checked for clashes whatever it says since

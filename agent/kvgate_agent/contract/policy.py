@@ -380,7 +380,7 @@ class LabelSelector(_Model):
     """A Kubernetes label selector (``matchLabels`` and ``matchExpressions``). Keys and values
     must be valid label keys and values (a selector with any other can never match)."""
 
-    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_labels: Annotated[dict[str, str], Field(max_length=64)] = Field(default_factory=dict)
     match_expressions: list[LabelSelectorRequirement] = Field(default_factory=list)
 
     @model_validator(mode="after")

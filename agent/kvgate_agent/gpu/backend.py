@@ -43,7 +43,9 @@ class MemoryInfo:
 @dataclass(frozen=True, slots=True)
 class ProcessMemory:
     """One process's device memory. ``used_bytes`` is ``None`` when the driver says "not
-    available" (NVML_VALUE_NOT_AVAILABLE)."""
+    available" (NVML_VALUE_NOT_AVAILABLE). Values as the driver reported them, unchecked: the
+    monitor drops implausible entries (a pid beyond ``pid_max``, used memory negative or above
+    the device's total)."""
 
     pid: int
     used_bytes: int | None

@@ -12,7 +12,9 @@ script faults per call::
     release = fake.hang("memory", "GPU-0")                # blocks until release.set()
 
 Both count calls per ``(method, uuid)`` in ``calls`` (uuid ``None`` for init/devices). As NVML
-does, utilization on a MIG slice is not supported: :meth:`utilization` returns None.
+does, utilization on a MIG slice is not supported: :meth:`utilization` returns None. Both can
+report process entries with pid and used memory exchanged, as some driver/binding pairs do
+(``swapped_process_fields``, :func:`swapped_fields`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 
 
+def swapped_fields(p: ProcessMemory) -> ProcessMemory:
+    """``p`` with its pid and used memory exchanged, as some driver/binding pairs report
+    compute processes (https://github.com/gpuopenanalytics/pynvml/issues/50): pid 4242 using
+    6 GiB reads as pid 6442450944 using 4,242 bytes. Used memory "not available" becomes pid 0."""
+    return ProcessMemory(pid=p.used_bytes or 0, used_bytes=p.pid)
+
+
 @dataclass
 class FakeGpu:
     """One configured device; mutate fields between polls to change what is read."""
@@ -63,6 +72,8 @@ class FakeGpu:
     processes: list[ProcessMemory] = field(default_factory=list)
     mig: bool = False
     parent_uuid: str | None = None
+    #: Report every process with pid and used memory exchanged (:func:`swapped_fields`).
+    swapped_process_fields: bool = False
 
     def info(self) -> GpuInfo:
         return GpuInfo(self.uuid, self.index, self.name, self.mig, self.parent_uuid)
@@ -178,7 +189,12 @@ class FakeGpuBackend:
 
     def processes(self, uuid: str) -> list[ProcessMemory]:
         self._enter("processes", uuid)
-        return list(self._gpu(uuid).processes)
+        g = self._gpu(uuid)
+        return (
+            [swapped_fields(p) for p in g.processes]
+            if g.swapped_process_fields
+            else list(g.processes)
+        )
 
 
 # -- file-driven fake ------------------------------------------------------------------------------
@@ -220,6 +236,7 @@ class ScenarioGpu(_Model):
     mig: bool = False
     parent_uuid: str | None = None
     processes: tuple[ScenarioProcess, ...] = ()
+    swapped_process_fields: bool = False
     error: FaultKind | dict[GpuMethod, FaultKind] | None = None
     hang: bool = False
 
@@ -308,6 +325,7 @@ class FileFakeGpuBackend:
             "utilization": 30,        # null: not supported; always null on a MIG slice
             "mig": false, "parent_uuid": null,
             "processes": [{"pid": 1234, "used_bytes": 1000}],       # used_bytes null: n/a
+            "swapped_process_fields": false,  # true: pid and used_bytes reported exchanged
             "error": null,            # a fault kind raised by memory, utilization and
                                       # processes on this GPU, or per call:
                                       # {"utilization": "not_supported"}
@@ -426,7 +444,8 @@ class FileFakeGpuBackend:
     def processes(self, uuid: str) -> list[ProcessMemory]:
         g = self._gpu("processes", uuid)
         self._raise_fault(g, "processes")
-        return [ProcessMemory(p.pid, p.used_bytes) for p in g.processes]
+        out = [ProcessMemory(p.pid, p.used_bytes) for p in g.processes]
+        return [swapped_fields(p) for p in out] if g.swapped_process_fields else out
 
     # -- internals -------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, Literal, TypeVar
 
 from kvgate_agent.gpu.backend import (
     GpuBackend,
@@ -36,6 +37,28 @@ T = TypeVar("T")
 
 _INIT_KEY = "__init__"
 _DEVICES_KEY = "__devices__"
+
+PID_MAX_LIMIT = 4 * 1024 * 1024
+"""The largest ``pid_max`` a 64-bit Linux kernel accepts (``PID_MAX_LIMIT``, 4,194,304, in
+``include/linux/threads.h``): no process id is ever this large."""
+
+PID_MAX_PATH = Path("/proc/sys/kernel/pid_max")
+
+DropReason = Literal["pid_out_of_range", "used_negative", "used_above_total"]
+"""Why a process entry was dropped: its pid is not in ``1 .. pid_max - 1``, or its used memory
+is negative or above the device's total."""
+
+
+def read_pid_max(path: Path = PID_MAX_PATH) -> int:
+    """The kernel's ``pid_max`` (PIDs of that value or larger are never allocated:
+    https://www.kernel.org/doc/html/latest/admin-guide/sysctl/kernel.html#pid-max), capped at
+    :data:`PID_MAX_LIMIT`; :data:`PID_MAX_LIMIT` when the file cannot be read or parsed (not
+    Linux, a restricted ``/proc``). Never raises."""
+    try:
+        value = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return PID_MAX_LIMIT
+    return value if 1 < value <= PID_MAX_LIMIT else PID_MAX_LIMIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +86,8 @@ class GpuSnapshot:
 
     ``ready`` is True when at least one GPU is usable; ``reason`` says why not (or, when
     ready, which GPUs are unhealthy); ``errors_by_kind`` are cumulative counters since the
-    monitor started (kind -> count), for metrics.
+    monitor started (kind -> count), for metrics; ``dropped_processes`` likewise counts the
+    process entries dropped as implausible, by ``(gpu uuid, reason)`` (:data:`DropReason`).
     """
 
     gpus: tuple[GpuStatus, ...]
@@ -71,6 +95,7 @@ class GpuSnapshot:
     reason: str | None
     errors_by_kind: dict[str, int] = field(default_factory=dict)
     taken_at: float = 0.0
+    dropped_processes: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def gpu(self, uuid: str) -> GpuStatus | None:
         return next((g for g in self.gpus if g.uuid == uuid), None)
@@ -96,8 +121,13 @@ class GpuMonitor:
     - ``init()`` failures are retried with exponential backoff on the injected clock: ``poll()``
       calls ``init()`` again only once the backoff deadline has passed.
     - Utilization not supported (MIG) is ``None``, never 0. An empty process list is ``None``
-      ("unknown": PID namespaces hide processes), never "no usage". Implausible per-process values
-      (pid <= 0, used > device total, negative) are dropped with a warning.
+      ("unknown": PID namespaces hide processes), never "no usage". Implausible process entries
+      are dropped: a pid outside ``1 .. pid_max - 1`` (e.g. pid 6442450944 with 4,242 bytes used,
+      the two fields swapped as some driver/binding pairs report them:
+      https://github.com/gpuopenanalytics/pynvml/issues/50,
+      https://github.com/NVIDIA/go-nvml/issues/21), used memory negative or above the device's
+      total. Each drop is counted by ``(gpu, reason)`` in the snapshot's ``dropped_processes``
+      and logged once per ``(gpu, reason)``.
     - ``poll()`` never raises for backend failures; the snapshot says what is wrong.
 
     Known limit: a backend call that hangs forever keeps a worker thread, and
@@ -111,6 +141,7 @@ class GpuMonitor:
         executor: where backend calls run; a private thread pool by default.
         init_backoff: first delay after a failed ``init()``; doubles per failure...
         init_backoff_max: ...up to this.
+        pid_max: process ids must be below this; default :func:`read_pid_max` (read once).
     """
 
     def __init__(
@@ -122,9 +153,11 @@ class GpuMonitor:
         *,
         init_backoff: float = 1.0,
         init_backoff_max: float = 60.0,
+        pid_max: int | None = None,
     ) -> None:
         if call_timeout <= 0:
             raise ValueError("call_timeout must be > 0")
+        self.pid_max = read_pid_max() if pid_max is None else pid_max
         self.backend = backend
         self.clock = clock
         self.call_timeout = call_timeout
@@ -142,7 +175,8 @@ class GpuMonitor:
         self._known: dict[str, GpuInfo] = {}
         self._pending: dict[str, Future[Any]] = {}
         self._errors: Counter[str] = Counter()
-        self._warned: set[tuple[str, int, str]] = set()
+        self._dropped: Counter[tuple[str, str]] = Counter()
+        self._warned: set[tuple[str, str]] = set()
 
     # -- public ----------------------------------------------------------------------------
 
@@ -219,7 +253,7 @@ class GpuMonitor:
         base = self._init_reason or "GPU library not initialised"
         reason = f"{base}; retry in {max(0.0, self._next_init_at - now):.1f}s"
         gpus = tuple(_unhealthy(info, base) for info in self._known.values())
-        return GpuSnapshot(gpus, False, reason, dict(self._errors), now)
+        return GpuSnapshot(gpus, False, reason, dict(self._errors), now, dict(self._dropped))
 
     # -- devices ---------------------------------------------------------------------------
 
@@ -327,22 +361,32 @@ class GpuMonitor:
             return None  # unknown: an empty list is not "no usage"
         kept: list[ProcessMemory] = []
         for p in procs:
-            problem = None
-            if p.pid <= 0:
-                problem = "pid <= 0"
-            elif p.used_bytes is not None and not 0 <= p.used_bytes <= total:
-                problem = "used outside [0, device total]"
-            if problem is None:
+            reason = self._implausible(p, total)
+            if reason is None:
                 kept.append(p)
                 continue
-            self._errors["implausible_process"] += 1
-            key = (uuid, p.pid, problem)
-            if key not in self._warned:
-                if len(self._warned) > 1000:
-                    self._warned.clear()
-                self._warned.add(key)
-                log.warning("GPU %s: dropped process %s (%s)", uuid, p, problem)
+            self._dropped[(uuid, reason)] += 1
+            if (uuid, reason) not in self._warned:  # bounded: GPUs x reasons
+                self._warned.add((uuid, reason))
+                log.warning(
+                    "GPU %s: dropped process entry pid=%d used_bytes=%s (%s; pid_max %d); "
+                    "further drops for this reason are only counted",
+                    uuid,
+                    p.pid,
+                    p.used_bytes,
+                    reason,
+                    self.pid_max,
+                )
         return tuple(kept) or None
+
+    def _implausible(self, p: ProcessMemory, total: int) -> DropReason | None:
+        if not 1 <= p.pid < self.pid_max:
+            return "pid_out_of_range"
+        if p.used_bytes is not None and p.used_bytes < 0:
+            return "used_negative"
+        if p.used_bytes is not None and p.used_bytes > total:
+            return "used_above_total"
+        return None
 
     def _snapshot(
         self, gpus: tuple[GpuStatus, ...], enum_error: GpuError | None, now: float
@@ -361,7 +405,7 @@ class GpuMonitor:
             reason = f"device enumeration failed ({_reason(enum_error)}); using last known list"
         else:
             reason = None
-        return GpuSnapshot(gpus, ready, reason, dict(self._errors), now)
+        return GpuSnapshot(gpus, ready, reason, dict(self._errors), now, dict(self._dropped))
 
     # -- bounded calls ---------------------------------------------------------------------
 

@@ -238,7 +238,10 @@ class NvmlBackend:
 
     def processes(self, uuid: str) -> list[ProcessMemory]:
         """``nvmlDeviceGetComputeRunningProcesses`` (pynvml picks v3/v2); ``usedGpuMemory``
-        None (NVML_VALUE_NOT_AVAILABLE) is kept as ``used_bytes=None``."""
+        None (NVML_VALUE_NOT_AVAILABLE) is kept as ``used_bytes=None``. Entries are returned as
+        read, implausible ones included (a pid and a used memory exchanged by some
+        driver/binding pairs: https://github.com/gpuopenanalytics/pynvml/issues/50): the
+        monitor drops and counts them."""
         nvml = self._lib()
         procs = self._call(uuid, nvml.nvmlDeviceGetComputeRunningProcesses)
         out: list[ProcessMemory] = []

@@ -67,7 +67,8 @@ class _StateCollector(Collector):
         )
 
     def _gpus(self, snap: GpuSnapshot | None) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        """GPU memory (bytes), health, utilization (percent) and NVML errors."""
+        """GPU memory (bytes), health, utilization (percent), NVML errors and the process
+        entries dropped as implausible (:class:`~kvgate_agent.gpu.monitor.GpuMonitor`)."""
         mem = GaugeMetricFamily(
             "kvgate_node_gpu_memory_bytes",
             "GPU (or MIG slice) memory as NVML reports it, bytes; absent when unreadable",
@@ -86,6 +87,12 @@ class _StateCollector(Collector):
         errors = CounterMetricFamily(
             "kvgate_node_nvml_errors", "NVML call failures since start, by kind", labels=["kind"]
         )
+        dropped = CounterMetricFamily(
+            "kvgate_node_gpu_process_entries_dropped",
+            "GPU process entries dropped as implausible since start (pid outside 1..pid_max-1, "
+            "used memory negative or above the device total), by GPU and reason",
+            labels=["gpu", "reason"],
+        )
         if snap is not None:
             for g in snap.gpus:
                 for kind, v in (
@@ -101,10 +108,13 @@ class _StateCollector(Collector):
                     util.add_metric([g.uuid], g.utilization)
             for kind, n in snap.errors_by_kind.items():
                 errors.add_metric([kind], n)
+            for (uuid, reason), n in snap.dropped_processes.items():
+                dropped.add_metric([uuid, reason], n)
         yield mem
         yield healthy
         yield util
         yield errors
+        yield dropped
 
     def _pods(self) -> Iterator[GaugeMetricFamily]:
         """Per pod KV (tokens and bytes) and whether its safety net is open."""
