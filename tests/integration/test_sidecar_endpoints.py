@@ -297,3 +297,254 @@ async def test_absurd_sequence_counts_are_refused_before_the_model_server(
         err = await r.json()
     assert err["error"]["param"] == param
     assert multi.generation_calls == []
+
+
+async def test_list_prompts_and_batches_reserve_every_sequence(
+    multi: MultiUpstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, sc = await sidecar_factory(
+        multi.url, {"capacity": {"kvCacheTokens": 100000}, "model": {"blockSize": 1}}
+    )
+    multi.hold = 0.4
+    cases: list[tuple[str, dict[str, Any], int]] = [
+        ("/v1/completions", {"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 10, "n": 2}, 6),
+        ("/v1/completions", {"model": "m", "prompt": [[1, 2], [3]], "max_tokens": 10}, 2),
+        ("/generate", {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 10, "n": 3}}, 6),
+        ("/generate", {"inputs": "a", "parameters": {"max_new_tokens": 10, "best_of": 2}}, 2),
+        ("/completion", {"prompt": ["a", "b"], "n_predict": 10}, 2),
+    ]
+    for path, body, sequences in cases:
+        task = asyncio.create_task(client.post(url + path, json=body))
+        for _ in range(200):
+            if sc.controller.kv_reserved_tokens:
+                break
+            await asyncio.sleep(0.01)
+        reserved = sc.controller.kv_reserved_tokens
+        (await task).release()
+        assert (
+            reserved - 10 * sequences
+            == sc.counter.count(
+                {"prompt": body.get("prompt") or body.get("text") or body.get("inputs")}
+            ).tokens
+        ), (path, body)
+        for _ in range(100):
+            if sc.controller.kv_reserved_tokens == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert sc.controller.kv_reserved_tokens == 0
+
+
+async def test_unbounded_or_missing_limits_send_the_policy_default_in_each_apis_field(
+    multi: MultiUpstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(multi.url, {"tenants": {"defaultMaxTokens": 77}})
+    cases: list[tuple[str, dict[str, Any], tuple[str, ...]]] = [
+        ("/v1/responses", {"model": "m", "input": "hi"}, ("max_output_tokens",)),
+        ("/generate", {"inputs": "hi"}, ("parameters", "max_new_tokens")),
+        ("/generate", {"text": "hi", "sampling_params": {}}, ("sampling_params", "max_new_tokens")),
+        ("/completion", {"prompt": "hi", "n_predict": -1}, ("n_predict",)),
+        ("/completions", {"prompt": "hi"}, ("max_tokens",)),
+    ]
+    for path, body, where in cases:
+        async with client.post(url + path, json=body) as r:
+            assert r.status == 200, await r.text()
+        sent: Any = json.loads(multi.generation_calls[-1][2])
+        for key in where:
+            sent = sent[key]
+        assert sent == 77, (path, body)
+
+
+async def test_degraded_limit_is_written_where_the_api_reads_it(
+    multi: MultiUpstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(
+        multi.url,
+        {"tenants": {"maxTokensCap": 40, "defaultMaxTokens": 16}, "model": {"maxModelLen": 4096}},
+    )
+    body = {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 500}, {"max_new_tokens": 8}]}
+    async with client.post(url + "/generate", json=body) as r:
+        assert r.status == 200
+        assert r.headers["x-kvgate-degraded"] == "max_tokens=40"
+    sent = json.loads(multi.generation_calls[-1][2])
+    assert [p["max_new_tokens"] for p in sent["sampling_params"]] == [40, 8]
+    async with client.post(url + "/v1/messages", json={**APIS[4][1], "max_tokens": 900}) as r:
+        assert r.status == 200
+    assert json.loads(multi.generation_calls[-1][2])["max_tokens"] == 40
+
+
+async def test_apis_without_a_model_field_are_never_degraded_to_the_fallback_model(
+    multi: MultiUpstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(
+        multi.url,
+        {
+            "rateLimits": [{"name": "t", "requestsPerMinute": 1, "burstRequests": 1}],
+            "overload": {"actions": ["Degrade", "Reject"], "degrade": {"fallbackModel": "small"}},
+        },
+    )
+    async with client.post(url + "/generate", json={"inputs": "hi"}) as r:
+        assert r.status == 200
+    before = len(multi.generation_calls)
+    async with client.post(url + "/generate", json={"inputs": "hi"}) as r:
+        assert r.status == 429  # no model to rewrite: refused, not served by the big model
+    async with client.post(url + "/v1/responses", json={"model": "m", "input": "x"}) as r:
+        assert r.status == 200 and r.headers["x-kvgate-degraded"] == "model=small"
+    assert json.loads(multi.generation_calls[-1][2])["model"] == "small"
+    assert len(multi.generation_calls) == before + 1
+
+
+# ---------------------------------------------------------------- routing: refuse what is unknown
+
+
+async def raw_post(url: str, target: str, body: bytes = b"{}") -> bytes:
+    """One HTTP/1.1 POST with its request-target sent exactly as given; the whole response."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    writer.write(
+        b"POST " + target.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    return data
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/embeddings"),
+        ("POST", "/invocations"),
+        ("POST", "/"),
+        ("POST", "/sleep"),
+        ("POST", "/v1/load_lora_adapter"),
+        ("PUT", "/v1/models"),
+        ("DELETE", "/v1/responses/abc"),
+        ("PATCH", "/anything"),
+    ],
+)
+async def test_unknown_mutating_requests_are_refused_and_never_forwarded(
+    multi: MultiUpstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    method: str,
+    path: str,
+) -> None:
+    url, _ = await sidecar_factory(multi.url, {})
+    async with client.request(method, url + path, json={"model": "m", "input": "x"}) as r:
+        assert r.status == 404
+        assert r.headers["x-kvgate-decision"] == "rejected"
+        assert r.headers["x-kvgate-reason"] == "unknown_endpoint"
+        err = await r.json()
+    assert err["error"]["code"] == "unknown_endpoint" and set(err) == {"error"}
+    assert multi.generation_calls == []
+
+
+async def test_allowlist_and_safe_methods_pass_through(
+    multi: MultiUpstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(multi.url, {}, passthrough_paths=("/v1/embeddings", "/admin/*"))
+    for method, path in [
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("POST", "/v1/messages/count_tokens"),
+        ("POST", "/v1/embeddings"),
+        ("POST", "/admin/reset"),
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+        ("HEAD", "/version"),
+    ]:
+        async with client.request(method, url + path, json={}) as r:
+            assert r.status == 200, (method, path)
+            assert r.headers["x-kvgate-decision"] == "passthrough"
+    reached = {(m, p) for m, p, _ in multi.seen}
+    assert {("POST", "/tokenize"), ("POST", "/v1/embeddings"), ("POST", "/admin/reset")} <= reached
+    assert {("GET", "/health"), ("GET", "/metrics"), ("HEAD", "/version")} <= reached
+    # A dot segment cannot smuggle a refused path past the allowlist.
+    before = len(multi.seen)
+    assert (await raw_post(url, "/tokenize/../sleep")).startswith(b"HTTP/1.1 404")
+    # ... and an allowlisted path passes in its canonical form only
+    assert (await raw_post(url, "/v1/x/../embeddings")).startswith(b"HTTP/1.1 400")
+    assert (await raw_post(url, "/v1/%65mbeddings")).startswith(b"HTTP/1.1 400")
+    assert len(multi.seen) == before
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD", "PUT", "DELETE", "PATCH"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/generate"])
+async def test_other_methods_on_a_generation_path_get_405_with_allow(
+    multi: MultiUpstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    method: str,
+    path: str,
+) -> None:
+    url, _ = await sidecar_factory(multi.url, {})
+    async with client.request(method, url + path) as r:
+        assert r.status == 405
+        assert r.headers["Allow"] == "POST, OPTIONS"
+        if method != "HEAD":
+            assert (await r.json())["error"]["code"] == "method_not_allowed"
+    assert multi.generation_calls == []
+
+
+@pytest.mark.parametrize(
+    ("content_type", "status"),
+    [
+        ("text/plain", 415),
+        ("application/x-www-form-urlencoded", 415),
+        ("multipart/form-data; boundary=x", 415),
+        ("application/json; charset=utf-8", 200),
+        ("Application/JSON", 200),
+        ("application/vnd.api+json", 200),
+    ],
+)
+async def test_generation_bodies_must_be_declared_json(
+    multi: MultiUpstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    content_type: str,
+    status: int,
+) -> None:
+    url, _ = await sidecar_factory(multi.url, {})
+    body = json.dumps(APIS[2][1]).encode()
+    async with client.post(
+        url + "/v1/responses", data=body, headers={"Content-Type": content_type}
+    ) as r:
+        assert r.status == status, await r.text()
+        if status == 415:
+            assert (await r.json())["error"]["code"] == "unsupported_media_type"
+    assert len(multi.generation_calls) == (1 if status == 200 else 0)
+
+
+async def test_background_responses_are_refused(
+    multi: MultiUpstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(multi.url, {})
+    body = {**APIS[2][1], "background": True}
+    async with client.post(url + "/v1/responses", json=body) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["param"] == "background"
+    assert multi.generation_calls == []
+
+
+async def test_the_cli_flag_and_the_environment_extend_the_allowlist(
+    multi: MultiUpstream,
+    sidecar_process: Any,
+    client: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVGATE_PASSTHROUGH_PATHS", "/v1/embeddings, /pooling")
+    proc = sidecar_process(multi.url, {}, "--passthrough-path", "/v1/score*")
+    for path, status in [
+        ("/v1/embeddings", 200),
+        ("/pooling", 200),
+        ("/v1/score/x", 200),
+        ("/v1/rerank", 404),
+    ]:
+        async with client.post(proc.url + path, json={}) as r:
+            assert r.status == status, path
+    assert [p for m, p, _ in multi.seen if m == "POST"] == [
+        "/v1/embeddings",
+        "/pooling",
+        "/v1/score/x",
+    ]
