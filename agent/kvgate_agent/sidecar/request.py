@@ -368,17 +368,42 @@ def _openai_sequences(body: dict[str, Any], path_kind: PathKind) -> int:
     return check_sequences(max(n, best_of), prompts, "best_of" if best_of > n else "n")
 
 
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return obj
+
+
 def decode_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object (constants such as ``NaN`` refused).
 
+    A key repeated in one object is refused: JSON parsers disagree on which value wins
+    (Python's keeps the last, serde-based servers such as TGI refuse it; RFC 8259 §4 leaves it
+    open), so the limit kvgate read could differ from the one the engine applies.
+
     Raises:
-        RequestError: 400 (``param`` None) for a body that is not UTF-8, not JSON or not an
-            object.
+        RequestError: 400 for a body that is not UTF-8, not JSON or not an object (``param``
+            None), or that repeats a key (``param`` the key).
     """
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        body = json.loads(
+            raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique
+        )
     except UnicodeDecodeError:
         raise bad("The request body is not valid UTF-8", None) from None
+    except _DuplicateKey as exc:
+        raise bad(f"The request body repeats the key {exc.key[:64]!r}", exc.key[:64]) from None
     except (ValueError, RecursionError):
         raise bad("The request body is not valid JSON", None) from None
     if not isinstance(body, dict):
