@@ -331,3 +331,21 @@ def test_each_apis_stream_settles_its_usage_split_anywhere(
     assert (acct.prompt_tokens, acct.completion_tokens_estimate) == (prompt, completion)
     finished = kind != "llamacpp" or b'"stop": true' in stream
     assert acct.done is finished
+
+
+def test_a_zero_limit_evaluates_the_prompt_only_and_is_never_raised() -> None:
+    z = parse({"text": "a", "sampling_params": {"max_new_tokens": 0}}, "generate")
+    assert z.max_tokens == 1 and z.upstream_body() is None
+    batch = {
+        "text": ["a", "b"],
+        "sampling_params": [{"max_new_tokens": 0}, {"max_new_tokens": 900}],
+    }
+    b = parse(batch, "generate")
+    assert b.upstream_body() is None  # within the cap 1024: unchanged
+    assert [
+        s["max_new_tokens"]
+        for s in json.loads(b.upstream_body(max_tokens=50) or b"")["sampling_params"]
+    ] == [0, 50]
+    assert refused({"text": "a", "sampling_params": {"max_new_tokens": -1}}, "generate") == (
+        "sampling_params.max_new_tokens"
+    )

@@ -20,6 +20,9 @@ path                                   kind       output limit, sequences
 ``/infill`` (llama.cpp)                           default is sent); prompts of a multi-prompt list
 =====================================  =========  ============================================
 
+Prompt parts held by the engine rather than sent (a Responses ``previous_response_id`` or stored
+``prompt`` template) cannot be counted here: they are charged when the engine reports its usage.
+
 Sources: vLLM's OpenAI-compatible server
 (https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html), TGI's API
 (https://huggingface.github.io/text-generation-inference/), SGLang's native API
@@ -231,6 +234,21 @@ def _object(body: dict[str, Any], key: str) -> dict[str, Any]:
     return v
 
 
+def _non_negative(body: dict[str, Any], key: str, param: str) -> int | None:
+    """An output limit that may be 0 (evaluate the prompt only): charged as 1 token; None when
+    absent or null.
+
+    Raises:
+        RequestError: 400 naming ``param`` for anything but an integer >= 0.
+    """
+    v = body.get(key)
+    if v is None:
+        return None
+    if not is_int(v) or v < 0:
+        raise bad(f"'{param}' must be an integer >= 0, got {json.dumps(v)[:64]}", param)
+    return max(1, int(v))
+
+
 def _text_part(text: object) -> dict[str, Any]:
     return {"type": "text", "text": text if isinstance(text, str) else ""}
 
@@ -363,7 +381,7 @@ def _tgi(body: dict[str, Any], always_stream: bool) -> _Fields:
 def _sglang(body: dict[str, Any], _: bool) -> _Fields:
     """``text`` (a string or a batch of strings), ``input_ids`` (one list of ids or a batch) or
     ``input_embeds`` (one row per token); ``sampling_params``: one object or one per prompt,
-    each with ``max_new_tokens`` and ``n``."""
+    each with ``max_new_tokens`` (``0``: the prompt only, charged as 1) and ``n``."""
     prompts, count = _sglang_prompts(body)
     sp = body.get("sampling_params")
     if sp is None:
@@ -374,7 +392,7 @@ def _sglang(body: dict[str, Any], _: bool) -> _Fields:
         per = sp
     else:
         raise bad("'sampling_params' must be an object or one object per prompt", "sampling_params")
-    limits = [positive_int(p, "max_new_tokens", "sampling_params.max_new_tokens") for p in per]
+    limits = [_non_negative(p, "max_new_tokens", "sampling_params.max_new_tokens") for p in per]
     ns = [positive_int(p, "n", "sampling_params.n") or 1 for p in per]
     check_sequences(max(ns), prompts, "sampling_params.n")  # bounds sum(ns) too
     sequences = sum(ns)

@@ -238,14 +238,15 @@ class ParsedRequest:
 
 
 def _with_limit(node: Any, path: tuple[str, ...], limit: int) -> Any:
-    """A copy of ``node`` with ``limit`` written at ``path`` (dicts created where absent; in a
-    list, each element gets ``min(its own, limit)``)."""
+    """A copy of ``node`` with ``limit`` written at ``path`` (dicts created where absent; a
+    value already there is lowered to ``limit``, never raised; a list's elements each get
+    theirs)."""
     if isinstance(node, list):
         return [_with_limit(e, path, limit) for e in node]
     out = dict(node) if isinstance(node, dict) else {}
     if len(path) == 1:
         own = out.get(path[0])
-        out[path[0]] = min(own, limit) if type(own) is int and own >= 1 else limit
+        out[path[0]] = min(own, limit) if type(own) is int and own >= 0 else limit
     else:
         out[path[0]] = _with_limit(out.get(path[0]), path[1:], limit)
     return out
