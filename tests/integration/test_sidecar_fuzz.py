@@ -166,7 +166,7 @@ CONTENT_TYPES = [
     "application/vnd.x+json",
 ]
 
-#: A valid body per generation API, mutated by the strategies.
+#: A valid body per generation API, mutated by the strategies; :data:`BASE_PATHS` its paths.
 BASES: list[dict[str, Any]] = [
     {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
     {"model": "m", "prompt": "hi", "max_tokens": 8},
@@ -175,6 +175,15 @@ BASES: list[dict[str, Any]] = [
     {"inputs": "hi", "parameters": {"max_new_tokens": 8}},
     {"text": "hi", "sampling_params": {"max_new_tokens": 8}},
     {"prompt": "hi", "n_predict": 8},
+]
+BASE_PATHS: list[list[str]] = [
+    ["/v1/chat/completions", "/chat/completions"],
+    ["/v1/completions"],
+    ["/v1/responses"],
+    ["/v1/messages"],
+    ["/generate", "/generate_stream"],
+    ["/generate"],
+    ["/completion", "/completions", "/infill"],
 ]
 LENGTH_KEYS = [
     "max_tokens",
@@ -214,9 +223,11 @@ json_values = st.recursive(
 
 
 @st.composite
-def mutated_body(draw: st.DrawFn) -> bytes:
-    """A valid API body with fields replaced, removed, nested or added."""
-    body: dict[str, Any] = json.loads(json.dumps(draw(st.sampled_from(BASES))))
+def mutated_body(draw: st.DrawFn, base: int | None = None) -> bytes:
+    """A valid API body (``BASES[base]``, else any) with fields replaced, removed, nested or
+    added."""
+    i = draw(st.integers(0, len(BASES) - 1)) if base is None else base
+    body: dict[str, Any] = json.loads(json.dumps(BASES[i]))
     for _ in range(draw(st.integers(0, 3))):
         key = draw(st.sampled_from(LENGTH_KEYS))
         action = draw(st.sampled_from(["set", "set", "del", "nest"]))
@@ -273,7 +284,7 @@ class Case:
     both_lengths: bool  # Content-Length and Transfer-Encoding: chunked together
 
 
-cases = st.builds(
+any_case = st.builds(
     Case,
     st.sampled_from(METHODS),
     st.sampled_from(PATHS),
@@ -281,6 +292,24 @@ cases = st.builds(
     bodies,
     st.sampled_from([False, False, False, False, False, True]),
 )
+
+
+@st.composite
+def api_case(draw: st.DrawFn) -> Case:
+    """A POST of one API's mutated body to one of that API's paths, declared as JSON: the cases
+    that reach the deepest parsing and admission."""
+    i = draw(st.integers(0, len(BASES) - 1))
+    body = draw(mutated_body(i))
+    if draw(st.integers(0, 9)) == 0:  # a giant prompt in that API's own field
+        big = json.loads(json.dumps(BASES[i]))
+        key = next(k for k in ("messages", "prompt", "input", "inputs", "text") if k in big)
+        size = draw(st.sampled_from([MAX_BODY // 2, MAX_BODY + 1, MAX_BODY * 4]))
+        big[key] = [{"role": "user", "content": "x" * size}] if key == "messages" else "x" * size
+        body = json.dumps(big).encode()
+    return Case("POST", draw(st.sampled_from(BASE_PATHS[i])), "application/json", body, False)
+
+
+cases = st.one_of(api_case(), any_case)
 
 
 def send(port: int, case: Case, number: int) -> tuple[int, bool]:
