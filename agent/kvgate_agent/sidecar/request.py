@@ -366,7 +366,9 @@ def _openai_sequences(body: dict[str, Any], path_kind: PathKind) -> int:
     prompt = body.get("prompt")
     if path_kind == "completions" and isinstance(prompt, list) and not is_int(prompt[0]):
         prompts = len(prompt)
-    return check_sequences(max(n, best_of), prompts, "best_of" if best_of > n else "n")
+    per_prompt = max(n, best_of)
+    check_sequences(per_prompt, 1, "best_of" if best_of > n else "n")
+    return check_sequences(per_prompt, prompts, "prompt")
 
 
 class _DuplicateKey(ValueError):
