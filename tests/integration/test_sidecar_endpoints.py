@@ -109,6 +109,7 @@ class MultiUpstream:
     url: str = ""
     seen: list[tuple[str, str, bytes]] = field(default_factory=list)
     hold: float = 0.0
+    cut_after: int | None = None  # streams: drop the connection after this many events
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -127,9 +128,11 @@ class MultiUpstream:
             return web.Response(body=payload, content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for part in payload.split(b"\n\n"):
-            if part:
-                await resp.write(part + b"\n\n")
+        for i, part in enumerate(p for p in payload.split(b"\n\n") if p):
+            if i == self.cut_after and request.transport is not None:
+                request.transport.abort()
+                raise ConnectionResetError("simulated engine crash mid-stream")
+            await resp.write(part + b"\n\n")
         await resp.write_eof()
         return resp
 
@@ -548,3 +551,27 @@ async def test_the_cli_flag_and_the_environment_extend_the_allowlist(
         "/pooling",
         "/v1/score/x",
     ]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [(p, b) for p, b in APIS if p not in ("/v1/chat/completions", "/v1/completions")],
+    ids=[i for i, (p, _) in zip(API_IDS, APIS, strict=True) if "/v1/c" not in p],
+)
+async def test_a_stream_cut_mid_way_releases_and_charges_the_events_seen(
+    multi: MultiUpstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    path: str,
+    body: dict[str, Any],
+) -> None:
+    url, sc = await sidecar_factory(multi.url, {"capacity": {"kvCacheTokens": 100000}})
+    multi.cut_after = 3
+    async with client.post(url + path, json={**body, "stream": True}) as r:
+        assert r.status == 200
+        data = await r.read()
+    assert b"upstream_error" in data  # the in-band error event ends the stream
+    g = await gauges(client, url)
+    assert g["kvgate_in_flight_requests"] == 0 and sc.controller.kv_reserved_tokens == 0
+    charged = g['kvgate_tokens_total{kind="completion",tenant="anonymous"}']
+    assert 1 <= charged <= 3  # the output events that arrived, not the reservation
