@@ -338,16 +338,24 @@ class Sidecar:
             resp.headers[responses.THRESHOLDS_HEADER] = mode.value
         return resp
 
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
+    async def _not_a_generation(self, request: web.Request) -> web.StreamResponse | None:
+        """The answer to a request on a generation path that is not a JSON POST (OPTIONS, a CORS
+        preflight, passes through; another method gets 405; a body declared as anything but
+        JSON 415), or None for a JSON POST."""
         if request.method != "POST":
-            if request.method == "OPTIONS":  # CORS preflight: no body, no generation
+            if request.method == "OPTIONS":
                 return await self.forwarder.passthrough(request)
             return responses.method_not_allowed(request.method, request.path)
         content_type = request.headers.get("Content-Type")
         if content_type is not None and not _is_json(content_type):
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.unsupported_media_type(content_type)
+        return None
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        if (early := await self._not_a_generation(request)) is not None:
+            return early
         if self.draining:
             return responses.draining()
         spec = self.spec
