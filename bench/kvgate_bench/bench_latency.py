@@ -278,7 +278,8 @@ def processes(workdir: Path, profile: Path | None = None) -> Iterator[tuple[int,
                      *(["-m", "cProfile", "-o", str(profile)] if profile is not None else []),
                      "-m", "kvgate_agent", "sidecar",
                      "--upstream", f"http://127.0.0.1:{up_port}", "--policy", str(policy),
-                     "--listen", f"127.0.0.1:{sc_port}", "--log-level", "WARNING"],
+                     "--listen", f"127.0.0.1:{sc_port}", "--log-level", "WARNING",
+                     "--passthrough-path", "/bench/chat"],
                     stdout=sc_log, stderr=subprocess.STDOUT, env=env,
                 )
             )  # fmt: skip

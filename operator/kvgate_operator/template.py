@@ -55,6 +55,9 @@ class InjectionConfig(BaseModel):
         own_namespace: kvgate's own namespace, never injected (set by the operator).
         drain_seconds: the sidecar's ``KVGATE_DRAIN_SECONDS`` (> 0).
         log_level: the sidecar's ``KVGATE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR.
+        passthrough_paths: the sidecar's ``KVGATE_PASSTHROUGH_PATHS``: paths (or prefixes
+            ending in ``*``) POST and other mutating requests may reach the model server on
+            without admission, besides the sidecar's built-in allowlist; set only when non-empty.
     """
 
     model_config = ConfigDict(
@@ -75,6 +78,15 @@ class InjectionConfig(BaseModel):
     own_namespace: str | None = None
     drain_seconds: int = Field(30, gt=0)
     log_level: str = "INFO"
+    passthrough_paths: list[str] = Field(default_factory=list)
+
+    @field_validator("passthrough_paths")
+    @classmethod
+    def _paths(cls, v: list[str]) -> list[str]:
+        for path in v:
+            if not path.startswith("/") or "," in path or path != path.strip():
+                raise ValueError(f"a path starting with '/', without commas or spaces: {path!r}")
+        return v
 
     @field_validator("resources")
     @classmethod
@@ -128,6 +140,10 @@ def sidecar_container(
     ]
     if policy is not None:
         env.append({"name": "KVGATE_EXPECTED_POLICY", "value": policy})
+    if config.passthrough_paths:
+        env.append(
+            {"name": "KVGATE_PASSTHROUGH_PATHS", "value": ",".join(config.passthrough_paths)}
+        )
     container: dict[str, Any] = {
         "name": SIDECAR_NAME,
         "image": config.sidecar_image,

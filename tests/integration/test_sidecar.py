@@ -149,7 +149,9 @@ async def test_chunked_body_over_the_limit_gets_413(
         for _ in range(20):
             yield b" " * 100
 
-    async with client.post(url + "/v1/chat/completions", data=gen()) as r:
+    async with client.post(
+        url + "/v1/chat/completions", data=gen(), headers={"Content-Type": "application/json"}
+    ) as r:
         assert r.status == 413
         assert_openai_error(await r.json())
     assert upstream.bodies == []

@@ -126,6 +126,8 @@ async def test_drain_deadline_is_enforced_and_waiters_get_503(
         (["--drain-seconds", "-1"], {}, "must be a finite number > 0"),
         (["--drain-seconds", "inf"], {}, "must be a finite number > 0"),
         (["--log-level", "verbose"], {}, "--log-level"),
+        (["--passthrough-path", "v1/embeddings"], {}, "expected a path starting with '/'"),
+        ([], {"KVGATE_PASSTHROUGH_PATHS": "/ok,nope"}, "KVGATE_PASSTHROUGH_PATHS"),
     ],
 )
 def test_bad_arguments_are_reported_not_crashed_on(

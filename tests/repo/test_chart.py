@@ -52,6 +52,7 @@ KUBE_VERSION = "1.36.0"  # pinned: a helm built without version ldflags defaults
 
 #: The keys of KVGATE_OPERATOR_INJECTION, the contract with the operator's webhook.
 INJECTION_KEYS = {
+    "passthroughPaths",
     "sidecarImage",
     "imagePullPolicy",
     "nativeSidecar",
@@ -763,6 +764,8 @@ def test_injection_tracks_values(helm: Helm) -> None:
             "injector.drainSeconds=12",
             "--set",
             "injector.excludedNamespaces={monitoring,kube-system}",
+            "--set",
+            "injector.passthroughPaths={/v1/embeddings,/admin/*}",
         )
     )
     assert r.returncode == 0, r.stderr
@@ -774,6 +777,7 @@ def test_injection_tracks_values(helm: Helm) -> None:
     assert (inj["agentPort"], inj["sidecarPort"]) == (9999, 8001)
     assert (inj["drainSeconds"], inj["logLevel"]) == (12, "DEBUG")
     assert inj["excludedNamespaces"] == sorted(SYSTEM_NAMESPACES | {NAMESPACE, "monitoring"})
+    assert inj["passthroughPaths"] == ["/v1/embeddings", "/admin/*"]
 
 
 # ----------------------------------------------------------------------------------------------

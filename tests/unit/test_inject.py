@@ -36,7 +36,12 @@ from kvgate_operator.inject import (
     apply_patch,
     inject,
 )
-from kvgate_operator.template import SIDECAR_NAME, TOKEN_VOLUME, InjectionConfig
+from kvgate_operator.template import (
+    SIDECAR_NAME,
+    TOKEN_VOLUME,
+    InjectionConfig,
+    sidecar_container,
+)
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "inject"
 CASES = sorted(GOLDEN.glob("*.in.yaml"))
@@ -675,3 +680,16 @@ def test_arbitrary_pod_shapes_never_raise(
         assert r.action in ("skipped", "already_injected") or (
             r.reason in ("port_clash", "name_clash") and ANNOTATION_INJECTED in annotations
         )  # a pod kvgate injected is checked for clashes whatever it says since
+
+
+def test_passthrough_paths_reach_the_sidecar_as_one_variable_only_when_set() -> None:
+    def env(config: InjectionConfig) -> dict[str, str]:
+        c = sidecar_container(config, model_port=8000, sidecar_port=8001, policy=None)
+        return {e["name"]: e.get("value", "") for e in c["env"]}
+
+    assert "KVGATE_PASSTHROUGH_PATHS" not in env(InjectionConfig())
+    cfg = InjectionConfig(passthrough_paths=["/v1/embeddings", "/admin/*"])
+    assert env(cfg)["KVGATE_PASSTHROUGH_PATHS"] == "/v1/embeddings,/admin/*"
+    for bad in ("v1/x", "/a,/b", " /x"):
+        with pytest.raises(ValidationError):
+            InjectionConfig(passthrough_paths=[bad])

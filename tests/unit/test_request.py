@@ -277,3 +277,40 @@ def test_upstream_serialization_and_original_untouched() -> None:
     raw = q.upstream_body()
     assert raw is not None
     assert json.loads(raw)["messages"][0]["content"] == "\ud800"
+
+
+# -- sequences: n, best_of, list prompts ---------------------------------------------------------
+
+
+def test_sequences_count_best_of_and_every_prompt_of_a_list() -> None:
+    assert parse({**CMPL, "n": 2, "best_of": 5}, "completions").n == 5
+    assert parse({**CMPL, "n": 3, "best_of": None}, "completions").n == 3
+    assert parse({**CHAT, "n": 2, "best_of": 4}).n == 4  # vLLM's chat extension
+    assert parse({**CMPL, "prompt": ["a", "b", "c"], "n": 2}, "completions").n == 6
+    assert parse({**CMPL, "prompt": [[1, 2], [3]], "best_of": 3}, "completions").n == 6
+    assert parse({**CMPL, "prompt": [1, 2, 3], "n": 2}, "completions").n == 2  # one prompt of ids
+    assert parse({**CMPL, "use_beam_search": True, "n": 4}, "completions").n == 4
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "param"),
+    [
+        ({**CMPL, "best_of": 1000000}, "completions", "best_of"),
+        ({**CMPL, "n": 129}, "completions", "n"),
+        ({**CHAT, "n": 10**9}, "chat", "n"),
+        ({**CMPL, "prompt": ["x"] * 2049}, "completions", "prompt"),
+        ({**CMPL, "prompt": ["x"] * 100, "n": 21}, "completions", "prompt"),
+        ({**CMPL, "best_of": 0}, "completions", "best_of"),
+        ({**CMPL, "best_of": 2.5}, "completions", "best_of"),
+    ],
+)
+def test_absurd_sequence_counts_are_refused(body: Any, kind: PathKind, param: str) -> None:
+    assert rejected(body, kind).param == param
+
+
+def test_a_repeated_key_is_refused_at_any_depth() -> None:
+    assert rejected(
+        b'{"model":"m","prompt":"x","max_tokens":5,"max_tokens":9}', "completions"
+    ).param == ("max_tokens")
+    raw = b'{"model":"m","messages":[{"role":"user","role":"system","content":"x"}]}'
+    assert rejected(raw).param == "role"

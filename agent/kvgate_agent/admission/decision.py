@@ -74,6 +74,8 @@ class AdmissionRequest:
             the length predictor's key).
         predicted_output_tokens: output tokens per choice to reserve for instead of the
             predictor's estimate (a benchmark's oracle; None in production).
+        model_rewritable: the request's API names its model, so it may be degraded to the
+            fallback model (False for APIs without a ``model`` field, e.g. TGI's ``/generate``).
     """
 
     tenant: str
@@ -83,6 +85,7 @@ class AdmissionRequest:
     n: int = 1
     model: str | None = None
     predicted_output_tokens: int | None = None
+    model_rewritable: bool = True
 
 
 @dataclass(slots=True, eq=False)

@@ -158,6 +158,7 @@ class OverloadActions:
         #    skipped, the GPU protections (concurrency, KV) still apply.
         if (
             cfg.fallback_model is not None
+            and req.model_rewritable
             and req.model != cfg.fallback_model
             and blocker.reason in (Reason.RATE_LIMIT_REQUESTS, Reason.RATE_LIMIT_TOKENS)
             and limits.blocker(req, req.max_tokens, now, with_buckets=False) is None

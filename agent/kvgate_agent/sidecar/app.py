@@ -1,8 +1,10 @@
 """The sidecar: an OpenAI-compatible reverse proxy that enforces admission in front of one model
 server (settings, wiring, routes, health and lifecycle).
 
-``POST /v1/chat/completions`` and ``POST /v1/completions`` go through admission; every other path
-is passed through untouched. The sidecar's own endpoints are ``/healthz``, ``/readyz`` and
+Every generation API of the supported engines goes through admission (the table in
+:mod:`kvgate_agent.sidecar.endpoints`); another method on one of those paths gets 405. Any other
+mutating request is refused with 404 unless its path is on the pass-through allowlist; GET, HEAD
+and OPTIONS pass through untouched. The sidecar's own endpoints are ``/healthz``, ``/readyz`` and
 ``/kvgate/metrics`` on the same port, and ``/metrics`` on the optional admin port. Thresholds come
 from a policy file (standalone) or from the node agent (:mod:`kvgate_agent.sidecar.thresholds`).
 """
@@ -35,11 +37,17 @@ from kvgate_agent.sidecar.agent_link import (
     SyncResult,
     ThresholdsLink,
 )
+from kvgate_agent.sidecar.endpoints import (
+    GENERATION_PATHS,
+    SAFE_METHODS,
+    Passthrough,
+    parse_generation,
+)
 from kvgate_agent.sidecar.forward import Forwarder
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.openai_errors import RequestError
 from kvgate_agent.sidecar.probe import EngineProbe
-from kvgate_agent.sidecar.request import ADMITTED_PATHS, parse_completion_request
+from kvgate_agent.sidecar.request import canonical_path
 from kvgate_agent.sidecar.tenants import priority_of, tenant_of
 from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
 from kvgate_agent.sidecar.tokens import (
@@ -72,6 +80,9 @@ class SidecarSettings:
             ``/metrics`` while a KV capacity is enforced; admission counts that figure where it
             exceeds kvgate's own reservations (0: never read).
         tenant_label_limit: distinct tenant label values in metrics before ``other``.
+        passthrough_paths: paths added to the pass-through allowlist for mutating methods
+            (exact, or a prefix ending in ``*``), besides
+            :data:`~kvgate_agent.sidecar.endpoints.DEFAULT_PASSTHROUGH`.
     """
 
     upstream: str
@@ -85,6 +96,7 @@ class SidecarSettings:
     engine_usage_seconds: float = 1.0
     tenant_label_limit: int = 50
     agent: AgentSettings | None = None
+    passthrough_paths: tuple[str, ...] = ()
 
 
 class Sidecar:
@@ -134,6 +146,7 @@ class Sidecar:
         self.forwarder = Forwarder(self.upstream, self.metrics, self.admission, self.counter)
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
+        self.passthrough = Passthrough.of(settings.passthrough_paths)
 
     # ------------------------------------------------------------------ state
 
@@ -202,9 +215,9 @@ class Sidecar:
         app.router.add_get("/kvgate/metrics", self.metrics_endpoint)
         # Standalone, the mode wrapper has nothing to do: route straight to the handler.
         handler = self.completion if self.thresholds is not None else self._completion
-        for path in ADMITTED_PATHS:
-            app.router.add_post(path, handler)
-        app.router.add_route("*", "/{tail:.*}", self.forwarder.passthrough)
+        for path in GENERATION_PATHS:
+            app.router.add_route("*", path, handler)
+        app.router.add_route("*", "/{tail:.*}", self.other)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -295,9 +308,27 @@ class Sidecar:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    async def other(self, request: web.Request) -> web.StreamResponse:
+        """Every path but the generation ones and the sidecar's own: GET, HEAD and OPTIONS pass
+        through; another method only to a path on the allowlist (404 otherwise). A path that
+        only normalises (dot segments, repeated slashes, escapes) to a generation or allowlisted
+        one is refused with 400: an upstream that normalises it would otherwise serve it
+        unchecked."""
+        raw = request.raw_path.split("?", 1)[0]
+        path = canonical_path(raw)
+        if path in GENERATION_PATHS:
+            return responses.non_canonical_path()
+        if request.method in SAFE_METHODS:
+            return await self.forwarder.passthrough(request)
+        if not self.passthrough.allows(path):
+            return responses.not_allowed_path(request.method, path)
+        if raw != path:
+            return responses.non_canonical_path()
+        return await self.forwarder.passthrough(request)
+
     async def completion(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/chat/completions`` and ``/v1/completions``: validate, admit, forward.
-        With a node agent, every answer says the thresholds mode in ``x-kvgate-thresholds``."""
+        """A generation path (:data:`GENERATION_PATHS`): validate, admit, forward. With a node
+        agent, every answer says the thresholds mode in ``x-kvgate-thresholds``."""
         if self.thresholds is None:
             return await self._completion(request)
         self.refresh_mode()
@@ -307,16 +338,32 @@ class Sidecar:
             resp.headers[responses.THRESHOLDS_HEADER] = mode.value
         return resp
 
+    async def _not_a_generation(self, request: web.Request) -> web.StreamResponse | None:
+        """The answer to a request on a generation path that is not a JSON POST (OPTIONS, a CORS
+        preflight, passes through; another method gets 405; a body declared as anything but
+        JSON 415), or None for a JSON POST."""
+        if request.method != "POST":
+            if request.method == "OPTIONS":
+                return await self.forwarder.passthrough(request)
+            return responses.method_not_allowed(request.method, request.path)
+        content_type = request.headers.get("Content-Type")
+        if content_type is not None and not _is_json(content_type):
+            self.metrics.count_decision("rejected", "invalid_request", "")
+            return responses.unsupported_media_type(content_type)
+        return None
+
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
+        if (early := await self._not_a_generation(request)) is not None:
+            return early
         if self.draining:
             return responses.draining()
         spec = self.spec
         try:
             raw = await self._read_body(request)
-            parsed = parse_completion_request(
+            parsed = parse_generation(
                 raw,
-                ADMITTED_PATHS[request.path],
+                GENERATION_PATHS[request.path],
                 default_max_tokens=spec.tenants.default_max_tokens,
                 max_tokens_cap=spec.tenants.max_tokens_cap,
                 max_model_len=spec.model.max_model_len,
@@ -326,12 +373,20 @@ class Sidecar:
         except RequestError as exc:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.bad_request(exc)
-        prompt = self.counter.count(parsed.body)
+        prompt = self.counter.count(parsed.body if parsed.count_body is None else parsed.count_body)
         max_tokens = parsed.max_tokens
         mml = spec.model.max_model_len or self.engine.max_model_len
         if parsed.max_tokens_defaulted and mml is not None:
             max_tokens = default_within_context(max_tokens, prompt, mml)
-        areq = AdmissionRequest(tenant, prompt.tokens, max_tokens, priority, parsed.n, parsed.model)
+        areq = AdmissionRequest(
+            tenant,
+            prompt.tokens,
+            max_tokens,
+            priority,
+            parsed.n,
+            parsed.model,
+            model_rewritable=parsed.model_field,
+        )
         d = await self._admit(areq, prompt)
         m = self.metrics
         label = m.tenant_label(tenant)
@@ -371,3 +426,12 @@ class Sidecar:
             if optimistic < areq.prompt_tokens:
                 d = await self.admission.admit(replace(areq, prompt_tokens=optimistic))
         return d
+
+
+def _is_json(content_type: str) -> bool:
+    """``application/json`` or ``application/<x>+json``, any parameters (``charset=utf-8``),
+    any case (RFC 9110 §8.3.1)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )

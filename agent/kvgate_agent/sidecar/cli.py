@@ -52,6 +52,13 @@ def _non_negative_seconds(value: str) -> float:
     return seconds
 
 
+def _passthrough_path(value: str) -> str:
+    path = value.strip()
+    if not path.startswith("/"):
+        raise argparse.ArgumentTypeError(f"expected a path starting with '/', got {value!r}")
+    return path
+
+
 def add_sidecar_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``sidecar`` subcommand to ``kvgate-agent``'s parser. String defaults from the
     environment go through each flag's type, so a bad ``KVGATE_*`` value is reported like a bad
@@ -186,6 +193,17 @@ def _add_serving_args(s: argparse.ArgumentParser) -> None:
         "the pod's terminationGracePeriodSeconds [KVGATE_DRAIN_SECONDS]",
     )
     s.add_argument(
+        "--passthrough-path",
+        action="append",
+        type=_passthrough_path,
+        default=[p for p in (_env("PASSTHROUGH_PATHS") or "").split(",") if p.strip()],
+        help="a path (or a prefix ending in *) that POST and other mutating requests may reach "
+        "the model server on without admission, besides /tokenize, /detokenize, "
+        "/v1/messages/count_tokens and /apply-template; repeatable; any other unknown mutating "
+        "request gets 404. The flags add to KVGATE_PASSTHROUGH_PATHS (comma-separated) "
+        "[KVGATE_PASSTHROUGH_PATHS]",
+    )
+    s.add_argument(
         "--engine-usage-seconds",
         type=_non_negative_seconds,
         default=_env("ENGINE_USAGE_SECONDS", "1"),
@@ -290,6 +308,10 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             "sidecar: --agent-url needs --pod-namespace and --pod-name (KVGATE_POD_NAMESPACE, "
             "KVGATE_POD_NAME from the downward API)"
         )
+    try:  # the flags went through the type already, the environment's entries did not
+        passthrough = tuple(_passthrough_path(p) for p in args.passthrough_path)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(f"sidecar: KVGATE_PASSTHROUGH_PATHS: {exc}")
     configure_logging(args.log_level)
     policy: RateLimitPolicy | None = None
     agent: AgentSettings | None = None
@@ -310,6 +332,7 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         read_timeout=args.upstream_timeout,
         drain_seconds=args.drain_seconds,
         engine_usage_seconds=args.engine_usage_seconds,
+        passthrough_paths=passthrough,
     )
     with contextlib.suppress(ImportError):
         import uvloop

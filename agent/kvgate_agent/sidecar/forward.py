@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable
@@ -28,9 +27,10 @@ from yarl import URL
 from kvgate_agent.admission import AsyncAdmission, Ticket
 from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.metrics import SidecarMetrics
-from kvgate_agent.sidecar.request import ADMITTED_PATHS, ParsedRequest, canonical_path
+from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
+from kvgate_agent.sidecar.usage import body_usage, event_reader
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -72,21 +72,6 @@ async def _to_client(write: Awaitable[object]) -> None:
         await write
     except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError included
         raise _ClientGone() from exc
-
-
-def usage_of(data: bytes) -> tuple[int | None, int | None]:
-    """(prompt_tokens, completion_tokens) reported in a non-streaming response body; each None
-    when absent or not a non-negative integer."""
-    try:
-        usage = json.loads(data).get("usage") or {}
-        prompt = usage.get("prompt_tokens")
-        completion = usage.get("completion_tokens")
-    except (ValueError, AttributeError):
-        return None, None
-    return (
-        prompt if type(prompt) is int and prompt >= 0 else None,
-        completion if type(completion) is int and completion >= 0 else None,
-    )
 
 
 @dataclass(slots=True)
@@ -189,7 +174,7 @@ class Forwarder:
         data = await resp.read()
         ex.clean = True
         if resp.status == 200:
-            ex.prompt_tokens, reported = usage_of(data)
+            ex.prompt_tokens, reported = body_usage(ex.parsed.path_kind, data)
             # No usage reported: charge what was reserved rather than nothing.
             t = ex.ticket
             ex.completion_tokens = t.max_tokens * t.n if reported is None else reported
@@ -211,7 +196,7 @@ class Forwarder:
         choices; :attr:`StreamAccountant.completion_tokens_estimate`) whenever that count
         grows: at most once per upstream read, so at most once per SSE event, and never a
         smaller count than the last one (the exact total is settled at release)."""
-        acct = StreamAccountant(strip_usage_chunk=not ex.parsed.client_wants_usage)
+        acct = StreamAccountant(ex.parsed.usage_injected, event_reader(ex.parsed.path_kind))
         ex.out = out = web.StreamResponse(status=resp.status, headers=out_headers)
         await _to_client(out.prepare(request))
         first = True
@@ -239,8 +224,8 @@ class Forwarder:
             ex.clean = acct.done
         finally:
             ex.completion_tokens = acct.completion_tokens_estimate
-            if acct.usage is not None:
-                ex.prompt_tokens = acct.usage.prompt_tokens
+            if acct.prompt_tokens is not None:
+                ex.prompt_tokens = acct.prompt_tokens
         await _to_client(out.write_eof())
         return out
 
@@ -288,14 +273,10 @@ class Forwarder:
     # ------------------------------------------------------------------ pass-through
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Any other path: forwarded as is (the raw path, not re-normalised), body streamed
-        both ways. A path that only differs from an admission-controlled one by dot segments,
-        repeated slashes or percent-encoding is refused: an upstream that normalises it would
-        otherwise serve a completion that bypassed admission."""
+        """A request the routes let through (see ``Sidecar.other``): forwarded as is (the raw
+        path, not re-normalised), body streamed both ways."""
         assert self.session is not None
         raw_path = request.raw_path
-        if canonical_path(raw_path) in ADMITTED_PATHS:
-            return responses.non_canonical_path()
         fwd = forward_headers(request.headers)
         fwd.popall("Content-Encoding", None)  # the body is decoded on the way in
         data = request.content if request.body_exists else None

@@ -1,11 +1,13 @@
 """Parse and validate an admission-controlled request body, rewrite it for the upstream, and
 canonicalise request paths (:func:`canonical_path`).
 
-Covers ``POST /v1/chat/completions`` (``path_kind="chat"``) and ``POST /v1/completions``
-(``"completions"``). Only the fields admission depends on are checked; everything else is left
-for the model server to judge. An explicit JSON ``null`` counts as absent for the optional fields
-(``max_tokens``, ``max_completion_tokens``, ``stream``, ``stream_options``, ``n``), as the OpenAI
-API treats it. Pure byte/JSON logic: no HTTP framework.
+Covers the OpenAI ``POST /v1/chat/completions`` (``path_kind="chat"``) and
+``POST /v1/completions`` (``"completions"``) here; the other engines' generation APIs are parsed
+by :mod:`kvgate_agent.sidecar.endpoints` into the same :class:`ParsedRequest`. Only the fields
+admission depends on are checked; everything else is left for the model server to judge. An
+explicit JSON ``null`` counts as absent for the optional fields (``max_tokens``,
+``max_completion_tokens``, ``stream``, ``stream_options``, ``n``, ``best_of``), as the OpenAI API
+treats it. Pure byte/JSON logic: no HTTP framework.
 """
 
 from __future__ import annotations
@@ -19,30 +21,120 @@ from kvgate_agent.sidecar.openai_errors import RequestError
 
 __all__ = [
     "ADMITTED_PATHS",
+    "LIMIT_PARAM",
+    "MAX_SEQUENCES",
+    "MAX_SEQUENCES_PER_PROMPT",
+    "PROMPT_PARAM",
     "ParsedRequest",
     "PathKind",
+    "bad",
     "canonical_path",
+    "check_messages",
+    "check_sequences",
+    "decode_object",
+    "effective_limit",
+    "is_int",
     "parse_completion_request",
+    "positive_int",
 ]
 
-PathKind = Literal["chat", "completions"]
-#: The admission-controlled paths and the kind of request each takes.
+#: The generation APIs: OpenAI chat and completions (vLLM, SGLang, TGI, llama.cpp all serve
+#: them), OpenAI Responses and Anthropic Messages (vLLM), TGI's and SGLang's native
+#: ``/generate`` and llama.cpp's native ``/completion`` (see :mod:`kvgate_agent.sidecar.endpoints`).
+PathKind = Literal["chat", "completions", "responses", "messages", "tgi", "sglang", "llamacpp"]
+#: The OpenAI chat and completions paths, parsed here (the full table, with the other engines'
+#: APIs, is :data:`kvgate_agent.sidecar.endpoints.GENERATION_PATHS`).
 ADMITTED_PATHS: dict[str, PathKind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
 }
+#: The request field holding the prompt, per API (the ``param`` of a "prompt too long" 400).
+PROMPT_PARAM: dict[PathKind, str] = {
+    "chat": "messages",
+    "completions": "prompt",
+    "responses": "input",
+    "messages": "messages",
+    "tgi": "inputs",
+    "sglang": "text",
+    "llamacpp": "prompt",
+}
+#: The request field holding the output limit, per API (the ``param`` of a "too long" 400).
+LIMIT_PARAM: dict[PathKind, str] = {
+    "chat": "max_tokens",
+    "completions": "max_tokens",
+    "responses": "max_output_tokens",
+    "messages": "max_tokens",
+    "tgi": "parameters.max_new_tokens",
+    "sglang": "sampling_params.max_new_tokens",
+    "llamacpp": "n_predict",
+}
+
+MAX_SEQUENCES_PER_PROMPT = 128
+"""Most sequences one prompt may ask for (``n``, ``best_of``, beam width): the maximum the OpenAI
+API allows for ``n`` (https://platform.openai.com/docs/api-reference/chat/create, "n ... minimum
+1, maximum 128"). Larger values are refused with 400 before reaching the model server."""
+MAX_SEQUENCES = 2048
+"""Most sequences one request may ask for in all (prompts of a batch x sequences per prompt):
+the OpenAI API's limit on the entries of an array input
+(https://platform.openai.com/docs/api-reference/embeddings/create, "must not exceed ... 2048").
+"""
 
 
-def _bad(message: str, param: str | None) -> RequestError:
+def bad(message: str, param: str | None) -> RequestError:
+    """A 400 ``invalid_request_error`` naming ``param``."""
     return RequestError(400, message, param=param)
 
 
-def _is_int(v: object) -> bool:
+def is_int(v: object) -> bool:
+    """``v`` is a JSON integer (not a bool)."""
     return type(v) is int  # bool is an int subclass, and not a valid count
 
 
 def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def check_sequences(per_prompt: int, prompts: int, param: str) -> int:
+    """The sequences a request makes the engine run: ``per_prompt`` x ``prompts``.
+
+    Raises:
+        RequestError: 400 naming ``param`` when ``per_prompt`` exceeds
+            :data:`MAX_SEQUENCES_PER_PROMPT`, or the total :data:`MAX_SEQUENCES`.
+    """
+    if per_prompt > MAX_SEQUENCES_PER_PROMPT:
+        raise bad(
+            f"'{param}' is {per_prompt}; kvgate admits at most {MAX_SEQUENCES_PER_PROMPT} "
+            "sequences per prompt",
+            param,
+        )
+    total = per_prompt * prompts
+    if total > MAX_SEQUENCES:
+        raise bad(
+            f"the request asks for {total} sequences ({prompts} prompts x {per_prompt}); kvgate "
+            f"admits at most {MAX_SEQUENCES}",
+            param,
+        )
+    return total
+
+
+def effective_limit(
+    client_max: int | None,
+    default_max_tokens: int,
+    max_tokens_cap: int | None,
+    max_model_len: int | None,
+) -> tuple[int, bool]:
+    """(the output limit to charge and send, tokens; whether the client's was clamped): the
+    client's limit clamped to ``max_tokens_cap``, or without one the default bounded by the cap
+    and the context length."""
+    if client_max is None:
+        effective = default_max_tokens
+        for bound in (max_tokens_cap, max_model_len):
+            if bound is not None:
+                effective = min(effective, bound)
+        return effective, False
+    if max_tokens_cap is not None and client_max > max_tokens_cap:
+        return max_tokens_cap, True
+    return client_max, False
 
 
 @dataclass(slots=True)
@@ -62,7 +154,15 @@ class ParsedRequest:
         client_max_tokens: the client's limit as sent, or None.
         max_tokens_field: the field that limit came from (chat: ``"max_completion_tokens"``
             when the client used it, else ``"max_tokens"``); the field to rewrite upstream.
-        n: completions generated per prompt (``n``, default 1); cost scales with it.
+        n: sequences the engine runs for the request, all prompts together: for completions
+            ``max(n, best_of)`` per prompt (vLLM samples ``best_of`` and returns ``n``; beam search
+            runs that many beams) times the prompts of a list prompt; cost and KV scale with it.
+        limit_path: where the output limit lives when not at the top level (e.g.
+            ``("parameters", "max_new_tokens")``); a list met on the way (SGLang's per-prompt
+            ``sampling_params``) gets the limit in each element, never raised above its own.
+        count_body: the prompt in the shape :meth:`PromptCounter.count` reads (``messages``,
+            ``prompt``, ``tools``); None: :attr:`body` itself.
+        model_field: the API names its model in ``model``, so a fallback model can be sent.
     """
 
     body: dict[str, Any]
@@ -76,6 +176,16 @@ class ParsedRequest:
     client_max_tokens: int | None
     max_tokens_field: str
     n: int
+    limit_path: tuple[str, ...] | None = None
+    count_body: dict[str, Any] | None = None
+    model_field: bool = True
+
+    @property
+    def usage_injected(self) -> bool:
+        """The proxy asks the stream for a usage chunk the client did not (OpenAI chat and
+        completions only), and strips it on the way back."""
+        openai = self.path_kind in ("chat", "completions")
+        return openai and self.stream and not self.client_wants_usage
 
     def upstream_body(
         self,
@@ -104,15 +214,18 @@ class ParsedRequest:
         if limit < 1:
             raise ValueError(f"max_tokens must be >= 1, got {limit}")
         changes: dict[str, Any] = {}
-        if limit != self.client_max_tokens:
+        if limit != self.client_max_tokens and self.limit_path is not None:
+            key = self.limit_path[0]
+            changes[key] = _with_limit(self.body.get(key), self.limit_path[1:], limit)
+        elif limit != self.client_max_tokens:
             changes[self.max_tokens_field] = limit
             if self.path_kind == "chat":  # keep both limit fields consistent
                 for other in ("max_tokens", "max_completion_tokens"):
                     if self.body.get(other) is not None:
                         changes[other] = limit
-        if model is not None and model != self.model:
+        if model is not None and model != self.model and self.model_field:
             changes["model"] = model
-        if include_usage and self.stream and not self.client_wants_usage:
+        if include_usage and self.usage_injected:
             opts = self.body.get("stream_options")
             changes["stream_options"] = {**(opts or {}), "include_usage": True}
         if not changes:
@@ -124,12 +237,33 @@ class ParsedRequest:
             return json.dumps(out, separators=(",", ":")).encode()
 
 
-def _positive_int(body: dict[str, Any], key: str) -> int | None:
+def _with_limit(node: Any, path: tuple[str, ...], limit: int) -> Any:
+    """A copy of ``node`` with ``limit`` written at ``path`` (dicts created where absent; a
+    value already there is lowered to ``limit``, never raised; a list's elements each get
+    theirs)."""
+    if isinstance(node, list):
+        return [_with_limit(e, path, limit) for e in node]
+    out = dict(node) if isinstance(node, dict) else {}
+    if len(path) == 1:
+        own = out.get(path[0])
+        out[path[0]] = min(own, limit) if type(own) is int and own >= 0 else limit
+    else:
+        out[path[0]] = _with_limit(out.get(path[0]), path[1:], limit)
+    return out
+
+
+def positive_int(body: dict[str, Any], key: str, param: str | None = None) -> int | None:
+    """``body[key]`` when a positive integer, None when absent or null.
+
+    Raises:
+        RequestError: 400 naming ``param`` (default ``key``) for any other value.
+    """
     v = body.get(key)
     if v is None:
         return None
-    if not _is_int(v) or v <= 0:
-        raise _bad(f"'{key}' must be a positive integer, got {json.dumps(v)[:64]}", key)
+    if not is_int(v) or v <= 0:
+        name = param or key
+        raise bad(f"'{name}' must be a positive integer, got {json.dumps(v)[:64]}", name)
     return int(v)
 
 
@@ -140,25 +274,26 @@ def _check_prompt(prompt: object) -> None:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return
-        if all(_is_int(p) and p >= 0 for p in prompt):
+        if all(is_int(p) and p >= 0 for p in prompt):
             return
-        if all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(is_int(t) and t >= 0 for t in p) for p in prompt):
             return
-    raise _bad(
+    raise bad(
         "'prompt' must be a string, a list of strings, a list of token ids or a list of "
         "lists of token ids (non-empty)",
         "prompt",
     )
 
 
-def _check_messages(messages: object) -> None:
+def check_messages(messages: object) -> None:
+    """``messages`` is a non-empty list of objects each with a string ``role``."""
     if not isinstance(messages, list) or not messages:
-        raise _bad("'messages' must be a non-empty list of message objects", "messages")
+        raise bad("'messages' must be a non-empty list of message objects", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise _bad(f"'messages[{i}]' must be an object", f"messages[{i}]")
+            raise bad(f"'messages[{i}]' must be an object", f"messages[{i}]")
         if not isinstance(m.get("role"), str):
-            raise _bad(f"'messages[{i}].role' must be a string", f"messages[{i}].role")
+            raise bad(f"'messages[{i}].role' must be a string", f"messages[{i}].role")
 
 
 def parse_completion_request(
@@ -186,30 +321,25 @@ def parse_completion_request(
             (None for a body that is not UTF-8 JSON or not an object): ``model``, ``messages``,
             ``messages[i]``, ``messages[i].role``, ``prompt``, ``max_tokens``,
             ``max_completion_tokens``, ``stream``, ``stream_options``,
-            ``stream_options.include_usage``, ``n``.
+            ``stream_options.include_usage``, ``n``, ``best_of`` (also for more sequences than
+            :func:`check_sequences` allows).
     """
-    body = _decode(raw)
+    body = decode_object(raw)
     model = body.get("model")
     if not isinstance(model, str):
-        raise _bad("'model' is required and must be a string", "model")
+        raise bad("'model' is required and must be a string", "model")
     if path_kind == "chat":
-        _check_messages(body.get("messages"))
+        check_messages(body.get("messages"))
     else:
         if "prompt" not in body:
-            raise _bad("'prompt' is required", "prompt")
+            raise bad("'prompt' is required", "prompt")
         _check_prompt(body["prompt"])
     field, client_max = _client_limit(body, path_kind, max_model_len)
     stream, wants_usage = _stream_options(body)
-    n = _positive_int(body, "n") or 1
-    if client_max is None:
-        effective = default_max_tokens
-        for bound in (max_tokens_cap, max_model_len):
-            if bound is not None:
-                effective = min(effective, bound)
-        clamped = False
-    else:
-        clamped = max_tokens_cap is not None and client_max > max_tokens_cap
-        effective = min(client_max, max_tokens_cap) if max_tokens_cap is not None else client_max
+    n = _openai_sequences(body, path_kind)
+    effective, clamped = effective_limit(
+        client_max, default_max_tokens, max_tokens_cap, max_model_len
+    )
     return ParsedRequest(
         body=body,
         model=model,
@@ -225,16 +355,62 @@ def parse_completion_request(
     )
 
 
-def _decode(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (constants such as ``NaN`` refused)."""
+def _openai_sequences(body: dict[str, Any], path_kind: PathKind) -> int:
+    """Sequences of an OpenAI request: ``max(n, best_of)`` per prompt (vLLM's ``best_of``, also
+    the beam width of its ``use_beam_search``:
+    https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html), times the prompts of a
+    completions list prompt (a list of strings or of token lists; a list of ints is one)."""
+    n = positive_int(body, "n") or 1
+    best_of = positive_int(body, "best_of") or 1
+    prompts = 1
+    prompt = body.get("prompt")
+    if path_kind == "completions" and isinstance(prompt, list) and not is_int(prompt[0]):
+        prompts = len(prompt)
+    per_prompt = max(n, best_of)
+    check_sequences(per_prompt, 1, "best_of" if best_of > n else "n")
+    return check_sequences(per_prompt, prompts, "prompt")
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return obj
+
+
+def decode_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object (constants such as ``NaN`` refused).
+
+    A key repeated in one object is refused: JSON parsers disagree on which value wins
+    (Python's keeps the last, serde-based servers such as TGI refuse it; RFC 8259 §4 leaves it
+    open), so the limit kvgate read could differ from the one the engine applies.
+
+    Raises:
+        RequestError: 400 for a body that is not UTF-8, not JSON or not an object (``param``
+            None), or that repeats a key (``param`` the key).
+    """
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+        body = json.loads(
+            raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique
+        )
     except UnicodeDecodeError:
-        raise _bad("The request body is not valid UTF-8", None) from None
+        raise bad("The request body is not valid UTF-8", None) from None
+    except _DuplicateKey as exc:
+        raise bad(f"The request body repeats the key {exc.key[:64]!r}", exc.key[:64]) from None
     except (ValueError, RecursionError):
-        raise _bad("The request body is not valid JSON", None) from None
+        raise bad("The request body is not valid JSON", None) from None
     if not isinstance(body, dict):
-        raise _bad("The request body must be a JSON object", None)
+        raise bad("The request body must be a JSON object", None)
     return body
 
 
@@ -245,13 +421,13 @@ def _client_limit(
     Chat's ``max_completion_tokens`` wins over ``max_tokens``; a limit above the context length
     is refused."""
     field = "max_tokens"
-    client_max = _positive_int(body, "max_tokens")
+    client_max = positive_int(body, "max_tokens")
     if path_kind == "chat":
-        mct = _positive_int(body, "max_completion_tokens")
+        mct = positive_int(body, "max_completion_tokens")
         if mct is not None:
             field, client_max = "max_completion_tokens", mct
     if client_max is not None and max_model_len is not None and client_max > max_model_len:
-        raise _bad(
+        raise bad(
             f"'{field}' is {client_max}, more than the model's context length {max_model_len}",
             field,
         )
@@ -264,15 +440,15 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     if stream is None:
         stream = False
     elif not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
+        raise bad("'stream' must be a boolean", "stream")
     wants_usage = False
     opts = body.get("stream_options")
     if opts is not None:
         if not isinstance(opts, dict):
-            raise _bad("'stream_options' must be an object", "stream_options")
+            raise bad("'stream_options' must be an object", "stream_options")
         inc = opts.get("include_usage")
         if inc is not None and not isinstance(inc, bool):
-            raise _bad(
+            raise bad(
                 "'stream_options.include_usage' must be a boolean", "stream_options.include_usage"
             )
         wants_usage = inc is True

@@ -20,7 +20,7 @@ from kvgate_agent.sidecar.openai_errors import (
     RequestError,
     error_body,
 )
-from kvgate_agent.sidecar.request import PathKind
+from kvgate_agent.sidecar.request import LIMIT_PARAM, PROMPT_PARAM, PathKind
 
 JSON = "application/json"
 #: Response header naming the thresholds mode (see ``agent_link.Mode``) when a node agent is used.
@@ -37,8 +37,9 @@ def json_response(status: int, body: bytes, headers: dict[str, str] | None = Non
 def refusal(d: Decision, kind: PathKind = "chat") -> web.Response:
     """The answer to a refused decision (``d.ticket`` is None): its status (400, 429 or 503),
     ``Retry-After`` (seconds) when the decision gives one, ``RateLimit-Policy`` and ``RateLimit``
-    when a bucket refused, and an OpenAI error body (a 400 names the offending field: ``prompt``
-    is called ``messages`` for chat)."""
+    when a bucket refused, and an OpenAI error body (a 400 names the offending field as the
+    API ``kind`` calls it: ``prompt`` is ``messages`` for chat, ``max_tokens`` is
+    ``parameters.max_new_tokens`` for TGI...)."""
     headers = {DECISION_HEADER: d.outcome.value, REASON_HEADER: d.reason.value}
     if d.retry_after is not None:
         headers["Retry-After"] = str(d.retry_after)
@@ -51,8 +52,10 @@ def refusal(d: Decision, kind: PathKind = "chat") -> web.Response:
         headers["RateLimit"] = f'"{d.limit}";r={remaining};t={d.retry_after or 1}'
     if d.status == 400:
         param = d.param or "max_tokens"
-        if param == "prompt" and kind == "chat":
-            param = "messages"
+        if param == "prompt":
+            param = PROMPT_PARAM[kind]
+        elif param == "max_tokens":
+            param = LIMIT_PARAM[kind]
         body = error_body(d.message, INVALID_REQUEST_ERROR, param, d.reason.value)
     elif d.status == 503:
         body = error_body(d.message, SERVICE_UNAVAILABLE, None, d.reason.value)
@@ -104,16 +107,61 @@ def draining() -> web.Response:
 
 
 def non_canonical_path() -> web.Response:
-    """400 for a path that only normalises to an admission-controlled one."""
+    """400 for a path that only normalises to an admission-controlled or allowlisted one."""
     return json_response(
         400,
         error_body(
-            "use the canonical path for completions (no dot segments, repeated slashes or escapes)",
+            "use the canonical path (no dot segments, repeated slashes or escapes)",
             INVALID_REQUEST_ERROR,
             None,
             "non_canonical_path",
         ),
         {DECISION_HEADER: "rejected", REASON_HEADER: "invalid_request"},
+    )
+
+
+def method_not_allowed(method: str, path: str) -> web.Response:
+    """405 with ``Allow`` for a generation path asked with another method than POST (RFC 9110
+    §15.5.6); never forwarded."""
+    return json_response(
+        405,
+        error_body(
+            f"{method} is not allowed on {path}: use POST",
+            INVALID_REQUEST_ERROR,
+            None,
+            "method_not_allowed",
+        ),
+        {"Allow": "POST, OPTIONS", DECISION_HEADER: "rejected", REASON_HEADER: "invalid_request"},
+    )
+
+
+def unsupported_media_type(content_type: str) -> web.Response:
+    """415 for a generation request whose body is not declared as JSON (RFC 9110 §15.5.16)."""
+    return json_response(
+        415,
+        error_body(
+            f"the request body must be application/json, got {content_type[:100]!r}",
+            INVALID_REQUEST_ERROR,
+            None,
+            "unsupported_media_type",
+        ),
+        {"Accept": JSON, DECISION_HEADER: "rejected", REASON_HEADER: "invalid_request"},
+    )
+
+
+def not_allowed_path(method: str, path: str) -> web.Response:
+    """404 for a mutating request on a path that is neither a generation API kvgate admits nor on
+    its pass-through allowlist; never forwarded (``--passthrough-path`` adds paths)."""
+    return json_response(
+        404,
+        error_body(
+            f"{method} {path[:200]} is not a generation API kvgate admits nor on its "
+            "pass-through allowlist (--passthrough-path)",
+            INVALID_REQUEST_ERROR,
+            None,
+            "unknown_endpoint",
+        ),
+        {DECISION_HEADER: "rejected", REASON_HEADER: "unknown_endpoint"},
     )
 
 

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate_agent.sidecar.usage import EventReader
+
 __all__ = ["StreamAccountant", "Usage"]
 
 _EOL = re.compile(rb"\r\n|\r|\n")
@@ -47,6 +49,10 @@ class StreamAccountant:
             ``"choices": []`` and a non-null ``usage``), which is dropped; incomplete events are
             held back. When False, :meth:`feed` returns its input unchanged at once.
 
+        reader: for another API's stream (TGI, SGLang, llama.cpp, Responses, Messages), the
+            :class:`~kvgate_agent.sidecar.usage.EventReader` that accounts its JSON events; usage,
+            output count and end of stream then come from it (``[DONE]`` still counts as the end).
+
     An event that ends with a bare CR is only known to be complete when the next byte arrives
     (it might be the LF of a CRLF) or at :meth:`finish`. Malformed JSON is ignored for
     accounting and forwarded as is; nothing here raises on upstream content.
@@ -61,13 +67,15 @@ class StreamAccountant:
         "_ev",
         "_finished",
         "_pos",
+        "_reader",
         "_scan",
         "_strip",
         "_usage",
     )
 
-    def __init__(self, strip_usage_chunk: bool) -> None:
+    def __init__(self, strip_usage_chunk: bool, reader: EventReader | None = None) -> None:
         self._strip = strip_usage_chunk
+        self._reader = reader
         self._buf = bytearray()  # bytes of the current, incomplete event (and its lines)
         self._ev = 0  # start of the current event in _buf
         self._pos = 0  # start of the current, unterminated line in _buf
@@ -98,8 +106,15 @@ class StreamAccountant:
 
     @property
     def done(self) -> bool:
-        """True once the ``data: [DONE]`` event has been seen."""
-        return self._done
+        """True once the ``data: [DONE]`` event (or the reader's final event) has been seen."""
+        return self._done or (self._reader is not None and self._reader.done)
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """Prompt tokens the stream reported, or None."""
+        if self._reader is not None:
+            return self._reader.prompt_tokens
+        return None if self._usage is None else self._usage.prompt_tokens
 
     @property
     def error(self) -> dict[str, Any] | None:
@@ -108,7 +123,10 @@ class StreamAccountant:
 
     @property
     def completion_tokens_estimate(self) -> int:
-        """Output tokens: ``usage.completion_tokens`` when reported, else :attr:`content_deltas`."""
+        """Output tokens: ``usage.completion_tokens`` when reported, else :attr:`content_deltas`
+        (with a reader: what it reports or counts)."""
+        if self._reader is not None:
+            return self._reader.completion_tokens
         return self._usage.completion_tokens if self._usage is not None else self._content_deltas
 
     # -- feeding ---------------------------------------------------------------------------------
@@ -214,6 +232,9 @@ class StreamAccountant:
         except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             return True
         if not isinstance(obj, dict):
+            return True
+        if self._reader is not None:
+            self._reader.event(obj)
             return True
         err = obj.get("error")
         if isinstance(err, dict):

@@ -112,6 +112,7 @@ operator reads exactly these keys.
   "ownNamespace" .Release.Namespace
   "drainSeconds" $i.drainSeconds
   "logLevel" $i.logLevel
+  "passthroughPaths" $i.passthroughPaths
   | toJson }}
 {{- end }}
 
