@@ -77,6 +77,12 @@ def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "60",
             "how long an accepted token is trusted",
         ),
+        (
+            "--api-liveness-seconds",
+            "API_LIVENESS_SECONDS",
+            "120",
+            "liveness (/healthz) fails once the API server has not answered for this long",
+        ),
     ):
         n.add_argument(
             flag,
@@ -108,7 +114,12 @@ async def run_node(args: argparse.Namespace) -> int:
     from kvgate_agent.gpu.select import backend_from_spec
     from kvgate_agent.node.api import build_app
     from kvgate_agent.node.auth import Authenticator, kube_token_reviewer
-    from kvgate_agent.node.kube import NodeAdmissionWatch, StatusWriter, load_api_client
+    from kvgate_agent.node.kube import (
+        ApiContact,
+        NodeAdmissionWatch,
+        StatusWriter,
+        load_api_client,
+    )
     from kvgate_agent.node.service import NodeAgent, NodeSettings
 
     api_client = load_api_client(args.kubeconfig)
@@ -121,12 +132,15 @@ async def run_node(args: argparse.Namespace) -> int:
         ttl_seconds=args.thresholds_ttl,
         sync_interval_seconds=args.sync_interval,
         proc_root=Path(args.proc_root),
+        api_liveness_seconds=args.api_liveness_seconds,
     )
     monitor = GpuMonitor(backend_from_spec(args.gpu_backend), call_timeout=args.gpu_call_timeout)
     auth = Authenticator(kube_token_reviewer(api_client), ok_ttl=args.token_cache_seconds)
-    agent = NodeAgent(settings, monitor, auth, StatusWriter(api_client, args.node_name))
+    contact = ApiContact()
+    agent = NodeAgent(settings, monitor, auth, StatusWriter(api_client, args.node_name, contact))
     loop = asyncio.get_running_loop()
-    watch = NodeAdmissionWatch(api_client, args.node_name, loop, agent.on_spec)
+    watch = NodeAdmissionWatch(api_client, args.node_name, loop, agent.on_spec, contact=contact)
+    agent.api_contact_age, agent.watch_alive = contact.age, watch.alive
     await agent.start()
     watch.start()
     config = uvicorn.Config(
