@@ -83,6 +83,18 @@ def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "120",
             "liveness (/healthz) fails once the API server has not answered for this long",
         ),
+        (
+            "--watch-server-timeout",
+            "WATCH_SERVER_TIMEOUT",
+            "20",
+            "the API server ends each NodeAdmission watch after this; it is renewed",
+        ),
+        (
+            "--watch-read-timeout",
+            "WATCH_READ_TIMEOUT",
+            "30",
+            "a watch silent this long (above the server timeout) is dead: reconnect",
+        ),
     ):
         n.add_argument(
             flag,
@@ -139,7 +151,15 @@ async def run_node(args: argparse.Namespace) -> int:
     contact = ApiContact()
     agent = NodeAgent(settings, monitor, auth, StatusWriter(api_client, args.node_name, contact))
     loop = asyncio.get_running_loop()
-    watch = NodeAdmissionWatch(api_client, args.node_name, loop, agent.on_spec, contact=contact)
+    watch = NodeAdmissionWatch(
+        api_client,
+        args.node_name,
+        loop,
+        agent.on_spec,
+        timeout_seconds=max(1, round(args.watch_server_timeout)),
+        read_timeout=args.watch_read_timeout,
+        contact=contact,
+    )
     agent.api_contact_age, agent.watch_alive = contact.age, watch.alive
     await agent.start()
     watch.start()
@@ -190,6 +210,12 @@ def node_main(args: argparse.Namespace) -> int:
         return 2
     if not args.node_name.strip():
         print("kvgate-agent node: --node-name (KVGATE_NODE_NAME) is empty", file=sys.stderr)
+        return 2
+    if args.watch_read_timeout <= args.watch_server_timeout:
+        print(
+            "kvgate-agent node: --watch-read-timeout must exceed --watch-server-timeout",
+            file=sys.stderr,
+        )
         return 2
     rc = 1
     try:
