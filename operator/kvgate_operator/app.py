@@ -42,6 +42,8 @@ log = logging.getLogger("kvgate.operator")
 #: which alone would use a third of the minute the operator has to recover after an outage);
 #: a watch whose retries are spent is simply restarted.
 KOPF_ERROR_BACKOFFS = (1.0, 2.0, 4.0, 8.0)
+#: Objects per page of kopf's initial LISTs (as the reconcile pass's own LISTs).
+KOPF_LIST_CHUNK = 500
 
 
 def _not_started(namespace: str) -> dict[str, str]:
@@ -103,6 +105,9 @@ class Operator:
         kopf_settings.networking.connect_timeout = s.connect_timeout
         kopf_settings.networking.request_timeout = s.request_timeout
         kopf_settings.networking.error_backoffs = KOPF_ERROR_BACKOFFS
+        # kopf's initial LIST of each watched kind is one request bounded by the request
+        # timeout in all: in pages, a large cluster's LIST of pods fits in it.
+        kopf_settings.watching.chunk_size = KOPF_LIST_CHUNK
         kopf_settings.posting.level = logging.WARNING
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # no line per watch event
         kopf_settings.persistence.finalizer = "kvgate.io/unused-finalizer"  # never added

@@ -16,10 +16,16 @@ import sys
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvgate_agent.args import add_log_level, configure_logging, positive
 from kvgate_agent.args import env as _env
 from kvgate_agent.args import hostport as _hostport
+
+if TYPE_CHECKING:
+    from kvgate_agent.gpu import GpuMonitor
+    from kvgate_agent.node.kube import NodeAdmissionWatch
+    from kvgate_agent.node.service import NodeAgent
 
 log = logging.getLogger("kvgate.node")
 
@@ -110,21 +116,13 @@ def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_log_level(n)
 
 
-async def run_node(args: argparse.Namespace) -> int:
-    """Run the node agent until SIGTERM/SIGINT."""
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        """uvicorn's server without its own signal capture: the agent decides the shutdown
-        order (stop serving, stop the watch and loops, close NVML) and exits 0."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
+def _build(
+    args: argparse.Namespace,
+) -> tuple[Any, GpuMonitor, NodeAgent, NodeAdmissionWatch]:
+    """The agent's parts from its flags: (API client, GPU monitor, agent, NodeAdmission watch);
+    the agent's liveness sees the watch and when the API server last answered."""
     from kvgate_agent.gpu import GpuMonitor
     from kvgate_agent.gpu.select import backend_from_spec
-    from kvgate_agent.node.api import build_app
     from kvgate_agent.node.auth import Authenticator, kube_token_reviewer
     from kvgate_agent.node.kube import (
         ApiContact,
@@ -150,17 +148,35 @@ async def run_node(args: argparse.Namespace) -> int:
     auth = Authenticator(kube_token_reviewer(api_client), ok_ttl=args.token_cache_seconds)
     contact = ApiContact()
     agent = NodeAgent(settings, monitor, auth, StatusWriter(api_client, args.node_name, contact))
-    loop = asyncio.get_running_loop()
     watch = NodeAdmissionWatch(
         api_client,
         args.node_name,
-        loop,
+        asyncio.get_running_loop(),
         agent.on_spec,
         timeout_seconds=max(1, round(args.watch_server_timeout)),
         read_timeout=args.watch_read_timeout,
         contact=contact,
     )
     agent.api_contact_age, agent.watch_alive = contact.age, watch.alive
+    return api_client, monitor, agent, watch
+
+
+async def run_node(args: argparse.Namespace) -> int:
+    """Run the node agent until SIGTERM/SIGINT."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server without its own signal capture: the agent decides the shutdown
+        order (stop serving, stop the watch and loops, close NVML) and exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    from kvgate_agent.node.api import build_app
+
+    api_client, monitor, agent, watch = _build(args)
+    loop = asyncio.get_running_loop()
     await agent.start()
     watch.start()
     config = uvicorn.Config(
