@@ -174,6 +174,9 @@ class NodeStack:
         sync_interval: how often sidecars sync, seconds (the agent tells them; 1 in production,
             shorter in tests).
         sidecar_env: extra environment for every sidecar.
+        kubeconfig: the kubeconfig the operator and the agent use (default: the control
+            plane's admin one), e.g. one whose server is a fault-injecting proxy.
+        operator_env: extra environment for the operator (over the test defaults).
     """
 
     cp: ControlPlane
@@ -183,6 +186,8 @@ class NodeStack:
     agent_args: list[str] = field(default_factory=list)
     sync_interval: float = 0.25
     sidecar_env: dict[str, str] = field(default_factory=dict)
+    kubeconfig: Path | None = None
+    operator_env: dict[str, str] = field(default_factory=dict)
     operator: subprocess.Popen[bytes] | None = None
     agent: subprocess.Popen[bytes] | None = None
     agent_port: int = 0
@@ -290,7 +295,10 @@ class NodeStack:
             "KVGATE_OPERATOR_DEBOUNCE_SECONDS": "0.05",
             "KVGATE_OPERATOR_RESYNC_SECONDS": "30",
             "KVGATE_OPERATOR_WEBHOOK_ENABLED": "false",  # no injection in these tests
+            **self.operator_env,
         }
+        if self.kubeconfig is not None:
+            env["KUBECONFIG"] = str(self.kubeconfig)
         self.operator = _spawn(
             [sys.executable, "-m", "kvgate_operator"], self.work / "operator.log", env
         )
@@ -312,7 +320,7 @@ class NodeStack:
             "--gpu-backend",
             f"fake:{self.scenario}",
             "--kubeconfig",
-            str(self.cp.kubeconfig),
+            str(self.kubeconfig or self.cp.kubeconfig),
             "--gpu-poll-seconds",
             "0.25",
             "--scrape-seconds",

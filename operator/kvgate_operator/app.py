@@ -20,10 +20,11 @@ from typing import Any
 import aiohttp.web
 import kopf
 from cryptography import x509
-from kubernetes import client, config
+from kubernetes import client
 
 from kvgate_operator.certs import CertificateManager
 from kvgate_operator.certstore import KubeCertStore
+from kvgate_operator.kubeclient import default_api_client
 from kvgate_operator.metrics import OperatorMetrics
 from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings
@@ -37,14 +38,12 @@ from kvgate_operator.webhook import (
 
 log = logging.getLogger("kvgate.operator")
 
-
-def default_api_client() -> client.ApiClient:
-    """A kubernetes client: in-cluster credentials, else the kubeconfig (``$KUBECONFIG``)."""
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
-    return client.ApiClient()
+#: kopf's pauses between retries of a failed API call, seconds (its default goes up to 21 s,
+#: which alone would use a third of the minute the operator has to recover after an outage);
+#: a watch whose retries are spent is simply restarted.
+KOPF_ERROR_BACKOFFS = (1.0, 2.0, 4.0, 8.0)
+#: Objects per page of kopf's initial LISTs (as the reconcile pass's own LISTs).
+KOPF_LIST_CHUNK = 500
 
 
 def _not_started(namespace: str) -> dict[str, str]:
@@ -57,16 +56,19 @@ class Operator:
 
     Args:
         settings: the operator settings.
-        api_client: makes a kubernetes ``ApiClient`` (called at :meth:`start`).
+        api_client: makes a kubernetes ``ApiClient`` (called at :meth:`start`); default:
+            :func:`~kvgate_operator.kubeclient.default_api_client` with the settings' timeouts.
     """
 
     def __init__(
         self,
         settings: OperatorSettings,
-        api_client: Callable[[], client.ApiClient] = default_api_client,
+        api_client: Callable[[], client.ApiClient] | None = None,
     ) -> None:
         self.settings = settings
-        self.api_client = api_client
+        self.api_client = api_client or (
+            lambda: default_api_client(settings.connect_timeout, settings.request_timeout)
+        )
         self.metrics = OperatorMetrics()
         self.seen = Seen()
         self.webhook = InjectionWebhook(
@@ -100,6 +102,12 @@ class Operator:
         kopf_settings.watching.server_timeout = s.watch_server_timeout
         kopf_settings.watching.client_timeout = s.watch_client_timeout
         kopf_settings.watching.connect_timeout = s.connect_timeout
+        kopf_settings.networking.connect_timeout = s.connect_timeout
+        kopf_settings.networking.request_timeout = s.request_timeout
+        kopf_settings.networking.error_backoffs = KOPF_ERROR_BACKOFFS
+        # kopf's initial LIST of each watched kind is one request bounded by the request
+        # timeout in all: in pages, a large cluster's LIST of pods fits in it.
+        kopf_settings.watching.chunk_size = KOPF_LIST_CHUNK
         kopf_settings.posting.level = logging.WARNING
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # no line per watch event
         kopf_settings.persistence.finalizer = "kvgate.io/unused-finalizer"  # never added

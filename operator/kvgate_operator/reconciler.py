@@ -24,6 +24,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
+from urllib3.exceptions import HTTPError
 
 from kvgate_agent.contract.api import GROUP as API_GROUP
 from kvgate_agent.contract.api import NODE_ADMISSION_PLURAL, RATE_LIMIT_POLICY_PLURAL, VERSION
@@ -47,6 +48,9 @@ log = logging.getLogger("kvgate.operator")
 FIELD_MANAGER = "kvgate-operator"
 #: Writes in flight at once during a pass (the first pass over a large cluster writes hundreds).
 WRITE_CONCURRENCY = 8
+#: Longest pause before retrying a failed pass, seconds: after an outage the operator passes
+#: again within this (plus the pass) of the network healing.
+MAX_RETRY_SECONDS = 30.0
 
 
 @dataclass
@@ -156,10 +160,11 @@ class Reconciler:
             try:
                 await self.reconcile_once()
                 backoff = 1.0
-            except (ApiException, OSError, ValueError, PassIncomplete) as exc:
+            except (ApiException, OSError, ValueError, PassIncomplete, HTTPError) as exc:
+                # (HTTPError: urllib3's timeouts and refused connections, which are not OSErrors)
                 log.warning("reconcile pass failed, retrying in %.0fs: %s", backoff, exc)
                 await asyncio.sleep(backoff)
-                backoff = min(60.0, backoff * 2)
+                backoff = min(MAX_RETRY_SECONDS, backoff * 2)
                 self._wake.set()
 
     def healthy(self) -> tuple[bool, str]:

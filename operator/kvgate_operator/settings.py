@@ -26,11 +26,23 @@ class OperatorSettings(BaseSettings):
         debounce_seconds: wait after a watch event before a pass, so a burst is one pass.
         resync_seconds: a pass runs at least this often even without events.
         liveness_stale_seconds: the liveness probe fails when no pass succeeded for this long.
+            Three resyncs: a pass runs at least every ``resync_seconds`` and every API call is
+            bounded (below), so a pass cannot hang; the operator rides out an API server outage
+            by itself and passes again within a minute of the network healing. Failing sooner
+            would restart it during an outage, where a restart helps nothing and the kubelet's
+            restart back-off would then delay its recovery; after three failed resyncs, a
+            restart (fresh connections and credentials) is the remedy left.
         watch_server_timeout: seconds the API server keeps one watch open before the operator
-            re-establishes it (kopf ``watching.server_timeout``).
-        watch_client_timeout: seconds the client waits on a silent watch before treating it as
-            hung and reconnecting (kopf ``watching.client_timeout``); above the server timeout.
-        connect_timeout: seconds to connect to the API server.
+            re-establishes it from the last resourceVersion, without a re-list (kopf
+            ``watching.server_timeout``); short, so a healthy watch is never silent for long.
+        watch_client_timeout: seconds one watch request may last in all before the client
+            treats it as hung and reconnects (kopf ``watching.client_timeout``); above the
+            server timeout. This is what notices a watch on a silently dead connection (held
+            open, no bytes): within 30 s by default.
+        connect_timeout: seconds to connect (TCP and TLS handshake) to the API server.
+        request_timeout: seconds any other API call may take: kopf's whole request
+            (``networking.request_timeout``) and each silence between bytes of the reconcile
+            pass's calls (the kubernetes client's read timeout).
         liveness_port: port of the liveness endpoint (``/healthz``) and of ``/metrics``.
         standalone: run without kopf peering (one replica with a Recreate rollout; see README).
         pod_namespace: the namespace the operator runs in (downward API). The webhook's
@@ -78,9 +90,10 @@ class OperatorSettings(BaseSettings):
     debounce_seconds: float = Field(0.2, ge=0, le=60)
     resync_seconds: float = Field(300.0, gt=0)
     liveness_stale_seconds: float = Field(900.0, gt=0)
-    watch_server_timeout: int = Field(300, gt=0)
-    watch_client_timeout: int = Field(330, gt=0)
+    watch_server_timeout: int = Field(20, gt=0)
+    watch_client_timeout: int = Field(30, gt=0)
     connect_timeout: int = Field(10, gt=0)
+    request_timeout: float = Field(30.0, gt=0)
     liveness_port: int = Field(8080, ge=0, le=65535)
     standalone: bool = True
 
@@ -101,6 +114,15 @@ class OperatorSettings(BaseSettings):
     webhook_namespace_cache_seconds: float = Field(5.0, ge=0)
     webhook_namespace_lookup_timeout: float = Field(1.5, gt=0)
     injection: InjectionConfig = Field(default_factory=InjectionConfig)
+
+    @model_validator(mode="after")
+    def _watch(self) -> OperatorSettings:
+        if self.watch_client_timeout <= self.watch_server_timeout:
+            raise ValueError(
+                f"KVGATE_OPERATOR_WATCH_CLIENT_TIMEOUT ({self.watch_client_timeout}) must exceed "
+                f"KVGATE_OPERATOR_WATCH_SERVER_TIMEOUT ({self.watch_server_timeout})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _webhook(self) -> OperatorSettings:

@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,58 +119,63 @@ def test_policy_reaches_both_sidecars_is_enforced_and_changes_propagate(stack: N
     assert (metric_value(m, "kvgate_node_sync_requests_total", result="not_modified") or 0) > 0
 
 
-def test_agent_killed_under_load_then_fail_open_or_closed(stack: NodeStack) -> None:
-    ns = stack.namespace
-    stack.start_agent()
-    sim = stack.start_sim()
-    opened = stack.add_model_pod("open-0", sim, labels={"app": "open"})
-    closed = stack.add_model_pod("closed-0", sim, labels={"app": "closed"})
-    stack.apply(
-        capped(ns, 8, app="open", failureMode="FailOpen"),
-        capped(ns, 8, app="closed", failureMode="FailClosed"),
-    )
-    for mp in (opened, closed):
-        wait_until(clamps_to(mp.url, 8), 30, f"the policy on {mp.name}")
-    assert chat(opened.url)[1].get("x-kvgate-thresholds") == "live"
+#: Bound on one sidecar sync call, seconds (``agent_link.DEFAULT_SYNC_TIMEOUT_SECONDS``): a silent
+#: agent counts as down after it.
+SYNC_TIMEOUT_S = 2.0
 
-    # Load on both sidecars while the agent dies: (seconds since the kill, pod, status, mode).
+
+def _under_load(
+    stack: NodeStack, pods: tuple[ModelPod, ModelPod], fault: Callable[[], None]
+) -> list[tuple[float, str, int, str]]:
+    """Load both sidecars, inject ``fault`` and keep loading until both are past the TTL (2 s)
+    in their failure mode and 7 s have passed; returns (seconds since the fault, pod, status,
+    mode) per request."""
+    opened, closed = pods
     seen: list[tuple[float, str, int, str]] = []
     stop = threading.Event()
-    killed = time.monotonic() + 3600.0
+    at = time.monotonic() + 3600.0
 
     def load(mp: ModelPod) -> None:
         while not stop.is_set():
             status, headers, _ = chat(mp.url, max_tokens=64)
             mode = headers.get("x-kvgate-thresholds", "")
-            seen.append((time.monotonic() - killed, mp.name, status, mode))
+            seen.append((time.monotonic() - at, mp.name, status, mode))
 
-    workers = [threading.Thread(target=load, args=(mp,)) for mp in (opened, closed)]
+    workers = [threading.Thread(target=load, args=(mp,)) for mp in pods]
     for w in workers:
         w.start()
     time.sleep(0.5)
-    killed = time.monotonic()
-    stack.kill_agent()
+    at = time.monotonic()
+    fault()
     try:
         # Past the TTL (2 s): FailOpen serves (local caps only), FailClosed answers 503.
         wait_until(lambda: chat(closed.url)[0] == 503, 10, "FailClosed 503")
         wait_until(
             lambda: chat(opened.url)[1].get("x-kvgate-thresholds") == "fail_open", 5, "fail_open"
         )
-        time.sleep(max(0.0, killed + 4.0 - time.monotonic()))
+        time.sleep(max(0.0, at + 5.0 + SYNC_TIMEOUT_S - time.monotonic()))
     finally:
         stop.set()
         for w in workers:
             w.join(10)
+    return seen
+
+
+def _check_ttl_then_failure_mode(
+    seen: list[tuple[float, str, int, str]], pods: tuple[ModelPod, ModelPod], slack: float
+) -> None:
+    """Before the fault: live; within the TTL: the last thresholds (live, then stale); past the
+    TTL plus ``slack`` (a sync's timeout when the agent is silent): the failure mode."""
+    opened, closed = pods
     before = [r for r in seen if r[0] < 0]
     within = [r for r in seen if 0 <= r[0] < 1.5]  # safely inside the TTL
-    after = [r for r in seen if r[0] > 3.5]  # TTL plus a sync interval and slack
+    after = [r for r in seen if r[0] > 3.5 + slack]  # TTL plus a sync interval and slack
     assert before and within and after
     assert {(r[2], r[3]) for r in before} == {(200, "live")}
     # Within the TTL both keep enforcing the last thresholds (live, then stale once a sync fails).
     assert {r[2] for r in within} == {200} and {r[3] for r in within} <= {"live", "stale"}
-    assert any(r[3] == "stale" for r in within)
-    assert {(r[2], r[3]) for r in after if r[1] == "open-0"} == {(200, "fail_open")}
-    assert {(r[2], r[3]) for r in after if r[1] == "closed-0"} == {(503, "fail_closed")}
+    assert {(r[2], r[3]) for r in after if r[1] == opened.name} == {(200, "fail_open")}
+    assert {(r[2], r[3]) for r in after if r[1] == closed.name} == {(503, "fail_closed")}
     status, headers, body = chat(closed.url)
     assert status == 503 and int(headers["retry-after"]) >= 1
     assert json.loads(body)["error"]["message"]
@@ -180,11 +185,71 @@ def test_agent_killed_under_load_then_fail_open_or_closed(stack: NodeStack) -> N
     )
     assert metric_value(closed.url + "/kvgate/metrics", "kvgate_in_flight_requests") == 0
 
-    # The agent back: both return to live thresholds.
+
+def _live_again(pods: tuple[ModelPod, ...], since: float) -> float:
+    """Seconds from ``since`` until every sidecar answers with live thresholds."""
+    for mp in pods:
+        wait_until(thresholds_are(mp.url, "live"), 15, f"{mp.name} live again", interval=0.02)
+    return time.monotonic() - since
+
+
+def test_agent_killed_under_load_then_fail_open_or_closed(stack: NodeStack) -> None:
+    """Two faults of the agent under load, each followed by its recovery: killed (SIGKILL) and
+    restarted; then the network to it cut (SIGSTOP: its sockets still accept connections and
+    hold them open, silent, until SIGCONT; a sidecar's sync gives up after its timeout). Each
+    time: the last thresholds for the TTL, then the failure mode, and live again within one sync
+    of the agent answering again (one sync interval, 0.25 s here, plus the sync still pending
+    on a frozen agent)."""
+    ns = stack.namespace
     stack.start_agent()
-    for mp in (opened, closed):
-        wait_until(thresholds_are(mp.url, "live"), 15, "live again")
+    sim = stack.start_sim()
+    opened = stack.add_model_pod("open-0", sim, labels={"app": "open"})
+    closed = stack.add_model_pod("closed-0", sim, labels={"app": "closed"})
+    pods = (opened, closed)
+    stack.apply(
+        capped(ns, 8, app="open", failureMode="FailOpen"),
+        capped(ns, 8, app="closed", failureMode="FailClosed"),
+    )
+    for mp in pods:
+        wait_until(clamps_to(mp.url, 8), 30, f"the policy on {mp.name}")
+    assert chat(opened.url)[1].get("x-kvgate-thresholds") == "live"
+    interval = stack.sync_interval
+
+    # 1. Killed, then restarted: live again within one sync interval of the agent being ready.
+    seen = _under_load(stack, pods, stack.kill_agent)
+    _check_ttl_then_failure_mode(seen, pods, slack=0.0)
+    assert any(r[3] == "stale" for r in seen if 0 <= r[0] < 1.5)
+    stack.start_agent()
+    ready = wait_until(
+        lambda: http_get(stack.agent_url + "/readyz")[0] == 200 and time.monotonic(),
+        15,
+        "the restarted agent ready",
+        interval=0.02,
+    )
+    restart_s = _live_again(pods, ready)
     assert clamped_to(closed.url) == 8
+
+    # 2. The network to the agent cut: frozen, its connections open and silent.
+    assert stack.agent is not None
+    frozen = stack.agent
+    seen = _under_load(stack, pods, lambda: frozen.send_signal(signal.SIGSTOP))
+    try:
+        # (No "stale" here: the first sync to fail is still pending, for its 2 s timeout, when
+        # the 2 s TTL ends; until then the thresholds are live, and 200s are served.)
+        _check_ttl_then_failure_mode(seen, pods, slack=SYNC_TIMEOUT_S)
+        timeouts = metric_value(
+            opened.url + "/kvgate/metrics", "kvgate_agent_sync_total", result="timeout"
+        )
+        assert timeouts is not None and timeouts >= 1  # a silent agent counts as down
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    thawed = time.monotonic()
+    cut_s = _live_again(pods, thawed)
+    assert clamped_to(closed.url) == 8
+    print(f"agent recovery: restart {restart_s:.2f}s after ready, network cut {cut_s:.2f}s")
+    # Within one sync: the next sync after the agent answers, or the one pending on it.
+    assert restart_s <= interval + 1.0, restart_s
+    assert cut_s <= SYNC_TIMEOUT_S + interval + 1.0, cut_s
 
 
 def sync(

@@ -681,6 +681,47 @@ def test_operator_container(docs: dict[str, Docs]) -> None:
     assert c["image"] == "localhost/kvgate-operator:dev"
 
 
+#: The chart's bounds towards the API server (values ``operator.apiServer``, ``agent.apiServer``).
+API_SERVER_OPERATOR_ENV = {
+    "KVGATE_OPERATOR_WATCH_SERVER_TIMEOUT": "20",
+    "KVGATE_OPERATOR_WATCH_CLIENT_TIMEOUT": "30",
+    "KVGATE_OPERATOR_CONNECT_TIMEOUT": "10",
+    "KVGATE_OPERATOR_REQUEST_TIMEOUT": "30",
+    "KVGATE_OPERATOR_LIVENESS_STALE_SECONDS": "900",
+}
+API_SERVER_AGENT_ENV = {
+    "KVGATE_WATCH_SERVER_TIMEOUT": "20",
+    "KVGATE_WATCH_READ_TIMEOUT": "30",
+    "KVGATE_API_LIVENESS_SECONDS": "120",
+}
+
+
+def test_api_server_bounds_in_the_chart_are_the_code_defaults() -> None:
+    """The chart renders the code's defaults (what the partition test runs with), so neither
+    can drift from the other."""
+    import argparse
+
+    from kvgate_agent.node.cli import add_node_parser
+    from kvgate_operator.settings import OperatorSettings
+
+    s = OperatorSettings()
+    assert {k: float(v) for k, v in API_SERVER_OPERATOR_ENV.items()} == {
+        "KVGATE_OPERATOR_WATCH_SERVER_TIMEOUT": s.watch_server_timeout,
+        "KVGATE_OPERATOR_WATCH_CLIENT_TIMEOUT": s.watch_client_timeout,
+        "KVGATE_OPERATOR_CONNECT_TIMEOUT": s.connect_timeout,
+        "KVGATE_OPERATOR_REQUEST_TIMEOUT": s.request_timeout,
+        "KVGATE_OPERATOR_LIVENESS_STALE_SECONDS": s.liveness_stale_seconds,
+    }
+    parser = argparse.ArgumentParser()
+    add_node_parser(parser.add_subparsers(dest="role"))
+    args = parser.parse_args(["node", "--node-name", "n"])
+    assert {k: float(v) for k, v in API_SERVER_AGENT_ENV.items()} == {
+        "KVGATE_WATCH_SERVER_TIMEOUT": args.watch_server_timeout,
+        "KVGATE_WATCH_READ_TIMEOUT": args.watch_read_timeout,
+        "KVGATE_API_LIVENESS_SECONDS": args.api_liveness_seconds,
+    }
+
+
 def test_operator_env_self_signed(docs: dict[str, Docs]) -> None:
     pod = _operator(docs["default"])["spec"]["template"]["spec"]
     env = _env(pod["containers"][0])
@@ -693,6 +734,7 @@ def test_operator_env_self_signed(docs: dict[str, Docs]) -> None:
         "KVGATE_OPERATOR_WEBHOOK_SELF_SIGNED": "true",
         "KVGATE_OPERATOR_WEBHOOK_SECRET_NAME": "kvgate-webhook-tls",
         "KVGATE_OPERATOR_INJECTION": env["KVGATE_OPERATOR_INJECTION"],
+        **API_SERVER_OPERATOR_ENV,
     }
     assert not [v for v in pod["volumes"] if "secret" in v]
 
@@ -897,6 +939,7 @@ def test_agent_daemonset(docs: dict[str, Docs]) -> None:
         "KVGATE_LOG_LEVEL": "INFO",
         "NVIDIA_VISIBLE_DEVICES": "all",
         "NVIDIA_DRIVER_CAPABILITIES": "utility",
+        **API_SERVER_AGENT_ENV,
     }
     assert c["ports"] == [
         {"name": "http", "containerPort": 9470, "hostPort": 9470, "protocol": "TCP"}

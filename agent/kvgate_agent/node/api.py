@@ -5,7 +5,9 @@ Routes only translate HTTP to :class:`~kvgate_agent.node.service.NodeAgent` call
 - ``POST /v1/sync``: a sidecar's report in, its thresholds out (see
   :mod:`kvgate_agent.contract.sync`; ``304`` when ``If-None-Match`` matches).
 - ``GET /metrics``: Prometheus exposition.
-- ``GET /healthz``: liveness (the process serves HTTP and its loops run).
+- ``GET /healthz``: liveness (the process serves HTTP, its loops and watch run, and the API
+  server answered recently: :meth:`~kvgate_agent.node.service.NodeAgent.live`); 503 with the
+  reason otherwise.
 - ``GET /readyz``: readiness (NodeAdmission read, at least one usable GPU); 503 with the
   reason otherwise.
 """
@@ -65,10 +67,8 @@ def build_app(agent: NodeAgent) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> Response:
-        dead = [t.get_name() for t in agent.tasks if t.done()]
-        if dead:
-            return PlainTextResponse(f"loops ended: {', '.join(dead)}", status_code=503)
-        return PlainTextResponse("ok")
+        ok, reason = agent.live()
+        return PlainTextResponse(reason, status_code=200 if ok else 503)
 
     @app.get("/readyz")
     async def readyz() -> Response:

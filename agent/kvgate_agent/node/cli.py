@@ -16,10 +16,16 @@ import sys
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kvgate_agent.args import add_log_level, configure_logging, positive
 from kvgate_agent.args import env as _env
 from kvgate_agent.args import hostport as _hostport
+
+if TYPE_CHECKING:
+    from kvgate_agent.gpu import GpuMonitor
+    from kvgate_agent.node.kube import NodeAdmissionWatch
+    from kvgate_agent.node.service import NodeAgent
 
 log = logging.getLogger("kvgate.node")
 
@@ -77,6 +83,24 @@ def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "60",
             "how long an accepted token is trusted",
         ),
+        (
+            "--api-liveness-seconds",
+            "API_LIVENESS_SECONDS",
+            "120",
+            "liveness (/healthz) fails once the API server has not answered for this long",
+        ),
+        (
+            "--watch-server-timeout",
+            "WATCH_SERVER_TIMEOUT",
+            "20",
+            "the API server ends each NodeAdmission watch after this; it is renewed",
+        ),
+        (
+            "--watch-read-timeout",
+            "WATCH_READ_TIMEOUT",
+            "30",
+            "a watch silent this long (above the server timeout) is dead: reconnect",
+        ),
     ):
         n.add_argument(
             flag,
@@ -92,23 +116,20 @@ def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_log_level(n)
 
 
-async def run_node(args: argparse.Namespace) -> int:
-    """Run the node agent until SIGTERM/SIGINT."""
-    import uvicorn
-
-    class _Server(uvicorn.Server):
-        """uvicorn's server without its own signal capture: the agent decides the shutdown
-        order (stop serving, stop the watch and loops, close NVML) and exits 0."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
+def _build(
+    args: argparse.Namespace,
+) -> tuple[Any, GpuMonitor, NodeAgent, NodeAdmissionWatch]:
+    """The agent's parts from its flags: (API client, GPU monitor, agent, NodeAdmission watch);
+    the agent's liveness sees the watch and when the API server last answered."""
     from kvgate_agent.gpu import GpuMonitor
     from kvgate_agent.gpu.select import backend_from_spec
-    from kvgate_agent.node.api import build_app
     from kvgate_agent.node.auth import Authenticator, kube_token_reviewer
-    from kvgate_agent.node.kube import NodeAdmissionWatch, StatusWriter, load_api_client
+    from kvgate_agent.node.kube import (
+        ApiContact,
+        NodeAdmissionWatch,
+        StatusWriter,
+        load_api_client,
+    )
     from kvgate_agent.node.service import NodeAgent, NodeSettings
 
     api_client = load_api_client(args.kubeconfig)
@@ -121,12 +142,41 @@ async def run_node(args: argparse.Namespace) -> int:
         ttl_seconds=args.thresholds_ttl,
         sync_interval_seconds=args.sync_interval,
         proc_root=Path(args.proc_root),
+        api_liveness_seconds=args.api_liveness_seconds,
     )
     monitor = GpuMonitor(backend_from_spec(args.gpu_backend), call_timeout=args.gpu_call_timeout)
     auth = Authenticator(kube_token_reviewer(api_client), ok_ttl=args.token_cache_seconds)
-    agent = NodeAgent(settings, monitor, auth, StatusWriter(api_client, args.node_name))
+    contact = ApiContact()
+    agent = NodeAgent(settings, monitor, auth, StatusWriter(api_client, args.node_name, contact))
+    watch = NodeAdmissionWatch(
+        api_client,
+        args.node_name,
+        asyncio.get_running_loop(),
+        agent.on_spec,
+        timeout_seconds=max(1, round(args.watch_server_timeout)),
+        read_timeout=args.watch_read_timeout,
+        contact=contact,
+    )
+    agent.api_contact_age, agent.watch_alive = contact.age, watch.alive
+    return api_client, monitor, agent, watch
+
+
+async def run_node(args: argparse.Namespace) -> int:
+    """Run the node agent until SIGTERM/SIGINT."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server without its own signal capture: the agent decides the shutdown
+        order (stop serving, stop the watch and loops, close NVML) and exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    from kvgate_agent.node.api import build_app
+
+    api_client, monitor, agent, watch = _build(args)
     loop = asyncio.get_running_loop()
-    watch = NodeAdmissionWatch(api_client, args.node_name, loop, agent.on_spec)
     await agent.start()
     watch.start()
     config = uvicorn.Config(
@@ -176,6 +226,12 @@ def node_main(args: argparse.Namespace) -> int:
         return 2
     if not args.node_name.strip():
         print("kvgate-agent node: --node-name (KVGATE_NODE_NAME) is empty", file=sys.stderr)
+        return 2
+    if args.watch_read_timeout <= args.watch_server_timeout:
+        print(
+            "kvgate-agent node: --watch-read-timeout must exceed --watch-server-timeout",
+            file=sys.stderr,
+        )
         return 2
     rc = 1
     try:

@@ -63,6 +63,8 @@ class NodeSettings:
         report_expiry_seconds: a sidecar silent this long counts as disconnected.
         proc_root: where host processes are visible (``/proc`` with ``hostPID``), to map NVML
             process ids to pods.
+        api_liveness_seconds: liveness fails once the API server has not answered for this
+            long (see :meth:`NodeAgent.live`).
     """
 
     node_name: str
@@ -75,6 +77,7 @@ class NodeSettings:
     sync_interval_seconds: float = 1.0
     report_expiry_seconds: float = 10.0
     proc_root: Path = Path("/proc")
+    api_liveness_seconds: float = 120.0
 
 
 @dataclass(slots=True)
@@ -165,6 +168,11 @@ class NodeAgent:
         # NVML calls run here, never in the default executor: a hung driver call must not keep
         # asyncio.run() from returning on shutdown.
         self._gpu_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-poll")
+        #: Seconds since the API server last answered (None: never): set with the watch.
+        self.api_contact_age: Callable[[], float | None] | None = None
+        #: Whether the NodeAdmission watch thread runs: set with the watch.
+        self.watch_alive: Callable[[], bool] | None = None
+        self._started_at = clock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -257,6 +265,31 @@ class NodeAgent:
         self._grace = None  # (a recreated object cancels this timer)
         self.state.set_spec(None, self.clock())
         log.info("NodeAdmission %s gone: no pod here is governed", self.settings.node_name)
+
+    def live(self) -> tuple[bool, str]:
+        """Liveness: the loops and the watch run, and the API server answered within
+        ``api_liveness_seconds`` (since start, before its first answer).
+
+        The bound is well above what a partition the agent rides out costs: every call to the
+        API server is bounded and the watch retries within seconds, so the agent reconnects by
+        itself within a minute of the network healing; a restart would only lose the spec it
+        keeps serving (a new agent cannot read it during the outage). Liveness fails when the
+        agent has been cut off far longer than that, or its watch is gone: then a restart
+        (fresh connections, fresh credentials) is the remedy left.
+        """
+        dead = [t.get_name() for t in self._tasks if t.done()]
+        if dead:
+            return False, f"loops ended: {', '.join(dead)}"
+        if self.watch_alive is not None and not self.watch_alive():
+            return False, "the NodeAdmission watch stopped"
+        if self.api_contact_age is None:
+            return True, "ok"
+        age = self.api_contact_age()
+        bound = self.settings.api_liveness_seconds
+        since = max(0.0, self.clock() - self._started_at) if age is None else age
+        if since > bound:
+            return False, f"no answer from the API server for {since:.0f}s (bound {bound:g}s)"
+        return True, "ok" if age is None else f"ok; the API server answered {age:.1f}s ago"
 
     def ready(self) -> tuple[bool, str]:
         """Readiness: the NodeAdmission was read, and at least one GPU is usable."""
