@@ -1,8 +1,10 @@
-"""The real ``kvgate-agent sidecar`` process: start-up errors, SIGTERM drain."""
+"""The real ``kvgate-agent sidecar`` process: start-up errors, SIGTERM drain (also under
+load), resident memory over many requests."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -14,8 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvgate_bench.toolkit import free_port
-from tests.upstream import CHAT, Upstream
+from kvgate_bench.toolkit import free_port, wait_until_async
+from tests.upstream import CHAT, Upstream, serve_faulty
 
 MINIMAL_POLICY = "apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: x}\n"
 
@@ -140,3 +142,65 @@ def test_unreadable_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
     r = run_cli(tmp_path, "--tokenizer", str(tmp_path / "nope.json"))
     assert r.returncode == 1
     assert "cannot load tokenizer" in r.stderr and "Traceback" not in r.stderr
+
+
+async def test_sigterm_under_load_finishes_or_ends_every_stream_and_exits_0(
+    sidecar_process: Any,
+) -> None:
+    """SIGTERM with 10 short streams, 10 long streams in flight and 20 requests queued, while
+    new requests keep coming: the queued get 503, new connections are refused and readiness
+    fails, the short streams finish, the long ones end at the 4 s drain deadline with a
+    terminal ``shutting_down`` error event (a clean end of the chunked body), the model server
+    sees every long stream cancelled, and the process exits 0."""
+    async with serve_faulty() as up:
+        admin = f"127.0.0.1:{free_port()}"
+        proc = sidecar_process(
+            up.url,
+            {"concurrency": {"maxRequests": 20}, "queue": {"maxLength": 100}},
+            "--drain-seconds",
+            "4",
+            "--admin-listen",
+            admin,
+        )
+        url = proc.url + "/v1/chat/completions"
+        body = {**CHAT, "stream": True, "max_tokens": 2000}
+
+        async def stream(s: aiohttp.ClientSession, fault: str) -> tuple[int, bytes]:
+            async with s.post(url, json=body, headers={"x-test-fault": fault}) as r:
+                return r.status, await r.read()
+
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)
+        ) as s:
+            long = [asyncio.ensure_future(stream(s, "long")) for _ in range(10)]
+            await wait_until_async(lambda: up.active == 10, 20, "the long streams upstream")
+            short = [asyncio.ensure_future(stream(s, "short")) for _ in range(10)]
+            await wait_until_async(lambda: up.active == 20, 20, "every slot taken")
+            queued = [asyncio.ensure_future(stream(s, "ok")) for _ in range(20)]
+            await asyncio.sleep(0.3)
+            t0 = time.monotonic()
+            proc.popen.send_signal(signal.SIGTERM)
+            for status, data in await asyncio.gather(*queued):
+                assert status == 503 and json.loads(data)["error"]["type"]
+            async with s.get(f"http://{admin}/readyz") as r:
+                assert r.status == 503 and await r.text() == "draining"
+            with pytest.raises(aiohttp.ClientConnectionError):  # no longer accepting
+                async with aiohttp.ClientSession() as fresh:
+                    await fresh.post(url, json=CHAT)
+            for status, data in await asyncio.gather(*short):
+                assert status == 200 and data.endswith(b"data: [DONE]\n\n")
+                assert data.count(b"data: ") == 41
+            for status, data in await asyncio.gather(*long):
+                assert status == 200
+                last = [e for e in data.split(b"\n\n") if e][-1]
+                assert json.loads(last.removeprefix(b"data: "))["error"]["code"] == (
+                    "shutting_down"
+                )
+            loop = asyncio.get_running_loop()
+            code = await loop.run_in_executor(None, proc.popen.wait, 10)
+            assert code == 0
+            assert time.monotonic() - t0 < 8  # 4 s drain, then at most 1 s to end streams
+        await wait_until_async(lambda: up.active == 0, 5, "the upstream streams to end")
+        assert up.cancelled == 10  # the long streams were cut upstream too
+        assert up.finished == 10  # the short ones; the queued never reached it
+        assert up.reached == 20

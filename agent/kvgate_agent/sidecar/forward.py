@@ -6,7 +6,9 @@ upstream error, timeout, client disconnect before or during the stream, cancella
 release sits in one ``finally`` and is idempotent, so no slot leaks when a streaming client
 cancels (https://github.com/BerriAI/litellm/issues/27955). When the client goes away the upstream
 connection is closed at once, so the model server stops generating into a dead socket
-(https://github.com/BerriAI/litellm/issues/30244).
+(https://github.com/BerriAI/litellm/issues/30244). At the drain deadline
+(:meth:`Forwarder.end_all`), what is still running ends cleanly: a stream with a terminal error
+event, a request not yet answered with 503.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+
+
+#: Bytes one SSE event of a relayed stream may reach before the stream counts as malformed
+#: (held while incomplete; a model server streams one small event per token).
+MAX_EVENT_BYTES = 1024 * 1024
+
+
+class MalformedStream(aiohttp.ClientPayloadError):
+    """The model server's event stream cannot be SSE (an event over :data:`MAX_EVENT_BYTES`)."""
 
 
 def forward_headers(headers: Any) -> CIMultiDict[str]:
@@ -125,6 +136,19 @@ class Forwarder:
         self.admission = admission
         self.counter = counter
         self.session: aiohttp.ClientSession | None = None
+        self._running: set[asyncio.Task[Any]] = set()  # admitted requests' handler tasks
+        self._ending = False
+
+    async def end_all(self, grace: float) -> None:
+        """The drain deadline: end every admitted request still running (streams with a
+        terminal ``shutting_down`` error event, unanswered requests with 503), waiting up to
+        ``grace`` seconds for them to finish doing so."""
+        self._ending = True
+        tasks = list(self._running)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
 
     # ------------------------------------------------------------------ admitted requests
 
@@ -146,9 +170,14 @@ class Forwarder:
         Upstream failures become 502/504 (mid-stream: an in-band error event)."""
         ex = _Exchange(ticket, parsed, headers, started)
         m = self.metrics
+        task = asyncio.current_task()
+        if task is not None:
+            self._running.add(task)
         try:
             return await self._exchange(request, body, ex)
         except asyncio.CancelledError:
+            if self._ending and task is not None and task.uncancel() == 0:
+                return await self._shutting_down(ex)
             m.client_disconnects.inc()
             raise
         except _ClientGone:
@@ -158,7 +187,19 @@ class Forwarder:
         except (TimeoutError, aiohttp.ClientError) as exc:
             return await self._failed(ex, exc)
         finally:
+            if task is not None:
+                self._running.discard(task)
             self._settle(ex, tenant_label, prompt)
+
+    async def _shutting_down(self, ex: _Exchange) -> web.StreamResponse:
+        """End ``ex`` because the sidecar stops (see :meth:`end_all`)."""
+        out = ex.out
+        if out is None:
+            return responses.draining()
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            await out.write(responses.shutting_down_event())
+            await out.write_eof()
+        return out
 
     async def _exchange(
         self, request: web.Request, body: bytes, ex: _Exchange
@@ -221,6 +262,8 @@ class Forwarder:
         try:
             async for chunk in resp.content.iter_any():
                 piece = acct.feed(chunk)
+                if acct.pending_bytes > MAX_EVENT_BYTES:
+                    raise MalformedStream(f"an event stream event over {MAX_EVENT_BYTES} bytes")
                 generated = acct.completion_tokens_estimate
                 if generated > told:
                     told = generated
