@@ -230,3 +230,34 @@ async def test_resident_memory_levels_off_over_mixed_requests() -> None:
     assert g["kvgate_in_flight_requests"] == 0 and g["kvgate_queue_length"] == 0
     assert g["kvgate_kv_reserved_tokens"] == 0
     assert g["kvgate_client_disconnects_total"] == r.statuses[("abort", 200)]
+
+
+async def test_header_timeout_flag_closes_silent_connections_on_both_ports(
+    upstream: Upstream, sidecar_process: Any
+) -> None:
+    """``--header-timeout-seconds 1``: a connection that sends half a request line, on the
+    client port and on the admin port, gets 408 and is closed; a prompt request is served."""
+    admin = free_port()
+    proc = sidecar_process(
+        upstream.url,
+        {},
+        "--header-timeout-seconds",
+        "1",
+        "--admin-listen",
+        f"127.0.0.1:{admin}",
+    )
+    main = int(proc.url.rsplit(":", 1)[1])
+
+    async def held(port: int) -> tuple[float, bytes]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.monotonic()
+        writer.write(b"GET /heal")
+        got = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return time.monotonic() - t0, got
+
+    for seconds, got in await asyncio.gather(held(main), held(admin)):
+        assert 0.5 < seconds < 5 and got.startswith(b"HTTP/1.1 408")
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{admin}/metrics") as r:
+        assert r.status == 200
+        assert 'kvgate_client_timeouts_total{phase="headers"} 2.0' in await r.text()

@@ -221,12 +221,13 @@ class Sidecar:
         app.on_cleanup.append(self._on_cleanup)
         return app
 
-    def runner(self, **kwargs: Any) -> GuardedAppRunner:
-        """The runner serving :meth:`build_app` with the header deadline
-        (``settings.header_timeout``); ``kwargs`` go to ``web.AppRunner``."""
+    def runner(self, *, admin: bool = False, **kwargs: Any) -> GuardedAppRunner:
+        """The runner serving :meth:`build_app` (:meth:`build_admin_app` with ``admin``) with
+        the header deadline (``settings.header_timeout``); ``kwargs`` go to
+        ``web.AppRunner``."""
         timeouts = self.metrics.client_timeouts.labels("headers")
         return GuardedAppRunner(
-            self.build_app(),
+            self.build_admin_app() if admin else self.build_app(),
             header_timeout=self.settings.header_timeout,
             on_timeout=timeouts.inc,
             **kwargs,
@@ -234,7 +235,7 @@ class Sidecar:
 
     def build_admin_app(self) -> web.Application:
         """Admin port: ``/metrics``, ``/healthz``, ``/readyz``."""
-        app = web.Application()
+        app = web.Application(middlewares=[track_requests])
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)

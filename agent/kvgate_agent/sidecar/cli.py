@@ -230,9 +230,7 @@ async def run_sidecar(
     await site.start()
     admin_runner: web.AppRunner | None = None
     if admin is not None:
-        admin_runner = web.AppRunner(
-            sidecar.build_admin_app(), access_log=None, shutdown_timeout=1.0
-        )
+        admin_runner = sidecar.runner(admin=True, access_log=None, shutdown_timeout=1.0)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, admin[0], admin[1]).start()
     stop = asyncio.Event()
