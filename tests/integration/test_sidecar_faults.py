@@ -167,6 +167,11 @@ async def test_1000_clients_aborting_in_every_phase_free_everything(
 
     g = await all_free(client, url, sc)
     await wait_until_async(lambda: faulty.active == 0, 10, "every upstream stream to end")
+    print(
+        f"{5 * per} resets: {faulty.reached} reached the model server, {faulty.cancelled} "
+        f"cancelled there; in flight {g['kvgate_in_flight_requests']:g}, queued "
+        f"{g['kvgate_queue_length']:g}, KV reserved {g['kvgate_kv_reserved_tokens']:g}"
+    )
     # Only phases 2, 3 (the holders) and 4 reached the model server; all were cancelled there.
     assert faulty.reached == 3 * per
     assert faulty.cancelled == 3 * per and faulty.finished == 0
@@ -235,6 +240,10 @@ async def test_slow_loris_is_cut_while_legitimate_traffic_is_served(
     stop.set()
     await legit
 
+    for kind in ("headers", "body", "silent"):
+        held = [sec for k, (sec, _) in zip(kinds, results, strict=True) if k == kind]
+        print(f"slow {kind}: {len(held)} connections held {min(held):.2f}-{max(held):.2f} s")
+    print(f"well-behaved client meanwhile: {len(served)} requests, statuses {set(served)}")
     for kind, (seconds, got) in zip(kinds, results, strict=True):
         assert seconds < 6, f"{kind}: held {seconds:.1f} s"
         assert got.startswith(b"HTTP/1.1 408"), (kind, got[:100])
@@ -289,7 +298,9 @@ async def test_upstream_faults_map_to_a_clear_answer_and_free_everything(
         assert r.status == status
         assert r.headers["x-kvgate-decision"] == "admitted"
         data = await r.read()  # ends cleanly: no payload error
-    assert time.monotonic() - t0 < 10
+    elapsed = time.monotonic() - t0
+    print(f"{fault} (stream={stream}): {r.status} {code} in {elapsed:.2f} s")
+    assert elapsed < 10
     if code is not None and status != 200:
         err = json.loads(data)["error"]
         assert err["code"] == code and err["message"]
