@@ -100,6 +100,14 @@ def usage_of(data: bytes) -> tuple[int | None, int | None]:
     )
 
 
+def _is_error_object(data: bytes) -> bool:
+    """``data`` is an OpenAI-style error body (``{"error": {...}}``)."""
+    try:
+        return isinstance(json.loads(data).get("error"), dict)
+    except (ValueError, AttributeError):
+        return False
+
+
 @dataclass(slots=True)
 class _Exchange:
     """One admitted request's trip upstream, settled when it ends.
@@ -236,6 +244,9 @@ class Forwarder:
             ex.completion_tokens = t.max_tokens * t.n if reported is None else reported
         elif 400 <= resp.status < 500:
             ex.reached = False  # the engine refused it: no GPU work to charge
+        elif resp.status >= 500 and not _is_error_object(data):
+            kept = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+            return responses.upstream_error_status(resp.status, {**kept, **ex.headers})
         return web.Response(status=resp.status, body=data, headers=out_headers)
 
     async def _relay_stream(

@@ -150,6 +150,17 @@ def upstream_failed(timeout: bool, headers: dict[str, str]) -> web.Response:
     )
 
 
+def upstream_error_status(status: int, headers: dict[str, str]) -> web.Response:
+    """The model server's own 5xx whose body is not an OpenAI error object (an HTML page from
+    a proxy, a crash trace): the same status with an OpenAI-style body, so SDKs surface it."""
+    code = "upstream_error"
+    return json_response(
+        status,
+        error_body(f"the model server answered {status}", SERVER_ERROR, None, code),
+        {**headers, REASON_HEADER: code},
+    )
+
+
 def upstream_failed_event(timeout: bool) -> bytes:
     """The in-band SSE error event sent when the model server fails mid-stream (as vLLM does)."""
     message, code = upstream_failed_text(timeout)
