@@ -1,10 +1,10 @@
 """Bounds on slow clients (slow-loris): the time a connection may take to send a request's
 headers, enforced per connection.
 
-aiohttp's server has no header timeout of its own (its ``slow_request_timeout`` was removed in
-aiohttp 2; https://github.com/aio-libs/aiohttp/issues/1198 describes what it did): a client that
-trickles header bytes, or opens a connection and sends nothing, holds a socket and a parser for
-as long as the keep-alive timeout (an hour by default). :class:`GuardedAppRunner` serves an
+aiohttp's server has no header timeout of its own (the ``slow_request_timeout`` of its early
+versions, https://github.com/aio-libs/aiohttp/issues/1198, is gone): a client that trickles
+header bytes, or opens a connection and sends nothing, holds a socket and a parser for as long
+as the keep-alive timeout (3630 s by default in aiohttp 3.14). :class:`GuardedAppRunner` serves an
 application through :class:`HeaderDeadlineHandler`, which closes a connection whose request
 headers are not complete within ``header_timeout`` seconds, counted, as hyper's
 ``header_read_timeout`` does (https://github.com/hyperium/hyper/pull/2675), from the moment the
