@@ -37,11 +37,13 @@ class HeaderDeadlineHandler(RequestHandler):
     The deadline (``header_timeout`` seconds) is armed when the connection opens and, on a
     kept-alive connection, when the first byte of the next request arrives; it is disarmed when
     a request's headers are complete and its handler starts (:meth:`request_started`, called by
-    :func:`track_requests`). When it fires, the connection gets a bare 408 and is closed, and
-    ``on_timeout`` (a metric's ``inc``) is called.
+    :func:`track_requests`). When it fires, the connection is closed, after a bare 408 if part
+    of a request had come (a connection that sent nothing is closed silently, as Go's
+    ``ReadHeaderTimeout`` does: an unasked 408 could be read as the answer to a request sent
+    just then), and ``on_timeout`` (a metric's ``inc``) is called.
     """
 
-    __slots__ = ("_header_timeout", "_header_timer", "_in_request", "_on_timeout")
+    __slots__ = ("_header_timeout", "_header_timer", "_in_request", "_on_timeout", "_partial")
 
     def __init__(
         self,
@@ -56,14 +58,17 @@ class HeaderDeadlineHandler(RequestHandler):
         self._on_timeout = on_timeout
         self._header_timer: asyncio.TimerHandle | None = None
         self._in_request = False
+        self._partial = False  # bytes of the awaited request have come
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and not self._in_request:
-            self._arm()  # the first byte of a next request on a kept-alive connection
+        if not self._in_request:
+            if self._header_timer is None:
+                self._arm()  # the first byte of a next request on a kept-alive connection
+            self._partial = True
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -73,6 +78,7 @@ class HeaderDeadlineHandler(RequestHandler):
     def request_started(self) -> None:
         """A request's headers are complete and its handler runs: no header deadline now."""
         self._in_request = True
+        self._partial = False
         self._disarm()
 
     def request_finished(self, body_read: bool) -> None:
@@ -102,7 +108,7 @@ class HeaderDeadlineHandler(RequestHandler):
         transport = self.transport
         if headers:
             self._on_timeout()
-            if transport is not None and not transport.is_closing():
+            if self._partial and transport is not None and not transport.is_closing():
                 transport.write(_TIMEOUT_RESPONSE)
         self.force_close()
 
