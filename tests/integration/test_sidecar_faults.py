@@ -275,6 +275,19 @@ UPSTREAM_FAULTS = [
 ]
 
 
+#: The ``kvgate_upstream_errors_total`` kind each fault counts (none for garbage).
+ERROR_KIND = {
+    "refused": "connect",
+    "reset_in_body": "upstream_error",
+    "reset_mid_stream": "upstream_error",
+    "hang_before_headers": "timeout",
+    "hang_before_first_token": "timeout",
+    "status_500": "status_5xx",
+    "status_503_html": "status_5xx",
+    "endless_event": "upstream_error",
+}
+
+
 @pytest.mark.parametrize(("fault", "stream", "status", "code"), UPSTREAM_FAULTS)
 async def test_upstream_faults_map_to_a_clear_answer_and_free_everything(
     faulty: Faulty,
@@ -314,6 +327,12 @@ async def test_upstream_faults_map_to_a_clear_answer_and_free_everything(
         assert json.loads(last.removeprefix(b"data: "))["error"]["code"] == code
     g = await all_free(client, url, sc)
     assert g["kvgate_client_disconnects_total"] == 0
+    errors = {k: v for k, v in g.items() if k.startswith("kvgate_upstream_errors_total")}
+    assert errors == (
+        {f'kvgate_upstream_errors_total{{kind="{ERROR_KIND[fault]}"}}': 1.0}
+        if fault in ERROR_KIND
+        else {}
+    )
     if fault != "refused":
         await wait_until_async(lambda: faulty.active == 0, 5, "the upstream request to end")
     if fault == "endless_event":  # cut at 1 MiB: the model server's stream was cancelled
