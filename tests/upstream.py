@@ -6,10 +6,14 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from kvgate_bench.toolkit import free_port
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
 
@@ -101,3 +105,102 @@ class Upstream:
         finally:
             self.active -= 1
             self.closed_at.append(time.monotonic())
+
+
+@dataclass
+class Faulty:
+    """A model server stand-in whose behaviour each request picks with its ``x-test-fault``
+    header (forwarded by the sidecar): see :meth:`_answer`. Counts the POSTs that reached it
+    and how each ended (``finished``, or ``cancelled`` when its client connection went away);
+    other methods (the sidecar's probes) get an empty 200 (404 for ``/metrics``)."""
+
+    url: str = ""
+    reached: int = 0
+    active: int = 0
+    cancelled: int = 0
+    finished: int = 0
+    faults: list[str] = field(default_factory=list)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method != "POST":  # the sidecar's probes (/health, /v1/models, /metrics)
+            return web.Response(status=404 if request.path == "/metrics" else 200)
+        fault = request.headers.get("x-test-fault", "ok")
+        await request.read()
+        self.reached += 1
+        self.active += 1
+        self.faults.append(fault)
+        try:
+            resp = await self._answer(request, fault)
+            self.finished += 1
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):  # its client went away
+            self.cancelled += 1
+            raise
+        finally:
+            self.active -= 1
+
+    async def _answer(self, request: web.Request, fault: str) -> web.StreamResponse:
+        """``ok``: 3 events and ``[DONE]`` (streams; any body gets it); ``short``/``long``: 40
+        events 50 ms apart / 1000 events 10 ms apart; ``hang_before_headers``,
+        ``hang_before_first_token``: silence; ``status_500`` (OpenAI body),
+        ``status_503_html``; ``reset_in_body``: 10 of 1000 promised bytes, then a TCP reset;
+        ``reset_mid_stream``: a reset after 2 events; ``garbage``: bytes that are not SSE or
+        not JSON, then a clean end without ``[DONE]``; ``endless_event``: one event that never
+        ends (128 MiB without a newline)."""
+        if fault == "hang_before_headers":
+            await asyncio.sleep(3600)
+        if fault == "status_500":
+            return web.json_response({"error": {"message": "engine died"}}, status=500)
+        if fault == "status_503_html":
+            return web.Response(status=503, text="<html>bad gateway</html>")
+        if fault == "reset_in_body":  # headers promise 1000 bytes, 10 come, then a reset
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            resp.content_length = 1000
+            await resp.prepare(request)
+            await resp.write(b'{"id": "x"')
+            await asyncio.sleep(0.05)
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if fault == "hang_before_first_token":
+            await asyncio.sleep(3600)
+        if fault == "garbage":
+            await resp.write(b"\x00\xff\xfe not sse at all\r\n\r\ndata: {not json\n\n")
+            await resp.write(b"data: [1, 2]\n\nevent: x\ndata: \xc3\x28\n\n")
+            await resp.write_eof()
+            return resp
+        if fault == "endless_event":  # one event that never ends: 64 KiB pieces, no newline
+            await resp.write(b"data: ")
+            for _ in range(2_000):  # 128 MiB
+                await resp.write(b"x" * 65536)
+            return resp
+        tokens, delay = {"long": (1000, 0.01), "short": (40, 0.05)}.get(fault, (3, 0.0))
+        for i in range(tokens):
+            await resp.write(chunk(f"t{i} "))
+            if fault == "reset_mid_stream" and i == 1:
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            await asyncio.sleep(delay)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@asynccontextmanager
+async def serve_faulty() -> AsyncIterator[Faulty]:
+    """A :class:`Faulty` model server on a free loopback port."""
+    up = Faulty()
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", up.handle)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.2)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
+    up.url = f"http://127.0.0.1:{port}"
+    try:
+        yield up
+    finally:
+        await runner.cleanup()

@@ -11,9 +11,11 @@ from a policy file (standalone) or from the node agent (:mod:`kvgate_agent.sidec
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -48,6 +50,7 @@ from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.openai_errors import RequestError
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import canonical_path
+from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.tenants import priority_of, tenant_of
 from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
 from kvgate_agent.sidecar.tokens import (
@@ -74,6 +77,11 @@ class SidecarSettings:
         read_timeout: seconds without any upstream byte before the request fails (None: no
             limit).
         drain_seconds: on SIGTERM, how long in-flight requests may take to finish.
+        header_timeout: seconds a client connection may take to send a request's headers
+            (from the connection's opening, or a later request's first byte); then it gets 408
+            and is closed (0: no limit; :mod:`kvgate_agent.sidecar.slowclients`).
+        body_timeout: seconds an admission-controlled request's body may take to arrive once
+            its headers are in; then 408 (0: no limit).
         engine_poll_seconds: how often the engine's KV capacity is re-read when
             ``capacity.fromEngineMetrics`` is set.
         engine_usage_seconds: how often the engine's KV tokens in use are read from its
@@ -92,6 +100,8 @@ class SidecarSettings:
     connect_timeout: float = 5.0
     read_timeout: float | None = 600.0
     drain_seconds: float = 30.0
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
     engine_poll_seconds: float = 15.0
     engine_usage_seconds: float = 1.0
     tenant_label_limit: int = 50
@@ -209,7 +219,9 @@ class Sidecar:
 
     def build_app(self) -> web.Application:
         """The aiohttp application (routes and startup/cleanup hooks)."""
-        app = web.Application(client_max_size=self.settings.max_body_bytes + 1)
+        app = web.Application(
+            client_max_size=self.settings.max_body_bytes + 1, middlewares=[track_requests]
+        )
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/kvgate/metrics", self.metrics_endpoint)
@@ -222,9 +234,21 @@ class Sidecar:
         app.on_cleanup.append(self._on_cleanup)
         return app
 
+    def runner(self, *, admin: bool = False, **kwargs: Any) -> GuardedAppRunner:
+        """The runner serving :meth:`build_app` (:meth:`build_admin_app` with ``admin``) with
+        the header deadline (``settings.header_timeout``); ``kwargs`` go to
+        ``web.AppRunner``."""
+        timeouts = self.metrics.client_timeouts.labels("headers")
+        return GuardedAppRunner(
+            self.build_admin_app() if admin else self.build_app(),
+            header_timeout=self.settings.header_timeout,
+            on_timeout=timeouts.inc,
+            **kwargs,
+        )
+
     def build_admin_app(self) -> web.Application:
         """Admin port: ``/metrics``, ``/healthz``, ``/readyz``."""
-        app = web.Application()
+        app = web.Application(middlewares=[track_requests])
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -293,7 +317,17 @@ class Sidecar:
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body (bytes). Raises :class:`RequestError` 413 above
-        ``max_body_bytes``."""
+        ``max_body_bytes``, 408 when it takes longer than ``body_timeout`` seconds."""
+        try:
+            async with asyncio.timeout(self.settings.body_timeout or None):
+                return await self._read_body_unbounded(request)
+        except TimeoutError:
+            self.metrics.client_timeouts.labels("body").inc()
+            raise RequestError(
+                408, "the request body arrived too slowly", code="request_timeout"
+            ) from None
+
+    async def _read_body_unbounded(self, request: web.Request) -> bytes:
         limit = self.settings.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise RequestError(413, f"request body exceeds {limit} bytes", code="body_too_large")

@@ -186,6 +186,20 @@ def _add_serving_args(s: argparse.ArgumentParser) -> None:
         "fails with 504 [KVGATE_UPSTREAM_TIMEOUT]",
     )
     s.add_argument(
+        "--header-timeout-seconds",
+        type=_non_negative_seconds,
+        default=_env("HEADER_TIMEOUT_SECONDS", "10"),
+        help="seconds a client connection may take to send a request's headers (slow "
+        "clients get 408 and are disconnected); 0 disables [KVGATE_HEADER_TIMEOUT_SECONDS]",
+    )
+    s.add_argument(
+        "--body-timeout-seconds",
+        type=_non_negative_seconds,
+        default=_env("BODY_TIMEOUT_SECONDS", "30"),
+        help="seconds a completion request's body may take to arrive after its headers "
+        "(then 408); 0 disables [KVGATE_BODY_TIMEOUT_SECONDS]",
+    )
+    s.add_argument(
         "--drain-seconds",
         type=_positive(float),
         default=_env("DRAIN_SECONDS", "30"),
@@ -218,11 +232,11 @@ async def run_sidecar(
 ) -> int:
     """Serve until SIGTERM/SIGINT, then: refuse new work (waiting requests get 503 with
     Retry-After, the listener closes), let in-flight requests finish for up to
-    ``settings.drain_seconds`` (a second signal cuts that short), cancel what is left (every
+    ``settings.drain_seconds`` (a second signal cuts that short), end what is left (streams
+    with a terminal ``shutting_down`` error event, unanswered requests with 503; every
     reservation is released on that path too) and return 0."""
     sidecar = Sidecar(settings)
-    runner = web.AppRunner(
-        sidecar.build_app(),
+    runner = sidecar.runner(
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=1.0,
@@ -234,9 +248,7 @@ async def run_sidecar(
     await site.start()
     admin_runner: web.AppRunner | None = None
     if admin is not None:
-        admin_runner = web.AppRunner(
-            sidecar.build_admin_app(), access_log=None, shutdown_timeout=1.0
-        )
+        admin_runner = sidecar.runner(admin=True, access_log=None, shutdown_timeout=1.0)
         await admin_runner.setup()
         await web.TCPSite(admin_runner, admin[0], admin[1]).start()
     stop = asyncio.Event()
@@ -271,6 +283,7 @@ async def run_sidecar(
             "stopping with %d requests in flight (drain deadline or second signal)",
             sidecar.controller.in_flight,
         )
+        await sidecar.forwarder.end_all(grace=1.0)  # streams end with an error event
     await runner.cleanup()  # cancels what is still running: their reservations are released
     if admin_runner is not None:
         await admin_runner.cleanup()
@@ -331,6 +344,8 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         max_body_bytes=args.max_body_bytes,
         read_timeout=args.upstream_timeout,
         drain_seconds=args.drain_seconds,
+        header_timeout=args.header_timeout_seconds,
+        body_timeout=args.body_timeout_seconds,
         engine_usage_seconds=args.engine_usage_seconds,
         passthrough_paths=passthrough,
     )

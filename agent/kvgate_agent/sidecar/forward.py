@@ -6,13 +6,16 @@ upstream error, timeout, client disconnect before or during the stream, cancella
 release sits in one ``finally`` and is idempotent, so no slot leaks when a streaming client
 cancels (https://github.com/BerriAI/litellm/issues/27955). When the client goes away the upstream
 connection is closed at once, so the model server stops generating into a dead socket
-(https://github.com/BerriAI/litellm/issues/30244).
+(https://github.com/BerriAI/litellm/issues/30244). At the drain deadline
+(:meth:`Forwarder.end_all`), what is still running ends cleanly: a stream with a terminal error
+event, a request not yet answered with 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Awaitable
@@ -52,6 +55,15 @@ HOP_BY_HOP = frozenset(
 )
 
 
+#: Bytes one SSE event of a relayed stream may reach before the stream counts as malformed
+#: (held while incomplete; a model server streams one small event per token).
+MAX_EVENT_BYTES = 1024 * 1024
+
+
+class MalformedStream(aiohttp.ClientPayloadError):
+    """The model server's event stream cannot be SSE (an event over :data:`MAX_EVENT_BYTES`)."""
+
+
 def forward_headers(headers: Any) -> CIMultiDict[str]:
     """``headers`` without the hop-by-hop ones."""
     out: CIMultiDict[str] = CIMultiDict()
@@ -72,6 +84,14 @@ async def _to_client(write: Awaitable[object]) -> None:
         await write
     except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError included
         raise _ClientGone() from exc
+
+
+def _is_error_object(data: bytes) -> bool:
+    """``data`` is an OpenAI-style error body (``{"error": {...}}``)."""
+    try:
+        return isinstance(json.loads(data).get("error"), dict)
+    except (ValueError, AttributeError):
+        return False
 
 
 @dataclass(slots=True)
@@ -110,6 +130,19 @@ class Forwarder:
         self.admission = admission
         self.counter = counter
         self.session: aiohttp.ClientSession | None = None
+        self._running: set[asyncio.Task[Any]] = set()  # admitted requests' handler tasks
+        self._ending = False
+
+    async def end_all(self, grace: float) -> None:
+        """The drain deadline: end every admitted request still running (streams with a
+        terminal ``shutting_down`` error event, unanswered requests with 503), waiting up to
+        ``grace`` seconds for them to finish doing so."""
+        self._ending = True
+        tasks = list(self._running)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace)
 
     # ------------------------------------------------------------------ admitted requests
 
@@ -131,9 +164,14 @@ class Forwarder:
         Upstream failures become 502/504 (mid-stream: an in-band error event)."""
         ex = _Exchange(ticket, parsed, headers, started)
         m = self.metrics
+        task = asyncio.current_task()
+        if task is not None:
+            self._running.add(task)
         try:
             return await self._exchange(request, body, ex)
         except asyncio.CancelledError:
+            if self._ending and task is not None and task.uncancel() == 0:
+                return await self._shutting_down(ex)
             m.client_disconnects.inc()
             raise
         except _ClientGone:
@@ -143,7 +181,19 @@ class Forwarder:
         except (TimeoutError, aiohttp.ClientError) as exc:
             return await self._failed(ex, exc)
         finally:
+            if task is not None:
+                self._running.discard(task)
             self._settle(ex, tenant_label, prompt)
+
+    async def _shutting_down(self, ex: _Exchange) -> web.StreamResponse:
+        """End ``ex`` because the sidecar stops (see :meth:`end_all`)."""
+        out = ex.out
+        if out is None:
+            return responses.draining()
+        with contextlib.suppress(ConnectionResetError, RuntimeError):
+            await out.write(responses.shutting_down_event())
+            await out.write_eof()
+        return out
 
     async def _exchange(
         self, request: web.Request, body: bytes, ex: _Exchange
@@ -180,6 +230,9 @@ class Forwarder:
             ex.completion_tokens = t.max_tokens * t.n if reported is None else reported
         elif 400 <= resp.status < 500:
             ex.reached = False  # the engine refused it: no GPU work to charge
+        elif resp.status >= 500 and not _is_error_object(data):
+            kept = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+            return responses.upstream_error_status(resp.status, {**kept, **ex.headers})
         return web.Response(status=resp.status, body=data, headers=out_headers)
 
     async def _relay_stream(
@@ -206,6 +259,8 @@ class Forwarder:
         try:
             async for chunk in resp.content.iter_any():
                 piece = acct.feed(chunk)
+                if acct.pending_bytes > MAX_EVENT_BYTES:
+                    raise MalformedStream(f"an event stream event over {MAX_EVENT_BYTES} bytes")
                 generated = acct.completion_tokens_estimate
                 if generated > told:
                     told = generated

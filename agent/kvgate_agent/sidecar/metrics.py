@@ -196,6 +196,8 @@ class SidecarMetrics:
         upstream_errors: ``kvgate_upstream_errors_total{kind}`` (connect, timeout, status_5xx,
             stream_error).
         client_disconnects: ``kvgate_client_disconnects_total``.
+        client_timeouts: ``kvgate_client_timeouts_total{phase}``: connections closed because the
+            request headers (``phase="headers"``) or body (``"body"``) came too slowly.
         tokens: ``kvgate_tokens_total{kind, tenant}`` (prompt / completion tokens settled).
         ttft: ``kvgate_time_to_first_token_seconds`` through the sidecar (streams only).
         decision_counts: decisions so far by outcome (for the node agent's sync report).
@@ -230,6 +232,12 @@ class SidecarMetrics:
         self.client_disconnects = Counter(
             "kvgate_client_disconnects",
             "Admitted requests whose client went away before the response ended",
+            registry=r,
+        )
+        self.client_timeouts = Counter(
+            "kvgate_client_timeouts",
+            "Requests cut because the client sent headers or body too slowly",
+            ["phase"],
             registry=r,
         )
         self.tokens = Counter(

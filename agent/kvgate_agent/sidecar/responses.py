@@ -85,12 +85,17 @@ def admitted_headers(d: Decision, mode: str | None, max_tokens_clamped: bool) ->
 
 
 def bad_request(exc: RequestError) -> web.Response:
-    """A request the sidecar refuses before admission (invalid body, too large, bad header)."""
-    return json_response(
+    """A request the sidecar refuses before admission (invalid body, too large, bad header,
+    body too slow). After a 408 the connection is closed (the rest of the body is not
+    awaited)."""
+    resp = json_response(
         exc.status,
         exc.body(),
         {DECISION_HEADER: "rejected", REASON_HEADER: "invalid_request"},
     )
+    if exc.status == 408:
+        resp.force_close()
+    return resp
 
 
 def draining() -> web.Response:
@@ -193,10 +198,27 @@ def upstream_failed(timeout: bool, headers: dict[str, str]) -> web.Response:
     )
 
 
+def upstream_error_status(status: int, headers: dict[str, str]) -> web.Response:
+    """The model server's own 5xx whose body is not an OpenAI error object (an HTML page from
+    a proxy, a crash trace): the same status with an OpenAI-style body, so SDKs surface it."""
+    code = "upstream_error"
+    return json_response(
+        status,
+        error_body(f"the model server answered {status}", SERVER_ERROR, None, code),
+        {**headers, REASON_HEADER: code},
+    )
+
+
 def upstream_failed_event(timeout: bool) -> bytes:
     """The in-band SSE error event sent when the model server fails mid-stream (as vLLM does)."""
     message, code = upstream_failed_text(timeout)
     return b"data: " + error_body(message, SERVER_ERROR, None, code) + b"\n\n"
+
+
+def shutting_down_event() -> bytes:
+    """The terminal SSE error event of a stream cut at the drain deadline."""
+    body = error_body("sidecar is shutting down", SERVICE_UNAVAILABLE, None, "shutting_down")
+    return b"data: " + body + b"\n\n"
 
 
 def passthrough_unreachable() -> web.Response:

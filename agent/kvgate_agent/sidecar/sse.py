@@ -122,6 +122,12 @@ class StreamAccountant:
         return self._error
 
     @property
+    def pending_bytes(self) -> int:
+        """Bytes held for the current, incomplete event (what a malformed stream that never
+        ends its event makes grow)."""
+        return len(self._buf)
+
+    @property
     def completion_tokens_estimate(self) -> int:
         """Output tokens: ``usage.completion_tokens`` when reported, else :attr:`content_deltas`
         (with a reader: what it reports or counts)."""

@@ -1,0 +1,182 @@
+"""Bounds on slow clients (slow-loris): the time a connection may take to send a request's
+headers, enforced per connection.
+
+aiohttp's server has no header timeout of its own (the ``slow_request_timeout`` of its early
+versions, https://github.com/aio-libs/aiohttp/issues/1198, is gone): a client that trickles
+header bytes, or opens a connection and sends nothing, holds a socket and a parser for as long
+as the keep-alive timeout (3630 s by default in aiohttp 3.14). :class:`GuardedAppRunner` serves an
+application through :class:`HeaderDeadlineHandler`, which closes a connection whose request
+headers are not complete within ``header_timeout`` seconds, counted, as hyper's
+``header_read_timeout`` does (https://github.com/hyperium/hyper/pull/2675), from the moment the
+connection opens (first request) or from the first byte of a later request on a kept-alive
+connection. An idle kept-alive connection (no byte of a next request) is left to aiohttp's
+keep-alive timeout. The time to send the body is bounded by the handler reading it (see
+``SidecarSettings.body_timeout``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+__all__ = ["GuardedAppRunner", "HeaderDeadlineHandler", "track_requests"]
+
+#: What a connection that ran out of time gets before it is closed (RFC 9110 §15.5.9).
+_TIMEOUT_RESPONSE = (
+    b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+)
+
+
+class HeaderDeadlineHandler(RequestHandler):
+    """aiohttp's per-connection protocol with a deadline on reading request headers.
+
+    The deadline (``header_timeout`` seconds) is armed when the connection opens and, on a
+    kept-alive connection, when the first byte of the next request arrives; it is disarmed when
+    a request's headers are complete and its handler starts (:meth:`request_started`, called by
+    :func:`track_requests`). When it fires, the connection is closed, after a bare 408 if part
+    of a request had come (a connection that sent nothing is closed silently, as Go's
+    ``ReadHeaderTimeout`` does: an unasked 408 could be read as the answer to a request sent
+    just then), and ``on_timeout`` (a metric's ``inc``) is called.
+    """
+
+    __slots__ = ("_header_timeout", "_header_timer", "_in_request", "_on_timeout", "_partial")
+
+    def __init__(
+        self,
+        manager: web.Server,
+        *,
+        header_timeout: float,
+        on_timeout: Callable[[], None],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(manager, **kwargs)
+        self._header_timeout = header_timeout
+        self._on_timeout = on_timeout
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._in_request = False
+        self._partial = False  # bytes of the awaited request have come
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._in_request:
+            if self._header_timer is None:
+                self._arm()  # the first byte of a next request on a kept-alive connection
+            self._partial = True
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def request_started(self) -> None:
+        """A request's headers are complete and its handler runs: no header deadline now."""
+        self._in_request = True
+        self._partial = False
+        self._disarm()
+
+    def request_finished(self, body_read: bool) -> None:
+        """The handler returned: the next byte on this connection starts a new deadline. When
+        the handler left part of the body unread (``body_read`` False: a refusal, a body that
+        came too slowly), aiohttp goes on reading it before the next request ("lingering"):
+        that gets the same deadline, then the connection is closed."""
+        self._in_request = False
+        if not body_read:
+            self._arm(headers=False)
+
+    def _arm(self, *, headers: bool = True) -> None:
+        if self._header_timeout > 0:
+            self._header_timer = self._loop.call_later(self._header_timeout, self._expired, headers)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expired(self, headers: bool) -> None:
+        """The deadline passed: ``headers`` True while waiting for request headers (408 and
+        ``on_timeout``), False while lingering over an unread body (its answer was sent)."""
+        self._header_timer = None
+        if self._in_request:
+            return
+        transport = self.transport
+        if headers:
+            self._on_timeout()
+            if self._partial and transport is not None and not transport.is_closing():
+                transport.write(_TIMEOUT_RESPONSE)
+        self.force_close()
+
+
+class _GuardedServer(web.Server):
+    """aiohttp's connection factory, building :class:`HeaderDeadlineHandler` connections."""
+
+    def __init__(
+        self,
+        inner: web.Server,
+        header_timeout: float,
+        on_timeout: Callable[[], None],
+    ) -> None:
+        super().__init__(
+            inner.request_handler,
+            request_factory=inner.request_factory,
+            handler_cancellation=inner.handler_cancellation,
+            # The handler settings the application and runner chose (access log, limits...).
+            **inner._kwargs,
+        )
+        self.header_timeout = header_timeout
+        self.on_timeout = on_timeout
+
+    def __call__(self) -> RequestHandler:
+        return HeaderDeadlineHandler(
+            self,
+            header_timeout=self.header_timeout,
+            on_timeout=self.on_timeout,
+            loop=self._loop,
+            **self._kwargs,
+        )
+
+
+class GuardedAppRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections must send their request headers within
+    ``header_timeout`` seconds (0: no limit); ``on_timeout`` is called for each connection
+    closed for it. The application must use :func:`track_requests` as a middleware."""
+
+    __slots__ = ("_header_timeout", "_on_timeout")
+
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        header_timeout: float,
+        on_timeout: Callable[[], None] = lambda: None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(app, **kwargs)
+        self._header_timeout = header_timeout
+        self._on_timeout = on_timeout
+
+    async def _make_server(self) -> web.Server:
+        inner = await super()._make_server()
+        return _GuardedServer(inner, self._header_timeout, self._on_timeout)
+
+
+@web.middleware
+async def track_requests(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Tell a :class:`HeaderDeadlineHandler` connection when a request's handler starts and
+    ends (a no-op on other connections)."""
+    proto = request.protocol
+    if not isinstance(proto, HeaderDeadlineHandler):
+        return await handler(request)
+    proto.request_started()
+    try:
+        return await handler(request)
+    finally:
+        proto.request_finished(request.content.is_eof())
