@@ -24,7 +24,21 @@ class OperatorSettings(BaseSettings):
             hung and reconnecting (kopf ``watching.client_timeout``); above the server timeout.
         connect_timeout: seconds to connect to the API server.
         liveness_port: port of the liveness endpoint (``/healthz``) and of ``/metrics``.
-        standalone: run without kopf peering (one replica with a Recreate rollout; see README).
+        standalone: run without kopf peering (kopf's own multi-replica scheme; off: replicas are
+            coordinated by ``leader_election`` instead, see README "High availability").
+        leader_election: of several replicas only the holder of the Lease
+            ``leader_election_lease_name`` in ``pod_namespace`` writes
+            (:mod:`kvgate_operator.leader`); needs ``pod_namespace`` (without it, a local run,
+            there is no election and this process always writes).
+        leader_election_lease_name: the Lease's name.
+        leader_election_lease_duration: seconds a follower waits, after the Lease last changed,
+            before taking it over (client-go's default 15).
+        leader_election_renew_deadline: seconds after its last successful renewal the leader
+            stops writing (client-go's default 10); below the lease duration.
+        leader_election_retry_period: seconds between two attempts to take or renew the Lease
+            (client-go's default 2); below the renew deadline.
+        pod_name: this replica's pod name (downward API), the first part of its identity in
+            the Lease and in its User-Agent (default: the host name).
         pod_namespace: the namespace the operator runs in (downward API). The webhook's
             certificate Secret lives there, and it is never injected.
         webhook_enabled: serve the sidecar-injection webhook (``/inject-sidecar``). False: no
@@ -70,6 +84,12 @@ class OperatorSettings(BaseSettings):
     connect_timeout: int = Field(10, gt=0)
     liveness_port: int = Field(8080, ge=0, le=65535)
     standalone: bool = True
+    leader_election: bool = True
+    leader_election_lease_name: str = Field("kvgate-operator", min_length=1)
+    leader_election_lease_duration: float = Field(15.0, gt=0)
+    leader_election_renew_deadline: float = Field(10.0, gt=0)
+    leader_election_retry_period: float = Field(2.0, gt=0)
+    pod_name: str | None = None
 
     pod_namespace: str | None = None
     webhook_enabled: bool = True
@@ -84,6 +104,25 @@ class OperatorSettings(BaseSettings):
     webhook_namespace_cache_seconds: float = Field(5.0, ge=0)
     webhook_namespace_lookup_timeout: float = Field(1.5, gt=0)
     injection: InjectionConfig = Field(default_factory=InjectionConfig)
+
+    @model_validator(mode="after")
+    def _election(self) -> OperatorSettings:
+        if not (
+            self.leader_election_retry_period
+            < self.leader_election_renew_deadline
+            < self.leader_election_lease_duration
+        ):
+            raise ValueError(
+                "leader election needs retry_period < renew_deadline < lease_duration (got "
+                f"{self.leader_election_retry_period}, {self.leader_election_renew_deadline}, "
+                f"{self.leader_election_lease_duration})"
+            )
+        return self
+
+    @property
+    def elects(self) -> bool:
+        """Whether this replica takes part in leader election (enabled and a namespace known)."""
+        return self.leader_election and bool(self.pod_namespace)
 
     @model_validator(mode="after")
     def _webhook(self) -> OperatorSettings:
