@@ -637,9 +637,7 @@ def test_pod_security_check_catches_violations() -> None:
     }
 
 
-def test_operator_replicas_roll_with_a_disruption_budget(
-    docs: dict[str, Docs], helm: Helm
-) -> None:
+def test_operator_replicas_roll_with_a_disruption_budget(docs: dict[str, Docs], helm: Helm) -> None:
     """Two replicas (one leader writes; leader election), a rolling update that starts the new
     pod first, spread over nodes, and a PodDisruptionBudget keeping one; with one replica, no
     budget (it would block every drain)."""
