@@ -145,6 +145,7 @@ class Operator:
                 on_change=self._leadership_changed,
             )
             await self.elector.try_once()  # so the webhook's certificates know who writes
+            self._elector_task = asyncio.create_task(self.elector.run())  # renew from now on
         else:
             log.info("no leader election (disabled, or no pod namespace): this replica writes")
             self.metrics.leader.set(1)
@@ -158,8 +159,6 @@ class Operator:
             kopf_settings.admission.managed = None  # the chart owns the configuration
             self.webhook.register(registry)
         self._task = asyncio.create_task(self.reconciler.run())
-        if self.elector is not None:
-            self._elector_task = asyncio.create_task(self.elector.run())
         self.reconciler.trigger()
 
     async def stop(self) -> None:
@@ -241,11 +240,7 @@ class Operator:
             webhook_config_name=s.webhook_config_name,
             hosts=s.webhook_hosts,
         )
-        if self.may_write():
-            await asyncio.to_thread(manager.ensure)
-            await asyncio.to_thread(manager.sync_ca_bundle)
-        else:  # a follower serves the leader's certificates and writes nothing
-            await _follow_certificates(manager, s.webhook_cert_sync_seconds)
+        await _initial_certificates(manager, s.webhook_cert_sync_seconds, self.may_write)
         directory = self._cert_dir = Path(tempfile.mkdtemp(prefix="kvgate-webhook-"))
         certfile, keyfile = manager.write_files(directory)
         # The files only change through the rotation loop below, which reloads at once; the
@@ -292,19 +287,30 @@ class Operator:
         )
 
 
-async def _follow_certificates(manager: CertificateManager, interval: float) -> None:
-    """A follower's certificates at start: the leader's, from the Secret, waited for up to
-    ``interval`` seconds (at a first install the leader may still be making them); else
-    in-memory ones until the Secret appears (:meth:`CertificateManager.follow`)."""
+async def _initial_certificates(
+    manager: CertificateManager, interval: float, leading: Callable[[], bool]
+) -> None:
+    """The certificates to start serving. The leader loads them from the Secret, or makes and
+    stores them, and syncs the caBundle. A follower writes nothing: it waits up to ``interval``
+    seconds for the leader's in the Secret (at a first install the leader may still be making
+    them), unless it becomes the leader meanwhile; else it serves in-memory ones until the
+    Secret appears (:meth:`CertificateManager.follow`)."""
     deadline = asyncio.get_running_loop().time() + interval
     while True:
+        if leading():
+            await asyncio.to_thread(manager.ensure)
+            await asyncio.to_thread(manager.sync_ca_bundle)
+            return
         await asyncio.to_thread(manager.follow)
-        if manager.certs is not None or asyncio.get_running_loop().time() >= deadline:
-            break
+        if manager.certs is not None:
+            return
+        if asyncio.get_running_loop().time() >= deadline:
+            log.warning(
+                "webhook certificates: none in %s yet; serving in-memory ones", manager.where
+            )
+            manager.provisional()
+            return
         await asyncio.sleep(0.5)
-    if manager.certs is None:
-        log.warning("webhook certificates: none in %s yet; serving in-memory ones", manager.where)
-        manager.provisional()
 
 
 async def _rotate_forever(

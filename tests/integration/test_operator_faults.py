@@ -484,10 +484,13 @@ def test_operator_killed_at_random_points_converges_without_duplicates_or_orphan
 # Two replicas at once
 
 
+#: Seconds: shorter than the chart's 15/10/2 so takeovers are quick, long enough that a leader
+#: starved of CPU on a loaded machine still renews in time.
+LEASE_S, RENEW_S, RETRY_S = 8, 6, 1
 LEASE = {
-    "KVGATE_OPERATOR_LEADER_ELECTION_LEASE_DURATION": "4",
-    "KVGATE_OPERATOR_LEADER_ELECTION_RENEW_DEADLINE": "3",
-    "KVGATE_OPERATOR_LEADER_ELECTION_RETRY_PERIOD": "0.5",
+    "KVGATE_OPERATOR_LEADER_ELECTION_LEASE_DURATION": str(LEASE_S),
+    "KVGATE_OPERATOR_LEADER_ELECTION_RENEW_DEADLINE": str(RENEW_S),
+    "KVGATE_OPERATOR_LEADER_ELECTION_RETRY_PERIOD": str(RETRY_S),
 }
 
 
@@ -516,7 +519,7 @@ def test_two_replicas_only_the_leader_writes_and_the_other_takes_over(
     audited: Audited, tmp_path: Path
 ) -> None:
     """Two replicas with the webhook (self-signed certificates in one Secret) and a short
-    Lease (4 s). Every write the API server audits is attributed to a replica by its
+    Lease (``LEASE_S``). Every write the API server audits is attributed to a replica by its
     User-Agent. Then: the leader SIGKILLed (the other takes over within the lease duration and
     a retry), restarted as a follower; the new leader frozen with SIGSTOP (taken over), then
     woken with SIGCONT (it must write nothing more); the leader stopped with SIGTERM (it
@@ -565,9 +568,11 @@ def test_two_replicas_only_the_leader_writes_and_the_other_takes_over(
         for r in reps.values():
             r.start()
         try:
-            first = wait_until(lambda: holder(api, home), 30, "a leader", 0.1)
-            other = next(n for n in reps if n != first)
+            wait_until(lambda: holder(api, home), 30, "a leader", 0.1)
             converge(audited)
+            first = holder(api, home)
+            other = next(n for n in reps if n != first)
+            audited.writes()
             for _ in range(3):
                 change()
             time.sleep(1)
@@ -590,7 +595,7 @@ def test_two_replicas_only_the_leader_writes_and_the_other_takes_over(
 
             # The leader killed: the follower takes over after the lease runs out.
             reps[first].kill()
-            second, killed_s = takeover(first, 4 + 10)
+            second, killed_s = takeover(first, LEASE_S + 10)
             assert second == other
             change()
             phase2 = audited.writes()
@@ -600,12 +605,12 @@ def test_two_replicas_only_the_leader_writes_and_the_other_takes_over(
 
             # The leader frozen, then woken: the other leads; the woken one writes nothing.
             reps[second].signal(signal.SIGSTOP)
-            third, frozen_s = takeover(second, 4 + 10)
+            third, frozen_s = takeover(second, LEASE_S + 10)
             assert third == first
             change()
             reps[second].signal(signal.SIGCONT)
             audited.writes()
-            time.sleep(2)
+            time.sleep(2 * RETRY_S)
             change()
             time.sleep(1)
             phase3 = audited.writes()
@@ -614,7 +619,7 @@ def test_two_replicas_only_the_leader_writes_and_the_other_takes_over(
 
             # The leader stopped cleanly: it releases the Lease.
             reps[third].signal(signal.SIGTERM)
-            fourth, released_s = takeover(third, 4 + 10)
+            fourth, released_s = takeover(third, LEASE_S + 10)
             assert fourth == second
             reps[third].proc.wait(20)  # type: ignore[union-attr]
             audited.writes()
@@ -622,6 +627,10 @@ def test_two_replicas_only_the_leader_writes_and_the_other_takes_over(
             phase4 = audited.writes()
             assert set(writers(phase4, leases=False)) == {fourth}
             invariants(audited)
+        except BaseException:
+            for r in reps.values():
+                print(f"--- {r.log.name}:", r.log.read_text(errors="replace")[-3000:])
+            raise
         finally:
             for r in reps.values():
                 r.stop()
@@ -632,7 +641,7 @@ def test_two_replicas_only_the_leader_writes_and_the_other_takes_over(
         "writes_by_leader_phase1": writers(phase1, leases=False),
     }
     print("operator two replicas:", json.dumps(figures))
-    assert released_s < 4, "a clean stop should hand over before the lease would expire"
+    assert released_s < LEASE_S, "a clean stop should hand over before the lease would expire"
 
 
 def _listening(port: int) -> bool:
