@@ -188,3 +188,19 @@ def test_stale_owner_references_are_found() -> None:
     owners = {"n1": "uid-1", "n2": "old", "n3": "", "gone": "x"}
     nodes = {"n1": "uid-1", "n2": "uid-2", "n3": "uid-3"}
     assert stale_owners(owners, nodes) == {"n2": "uid-2", "n3": "uid-3"}
+
+
+def test_a_node_made_again_under_its_name_gets_its_node_admission_re_owned() -> None:
+    from kvgate_operator.desired import Desired
+    from kvgate_operator.plan import NodeWrite, plan
+
+    spec = {"nodeName": "n1", "pods": []}
+    desired = Desired({"n1": spec, "n2": {"nodeName": "n2", "pods": []}}, {})
+    todo = plan(
+        desired,
+        {"n1": spec, "n2": desired.node_specs["n2"]},
+        {},
+        "now",
+        owners=stale_owners({"n1": "old", "n2": "uid-2"}, {"n1": "uid-1", "n2": "uid-2"}),
+    )
+    assert todo.nodes == [NodeWrite("patch", "n1", spec, "uid-1")]
