@@ -51,9 +51,13 @@ def default_api_client() -> client.ApiClient:
 
 
 def replica_identity(settings: OperatorSettings) -> str:
-    """This replica's identity in the leader Lease and its User-Agent: the pod name (else the
-    host name) and a random suffix, unique per process start (as controller-runtime does)."""
-    return f"{settings.pod_name or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+    """This replica's identity in the leader Lease and its User-Agent: the pod name, unique in
+    the cluster and kept across container restarts (a leader's crashed container, restarted in
+    the same pod, takes its Lease back at once: the kubelet restarts a container only once the
+    old one is dead); without one (a local run), the host name and a random suffix."""
+    if settings.pod_name:
+        return settings.pod_name
+    return f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
 def _not_started(namespace: str) -> dict[str, str]:

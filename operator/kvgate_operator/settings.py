@@ -37,8 +37,8 @@ class OperatorSettings(BaseSettings):
             stops writing (client-go's default 10); below the lease duration.
         leader_election_retry_period: seconds between two attempts to take or renew the Lease
             (client-go's default 2); below the renew deadline.
-        pod_name: this replica's pod name (downward API), the first part of its identity in
-            the Lease and in its User-Agent (default: the host name).
+        pod_name: this replica's pod name (downward API): its identity in the Lease and in its
+            User-Agent (unset: the host name and a random suffix).
         pod_namespace: the namespace the operator runs in (downward API). The webhook's
             certificate Secret lives there, and it is never injected.
         webhook_enabled: serve the sidecar-injection webhook (``/inject-sidecar``). False: no

@@ -110,7 +110,7 @@ class Audited:
 
 def writers(events: list[dict[str, Any]], *, leases: bool) -> dict[str, int]:
     """Writes by writer: an operator replica's pod name (from its User-Agent
-    ``kvgate-operator (<pod>_<suffix>)``), or any other agent not the test's own (kubectl, this
+    ``kvgate-operator (<pod>)``), or any other agent not the test's own (kubectl, this
     test's client); writes of the operators' Lease only, or all but Lease writes."""
     out: dict[str, int] = {}
     for ev in events:
@@ -122,11 +122,7 @@ def writers(events: list[dict[str, Any]], *, leases: bool) -> dict[str, int]:
         agent = ev.get("userAgent", "")
         if agent.startswith(("kubectl", TEST_AGENT)):
             continue
-        who = (
-            agent.split("(", 1)[1].rsplit("_", 1)[0]
-            if agent.startswith("kvgate-operator (")
-            else agent
-        )
+        who = agent.split("(", 1)[1].rstrip(")") if agent.startswith("kvgate-operator (") else agent
         out[who] = out.get(who, 0) + 1
     return out
 
@@ -499,8 +495,7 @@ def holder(api: client.ApiClient, ns: str) -> str:
         lease = client.CoordinationV1Api(api).read_namespaced_lease("kvgate-operator", ns)
     except ApiException:
         return ""
-    name = (lease.spec.holder_identity or "") if lease.spec else ""
-    return name.rsplit("_", 1)[0]
+    return (lease.spec.holder_identity or "") if lease.spec else ""
 
 
 def served_certificate(port: int) -> bytes:

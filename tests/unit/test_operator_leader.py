@@ -204,3 +204,13 @@ def test_a_node_made_again_under_its_name_gets_its_node_admission_re_owned() -> 
         owners=stale_owners({"n1": "old", "n2": "uid-2"}, {"n1": "uid-1", "n2": "uid-2"}),
     )
     assert todo.nodes == [NodeWrite("patch", "n1", spec, "uid-1")]
+
+
+def test_the_identity_is_the_pod_name_else_unique_per_process() -> None:
+    from kvgate_operator.app import replica_identity
+
+    assert replica_identity(OperatorSettings(pod_name="kvgate-operator-7d9-x2")) == (
+        "kvgate-operator-7d9-x2"
+    )
+    local = OperatorSettings()
+    assert replica_identity(local) != replica_identity(local)
