@@ -272,7 +272,7 @@ class Soak:
     tpm: int = 100_000
     ops: dict[str, int] = field(default_factory=dict)
 
-    def setup(self, api: client.ApiClient, n_nodes: int = 8, n_pods: int = 32) -> None:
+    def setup(self, api: client.ApiClient, n_nodes: int = 16, n_pods: int = 48) -> None:
         ensure_namespace(api, self.ns)
         for _ in range(n_nodes):
             self.add_node(api)
@@ -427,9 +427,10 @@ def test_operator_killed_at_random_points_converges_without_duplicates_or_orphan
 ) -> None:
     """Each round changes the cluster, starts the operator and SIGKILLs it: half the rounds at
     a random delay after the start (before, during or after its first pass), half right after
-    its first NodeAdmission write landed (0-100 ms later: inside the pass). Where each kill
-    landed is measured: the differences from the from-scratch state before the start and after
-    the kill (unchanged: before any write; fewer: mid-pass; none: after convergence)."""
+    its first NodeAdmission write landed (0-30 ms later: inside the pass, which writes 16
+    NodeAdmissions, 8 at a time, then the policies' status). Where each kill landed is
+    measured: the differences from the from-scratch state before the start and after the kill
+    (unchanged: before any write; fewer: mid-pass; none: after convergence)."""
     kills = KILLS
     rng = random.Random(11)
     soak = Soak("soak", rng)
@@ -443,7 +444,7 @@ def test_operator_killed_at_random_points_converges_without_duplicates_or_orphan
             op = Replica(audited, log).start()
             if i % 2:
                 first_write(api, soak.first_global_node())
-                time.sleep(rng.uniform(0, 0.1))
+                time.sleep(rng.uniform(0, 0.03))
             else:
                 time.sleep(rng.uniform(0.5, 3.0))
             op.kill()
