@@ -37,7 +37,7 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from kvgate_bench.toolkit import free_port, poll_until, wait_until
+from kvgate_bench.toolkit import free_port, parse_samples, poll_until, series, wait_until
 from kvgate_operator.desired import compute
 from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings
@@ -583,6 +583,7 @@ def test_two_replicas_only_the_leader_writes_and_the_other_takes_over(
                 30,
                 "both webhooks",
             )
+            assert _leader_gauge(reps[first].port) == 1 and _leader_gauge(reps[other].port) == 0
             certs = {
                 served_certificate(int(r.env["KVGATE_OPERATOR_WEBHOOK_PORT"]))
                 for r in reps.values()
@@ -646,6 +647,15 @@ def _listening(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _leader_gauge(port: int) -> float:
+    """The replica's ``kvgate_operator_leader`` gauge."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+        text = r.read().decode()
+    return series(parse_samples(text))["kvgate_operator_leader"]
 
 
 def _healthz(port: int) -> int:
