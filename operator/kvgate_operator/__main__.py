@@ -1,8 +1,8 @@
 """``kvgate-operator`` / ``python -m kvgate_operator``: run the operator with kopf.
 
-Standalone by default (no kopf peering): the chart runs one replica with a Recreate rollout, so
-an old and a new pod never see each other as "another operator" and freeze
-(https://github.com/nolar/kopf/issues/734).
+kopf runs standalone (no kopf peering, under which an old and a new pod of a rollout pause each
+other: https://github.com/nolar/kopf/issues/734); replicas are coordinated by the operator's own
+leader election instead (:mod:`kvgate_operator.leader`): only the leader writes.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ import contextlib
 import datetime as dt
 import logging
 import shutil
+import socket
 import tempfile
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from kubernetes import client
 from kvgate_operator.certs import CertificateManager
 from kvgate_operator.certstore import KubeCertStore
 from kvgate_operator.kubeclient import default_api_client
+from kvgate_operator.leader import LeaderElector
 from kvgate_operator.metrics import OperatorMetrics
 from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings
@@ -44,6 +47,16 @@ log = logging.getLogger("kvgate.operator")
 KOPF_ERROR_BACKOFFS = (1.0, 2.0, 4.0, 8.0)
 #: Objects per page of kopf's initial LISTs (as the reconcile pass's own LISTs).
 KOPF_LIST_CHUNK = 500
+
+
+def replica_identity(settings: OperatorSettings) -> str:
+    """This replica's identity in the leader Lease and its User-Agent: the pod name, unique in
+    the cluster and kept across container restarts (a leader's crashed container, restarted in
+    the same pod, takes its Lease back at once: the kubelet restarts a container only once the
+    old one is dead); without one (a local run), the host name and a random suffix."""
+    if settings.pod_name:
+        return settings.pod_name
+    return f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
 def _not_started(namespace: str) -> dict[str, str]:
@@ -66,7 +79,8 @@ class Operator:
         api_client: Callable[[], client.ApiClient] | None = None,
     ) -> None:
         self.settings = settings
-        self.api_client = api_client or (
+        self.identity = replica_identity(settings)
+        self._make_api_client = api_client or (
             lambda: default_api_client(settings.connect_timeout, settings.request_timeout)
         )
         self.metrics = OperatorMetrics()
@@ -89,6 +103,25 @@ class Operator:
         #: The self-signed certificates' rotation loop and the directory of their files.
         self._cert_task: asyncio.Task[None] | None = None
         self._cert_dir: Path | None = None
+        #: The leader election (None without one: this replica always writes).
+        self.elector: LeaderElector | None = None
+        self._elector_task: asyncio.Task[None] | None = None
+
+    def api_client(self) -> client.ApiClient:
+        """A kubernetes client whose User-Agent names this replica (audit logs tell replicas
+        apart by it)."""
+        api = self._make_api_client()
+        api.user_agent = f"kvgate-operator ({self.identity})"
+        return api
+
+    def may_write(self) -> bool:
+        """Whether this replica may write now: it leads, or there is no election."""
+        return self.elector is None or self.elector.is_leader()
+
+    def _leadership_changed(self, leading: bool) -> None:
+        self.metrics.leader.set(1 if leading else 0)
+        if leading and self.reconciler is not None:
+            self.reconciler.trigger()  # from scratch: nothing seen while following is missed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -111,7 +144,26 @@ class Operator:
         kopf_settings.posting.level = logging.WARNING
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # no line per watch event
         kopf_settings.persistence.finalizer = "kvgate.io/unused-finalizer"  # never added
-        self.reconciler = Reconciler(self.api_client(), s, metrics=self.metrics)
+        if s.elects:
+            assert s.pod_namespace is not None
+            self.elector = LeaderElector(
+                self.api_client(),
+                namespace=s.pod_namespace,
+                name=s.leader_election_lease_name,
+                identity=self.identity,
+                lease_duration=s.leader_election_lease_duration,
+                renew_deadline=s.leader_election_renew_deadline,
+                retry_period=s.leader_election_retry_period,
+                on_change=self._leadership_changed,
+            )
+            await self.elector.try_once()  # so the webhook's certificates know who writes
+            self._elector_task = asyncio.create_task(self.elector.run())  # renew from now on
+        else:
+            log.info("no leader election (disabled, or no pod namespace): this replica writes")
+            self.metrics.leader.set(1)
+        self.reconciler = Reconciler(
+            self.api_client(), s, metrics=self.metrics, may_write=self.may_write
+        )
         self._liveness = await self._serve_liveness(s.liveness_port)
         if s.webhook_enabled:
             self.webhook_server = await self._webhook_server()
@@ -122,12 +174,15 @@ class Operator:
         self.reconciler.trigger()
 
     async def stop(self) -> None:
-        """Stop the reconcile loop, the certificate loop and the liveness server."""
-        for task in (self._task, self._cert_task):
+        """Stop the reconcile loop, the certificate loop and the election (releasing the Lease
+        when leading), then the liveness server."""
+        for task in (self._task, self._cert_task, self._elector_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self.elector is not None:
+            await self.elector.release()
         if self._liveness is not None:
             await self._liveness.cleanup()
         if self._cert_dir is not None:
@@ -148,6 +203,11 @@ class Operator:
         r, task = self.reconciler, self._task
         if r is None or task is None or task.done():
             raise kopf.PermanentError("the reconcile loop is not running")
+        if self.elector is not None and not self.elector.is_leader():
+            ok, why = self.elector.describe(self.settings.liveness_stale_seconds)
+            if not ok:
+                raise kopf.PermanentError(why)
+            return why
         ok, why = r.healthy()
         if not ok:
             raise kopf.PermanentError(why)
@@ -193,15 +253,14 @@ class Operator:
             hosts=s.webhook_hosts,
             lifetimes=s.webhook_lifetimes,
         )
-        await asyncio.to_thread(manager.ensure)
-        await asyncio.to_thread(manager.sync_ca_bundle)
+        await _initial_certificates(manager, s.webhook_cert_sync_seconds, self.may_write)
         directory = self._cert_dir = Path(tempfile.mkdtemp(prefix="kvgate-webhook-"))
         certfile, keyfile = manager.write_files(directory)
         # The files only change through the rotation loop below, which reloads at once; the
         # server's own file check is then just a backstop.
         srv = self._server(certfile, keyfile)
         self._cert_task = asyncio.create_task(
-            _rotate_forever(manager, srv, directory, s.webhook_cert_sync_seconds)
+            _rotate_forever(manager, srv, directory, s.webhook_cert_sync_seconds, self.may_write)
         )
         return srv
 
@@ -241,22 +300,54 @@ class Operator:
         )
 
 
+async def _initial_certificates(
+    manager: CertificateManager, interval: float, leading: Callable[[], bool]
+) -> None:
+    """The certificates to start serving. The leader loads them from the Secret, or makes and
+    stores them, and syncs the caBundle. A follower writes nothing: it waits up to ``interval``
+    seconds for the leader's in the Secret (at a first install the leader may still be making
+    them), unless it becomes the leader meanwhile; else it serves in-memory ones until the
+    Secret appears (:meth:`CertificateManager.follow`)."""
+    deadline = asyncio.get_running_loop().time() + interval
+    while True:
+        if leading():
+            await asyncio.to_thread(manager.ensure)
+            await asyncio.to_thread(manager.sync_ca_bundle)
+            return
+        await asyncio.to_thread(manager.follow)
+        if manager.certs is not None:
+            return
+        if asyncio.get_running_loop().time() >= deadline:
+            log.warning(
+                "webhook certificates: none in %s yet; serving in-memory ones", manager.where
+            )
+            manager.provisional()
+            return
+        await asyncio.sleep(0.5)
+
+
 async def _rotate_forever(
     manager: CertificateManager,
     server: ReloadingWebhookServer,
     directory: Path,
     interval: float,
+    leading: Callable[[], bool] = lambda: True,
 ) -> None:
-    """Every ``interval`` seconds: renew what is due (the caBundle is patched before a new CA's
-    certificate is served), reload the server in place, and keep the caBundle in sync (a Helm
-    upgrade resets it)."""
+    """Every ``interval`` seconds, on the leader: renew what is due (the caBundle is patched
+    before a new CA's certificate is served), reload the server in place, and keep the caBundle
+    in sync (a Helm upgrade resets it). On a follower: adopt what the leader stored in the
+    Secret (read only), and reload."""
     while True:
         await asyncio.sleep(interval)
         try:
-            reasons = await asyncio.to_thread(manager.check)
+            if leading():
+                reasons = await asyncio.to_thread(manager.check)
+            else:
+                reasons = await asyncio.to_thread(manager.follow)
             if reasons:
                 manager.write_files(directory)
                 server.reload()
-            await asyncio.to_thread(manager.sync_ca_bundle)
+            if leading():
+                await asyncio.to_thread(manager.sync_ca_bundle)
         except Exception:  # never let the loop die: the next round retries
             log.exception("webhook certificate check failed")

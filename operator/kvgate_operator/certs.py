@@ -332,6 +332,30 @@ class CertificateManager:
             log.info("webhook certificates: %s", ", ".join(reasons))
         return reasons
 
+    def follow(self) -> list[str]:
+        """A follower's refresh (leader election: only the leader writes the Secret): adopt the
+        certificates stored in the Secret when they differ from the current ones; never writes.
+        Returns ``["adopted_stored"]`` when they changed, else [] (also when the Secret is
+        missing or cannot be read: the current ones stay)."""
+        if self.namespace is None:
+            return []
+        try:
+            stored = self._load()
+        except ApiException as exc:
+            log.warning("webhook certificates: cannot read %s (%s)", self.where, _describe(exc))
+            return []
+        if stored is None or stored == self.certs:
+            return []
+        self.certs, self.persistent = stored, True
+        return ["adopted_stored"]
+
+    def provisional(self) -> None:
+        """In-memory certificates, not stored (a follower that found no Secret yet); replaced
+        by :meth:`follow` once the leader stores some, or stored by :meth:`check` if this
+        replica leads first."""
+        self.certs, _ = plan(None, self.hosts, self.clock())
+        self.persistent = False
+
     def _load(self) -> WebhookCerts | None:
         assert self.namespace is not None
         got = self.store.read_secret(self.namespace, self.secret_name)

@@ -34,6 +34,8 @@ class OperatorMetrics:
       expires (Unix seconds).
     - ``kvgate_webhook_certificate_reloads_total`` (counter): serving certificates loaded into the
       running server without a restart.
+    - ``kvgate_operator_leader`` (gauge): 1 while this replica leads (holds the leader Lease, or
+      runs without an election) and so writes; 0 while it stands by.
     """
 
     content_type = CONTENT_TYPE_LATEST
@@ -75,6 +77,11 @@ class OperatorMetrics:
         self.cert_reloads = Counter(
             "kvgate_webhook_certificate_reloads",
             "Serving certificates loaded into the running webhook server",
+            registry=r,
+        )
+        self.leader = Gauge(
+            "kvgate_operator_leader",
+            "1 while this replica holds the leader Lease (or runs without an election)",
             registry=r,
         )
 

@@ -21,6 +21,9 @@ class NodeWrite:
     action: Literal["create", "patch", "delete"]
     node: str
     spec: dict[str, Any] | None = None
+    #: On a patch: also point the object's owner reference at this Node uid (the node was
+    #: deleted and made again under the same name, so the reference left dangles).
+    owner_uid: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,15 @@ def with_transition_times(
     return {**new, "conditions": conds}
 
 
+def stale_owners(owners: Mapping[str, str], node_uids: Mapping[str, str]) -> dict[str, str]:
+    """NodeAdmissions whose owner reference does not name their node's current uid (``owners``:
+    the Node uid each one's owner reference names, "" for none; ``node_uids``: the Nodes), as
+    {node: its uid}. A dangling reference would let the garbage collector delete the object."""
+    return {
+        node: uid for node, owner in owners.items() if (uid := node_uids.get(node)) and owner != uid
+    }
+
+
 def plan(
     desired: Desired,
     node_specs: Mapping[str, Mapping[str, Any] | None],
@@ -84,6 +96,7 @@ def plan(
     now: str,
     *,
     statuses: bool = True,
+    owners: Mapping[str, str] | None = None,
 ) -> Plan:
     """The writes that take the cluster from what was observed to ``desired``.
 
@@ -94,13 +107,15 @@ def plan(
         now: the time to stamp on changed conditions (RFC 3339).
         statuses: False plans the NodeAdmission writes only (the reconciler writes those first,
             then plans statuses knowing which of them failed).
+        owners: NodeAdmissions to re-own, {node: its current uid} (:func:`stale_owners`).
     """
     out = Plan()
+    owners = owners or {}
     for node, spec in sorted(desired.node_specs.items()):
         if node not in node_specs:
             out.nodes.append(NodeWrite("create", node, spec))
-        elif node_specs[node] != spec:
-            out.nodes.append(NodeWrite("patch", node, spec))
+        elif node_specs[node] != spec or node in owners:
+            out.nodes.append(NodeWrite("patch", node, spec, owners.get(node)))
     for node in sorted(set(node_specs) - set(desired.node_specs)):
         out.nodes.append(NodeWrite("delete", node))
     if not statuses:

@@ -41,7 +41,7 @@ from kvgate_operator.desired import (
 )
 from kvgate_operator.metrics import OperatorMetrics
 from kvgate_operator.missed import EVENT_REASON, MissedPod, ReportedPods, event_name, find_missed
-from kvgate_operator.plan import EventWrite, NodeWrite, Plan, StatusWrite, plan
+from kvgate_operator.plan import EventWrite, NodeWrite, Plan, StatusWrite, plan, stale_owners
 from kvgate_operator.settings import OperatorSettings
 
 log = logging.getLogger("kvgate.operator")
@@ -63,6 +63,15 @@ class Observed:
     policy_uids: dict[Key, str]
     #: Opted-in pods admitted without the sidecar (only with the webhook enabled).
     missed: list[MissedPod] = field(default_factory=list)
+    #: Each NodeAdmission's owner references, by name.
+    node_owner_refs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def node_owners(self) -> dict[str, str]:
+        """The Node uid each NodeAdmission's owner reference names ("" for none)."""
+        return {
+            name: next((r.get("uid") or "" for r in refs if r.get("kind") == "Node"), "")
+            for name, refs in self.node_owner_refs.items()
+        }
 
 
 @dataclass
@@ -82,6 +91,10 @@ class PassStats:
 
 class PassIncomplete(Exception):
     """A pass whose writes did not all land (the next pass retries them)."""
+
+
+class NotLeader(Exception):
+    """This replica may not write (it does not hold the leader Lease): the pass stops."""
 
 
 def _detail(exc: ApiException) -> str:
@@ -119,6 +132,9 @@ class Reconciler:
         settings: operator settings (debounce, resync).
         clock: monotonic seconds (injected for tests of the loop's bookkeeping).
         metrics: where the missed-injection counts go (a private instance when not given).
+        may_write: whether this replica may write now (the leader election's
+            :meth:`~kvgate_operator.leader.LeaderElector.is_leader`); asked before each pass and
+            before each write. Default: always.
     """
 
     def __init__(
@@ -127,10 +143,12 @@ class Reconciler:
         settings: OperatorSettings,
         clock: Callable[[], float] = time.monotonic,
         metrics: OperatorMetrics | None = None,
+        may_write: Callable[[], bool] = lambda: True,
     ) -> None:
         self.api = api
         self.settings = settings
         self.clock = clock
+        self.may_write = may_write
         self.metrics = metrics if metrics is not None else OperatorMetrics()
         self.reported_missed = ReportedPods()
         self._namespaces_unreadable = False
@@ -157,9 +175,13 @@ class Reconciler:
                 await asyncio.wait_for(self._wake.wait(), self.settings.resync_seconds)
             await asyncio.sleep(self.settings.debounce_seconds)
             self._wake.clear()
+            if not self.may_write():
+                continue  # a follower: the election triggers a pass when this replica leads
             try:
                 await self.reconcile_once()
                 backoff = 1.0
+            except NotLeader:
+                log.warning("leadership lost during a pass: its remaining writes were dropped")
             except (ApiException, OSError, ValueError, PassIncomplete, HTTPError) as exc:
                 # (HTTPError: urllib3's timeouts and refused connections, which are not OSErrors)
                 log.warning("reconcile pass failed, retrying in %.0fs: %s", backoff, exc)
@@ -199,7 +221,12 @@ class Reconciler:
             )
         return stats
 
+    def _guard(self) -> None:
+        if not self.may_write():
+            raise NotLeader("this replica does not hold the leader Lease")
+
     def _pass(self) -> PassStats:
+        self._guard()
         observed = self.read()
         desired = compute(observed.snapshot)
         # Stored specs are compared raw first; only those that differ are normalised (the API
@@ -211,7 +238,8 @@ class Reconciler:
         # NodeAdmissions first; then statuses and events, which say if any of them failed.
         stats = PassStats()
         failed: dict[str, str] = {}
-        node_plan = plan(desired, specs, {}, _now(), statuses=False)
+        owners = stale_owners(observed.node_owners(), observed.snapshot.nodes)
+        node_plan = plan(desired, specs, {}, _now(), statuses=False, owners=owners)
         with ThreadPoolExecutor(WRITE_CONCURRENCY) as pool:
             results = list(pool.map(lambda w: self._write_node(w, observed), node_plan.nodes))
         for w, error in zip(node_plan.nodes, results, strict=True):
@@ -295,9 +323,11 @@ class Reconciler:
             pods[pod.key] = pod
         nodes = {n["metadata"]["name"]: n["metadata"].get("uid", "") for n in raw_nodes}
         specs: dict[str, dict[str, Any] | None] = {}
+        owner_refs: dict[str, list[dict[str, Any]]] = {}
         capacity: dict[str, int] = {}
         for na in raw_nas:
             specs[na["metadata"]["name"]] = na.get("spec")
+            owner_refs[na["metadata"]["name"]] = list(na["metadata"].get("ownerReferences") or [])
             for usage in (na.get("status") or {}).get("pods") or []:
                 cap = usage.get("engineKvCapacityTokens")
                 if usage.get("uid") and isinstance(cap, int) and cap > 0:
@@ -306,7 +336,7 @@ class Reconciler:
         missed: list[MissedPod] = []
         if self.settings.webhook_enabled:
             missed = find_missed(raw_pods, self._namespace_labels(), self.settings.injection)
-        return Observed(snap, specs, status, uids, missed)
+        return Observed(snap, specs, status, uids, missed, owner_refs)
 
     def _namespace_labels(self) -> dict[str, dict[str, str]] | None:
         """Labels by namespace (the watched one only, when namespaced); None when they cannot
@@ -358,6 +388,7 @@ class Reconciler:
         return posted
 
     def _pod_event(self, m: MissedPod) -> None:
+        self._guard()
         now = dt.datetime.now(dt.UTC)
         body = client.CoreV1Event(
             metadata=client.V1ObjectMeta(name=event_name(m), namespace=m.namespace),
@@ -387,7 +418,12 @@ class Reconciler:
         return stats
 
     def _write_node(self, w: NodeWrite, observed: Observed) -> str | None:
-        """One NodeAdmission write; None when it landed, else the reason it did not."""
+        """One NodeAdmission write; None when it landed, else the reason it did not.
+
+        Raises:
+            NotLeader: this replica may not write any more.
+        """
+        self._guard()
         uid = observed.snapshot.nodes.get(w.node)
         try:
             if w.action == "delete":
@@ -424,7 +460,7 @@ class Reconciler:
                         raise
                     self._patch_spec(w.node, w.spec)  # created meanwhile: converge
             else:
-                self._patch_spec(w.node, w.spec)
+                self._patch_spec(w.node, w.spec, w.owner_uid, observed)
             return None
         except ApiException as exc:
             if w.action == "delete" and exc.status == 404:
@@ -435,6 +471,7 @@ class Reconciler:
             return f"{exc.status} {exc.reason}: {_detail(exc)}"
 
     def _write_status(self, w: StatusWrite) -> int:
+        self._guard()
         ns, name = w.policy
         try:
             self.custom.patch_namespaced_custom_object_status(
@@ -453,6 +490,7 @@ class Reconciler:
             return 0
 
     def _write_event(self, e: EventWrite, observed: Observed) -> int:
+        self._guard()
         ns, name = e.policy
         try:
             self._event(
@@ -463,14 +501,29 @@ class Reconciler:
             log.warning("event on %s/%s failed: %s", ns, name, exc.reason)
             return 0
 
-    def _patch_spec(self, node: str, spec: dict[str, Any] | None) -> None:
+    def _patch_spec(
+        self,
+        node: str,
+        spec: dict[str, Any] | None,
+        owner_uid: str | None = None,
+        observed: Observed | None = None,
+    ) -> None:
         # A merge patch would merge into the old pods list; replace the spec as a whole.
+        ops: list[dict[str, Any]] = [{"op": "replace", "path": "/spec", "value": spec}]
+        if owner_uid:
+            others = [
+                r
+                for r in (observed.node_owner_refs.get(node, []) if observed else [])
+                if r.get("kind") != "Node"
+            ]
+            ref = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": owner_uid}
+            ops.append({"op": "add", "path": "/metadata/ownerReferences", "value": [*others, ref]})
         self.custom.patch_cluster_custom_object(
             API_GROUP,
             VERSION,
             NODE_ADMISSION_PLURAL,
             node,
-            [{"op": "replace", "path": "/spec", "value": spec}],
+            ops,
             field_manager=FIELD_MANAGER,
             _content_type="application/json-patch+json",
         )

@@ -44,7 +44,21 @@ class OperatorSettings(BaseSettings):
             (``networking.request_timeout``) and each silence between bytes of the reconcile
             pass's calls (the kubernetes client's read timeout).
         liveness_port: port of the liveness endpoint (``/healthz``) and of ``/metrics``.
-        standalone: run without kopf peering (one replica with a Recreate rollout; see README).
+        standalone: run without kopf peering (kopf's own multi-replica scheme; off: replicas are
+            coordinated by ``leader_election`` instead, see README "High availability").
+        leader_election: of several replicas only the holder of the Lease
+            ``leader_election_lease_name`` in ``pod_namespace`` writes
+            (:mod:`kvgate_operator.leader`); needs ``pod_namespace`` (without it, a local run,
+            there is no election and this process always writes).
+        leader_election_lease_name: the Lease's name.
+        leader_election_lease_duration: seconds a follower waits, after the Lease last changed,
+            before taking it over (client-go's default 15).
+        leader_election_renew_deadline: seconds after its last successful renewal the leader
+            stops writing (client-go's default 10); below the lease duration.
+        leader_election_retry_period: seconds between two attempts to take or renew the Lease
+            (client-go's default 2); below the renew deadline.
+        pod_name: this replica's pod name (downward API): its identity in the Lease and in its
+            User-Agent (unset: the host name and a random suffix).
         pod_namespace: the namespace the operator runs in (downward API). The webhook's
             certificate Secret lives there, and it is never injected.
         webhook_enabled: serve the sidecar-injection webhook (``/inject-sidecar``). False: no
@@ -96,6 +110,12 @@ class OperatorSettings(BaseSettings):
     request_timeout: float = Field(30.0, gt=0)
     liveness_port: int = Field(8080, ge=0, le=65535)
     standalone: bool = True
+    leader_election: bool = True
+    leader_election_lease_name: str = Field("kvgate-operator", min_length=1)
+    leader_election_lease_duration: float = Field(15.0, gt=0)
+    leader_election_renew_deadline: float = Field(10.0, gt=0)
+    leader_election_retry_period: float = Field(2.0, gt=0)
+    pod_name: str | None = None
 
     pod_namespace: str | None = None
     webhook_enabled: bool = True
@@ -123,6 +143,25 @@ class OperatorSettings(BaseSettings):
                 f"KVGATE_OPERATOR_WATCH_SERVER_TIMEOUT ({self.watch_server_timeout})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _election(self) -> OperatorSettings:
+        if not (
+            self.leader_election_retry_period
+            < self.leader_election_renew_deadline
+            < self.leader_election_lease_duration
+        ):
+            raise ValueError(
+                "leader election needs retry_period < renew_deadline < lease_duration (got "
+                f"{self.leader_election_retry_period}, {self.leader_election_renew_deadline}, "
+                f"{self.leader_election_lease_duration})"
+            )
+        return self
+
+    @property
+    def elects(self) -> bool:
+        """Whether this replica takes part in leader election (enabled and a namespace known)."""
+        return self.leader_election and bool(self.pod_namespace)
 
     @model_validator(mode="after")
     def _webhook(self) -> OperatorSettings:

@@ -122,7 +122,8 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
     # 2. The operator, as the chart's Deployment runs it and as its service account.
     dep = get(cp, "deployment", f"{RELEASE}-operator", "-n", RELEASE)
     op = dep["spec"]["template"]["spec"]["containers"][0]
-    env = resolve_env(op["env"], {"metadata.namespace": RELEASE})
+    pod_name = f"{RELEASE}-operator-0"
+    env = resolve_env(op["env"], {"metadata.namespace": RELEASE, "metadata.name": pod_name})
     env.update(
         KVGATE_OPERATOR_LIVENESS_PORT=str(free_port()),
         KVGATE_OPERATOR_WEBHOOK_PORT=str(j.webhook_port),
@@ -143,6 +144,9 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
     wait_until(ca_synced, 60, "the operator to fill in the webhook's caBundle\n" + j.logs())
     secret = get(cp, "secret", f"{RELEASE}-webhook-tls", "-n", RELEASE)
     assert set(secret["data"]) >= {"tls.crt", "tls.key"}
+    # It leads (the chart's Role lets its service account take the leader Lease).
+    lease = get(cp, "lease", f"{RELEASE}-operator", "-n", RELEASE)
+    assert lease["spec"]["holderIdentity"] == pod_name
 
     # 3. The user's side: a namespace opted in, the examples applied, a Node for the pod.
     cp.kubectl("create", "namespace", MODELS, check=False)

@@ -10,7 +10,8 @@
 - the chart's CRDs are byte-identical to crds/;
 - RBAC has no wildcards, the agent gets exactly its three rules, Secrets only through the
   operator's namespaced Role;
-- the operator's pod meets Pod Security "restricted" and rolls out with Recreate; the agent's
+- the operator's pod meets Pod Security "restricted" and rolls out replica by replica (leader
+  election: one Lease, its own namespaced Role) with a PodDisruptionBudget; the agent's
   only exceptions are hostPID and its hostPort;
 - the injection settings the operator reads (KVGATE_OPERATOR_INJECTION) are JSON with exactly
   the agreed keys, accepted by the operator's own ``InjectionConfig``, and every
@@ -665,10 +666,44 @@ def test_pod_security_check_catches_violations() -> None:
     }
 
 
-def test_operator_is_one_replica_with_recreate(docs: dict[str, Docs]) -> None:
-    spec = _operator(docs["default"])["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"] == {"type": "Recreate"}
+def test_operator_replicas_roll_with_a_disruption_budget(docs: dict[str, Docs], helm: Helm) -> None:
+    """Two replicas (one leader writes; leader election), a rolling update that starts the new
+    pod first, spread over nodes, and a PodDisruptionBudget keeping one; with one replica, no
+    budget (it would block every drain)."""
+    d = docs["default"]
+    spec = _operator(d)["spec"]
+    assert spec["replicas"] == 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
+    anti = spec["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["labelSelector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    pdb = _one(d, "PodDisruptionBudget", "kvgate-operator")
+    assert pdb["spec"] == {"minAvailable": 1, "selector": spec["selector"]}
+    (r,) = helm(_template_args(*_values("default"), "--set", "operator.replicas=1"))
+    assert r.returncode == 0, r.stderr
+    one = [x for x in yaml.safe_load_all(r.stdout) if x]
+    assert "PodDisruptionBudget/kvgate-operator" not in _kinds(one)
+    assert "affinity" not in _operator(one)["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_leader_election_role_is_the_one_lease(docs: dict[str, Docs], scenario: str) -> None:
+    role = _one(docs[scenario], "Role", "kvgate-operator-leader-election")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert _rule_set(role) == {
+        ("coordination.k8s.io", "leases", frozenset({"get", "update"}), ("kvgate-operator",)),
+        ("coordination.k8s.io", "leases", frozenset({"create"}), ()),
+    }
+    b = _one(docs[scenario], "RoleBinding", "kvgate-operator-leader-election")
+    assert b["roleRef"]["name"] == "kvgate-operator-leader-election"
+    assert b["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kvgate-operator", "namespace": NAMESPACE}
+    ]
+    env = _env(_operator(docs[scenario])["spec"]["template"]["spec"]["containers"][0])
+    assert env["KVGATE_OPERATOR_LEADER_ELECTION_LEASE_NAME"] == "kvgate-operator"
 
 
 def test_operator_container(docs: dict[str, Docs]) -> None:
@@ -727,6 +762,11 @@ def test_operator_env_self_signed(docs: dict[str, Docs]) -> None:
     env = _env(pod["containers"][0])
     assert env == {
         "KVGATE_OPERATOR_POD_NAMESPACE": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        "KVGATE_OPERATOR_POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
+        "KVGATE_OPERATOR_LEADER_ELECTION_LEASE_NAME": "kvgate-operator",
+        "KVGATE_OPERATOR_LEADER_ELECTION_LEASE_DURATION": "15",
+        "KVGATE_OPERATOR_LEADER_ELECTION_RENEW_DEADLINE": "10",
+        "KVGATE_OPERATOR_LEADER_ELECTION_RETRY_PERIOD": "2",
         "KVGATE_OPERATOR_LIVENESS_PORT": "8080",
         "KVGATE_OPERATOR_WEBHOOK_PORT": "9443",
         "KVGATE_OPERATOR_WEBHOOK_HOST": "kvgate-webhook.kvgate-system.svc",

@@ -521,3 +521,21 @@ def test_write_files_are_private_and_complete(tmp_path: Path) -> None:
     assert key.read_bytes() == m.certs.serving.key_pem
     assert (tmp_path / "tls").stat().st_mode & 0o077 == 0
     assert key.stat().st_mode & 0o077 == 0
+
+
+def test_a_follower_serves_the_leaders_certificates_and_writes_nothing() -> None:
+    """Leader election: a follower reads the Secret only (never writes it nor the caBundle),
+    serves in-memory certificates until the leader stored some, then adopts each rotation."""
+    store, clock = FakeStore(), FakeUtcClock(T0)
+    follower = manager(store, clock)
+    assert follower.follow() == [] and follower.certs is None  # no Secret yet
+    follower.provisional()
+    assert follower.certs is not None and not follower.persistent
+    leader = manager(store, clock)
+    assert leader.ensure() == ["created"]
+    assert follower.follow() == ["adopted_stored"] and follower.certs == leader.certs
+    assert follower.follow() == []  # unchanged
+    clock.now = T0 + days(61)  # the serving certificate is due: the leader renews it
+    assert leader.check() == ["serving_rotated"]
+    assert follower.follow() == ["adopted_stored"] and follower.certs == leader.certs
+    assert store.secret_writes == 2 and len(store.patches) == 0  # all by the leader
