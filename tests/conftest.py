@@ -40,8 +40,9 @@ SidecarFactory = Callable[..., Awaitable[tuple[str, Sidecar]]]
 
 async def serve_sidecar(sc: Sidecar, runners: list[web.AppRunner]) -> str:
     """Serve ``sc`` on a free loopback port in this event loop (its runner is appended to
-    ``runners`` for cleanup); returns its base URL."""
-    runner = web.AppRunner(sc.build_app(), handler_cancellation=True, access_log=None)
+    ``runners`` for cleanup); returns its base URL. Served as the CLI serves it
+    (:meth:`Sidecar.runner`: the header deadline, OpenAI answers to malformed HTTP)."""
+    runner = sc.runner(handler_cancellation=True, access_log=None)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

@@ -22,6 +22,11 @@ from aiohttp import web
 from kvgate_bench.toolkit import free_port
 from tests.conftest import SidecarFactory, gauges
 
+#: The decisions counter's series for refusals before admission (a bad body, path or method).
+REFUSED_INVALID = (
+    'kvgate_admission_decisions_total{outcome="rejected",reason="invalid_request",tenant=""}'
+)
+
 # ---------------------------------------------------------------- a recording multi-API upstream
 
 
@@ -440,6 +445,8 @@ async def test_unknown_mutating_requests_are_refused_and_never_forwarded(
         err = await r.json()
     assert err["error"]["code"] == "unknown_endpoint" and set(err) == {"error"}
     assert multi.generation_calls == []
+    g = await gauges(client, url)  # counted, so a path scanner shows in the rejection ratio
+    assert g[REFUSED_INVALID] == 1
 
 
 async def test_allowlist_and_safe_methods_pass_through(
@@ -488,6 +495,7 @@ async def test_other_methods_on_a_generation_path_get_405_with_allow(
         if method != "HEAD":
             assert (await r.json())["error"]["code"] == "method_not_allowed"
     assert multi.generation_calls == []
+    assert (await gauges(client, url))[REFUSED_INVALID] == 1
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.slowclients import KEEPALIVE_TIMEOUT_S
 from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import gauges, policy_doc
 from tests.upstream import CHAT, Faulty, serve_faulty
@@ -266,6 +267,49 @@ async def test_slow_loris_is_cut_while_legitimate_traffic_is_served(
     assert g['kvgate_client_timeouts_total{phase="body"}'] == 40
     assert faulty.faults == ["ok"] * faulty.reached  # no slow request reached the model
     assert faulty.reached == len(served) + 2
+
+
+async def test_malformed_http_gets_an_openai_error_and_never_reaches_the_model(
+    faulty: Faulty, start: Start
+) -> None:
+    """Requests aiohttp's parser refuses before any handler runs (request smuggling with both
+    Content-Length and Transfer-Encoding, a broken header line, a bad chunk size) get a 4xx
+    with an OpenAI error body and a closed connection; idle kept-alive connections are bounded
+    (75 s, not aiohttp's 3630 s)."""
+    url, sc = await start(faulty.url, {})
+    port = int(url.rsplit(":", 1)[1])
+    raw = json.dumps(CHAT).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    cases = {
+        "cl+te": head
+        + b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+        % (len(raw), len(raw), raw),
+        "header line": head + b"Bad Header\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw),
+        "chunk size": head + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n%s\r\n0\r\n\r\n" % raw,
+    }
+    for name, payload in cases.items():
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(payload)
+        got = b""
+        try:
+            while chunk := await asyncio.wait_for(reader.read(65536), 10):
+                got += chunk
+        except ConnectionResetError:
+            pass
+        writer.close()
+        status, _, rest = got.partition(b"\r\n")
+        assert status.startswith(b"HTTP/1.") and b" 400 " in status, (name, got[:200])
+        body = json.loads(rest.partition(b"\r\n\r\n")[2])
+        assert body["error"]["code"] == "malformed_http", (name, body)
+        assert body["error"]["type"] == "invalid_request_error"
+    assert faulty.reached == 0
+    async with aiohttp.ClientSession() as client:
+        await all_free(client, url, sc)
+        async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200  # the sidecar serves on
+    assert faulty.reached == 1
+    runner = sc.runner()
+    assert runner._kwargs["keepalive_timeout"] == KEEPALIVE_TIMEOUT_S == 75.0
 
 
 # ---------------------------------------------------------------- model servers that misbehave

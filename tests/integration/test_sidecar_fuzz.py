@@ -112,10 +112,16 @@ class Servers:
                 engine_usage_seconds=0,
             )
         )
-        self.port = await self._serve(self.sidecar.build_app())
+        # Served as the CLI serves it (header deadline, OpenAI answers to malformed HTTP).
+        runner = self.sidecar.runner(handler_cancellation=True, access_log=None)
+        self.port = await self._serve(runner)
 
-    async def _serve(self, app: web.Application) -> int:
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    async def _serve(self, app: web.Application | web.AppRunner) -> int:
+        runner = (
+            app
+            if isinstance(app, web.AppRunner)
+            else web.AppRunner(app, handler_cancellation=True, access_log=None)
+        )
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -312,9 +318,9 @@ def api_case(draw: st.DrawFn) -> Case:
 cases = st.one_of(api_case(), any_case)
 
 
-def send(port: int, case: Case, number: int) -> tuple[int, bool]:
+def send(port: int, case: Case, number: int) -> tuple[int, bool, bool]:
     """Send ``case`` on a fresh connection; (the response status, it came from the
-    upstream)."""
+    upstream, its body is an OpenAI error object)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.putrequest(case.method, case.path, skip_host=False, skip_accept_encoding=True)
@@ -331,8 +337,12 @@ def send(port: int, case: Case, number: int) -> tuple[int, bool]:
             conn.endheaders()
             conn.send(case.body)
         resp = conn.getresponse()
-        resp.read()
-        return resp.status, resp.getheader(UPSTREAM_HEADER) == "1"
+        data = resp.read()
+        try:
+            openai_error = isinstance(json.loads(data).get("error"), dict)
+        except (ValueError, AttributeError):
+            openai_error = False
+        return resp.status, resp.getheader(UPSTREAM_HEADER) == "1", openai_error
     finally:
         conn.close()
 
@@ -347,6 +357,7 @@ def test_fuzzed_requests_never_5xx_never_leak_refusals_upstream_and_free_everyth
     by_path: Counter[tuple[str, int]] = Counter()
     leaked: list[tuple[int, Case]] = []
     errors: list[tuple[int, int, Case]] = []
+    not_openai: list[tuple[int, int, Case]] = []
     counter = iter(range(10**9))
 
     @settings(
@@ -359,7 +370,7 @@ def test_fuzzed_requests_never_5xx_never_leak_refusals_upstream_and_free_everyth
     @given(case=cases)
     def run(case: Case) -> None:
         number = next(counter)
-        status, relayed = send(servers.port, case, number)
+        status, relayed, openai_error = send(servers.port, case, number)
         statuses[status] += 1
         kind = GENERATION_PATHS.get(case.path.split("?")[0], "other")
         by_path[(str(kind), status)] += 1
@@ -367,6 +378,8 @@ def test_fuzzed_requests_never_5xx_never_leak_refusals_upstream_and_free_everyth
             errors.append((number, status, case))
         elif status >= 400 and str(number) in servers.recorder.cases:
             leaked.append((number, case))
+        if status >= 400 and not relayed and not openai_error and case.method != "HEAD":
+            not_openai.append((number, status, case))
 
     run()
     sc = servers.sidecar
@@ -379,6 +392,7 @@ def test_fuzzed_requests_never_5xx_never_leak_refusals_upstream_and_free_everyth
     assert total >= EXAMPLES
     assert errors == [], errors[:5]
     assert leaked == [], leaked[:5]
+    assert not_openai == [], not_openai[:5]  # every refusal has an OpenAI error body
     assert (c.in_flight, c.kv_reserved_tokens, c.queue_length) == (0, 0, 0)
     gauges = servers.call(_gauges(sc))
     for name in ("kvgate_in_flight_requests", "kvgate_kv_reserved_tokens", "kvgate_queue_length"):

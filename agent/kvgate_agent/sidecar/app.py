@@ -355,6 +355,7 @@ class Sidecar:
         if request.method in SAFE_METHODS:
             return await self.forwarder.passthrough(request)
         if not self.passthrough.allows(path):
+            self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.not_allowed_path(request.method, path)
         if raw != path:
             return responses.non_canonical_path()
@@ -379,6 +380,7 @@ class Sidecar:
         if request.method != "POST":
             if request.method == "OPTIONS":
                 return await self.forwarder.passthrough(request)
+            self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.method_not_allowed(request.method, request.path)
         content_type = request.headers.get("Content-Type")
         if content_type is not None and not _is_json(content_type):

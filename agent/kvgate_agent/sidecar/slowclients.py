@@ -1,5 +1,6 @@
-"""Bounds on slow clients (slow-loris): the time a connection may take to send a request's
-headers, enforced per connection.
+"""The sidecar's connections: bounds on slow clients (slow-loris), the time a connection may
+take to send a request's headers, enforced per connection, and an OpenAI-style answer to a
+request aiohttp's HTTP parser refuses.
 
 aiohttp's server has no header timeout of its own (the ``slow_request_timeout`` of its early
 versions, https://github.com/aio-libs/aiohttp/issues/1198, is gone): a client that trickles
@@ -10,20 +11,34 @@ headers are not complete within ``header_timeout`` seconds, counted, as hyper's
 ``header_read_timeout`` does (https://github.com/hyperium/hyper/pull/2675), from the moment the
 connection opens (first request) or from the first byte of a later request on a kept-alive
 connection. An idle kept-alive connection (no byte of a next request) is left to aiohttp's
-keep-alive timeout. The time to send the body is bounded by the handler reading it (see
-``SidecarSettings.body_timeout``).
+keep-alive timeout (:data:`KEEPALIVE_TIMEOUT_S` here). The time to send the body is bounded by
+the handler reading it (see ``SidecarSettings.body_timeout``).
+
+A request the parser refuses before any handler runs (a malformed request line or header,
+``Content-Length`` together with ``Transfer-Encoding``: request smuggling, RFC 9112 §6.3) gets
+its 4xx with an OpenAI error body (``code: malformed_http``) instead of aiohttp's plain text, and
+the connection is closed; it never reaches the model server.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
-__all__ = ["GuardedAppRunner", "HeaderDeadlineHandler", "track_requests"]
+from kvgate_agent.sidecar.openai_errors import error_body
+
+__all__ = ["KEEPALIVE_TIMEOUT_S", "GuardedAppRunner", "HeaderDeadlineHandler", "track_requests"]
+
+#: Seconds an idle kept-alive client connection stays open (aiohttp's default is 3630 s, so a
+#: flood of idle connections would be bounded only by file descriptors); nginx's
+#: ``keepalive_timeout`` default, https://nginx.org/en/docs/http/ngx_http_core_module.html#keepalive_timeout
+KEEPALIVE_TIMEOUT_S = 75.0
 
 #: What a connection that ran out of time gets before it is closed (RFC 9110 §15.5.9).
 _TIMEOUT_RESPONSE = (
@@ -89,6 +104,29 @@ class HeaderDeadlineHandler(RequestHandler):
         self._in_request = False
         if not body_read:
             self._arm(headers=False)
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """aiohttp's answer when its parser refuses a request (4xx): an OpenAI error body, and
+        the connection closed. Other statuses (a handler's crash, 500) keep aiohttp's answer."""
+        if not 400 <= status < 500:
+            return super().handle_error(request, status, exc, message)
+        self.logger.debug("malformed HTTP request from %s: %s", request.remote, exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already sent: the connection is broken")
+        text = message or HTTPStatus(status).phrase
+        resp = web.Response(
+            status=status,
+            body=error_body(text, "invalid_request_error", None, "malformed_http"),
+            content_type="application/json",
+        )
+        resp.force_close()
+        return resp
 
     def _arm(self, *, headers: bool = True) -> None:
         if self._header_timeout > 0:
@@ -157,6 +195,7 @@ class GuardedAppRunner(web.AppRunner):
         on_timeout: Callable[[], None] = lambda: None,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("keepalive_timeout", KEEPALIVE_TIMEOUT_S)
         super().__init__(app, **kwargs)
         self._header_timeout = header_timeout
         self._on_timeout = on_timeout
