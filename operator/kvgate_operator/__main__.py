@@ -7,6 +7,7 @@ leader election instead (:mod:`kvgate_operator.leader`): only the leader writes.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -16,8 +17,32 @@ from kvgate_operator import handlers
 from kvgate_operator.settings import OperatorSettings
 
 
-def main() -> int:
-    """Entry point: read the settings (``KVGATE_OPERATOR_*``) and run kopf until stopped."""
+def settings_help() -> str:
+    """One line per setting: its environment variable and default (from
+    :class:`~kvgate_operator.settings.OperatorSettings`)."""
+    prefix = OperatorSettings.model_config.get("env_prefix", "")
+    lines = []
+    for name, field in OperatorSettings.model_fields.items():
+        default = (
+            "(required)"
+            if field.is_required()
+            else repr(field.get_default(call_default_factory=False))
+        )
+        lines.append(f"  {prefix}{name.upper()}  default {default}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: read the settings (``KVGATE_OPERATOR_*``) and run kopf until stopped.
+    ``--help`` lists the settings and exits; the operator takes no arguments (exit 2 on any)."""
+    parser = argparse.ArgumentParser(
+        prog="kvgate-operator",
+        description="The kvgate operator: RateLimitPolicies to NodeAdmissions, the sidecar "
+        "injection webhook. Configured by environment variables only (see the README):",
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

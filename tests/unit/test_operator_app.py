@@ -101,3 +101,19 @@ async def test_startup_keeps_the_operator_in_the_memo_and_cleanup_stops_it(
     await handlers.cleanup(memo=memo)
     with pytest.raises(kopf.PermanentError, match="not running"):
         op.reconciler_alive()
+
+
+def test_operator_help_lists_the_settings_and_does_not_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvgate_operator.__main__ import main
+
+    with pytest.raises(SystemExit) as help_exit:
+        main(["--help"])
+    assert help_exit.value.code == 0
+    out = capsys.readouterr().out
+    assert "KVGATE_OPERATOR_RESYNC_SECONDS  default 300.0" in out
+    assert "KVGATE_OPERATOR_LEADER_ELECTION_LEASE_DURATION  default 15.0" in out
+    with pytest.raises(SystemExit) as bad:
+        main(["--resync", "5"])  # settings are environment variables only
+    assert bad.value.code == 2
