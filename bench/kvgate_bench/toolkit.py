@@ -221,6 +221,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 # ------------------------------------------------------------------------------------ Prometheus
 
 
+def http_status(url: str, timeout: float = 2.0) -> int:
+    """The HTTP status of a GET of ``url`` (an error status included); 0 when nothing answers
+    (refused, reset, timed out)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return 0
+
+
 def fetch_text(url: str, timeout: float = 10.0, context: SSLContext | None = None) -> str:
     """The body of a GET of ``url`` as text; HTTP errors and connection failures raise."""
     with urllib.request.urlopen(url, timeout=timeout, context=context) as r:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvgate_bench.toolkit import free_port, poll_until, wait_until
+from kvgate_bench.toolkit import free_port, http_status, poll_until, wait_until
 from kvgate_operator.desired import compute
 from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings
@@ -491,10 +491,4 @@ def test_operator_in_process_converges_and_serves_liveness(
 
 def _healthz(port: int) -> int:
     """The liveness endpoint's HTTP status; 0 when nothing listens."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except OSError:
-        return 0
+    return http_status(f"http://127.0.0.1:{port}/healthz")

@@ -37,7 +37,15 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from kvgate_bench.toolkit import free_port, parse_samples, poll_until, series, wait_until
+from kvgate_bench.bench_operator_checks import strip_status
+from kvgate_bench.toolkit import (
+    free_port,
+    http_status,
+    parse_samples,
+    poll_until,
+    series,
+    wait_until,
+)
 from kvgate_operator.desired import compute
 from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings
@@ -146,16 +154,6 @@ def audited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Audited]:
         yield Audited(cp, log)
 
 
-def strip_times(status: dict[str, Any] | None) -> dict[str, Any]:
-    st = dict(status or {})
-    st["conditions"] = [
-        {k: v for k, v in c.items() if k != "lastTransitionTime"}
-        for c in st.get("conditions") or []
-    ]
-    st.setdefault("conflicts", [])
-    return st
-
-
 def diff(a: Audited) -> list[str]:
     """What differs between the cluster and the from-scratch computation on one fresh read:
     NodeAdmissions (missing, extra, other spec) and policy statuses (timestamps aside)."""
@@ -168,7 +166,7 @@ def diff(a: Audited) -> list[str]:
         if want.node_specs.get(n) != observed.node_specs.get(n)
     ]
     for key, outcome in sorted(want.policies.items()):
-        if strip_times(observed.policy_status.get(key)) != strip_times(outcome.status()):
+        if strip_status(observed.policy_status.get(key)) != strip_status(outcome.status()):
             out.append(f"policy {key[0]}/{key[1]}")
     return out
 
@@ -659,13 +657,5 @@ def _leader_gauge(port: int) -> float:
 
 
 def _healthz(port: int) -> int:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except OSError:
-        return 0
+    """The liveness endpoint's HTTP status; 0 when nothing listens."""
+    return http_status(f"http://127.0.0.1:{port}/healthz")
