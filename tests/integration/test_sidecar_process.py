@@ -117,7 +117,9 @@ async def test_drain_deadline_is_enforced_and_waiters_get_503(
         loop = asyncio.get_running_loop()
         code = await loop.run_in_executor(None, proc.popen.wait, 10)
         assert code == 0
-        assert time.monotonic() - t0 < 4  # 1 s drain + cancellation, not the 10 s stream
+        # 1 s drain + 1 s to end the streams + 1 s shutdown (slack for a loaded machine), not
+        # the 10 s stream
+        assert time.monotonic() - t0 < 8
         long.release()
 
 
