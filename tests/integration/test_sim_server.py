@@ -52,8 +52,9 @@ async def stats(http: aiohttp.ClientSession, base: str) -> dict[str, Any]:
         return data
 
 
-async def wait_for(pred: Callable[[], Awaitable[bool]], within_s: float = 1.0) -> None:
-    """Poll ``pred`` every 10 ms; fail unless it holds within ``within_s`` seconds."""
+async def wait_for(pred: Callable[[], Awaitable[bool]], within_s: float = 5.0) -> None:
+    """Poll ``pred`` every 10 ms; fail unless it holds within ``within_s`` seconds (5 s: slack
+    for a loaded CI machine; the simulator reacts within a step, milliseconds)."""
     await wait_until_async(pred, within_s, "the condition")
 
 
@@ -234,7 +235,7 @@ async def test_disconnect_mid_stream_cancels_request(
         s = await stats(http, base)
         return bool(s["cancelled_total"] == 1 and s["running"] == 0 and s["used_blocks"] == 0)
 
-    await wait_for(cancelled, within_s=1.0)
+    await wait_for(cancelled)
     assert (await stats(http, base))["active_requests"] == 0
 
 
