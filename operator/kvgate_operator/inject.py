@@ -49,7 +49,7 @@ ANNOTATION_INJECT = "kvgate.io/inject"
 """Pod annotation: ``"false"`` opts out, ``"true"`` is accepted, anything else is refused."""
 ANNOTATION_INJECTED = "kvgate.io/injected"
 """Written on injection: compact JSON, sorted keys, e.g.
-``{"modelPort":8000,"native":true,"sidecarPort":8001,"version":"0.1.0"}``."""
+``{"modelPort":8000,"native":true,"sidecarPort":8001,"version":"0.2.0"}``."""
 ANNOTATION_MODEL_PORT = "kvgate.io/model-port"
 """The model server's port, 1..65535. Default: the first TCP ``containerPort`` of the first
 container that has one."""

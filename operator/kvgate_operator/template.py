@@ -20,7 +20,7 @@ TOKEN_VOLUME = "kvgate-token"
 TOKEN_DIR = "/var/run/secrets/kvgate"
 TOKEN_FILE = TOKEN_DIR + "/token"
 RUN_AS_USER = 65532
-TEMPLATE_VERSION = "0.1.0"
+TEMPLATE_VERSION = "0.2.0"
 """Version of the injected container's template: bump it whenever the template changes, so the
 operator can tell pods injected with an older one (``kvgate.io/injected``)."""
 
@@ -54,6 +54,12 @@ class InjectionConfig(BaseModel):
         excluded_namespaces: never injected, whatever their labels say.
         own_namespace: kvgate's own namespace, never injected (set by the operator).
         drain_seconds: the sidecar's ``KVGATE_DRAIN_SECONDS`` (> 0).
+        header_timeout_seconds: the sidecar's ``KVGATE_HEADER_TIMEOUT_SECONDS``: seconds a client
+            may take to send a request's headers (slow-loris bound; 0 disables).
+        body_timeout_seconds: the sidecar's ``KVGATE_BODY_TIMEOUT_SECONDS``: seconds a request's
+            body may take after its headers (0 disables).
+        upstream_timeout_seconds: the sidecar's ``KVGATE_UPSTREAM_TIMEOUT``: seconds without a
+            byte from the model server before 504 (> 0).
         log_level: the sidecar's ``KVGATE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR.
         passthrough_paths: the sidecar's ``KVGATE_PASSTHROUGH_PATHS``: paths (or prefixes
             ending in ``*``) POST and other mutating requests may reach the model server on
@@ -77,6 +83,9 @@ class InjectionConfig(BaseModel):
     )
     own_namespace: str | None = None
     drain_seconds: int = Field(30, gt=0)
+    header_timeout_seconds: float = Field(10.0, ge=0, le=3600)
+    body_timeout_seconds: float = Field(30.0, ge=0, le=3600)
+    upstream_timeout_seconds: float = Field(600.0, gt=0, le=86400)
     log_level: str = "INFO"
     passthrough_paths: list[str] = Field(default_factory=list)
 
@@ -136,6 +145,9 @@ def sidecar_container(
         field_ref("KVGATE_POD_IP", "status.podIP"),
         {"name": "KVGATE_TOKEN_FILE", "value": TOKEN_FILE},
         {"name": "KVGATE_DRAIN_SECONDS", "value": str(config.drain_seconds)},
+        {"name": "KVGATE_HEADER_TIMEOUT_SECONDS", "value": f"{config.header_timeout_seconds:g}"},
+        {"name": "KVGATE_BODY_TIMEOUT_SECONDS", "value": f"{config.body_timeout_seconds:g}"},
+        {"name": "KVGATE_UPSTREAM_TIMEOUT", "value": f"{config.upstream_timeout_seconds:g}"},
         {"name": "KVGATE_LOG_LEVEL", "value": config.log_level},
     ]
     if policy is not None:

@@ -65,6 +65,9 @@ INJECTION_KEYS = {
     "excludedNamespaces",
     "ownNamespace",
     "drainSeconds",
+    "headerTimeoutSeconds",
+    "bodyTimeoutSeconds",
+    "upstreamTimeoutSeconds",
     "logLevel",
 }
 SYSTEM_NAMESPACES = {"kube-system", "kube-public", "kube-node-lease"}
@@ -843,7 +846,8 @@ def test_injection_tracks_values(helm: Helm) -> None:
             "--set",
             "injector.sidecarPort=8001,injector.logLevel=DEBUG",
             "--set",
-            "injector.drainSeconds=12",
+            "injector.drainSeconds=12,injector.headerTimeoutSeconds=5,"
+            "injector.bodyTimeoutSeconds=0,injector.upstreamTimeoutSeconds=120",
             "--set",
             "injector.excludedNamespaces={monitoring,kube-system}",
             "--set",
@@ -858,6 +862,8 @@ def test_injection_tracks_values(helm: Helm) -> None:
     assert inj["sidecarImage"] == "reg/agent:t1"
     assert (inj["agentPort"], inj["sidecarPort"]) == (9999, 8001)
     assert (inj["drainSeconds"], inj["logLevel"]) == (12, "DEBUG")
+    timeouts = ("headerTimeoutSeconds", "bodyTimeoutSeconds", "upstreamTimeoutSeconds")
+    assert tuple(inj[k] for k in timeouts) == (5, 0, 120)
     assert inj["excludedNamespaces"] == sorted(SYSTEM_NAMESPACES | {NAMESPACE, "monitoring"})
     assert inj["passthroughPaths"] == ["/v1/embeddings", "/admin/*"]
 

@@ -38,6 +38,7 @@ from kvgate_operator.inject import (
 )
 from kvgate_operator.template import (
     SIDECAR_NAME,
+    TEMPLATE_VERSION,
     TOKEN_VOLUME,
     InjectionConfig,
     sidecar_container,
@@ -407,7 +408,7 @@ def test_port_annotations_at_the_limits() -> None:
         "modelPort": 1,
         "native": True,
         "sidecarPort": 65535,
-        "version": "0.1.0",
+        "version": TEMPLATE_VERSION,
     }
 
 

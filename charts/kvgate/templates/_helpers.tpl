@@ -111,6 +111,9 @@ operator reads exactly these keys.
   "excludedNamespaces" (include "kvgate.excludedNamespaces" . | fromJsonArray)
   "ownNamespace" .Release.Namespace
   "drainSeconds" $i.drainSeconds
+  "headerTimeoutSeconds" $i.headerTimeoutSeconds
+  "bodyTimeoutSeconds" $i.bodyTimeoutSeconds
+  "upstreamTimeoutSeconds" $i.upstreamTimeoutSeconds
   "logLevel" $i.logLevel
   "passthroughPaths" $i.passthroughPaths
   | toJson }}
