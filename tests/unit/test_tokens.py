@@ -133,6 +133,37 @@ def test_estimate_formula() -> None:
     assert est.count({}) == PromptCount(0, 0, True, 0)
 
 
+def test_fields_a_chat_template_renders_are_counted() -> None:
+    """RAG ``documents``, a client's ``chat_template``, its ``chat_template_kwargs`` and an
+    assistant turn's ``reasoning_content`` reach the prompt through the template: a prompt
+    hidden there must not reserve a handful of tokens."""
+    est = PromptCounter()
+    big = "word " * 3000  # 15,000 bytes: 5,000 estimated tokens
+    base = est.count(chat("hi")).tokens
+    hidden = [
+        {**chat("hi"), "documents": [{"title": "t", "text": big}]},
+        {**chat("hi"), "chat_template": big},
+        {**chat("hi"), "chat_template_kwargs": {"extra": big}},
+        {"messages": [{"role": "user", "content": "hi"}], "documents": [big]},
+    ]
+    for body in hidden:
+        assert est.count(body).tokens >= base + 5000, body.keys()
+    turn = {"role": "assistant", "content": "", "reasoning_content": big}
+    two = {"messages": [{"role": "user", "content": "hi"}, turn]}
+    assert est.count(two).tokens >= 5000
+    assert (
+        est.count(
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {**turn, "reasoning_content": None, "reasoning": big},
+                ]
+            }
+        ).tokens
+        >= 5000
+    )
+
+
 def test_estimate_over_counts_english(exact: PromptCounter) -> None:
     est = PromptCounter()
     for body in (chat(ENGLISH), {"prompt": ENGLISH}, chat(*ENGLISH.split(". "))):

@@ -75,6 +75,10 @@ class PromptCount:
     overhead_tokens: int = 0
 
 
+#: Request fields a chat template may render into the prompt, counted as their compact JSON.
+PROMPT_JSON_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs")
+
+
 def _utf8_len(s: str) -> int:
     return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
 
@@ -133,12 +137,17 @@ class PromptCounter:
 
         Chat (``messages``): each message's ``content`` (a string, or a list of parts where
         ``{"type": "text", "text": ...}`` is text and any other part costs
-        ``non_text_part_tokens``), ``name`` and ``tool_calls`` (JSON), plus
+        ``non_text_part_tokens``), ``name``, ``reasoning_content`` / ``reasoning`` (an assistant
+        turn's reasoning, which chat templates may render) and ``tool_calls`` (JSON), plus
         ``TOKENS_PER_MESSAGE`` per message and ``REPLY_PRIMER_TOKENS``. Completions
         (``prompt``): a string, a list of strings, a list of token ids (one token each) or a list
         of such lists; strings are encoded with the tokenizer's special tokens (as vLLM does).
-        ``tools`` and legacy ``functions`` count as their compact JSON text. Unexpected shapes
-        are skipped, never raised on.
+        The request-level fields a chat template can render into the prompt count too: ``tools``,
+        legacy ``functions``, ``documents`` (RAG templates, e.g. Command-R and Granite) and
+        ``chat_template_kwargs`` as their compact JSON text, a client's own ``chat_template`` as
+        its text (vLLM's chat parameters:
+        https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html#chat-api). Unexpected
+        shapes are skipped, never raised on.
         """
         chat: list[str] = []  # encoded without special tokens (the chat template adds them)
         plain: list[str] = []  # completions prompts: encoded with special tokens
@@ -161,9 +170,10 @@ class PromptCounter:
                                 chat.append(text)
                         else:
                             fixed += self._non_text
-                name = msg.get("name")
-                if isinstance(name, str):
-                    chat.append(name)
+                for key in ("name", "reasoning_content", "reasoning"):
+                    text = msg.get(key)
+                    if isinstance(text, str):
+                        chat.append(text)
                 tool_calls = msg.get("tool_calls")
                 if tool_calls:
                     chat.append(_dumps(tool_calls))
@@ -178,9 +188,12 @@ class PromptCounter:
                     ids += 1
                 elif isinstance(p, list):
                     ids += len(p)
-        for key in ("tools", "functions"):
+        for key in PROMPT_JSON_FIELDS:
             if body.get(key):
                 chat.append(_dumps(body[key]))
+        template = body.get("chat_template")
+        if isinstance(template, str):
+            chat.append(template)
 
         text_bytes = sum(map(_utf8_len, chat)) + sum(map(_utf8_len, plain))
         if self._tok is None:
