@@ -539,3 +539,26 @@ def test_a_follower_serves_the_leaders_certificates_and_writes_nothing() -> None
     assert leader.check() == ["serving_rotated"]
     assert follower.follow() == ["adopted_stored"] and follower.certs == leader.certs
     assert store.secret_writes == 2 and len(store.patches) == 0  # all by the leader
+
+
+def test_a_follower_keeps_its_certificates_when_the_api_server_does_not_answer() -> None:
+    """urllib3's own errors (not OSErrors, not wrapped by the kubernetes client) reach
+    ``follow``: they keep the current certificates, as an error answer does."""
+    from urllib3.exceptions import MaxRetryError, ReadTimeoutError
+
+    store, clock = FakeStore(), FakeUtcClock(T0)
+    leader, follower = manager(store, clock), manager(store, clock)
+    leader.ensure()
+    assert follower.follow() == ["adopted_stored"]
+    kept = follower.certs
+    for exc in (
+        MaxRetryError(None, "/api", reason=ConnectionRefusedError()),  # type: ignore[arg-type]
+        ReadTimeoutError(None, "/api", "read timed out"),  # type: ignore[arg-type]
+        ConnectionResetError(),
+    ):
+
+        def fail(namespace: str, name: str, exc: Exception = exc) -> None:
+            raise exc
+
+        store.read_secret = fail  # type: ignore[method-assign]
+        assert follower.follow() == [] and follower.certs is kept
