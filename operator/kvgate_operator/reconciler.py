@@ -178,7 +178,8 @@ class Reconciler:
 
     async def run(self) -> None:
         """Reconcile on every trigger (debounced) and at least every ``resync_seconds``.
-        A failed pass is logged and retried with backoff; it never stops the loop."""
+        A failed pass, whatever it raised, is logged (with its traceback when unexpected) and
+        retried with backoff; it never stops the loop."""
         backoff = 1.0
         while True:
             with contextlib.suppress(TimeoutError):
@@ -192,9 +193,15 @@ class Reconciler:
                 backoff = 1.0
             except NotLeader:
                 log.warning("leadership lost during a pass: its remaining writes were dropped")
-            except (ApiException, OSError, ValueError, PassIncomplete, HTTPError) as exc:
+            except Exception as exc:  # never let the loop die: liveness would fail for good
                 # (HTTPError: urllib3's timeouts and refused connections, which are not OSErrors)
-                log.warning("reconcile pass failed, retrying in %.0fs: %s", backoff, exc)
+                expected = (ApiException, OSError, ValueError, PassIncomplete, HTTPError)
+                log.warning(
+                    "reconcile pass failed, retrying in %.0fs: %s",
+                    backoff,
+                    exc,
+                    exc_info=not isinstance(exc, expected),
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(MAX_RETRY_SECONDS, backoff * 2)
                 self._wake.set()

@@ -208,3 +208,22 @@ async def test_a_clean_stop_releases_the_lease_only_after_the_pass_in_flight_end
     await asyncio.to_thread(running.wait, 10)
     await op.stop()
     assert released_after_pass == [True]
+
+
+def test_events_name_the_replica_that_reported_them() -> None:
+    """``reportingInstance`` is the replica's identity (its pod name), as the operator's
+    User-Agent, so that of several replicas the one that posted an Event is known."""
+    from kvgate_operator.missed import MissedPod
+
+    posted: list[Any] = []
+
+    class Core:
+        def create_namespaced_event(self, ns: str, body: Any) -> None:
+            posted.append(body)
+
+    op = Operator(settings(pod_name="kvgate-operator-7d9-x2"))
+    r = Reconciler(client.ApiClient(), op.settings, identity=op.identity)
+    r.core = Core()  # type: ignore[assignment]
+    r._event("ns", "policy", "uid", "Warning", "Reason", "message")
+    r._pod_event(MissedPod("ns", "pod", "uid", "pod label"))
+    assert [e.reporting_instance for e in posted] == ["kvgate-operator-7d9-x2"] * 2
