@@ -1,6 +1,7 @@
 """Leader election (kvgate_operator.leader): the pure decision on a read Lease, and the elector's
 bookkeeping against an in-memory Lease store with optimistic concurrency, on a fake clock. The
-real API server's part is in tests/integration/test_operator_faults.py."""
+real API server's part is in tests/integration/test_operator_replicas.py (and, cut off by a
+proxy, in tests/integration/test_partitions.py)."""
 
 from __future__ import annotations
 
