@@ -562,3 +562,26 @@ def test_a_follower_keeps_its_certificates_when_the_api_server_does_not_answer()
 
         store.read_secret = fail  # type: ignore[method-assign]
         assert follower.follow() == [] and follower.certs is kept
+
+
+def test_no_api_server_at_start_leaves_in_memory_certificates_not_a_crash(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The real store against a port where nothing listens (connections refused: urllib3's
+    MaxRetryError): the leader's start retries, then serves in-memory certificates; the
+    caBundle sync and a follower's refresh log and return."""
+    from kubernetes import client
+
+    from kvgate_operator.certstore import KubeCertStore
+
+    api = client.ApiClient(client.Configuration(host="https://127.0.0.1:1"))
+    store = KubeCertStore(api, timeout=2)
+    with pytest.raises(ApiException) as no_answer:
+        store.read_secret("kvgate-system", "kvgate-webhook-tls")
+    assert no_answer.value.status == 0
+    m = manager(store, FakeUtcClock(T0))  # type: ignore[arg-type]
+    assert m.ensure(start_retries=1) == ["created"]
+    assert m.certs is not None and not m.persistent
+    assert not m.sync_ca_bundle()
+    assert m.follow() == []
+    assert "no answer from the API server" in caplog.text
