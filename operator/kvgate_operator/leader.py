@@ -248,7 +248,7 @@ class LeaderElector:
         once the read returned (a renewal may have landed at any time while the read was in
         flight, so dating it by the read's start would let a follower take over early); the
         leader's own validity counts from the start of the round instead (:meth:`try_once`),
-        the earliest its renewal may have been seen."""
+        the earliest its renewal may have landed, so it stops before any follower may start."""
         timeout = max(1.0, self.renew_deadline / 2)
         try:
             lease: dict[str, Any] | None = self.api.sanitize_for_serialization(
