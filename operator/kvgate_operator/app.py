@@ -106,6 +106,9 @@ class Operator:
         #: The leader election (None without one: this replica always writes).
         self.elector: LeaderElector | None = None
         self._elector_task: asyncio.Task[None] | None = None
+        #: Set by :meth:`stop`: from then on nothing is written (an in-flight pass stops at
+        #: its next write).
+        self._stopping = False
 
     def api_client(self) -> client.ApiClient:
         """A kubernetes client whose User-Agent names this replica (audit logs tell replicas
@@ -115,12 +118,14 @@ class Operator:
         return api
 
     def may_write(self) -> bool:
-        """Whether this replica may write now: it leads, or there is no election."""
-        return self.elector is None or self.elector.is_leader()
+        """Whether this replica may write now: it is not stopping, and it leads or there is no
+        election."""
+        return not self._stopping and (self.elector is None or self.elector.is_leader())
 
     def _leadership_changed(self, leading: bool) -> None:
         self.metrics.leader.set(1 if leading else 0)
         if leading and self.reconciler is not None:
+            self.reconciler.started_leading()
             self.reconciler.trigger()  # from scratch: nothing seen while following is missed
 
     # ------------------------------------------------------------------ lifecycle
@@ -162,8 +167,14 @@ class Operator:
             log.info("no leader election (disabled, or no pod namespace): this replica writes")
             self.metrics.leader.set(1)
         self.reconciler = Reconciler(
-            self.api_client(), s, metrics=self.metrics, may_write=self.may_write
+            self.api_client(),
+            s,
+            metrics=self.metrics,
+            may_write=self.may_write,
+            identity=self.identity,
         )
+        if self.elector is not None and self.elector.is_leader():
+            self.reconciler.started_leading()  # won in the first round above
         self._liveness = await self._serve_liveness(s.liveness_port)
         if s.webhook_enabled:
             self.webhook_server = await self._webhook_server()
@@ -175,12 +186,22 @@ class Operator:
 
     async def stop(self) -> None:
         """Stop the reconcile loop, the certificate loop and the election (releasing the Lease
-        when leading), then the liveness server."""
+        when leading), then the liveness server.
+
+        Cancelling the loop does not stop a pass's worker thread: writes stop at once (the pass
+        stops at its next write), and the Lease is released only once the pass has ended (or
+        after ``request_timeout`` seconds, the longest one write in flight may take), so the
+        next leader never writes while this one still does."""
+        self._stopping = True
         for task in (self._task, self._cert_task, self._elector_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self.reconciler is not None and not await self.reconciler.wait_idle(
+            self.settings.request_timeout
+        ):
+            log.warning("a reconcile pass still runs after %.0fs", self.settings.request_timeout)
         if self.elector is not None:
             await self.elector.release()
         if self._liveness is not None:
@@ -203,6 +224,8 @@ class Operator:
         r, task = self.reconciler, self._task
         if r is None or task is None or task.done():
             raise kopf.PermanentError("the reconcile loop is not running")
+        if self._elector_task is not None and self._elector_task.done():
+            raise kopf.PermanentError("the leader election is not running")
         if self.elector is not None and not self.elector.is_leader():
             ok, why = self.elector.describe(self.settings.liveness_stale_seconds)
             if not ok:

@@ -24,6 +24,7 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
 from kvgate_operator import pki
 from kvgate_operator.certstore import CertStore
@@ -336,13 +337,17 @@ class CertificateManager:
         """A follower's refresh (leader election: only the leader writes the Secret): adopt the
         certificates stored in the Secret when they differ from the current ones; never writes.
         Returns ``["adopted_stored"]`` when they changed, else [] (also when the Secret is
-        missing or cannot be read: the current ones stay)."""
+        missing or cannot be read, the API server answering with an error or not at all:
+        the current ones stay)."""
         if self.namespace is None:
             return []
         try:
             stored = self._load()
         except ApiException as exc:
             log.warning("webhook certificates: cannot read %s (%s)", self.where, _describe(exc))
+            return []
+        except (OSError, HTTPError) as exc:  # urllib3's errors are not OSErrors
+            log.warning("webhook certificates: cannot read %s (%s)", self.where, exc)
             return []
         if stored is None or stored == self.certs:
             return []

@@ -8,14 +8,17 @@ immutable).
 from __future__ import annotations
 
 import base64
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
 
 class CertStore(Protocol):
     """Where certificates live and where the ``caBundle`` goes. Methods raise the kubernetes
-    client's ``ApiException`` on API errors."""
+    client's ``ApiException`` on API errors (status 0: no answer at all)."""
 
     def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
         """The Secret's data (decoded) and its resourceVersion; None when it does not exist."""
@@ -36,6 +39,17 @@ class CertStore(Protocol):
         ...
 
 
+@contextlib.contextmanager
+def _answered() -> Iterator[None]:
+    """No answer from the API server (refused, reset, timed out: urllib3's errors, which are
+    not OSErrors, and socket errors) as an ``ApiException`` with status 0, so that callers
+    handle it as any other transient API error."""
+    try:
+        yield
+    except (HTTPError, OSError) as exc:
+        raise ApiException(status=0, reason=f"no answer from the API server: {exc}") from exc
+
+
 class KubeCertStore:
     """:class:`CertStore` through the kubernetes client (``api``: a ``kubernetes.client.ApiClient``;
     ``timeout``: seconds per request)."""
@@ -51,7 +65,8 @@ class KubeCertStore:
 
     def read_secret(self, namespace: str, name: str) -> tuple[dict[str, bytes], str] | None:
         try:
-            s = self.core.read_namespaced_secret(name, namespace, _request_timeout=self.timeout)
+            with _answered():
+                s = self.core.read_namespaced_secret(name, namespace, _request_timeout=self.timeout)
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -75,23 +90,27 @@ class KubeCertStore:
             type="kubernetes.io/tls",
             data={k: base64.b64encode(v).decode("ascii") for k, v in data.items()},
         )
-        if resource_version is None:
-            s = self.core.create_namespaced_secret(namespace, body, _request_timeout=self.timeout)
-        else:
-            # A replace must repeat the existing Secret's type: it is immutable, and an unset
-            # type defaults to Opaque, which the API server refuses for a kubernetes.io/tls one.
-            body.type = self._types.get((namespace, name), "kubernetes.io/tls")
-            s = self.core.replace_namespaced_secret(
-                name, namespace, body, _request_timeout=self.timeout
-            )
+        with _answered():
+            if resource_version is None:
+                s = self.core.create_namespaced_secret(
+                    namespace, body, _request_timeout=self.timeout
+                )
+            else:
+                # A replace must repeat the existing Secret's type: it is immutable, and an
+                # unset type defaults to Opaque, which the API server refuses for a TLS one.
+                body.type = self._types.get((namespace, name), "kubernetes.io/tls")
+                s = self.core.replace_namespaced_secret(
+                    name, namespace, body, _request_timeout=self.timeout
+                )
         self._types[(namespace, name)] = str(s.type or body.type or "Opaque")
         return str(s.metadata.resource_version if s.metadata else "")
 
     def read_webhook_config(self, name: str) -> dict[str, Any] | None:
         try:
-            obj = self.admission.read_mutating_webhook_configuration(
-                name, _request_timeout=self.timeout
-            )
+            with _answered():
+                obj = self.admission.read_mutating_webhook_configuration(
+                    name, _request_timeout=self.timeout
+                )
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -100,9 +119,10 @@ class KubeCertStore:
         return result
 
     def patch_webhook_config(self, name: str, ops: list[dict[str, Any]]) -> None:
-        self.admission.patch_mutating_webhook_configuration(
-            name,
-            ops,
-            _request_timeout=self.timeout,
-            _content_type="application/json-patch+json",
-        )
+        with _answered():
+            self.admission.patch_mutating_webhook_configuration(
+                name,
+                ops,
+                _request_timeout=self.timeout,
+                _content_type="application/json-patch+json",
+            )

@@ -23,11 +23,8 @@ from kubernetes import client, config
 from kubernetes.utils.keepalive import tcp_keepalive_socket_options
 from urllib3.exceptions import HTTPError
 
-#: TCP keep-alive: first probe after 10 s idle, then every 5 s; dead after 3 unanswered (about
-#: 25 s). client-go uses 30 s idle with the kernel's 15 s x 9 probes (2.75 min), too slow for
-#: noticing a dead network within a minute
-#: (https://github.com/kubernetes/client-go/blob/master/transport/cache.go).
-KEEPALIVE = (10, 5, 3)
+from kvgate_agent.contract.keepalive import KEEPALIVE
+
 #: Seconds a pooled connection may sit idle and still be reused (aiohttp's default
 #: ``keepalive_timeout``,
 #: https://docs.aiohttp.org/en/stable/client_reference.html#aiohttp.TCPConnector).

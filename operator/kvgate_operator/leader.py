@@ -46,8 +46,14 @@ from typing import Any, Literal, cast
 
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
 log = logging.getLogger("kvgate.operator.leader")
+
+#: What one failed round against the API server raises: an error answer, a socket error, or
+#: urllib3's own (``MaxRetryError``, ``ReadTimeoutError``, ``ProtocolError``: the kubernetes
+#: client wraps only ``SSLError`` in ``ApiException``, and urllib3's are not ``OSError``).
+API_ERRORS = (ApiException, OSError, HTTPError, ValueError)
 
 Action = Literal["create", "acquire", "renew", "wait"]
 
@@ -153,7 +159,8 @@ class LeaderElector:
     Args:
         api: a configured ``kubernetes.client.ApiClient``.
         namespace, name: the Lease.
-        identity: this replica's unique name (pod name and a random suffix).
+        identity: this replica's unique name (its pod name: see
+            :func:`kvgate_operator.app.replica_identity`).
         lease_duration, renew_deadline, retry_period: seconds, as in client-go
             (``retry_period < renew_deadline < lease_duration``).
         on_change: called with the new state whenever this replica starts or stops leading.
@@ -196,9 +203,13 @@ class LeaderElector:
 
     async def run(self) -> None:
         """Campaign and renew every ``retry_period`` (followers with up to 20 % jitter, as
-        client-go), forever; errors are logged and retried."""
+        client-go), forever; errors are logged and retried: nothing but cancellation ends it
+        (a replica whose election stopped would never renew nor campaign again)."""
         while True:
-            await self.try_once()
+            try:
+                await self.try_once()
+            except Exception:
+                log.exception("leader election: round failed; retrying")
             jitter = 0.0 if self.is_leader() else random.uniform(0, 0.2)
             await asyncio.sleep(self.retry_period * (1 + jitter))
 
@@ -207,8 +218,8 @@ class LeaderElector:
         this replica leads afterwards."""
         started = self.clock()
         try:
-            won = await asyncio.to_thread(self._attempt, started)
-        except (ApiException, OSError, ValueError) as exc:
+            won = await asyncio.to_thread(self._attempt)
+        except API_ERRORS as exc:
             log.warning("leader election: Lease %s/%s: %s", self.namespace, self.name, exc)
             won = False
         if won:
@@ -232,7 +243,12 @@ class LeaderElector:
             if self.on_change is not None:
                 self.on_change(leading)
 
-    def _attempt(self, now: float) -> bool:
+    def _attempt(self) -> bool:
+        """Read the Lease, then write it when due. The record read is dated by the clock taken
+        once the read returned (a renewal may have landed at any time while the read was in
+        flight, so dating it by the read's start would let a follower take over early); the
+        leader's own validity counts from the start of the round instead (:meth:`try_once`),
+        the earliest its renewal may have landed, so it stops before any follower may start."""
         timeout = max(1.0, self.renew_deadline / 2)
         try:
             lease: dict[str, Any] | None = self.api.sanitize_for_serialization(
@@ -244,7 +260,7 @@ class LeaderElector:
             if exc.status != 404:
                 raise
             lease = None
-        self.last_contact = self.clock()
+        now = self.last_contact = self.clock()
         record = LeaseRecord.from_object(lease) if lease is not None else None
         if record is not None:
             self._observed = observe(self._observed, record, now)
@@ -284,7 +300,7 @@ class LeaderElector:
         self._report()
         try:
             await asyncio.to_thread(self._release)
-        except (ApiException, OSError) as exc:
+        except API_ERRORS as exc:
             log.warning("leader election: releasing the Lease failed: %s", exc)
 
     def _release(self) -> None:

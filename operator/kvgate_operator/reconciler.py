@@ -15,6 +15,7 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -135,6 +136,7 @@ class Reconciler:
         may_write: whether this replica may write now (the leader election's
             :meth:`~kvgate_operator.leader.LeaderElector.is_leader`); asked before each pass and
             before each write. Default: always.
+        identity: this replica's name (its pod name), the ``reportingInstance`` of its Events.
     """
 
     def __init__(
@@ -144,8 +146,10 @@ class Reconciler:
         clock: Callable[[], float] = time.monotonic,
         metrics: OperatorMetrics | None = None,
         may_write: Callable[[], bool] = lambda: True,
+        identity: str = "kvgate-operator",
     ) -> None:
         self.api = api
+        self.identity = identity
         self.settings = settings
         self.clock = clock
         self.may_write = may_write
@@ -156,6 +160,12 @@ class Reconciler:
         self.custom = client.CustomObjectsApi(api)
         self._wake = asyncio.Event()
         self.last_pass_ok: float | None = None
+        #: When this replica last started leading (None: it never took over; without an
+        #: election it writes from the start, and the first pass counts).
+        self.leading_since: float | None = None
+        #: Clear while a pass's worker thread runs (cancelling the loop does not stop it).
+        self._idle = threading.Event()
+        self._idle.set()
         self.last_stats = PassStats()
         self.total_writes = 0
         self.passes = 0
@@ -168,7 +178,8 @@ class Reconciler:
 
     async def run(self) -> None:
         """Reconcile on every trigger (debounced) and at least every ``resync_seconds``.
-        A failed pass is logged and retried with backoff; it never stops the loop."""
+        A failed pass, whatever it raised, is logged (with its traceback when unexpected) and
+        retried with backoff; it never stops the loop."""
         backoff = 1.0
         while True:
             with contextlib.suppress(TimeoutError):
@@ -182,28 +193,60 @@ class Reconciler:
                 backoff = 1.0
             except NotLeader:
                 log.warning("leadership lost during a pass: its remaining writes were dropped")
-            except (ApiException, OSError, ValueError, PassIncomplete, HTTPError) as exc:
+            except Exception as exc:  # never let the loop die: liveness would fail for good
                 # (HTTPError: urllib3's timeouts and refused connections, which are not OSErrors)
-                log.warning("reconcile pass failed, retrying in %.0fs: %s", backoff, exc)
+                expected = (ApiException, OSError, ValueError, PassIncomplete, HTTPError)
+                log.warning(
+                    "reconcile pass failed, retrying in %.0fs: %s",
+                    backoff,
+                    exc,
+                    exc_info=not isinstance(exc, expected),
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(MAX_RETRY_SECONDS, backoff * 2)
                 self._wake.set()
 
+    def started_leading(self) -> None:
+        """This replica just took over: its liveness counts from now (a follower runs no
+        pass, so its last one, if any, is old)."""
+        self.leading_since = self.clock()
+
     def healthy(self) -> tuple[bool, str]:
-        """Liveness: a pass succeeded recently (within ``liveness_stale_seconds``)."""
+        """Liveness: a pass succeeded, or this replica took over, recently (within
+        ``liveness_stale_seconds``)."""
+        stale = self.settings.liveness_stale_seconds
+        if self.leading_since is not None and (
+            self.last_pass_ok is None or self.last_pass_ok < self.leading_since
+        ):
+            age = self.clock() - self.leading_since
+            if age > stale:
+                return False, f"leading for {age:.0f}s without a successful reconcile pass"
+            return True, f"leading for {age:.1f}s, no pass since"
         if self.last_pass_ok is None:
             return False, "no reconcile pass has completed yet"
         age = self.clock() - self.last_pass_ok
-        if age > self.settings.liveness_stale_seconds:
+        if age > stale:
             return False, f"last successful reconcile pass was {age:.0f}s ago"
         return True, f"last pass {age:.1f}s ago, {self.total_writes} writes so far"
+
+    async def wait_idle(self, within: float) -> bool:
+        """Wait up to ``within`` seconds for a running pass's worker thread to end; whether
+        none runs any more."""
+        return await asyncio.to_thread(self._idle.wait, within)
+
+    def _pass_in_thread(self) -> PassStats:
+        try:
+            return self._pass()
+        finally:
+            self._idle.set()
 
     async def reconcile_once(self) -> PassStats:
         """One pass: read, compute, plan, write. Returns what it wrote."""
         t0 = time.perf_counter()
         # Reading, computing and writing all run in a worker thread: the event loop (kopf's
         # watches) is never blocked by a pass, however large the cluster.
-        stats = await asyncio.to_thread(self._pass)
+        self._idle.clear()
+        stats = await asyncio.to_thread(self._pass_in_thread)
         stats.seconds = time.perf_counter() - t0
         self.last_stats = stats
         self.total_writes += stats.writes
@@ -403,7 +446,7 @@ class Reconciler:
             count=1,
             source=client.V1EventSource(component="kvgate-operator"),
             reporting_component="kvgate.io/operator",
-            reporting_instance="kvgate-operator",
+            reporting_instance=self.identity,
         )
         self.core.create_namespaced_event(m.namespace, body)
 
@@ -547,6 +590,6 @@ class Reconciler:
             count=1,
             source=client.V1EventSource(component="kvgate-operator"),
             reporting_component="kvgate.io/operator",
-            reporting_instance="kvgate-operator",
+            reporting_instance=self.identity,
         )
         self.core.create_namespaced_event(ns, body)

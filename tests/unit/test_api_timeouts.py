@@ -5,6 +5,8 @@ network."""
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ from kvgate_agent.node import kube
 from kvgate_agent.node.auth import Authenticator
 from kvgate_agent.node.service import NodeAgent, NodeSettings
 from kvgate_bench.toolkit import FakeClock
-from kvgate_operator.kubeclient import POOL_IDLE_SECONDS, BoundedApiClient
+from kvgate_operator.kubeclient import POOL_IDLE_SECONDS, BoundedApiClient, default_api_client
 from kvgate_operator.settings import OperatorSettings
 
 
@@ -81,19 +83,41 @@ def test_a_failed_call_empties_the_pool(
     assert rec.cleared == 1
 
 
-def test_operator_defaults_notice_a_silent_watch_within_a_minute() -> None:
-    s = OperatorSettings()
-    assert s.watch_server_timeout < s.watch_client_timeout <= 30
-    assert s.connect_timeout + s.request_timeout <= 60
+def test_the_operator_refuses_a_watch_read_timeout_not_above_the_server_timeout() -> None:
+    """A client timeout at or below the server's would abandon every healthy, quiet watch."""
     with pytest.raises(ValueError, match="must exceed"):
         OperatorSettings(watch_server_timeout=30, watch_client_timeout=30)
 
 
-def test_agent_watch_defaults_notice_a_silent_watch_within_a_minute() -> None:
-    assert kube.WATCH_SERVER_TIMEOUT_SECONDS < kube.WATCH_READ_TIMEOUT_SECONDS
-    assert kube.WATCH_READ_TIMEOUT_SECONDS + kube.MAX_BACKOFF_SECONDS <= 40
-    idle, interval, count = kube.KEEPALIVE
-    assert idle + interval * count <= 30
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+
+
+def test_both_clients_probe_an_idle_connection_and_drop_it_dead_within_25_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's and the operator's clients put the same TCP keep-alive on their sockets:
+    first probe after 10 s idle, every 5 s, dead after 3 unanswered."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(KUBECONFIG)
+    from kubernetes.config import kube_config
+
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(path))  # read at import
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    agent = kube.load_api_client(str(path))
+    operator = default_api_client(10.0, 30.0)
+    for api in (agent, operator):
+        opts = {(level, name): value for level, name, value in api.configuration.socket_options}
+        assert opts[(socket.SOL_SOCKET, socket.SO_KEEPALIVE)] == 1
+        idle = opts[(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)]
+        interval = opts[(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL)]
+        count = opts[(socket.IPPROTO_TCP, socket.TCP_KEEPCNT)]
+        assert (idle, interval, count) == (10, 5, 3)
 
 
 def test_api_contact_age() -> None:

@@ -539,3 +539,49 @@ def test_a_follower_serves_the_leaders_certificates_and_writes_nothing() -> None
     assert leader.check() == ["serving_rotated"]
     assert follower.follow() == ["adopted_stored"] and follower.certs == leader.certs
     assert store.secret_writes == 2 and len(store.patches) == 0  # all by the leader
+
+
+def test_a_follower_keeps_its_certificates_when_the_api_server_does_not_answer() -> None:
+    """urllib3's own errors (not OSErrors, not wrapped by the kubernetes client) reach
+    ``follow``: they keep the current certificates, as an error answer does."""
+    from urllib3.exceptions import MaxRetryError, ReadTimeoutError
+
+    store, clock = FakeStore(), FakeUtcClock(T0)
+    leader, follower = manager(store, clock), manager(store, clock)
+    leader.ensure()
+    assert follower.follow() == ["adopted_stored"]
+    kept = follower.certs
+    for exc in (
+        MaxRetryError(None, "/api", reason=ConnectionRefusedError()),  # type: ignore[arg-type]
+        ReadTimeoutError(None, "/api", "read timed out"),  # type: ignore[arg-type]
+        ConnectionResetError(),
+    ):
+
+        def fail(namespace: str, name: str, exc: Exception = exc) -> None:
+            raise exc
+
+        store.read_secret = fail  # type: ignore[method-assign]
+        assert follower.follow() == [] and follower.certs is kept
+
+
+def test_no_api_server_at_start_leaves_in_memory_certificates_not_a_crash(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The real store against a port where nothing listens (connections refused: urllib3's
+    MaxRetryError): the leader's start retries, then serves in-memory certificates; the
+    caBundle sync and a follower's refresh log and return."""
+    from kubernetes import client
+
+    from kvgate_operator.certstore import KubeCertStore
+
+    api = client.ApiClient(client.Configuration(host="https://127.0.0.1:1"))
+    store = KubeCertStore(api, timeout=2)
+    with pytest.raises(ApiException) as no_answer:
+        store.read_secret("kvgate-system", "kvgate-webhook-tls")
+    assert no_answer.value.status == 0
+    m = manager(store, FakeUtcClock(T0))  # type: ignore[arg-type]
+    assert m.ensure(start_retries=1) == ["created"]
+    assert m.certs is not None and not m.persistent
+    assert not m.sync_ca_bundle()
+    assert m.follow() == []
+    assert "no answer from the API server" in caplog.text

@@ -3,6 +3,10 @@ builds nothing, startup keeps the operator in kopf's memo, events reach it."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -11,8 +15,9 @@ import pytest
 from kubernetes import client
 
 import kvgate_operator.handlers as handlers
-from kvgate_bench.toolkit import free_port
+from kvgate_bench.toolkit import FakeClock, free_port
 from kvgate_operator.app import Operator
+from kvgate_operator.reconciler import NotLeader, PassStats, Reconciler
 from kvgate_operator.settings import OperatorSettings
 from kvgate_operator.triggers import Kind
 
@@ -117,3 +122,108 @@ def test_operator_help_lists_the_settings_and_does_not_start(
     with pytest.raises(SystemExit) as bad:
         main(["--resync", "5"])  # settings are environment variables only
     assert bad.value.code == 2
+
+
+class FakeElector:
+    """A leader election that always leads; records when the Lease is released."""
+
+    def __init__(self, on_release: Callable[[], None] = lambda: None) -> None:
+        self.on_release = on_release
+        self.released = False
+
+    def is_leader(self) -> bool:
+        return not self.released
+
+    async def release(self) -> None:
+        self.on_release()
+        self.released = True
+
+
+def test_liveness_fails_when_the_election_has_stopped() -> None:
+    """A replica whose election task ended can neither renew nor campaign: its liveness must
+    fail so that the kubelet restarts it."""
+    loop = asyncio.new_event_loop()
+    try:
+        op = Operator(settings())
+        r = Reconciler(client.ApiClient(), op.settings, clock=FakeClock())
+        r.started_leading()
+        op.reconciler = r
+        op.elector = FakeElector()  # type: ignore[assignment]
+        op._task = loop.create_task(asyncio.sleep(3600))
+        done: asyncio.Future[None] = loop.create_future()
+        done.set_result(None)
+        op._elector_task = done  # type: ignore[assignment]
+        with pytest.raises(kopf.PermanentError, match="leader election is not running"):
+            op.reconciler_alive()
+        op._elector_task = loop.create_task(asyncio.sleep(3600))
+        assert "leading for" in op.reconciler_alive()
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()
+
+
+def test_a_new_leaders_liveness_counts_from_the_takeover() -> None:
+    """A follower runs no pass: on taking over, its liveness is stale-checked from the takeover
+    (not "no pass yet", nor its last pass as a leader long ago) until its first pass."""
+    clock = FakeClock(1000.0)
+    s = settings(liveness_stale_seconds=60)
+    r = Reconciler(client.ApiClient(), s, clock=clock)
+    assert r.healthy() == (False, "no reconcile pass has completed yet")
+    r.started_leading()
+    assert r.healthy()[0]
+    clock.advance(61)
+    ok, why = r.healthy()
+    assert not ok and "leading for 61s" in why
+    r.last_pass_ok = clock()  # passed: counts from the pass
+    clock.advance(30)
+    r.started_leading()  # lost and won again 30 s after the pass
+    clock.advance(59)
+    assert r.healthy()[0]  # 89 s after the pass, 59 s after the takeover
+    clock.advance(2)
+    assert not r.healthy()[0]
+
+
+async def test_a_clean_stop_releases_the_lease_only_after_the_pass_in_flight_ended() -> None:
+    """Cancelling the loop does not stop a pass's worker thread: the stop makes it stop
+    writing, waits for it, and only then releases the Lease."""
+    op = Operator(settings())
+    running, ended = threading.Event(), threading.Event()
+
+    class SlowPass(Reconciler):
+        def _pass(self) -> PassStats:
+            running.set()
+            while self.may_write():  # a pass writing, one write after another
+                time.sleep(0.001)
+            time.sleep(0.05)  # the write in flight when writes stopped
+            ended.set()
+            raise NotLeader("stopped")
+
+    r = SlowPass(client.ApiClient(), op.settings, may_write=op.may_write)
+    op.reconciler = r
+    released_after_pass: list[bool] = []
+    op.elector = FakeElector(lambda: released_after_pass.append(ended.is_set()))  # type: ignore[assignment]
+    op._task = asyncio.create_task(r.reconcile_once())  # type: ignore[arg-type]
+    await asyncio.to_thread(running.wait, 10)
+    await op.stop()
+    assert released_after_pass == [True]
+
+
+def test_events_name_the_replica_that_reported_them() -> None:
+    """``reportingInstance`` is the replica's identity (its pod name), as the operator's
+    User-Agent, so that of several replicas the one that posted an Event is known."""
+    from kvgate_operator.missed import MissedPod
+
+    posted: list[Any] = []
+
+    class Core:
+        def create_namespaced_event(self, ns: str, body: Any) -> None:
+            posted.append(body)
+
+    op = Operator(settings(pod_name="kvgate-operator-7d9-x2"))
+    r = Reconciler(client.ApiClient(), op.settings, identity=op.identity)
+    r.core = Core()  # type: ignore[assignment]
+    r._event("ns", "policy", "uid", "Warning", "Reason", "message")
+    r._pod_event(MissedPod("ns", "pod", "uid", "pod label"))
+    assert [e.reporting_instance for e in posted] == ["kvgate-operator-7d9-x2"] * 2

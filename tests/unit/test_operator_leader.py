@@ -1,14 +1,18 @@
 """Leader election (kvgate_operator.leader): the pure decision on a read Lease, and the elector's
 bookkeeping against an in-memory Lease store with optimistic concurrency, on a fake clock. The
-real API server's part is in tests/integration/test_operator_faults.py."""
+real API server's part is in tests/integration/test_operator_replicas.py (and, cut off by a
+proxy, in tests/integration/test_partitions.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import MaxRetryError, ReadTimeoutError
 
 from kvgate_bench.toolkit import FakeClock
 from kvgate_operator.leader import (
@@ -72,10 +76,21 @@ class Store:
         self.lease: dict[str, Any] | None = None
         self.rv = 0
         self.down = False
+        #: Raised by every call when set (e.g. urllib3's MaxRetryError: no answer at all).
+        self.error: BaseException | None = None
+        #: Called during each read, before it returns (a slow read: the test moves the clock
+        #: and changes the Lease meanwhile).
+        self.during_read: Callable[[], None] | None = None
+        self.reads = 0
 
     def read_namespaced_lease(self, name: str, ns: str, **_: Any) -> dict[str, Any]:
+        self.reads += 1
+        if self.error is not None:
+            raise self.error
         if self.down:
             raise ApiException(status=503, reason="unavailable")
+        if self.during_read is not None:
+            self.during_read()
         if self.lease is None:
             raise ApiException(status=404, reason="Not Found")
         return self.lease
@@ -94,6 +109,8 @@ class Store:
         self, name: str, ns: str, body: dict[str, Any], **_: Any
     ) -> dict[str, Any]:
         assert self.lease is not None
+        if self.error is not None:
+            raise self.error
         if body["metadata"].get("resourceVersion") != self.lease["metadata"]["resourceVersion"]:
             raise ApiException(status=409, reason="Conflict")
         return self._put(body)
@@ -104,7 +121,9 @@ class Api:
         return obj
 
 
-def elector(store: Store, clock: FakeClock, me: str, changes: list[bool]) -> LeaderElector:
+def elector(
+    store: Store, clock: FakeClock, me: str, changes: list[bool], retry_period: float = 2
+) -> LeaderElector:
     e = LeaderElector(
         Api(),  # type: ignore[arg-type]
         namespace="ns",
@@ -112,7 +131,7 @@ def elector(store: Store, clock: FakeClock, me: str, changes: list[bool]) -> Lea
         identity=me,
         lease_duration=15,
         renew_deadline=10,
-        retry_period=2,
+        retry_period=retry_period,
         on_change=changes.append,
         clock=clock,
     )
@@ -154,6 +173,81 @@ async def test_a_leader_cut_off_from_the_api_server_stops_at_the_renew_deadline(
     assert not await a.try_once()
     store.down = False
     assert await a.try_once()  # still its Lease: renewed
+
+
+def no_answer() -> MaxRetryError:
+    """What the kubernetes client raises when the API server cannot be reached (urllib3's,
+    not an OSError nor an ApiException)."""
+    return MaxRetryError(None, "/apis/coordination.k8s.io", reason=ConnectionRefusedError())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [no_answer(), ReadTimeoutError(None, "/apis", "read timed out"), ConnectionResetError()],  # type: ignore[arg-type]
+    ids=["MaxRetryError", "ReadTimeoutError", "OSError"],
+)
+async def test_no_answer_from_the_api_server_is_a_failed_round_not_a_crash(
+    error: BaseException,
+) -> None:
+    store, clock = Store(), FakeClock()
+    changes: list[bool] = []
+    a = elector(store, clock, "a", changes)
+    assert await a.try_once()
+    store.error = error
+    clock.advance(9)
+    assert await a.try_once()  # the failed renewal leaves 1 s of the deadline
+    clock.advance(1)
+    assert not await a.try_once() and changes == [True, False]
+    store.error = None
+    assert await a.try_once() and changes == [True, False, True]  # still its Lease: renewed
+    store.error = error
+    await a.release()  # logged, not raised: the Lease then expires
+    assert not a.is_leader()
+
+
+async def test_the_election_loop_survives_any_error_and_keeps_campaigning() -> None:
+    """``run`` must never end: a replica whose election task died would never renew nor
+    campaign again (a leader turned follower for good)."""
+    store, clock = Store(), FakeClock()
+    a = elector(store, clock, "a", [], retry_period=0.001)
+    store.error = RuntimeError("a bug in a round")
+    task = asyncio.create_task(a.run())
+    try:
+        for error in (RuntimeError("a bug in a round"), no_answer()):
+            store.error, reads = error, store.reads
+            while store.reads < reads + 3:
+                await asyncio.sleep(0.001)
+                assert not task.done(), task.exception()
+        store.error = None
+        while not a.is_leader():
+            await asyncio.sleep(0.001)
+            assert not task.done(), task.exception()
+    finally:
+        task.cancel()
+
+
+async def test_a_renewal_seen_by_a_slow_read_is_dated_when_the_read_returned() -> None:
+    """A follower's read in flight for 6 s returns a renewal that may have landed at its very
+    end: the follower may take over only a lease duration after the read returned, not after
+    it started."""
+    store, clock = Store(), FakeClock()
+    a, b = elector(store, clock, "a", []), elector(store, clock, "b", [])
+    assert await a.try_once() and not await b.try_once()
+    clock.advance(10)
+
+    def slow_read_meanwhile_renewed() -> None:
+        assert store.lease is not None
+        store.lease["spec"] = {**store.lease["spec"], "renewTime": "renewed"}
+        clock.advance(6)
+        store.during_read = None
+
+    store.during_read = slow_read_meanwhile_renewed
+    assert not await b.try_once()  # started at 10, returned at 16 with the renewal
+    clock.advance(10)  # 26: a lease duration (15) after the read's start, not its return
+    assert not await b.try_once() and store.lease is not None
+    assert store.lease["spec"]["holderIdentity"] == "a"
+    clock.advance(5)  # 31: unchanged for 15 s since it was seen
+    assert await b.try_once()
 
 
 async def test_a_released_lease_is_taken_by_the_next_attempt() -> None:

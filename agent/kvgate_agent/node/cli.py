@@ -34,6 +34,48 @@ def _seconds(value: str) -> float:
     return float(positive(float)(value))
 
 
+#: The node agent's flags in seconds: (flag, environment variable after ``KVGATE_``, default,
+#: help text).
+SECONDS_FLAGS: tuple[tuple[str, str, str, str], ...] = (
+    ("--gpu-poll-seconds", "GPU_POLL_SECONDS", "2", "how often NVML is read"),
+    ("--gpu-call-timeout", "GPU_CALL_TIMEOUT", "2", "bound on each NVML read of one GPU"),
+    ("--scrape-seconds", "SCRAPE_SECONDS", "5", "how often engine metrics are scraped"),
+    (
+        "--status-min-interval",
+        "STATUS_MIN_INTERVAL",
+        "5",
+        "NodeAdmission status writes at most this often",
+    ),
+    ("--heartbeat-seconds", "HEARTBEAT_SECONDS", "30", "...and at least this often"),
+    ("--thresholds-ttl", "THRESHOLDS_TTL", "30", "how long sidecars enforce without a sync"),
+    ("--sync-interval", "SYNC_INTERVAL", "1", "how often sidecars sync"),
+    (
+        "--token-cache-seconds",
+        "TOKEN_CACHE_SECONDS",
+        "60",
+        "how long an accepted token is trusted",
+    ),
+    (
+        "--api-liveness-seconds",
+        "API_LIVENESS_SECONDS",
+        "120",
+        "liveness (/healthz) fails once the API server has not answered for this long",
+    ),
+    (
+        "--watch-server-timeout",
+        "WATCH_SERVER_TIMEOUT",
+        "20",
+        "the API server ends each NodeAdmission watch after this; it is renewed",
+    ),
+    (
+        "--watch-read-timeout",
+        "WATCH_READ_TIMEOUT",
+        "30",
+        "a watch silent this long (above the server timeout) is dead: reconnect",
+    ),
+)
+
+
 def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``node`` subcommand to ``kvgate-agent``'s parser."""
     n = sub.add_parser(
@@ -64,56 +106,24 @@ def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="kubeconfig for running outside a pod (default: in-cluster, then $KUBECONFIG) "
         "[KVGATE_KUBECONFIG_FILE]",
     )
-    for flag, env, default, text in (
-        ("--gpu-poll-seconds", "GPU_POLL_SECONDS", "2", "how often NVML is read"),
-        ("--gpu-call-timeout", "GPU_CALL_TIMEOUT", "2", "bound on each NVML read of one GPU"),
-        ("--scrape-seconds", "SCRAPE_SECONDS", "5", "how often engine metrics are scraped"),
-        (
-            "--status-min-interval",
-            "STATUS_MIN_INTERVAL",
-            "5",
-            "NodeAdmission status writes at most this often",
-        ),
-        ("--heartbeat-seconds", "HEARTBEAT_SECONDS", "30", "...and at least this often"),
-        ("--thresholds-ttl", "THRESHOLDS_TTL", "30", "how long sidecars enforce without a sync"),
-        ("--sync-interval", "SYNC_INTERVAL", "1", "how often sidecars sync"),
-        (
-            "--token-cache-seconds",
-            "TOKEN_CACHE_SECONDS",
-            "60",
-            "how long an accepted token is trusted",
-        ),
-        (
-            "--api-liveness-seconds",
-            "API_LIVENESS_SECONDS",
-            "120",
-            "liveness (/healthz) fails once the API server has not answered for this long",
-        ),
-        (
-            "--watch-server-timeout",
-            "WATCH_SERVER_TIMEOUT",
-            "20",
-            "the API server ends each NodeAdmission watch after this; it is renewed",
-        ),
-        (
-            "--watch-read-timeout",
-            "WATCH_READ_TIMEOUT",
-            "30",
-            "a watch silent this long (above the server timeout) is dead: reconnect",
-        ),
-    ):
-        n.add_argument(
-            flag,
-            type=_seconds,
-            default=_env(env, default),
-            help=f"{text}, seconds [KVGATE_{env}]",
-        )
+    _add_seconds_flags(n)
     n.add_argument(
         "--proc-root",
         default=_env("PROC_ROOT", "/proc"),
         help="host /proc (with hostPID) to map NVML processes to pods [KVGATE_PROC_ROOT]",
     )
     add_log_level(n)
+
+
+def _add_seconds_flags(n: argparse.ArgumentParser) -> None:
+    """The flags of :data:`SECONDS_FLAGS`, each also read from its environment variable."""
+    for flag, env, default, text in SECONDS_FLAGS:
+        n.add_argument(
+            flag,
+            type=_seconds,
+            default=_env(env, default),
+            help=f"{text}, seconds [KVGATE_{env}]",
+        )
 
 
 def _build(

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from kvgate_agent.contract.api import GROUP as API_GROUP
 from kvgate_agent.contract.api import NODE_ADMISSION_PLURAL, VERSION
+from kvgate_agent.contract.keepalive import KEEPALIVE
 from kvgate_agent.contract.nodeadmission import NodeAdmissionSpec
 
 log = logging.getLogger(__name__)
@@ -49,11 +50,6 @@ WATCH_READ_TIMEOUT_SECONDS = 30.0
 CONNECT_TIMEOUT_SECONDS = 10.0
 #: Longest pause between two watch attempts after errors, seconds.
 MAX_BACKOFF_SECONDS = 5.0
-#: TCP keep-alive: first probe after 10 s idle, then every 5 s; dead after 3 unanswered
-#: (about 25 s). client-go uses 30 s idle with the kernel's 15 s x 9 probes (2.75 min), too slow
-#: for noticing a dead network within a minute
-#: (https://github.com/kubernetes/client-go/blob/master/transport/cache.go).
-KEEPALIVE = (10, 5, 3)
 
 
 @dataclass(slots=True)
