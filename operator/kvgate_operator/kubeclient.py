@@ -21,6 +21,7 @@ from typing import Any
 
 from kubernetes import client, config
 from kubernetes.utils.keepalive import tcp_keepalive_socket_options
+from urllib3 import Retry
 from urllib3.exceptions import HTTPError
 
 from kvgate_agent.contract.keepalive import KEEPALIVE
@@ -88,12 +89,20 @@ class BoundedApiClient(client.ApiClient):
                 self._last_used = self.clock()
 
 
+#: urllib3's retries of one call: one retry of a failed connect or send (a pooled connection
+#: the server closed), none after a read timed out. urllib3's default retries a read timeout
+#: three times, so a call on a silent connection took 4 x its read timeout: a Lease renewal
+#: (read timeout ``renew_deadline / 2``) would outlast the renew deadline.
+#: https://urllib3.readthedocs.io/en/stable/reference/urllib3.util.html#urllib3.util.Retry
+RETRIES = Retry(total=1, read=0, redirect=0)
+
+
 def default_api_client(
     connect_timeout: float = 10.0, read_timeout: float = 30.0
 ) -> client.ApiClient:
     """A kubernetes client: in-cluster credentials, else the kubeconfig (``$KUBECONFIG``); TCP
-    keep-alive on its sockets and ``(connect_timeout, read_timeout)`` on every call that sets
-    no timeout of its own.
+    keep-alive on its sockets, :data:`RETRIES`, and ``(connect_timeout, read_timeout)`` on every
+    call that sets no timeout of its own.
 
     Raises:
         kubernetes.config.ConfigException: no usable configuration.
@@ -104,4 +113,5 @@ def default_api_client(
     except config.ConfigException:
         config.load_kube_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     cfg.socket_options = tcp_keepalive_socket_options(*KEEPALIVE)
+    cfg.retries = RETRIES
     return BoundedApiClient(cfg, (connect_timeout, read_timeout))
