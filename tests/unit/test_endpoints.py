@@ -140,9 +140,28 @@ def test_llamacpp_n_predict_minus_one_is_unbounded_and_prompts_multiply() -> Non
     assert infill.n == 1 and counted(infill) > 0
     for bad in (-2, "5", 1.5, False):
         assert refused({"prompt": "x", "n_predict": bad}, "llamacpp") == "n_predict"
+    both = parse({"prompt": "hi", "max_tokens": 3, "n_predict": -1}, "llamacpp")
+    assert both.max_tokens == 256  # n_predict wins in llama.cpp: -1 is unbounded
+    assert json.loads(both.upstream_body() or b"") == {"prompt": "hi", "max_tokens": 256,
+                                                        "n_predict": 256}  # fmt: skip
+    # n_cmpl (alias n): completions per prompt, for every prompt of a list
+    assert parse({"prompt": ["a", "b"], "n_cmpl": 3}, "llamacpp").n == 6
+    assert parse({"prompt": "a", "n": 2}, "llamacpp").n == 2
+    assert refused({"prompt": "a", "n_cmpl": 200}, "llamacpp") == "n_cmpl"
     assert refused({"prompt": []}, "llamacpp") == "prompt"
     assert refused({"prompt": [[1], 2.5]}, "llamacpp") == "prompt"
     assert refused({"prompt": ["x"] * 3000}, "llamacpp") == "prompt"
+
+
+@pytest.mark.parametrize("route", ["responses", "messages"])
+def test_llamacpp_n_predict_is_charged_on_every_top_level_limit(route: Route) -> None:
+    body: dict[str, Any] = {"model": "m", "max_tokens": 1, "max_output_tokens": 1, "n_predict": -1}
+    msgs = [{"role": "user", "content": "hi"}]
+    body |= {"input": "hi"} if route == "responses" else {"messages": msgs}
+    p = parse(body, route)
+    assert p.max_tokens == 256
+    assert json.loads(p.upstream_body() or b"")["n_predict"] == 256
+    assert refused({**body, "n_predict": "x"}, route) == "n_predict"
 
 
 @pytest.mark.parametrize("route", ["responses", "messages", "generate", "tgi_stream", "llamacpp"])

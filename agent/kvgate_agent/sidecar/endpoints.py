@@ -8,17 +8,24 @@ Every generation API of the engines kvgate supports is admission-controlled
 path                                   kind       output limit, sequences
 =====================================  =========  ============================================
 ``/v1/chat/completions``,              chat       ``max_completion_tokens``/``max_tokens``;
-``/chat/completions`` (llama.cpp)                 ``max(n, best_of)``
-``/v1/completions``                    completions ``max_tokens``; ``max(n, best_of)`` x prompts
+``/chat/completions`` (llama.cpp)                 ``max(n, best_of, n_cmpl)``
+``/v1/completions``                    completions ``max_tokens``; ``max(n, best_of, n_cmpl)`` x
+                                                  prompts
 ``/v1/responses`` (vLLM)               responses  ``max_output_tokens``; 1
 ``/v1/messages`` (vLLM, Anthropic)     messages   ``max_tokens`` (required); 1
 ``/generate`` with ``inputs`` (TGI),   tgi        ``parameters.max_new_tokens``;
 ``/generate_stream`` (TGI)                        ``parameters.best_of``
 ``/generate`` with ``text`` or         sglang     ``sampling_params.max_new_tokens``;
 ``input_ids`` (SGLang)                            ``sampling_params.n`` x prompts
-``/completion``, ``/completions``,     llamacpp   ``n_predict`` (``-1``: unbounded, so the policy
-``/infill`` (llama.cpp)                           default is sent); prompts of a multi-prompt list
+``/completion``, ``/completions``,     llamacpp   ``n_predict``/``max_tokens`` (``-1``: unbounded,
+``/infill`` (llama.cpp)                           so the policy default is sent); ``n_cmpl`` (or
+                                                  ``n``) x the prompts of a multi-prompt list
 =====================================  =========  ============================================
+
+On every path with a top-level limit, llama.cpp's own ``n_predict`` is read too (its OpenAI
+routes copy it through and let it override ``max_tokens``): the larger limit is charged
+(``-1``: the policy default) and every limit field is rewritten to the reservation (see
+:func:`~kvgate_agent.sidecar.request.n_predict_limit`).
 
 Prompt parts held by the engine rather than sent (a Responses ``previous_response_id`` or stored
 ``prompt`` template) cannot be counted here: they are charged when the engine reports its usage.
@@ -47,11 +54,13 @@ from kvgate_agent.sidecar.request import (
     ParsedRequest,
     PathKind,
     bad,
+    check_context,
     check_messages,
     check_sequences,
     decode_object,
     effective_limit,
     is_int,
+    n_predict_limit,
     parse_completion_request,
     positive_int,
 )
@@ -152,18 +161,14 @@ def parse_generation(
         route = _generate_kind(body)
     parse = _PARSERS[route]
     fields = parse(body, route == "tgi_stream")
-    if (
-        fields.client_max is not None
-        and max_model_len is not None
-        and fields.client_max > max_model_len
-    ):
-        raise bad(
-            f"'{fields.param}' is {fields.client_max}, more than the model's context length "
-            f"{max_model_len}",
-            fields.param,
-        )
+    also: tuple[str, ...] = ()
+    field, client_max = fields.limit_path[-1], fields.client_max
+    nested = len(fields.limit_path) > 1
+    if not nested:
+        field, client_max, also = n_predict_limit(body, field, client_max)
+    check_context(fields.param if nested else field, client_max, max_model_len)
     effective, clamped = effective_limit(
-        fields.client_max, default_max_tokens, max_tokens_cap, max_model_len
+        client_max, default_max_tokens, max_tokens_cap, max_model_len
     )
     return ParsedRequest(
         body=body,
@@ -172,14 +177,15 @@ def parse_generation(
         stream=fields.stream,
         client_wants_usage=False,
         max_tokens=effective,
-        max_tokens_defaulted=fields.client_max is None,
+        max_tokens_defaulted=client_max is None,
         max_tokens_clamped=clamped,
-        client_max_tokens=fields.client_max,
-        max_tokens_field=fields.limit_path[-1],
+        client_max_tokens=client_max,
+        max_tokens_field=field,
         n=fields.sequences,
-        limit_path=fields.limit_path if len(fields.limit_path) > 1 else None,
+        limit_path=fields.limit_path if nested else None,
         count_body=fields.count_body,
         model_field=fields.model is not None,
+        also_limits=also,
     )
 
 
@@ -437,21 +443,26 @@ def _sglang_prompts(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 def _llamacpp(body: dict[str, Any], _: bool) -> _Fields:
     """``prompt``: a string, token ids, a mix (one prompt), or a list of strings and id lists
     (one completion each); ``/infill`` adds ``input_prefix``, ``input_suffix`` and
-    ``input_extra``. ``n_predict`` (``max_tokens`` accepted too): ``-1`` means unbounded, so the
-    policy's default is charged and sent; ``0`` evaluates the prompt only (charged as 1)."""
+    ``input_extra``. ``max_tokens`` here, ``n_predict`` (which wins in llama.cpp) folded in by
+    :func:`parse_generation`: ``-1`` means unbounded, so the policy's default is charged and
+    sent; ``0`` evaluates the prompt only (charged as 1). ``n_cmpl`` (alias ``n``): completions
+    per prompt ("If the input has multiple prompts, total outputs will be N prompts times
+    n_cmpl", https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md)."""
     prompts, count = _llamacpp_prompts(body)
-    field = "n_predict" if body.get("n_predict") is not None else "max_tokens"
-    v = body.get(field)
+    v = body.get("max_tokens")
     limit: int | None
     if v is None or v == -1:
         limit = None
     elif is_int(v) and v >= 0:
         limit = max(1, v)
     else:
-        raise bad(f"'{field}' must be an integer >= -1 (-1: unbounded)", field)
-    sequences = check_sequences(1, prompts, "prompt")
+        raise bad("'max_tokens' must be an integer >= -1 (-1: unbounded)", "max_tokens")
+    param = "n_cmpl" if body.get("n_cmpl") is not None else "n"
+    per_prompt = positive_int(body, param) or 1
+    check_sequences(per_prompt, 1, param)
+    sequences = check_sequences(per_prompt, prompts, "prompt")
     return _Fields(
-        "llamacpp", None, _stream(body), limit, (field,), field, sequences, count,
+        "llamacpp", None, _stream(body), limit, ("max_tokens",), "max_tokens", sequences, count,
     )  # fmt: skip
 
 
