@@ -404,12 +404,14 @@ async def test_apis_without_a_model_field_are_never_degraded_to_the_fallback_mod
 # ---------------------------------------------------------------- routing: refuse what is unknown
 
 
-async def raw_post(url: str, target: str, body: bytes = b"{}") -> bytes:
-    """One HTTP/1.1 POST with its request-target sent exactly as given; the whole response."""
+async def raw_post(url: str, target: str, body: bytes = b"{}", method: str = "POST") -> bytes:
+    """One HTTP/1.1 request (POST by default) with its request-target sent exactly as given;
+    the whole response."""
     reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
     writer.write(
-        b"POST " + target.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        method.encode() + b" " + target.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+        b"Connection: close\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
     )
     await writer.drain()
     data = await reader.read()
@@ -477,6 +479,30 @@ async def test_allowlist_and_safe_methods_pass_through(
     assert (await raw_post(url, "/v1/x/../embeddings")).startswith(b"HTTP/1.1 400")
     assert (await raw_post(url, "/v1/%65mbeddings")).startswith(b"HTTP/1.1 400")
     assert len(multi.seen) == before
+
+
+async def test_absolute_form_targets_are_routed_by_their_path_and_never_bypass_admission(
+    multi: MultiUpstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    """An absolute-form request-target (RFC 9112 §3.2.2, ``GET http://host/path``) is served as
+    its path: passed through to the sidecar's own upstream (never the named host), refused, or
+    admitted exactly as the origin-form request would be."""
+    url, sc = await sidecar_factory(multi.url, {"tenants": {"defaultMaxTokens": 33}})
+    models = await raw_post(url, "http://evil.example/v1/models?x=1", b"", method="GET")
+    assert models.startswith(b"HTTP/1.1 200"), models[:200]
+    assert b'"path": "/v1/models"' in models
+    assert (await raw_post(url, "http://x/tokenize")).startswith(b"HTTP/1.1 200")
+    assert ("POST", "/tokenize") in {(m, p) for m, p, _ in multi.seen}
+    assert (await raw_post(url, "http://x/sleep")).startswith(b"HTTP/1.1 404")
+    chat = json.dumps(APIS[0][1]).encode()
+    admitted = await raw_post(url, "http://x/v1/chat/completions", chat)
+    assert admitted.startswith(b"HTTP/1.1 200") and b"x-kvgate-decision: admitted" in admitted
+    sent = multi.generation_calls[-1]
+    assert sent[1] == "/v1/chat/completions" and json.loads(sent[2])["max_tokens"] == 33
+    assert (await raw_post(url, "http://x/v1/chat/completions", b"{")).startswith(b"HTTP/1.1 400")
+    assert (await raw_post(url, "http://x/v1/x/../completions", chat)).startswith(b"HTTP/1.1 4")
+    assert [c[1] for c in multi.generation_calls] == ["/tokenize", "/v1/chat/completions"]
+    assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0
 
 
 @pytest.mark.parametrize("method", ["GET", "HEAD", "PUT", "DELETE", "PATCH"])

@@ -348,7 +348,7 @@ class Sidecar:
         only normalises (dot segments, repeated slashes, escapes) to a generation or allowlisted
         one is refused with 400: an upstream that normalises it would otherwise serve it
         unchecked."""
-        raw = request.raw_path.split("?", 1)[0]
+        raw = request.rel_url.raw_path  # an absolute-form target's raw_path is the whole URL
         path = canonical_path(raw)
         if path in GENERATION_PATHS:
             return responses.non_canonical_path()

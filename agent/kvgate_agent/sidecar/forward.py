@@ -329,9 +329,12 @@ class Forwarder:
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """A request the routes let through (see ``Sidecar.other``): forwarded as is (the raw
-        path, not re-normalised), body streamed both ways."""
+        path, not re-normalised), body streamed both ways. An absolute-form target
+        (``GET http://host/v1/models``, RFC 9112 §3.2.2) is sent as its path and query: the
+        upstream is always the sidecar's own."""
         assert self.session is not None
-        raw_path = request.raw_path
+        rel = request.rel_url  # request.raw_path is the whole URL of an absolute-form target
+        raw_path = rel.raw_path + (f"?{rel.raw_query_string}" if rel.raw_query_string else "")
         fwd = forward_headers(request.headers)
         fwd.popall("Content-Encoding", None)  # the body is decoded on the way in
         data = request.content if request.body_exists else None
