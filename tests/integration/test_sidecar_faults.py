@@ -269,6 +269,30 @@ async def test_slow_loris_is_cut_while_legitimate_traffic_is_served(
     assert faulty.reached == len(served) + 2
 
 
+async def test_a_slow_passthrough_body_is_cut_at_the_body_deadline(
+    faulty: Faulty, start: Start, client: aiohttp.ClientSession
+) -> None:
+    """A body on an allowlisted path (``/tokenize``) that stops half-way gets 408 at the body
+    deadline (1 s here) and is closed; its upstream request, under way, is aborted (the model
+    server never gets the whole body)."""
+    url, sc = await start(faulty.url, {}, header_timeout=2.0, body_timeout=1.0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    t0 = time.monotonic()
+    writer.write(
+        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt":'
+    )
+    got = await asyncio.wait_for(read_until(reader, b"request_timeout"), 15)
+    answered = time.monotonic() - t0
+    got += await asyncio.wait_for(reader.read(), 15)  # closed (after lingering, as aiohttp does)
+    writer.close()
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert 0.9 < answered < 4, answered
+    g = await all_free(client, url, sc)
+    assert g['kvgate_client_timeouts_total{phase="body"}'] == 1
+    assert faulty.reached == 0
+
+
 async def test_malformed_http_gets_an_openai_error_and_never_reaches_the_model(
     faulty: Faulty, start: Start
 ) -> None:

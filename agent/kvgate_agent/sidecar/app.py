@@ -80,8 +80,8 @@ class SidecarSettings:
         header_timeout: seconds a client connection may take to send a request's headers
             (from the connection's opening, or a later request's first byte); then it gets 408
             and is closed (0: no limit; :mod:`kvgate_agent.sidecar.slowclients`).
-        body_timeout: seconds an admission-controlled request's body may take to arrive once
-            its headers are in; then 408 (0: no limit).
+        body_timeout: seconds a request's body (admission-controlled or passed through) may take
+            to arrive once its headers are in; then 408 (0: no limit).
         engine_poll_seconds: how often the engine's KV capacity is re-read when
             ``capacity.fromEngineMetrics`` is set.
         engine_usage_seconds: how often the engine's KV tokens in use are read from its
@@ -153,7 +153,13 @@ class Sidecar:
             self.agent_link = AgentLink(settings.agent, t.link, self.sync_report, self._on_sync)
             self.metrics.attach_link(t.link, self.current_mode, lambda: t.policy_ref)
         self.counter = PromptCounter(settings.tokenizer_file)
-        self.forwarder = Forwarder(self.upstream, self.metrics, self.admission, self.counter)
+        self.forwarder = Forwarder(
+            self.upstream,
+            self.metrics,
+            self.admission,
+            self.counter,
+            body_timeout=settings.body_timeout,
+        )
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
         self.passthrough = Passthrough.of(settings.passthrough_paths)

@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from yarl import URL
 from kvgate_agent.admission import AsyncAdmission, Ticket
 from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.openai_errors import RequestError
 from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
@@ -71,6 +72,36 @@ def forward_headers(headers: Any) -> CIMultiDict[str]:
         if k.lower() not in HOP_BY_HOP:
             out.add(k, v)
     return out
+
+
+class _BodyTooSlow(Exception):
+    """A pass-through request's body did not arrive within the body deadline (not an
+    ``OSError``, unlike ``TimeoutError``, so aiohttp's client reports it as a payload error)."""
+
+
+@dataclass(slots=True)
+class _BodyDeadline:
+    """A pass-through request body streamed upstream, ending with :class:`_BodyTooSlow` when
+    it is not complete ``timeout`` seconds (0: no limit) after ``start`` (``loop.time()``)."""
+
+    request: web.Request
+    timeout: float
+    start: float
+    expired: bool = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        while True:
+            left = self.start + self.timeout - loop.time() if self.timeout > 0 else None
+            try:
+                async with asyncio.timeout(left):
+                    chunk = await self.request.content.readany()
+            except TimeoutError:
+                self.expired = True
+                raise _BodyTooSlow() from None
+            if not chunk:
+                return
+            yield chunk
 
 
 class _ClientGone(Exception):
@@ -124,8 +155,11 @@ class Forwarder:
         metrics: SidecarMetrics,
         admission: AsyncAdmission,
         counter: PromptCounter,
+        *,
+        body_timeout: float = 0.0,
     ) -> None:
         self.upstream = upstream
+        self.body_timeout = body_timeout  # seconds a pass-through body may take; 0: no limit
         self.metrics = metrics
         self.admission = admission
         self.counter = counter
@@ -331,13 +365,16 @@ class Forwarder:
         """A request the routes let through (see ``Sidecar.other``): forwarded as is (the raw
         path, not re-normalised), body streamed both ways. An absolute-form target
         (``GET http://host/v1/models``, RFC 9112 §3.2.2) is sent as its path and query: the
-        upstream is always the sidecar's own."""
+        upstream is always the sidecar's own. The body must be complete within
+        :attr:`body_timeout` seconds of the handler's start, else the upstream request is
+        aborted and the client gets 408 (``client_timeouts{phase="body"}``) and is closed."""
         assert self.session is not None
         rel = request.rel_url  # request.raw_path is the whole URL of an absolute-form target
         raw_path = rel.raw_path + (f"?{rel.raw_query_string}" if rel.raw_query_string else "")
         fwd = forward_headers(request.headers)
         fwd.popall("Content-Encoding", None)  # the body is decoded on the way in
-        data = request.content if request.body_exists else None
+        body = _BodyDeadline(request, self.body_timeout, asyncio.get_running_loop().time())
+        data = body.chunks() if request.body_exists else None
         url = URL(self.upstream + raw_path, encoded=True)
         try:
             resp = await self.session.request(request.method, url, headers=fwd, data=data)
@@ -345,12 +382,19 @@ class Forwarder:
             self.metrics.upstream_errors.labels("connect").inc()
             return responses.passthrough_unreachable()
         except (TimeoutError, aiohttp.ClientError) as exc:
+            if body.expired:
+                return self._body_too_slow()
             self.metrics.upstream_errors.labels("upstream_error").inc()
             return responses.passthrough_failed(exc)
-        return await self._relay_passthrough(request, resp)
+        return await self._relay_passthrough(request, resp, body)
+
+    def _body_too_slow(self) -> web.Response:
+        self.metrics.client_timeouts.labels("body").inc()
+        exc = RequestError(408, "the request body arrived too slowly", code="request_timeout")
+        return responses.bad_request(exc)  # 408: the connection is closed
 
     async def _relay_passthrough(
-        self, request: web.Request, resp: aiohttp.ClientResponse
+        self, request: web.Request, resp: aiohttp.ClientResponse, body: _BodyDeadline
     ) -> web.StreamResponse:
         clean = False
         try:
@@ -369,8 +413,14 @@ class Forwarder:
             self.metrics.client_disconnects.inc()
             return out
         except (TimeoutError, aiohttp.ClientError) as exc:
-            self.metrics.upstream_errors.labels("upstream_error").inc()
-            log.warning("upstream failed during pass-through: %r", exc)
+            if body.expired and not out.prepared:
+                return self._body_too_slow()
+            if body.expired:
+                self.metrics.client_timeouts.labels("body").inc()
+                out.force_close()
+            else:
+                self.metrics.upstream_errors.labels("upstream_error").inc()
+                log.warning("upstream failed during pass-through: %r", exc)
             return out
         finally:
             if clean:
