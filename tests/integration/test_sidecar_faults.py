@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
+from kvgate_agent.sidecar import forward
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.slowclients import KEEPALIVE_TIMEOUT_S
 from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
@@ -293,6 +294,27 @@ async def test_a_slow_passthrough_body_is_cut_at_the_body_deadline(
     assert faulty.reached == 0
 
 
+async def test_a_request_ended_at_the_drain_deadline_after_it_was_sent_is_charged(
+    faulty: Faulty, start: Start, client: aiohttp.ClientSession
+) -> None:
+    """The drain deadline (``Forwarder.end_all``) cancels a request the model server is
+    working on (it hangs before its headers): the client gets 503 and the prompt is charged,
+    as the engine prefilled it."""
+    url, sc = await start(faulty.url, {})
+    pending = asyncio.ensure_future(
+        client.post(
+            url + "/v1/chat/completions", json=CHAT, headers={"x-test-fault": "hang_before_headers"}
+        )
+    )
+    await wait_until_async(lambda: faulty.reached == 1, 10, "the request to reach the upstream")
+    await sc.forwarder.end_all(grace=5.0)
+    r = await asyncio.wait_for(pending, 10)
+    assert r.status == 503 and r.headers["x-kvgate-reason"] == "draining"
+    r.release()
+    g = await all_free(client, url, sc)
+    assert g['kvgate_tokens_total{kind="prompt",tenant="anonymous"}'] > 0
+
+
 async def test_malformed_http_gets_an_openai_error_and_never_reaches_the_model(
     faulty: Faulty, start: Start
 ) -> None:
@@ -351,6 +373,7 @@ UPSTREAM_FAULTS = [
     ("status_503_html", False, 503, "upstream_error"),  # HTML: an OpenAI body instead
     ("garbage", True, 200, None),
     ("endless_event", True, 200, "upstream_error"),
+    ("endless_event", False, 502, "upstream_error"),  # over the cap on a non-streamed answer
 ]
 
 
@@ -376,7 +399,9 @@ async def test_upstream_faults_map_to_a_clear_answer_and_free_everything(
     stream: bool,
     status: int,
     code: str | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(forward, "MAX_UPSTREAM_BODY_BYTES", 4 * 1024 * 1024)  # 64 MiB by default
     upstream = f"http://127.0.0.1:{free_port()}" if fault == "refused" else faulty.url
     url, sc = await start(
         upstream,

@@ -61,8 +61,34 @@ HOP_BY_HOP = frozenset(
 MAX_EVENT_BYTES = 1024 * 1024
 
 
+#: Bytes a non-streamed answer of the model server to an admitted request may reach (it is held
+#: whole, to read its usage): far above any real completion body; a larger one is cut with 502
+#: ``upstream_error``.
+MAX_UPSTREAM_BODY_BYTES = 64 * 1024 * 1024
+
+
 class MalformedStream(aiohttp.ClientPayloadError):
-    """The model server's event stream cannot be SSE (an event over :data:`MAX_EVENT_BYTES`)."""
+    """The model server's event stream cannot be SSE (an event over :data:`MAX_EVENT_BYTES`),
+    or its non-streamed answer is over :data:`MAX_UPSTREAM_BODY_BYTES`."""
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
+    """``resp``'s whole body (bytes), at most :data:`MAX_UPSTREAM_BODY_BYTES`.
+
+    Raises:
+        MalformedStream: the body (or its declared ``Content-Length``) is larger.
+    """
+    cap = MAX_UPSTREAM_BODY_BYTES
+    if resp.content_length is not None and resp.content_length > cap:
+        raise MalformedStream(f"an upstream answer of {resp.content_length} bytes, over {cap}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > cap:
+            raise MalformedStream(f"an upstream answer over {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def forward_headers(headers: Any) -> CIMultiDict[str]:
@@ -238,16 +264,19 @@ class Forwarder:
         fwd["Content-Type"] = responses.JSON
         fwd.popall("Content-Encoding", None)  # the body was decoded on the way in
         fwd.popall("Accept-Encoding", None)  # identity, so the stream can be read for usage
+        # From here the engine may be working on it: a cancellation (the drain deadline) or
+        # a failure before the answer still charges the prompt.
+        ex.reached = True
         try:
             ex.resp = resp = await self.session.post(
                 self.upstream + request.path_qs, data=body, headers=fwd
             )
         except aiohttp.ClientConnectorError as exc:
+            ex.reached = False  # never connected: no work to charge
             m.upstream_errors.labels("connect").inc()
             m.upstream_ok.value = False
             log.warning("upstream connect failed: %s", exc)
             return responses.upstream_unreachable(ex.headers)
-        ex.reached = True
         m.upstream_ok.value = True
         out_headers = forward_headers(resp.headers)
         out_headers.update(ex.headers)
@@ -255,7 +284,7 @@ class Forwarder:
             m.upstream_errors.labels("status_5xx").inc()
         if ex.parsed.stream and resp.status == 200 and resp.content_type == "text/event-stream":
             return await self._relay_stream(request, resp, out_headers, ex)
-        data = await resp.read()
+        data = await _read_capped(resp)
         ex.clean = True
         if resp.status == 200:
             ex.prompt_tokens, reported = body_usage(ex.parsed.path_kind, data)
