@@ -110,7 +110,18 @@ def test_sglang_generate_reads_sampling_params_batches_and_n() -> None:
         "sampling_params": [{"max_new_tokens": 5}, {"max_new_tokens": 50, "n": 2}, {}],
     }
     b = parse(batch, "generate")
-    assert (b.max_tokens, b.n, b.max_tokens_defaulted) == (256, 4, True)  # one has no limit
+    assert (b.max_tokens, b.n) == (256, 4)  # one has no limit: the default is the largest
+    sent = json.loads(b.upstream_body() or b"")["sampling_params"]
+    assert [s.get("max_new_tokens") for s in sent] == [5, 50, 256]
+    # only the missing limit is filled: an explicit one above the default stays, and is charged
+    above = parse(
+        {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 500}, {}]}, "generate"
+    )
+    assert above.max_tokens == 500 and not above.max_tokens_clamped
+    sent = json.loads(above.upstream_body() or b"")["sampling_params"]
+    assert [s["max_new_tokens"] for s in sent] == [500, 256]
+    sent = json.loads(above.upstream_body(max_tokens=100) or b"")["sampling_params"]
+    assert [s["max_new_tokens"] for s in sent] == [100, 100]  # degraded: both within it
     ids = parse({"input_ids": [[1, 2, 3], [4]], "sampling_params": {"n": 2}}, "generate")
     assert (ids.n, counted(ids)) == (4, 4)
     assert refused({"text": ["a", "b"], "sampling_params": [{}]}, "generate") == "sampling_params"

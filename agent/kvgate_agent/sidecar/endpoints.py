@@ -170,6 +170,10 @@ def parse_generation(
     effective, clamped = effective_limit(
         client_max, default_max_tokens, max_tokens_cap, max_model_len
     )
+    fill = None
+    if fields.some_unset and client_max is not None:  # those get the default, the rest theirs
+        fill = effective_limit(None, default_max_tokens, max_tokens_cap, max_model_len)[0]
+        effective = max(effective, fill)
     return ParsedRequest(
         body=body,
         model=fields.model or "",
@@ -186,6 +190,7 @@ def parse_generation(
         count_body=fields.count_body,
         model_field=fields.model is not None,
         also_limits=also,
+        fill_limit=fill,
     )
 
 
@@ -201,6 +206,7 @@ class _Fields:
     param: str  # the limit's name in error messages
     sequences: int
     count_body: dict[str, Any]
+    some_unset: bool = False  # a per-prompt list where only some elements set the limit
 
 
 def _generate_kind(body: dict[str, Any]) -> PathKind:
@@ -402,10 +408,11 @@ def _sglang(body: dict[str, Any], _: bool) -> _Fields:
     ns = [positive_int(p, "n", "sampling_params.n") or 1 for p in per]
     check_sequences(max(ns), prompts, "sampling_params.n")  # bounds sum(ns) too
     sequences = sum(ns)
-    limit = None if any(v is None for v in limits) else max(v for v in limits if v is not None)
+    given = [v for v in limits if v is not None]
+    limit = max(given) if given else None
     return _Fields(
         "sglang", None, _stream(body), limit, ("sampling_params", "max_new_tokens"),
-        "sampling_params.max_new_tokens", sequences, count,
+        "sampling_params.max_new_tokens", sequences, count, len(given) < len(limits),
     )  # fmt: skip
 
 

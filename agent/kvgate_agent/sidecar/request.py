@@ -219,6 +219,10 @@ class ParsedRequest:
             on an OpenAI path, ``max_tokens`` beside a native ``n_predict``): the body is
             always rewritten with the limit in each of them, so no field the engine may read
             exceeds the reservation.
+        fill_limit: along :attr:`limit_path`, the limit (tokens) written where a list element
+            has none of its own (SGLang's per-prompt ``sampling_params`` when only some set
+            ``max_new_tokens``: the policy default), so other elements' limits stay theirs;
+            None: :attr:`max_tokens`.
     """
 
     body: dict[str, Any]
@@ -236,6 +240,7 @@ class ParsedRequest:
     count_body: dict[str, Any] | None = None
     model_field: bool = True
     also_limits: tuple[str, ...] = ()
+    fill_limit: int | None = None
 
     @property
     def usage_injected(self) -> bool:
@@ -272,9 +277,10 @@ class ParsedRequest:
             raise ValueError(f"max_tokens must be >= 1, got {limit}")
         changes: dict[str, Any] = {}
         rewrite = limit != self.client_max_tokens or bool(self.also_limits)
-        if rewrite and self.limit_path is not None:
+        if self.limit_path is not None and (rewrite or self.fill_limit is not None):
             key = self.limit_path[0]
-            changes[key] = _with_limit(self.body.get(key), self.limit_path[1:], limit)
+            fill = limit if self.fill_limit is None else min(self.fill_limit, limit)
+            changes[key] = _with_limit(self.body.get(key), self.limit_path[1:], limit, fill)
         elif rewrite:
             for other in (self.max_tokens_field, "max_tokens", "max_completion_tokens"):
                 if other == self.max_tokens_field or self.body.get(other) is not None:
@@ -297,18 +303,18 @@ class ParsedRequest:
             return json.dumps(out, separators=(",", ":")).encode()
 
 
-def _with_limit(node: Any, path: tuple[str, ...], limit: int) -> Any:
-    """A copy of ``node`` with ``limit`` written at ``path`` (dicts created where absent; a
-    value already there is lowered to ``limit``, never raised; a list's elements each get
-    theirs)."""
+def _with_limit(node: Any, path: tuple[str, ...], limit: int, fill: int) -> Any:
+    """A copy of ``node`` with a limit written at ``path`` (dicts created where absent): a
+    value already there is lowered to ``limit``, never raised; where none is, ``fill``; a
+    list's elements each get theirs."""
     if isinstance(node, list):
-        return [_with_limit(e, path, limit) for e in node]
+        return [_with_limit(e, path, limit, fill) for e in node]
     out = dict(node) if isinstance(node, dict) else {}
     if len(path) == 1:
         own = out.get(path[0])
-        out[path[0]] = min(own, limit) if type(own) is int and own >= 0 else limit
+        out[path[0]] = min(own, limit) if type(own) is int and own >= 0 else fill
     else:
-        out[path[0]] = _with_limit(out.get(path[0]), path[1:], limit)
+        out[path[0]] = _with_limit(out.get(path[0]), path[1:], limit, fill)
     return out
 
 
