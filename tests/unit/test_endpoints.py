@@ -224,6 +224,30 @@ def test_passthrough_allowlist() -> None:
     assert not p.allows("/v1/embeddings/x") and not p.allows("/sleep") and not p.allows("/")
     with pytest.raises(ValueError, match="must start with"):
         Passthrough.of(["v1/x"])
+    # TGI's chat template tokenizer and vLLM's cancel of a stored response are defaults
+    assert p.allows("/chat_tokenize") and p.allows("/v1/responses/resp_1/cancel")
+    assert not p.allows("/v1/responses/resp_1") and not p.allows("/v1/responses/a/b/cancel")
+    segment = Passthrough.of(["/v1/models/*/load"])
+    assert segment.allows("/v1/models/m/load") and not segment.allows("/v1/models/m/unload")
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ("/v1/x?a=1", "no query"),
+        ("/v1/chat/completions", "generation path"),
+        ("/generate", "generation path"),
+        ("/a//b", "canonical"),
+        ("/a/../b", "canonical"),
+        ("/a/./b", "canonical"),
+        ("/x/", "canonical"),
+        ("/v1/%65mbeddings", "canonical"),
+        ("/a*b/c", "whole segment"),
+    ],
+)
+def test_passthrough_entries_that_can_never_match_are_refused(entry: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        Passthrough.of([entry])
 
 
 # ---------------------------------------------------------------- reported usage

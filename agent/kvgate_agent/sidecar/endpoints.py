@@ -91,45 +91,83 @@ GENERATION_PATHS: dict[str, Route] = {
 #: Methods that pass through on any path but a generation one (RFC 9110 §9.2.1 "safe").
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: Paths any method may reach the model server on without admission: tokenizer utilities, CPU
-#: only (vLLM's and llama.cpp's ``/tokenize``, ``/detokenize``; TGI's ``/tokenize``; vLLM's
-#: Anthropic ``/v1/messages/count_tokens``; llama.cpp's ``/apply-template``).
+#: only (vLLM's and llama.cpp's ``/tokenize``, ``/detokenize``; TGI's ``/tokenize`` and
+#: ``/chat_tokenize``, https://huggingface.github.io/text-generation-inference/; vLLM's
+#: Anthropic ``/v1/messages/count_tokens``; llama.cpp's ``/apply-template``), and vLLM's
+#: ``POST /v1/responses/{response_id}/cancel``, which stops a generation rather than starting
+#: one (https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html).
 DEFAULT_PASSTHROUGH: tuple[str, ...] = (
     "/tokenize",
     "/detokenize",
+    "/chat_tokenize",
     "/v1/messages/count_tokens",
     "/apply-template",
+    "/v1/responses/*/cancel",
 )
 
 
 @dataclass(frozen=True, slots=True)
 class Passthrough:
-    """The pass-through allowlist for mutating methods: exact paths, or prefixes written with a
-    trailing ``*`` (``/v1/load_lora_adapter``, ``/admin/*``).
+    """The pass-through allowlist for mutating methods: exact paths, prefixes written with a
+    trailing ``*`` (``/admin/*``), or paths with ``*`` standing for one whole segment
+    (``/v1/responses/*/cancel``). Entries are matched against the canonical path
+    (:func:`~kvgate_agent.sidecar.request.canonical_path`).
 
     Raises:
-        ValueError: an entry that does not start with ``/``.
+        ValueError: an entry that does not start with ``/``, or that could never match: a
+            ``?`` (the query is not part of the path), a non-canonical path (empty, ``.`` or
+            ``..`` segments, ``%`` escapes, a trailing ``/``), a ``*`` inside a segment, or a
+            generation path (:data:`GENERATION_PATHS`: always admission-controlled).
     """
 
     exact: frozenset[str]
     prefixes: tuple[str, ...]
+    patterns: tuple[tuple[str, ...], ...] = ()  # segments; "*" matches any one
 
     @classmethod
     def of(cls, extra: Iterable[str] = ()) -> Passthrough:
         """:data:`DEFAULT_PASSTHROUGH` plus ``extra``."""
         exact: set[str] = set()
         prefixes: list[str] = []
+        patterns: list[tuple[str, ...]] = []
         for entry in (*DEFAULT_PASSTHROUGH, *extra):
-            if not entry.startswith("/"):
-                raise ValueError(f"a pass-through path must start with '/', got {entry!r}")
-            if entry.endswith("*"):
+            _check_entry(entry)
+            if entry.endswith("*") and "*" not in entry[:-1]:
                 prefixes.append(entry[:-1])
+            elif "*" in entry:
+                patterns.append(tuple(entry.split("/")))
             else:
                 exact.add(entry)
-        return cls(frozenset(exact), tuple(prefixes))
+        return cls(frozenset(exact), tuple(prefixes), tuple(patterns))
 
     def allows(self, path: str) -> bool:
         """``path`` (canonical) may be forwarded with any method."""
-        return path in self.exact or any(path.startswith(p) for p in self.prefixes)
+        if path in self.exact or any(path.startswith(p) for p in self.prefixes):
+            return True
+        segs = path.split("/")
+        return any(
+            len(p) == len(segs) and all(a in ("*", b) for a, b in zip(p, segs, strict=True))
+            for p in self.patterns
+        )
+
+
+def _check_entry(entry: str) -> None:
+    """Refuse an allowlist entry that could never match (see :class:`Passthrough`)."""
+    if not entry.startswith("/"):
+        raise ValueError(f"a pass-through path must start with '/', got {entry!r}")
+    if "?" in entry:
+        raise ValueError(f"a pass-through path has no query ('?'), got {entry!r}")
+    prefix = entry.endswith("*") and "*" not in entry[:-1]
+    body = entry[:-1] if prefix else entry
+    segments = body.split("/")[1:]
+    if prefix and segments and segments[-1] == "":
+        segments.pop()  # "/admin/*": the prefix "/admin/"
+    if any(seg in ("", ".", "..") or "%" in seg for seg in segments) and body != "/":
+        raise ValueError(f"a pass-through path must be canonical (never matched), got {entry!r}")
+    if any("*" in seg and seg != "*" for seg in segments):
+        raise ValueError(f"'*' must be a whole segment or the last character, got {entry!r}")
+    if entry in GENERATION_PATHS:
+        raise ValueError(f"{entry!r} is a generation path: it is always admission-controlled")
 
 
 def parse_generation(
