@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvgate_bench.toolkit import free_port
+from kvgate_bench.toolkit import free_port, wait_until_async
 from tests.conftest import SidecarFactory, gauges
 
 #: The decisions counter's series for refusals before admission (a bad body, path or method).
@@ -268,10 +268,7 @@ async def test_best_of_is_reserved_for_every_sequence(
     multi.hold = 0.5
     body = {"model": "m", "prompt": "hi", "max_tokens": 10, "n": 2, "best_of": 5}
     task = asyncio.create_task(client.post(url + "/v1/completions", json=body))
-    for _ in range(200):
-        if multi.generation_calls:
-            break
-        await asyncio.sleep(0.02)
+    await wait_until_async(lambda: multi.generation_calls, 4, "the upstream to get the request")
     prompt = sc.counter.count({"prompt": "hi"}).tokens
     assert sc.controller.kv_reserved_tokens == prompt + 5 * 10  # max(n, best_of) sequences
     (await task).release()
@@ -323,10 +320,7 @@ async def test_list_prompts_and_batches_reserve_every_sequence(
     ]
     for path, body, sequences in cases:
         task = asyncio.create_task(client.post(url + path, json=body))
-        for _ in range(200):
-            if sc.controller.kv_reserved_tokens:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: sc.controller.kv_reserved_tokens, 4, "a reservation")
         reserved = sc.controller.kv_reserved_tokens
         (await task).release()
         assert (
@@ -335,11 +329,7 @@ async def test_list_prompts_and_batches_reserve_every_sequence(
                 {"prompt": body.get("prompt") or body.get("text") or body.get("inputs")}
             ).tokens
         ), (path, body)
-        for _ in range(100):
-            if sc.controller.kv_reserved_tokens == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert sc.controller.kv_reserved_tokens == 0
+        await wait_until_async(lambda: sc.controller.kv_reserved_tokens == 0, 4, "the release")
 
 
 async def test_unbounded_or_missing_limits_send_the_policy_default_in_each_apis_field(
