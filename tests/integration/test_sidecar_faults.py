@@ -270,6 +270,37 @@ async def test_slow_loris_is_cut_while_legitimate_traffic_is_served(
     assert faulty.reached == len(served) + 2
 
 
+@pytest.mark.parametrize("first", ["GET", "POST"])
+async def test_a_pipelined_partial_request_gets_the_header_deadline(
+    faulty: Faulty, start: Start, first: str
+) -> None:
+    """A complete request followed, in the same write, by the first bytes of a next one that
+    never completes: the first is answered, the second gets 408 at the header deadline (1 s
+    here) and the connection is closed, not held until the keep-alive timeout. A complete
+    request alone is kept alive past that deadline."""
+    url, _ = await start(faulty.url, {}, header_timeout=1.0)
+    port = int(url.rsplit(":", 1)[1])
+    complete = (
+        request_bytes(CHAT) if first == "POST" else b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    t0 = time.monotonic()
+    writer.write(complete + b"GET /healthz HTTP/1.1\r\nHo")
+    got = await asyncio.wait_for(reader.read(), 10)  # until the sidecar closes
+    held = time.monotonic() - t0
+    writer.close()
+    assert got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in got, got[-200:]
+    assert held < 5, held
+    # control: the complete request alone leaves an idle kept-alive connection open
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(complete)
+    await read_until(reader, b"HTTP/1.1 200")
+    await asyncio.sleep(1.6)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert (await asyncio.wait_for(reader.read(), 10)).count(b"HTTP/1.1 200") >= 1
+    writer.close()
+
+
 async def test_a_slow_passthrough_body_is_cut_at_the_body_deadline(
     faulty: Faulty, start: Start, client: aiohttp.ClientSession
 ) -> None:
