@@ -140,7 +140,8 @@ def test_llamacpp_n_predict_minus_one_is_unbounded_and_prompts_multiply() -> Non
     assert (p.path_kind, p.max_tokens, p.max_tokens_defaulted) == ("llamacpp", 256, True)
     assert json.loads(p.upstream_body() or b"")["n_predict"] == 256  # bounded upstream
     zero = parse({"prompt": "hi", "n_predict": 0}, "llamacpp")
-    assert zero.max_tokens == 1 and zero.upstream_body() is None  # prompt only: unchanged
+    assert zero.max_tokens == 1  # prompt only: n_predict 0 kept (it wins over max_tokens)
+    assert json.loads(zero.upstream_body() or b"")["n_predict"] == 0
     alias = parse({"prompt": "hi", "max_tokens": 7}, "llamacpp")
     assert (alias.max_tokens, alias.max_tokens_field) == (7, "max_tokens")
     multi = parse({"prompt": ["a", [1, 2], {"prompt_string": "b"}], "n_predict": 4}, "llamacpp")

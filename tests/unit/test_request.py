@@ -328,7 +328,10 @@ def test_llamacpp_n_predict_is_charged_and_rewritten_on_openai_paths(kind: PathK
     sent = up({**base, "max_tokens": 1, "n_predict": -1}, kind)
     assert sent is not None and sent["n_predict"] == 256 and sent["max_tokens"] <= 256
     larger = parse({**base, "max_tokens": 5, "n_predict": 50}, kind)
-    assert (larger.max_tokens, larger.max_tokens_field) == (50, "n_predict")
+    assert larger.max_tokens == 50
+    # an engine that ignores n_predict (vLLM) gets the limit in its own field too
+    alone = up({**base, "n_predict": 5}, kind)
+    assert alone is not None and (alone["n_predict"], alone["max_tokens"]) == (5, 5)
     # clamped to the cap, and degraded: no field the engine may read exceeds the reservation
     clamped = up({**base, "max_tokens": 5, "n_predict": 2000}, kind)
     assert clamped is not None and (clamped["n_predict"], clamped["max_tokens"]) == (1024, 1024)

@@ -202,9 +202,9 @@ def parse_generation(
     also: tuple[str, ...] = ()
     field, client_max = fields.limit_path[-1], fields.client_max
     nested = len(fields.limit_path) > 1
+    check_context(fields.param, client_max, max_model_len)
     if not nested:
-        field, client_max, also = n_predict_limit(body, field, client_max)
-    check_context(fields.param if nested else field, client_max, max_model_len)
+        client_max, also = n_predict_limit(body, client_max, max_model_len)
     effective, clamped = effective_limit(
         client_max, default_max_tokens, max_tokens_cap, max_model_len
     )

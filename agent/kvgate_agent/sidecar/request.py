@@ -153,11 +153,12 @@ def check_context(param: str, limit: int | None, max_model_len: int | None) -> N
 
 
 def n_predict_limit(
-    body: dict[str, Any], field: str, client_max: int | None
-) -> tuple[str, int | None, tuple[str, ...]]:
-    """Fold llama.cpp's own ``n_predict`` into an OpenAI-style output limit: (the field to
-    rewrite, the limit to charge in tokens or None for the policy default, the extra fields
-    the limit must also be written to upstream).
+    body: dict[str, Any], client_max: int | None, max_model_len: int | None
+) -> tuple[int | None, tuple[str, ...]]:
+    """Fold llama.cpp's own ``n_predict`` into an API's output limit: (the limit to charge in
+    tokens or None for the policy default, the extra fields the limit must also be written to
+    upstream). The API's own field is always rewritten too, so an engine that ignores
+    ``n_predict`` (vLLM) never runs past the reservation either.
 
     llama.cpp's OpenAI routes copy every other body field through and let ``n_predict``
     override ``max_tokens`` ("Copy remaining properties to llama_params ... if "n_predict" is
@@ -169,24 +170,24 @@ def n_predict_limit(
     rewritten to the reservation.
 
     Raises:
-        RequestError: 400 naming ``n_predict`` for a non-integer or a negative other than -1.
+        RequestError: 400 naming ``n_predict`` for a non-integer, a negative other than -1, or
+            a value above the context length.
     """
     if "n_predict" not in body:
-        return field, client_max, ()
+        return client_max, ()
     v = body["n_predict"]
     if v is None:
-        return field, client_max, ("n_predict",)
+        return client_max, ("n_predict",)
     if not is_int(v) or v < -1:
         raise bad(
             f"'n_predict' must be an integer >= -1 (-1: unbounded), got {json.dumps(v)[:64]}",
             "n_predict",
         )
     if v == -1:
-        return "n_predict", None, ("n_predict",)
+        return None, ("n_predict",)
     own = max(1, int(v))
-    if client_max is None or own > client_max:
-        return "n_predict", own, ("n_predict",)
-    return field, client_max, ("n_predict",)
+    check_context("n_predict", own, max_model_len)
+    return (own if client_max is None else max(own, client_max)), ("n_predict",)
 
 
 @dataclass(slots=True)
@@ -496,8 +497,8 @@ def _client_limit(
         mct = positive_int(body, "max_completion_tokens")
         if mct is not None:
             field, client_max = "max_completion_tokens", mct
-    field, client_max, also = n_predict_limit(body, field, client_max)
     check_context(field, client_max, max_model_len)
+    client_max, also = n_predict_limit(body, client_max, max_model_len)
     return field, client_max, also
 
 
