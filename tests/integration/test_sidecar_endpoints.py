@@ -484,6 +484,10 @@ async def test_absolute_form_targets_are_routed_by_their_path_and_never_bypass_a
     assert (await raw_post(url, "http://x/tokenize")).startswith(b"HTTP/1.1 200")
     assert ("POST", "/tokenize") in {(m, p) for m, p, _ in multi.seen}
     assert (await raw_post(url, "http://x/sleep")).startswith(b"HTTP/1.1 404")
+    root = await raw_post(url, "http://x?q=1", b"", method="GET")  # no path: the root
+    assert root.startswith(b"HTTP/1.1 200") and b'"path": "/"' in root
+    assert ("GET", "/") in {(m, p) for m, p, _ in multi.seen}
+    assert b'"code":"unknown_endpoint"' in await raw_post(url, "http://x")
     chat = json.dumps(APIS[0][1]).encode()
     admitted = await raw_post(url, "http://x/v1/chat/completions", chat)
     assert admitted.startswith(b"HTTP/1.1 200") and b"x-kvgate-decision: admitted" in admitted
@@ -491,7 +495,8 @@ async def test_absolute_form_targets_are_routed_by_their_path_and_never_bypass_a
     assert sent[1] == "/v1/chat/completions" and json.loads(sent[2])["max_tokens"] == 33
     assert (await raw_post(url, "http://x/v1/chat/completions", b"{")).startswith(b"HTTP/1.1 400")
     assert (await raw_post(url, "http://x/v1/x/../completions", chat)).startswith(b"HTTP/1.1 4")
-    assert [c[1] for c in multi.generation_calls] == ["/tokenize", "/v1/chat/completions"]
+    posts = [c[1] for c in multi.generation_calls if c[0] == "POST"]
+    assert posts == ["/tokenize", "/v1/chat/completions"]
     assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0
 
 

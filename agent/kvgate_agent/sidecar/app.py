@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from yarl import URL
 
 from kvgate_agent.admission import (
     AdmissionConfig,
@@ -226,7 +227,8 @@ class Sidecar:
     def build_app(self) -> web.Application:
         """The aiohttp application (routes and startup/cleanup hooks)."""
         app = web.Application(
-            client_max_size=self.settings.max_body_bytes + 1, middlewares=[track_requests]
+            client_max_size=self.settings.max_body_bytes + 1,
+            middlewares=[track_requests, self._pathless],
         )
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -347,6 +349,20 @@ class Sidecar:
                 )
             chunks.append(chunk)
         return b"".join(chunks)
+
+    @web.middleware
+    async def _pathless(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        """An absolute-form target without a path (``GET http://host HTTP/1.1``) is the root
+        (RFC 9112 §3.2.2): served by :meth:`other` as ``/`` (aiohttp's router matches no route
+        for an empty path, and would answer a plain-text 404)."""
+        rel = request.rel_url
+        if rel.raw_path == "":
+            root = URL.build(path="/", query_string=rel.raw_query_string, encoded=True)
+            return await self.other(request.clone(rel_url=root))
+        resp: web.StreamResponse = await handler(request)
+        return resp
 
     async def other(self, request: web.Request) -> web.StreamResponse:
         """Every path but the generation ones and the sidecar's own: GET, HEAD and OPTIONS pass
