@@ -342,6 +342,9 @@ async def test_unbounded_or_missing_limits_send_the_policy_default_in_each_apis_
         ("/generate", {"text": "hi", "sampling_params": {}}, ("sampling_params", "max_new_tokens")),
         ("/completion", {"prompt": "hi", "n_predict": -1}, ("n_predict",)),
         ("/completions", {"prompt": "hi"}, ("max_tokens",)),
+        # llama.cpp's OpenAI routes let n_predict override max_tokens: -1 is unbounded
+        ("/v1/chat/completions", {**APIS[0][1], "max_tokens": 1, "n_predict": -1}, ("n_predict",)),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "n_predict": -1}, ("max_tokens",)),
     ]
     for path, body, where in cases:
         async with client.post(url + path, json=body) as r:
