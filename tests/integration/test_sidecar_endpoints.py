@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvgate_bench.toolkit import free_port
+from kvgate_bench.toolkit import free_port, wait_until_async
 from tests.conftest import SidecarFactory, gauges
 
 #: The decisions counter's series for refusals before admission (a bad body, path or method).
@@ -268,10 +268,7 @@ async def test_best_of_is_reserved_for_every_sequence(
     multi.hold = 0.5
     body = {"model": "m", "prompt": "hi", "max_tokens": 10, "n": 2, "best_of": 5}
     task = asyncio.create_task(client.post(url + "/v1/completions", json=body))
-    for _ in range(200):
-        if multi.generation_calls:
-            break
-        await asyncio.sleep(0.02)
+    await wait_until_async(lambda: multi.generation_calls, 4, "the upstream to get the request")
     prompt = sc.counter.count({"prompt": "hi"}).tokens
     assert sc.controller.kv_reserved_tokens == prompt + 5 * 10  # max(n, best_of) sequences
     (await task).release()
@@ -323,10 +320,7 @@ async def test_list_prompts_and_batches_reserve_every_sequence(
     ]
     for path, body, sequences in cases:
         task = asyncio.create_task(client.post(url + path, json=body))
-        for _ in range(200):
-            if sc.controller.kv_reserved_tokens:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: sc.controller.kv_reserved_tokens, 4, "a reservation")
         reserved = sc.controller.kv_reserved_tokens
         (await task).release()
         assert (
@@ -335,11 +329,7 @@ async def test_list_prompts_and_batches_reserve_every_sequence(
                 {"prompt": body.get("prompt") or body.get("text") or body.get("inputs")}
             ).tokens
         ), (path, body)
-        for _ in range(100):
-            if sc.controller.kv_reserved_tokens == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert sc.controller.kv_reserved_tokens == 0
+        await wait_until_async(lambda: sc.controller.kv_reserved_tokens == 0, 4, "the release")
 
 
 async def test_unbounded_or_missing_limits_send_the_policy_default_in_each_apis_field(
@@ -352,6 +342,9 @@ async def test_unbounded_or_missing_limits_send_the_policy_default_in_each_apis_
         ("/generate", {"text": "hi", "sampling_params": {}}, ("sampling_params", "max_new_tokens")),
         ("/completion", {"prompt": "hi", "n_predict": -1}, ("n_predict",)),
         ("/completions", {"prompt": "hi"}, ("max_tokens",)),
+        # llama.cpp's OpenAI routes let n_predict override max_tokens: -1 is unbounded
+        ("/v1/chat/completions", {**APIS[0][1], "max_tokens": 1, "n_predict": -1}, ("n_predict",)),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "n_predict": -1}, ("max_tokens",)),
     ]
     for path, body, where in cases:
         async with client.post(url + path, json=body) as r:
@@ -404,12 +397,14 @@ async def test_apis_without_a_model_field_are_never_degraded_to_the_fallback_mod
 # ---------------------------------------------------------------- routing: refuse what is unknown
 
 
-async def raw_post(url: str, target: str, body: bytes = b"{}") -> bytes:
-    """One HTTP/1.1 POST with its request-target sent exactly as given; the whole response."""
+async def raw_post(url: str, target: str, body: bytes = b"{}", method: str = "POST") -> bytes:
+    """One HTTP/1.1 request (POST by default) with its request-target sent exactly as given;
+    the whole response."""
     reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
     writer.write(
-        b"POST " + target.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        method.encode() + b" " + target.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+        b"Connection: close\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
     )
     await writer.drain()
     data = await reader.read()
@@ -477,6 +472,35 @@ async def test_allowlist_and_safe_methods_pass_through(
     assert (await raw_post(url, "/v1/x/../embeddings")).startswith(b"HTTP/1.1 400")
     assert (await raw_post(url, "/v1/%65mbeddings")).startswith(b"HTTP/1.1 400")
     assert len(multi.seen) == before
+
+
+async def test_absolute_form_targets_are_routed_by_their_path_and_never_bypass_admission(
+    multi: MultiUpstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    """An absolute-form request-target (RFC 9112 §3.2.2, ``GET http://host/path``) is served as
+    its path: passed through to the sidecar's own upstream (never the named host), refused, or
+    admitted exactly as the origin-form request would be."""
+    url, sc = await sidecar_factory(multi.url, {"tenants": {"defaultMaxTokens": 33}})
+    models = await raw_post(url, "http://evil.example/v1/models?x=1", b"", method="GET")
+    assert models.startswith(b"HTTP/1.1 200"), models[:200]
+    assert b'"path": "/v1/models"' in models
+    assert (await raw_post(url, "http://x/tokenize")).startswith(b"HTTP/1.1 200")
+    assert ("POST", "/tokenize") in {(m, p) for m, p, _ in multi.seen}
+    assert (await raw_post(url, "http://x/sleep")).startswith(b"HTTP/1.1 404")
+    root = await raw_post(url, "http://x?q=1", b"", method="GET")  # no path: the root
+    assert root.startswith(b"HTTP/1.1 200") and b'"path": "/"' in root
+    assert ("GET", "/") in {(m, p) for m, p, _ in multi.seen}
+    assert b'"code":"unknown_endpoint"' in await raw_post(url, "http://x")
+    chat = json.dumps(APIS[0][1]).encode()
+    admitted = await raw_post(url, "http://x/v1/chat/completions", chat)
+    assert admitted.startswith(b"HTTP/1.1 200") and b"x-kvgate-decision: admitted" in admitted
+    sent = multi.generation_calls[-1]
+    assert sent[1] == "/v1/chat/completions" and json.loads(sent[2])["max_tokens"] == 33
+    assert (await raw_post(url, "http://x/v1/chat/completions", b"{")).startswith(b"HTTP/1.1 400")
+    assert (await raw_post(url, "http://x/v1/x/../completions", chat)).startswith(b"HTTP/1.1 4")
+    posts = [c[1] for c in multi.generation_calls if c[0] == "POST"]
+    assert posts == ["/tokenize", "/v1/chat/completions"]
+    assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0
 
 
 @pytest.mark.parametrize("method", ["GET", "HEAD", "PUT", "DELETE", "PATCH"])

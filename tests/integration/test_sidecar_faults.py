@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
+from kvgate_agent.sidecar import forward
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.slowclients import KEEPALIVE_TIMEOUT_S
 from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
@@ -269,6 +270,82 @@ async def test_slow_loris_is_cut_while_legitimate_traffic_is_served(
     assert faulty.reached == len(served) + 2
 
 
+@pytest.mark.parametrize("first", ["GET", "POST"])
+async def test_a_pipelined_partial_request_gets_the_header_deadline(
+    faulty: Faulty, start: Start, first: str
+) -> None:
+    """A complete request followed, in the same write, by the first bytes of a next one that
+    never completes: the first is answered, the second gets 408 at the header deadline (1 s
+    here) and the connection is closed, not held until the keep-alive timeout. A complete
+    request alone is kept alive past that deadline."""
+    url, _ = await start(faulty.url, {}, header_timeout=1.0)
+    port = int(url.rsplit(":", 1)[1])
+    complete = (
+        request_bytes(CHAT) if first == "POST" else b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    t0 = time.monotonic()
+    writer.write(complete + b"GET /healthz HTTP/1.1\r\nHo")
+    got = await asyncio.wait_for(reader.read(), 10)  # until the sidecar closes
+    held = time.monotonic() - t0
+    writer.close()
+    assert got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in got, got[-200:]
+    assert held < 5, held
+    # control: the complete request alone leaves an idle kept-alive connection open
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(complete)
+    await read_until(reader, b"HTTP/1.1 200")
+    await asyncio.sleep(1.6)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert (await asyncio.wait_for(reader.read(), 10)).count(b"HTTP/1.1 200") >= 1
+    writer.close()
+
+
+async def test_a_slow_passthrough_body_is_cut_at_the_body_deadline(
+    faulty: Faulty, start: Start, client: aiohttp.ClientSession
+) -> None:
+    """A body on an allowlisted path (``/tokenize``) that stops half-way gets 408 at the body
+    deadline (1 s here) and is closed; its upstream request, under way, is aborted (the model
+    server never gets the whole body)."""
+    url, sc = await start(faulty.url, {}, header_timeout=2.0, body_timeout=1.0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    t0 = time.monotonic()
+    writer.write(
+        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt":'
+    )
+    got = await asyncio.wait_for(read_until(reader, b"request_timeout"), 15)
+    answered = time.monotonic() - t0
+    got += await asyncio.wait_for(reader.read(), 15)  # closed (after lingering, as aiohttp does)
+    writer.close()
+    assert got.startswith(b"HTTP/1.1 408"), got[:200]
+    assert 0.9 < answered < 4, answered
+    g = await all_free(client, url, sc)
+    assert g['kvgate_client_timeouts_total{phase="body"}'] == 1
+    assert faulty.reached == 0
+
+
+async def test_a_request_ended_at_the_drain_deadline_after_it_was_sent_is_charged(
+    faulty: Faulty, start: Start, client: aiohttp.ClientSession
+) -> None:
+    """The drain deadline (``Forwarder.end_all``) cancels a request the model server is
+    working on (it hangs before its headers): the client gets 503 and the prompt is charged,
+    as the engine prefilled it."""
+    url, sc = await start(faulty.url, {})
+    pending = asyncio.ensure_future(
+        client.post(
+            url + "/v1/chat/completions", json=CHAT, headers={"x-test-fault": "hang_before_headers"}
+        )
+    )
+    await wait_until_async(lambda: faulty.reached == 1, 10, "the request to reach the upstream")
+    await sc.forwarder.end_all(grace=5.0)
+    r = await asyncio.wait_for(pending, 10)
+    assert r.status == 503 and r.headers["x-kvgate-reason"] == "draining"
+    r.release()
+    g = await all_free(client, url, sc)
+    assert g['kvgate_tokens_total{kind="prompt",tenant="anonymous"}'] > 0
+
+
 async def test_malformed_http_gets_an_openai_error_and_never_reaches_the_model(
     faulty: Faulty, start: Start
 ) -> None:
@@ -327,6 +404,7 @@ UPSTREAM_FAULTS = [
     ("status_503_html", False, 503, "upstream_error"),  # HTML: an OpenAI body instead
     ("garbage", True, 200, None),
     ("endless_event", True, 200, "upstream_error"),
+    ("endless_event", False, 502, "upstream_error"),  # over the cap on a non-streamed answer
 ]
 
 
@@ -352,7 +430,9 @@ async def test_upstream_faults_map_to_a_clear_answer_and_free_everything(
     stream: bool,
     status: int,
     code: str | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(forward, "MAX_UPSTREAM_BODY_BYTES", 4 * 1024 * 1024)  # 64 MiB by default
     upstream = f"http://127.0.0.1:{free_port()}" if fault == "refused" else faulty.url
     url, sc = await start(
         upstream,

@@ -159,6 +159,12 @@ PATHS = [
     "//generate",
     "/v1/%63ompletions",
     "/generate?x=1",
+    # absolute-form targets (RFC 9112 §3.2.2): routed by their path, the host never used
+    "http://evil/v1/models",
+    "http://x/tokenize",
+    "http://x/v1/chat/completions",
+    "http://x/v1/./completions",
+    "http://x",
 ]
 METHODS = ["POST"] * 8 + ["GET", "HEAD", "PUT", "DELETE", "PATCH", "OPTIONS"]
 CONTENT_TYPES = [
@@ -198,6 +204,7 @@ LENGTH_KEYS = [
     "n",
     "best_of",
     "n_predict",
+    "n_cmpl",
     "stream",
     "stream_options",
     "model",

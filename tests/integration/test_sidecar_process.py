@@ -133,6 +133,9 @@ async def test_drain_deadline_is_enforced_and_waiters_get_503(
         (["--log-level", "verbose"], {}, "--log-level"),
         (["--passthrough-path", "v1/embeddings"], {}, "expected a path starting with '/'"),
         ([], {"KVGATE_PASSTHROUGH_PATHS": "/ok,nope"}, "KVGATE_PASSTHROUGH_PATHS"),
+        (["--passthrough-path", "/v1/x?a=1"], {}, "has no query"),
+        (["--passthrough-path", "/v1/completions"], {}, "is a generation path"),
+        ([], {"KVGATE_PASSTHROUGH_PATHS": "/a/../b"}, "must be canonical"),
     ],
 )
 def test_bad_arguments_are_reported_not_crashed_on(

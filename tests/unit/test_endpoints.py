@@ -110,7 +110,18 @@ def test_sglang_generate_reads_sampling_params_batches_and_n() -> None:
         "sampling_params": [{"max_new_tokens": 5}, {"max_new_tokens": 50, "n": 2}, {}],
     }
     b = parse(batch, "generate")
-    assert (b.max_tokens, b.n, b.max_tokens_defaulted) == (256, 4, True)  # one has no limit
+    assert (b.max_tokens, b.n) == (256, 4)  # one has no limit: the default is the largest
+    sent = json.loads(b.upstream_body() or b"")["sampling_params"]
+    assert [s.get("max_new_tokens") for s in sent] == [5, 50, 256]
+    # only the missing limit is filled: an explicit one above the default stays, and is charged
+    above = parse(
+        {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 500}, {}]}, "generate"
+    )
+    assert above.max_tokens == 500 and not above.max_tokens_clamped
+    sent = json.loads(above.upstream_body() or b"")["sampling_params"]
+    assert [s["max_new_tokens"] for s in sent] == [500, 256]
+    sent = json.loads(above.upstream_body(max_tokens=100) or b"")["sampling_params"]
+    assert [s["max_new_tokens"] for s in sent] == [100, 100]  # degraded: both within it
     ids = parse({"input_ids": [[1, 2, 3], [4]], "sampling_params": {"n": 2}}, "generate")
     assert (ids.n, counted(ids)) == (4, 4)
     assert refused({"text": ["a", "b"], "sampling_params": [{}]}, "generate") == "sampling_params"
@@ -129,7 +140,8 @@ def test_llamacpp_n_predict_minus_one_is_unbounded_and_prompts_multiply() -> Non
     assert (p.path_kind, p.max_tokens, p.max_tokens_defaulted) == ("llamacpp", 256, True)
     assert json.loads(p.upstream_body() or b"")["n_predict"] == 256  # bounded upstream
     zero = parse({"prompt": "hi", "n_predict": 0}, "llamacpp")
-    assert zero.max_tokens == 1 and zero.upstream_body() is None  # prompt only: unchanged
+    assert zero.max_tokens == 1  # prompt only: n_predict 0 kept (it wins over max_tokens)
+    assert json.loads(zero.upstream_body() or b"")["n_predict"] == 0
     alias = parse({"prompt": "hi", "max_tokens": 7}, "llamacpp")
     assert (alias.max_tokens, alias.max_tokens_field) == (7, "max_tokens")
     multi = parse({"prompt": ["a", [1, 2], {"prompt_string": "b"}], "n_predict": 4}, "llamacpp")
@@ -140,9 +152,28 @@ def test_llamacpp_n_predict_minus_one_is_unbounded_and_prompts_multiply() -> Non
     assert infill.n == 1 and counted(infill) > 0
     for bad in (-2, "5", 1.5, False):
         assert refused({"prompt": "x", "n_predict": bad}, "llamacpp") == "n_predict"
+    both = parse({"prompt": "hi", "max_tokens": 3, "n_predict": -1}, "llamacpp")
+    assert both.max_tokens == 256  # n_predict wins in llama.cpp: -1 is unbounded
+    assert json.loads(both.upstream_body() or b"") == {"prompt": "hi", "max_tokens": 256,
+                                                        "n_predict": 256}  # fmt: skip
+    # n_cmpl (alias n): completions per prompt, for every prompt of a list
+    assert parse({"prompt": ["a", "b"], "n_cmpl": 3}, "llamacpp").n == 6
+    assert parse({"prompt": "a", "n": 2}, "llamacpp").n == 2
+    assert refused({"prompt": "a", "n_cmpl": 200}, "llamacpp") == "n_cmpl"
     assert refused({"prompt": []}, "llamacpp") == "prompt"
     assert refused({"prompt": [[1], 2.5]}, "llamacpp") == "prompt"
     assert refused({"prompt": ["x"] * 3000}, "llamacpp") == "prompt"
+
+
+@pytest.mark.parametrize("route", ["responses", "messages"])
+def test_llamacpp_n_predict_is_charged_on_every_top_level_limit(route: Route) -> None:
+    body: dict[str, Any] = {"model": "m", "max_tokens": 1, "max_output_tokens": 1, "n_predict": -1}
+    msgs = [{"role": "user", "content": "hi"}]
+    body |= {"input": "hi"} if route == "responses" else {"messages": msgs}
+    p = parse(body, route)
+    assert p.max_tokens == 256
+    assert json.loads(p.upstream_body() or b"")["n_predict"] == 256
+    assert refused({**body, "n_predict": "x"}, route) == "n_predict"
 
 
 @pytest.mark.parametrize("route", ["responses", "messages", "generate", "tgi_stream", "llamacpp"])
@@ -194,6 +225,30 @@ def test_passthrough_allowlist() -> None:
     assert not p.allows("/v1/embeddings/x") and not p.allows("/sleep") and not p.allows("/")
     with pytest.raises(ValueError, match="must start with"):
         Passthrough.of(["v1/x"])
+    # TGI's chat template tokenizer and vLLM's cancel of a stored response are defaults
+    assert p.allows("/chat_tokenize") and p.allows("/v1/responses/resp_1/cancel")
+    assert not p.allows("/v1/responses/resp_1") and not p.allows("/v1/responses/a/b/cancel")
+    segment = Passthrough.of(["/v1/models/*/load"])
+    assert segment.allows("/v1/models/m/load") and not segment.allows("/v1/models/m/unload")
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ("/v1/x?a=1", "no query"),
+        ("/v1/chat/completions", "generation path"),
+        ("/generate", "generation path"),
+        ("/a//b", "canonical"),
+        ("/a/../b", "canonical"),
+        ("/a/./b", "canonical"),
+        ("/x/", "canonical"),
+        ("/v1/%65mbeddings", "canonical"),
+        ("/a*b/c", "whole segment"),
+    ],
+)
+def test_passthrough_entries_that_can_never_match_are_refused(entry: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        Passthrough.of([entry])
 
 
 # ---------------------------------------------------------------- reported usage

@@ -314,3 +314,36 @@ def test_a_repeated_key_is_refused_at_any_depth() -> None:
     ).param == ("max_tokens")
     raw = b'{"model":"m","messages":[{"role":"user","role":"system","content":"x"}]}'
     assert rejected(raw).param == "role"
+
+
+# -- llama.cpp's own fields on its OpenAI routes -------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+def test_llamacpp_n_predict_is_charged_and_rewritten_on_openai_paths(kind: PathKind) -> None:
+    base = CHAT if kind == "chat" else CMPL
+    # llama.cpp lets n_predict override max_tokens: -1 is unbounded, so the default is charged
+    unbounded = parse({**base, "max_tokens": 1, "n_predict": -1}, kind)
+    assert (unbounded.max_tokens, unbounded.max_tokens_defaulted) == (256, True)
+    sent = up({**base, "max_tokens": 1, "n_predict": -1}, kind)
+    assert sent is not None and sent["n_predict"] == 256 and sent["max_tokens"] <= 256
+    larger = parse({**base, "max_tokens": 5, "n_predict": 50}, kind)
+    assert larger.max_tokens == 50
+    # an engine that ignores n_predict (vLLM) gets the limit in its own field too
+    alone = up({**base, "n_predict": 5}, kind)
+    assert alone is not None and (alone["n_predict"], alone["max_tokens"]) == (5, 5)
+    # clamped to the cap, and degraded: no field the engine may read exceeds the reservation
+    clamped = up({**base, "max_tokens": 5, "n_predict": 2000}, kind)
+    assert clamped is not None and (clamped["n_predict"], clamped["max_tokens"]) == (1024, 1024)
+    degraded = up({**base, "max_tokens": 100, "n_predict": 100}, kind, max_tokens=40)
+    assert degraded is not None and (degraded["n_predict"], degraded["max_tokens"]) == (40, 40)
+    for bad_value in (-2, "5", 1.5, True, [1]):
+        assert rejected({**base, "n_predict": bad_value}, kind).param == "n_predict"
+    assert rejected({**base, "n_predict": 5000}, kind, cap=None, max_len=4096).param == "n_predict"
+
+
+def test_llamacpp_n_cmpl_multiplies_sequences_on_openai_paths() -> None:
+    assert parse({**CHAT, "n_cmpl": 4}).n == 4
+    assert parse({**CMPL, "prompt": ["a", "b"], "n": 2, "n_cmpl": 3}, "completions").n == 6
+    assert rejected({**CHAT, "n_cmpl": 129}).param == "n_cmpl"
+    assert rejected({**CHAT, "n_cmpl": 0}).param == "n_cmpl"

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from yarl import URL
 
 from kvgate_agent.admission import (
     AdmissionConfig,
@@ -80,8 +81,8 @@ class SidecarSettings:
         header_timeout: seconds a client connection may take to send a request's headers
             (from the connection's opening, or a later request's first byte); then it gets 408
             and is closed (0: no limit; :mod:`kvgate_agent.sidecar.slowclients`).
-        body_timeout: seconds an admission-controlled request's body may take to arrive once
-            its headers are in; then 408 (0: no limit).
+        body_timeout: seconds a request's body (admission-controlled or passed through) may take
+            to arrive once its headers are in; then 408 (0: no limit).
         engine_poll_seconds: how often the engine's KV capacity is re-read when
             ``capacity.fromEngineMetrics`` is set.
         engine_usage_seconds: how often the engine's KV tokens in use are read from its
@@ -153,7 +154,13 @@ class Sidecar:
             self.agent_link = AgentLink(settings.agent, t.link, self.sync_report, self._on_sync)
             self.metrics.attach_link(t.link, self.current_mode, lambda: t.policy_ref)
         self.counter = PromptCounter(settings.tokenizer_file)
-        self.forwarder = Forwarder(self.upstream, self.metrics, self.admission, self.counter)
+        self.forwarder = Forwarder(
+            self.upstream,
+            self.metrics,
+            self.admission,
+            self.counter,
+            body_timeout=settings.body_timeout,
+        )
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
         self.passthrough = Passthrough.of(settings.passthrough_paths)
@@ -220,7 +227,8 @@ class Sidecar:
     def build_app(self) -> web.Application:
         """The aiohttp application (routes and startup/cleanup hooks)."""
         app = web.Application(
-            client_max_size=self.settings.max_body_bytes + 1, middlewares=[track_requests]
+            client_max_size=self.settings.max_body_bytes + 1,
+            middlewares=[track_requests, self._pathless],
         )
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -342,13 +350,27 @@ class Sidecar:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    @web.middleware
+    async def _pathless(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        """An absolute-form target without a path (``GET http://host HTTP/1.1``) is the root
+        (RFC 9112 §3.2.2): served by :meth:`other` as ``/`` (aiohttp's router matches no route
+        for an empty path, and would answer a plain-text 404)."""
+        rel = request.rel_url
+        if rel.raw_path == "":
+            root = URL.build(path="/", query_string=rel.raw_query_string, encoded=True)
+            return await self.other(request.clone(rel_url=root))
+        resp: web.StreamResponse = await handler(request)
+        return resp
+
     async def other(self, request: web.Request) -> web.StreamResponse:
         """Every path but the generation ones and the sidecar's own: GET, HEAD and OPTIONS pass
         through; another method only to a path on the allowlist (404 otherwise). A path that
         only normalises (dot segments, repeated slashes, escapes) to a generation or allowlisted
         one is refused with 400: an upstream that normalises it would otherwise serve it
         unchecked."""
-        raw = request.raw_path.split("?", 1)[0]
+        raw = request.rel_url.raw_path  # an absolute-form target's raw_path is the whole URL
         path = canonical_path(raw)
         if path in GENERATION_PATHS:
             return responses.non_canonical_path()

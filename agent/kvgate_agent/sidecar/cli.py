@@ -31,6 +31,7 @@ from kvgate_agent.sidecar.agent_link import (
     sidecar_metrics_url,
 )
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.endpoints import Passthrough
 from kvgate_agent.sidecar.tokens import TokenizerError
 
 log = logging.getLogger("kvgate")
@@ -53,9 +54,15 @@ def _non_negative_seconds(value: str) -> float:
 
 
 def _passthrough_path(value: str) -> str:
+    """One allowlist entry, refused (exit 2) when it could never match (see
+    :class:`~kvgate_agent.sidecar.endpoints.Passthrough`)."""
     path = value.strip()
     if not path.startswith("/"):
         raise argparse.ArgumentTypeError(f"expected a path starting with '/', got {value!r}")
+    try:
+        Passthrough.of([path])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return path
 
 
@@ -196,8 +203,8 @@ def _add_serving_args(s: argparse.ArgumentParser) -> None:
         "--body-timeout-seconds",
         type=_non_negative_seconds,
         default=_env("BODY_TIMEOUT_SECONDS", "30"),
-        help="seconds a completion request's body may take to arrive after its headers "
-        "(then 408); 0 disables [KVGATE_BODY_TIMEOUT_SECONDS]",
+        help="seconds a request's body (admitted or passed through) may take to arrive after "
+        "its headers (then 408); 0 disables [KVGATE_BODY_TIMEOUT_SECONDS]",
     )
     s.add_argument(
         "--drain-seconds",
@@ -206,6 +213,11 @@ def _add_serving_args(s: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long in-flight requests may finish; keep it below "
         "the pod's terminationGracePeriodSeconds [KVGATE_DRAIN_SECONDS]",
     )
+    _add_routing_args(s)
+
+
+def _add_routing_args(s: argparse.ArgumentParser) -> None:
+    """The pass-through allowlist and the engine's usage polling."""
     s.add_argument(
         "--passthrough-path",
         action="append",
@@ -213,9 +225,11 @@ def _add_serving_args(s: argparse.ArgumentParser) -> None:
         default=[p for p in (_env("PASSTHROUGH_PATHS") or "").split(",") if p.strip()],
         help="a path (or a prefix ending in *) that POST and other mutating requests may reach "
         "the model server on without admission, besides /tokenize, /detokenize, "
-        "/v1/messages/count_tokens and /apply-template; repeatable; any other unknown mutating "
-        "request gets 404. The flags add to KVGATE_PASSTHROUGH_PATHS (comma-separated) "
-        "[KVGATE_PASSTHROUGH_PATHS]",
+        "/chat_tokenize, /v1/messages/count_tokens, /apply-template and "
+        "/v1/responses/*/cancel (* in the middle: one segment); repeatable; any other unknown "
+        "mutating request gets 404; an entry that can never match (a '?', a generation path, "
+        "a non-canonical path) exits 2. The flags add to KVGATE_PASSTHROUGH_PATHS "
+        "(comma-separated) [KVGATE_PASSTHROUGH_PATHS]",
     )
     s.add_argument(
         "--engine-usage-seconds",

@@ -8,17 +8,24 @@ Every generation API of the engines kvgate supports is admission-controlled
 path                                   kind       output limit, sequences
 =====================================  =========  ============================================
 ``/v1/chat/completions``,              chat       ``max_completion_tokens``/``max_tokens``;
-``/chat/completions`` (llama.cpp)                 ``max(n, best_of)``
-``/v1/completions``                    completions ``max_tokens``; ``max(n, best_of)`` x prompts
+``/chat/completions`` (llama.cpp)                 ``max(n, best_of, n_cmpl)``
+``/v1/completions``                    completions ``max_tokens``; ``max(n, best_of, n_cmpl)`` x
+                                                  prompts
 ``/v1/responses`` (vLLM)               responses  ``max_output_tokens``; 1
 ``/v1/messages`` (vLLM, Anthropic)     messages   ``max_tokens`` (required); 1
 ``/generate`` with ``inputs`` (TGI),   tgi        ``parameters.max_new_tokens``;
 ``/generate_stream`` (TGI)                        ``parameters.best_of``
 ``/generate`` with ``text`` or         sglang     ``sampling_params.max_new_tokens``;
 ``input_ids`` (SGLang)                            ``sampling_params.n`` x prompts
-``/completion``, ``/completions``,     llamacpp   ``n_predict`` (``-1``: unbounded, so the policy
-``/infill`` (llama.cpp)                           default is sent); prompts of a multi-prompt list
+``/completion``, ``/completions``,     llamacpp   ``n_predict``/``max_tokens`` (``-1``: unbounded,
+``/infill`` (llama.cpp)                           so the policy default is sent); ``n_cmpl`` (or
+                                                  ``n``) x the prompts of a multi-prompt list
 =====================================  =========  ============================================
+
+On every path with a top-level limit, llama.cpp's own ``n_predict`` is read too (its OpenAI
+routes copy it through and let it override ``max_tokens``): the larger limit is charged
+(``-1``: the policy default) and every limit field is rewritten to the reservation (see
+:func:`~kvgate_agent.sidecar.request.n_predict_limit`).
 
 Prompt parts held by the engine rather than sent (a Responses ``previous_response_id`` or stored
 ``prompt`` template) cannot be counted here: they are charged when the engine reports its usage.
@@ -47,11 +54,13 @@ from kvgate_agent.sidecar.request import (
     ParsedRequest,
     PathKind,
     bad,
+    check_context,
     check_messages,
     check_sequences,
     decode_object,
     effective_limit,
     is_int,
+    n_predict_limit,
     parse_completion_request,
     positive_int,
 )
@@ -82,45 +91,83 @@ GENERATION_PATHS: dict[str, Route] = {
 #: Methods that pass through on any path but a generation one (RFC 9110 §9.2.1 "safe").
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 #: Paths any method may reach the model server on without admission: tokenizer utilities, CPU
-#: only (vLLM's and llama.cpp's ``/tokenize``, ``/detokenize``; TGI's ``/tokenize``; vLLM's
-#: Anthropic ``/v1/messages/count_tokens``; llama.cpp's ``/apply-template``).
+#: only (vLLM's and llama.cpp's ``/tokenize``, ``/detokenize``; TGI's ``/tokenize`` and
+#: ``/chat_tokenize``, https://huggingface.github.io/text-generation-inference/; vLLM's
+#: Anthropic ``/v1/messages/count_tokens``; llama.cpp's ``/apply-template``), and vLLM's
+#: ``POST /v1/responses/{response_id}/cancel``, which stops a generation rather than starting
+#: one (https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html).
 DEFAULT_PASSTHROUGH: tuple[str, ...] = (
     "/tokenize",
     "/detokenize",
+    "/chat_tokenize",
     "/v1/messages/count_tokens",
     "/apply-template",
+    "/v1/responses/*/cancel",
 )
 
 
 @dataclass(frozen=True, slots=True)
 class Passthrough:
-    """The pass-through allowlist for mutating methods: exact paths, or prefixes written with a
-    trailing ``*`` (``/v1/load_lora_adapter``, ``/admin/*``).
+    """The pass-through allowlist for mutating methods: exact paths, prefixes written with a
+    trailing ``*`` (``/admin/*``), or paths with ``*`` standing for one whole segment
+    (``/v1/responses/*/cancel``). Entries are matched against the canonical path
+    (:func:`~kvgate_agent.sidecar.request.canonical_path`).
 
     Raises:
-        ValueError: an entry that does not start with ``/``.
+        ValueError: an entry that does not start with ``/``, or that could never match: a
+            ``?`` (the query is not part of the path), a non-canonical path (empty, ``.`` or
+            ``..`` segments, ``%`` escapes, a trailing ``/``), a ``*`` inside a segment, or a
+            generation path (:data:`GENERATION_PATHS`: always admission-controlled).
     """
 
     exact: frozenset[str]
     prefixes: tuple[str, ...]
+    patterns: tuple[tuple[str, ...], ...] = ()  # segments; "*" matches any one
 
     @classmethod
     def of(cls, extra: Iterable[str] = ()) -> Passthrough:
         """:data:`DEFAULT_PASSTHROUGH` plus ``extra``."""
         exact: set[str] = set()
         prefixes: list[str] = []
+        patterns: list[tuple[str, ...]] = []
         for entry in (*DEFAULT_PASSTHROUGH, *extra):
-            if not entry.startswith("/"):
-                raise ValueError(f"a pass-through path must start with '/', got {entry!r}")
-            if entry.endswith("*"):
+            _check_entry(entry)
+            if entry.endswith("*") and "*" not in entry[:-1]:
                 prefixes.append(entry[:-1])
+            elif "*" in entry:
+                patterns.append(tuple(entry.split("/")))
             else:
                 exact.add(entry)
-        return cls(frozenset(exact), tuple(prefixes))
+        return cls(frozenset(exact), tuple(prefixes), tuple(patterns))
 
     def allows(self, path: str) -> bool:
         """``path`` (canonical) may be forwarded with any method."""
-        return path in self.exact or any(path.startswith(p) for p in self.prefixes)
+        if path in self.exact or any(path.startswith(p) for p in self.prefixes):
+            return True
+        segs = path.split("/")
+        return any(
+            len(p) == len(segs) and all(a in ("*", b) for a, b in zip(p, segs, strict=True))
+            for p in self.patterns
+        )
+
+
+def _check_entry(entry: str) -> None:
+    """Refuse an allowlist entry that could never match (see :class:`Passthrough`)."""
+    if not entry.startswith("/"):
+        raise ValueError(f"a pass-through path must start with '/', got {entry!r}")
+    if "?" in entry:
+        raise ValueError(f"a pass-through path has no query ('?'), got {entry!r}")
+    prefix = entry.endswith("*") and "*" not in entry[:-1]
+    body = entry[:-1] if prefix else entry
+    segments = body.split("/")[1:]
+    if prefix and segments and segments[-1] == "":
+        segments.pop()  # "/admin/*": the prefix "/admin/"
+    if any(seg in ("", ".", "..") or "%" in seg for seg in segments) and body != "/":
+        raise ValueError(f"a pass-through path must be canonical (never matched), got {entry!r}")
+    if any("*" in seg and seg != "*" for seg in segments):
+        raise ValueError(f"'*' must be a whole segment or the last character, got {entry!r}")
+    if entry in GENERATION_PATHS:
+        raise ValueError(f"{entry!r} is a generation path: it is always admission-controlled")
 
 
 def parse_generation(
@@ -152,19 +199,19 @@ def parse_generation(
         route = _generate_kind(body)
     parse = _PARSERS[route]
     fields = parse(body, route == "tgi_stream")
-    if (
-        fields.client_max is not None
-        and max_model_len is not None
-        and fields.client_max > max_model_len
-    ):
-        raise bad(
-            f"'{fields.param}' is {fields.client_max}, more than the model's context length "
-            f"{max_model_len}",
-            fields.param,
-        )
+    also: tuple[str, ...] = ()
+    field, client_max = fields.limit_path[-1], fields.client_max
+    nested = len(fields.limit_path) > 1
+    check_context(fields.param, client_max, max_model_len)
+    if not nested:
+        client_max, also = n_predict_limit(body, client_max, max_model_len)
     effective, clamped = effective_limit(
-        fields.client_max, default_max_tokens, max_tokens_cap, max_model_len
+        client_max, default_max_tokens, max_tokens_cap, max_model_len
     )
+    fill = None
+    if fields.some_unset and client_max is not None:  # those get the default, the rest theirs
+        fill = effective_limit(None, default_max_tokens, max_tokens_cap, max_model_len)[0]
+        effective = max(effective, fill)
     return ParsedRequest(
         body=body,
         model=fields.model or "",
@@ -172,14 +219,16 @@ def parse_generation(
         stream=fields.stream,
         client_wants_usage=False,
         max_tokens=effective,
-        max_tokens_defaulted=fields.client_max is None,
+        max_tokens_defaulted=client_max is None,
         max_tokens_clamped=clamped,
-        client_max_tokens=fields.client_max,
-        max_tokens_field=fields.limit_path[-1],
+        client_max_tokens=client_max,
+        max_tokens_field=field,
         n=fields.sequences,
-        limit_path=fields.limit_path if len(fields.limit_path) > 1 else None,
+        limit_path=fields.limit_path if nested else None,
         count_body=fields.count_body,
         model_field=fields.model is not None,
+        also_limits=also,
+        fill_limit=fill,
     )
 
 
@@ -195,6 +244,7 @@ class _Fields:
     param: str  # the limit's name in error messages
     sequences: int
     count_body: dict[str, Any]
+    some_unset: bool = False  # a per-prompt list where only some elements set the limit
 
 
 def _generate_kind(body: dict[str, Any]) -> PathKind:
@@ -396,10 +446,11 @@ def _sglang(body: dict[str, Any], _: bool) -> _Fields:
     ns = [positive_int(p, "n", "sampling_params.n") or 1 for p in per]
     check_sequences(max(ns), prompts, "sampling_params.n")  # bounds sum(ns) too
     sequences = sum(ns)
-    limit = None if any(v is None for v in limits) else max(v for v in limits if v is not None)
+    given = [v for v in limits if v is not None]
+    limit = max(given) if given else None
     return _Fields(
         "sglang", None, _stream(body), limit, ("sampling_params", "max_new_tokens"),
-        "sampling_params.max_new_tokens", sequences, count,
+        "sampling_params.max_new_tokens", sequences, count, len(given) < len(limits),
     )  # fmt: skip
 
 
@@ -437,21 +488,26 @@ def _sglang_prompts(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 def _llamacpp(body: dict[str, Any], _: bool) -> _Fields:
     """``prompt``: a string, token ids, a mix (one prompt), or a list of strings and id lists
     (one completion each); ``/infill`` adds ``input_prefix``, ``input_suffix`` and
-    ``input_extra``. ``n_predict`` (``max_tokens`` accepted too): ``-1`` means unbounded, so the
-    policy's default is charged and sent; ``0`` evaluates the prompt only (charged as 1)."""
+    ``input_extra``. ``max_tokens`` here, ``n_predict`` (which wins in llama.cpp) folded in by
+    :func:`parse_generation`: ``-1`` means unbounded, so the policy's default is charged and
+    sent; ``0`` evaluates the prompt only (charged as 1). ``n_cmpl`` (alias ``n``): completions
+    per prompt ("If the input has multiple prompts, total outputs will be N prompts times
+    n_cmpl", https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md)."""
     prompts, count = _llamacpp_prompts(body)
-    field = "n_predict" if body.get("n_predict") is not None else "max_tokens"
-    v = body.get(field)
+    v = body.get("max_tokens")
     limit: int | None
     if v is None or v == -1:
         limit = None
     elif is_int(v) and v >= 0:
         limit = max(1, v)
     else:
-        raise bad(f"'{field}' must be an integer >= -1 (-1: unbounded)", field)
-    sequences = check_sequences(1, prompts, "prompt")
+        raise bad("'max_tokens' must be an integer >= -1 (-1: unbounded)", "max_tokens")
+    param = "n_cmpl" if body.get("n_cmpl") is not None else "n"
+    per_prompt = positive_int(body, param) or 1
+    check_sequences(per_prompt, 1, param)
+    sequences = check_sequences(per_prompt, prompts, "prompt")
     return _Fields(
-        "llamacpp", None, _stream(body), limit, (field,), field, sequences, count,
+        "llamacpp", None, _stream(body), limit, ("max_tokens",), "max_tokens", sequences, count,
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from yarl import URL
 from kvgate_agent.admission import AsyncAdmission, Ticket
 from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.openai_errors import RequestError
 from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
@@ -60,8 +61,34 @@ HOP_BY_HOP = frozenset(
 MAX_EVENT_BYTES = 1024 * 1024
 
 
+#: Bytes a non-streamed answer of the model server to an admitted request may reach (it is held
+#: whole, to read its usage): far above any real completion body; a larger one is cut with 502
+#: ``upstream_error``.
+MAX_UPSTREAM_BODY_BYTES = 64 * 1024 * 1024
+
+
 class MalformedStream(aiohttp.ClientPayloadError):
-    """The model server's event stream cannot be SSE (an event over :data:`MAX_EVENT_BYTES`)."""
+    """The model server's event stream cannot be SSE (an event over :data:`MAX_EVENT_BYTES`),
+    or its non-streamed answer is over :data:`MAX_UPSTREAM_BODY_BYTES`."""
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
+    """``resp``'s whole body (bytes), at most :data:`MAX_UPSTREAM_BODY_BYTES`.
+
+    Raises:
+        MalformedStream: the body (or its declared ``Content-Length``) is larger.
+    """
+    cap = MAX_UPSTREAM_BODY_BYTES
+    if resp.content_length is not None and resp.content_length > cap:
+        raise MalformedStream(f"an upstream answer of {resp.content_length} bytes, over {cap}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > cap:
+            raise MalformedStream(f"an upstream answer over {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def forward_headers(headers: Any) -> CIMultiDict[str]:
@@ -71,6 +98,36 @@ def forward_headers(headers: Any) -> CIMultiDict[str]:
         if k.lower() not in HOP_BY_HOP:
             out.add(k, v)
     return out
+
+
+class _BodyTooSlow(Exception):
+    """A pass-through request's body did not arrive within the body deadline (not an
+    ``OSError``, unlike ``TimeoutError``, so aiohttp's client reports it as a payload error)."""
+
+
+@dataclass(slots=True)
+class _BodyDeadline:
+    """A pass-through request body streamed upstream, ending with :class:`_BodyTooSlow` when
+    it is not complete ``timeout`` seconds (0: no limit) after ``start`` (``loop.time()``)."""
+
+    request: web.Request
+    timeout: float
+    start: float
+    expired: bool = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        while True:
+            left = self.start + self.timeout - loop.time() if self.timeout > 0 else None
+            try:
+                async with asyncio.timeout(left):
+                    chunk = await self.request.content.readany()
+            except TimeoutError:
+                self.expired = True
+                raise _BodyTooSlow() from None
+            if not chunk:
+                return
+            yield chunk
 
 
 class _ClientGone(Exception):
@@ -124,8 +181,11 @@ class Forwarder:
         metrics: SidecarMetrics,
         admission: AsyncAdmission,
         counter: PromptCounter,
+        *,
+        body_timeout: float = 0.0,
     ) -> None:
         self.upstream = upstream
+        self.body_timeout = body_timeout  # seconds a pass-through body may take; 0: no limit
         self.metrics = metrics
         self.admission = admission
         self.counter = counter
@@ -204,16 +264,19 @@ class Forwarder:
         fwd["Content-Type"] = responses.JSON
         fwd.popall("Content-Encoding", None)  # the body was decoded on the way in
         fwd.popall("Accept-Encoding", None)  # identity, so the stream can be read for usage
+        # From here the engine may be working on it: a cancellation (the drain deadline) or
+        # a failure before the answer still charges the prompt.
+        ex.reached = True
         try:
             ex.resp = resp = await self.session.post(
                 self.upstream + request.path_qs, data=body, headers=fwd
             )
         except aiohttp.ClientConnectorError as exc:
+            ex.reached = False  # never connected: no work to charge
             m.upstream_errors.labels("connect").inc()
             m.upstream_ok.value = False
             log.warning("upstream connect failed: %s", exc)
             return responses.upstream_unreachable(ex.headers)
-        ex.reached = True
         m.upstream_ok.value = True
         out_headers = forward_headers(resp.headers)
         out_headers.update(ex.headers)
@@ -221,7 +284,7 @@ class Forwarder:
             m.upstream_errors.labels("status_5xx").inc()
         if ex.parsed.stream and resp.status == 200 and resp.content_type == "text/event-stream":
             return await self._relay_stream(request, resp, out_headers, ex)
-        data = await resp.read()
+        data = await _read_capped(resp)
         ex.clean = True
         if resp.status == 200:
             ex.prompt_tokens, reported = body_usage(ex.parsed.path_kind, data)
@@ -329,12 +392,18 @@ class Forwarder:
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """A request the routes let through (see ``Sidecar.other``): forwarded as is (the raw
-        path, not re-normalised), body streamed both ways."""
+        path, not re-normalised), body streamed both ways. An absolute-form target
+        (``GET http://host/v1/models``, RFC 9112 §3.2.2) is sent as its path and query: the
+        upstream is always the sidecar's own. The body must be complete within
+        :attr:`body_timeout` seconds of the handler's start, else the upstream request is
+        aborted and the client gets 408 (``client_timeouts{phase="body"}``) and is closed."""
         assert self.session is not None
-        raw_path = request.raw_path
+        rel = request.rel_url  # request.raw_path is the whole URL of an absolute-form target
+        raw_path = rel.raw_path + (f"?{rel.raw_query_string}" if rel.raw_query_string else "")
         fwd = forward_headers(request.headers)
         fwd.popall("Content-Encoding", None)  # the body is decoded on the way in
-        data = request.content if request.body_exists else None
+        body = _BodyDeadline(request, self.body_timeout, asyncio.get_running_loop().time())
+        data = body.chunks() if request.body_exists else None
         url = URL(self.upstream + raw_path, encoded=True)
         try:
             resp = await self.session.request(request.method, url, headers=fwd, data=data)
@@ -342,12 +411,19 @@ class Forwarder:
             self.metrics.upstream_errors.labels("connect").inc()
             return responses.passthrough_unreachable()
         except (TimeoutError, aiohttp.ClientError) as exc:
+            if body.expired:
+                return self._body_too_slow()
             self.metrics.upstream_errors.labels("upstream_error").inc()
             return responses.passthrough_failed(exc)
-        return await self._relay_passthrough(request, resp)
+        return await self._relay_passthrough(request, resp, body)
+
+    def _body_too_slow(self) -> web.Response:
+        self.metrics.client_timeouts.labels("body").inc()
+        exc = RequestError(408, "the request body arrived too slowly", code="request_timeout")
+        return responses.bad_request(exc)  # 408: the connection is closed
 
     async def _relay_passthrough(
-        self, request: web.Request, resp: aiohttp.ClientResponse
+        self, request: web.Request, resp: aiohttp.ClientResponse, body: _BodyDeadline
     ) -> web.StreamResponse:
         clean = False
         try:
@@ -366,8 +442,14 @@ class Forwarder:
             self.metrics.client_disconnects.inc()
             return out
         except (TimeoutError, aiohttp.ClientError) as exc:
-            self.metrics.upstream_errors.labels("upstream_error").inc()
-            log.warning("upstream failed during pass-through: %r", exc)
+            if body.expired and not out.prepared:
+                return self._body_too_slow()
+            if body.expired:
+                self.metrics.client_timeouts.labels("body").inc()
+                out.force_close()
+            else:
+                self.metrics.upstream_errors.labels("upstream_error").inc()
+                log.warning("upstream failed during pass-through: %r", exc)
             return out
         finally:
             if clean:

@@ -29,11 +29,13 @@ __all__ = [
     "PathKind",
     "bad",
     "canonical_path",
+    "check_context",
     "check_messages",
     "check_sequences",
     "decode_object",
     "effective_limit",
     "is_int",
+    "n_predict_limit",
     "parse_completion_request",
     "positive_int",
 ]
@@ -137,6 +139,57 @@ def effective_limit(
     return client_max, False
 
 
+def check_context(param: str, limit: int | None, max_model_len: int | None) -> None:
+    """Refuse an output limit (tokens) above the model's context length: it can never be
+    served.
+
+    Raises:
+        RequestError: 400 naming ``param``.
+    """
+    if limit is not None and max_model_len is not None and limit > max_model_len:
+        raise bad(
+            f"'{param}' is {limit}, more than the model's context length {max_model_len}", param
+        )
+
+
+def n_predict_limit(
+    body: dict[str, Any], client_max: int | None, max_model_len: int | None
+) -> tuple[int | None, tuple[str, ...]]:
+    """Fold llama.cpp's own ``n_predict`` into an API's output limit: (the limit to charge in
+    tokens or None for the policy default, the extra fields the limit must also be written to
+    upstream). The API's own field is always rewritten too, so an engine that ignores
+    ``n_predict`` (vLLM) never runs past the reservation either.
+
+    llama.cpp's OpenAI routes copy every other body field through and let ``n_predict``
+    override ``max_tokens`` ("Copy remaining properties to llama_params ... if "n_predict" is
+    present, we overwrite the value specified earlier by "max_tokens"",
+    https://github.com/ggml-org/llama.cpp/blob/master/tools/server/server-common.cpp,
+    ``oaicompat_chat_params_parse``); ``-1`` is unbounded
+    (https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md). So the larger
+    of the limits is charged, ``-1`` charges the policy default, and every limit field sent is
+    rewritten to the reservation.
+
+    Raises:
+        RequestError: 400 naming ``n_predict`` for a non-integer, a negative other than -1, or
+            a value above the context length.
+    """
+    if "n_predict" not in body:
+        return client_max, ()
+    v = body["n_predict"]
+    if v is None:
+        return client_max, ("n_predict",)
+    if not is_int(v) or v < -1:
+        raise bad(
+            f"'n_predict' must be an integer >= -1 (-1: unbounded), got {json.dumps(v)[:64]}",
+            "n_predict",
+        )
+    if v == -1:
+        return None, ("n_predict",)
+    own = max(1, int(v))
+    check_context("n_predict", own, max_model_len)
+    return (own if client_max is None else max(own, client_max)), ("n_predict",)
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     """A validated completion request.
@@ -163,6 +216,14 @@ class ParsedRequest:
         count_body: the prompt in the shape :meth:`PromptCounter.count` reads (``messages``,
             ``prompt``, ``tools``); None: :attr:`body` itself.
         model_field: the API names its model in ``model``, so a fallback model can be sent.
+        also_limits: other top-level limit fields the client sent (llama.cpp's ``n_predict``
+            on an OpenAI path, ``max_tokens`` beside a native ``n_predict``): the body is
+            always rewritten with the limit in each of them, so no field the engine may read
+            exceeds the reservation.
+        fill_limit: along :attr:`limit_path`, the limit (tokens) written where a list element
+            has none of its own (SGLang's per-prompt ``sampling_params`` when only some set
+            ``max_new_tokens``: the policy default), so other elements' limits stay theirs;
+            None: :attr:`max_tokens`.
     """
 
     body: dict[str, Any]
@@ -179,6 +240,8 @@ class ParsedRequest:
     limit_path: tuple[str, ...] | None = None
     count_body: dict[str, Any] | None = None
     model_field: bool = True
+    also_limits: tuple[str, ...] = ()
+    fill_limit: int | None = None
 
     @property
     def usage_injected(self) -> bool:
@@ -214,15 +277,19 @@ class ParsedRequest:
         if limit < 1:
             raise ValueError(f"max_tokens must be >= 1, got {limit}")
         changes: dict[str, Any] = {}
-        if limit != self.client_max_tokens and self.limit_path is not None:
+        rewrite = limit != self.client_max_tokens or bool(self.also_limits)
+        if self.limit_path is not None and (rewrite or self.fill_limit is not None):
             key = self.limit_path[0]
-            changes[key] = _with_limit(self.body.get(key), self.limit_path[1:], limit)
-        elif limit != self.client_max_tokens:
-            changes[self.max_tokens_field] = limit
-            if self.path_kind == "chat":  # keep both limit fields consistent
-                for other in ("max_tokens", "max_completion_tokens"):
-                    if self.body.get(other) is not None:
-                        changes[other] = limit
+            fill = limit if self.fill_limit is None else min(self.fill_limit, limit)
+            changes[key] = _with_limit(self.body.get(key), self.limit_path[1:], limit, fill)
+        elif rewrite:
+            for other in (self.max_tokens_field, "max_tokens", "max_completion_tokens"):
+                if other == self.max_tokens_field or self.body.get(other) is not None:
+                    changes[other] = limit  # keep every limit field consistent
+            for other in self.also_limits:  # lowered to the limit, never raised (0 stays 0)
+                own: Any = self.body.get(other)
+                changes[other] = min(own, limit) if is_int(own) and own >= 0 else limit
+            changes = {k: v for k, v in changes.items() if self.body.get(k) != v}
         if model is not None and model != self.model and self.model_field:
             changes["model"] = model
         if include_usage and self.usage_injected:
@@ -237,18 +304,18 @@ class ParsedRequest:
             return json.dumps(out, separators=(",", ":")).encode()
 
 
-def _with_limit(node: Any, path: tuple[str, ...], limit: int) -> Any:
-    """A copy of ``node`` with ``limit`` written at ``path`` (dicts created where absent; a
-    value already there is lowered to ``limit``, never raised; a list's elements each get
-    theirs)."""
+def _with_limit(node: Any, path: tuple[str, ...], limit: int, fill: int) -> Any:
+    """A copy of ``node`` with a limit written at ``path`` (dicts created where absent): a
+    value already there is lowered to ``limit``, never raised; where none is, ``fill``; a
+    list's elements each get theirs."""
     if isinstance(node, list):
-        return [_with_limit(e, path, limit) for e in node]
+        return [_with_limit(e, path, limit, fill) for e in node]
     out = dict(node) if isinstance(node, dict) else {}
     if len(path) == 1:
         own = out.get(path[0])
-        out[path[0]] = min(own, limit) if type(own) is int and own >= 0 else limit
+        out[path[0]] = min(own, limit) if type(own) is int and own >= 0 else fill
     else:
-        out[path[0]] = _with_limit(out.get(path[0]), path[1:], limit)
+        out[path[0]] = _with_limit(out.get(path[0]), path[1:], limit, fill)
     return out
 
 
@@ -334,7 +401,7 @@ def parse_completion_request(
         if "prompt" not in body:
             raise bad("'prompt' is required", "prompt")
         _check_prompt(body["prompt"])
-    field, client_max = _client_limit(body, path_kind, max_model_len)
+    field, client_max, also = _client_limit(body, path_kind, max_model_len)
     stream, wants_usage = _stream_options(body)
     n = _openai_sequences(body, path_kind)
     effective, clamped = effective_limit(
@@ -352,22 +419,26 @@ def parse_completion_request(
         client_max_tokens=client_max,
         max_tokens_field=field,
         n=n,
+        also_limits=also,
     )
 
 
 def _openai_sequences(body: dict[str, Any], path_kind: PathKind) -> int:
-    """Sequences of an OpenAI request: ``max(n, best_of)`` per prompt (vLLM's ``best_of``, also
-    the beam width of its ``use_beam_search``:
-    https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html), times the prompts of a
-    completions list prompt (a list of strings or of token lists; a list of ints is one)."""
-    n = positive_int(body, "n") or 1
-    best_of = positive_int(body, "best_of") or 1
+    """Sequences of an OpenAI request: ``max(n, best_of, n_cmpl)`` per prompt (vLLM's
+    ``best_of``, also the beam width of its ``use_beam_search``:
+    https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html; llama.cpp's own ``n_cmpl``,
+    "number of completions", copied through its OpenAI routes:
+    https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md), times the
+    prompts of a completions list prompt (a list of strings or of token lists; a list of ints
+    is one)."""
+    counts = {k: positive_int(body, k) or 1 for k in ("n", "best_of", "n_cmpl")}
     prompts = 1
     prompt = body.get("prompt")
     if path_kind == "completions" and isinstance(prompt, list) and not is_int(prompt[0]):
         prompts = len(prompt)
-    per_prompt = max(n, best_of)
-    check_sequences(per_prompt, 1, "best_of" if best_of > n else "n")
+    param = max(counts, key=lambda k: counts[k])  # the first of the largest
+    per_prompt = counts[param]
+    check_sequences(per_prompt, 1, param)
     return check_sequences(per_prompt, prompts, "prompt")
 
 
@@ -416,22 +487,19 @@ def decode_object(raw: bytes) -> dict[str, Any]:
 
 def _client_limit(
     body: dict[str, Any], path_kind: PathKind, max_model_len: int | None
-) -> tuple[str, int | None]:
-    """(the limit field to rewrite upstream, the client's output limit in tokens or None).
-    Chat's ``max_completion_tokens`` wins over ``max_tokens``; a limit above the context length
-    is refused."""
+) -> tuple[str, int | None, tuple[str, ...]]:
+    """(the limit field to rewrite upstream, the client's output limit in tokens or None, other
+    limit fields to rewrite: see :func:`n_predict_limit`). Chat's ``max_completion_tokens``
+    wins over ``max_tokens``; a limit above the context length is refused."""
     field = "max_tokens"
     client_max = positive_int(body, "max_tokens")
     if path_kind == "chat":
         mct = positive_int(body, "max_completion_tokens")
         if mct is not None:
             field, client_max = "max_completion_tokens", mct
-    if client_max is not None and max_model_len is not None and client_max > max_model_len:
-        raise bad(
-            f"'{field}' is {client_max}, more than the model's context length {max_model_len}",
-            field,
-        )
-    return field, client_max
+    check_context(field, client_max, max_model_len)
+    client_max, also = n_predict_limit(body, client_max, max_model_len)
+    return field, client_max, also
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:

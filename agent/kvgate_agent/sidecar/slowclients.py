@@ -28,6 +28,7 @@ from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
@@ -52,13 +53,24 @@ class HeaderDeadlineHandler(RequestHandler):
     The deadline (``header_timeout`` seconds) is armed when the connection opens and, on a
     kept-alive connection, when the first byte of the next request arrives; it is disarmed when
     a request's headers are complete and its handler starts (:meth:`request_started`, called by
-    :func:`track_requests`). When it fires, the connection is closed, after a bare 408 if part
-    of a request had come (a connection that sent nothing is closed silently, as Go's
-    ``ReadHeaderTimeout`` does: an unasked 408 could be read as the answer to a request sent
-    just then), and ``on_timeout`` (a metric's ``inc``) is called.
+    :func:`track_requests`). The first bytes of a pipelined next request that came with or
+    during the one being handled (counted in :meth:`data_received`) arm it when that one ends
+    (:meth:`request_finished`), as no further byte may come to arm it. When it fires, the
+    connection is closed, after a bare 408 if part of a request had come (a connection that
+    sent nothing is closed silently, as Go's ``ReadHeaderTimeout`` does: an unasked 408 could
+    be read as the answer to a request sent just then), and ``on_timeout`` (a metric's
+    ``inc``) is called.
     """
 
-    __slots__ = ("_header_timeout", "_header_timer", "_in_request", "_on_timeout", "_partial")
+    __slots__ = (
+        "_header_timeout",
+        "_header_timer",
+        "_in_request",
+        "_last",
+        "_on_timeout",
+        "_partial",
+        "_tail",
+    )
 
     def __init__(
         self,
@@ -74,17 +86,40 @@ class HeaderDeadlineHandler(RequestHandler):
         self._header_timer: asyncio.TimerHandle | None = None
         self._in_request = False
         self._partial = False  # bytes of the awaited request have come
+        self._tail = False  # the parser holds part of a request not yet complete (pipelined)
+        self._last: tuple[Any, StreamReader] | None = None  # the last request parsed, its body
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
+        if not data:  # aiohttp feeds b"" to resume a parser it paused (a full queue)
+            queued = len(self._messages)
+            super().data_received(data)
+            if len(self._messages) > queued:  # held requests came out: their bytes unknown
+                self._last, self._tail = self._messages[-1], False
+            return
         if not self._in_request:
             if self._header_timer is None:
                 self._arm()  # the first byte of a next request on a kept-alive connection
             self._partial = True
+        last = self._last
+        open_body = last is not None and not last[1].is_eof()
+        before = last[1].total_bytes if last is not None and open_body else 0
+        queued = len(self._messages)
         super().data_received(data)
+        body = 0  # bytes of data that ended a body begun in an earlier read
+        if last is not None and open_body:
+            body = -1 if _uncountable(last[0]) else last[1].total_bytes - before
+        new = list(self._messages)[queued:]
+        if new:
+            self._last = new[-1]
+        self._tail = _leftover(data, body, new)
+
+    def _leftover_seen(self) -> bool:
+        """Part of a next request is held by the parser and no complete one is queued."""
+        return self._tail and not self._messages
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
@@ -104,6 +139,11 @@ class HeaderDeadlineHandler(RequestHandler):
         self._in_request = False
         if not body_read:
             self._arm(headers=False)
+        elif self._leftover_seen() and self._header_timer is None:
+            # A pipelined next request's first bytes came with or during this one: its
+            # header deadline starts now (no further byte may come to start it).
+            self._partial = True
+            self._arm()
 
     def handle_error(
         self,
@@ -149,6 +189,32 @@ class HeaderDeadlineHandler(RequestHandler):
             if self._partial and transport is not None and not transport.is_closing():
                 transport.write(_TIMEOUT_RESPONSE)
         self.force_close()
+
+
+def _leftover(data: bytes, body: int, messages: list[Any]) -> bool:
+    """``data`` (one read) holds bytes past its last complete request: the start of a next
+    request whose headers are not complete. ``body``: bytes of ``data`` that ended the body of
+    a request parsed earlier (0: none; -1: unknown); ``messages``: the requests completed by
+    ``data``, in order. Counted only when every length is known (no chunked or compressed
+    body, which the parser's counts do not give on the wire): an unknown is False, so the
+    header deadline is never armed on an idle connection by mistake."""
+    if body < 0:
+        return False
+    pos = body
+    for msg, payload in messages:
+        if _uncountable(msg):
+            return False
+        end = data.find(b"\r\n\r\n", pos)  # a header block holds no empty line
+        if end < 0:
+            return False  # the block began in an earlier read: its length is unknown here
+        pos = end + 4 + payload.total_bytes
+    return pos < len(data)
+
+
+def _uncountable(msg: Any) -> bool:
+    """The body's bytes on the wire are not what the parser fed (chunked, compressed), or
+    ``msg`` is the parser's error, not a request."""
+    return getattr(msg, "chunked", True) or getattr(msg, "compression", None) is not None
 
 
 class _GuardedServer(web.Server):
