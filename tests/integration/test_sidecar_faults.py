@@ -341,7 +341,7 @@ async def test_a_request_ended_at_the_drain_deadline_after_it_was_sent_is_charge
     await sc.forwarder.end_all(grace=5.0)
     r = await asyncio.wait_for(pending, 10)
     assert r.status == 503 and r.headers["x-kvgate-reason"] == "draining"
-    r.release()
+    assert (await r.json())["error"]["code"] == "draining"  # as a queued request's refusal
     g = await all_free(client, url, sc)
     assert g['kvgate_tokens_total{kind="prompt",tenant="anonymous"}'] > 0
 
@@ -431,6 +431,7 @@ async def test_upstream_faults_map_to_a_clear_answer_and_free_everything(
     status: int,
     code: str | None,
     monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.setattr(forward, "MAX_UPSTREAM_BODY_BYTES", 4 * 1024 * 1024)  # 64 MiB by default
     upstream = f"http://127.0.0.1:{free_port()}" if fault == "refused" else faulty.url
@@ -460,6 +461,8 @@ async def test_upstream_faults_map_to_a_clear_answer_and_free_everything(
     elif code is not None:
         last = [e for e in data.split(b"\n\n") if e][-1]
         assert json.loads(last.removeprefix(b"data: "))["error"]["code"] == code
+    if fault == "status_503_html":  # replaced for the client, kept in the log
+        assert "the model server answered 503: b'<html>" in caplog.text
     g = await all_free(client, url, sc)
     assert g["kvgate_client_disconnects_total"] == 0
     errors = {k: v for k, v in g.items() if k.startswith("kvgate_upstream_errors_total")}

@@ -91,6 +91,7 @@ def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert f"cannot serve on 127.0.0.1:{port}" in r.stderr
     assert "Traceback" not in r.stderr
+    assert "Unclosed" not in r.stderr  # what started (the upstream session) was closed
 
 
 async def test_drain_deadline_is_enforced_and_waiters_get_503(

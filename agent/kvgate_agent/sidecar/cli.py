@@ -259,12 +259,18 @@ async def run_sidecar(
     )
     await runner.setup()
     site = web.TCPSite(runner, listen[0], listen[1], backlog=1024)
-    await site.start()
     admin_runner: web.AppRunner | None = None
-    if admin is not None:
-        admin_runner = sidecar.runner(admin=True, access_log=None, shutdown_timeout=1.0)
-        await admin_runner.setup()
-        await web.TCPSite(admin_runner, admin[0], admin[1]).start()
+    try:
+        await site.start()
+        if admin is not None:
+            admin_runner = sidecar.runner(admin=True, access_log=None, shutdown_timeout=1.0)
+            await admin_runner.setup()
+            await web.TCPSite(admin_runner, admin[0], admin[1]).start()
+    except BaseException:  # a port taken: close what started (the upstream session) first
+        if admin_runner is not None:
+            await admin_runner.cleanup()
+        await runner.cleanup()
+        raise
     stop = asyncio.Event()
     hurry = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -294,6 +294,8 @@ class Forwarder:
         elif 400 <= resp.status < 500:
             ex.reached = False  # the engine refused it: no GPU work to charge
         elif resp.status >= 500 and not _is_error_object(data):
+            # The client gets an OpenAI body instead: keep what the model server said here.
+            log.warning("the model server answered %d: %r", resp.status, data[:300])
             kept = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
             return responses.upstream_error_status(resp.status, {**kept, **ex.headers})
         return web.Response(status=resp.status, body=data, headers=out_headers)

@@ -99,10 +99,11 @@ def bad_request(exc: RequestError) -> web.Response:
 
 
 def draining() -> web.Response:
-    """503 for a new request while the sidecar shuts down."""
+    """503 for a request while the sidecar shuts down (new, queued, or in flight and not yet
+    answered at the drain deadline): ``code: draining``, as the queued refusal has it."""
     return json_response(
         503,
-        error_body("sidecar is shutting down", SERVICE_UNAVAILABLE),
+        error_body("sidecar is shutting down", SERVICE_UNAVAILABLE, None, "draining"),
         {
             "Retry-After": "1",
             DECISION_HEADER: "rejected",
