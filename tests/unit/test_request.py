@@ -244,6 +244,13 @@ def test_upstream_degraded_limit() -> None:
         parse(CHAT).upstream_body(max_tokens=0)
 
 
+def test_upstream_never_carries_a_clients_engine_priority() -> None:
+    """vLLM (``--scheduling-policy priority``) and SGLang order their queue by a body
+    ``priority``: a client's own would jump the engine's queue around kvgate's priority."""
+    assert up({**CHAT, "max_tokens": 5, "priority": -1000000}) == {**CHAT, "max_tokens": 5}
+    assert up({**CMPL, "priority": 3}, "completions") == {**CMPL, "max_tokens": 256}
+
+
 def test_upstream_model_rewrite() -> None:
     assert up({**CHAT, "max_tokens": 5}, model="served") == {
         **CHAT,

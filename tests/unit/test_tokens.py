@@ -164,6 +164,26 @@ def test_fields_a_chat_template_renders_are_counted() -> None:
     )
 
 
+def test_every_text_bearing_content_part_is_counted() -> None:
+    """vLLM renders ``input_text``, ``output_text``, ``refusal`` and ``thinking`` parts (and
+    bare strings) as text: a prompt in them must not cost the fixed price of an image."""
+    est = PromptCounter()
+    big = "word " * 3000  # 15,000 bytes: 5,000 estimated tokens
+    parts: list[object] = [
+        {"type": "input_text", "text": big},
+        {"type": "output_text", "text": big},
+        {"type": "refusal", "refusal": big},
+        {"type": "thinking", "thinking": big},
+        {"text": big},
+        big,
+    ]
+    for part in parts:
+        body = {"messages": [{"role": "user", "content": [part]}]}
+        assert est.count(body).tokens >= 5000, repr(part)[:40]
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    assert est.count(image).overhead_tokens == MSG + FRAMING + NON_TEXT_PART_TOKENS
+
+
 def test_estimate_over_counts_english(exact: PromptCounter) -> None:
     est = PromptCounter()
     for body in (chat(ENGLISH), {"prompt": ENGLISH}, chat(*ENGLISH.split(". "))):

@@ -190,6 +190,13 @@ def n_predict_limit(
     return (own if client_max is None else max(own, client_max)), ("n_predict",)
 
 
+#: Body fields by which engines order their own queue: vLLM's ``priority`` (lower first, with
+#: ``--scheduling-policy priority``,
+#: https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html#extra-parameters) and
+#: SGLang's ``priority``. Never forwarded from a client.
+ENGINE_PRIORITY_FIELDS = ("priority",)
+
+
 @dataclass(slots=True)
 class ParsedRequest:
     """A validated completion request.
@@ -268,6 +275,11 @@ class ParsedRequest:
                 other ``stream_options`` keys kept). Ignored for non-streaming requests (vLLM
                 rejects ``stream_options`` without ``stream``) and when the client already asked.
 
+        A client's own ``priority`` field (:data:`ENGINE_PRIORITY_FIELDS`) is removed: engines
+        that schedule by it (vLLM ``--scheduling-policy priority``, SGLang) would otherwise let a
+        client jump the engine's queue around kvgate's priority, which comes from the policy's
+        header.
+
         Returns compact JSON (``separators=(",", ":")``, ``ensure_ascii=False``), UTF-8.
 
         Raises:
@@ -295,9 +307,12 @@ class ParsedRequest:
         if include_usage and self.usage_injected:
             opts = self.body.get("stream_options")
             changes["stream_options"] = {**(opts or {}), "include_usage": True}
-        if not changes:
+        dropped = [k for k in ENGINE_PRIORITY_FIELDS if k in self.body]
+        if not changes and not dropped:
             return None
         out = {**self.body, **changes}
+        for key in dropped:  # the engine's queue order is kvgate's to give (its priority)
+            del out[key]
         try:
             return json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode()
         except UnicodeEncodeError:  # lone surrogate from a \\ud800 escape: keep it escaped

@@ -79,6 +79,22 @@ class PromptCount:
 PROMPT_JSON_FIELDS = ("tools", "functions", "documents", "chat_template_kwargs")
 
 
+#: String fields of a content part that reach the prompt as text, whatever the part's ``type``
+#: (``text``, ``input_text``, ``output_text``, ``refusal``, ``thinking``: vLLM parses them all as
+#: text, https://github.com/vllm-project/vllm/blob/main/vllm/entrypoints/chat_utils.py).
+PART_TEXT_FIELDS = ("text", "refusal", "thinking")
+
+
+def _part_texts(part: object) -> list[str]:
+    """The text a content part puts into the prompt: a bare string part, or its string
+    :data:`PART_TEXT_FIELDS`; empty for a part without text (an image, audio)."""
+    if isinstance(part, str):
+        return [part]
+    if not isinstance(part, dict):
+        return []
+    return [t for t in (part.get(k) for k in PART_TEXT_FIELDS) if isinstance(t, str)]
+
+
 def _utf8_len(s: str) -> int:
     return len(s) if s.isascii() else len(s.encode("utf-8", "surrogatepass"))
 
@@ -135,10 +151,11 @@ class PromptCounter:
     def count(self, body: Mapping[str, Any]) -> PromptCount:
         """Count the prompt of a request body (already validated as a JSON object).
 
-        Chat (``messages``): each message's ``content`` (a string, or a list of parts where
-        ``{"type": "text", "text": ...}`` is text and any other part costs
-        ``non_text_part_tokens``), ``name``, ``reasoning_content`` / ``reasoning`` (an assistant
-        turn's reasoning, which chat templates may render) and ``tool_calls`` (JSON), plus
+        Chat (``messages``): each message's ``content`` (a string, or a list of parts where a
+        part's text (:data:`PART_TEXT_FIELDS`, any ``type``; a bare string part) counts as text
+        and a part without text (an image, audio) costs ``non_text_part_tokens``), ``name``,
+        ``reasoning_content`` / ``reasoning`` (an assistant turn's reasoning, which chat
+        templates may render) and ``tool_calls`` (JSON), plus
         ``TOKENS_PER_MESSAGE`` per message and ``REPLY_PRIMER_TOKENS``. Completions
         (``prompt``): a string, a list of strings, a list of token ids (one token each) or a list
         of such lists; strings are encoded with the tokenizer's special tokens (as vLLM does).
@@ -164,10 +181,9 @@ class PromptCounter:
                     chat.append(content)
                 elif isinstance(content, list):
                     for part in content:
-                        if isinstance(part, dict) and part.get("type") == "text":
-                            text = part.get("text")
-                            if isinstance(text, str):
-                                chat.append(text)
+                        texts = _part_texts(part)
+                        if texts:
+                            chat.extend(texts)
                         else:
                             fixed += self._non_text
                 for key in ("name", "reasoning_content", "reasoning"):
