@@ -20,7 +20,7 @@ from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_bench.sim.server import SimConfig, start_sim
 from kvgate_bench.toolkit import find_k8s_bin, free_port, parse_samples, series, wait_http
-from tests.upstream import Upstream
+from tests.upstream import Upstream, serve_handler
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -197,15 +197,8 @@ def llmd_sim(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
 async def upstream() -> AsyncIterator[Upstream]:
     """A recording model-server stand-in on a free loopback port."""
     up = Upstream()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", up.handle)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    up.url = f"http://127.0.0.1:{port}"
-    yield up
-    await runner.cleanup()
+    async with serve_handler(up.handle, handler_cancellation=True, shutdown_timeout=0.5) as up.url:
+        yield up
 
 
 # ----------------------------------------------------------------------------------------------

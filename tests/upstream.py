@@ -6,7 +6,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,18 +189,32 @@ class Faulty:
         return resp
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def serve_handler(
+    handler: Handler, *, backlog: int = 128, **runner: Any
+) -> AsyncIterator[str]:
+    """Serve ``handler`` for every method and path on a free loopback port; yields the base
+    URL (``http://127.0.0.1:PORT``). ``runner`` goes to ``web.AppRunner``."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    app_runner = web.AppRunner(app, **runner)
+    await app_runner.setup()
+    port = free_port()
+    await web.TCPSite(app_runner, "127.0.0.1", port, backlog=backlog).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await app_runner.cleanup()
+
+
 @asynccontextmanager
 async def serve_faulty() -> AsyncIterator[Faulty]:
     """A :class:`Faulty` model server on a free loopback port."""
     up = Faulty()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", up.handle)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.2)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
-    up.url = f"http://127.0.0.1:{port}"
-    try:
+    async with serve_handler(
+        up.handle, backlog=2048, handler_cancellation=True, shutdown_timeout=0.2
+    ) as up.url:
         yield up
-    finally:
-        await runner.cleanup()

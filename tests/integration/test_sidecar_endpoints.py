@@ -19,8 +19,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvgate_bench.toolkit import free_port, wait_until_async
+from kvgate_bench.toolkit import wait_until_async
 from tests.conftest import SidecarFactory, gauges
+from tests.upstream import serve_handler
 
 #: The decisions counter's series for refusals before admission (a bad body, path or method).
 REFUSED_INVALID = (
@@ -149,15 +150,8 @@ class MultiUpstream:
 @pytest.fixture
 async def multi() -> AsyncIterator[MultiUpstream]:
     up = MultiUpstream()
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", up.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    up.url = f"http://127.0.0.1:{port}"
-    yield up
-    await runner.cleanup()
+    async with serve_handler(up.handle, access_log=None) as up.url:
+        yield up
 
 
 # ---------------------------------------------------------------- one request per API
