@@ -48,7 +48,7 @@ from kvgate_agent.sidecar.endpoints import (
 )
 from kvgate_agent.sidecar.forward import Forwarder
 from kvgate_agent.sidecar.metrics import SidecarMetrics
-from kvgate_agent.sidecar.openai_errors import RequestError
+from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import canonical_path
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
@@ -331,9 +331,7 @@ class Sidecar:
                 return await self._read_body_unbounded(request)
         except TimeoutError:
             self.metrics.client_timeouts.labels("body").inc()
-            raise RequestError(
-                408, "the request body arrived too slowly", code="request_timeout"
-            ) from None
+            raise body_too_slow() from None
 
     async def _read_body_unbounded(self, request: web.Request) -> bytes:
         limit = self.settings.max_body_bytes

@@ -30,7 +30,7 @@ from yarl import URL
 from kvgate_agent.admission import AsyncAdmission, Ticket
 from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.metrics import SidecarMetrics
-from kvgate_agent.sidecar.openai_errors import RequestError
+from kvgate_agent.sidecar.openai_errors import body_too_slow
 from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
@@ -421,8 +421,7 @@ class Forwarder:
 
     def _body_too_slow(self) -> web.Response:
         self.metrics.client_timeouts.labels("body").inc()
-        exc = RequestError(408, "the request body arrived too slowly", code="request_timeout")
-        return responses.bad_request(exc)  # 408: the connection is closed
+        return responses.bad_request(body_too_slow())  # 408: the connection is closed
 
     async def _relay_passthrough(
         self, request: web.Request, resp: aiohttp.ClientResponse, body: _BodyDeadline

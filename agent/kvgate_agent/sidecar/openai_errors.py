@@ -72,3 +72,9 @@ class RequestError(Exception):
 
     def __repr__(self) -> str:
         return f"RequestError({self.status}, {self.message!r}, param={self.param!r})"
+
+
+def body_too_slow() -> RequestError:
+    """408 for a request body that did not arrive within the body deadline
+    (``--body-timeout-seconds``), on an admitted or a pass-through path alike."""
+    return RequestError(408, "the request body arrived too slowly", code="request_timeout")
