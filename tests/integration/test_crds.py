@@ -342,13 +342,22 @@ INVALID = [
         "degrade-without-how",
         {"overload.actions": ["Degrade", "Reject"]},
         "spec.overload.degrade",
-        "Degrade needs degrade.minMaxTokens or degrade.fallbackModel",
+        "Degrade needs degrade.minMaxTokens, degrade.fallbackModel or degrade.fallback",
     ),
     bad(
         "degrade-empty",
         {"overload.actions": ["Degrade"], "overload.degrade": {}},
         "spec.overload.degrade",
-        "Degrade needs degrade.minMaxTokens or degrade.fallbackModel",
+        "Degrade needs degrade.minMaxTokens, degrade.fallbackModel or degrade.fallback",
+    ),
+    bad(
+        "fallback-pool-upstream-with-path",
+        {
+            "overload.actions": ["Degrade"],
+            "overload.degrade": {"fallback": {"model": "small", "upstream": "http://small/v1"}},
+        },
+        "spec.overload.degrade.fallback.upstream",
+        "should match",
     ),
     bad(
         "shape-partial",

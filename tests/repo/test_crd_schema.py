@@ -461,7 +461,7 @@ def test_cel_rules_have_messages() -> None:
         "burstTokens needs tokensPerMinute",
         "rateLimits names must be unique",
         "actions must not repeat",
-        "Degrade needs degrade.minMaxTokens or degrade.fallbackModel",
+        "Degrade needs degrade.minMaxTokens, degrade.fallbackModel or degrade.fallback",
         "numLayers, numKVHeads and headDim must be given together",
         "defaultMaxTokens must not exceed maxTokensCap",
         "tenants.maxTokensCap must be below model.maxModelLen",

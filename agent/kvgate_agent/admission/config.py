@@ -44,7 +44,9 @@ class AdmissionConfig:
     ``max_concurrency`` None means no concurrency cap. ``reservation`` and
     ``reservation_quantile``: how KV reservations are sized (:mod:`.predictor`);
     ``ttft_slo_seconds``/``tpot_slo_seconds``: the latency SLOs of requests with priority >=
-    ``slo_min_priority`` (:mod:`.slo`), None = not served.
+    ``slo_min_priority`` (:mod:`.slo`), None = not served. ``fallback_pool_model``: the model
+    of the other pool (``overload.degrade.fallback``) a request this pod cannot take may be
+    sent to; its upstream URL stays with the sidecar (the core does no I/O).
     """
 
     limits: tuple[LimitThreshold, ...] = ()
@@ -62,6 +64,7 @@ class AdmissionConfig:
     actions: tuple[OverloadAction, ...] = (OverloadAction.QUEUE, OverloadAction.REJECT)
     min_max_tokens: int | None = None
     fallback_model: str | None = None
+    fallback_pool_model: str | None = None
     failure_mode: FailureMode = FailureMode.FAIL_OPEN
     reservation: ReservationMode = ReservationMode.PREDICTED
     reservation_quantile: float = 0.9
@@ -139,6 +142,9 @@ class AdmissionConfig:
             actions=actions,
             min_max_tokens=None if degrade is None else degrade.min_max_tokens,
             fallback_model=None if degrade is None else degrade.fallback_model,
+            fallback_pool_model=None
+            if degrade is None or degrade.fallback is None
+            else degrade.fallback.model,
             failure_mode=spec.failure_mode,
             reservation=spec.capacity.reservation,
             reservation_quantile=spec.capacity.reservation_quantile,

@@ -55,6 +55,7 @@ class Reason(StrEnum):
     EXCEEDS_CAPACITY = "exceeds_capacity"
     MAX_TOKENS_CLAMPED = "max_tokens_clamped"
     FALLBACK_MODEL = "fallback_model"
+    FALLBACK_POOL = "fallback_pool"
     FAIL_CLOSED = "fail_closed"
     GPU_MEMORY_LOW = "gpu_memory_low"
     DRAINING = "draining"
@@ -76,6 +77,8 @@ class AdmissionRequest:
             predictor's estimate (a benchmark's oracle; None in production).
         model_rewritable: the request's API names its model, so it may be degraded to the
             fallback model (False for APIs without a ``model`` field, e.g. TGI's ``/generate``).
+        degraded: the request was already degraded by another pod's sidecar (it carries
+            ``x-kvgate-degraded``), so it is never sent on to a fallback pool again.
     """
 
     tenant: str
@@ -86,6 +89,7 @@ class AdmissionRequest:
     model: str | None = None
     predicted_output_tokens: int | None = None
     model_rewritable: bool = True
+    degraded: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -150,6 +154,9 @@ class Decision:
         param: for a 400, the request part to change: ``max_tokens`` or ``prompt``.
         bucket_remaining, bucket_capacity, bucket_window, unit: the refusing bucket's state, for
             the ``RateLimit`` headers (units left, capacity, seconds to refill, unit name).
+        refusal: for a request sent to the fallback pool (reason ``fallback_pool``: no ticket,
+            nothing reserved here, ``model`` the pool's), this pod's own refusal, answered
+            when the pool refuses too or cannot be reached.
 
     A plain class with class-level defaults rather than a dataclass: it is built on every
     request, and only the fields a decision needs are set (a 16-field dataclass ``__init__``
@@ -170,6 +177,7 @@ class Decision:
     bucket_capacity: float | None = None
     bucket_window: float | None = None
     unit: str | None = None
+    refusal: Decision | None = None
 
     def __init__(
         self,

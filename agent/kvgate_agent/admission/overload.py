@@ -124,13 +124,36 @@ class OverloadActions:
         self, req: AdmissionRequest, blocker: Blocker | None, now: float, waited: float
     ) -> Decision | None:
         """Admit ``req`` degraded if the policy allows: max_tokens clamped to what fits now
-        (not below ``minMaxTokens``), else the fallback model; None when neither applies."""
+        (not below ``minMaxTokens``), else the fallback model, else send it to the fallback
+        pool; None when none applies."""
         if blocker is None:
             return None
-        if waited == 0 and self._queue and self._head_blocked_shared:
-            # Others already wait for the same capacity: a newcomer must not take it first,
-            # not even a degraded one.
-            return None
+        if not (waited == 0 and self._queue and self._head_blocked_shared):
+            # (Else others already wait for the same capacity: a newcomer must not take it
+            # first, not even a degraded one; another pool's capacity is not theirs.)
+            local = self._degrade_here(req, blocker, now, waited)
+            if local is not None:
+                return local
+        pool = self._limits.config.fallback_pool_model
+        if (
+            pool is not None
+            and req.model_rewritable
+            and not req.degraded
+            and blocker.reason in _POOL_REASONS
+        ):
+            d = Decision(Outcome.DEGRADED, Reason.FALLBACK_POOL, max_tokens=req.max_tokens)
+            d.model = pool
+            d.limit = blocker.limit
+            d.queue_seconds = waited
+            d.refusal = self._reject(req, blocker, now, waited)
+            return d
+        return None
+
+    def _degrade_here(
+        self, req: AdmissionRequest, blocker: Blocker, now: float, waited: float
+    ) -> Decision | None:
+        """Admit ``req`` degraded on this pod: max_tokens clamped (1.), or the fallback model
+        on the same server (2.); None when neither applies."""
         limits = self._limits
         cfg = limits.config
         # 1. Clamp max_tokens to what fits now (not below minMaxTokens).
@@ -224,6 +247,18 @@ class OverloadActions:
             d.unit = "tokens" if cost_unit else "requests"
         return d
 
+
+#: What may send a request to the fallback pool: this pod's capacity (KV, concurrency) or the
+#: tenant's budget here. A queue that is full or timed out, SLO shedding and fail-closed refuse
+#: as before (the pool's own sidecar applies its own admission to what it receives).
+_POOL_REASONS = frozenset(
+    (
+        Reason.KV_CAPACITY,
+        Reason.CONCURRENCY,
+        Reason.RATE_LIMIT_REQUESTS,
+        Reason.RATE_LIMIT_TOKENS,
+    )
+)
 
 _REFUSAL_TEXT = {
     Reason.RATE_LIMIT_REQUESTS: "request rate limit '{limit}' exceeded",

@@ -302,12 +302,30 @@ class OverloadAction(StrEnum):
     REJECT = "Reject"
 
 
+#: An http(s) URL of a Service: scheme, host, optional port, no path, query or credentials.
+FALLBACK_UPSTREAM_PATTERN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$"
+
+
+class FallbackPoolSpec(_Model):
+    """Another pool to send a request this pod cannot take: a Service serving a smaller or
+    quantized model, with its own kvgate sidecar and admission.
+
+    ``model``: the name the request's ``model`` is rewritten to; ``upstream``: the pool's base
+    URL (``http://NAME.NAMESPACE.svc:PORT``), the request's path kept.
+    """
+
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    upstream: Annotated[str, Field(max_length=512, pattern=FALLBACK_UPSTREAM_PATTERN)]
+
+
 class DegradeSpec(_Model):
-    """How to degrade: clamp max_tokens to what fits (not below ``minMaxTokens``), or rewrite the
-    request's model to ``fallbackModel``."""
+    """How to degrade: clamp max_tokens to what fits (not below ``minMaxTokens``), rewrite the
+    request's model to ``fallbackModel`` (same server), or send it to another pool
+    (``fallback``: a smaller model's Service)."""
 
     min_max_tokens: PositiveInt | None = None
-    fallback_model: Annotated[str, Field(min_length=1)] | None = None
+    fallback_model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    fallback: FallbackPoolSpec | None = None
 
 
 class OverloadSpec(_Model):
@@ -324,9 +342,15 @@ class OverloadSpec(_Model):
             raise ValueError("actions must not repeat")
         if OverloadAction.DEGRADE in self.actions and (
             self.degrade is None
-            or (self.degrade.min_max_tokens is None and self.degrade.fallback_model is None)
+            or (
+                self.degrade.min_max_tokens is None
+                and self.degrade.fallback_model is None
+                and self.degrade.fallback is None
+            )
         ):
-            raise ValueError("Degrade needs degrade.minMaxTokens or degrade.fallbackModel")
+            raise ValueError(
+                "Degrade needs degrade.minMaxTokens, degrade.fallbackModel or degrade.fallback"
+            )
         return self
 
 
