@@ -49,8 +49,9 @@ from kvgate_agent.sidecar.endpoints import (
 from kvgate_agent.sidecar.forward import Forwarder
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
+from kvgate_agent.sidecar.pool import already_degraded, send_to_pool
 from kvgate_agent.sidecar.probe import EngineProbe
-from kvgate_agent.sidecar.request import canonical_path
+from kvgate_agent.sidecar.request import ParsedRequest, canonical_path
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.tenants import priority_of, tenant_of
 from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
@@ -442,13 +443,16 @@ class Sidecar:
             parsed.n,
             parsed.model,
             model_rewritable=parsed.model_field,
+            degraded=already_degraded(request.headers),
         )
         d = await self._admit(areq, prompt)
         m = self.metrics
         label = m.tenant_label(tenant)
-        m.count_decision(d.outcome.value, d.reason.value, label)
         if d.queue_seconds > 0:
             m.queue_wait.observe(d.queue_seconds)
+        if d.reason is Reason.FALLBACK_POOL:
+            return await self._to_pool(request, parsed, raw, d, label)
+        m.count_decision(d.outcome.value, d.reason.value, label)
         if d.ticket is None:
             return responses.refusal(d, parsed.path_kind)
         mode = self.mode
@@ -471,6 +475,34 @@ class Sidecar:
             tenant_label=label,
             started=started,
         )
+
+    async def _to_pool(
+        self, request: web.Request, parsed: ParsedRequest, raw: bytes, d: Decision, label: str
+    ) -> web.StreamResponse:
+        """Send a request this pod cannot take to the policy's fallback pool (:mod:`.pool`);
+        counted as degraded when the pool takes it, else as this pod's refusal."""
+        degrade = self.spec.overload.degrade
+        assert self.session is not None and d.refusal is not None
+        refusal = d.refusal
+        if degrade is None or degrade.fallback is None:  # the policy changed while it waited
+            self.metrics.count_decision(refusal.outcome.value, refusal.reason.value, label)
+            return responses.refusal(refusal, parsed.path_kind)
+        mode = self.mode
+        body = parsed.upstream_body(max_tokens=d.max_tokens, model=d.model) or raw
+        resp, taken = await send_to_pool(
+            self.session,
+            request,
+            degrade.fallback.upstream,
+            body,
+            d,
+            parsed.path_kind,
+            responses.admitted_headers(d, None if mode is None else mode.value, False),
+        )
+        if taken:
+            self.metrics.count_decision(d.outcome.value, d.reason.value, label)
+        else:
+            self.metrics.count_decision(refusal.outcome.value, refusal.reason.value, label)
+        return resp
 
     async def _admit(self, areq: AdmissionRequest, prompt: PromptCount) -> Decision:
         """Admit ``areq``. "Never fits" must not rest on a cautious guess: an estimated prompt
