@@ -6,7 +6,12 @@ the sidecar the webhook injected; run the operator, the node agent and the injec
 the command and environment the chart and the webhook wrote, and each with its chart service
 account's token from the TokenRequest API) as local processes in front of the simulator; send
 traffic and see the policy enforced. A pod in kube-system and an opted-out pod are not injected.
-Then RBAC for real: the chart's service accounts can do their work and nothing more.
+A real Prometheus (``KVGATE_PROMETHEUS``, from scripts/install-prometheus) scrapes the three
+every second as the chart's ServiceMonitors and PodMonitor would (static configs, same ports,
+paths and target labels); after the traffic every panel query of the chart's Grafana dashboard
+and every alert of its PrometheusRule returns data. Then RBAC for real: the chart's service
+accounts can do their work and nothing more. Without a prometheus binary the test skips at the
+end, after everything else passed.
 
 There is no kubelet: pods never run; the processes a kubelet would start run here, with the
 downward-API values (pod IP, host IP) set to loopback.
