@@ -160,7 +160,8 @@ def start_prometheus(
     assert len(configs) == 3, [c["job_name"] for c in configs]
     prom = PrometheusServer(binary, j.work / "prometheus", configs, interval=f"{SCRAPE_S}s")
     prom.start()
-    j.procs.append(prom.proc)  # type: ignore[arg-type]
+    assert prom.proc is not None
+    j.procs.append(prom.proc)
     return prom
 
 
