@@ -6,7 +6,12 @@ the sidecar the webhook injected; run the operator, the node agent and the injec
 the command and environment the chart and the webhook wrote, and each with its chart service
 account's token from the TokenRequest API) as local processes in front of the simulator; send
 traffic and see the policy enforced. A pod in kube-system and an opted-out pod are not injected.
-Then RBAC for real: the chart's service accounts can do their work and nothing more.
+A real Prometheus (``KVGATE_PROMETHEUS``, from scripts/install-prometheus) scrapes the three
+every second as the chart's ServiceMonitors and PodMonitor would (static configs, same ports,
+paths and target labels); after the traffic every panel query of the chart's Grafana dashboard
+and every alert of its PrometheusRule returns data. Then RBAC for real: the chart's service
+accounts can do their work and nothing more. Without a prometheus binary the test skips at the
+end, after everything else passed.
 
 There is no kubelet: pods never run; the processes a kubelet would start run here, with the
 downward-API values (pod IP, host IP) set to loopback.
@@ -19,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,9 +35,21 @@ import yaml
 from kvgate_agent.gpu.fake import write_scenario
 from kvgate_bench.controlplane import ControlPlane
 from kvgate_bench.nodestack import _spawn, chat, fake_gpus, http_get, stop_process
+from kvgate_bench.promserver import (
+    PrometheusServer,
+    comparison_operand,
+    grafana_value,
+    monitor_scrape_configs,
+    pod_targets,
+    prometheus_binary,
+    rate_interval,
+    service_targets,
+    substitute,
+)
 from kvgate_bench.toolkit import free_port, wait_until
 from tests.conftest import REPO
 
+CHART = REPO / "charts" / "kvgate"
 RELEASE = "kvgate-journey"  # also the namespace; contains "kvgate", so names are "<release>-*"
 NODE = "journey-gpu-node"
 MODELS = "models"
@@ -96,6 +114,118 @@ class Journey:
             stop_process(p)
 
 
+# --------------------------------------------------------------------------- Prometheus, Grafana
+
+SCRAPE_S = 1  # the test's scrape interval, seconds (the chart's 30 s would make it slow)
+NO_PROMETHEUS = "scripts/install-prometheus installs it; KVGATE_PROMETHEUS names it"
+#: Alert conditions that are false after the journey's normal traffic: their expression returns
+#: nothing, so the operand of their comparison is evaluated instead and must return series.
+SILENT_ALERTS = {
+    "KvgateThresholdsFallback",  # the sidecar has live thresholds
+    "KvgateAgentDown",  # the agent answers scrapes
+    "KvgateAgentGpuDataStale",  # the fake GPUs are read every poll
+    "KvgateKvReservedNearCapacity",  # the journey's requests are small
+}
+
+
+def chart_monitoring(cp: ControlPlane, values: list[str]) -> list[dict[str, Any]]:
+    """The chart's monitoring objects (ServiceMonitors and their Services, the PodMonitor, the
+    PrometheusRule, the dashboard ConfigMap), rendered by ``helm template`` with the install's
+    ``values`` and monitoring on (their CRDs are not installed here)."""
+    on = ["metrics.serviceMonitor.enabled", "metrics.podMonitor.enabled",
+          "metrics.prometheusRule.enabled", "dashboard.enabled"]  # fmt: skip
+    out = cp.helm("template", RELEASE, str(CHART), "-n", RELEASE, *values,
+                  *(a for v in on for a in ("--set", f"{v}=true")))  # fmt: skip
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def start_prometheus(
+    j: Journey, docs: list[dict[str, Any]], workload_pods: list[dict[str, Any]]
+) -> PrometheusServer | None:
+    """A Prometheus scraping, every :data:`SCRAPE_S`, the endpoints the chart's ServiceMonitors
+    find on ``workload_pods`` and its PodMonitor on the cluster's pods (all on loopback)."""
+    binary = prometheus_binary()
+    if binary is None:
+        return None
+    services = [d for d in docs if d["kind"] == "Service"]
+    pods = get(j.cp, "pods", "--all-namespaces")["items"]
+    configs = []
+    for m in (d for d in docs if d["kind"] in ("ServiceMonitor", "PodMonitor")):
+        if m["kind"] == "ServiceMonitor":
+            targets = service_targets(m, services, workload_pods, "127.0.0.1")
+        else:
+            targets = pod_targets(m, pods, "127.0.0.1")
+        assert len(targets) == 1, (m["metadata"]["name"], targets)
+        configs += monitor_scrape_configs(m, targets, f"{SCRAPE_S}s")
+    assert len(configs) == 3, [c["job_name"] for c in configs]
+    prom = PrometheusServer(binary, j.work / "prometheus", configs, interval=f"{SCRAPE_S}s")
+    prom.start()
+    assert prom.proc is not None
+    j.procs.append(prom.proc)
+    return prom
+
+
+def check_expr(prom: PrometheusServer, expr: str, at: float, where: str) -> list[dict[str, Any]]:
+    """Evaluate ``expr`` at ``at`` (Unix seconds; an error fails) and return its series. If it
+    returns none (a condition that is false, as it should be after normal traffic), the operand
+    of its comparison must (see :func:`~kvgate_bench.promserver.comparison_operand`)."""
+    got = prom.query(expr, at)
+    if not got:
+        inner = comparison_operand(expr)
+        assert inner is not None, f"{where}: {expr!r} returned no data"
+        assert prom.query(inner, at), f"{where}: neither {expr!r} nor its operand returned data"
+    return got
+
+
+def check_monitoring(
+    prom: PrometheusServer, docs: list[dict[str, Any]], traffic_end: float
+) -> None:
+    """Every panel query of the chart's dashboard (its variables on All, then on every value
+    their own queries list) and every alert of its PrometheusRule, evaluated by the real
+    Prometheus just after the traffic (ended at ``traffic_end``, Unix seconds), returns data;
+    where a comparison filters everything out (an alert that does not fire, "GPU safety net
+    closed" with the net open), its operand does.
+    (A quantile over a histogram nothing was observed in is a series valued NaN: the
+    journey's requests never queue, so "Queue wait" has its series but no value.)"""
+    expected = {f"{RELEASE}-operator-metrics", f"{RELEASE}-agent", f"{RELEASE}/{RELEASE}-sidecars"}
+    wait_until(lambda: prom.targets_up() == dict.fromkeys(expected, 1), 30,
+               "every target scraped\n" + prom.tail())  # fmt: skip
+    # Evaluated two scrapes after the traffic: Grafana's $__rate_interval (4 scrapes) then holds
+    # samples from before and after the last requests.
+    at = traffic_end + 2 * SCRAPE_S
+    wait_until(lambda: float(prom.query("min(timestamp(up))")[0]["value"][1]) >= at, 30,
+               "scrapes after the traffic")  # fmt: skip
+    (cm,) = (d for d in docs if d["kind"] == "ConfigMap" and "kvgate.json" in d["data"])
+    dash = json.loads(cm["data"]["kvgate.json"])
+    variables = {v["name"]: v for v in dash["templating"]["list"] if v["type"] == "query"}
+    options = {}
+    for name, v in variables.items():  # label_values(metric, label), as Grafana lists them
+        call = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", v["query"]["query"])
+        assert call is not None, v
+        options[name] = prom.label_values(call[2], call[1])
+    assert options == {"namespace": [MODELS], "node": [NODE]}, options
+    panels = [
+        (p["title"], t["expr"]) for p in _panels(dash["panels"]) for t in p.get("targets", [])
+    ]
+    builtins = {"__rate_interval": rate_interval(SCRAPE_S, SCRAPE_S), "__interval": f"{SCRAPE_S}s"}
+    for choice in ({n: None for n in variables}, options):
+        values = {n: grafana_value(variables[n], choice[n]) for n in variables} | builtins
+        for title, expr in panels:
+            got = check_expr(prom, substitute(expr, values), at, f"panel {title!r} ({choice})")
+            if title == "Decisions by outcome":  # the last request shows
+                assert sum(float(r["value"][1]) for r in got) > 0, got
+    (rule,) = (d for d in docs if d["kind"] == "PrometheusRule")
+    fired = {r["alert"]: bool(check_expr(prom, r["expr"], at, r["alert"]))
+             for g in rule["spec"]["groups"] for r in g["rules"]}  # fmt: skip
+    assert {a for a, f in fired.items() if not f} >= SILENT_ALERTS, fired
+
+
+def _panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for p in panels:
+        yield p
+        yield from _panels(p.get("panels") or [])
+
+
 @pytest.fixture
 def journey(kube: ControlPlane, tmp_path: Path) -> Iterator[Journey]:
     j = Journey(kube, tmp_path)
@@ -109,12 +239,12 @@ def journey(kube: ControlPlane, tmp_path: Path) -> Iterator[Journey]:
 def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
     cp, j = journey.cp, journey
     # 1. helm install, with the webhook pointing at the operator run here.
-    cp.helm(
-        "install", RELEASE, str(REPO / "charts" / "kvgate"),
-        "-n", RELEASE, "--create-namespace",
+    values = [
         "--set", f"webhook.url=https://127.0.0.1:{j.webhook_port}/inject-sidecar",
         "--set", f"agent.port={j.agent_port}",
-    )  # fmt: skip
+        "--set", f"operator.port={free_port()}",
+    ]  # fmt: skip
+    cp.helm("install", RELEASE, str(CHART), "-n", RELEASE, "--create-namespace", *values)
     mwc = get(cp, "mutatingwebhookconfiguration", f"{RELEASE}-sidecar-injector")
     assert [w["failurePolicy"] for w in mwc["webhooks"]] == ["Ignore", "Ignore"]
     assert all(w["timeoutSeconds"] <= 5 and w["sideEffects"] == "None" for w in mwc["webhooks"])
@@ -125,7 +255,6 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
     pod_name = f"{RELEASE}-operator-0"
     env = resolve_env(op["env"], {"metadata.namespace": RELEASE, "metadata.name": pod_name})
     env.update(
-        KVGATE_OPERATOR_LIVENESS_PORT=str(free_port()),
         KVGATE_OPERATOR_WEBHOOK_PORT=str(j.webhook_port),
         KVGATE_OPERATOR_WEBHOOK_HOST="127.0.0.1",  # the operator runs here, not in the pod
         KVGATE_OPERATOR_DEBOUNCE_SECONDS="0.05",
@@ -226,7 +355,8 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
     # Its pod on the node (the chart's policy lets an agent write only the NodeAdmission of the
     # node its pod-bound token names).
     agent_pod = {"apiVersion": "v1", "kind": "Pod",
-                 "metadata": {"name": f"{RELEASE}-agent-0", "namespace": RELEASE},
+                 "metadata": {"name": f"{RELEASE}-agent-0", "namespace": RELEASE,
+                              "labels": ds["spec"]["template"]["metadata"]["labels"]},
                  "spec": {**ds["spec"]["template"]["spec"], "nodeName": NODE}}  # fmt: skip
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(agent_pod))
     agent_pod = get(cp, "pod", f"{RELEASE}-agent-0", "-n", RELEASE)
@@ -276,6 +406,14 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
         "sidecar.log",
     )
     url = f"http://127.0.0.1:{sidecar_port}"
+    # A real Prometheus scraping the three, as the chart's monitors would (None: not installed).
+    operator_pod = {
+        "metadata": {"name": pod_name, "namespace": RELEASE,
+                     "labels": dep["spec"]["template"]["metadata"]["labels"]},
+        "spec": dep["spec"]["template"]["spec"],
+    }  # fmt: skip
+    monitoring = chart_monitoring(cp, values)
+    prom = start_prometheus(j, monitoring, [operator_pod, agent_pod])
 
     # 6. Traffic: the example policy chat-small (20000 tokens per minute per tenant) governs it.
     def live() -> bool:
@@ -287,12 +425,16 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
     status, headers, body = chat(url, 30000)  # more than the tenant's whole bucket: never fits
     assert status == 400 and headers["x-kvgate-reason"] == "exceeds_capacity", body
     admitted = [chat(url, 4000, tenant="team-b")[0] for _ in range(6)]
+    assert chat(url, 8)[0] == 200  # quick: the last decision just before traffic_end
+    traffic_end = time.time()
     assert admitted[:4] == [200] * 4 and set(admitted) <= {200, 429}, admitted
     na = get(cp, "nodeadmission", NODE)
     assert [p["name"] for p in na["spec"]["pods"]] == ["chat-small-0"]
     assert na["spec"]["pods"][0]["policy"]["name"] == "chat-small"
     wait_until(lambda: get(cp, "nodeadmission", NODE).get("status", {}).get("heartbeatTime"), 30,
                "the agent's status")  # fmt: skip
+    if prom is not None:
+        check_monitoring(prom, monitoring, traffic_end)
 
     # 7. RBAC for real, as the chart's service accounts.
     def can(sa: str, *args: str) -> bool:
@@ -322,3 +464,5 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
     for log in ("operator.log", "agent.log", "sidecar.log"):
         text = (j.work / log).read_text()
         assert "Forbidden" not in text and " 403" not in text, f"{log}:\n{text[-3000:]}"
+    if prom is None:
+        pytest.skip(f"the monitoring part did not run: no prometheus ({NO_PROMETHEUS})")

@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 from kvgate_operator.settings import OperatorSettings
-from kvgate_operator.template import InjectionConfig
+from kvgate_operator.template import PORT_NAME, InjectionConfig
 from tests.conftest import REPO, k8s_bin_dir
 
 CHART = REPO / "charts" / "kvgate"
@@ -1072,8 +1072,17 @@ def test_standard_labels(docs: dict[str, Docs], scenario: str) -> None:
 
 def test_optional_objects_off_by_default(docs: dict[str, Docs]) -> None:
     kinds = {d["kind"] for d in docs["default"]}
-    assert not kinds & {"ServiceMonitor", "PrometheusRule", "NetworkPolicy", "ConfigMap"}
+    assert not kinds & {
+        "ServiceMonitor",
+        "PodMonitor",
+        "PrometheusRule",
+        "NetworkPolicy",
+        "ConfigMap",
+    }
     assert "Service/kvgate-agent" not in _kinds(docs["default"])
+
+
+SIDECAR_APP = REPO / "agent" / "kvgate_agent" / "sidecar" / "app.py"
 
 
 def test_monitoring_objects(docs: dict[str, Docs]) -> None:
@@ -1093,6 +1102,11 @@ def test_monitoring_objects(docs: dict[str, Docs]) -> None:
         assert len(services) == 1, [s["metadata"]["name"] for s in services]
         assert services[0]["spec"]["selector"]["app.kubernetes.io/component"] == component
     assert _one(d, "Service", "kvgate-agent")["spec"]["clusterIP"] == "None"
+    # The sidecars: the port the webhook names, the path the sidecar serves, every namespace.
+    pm = _one(d, "PodMonitor", "kvgate-sidecars")["spec"]
+    (ep,) = pm["podMetricsEndpoints"]
+    assert ep["port"] == PORT_NAME and pm["namespaceSelector"] == {"any": True}
+    assert f'add_get("{ep["path"]}", self.metrics_endpoint)' in SIDECAR_APP.read_text()
     cm = _one(d, "ConfigMap", "kvgate-dashboard")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"]["kvgate.json"] == (CHART / "dashboards" / "kvgate.json").read_text().rstrip(

@@ -23,6 +23,10 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created serie
 
 #: Queue wait buckets, seconds: from sub-millisecond to the 1-hour maxWaitSeconds bound.
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600)
+#: The kinds of ``kvgate_upstream_errors_total``, each exported at 0 from the start so that a
+#: rate over them is 0, not absent, before the first error
+#: (https://prometheus.io/docs/practices/instrumentation/#avoid-missing-metrics).
+UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status_5xx", "upstream_error")
 
 
 @dataclass(slots=True)
@@ -193,8 +197,8 @@ class SidecarMetrics:
         registry: the registry to expose.
         decisions: ``kvgate_admission_decisions_total{outcome, reason, tenant}``.
         queue_wait: ``kvgate_queue_wait_seconds`` histogram (requests that waited).
-        upstream_errors: ``kvgate_upstream_errors_total{kind}`` (connect, timeout, status_5xx,
-            stream_error).
+        upstream_errors: ``kvgate_upstream_errors_total{kind}`` (:data:`UPSTREAM_ERROR_KINDS`:
+            connect, timeout, status_5xx, upstream_error), each 0 from the start.
         client_disconnects: ``kvgate_client_disconnects_total``.
         client_timeouts: ``kvgate_client_timeouts_total{phase}``: connections closed because the
             request headers (``phase="headers"``) or body (``"body"``) came too slowly.
@@ -229,6 +233,8 @@ class SidecarMetrics:
         self.upstream_errors = Counter(
             "kvgate_upstream_errors", "Upstream failures by kind", ["kind"], registry=r
         )
+        for kind in UPSTREAM_ERROR_KINDS:
+            self.upstream_errors.labels(kind)
         self.client_disconnects = Counter(
             "kvgate_client_disconnects",
             "Admitted requests whose client went away before the response ended",
