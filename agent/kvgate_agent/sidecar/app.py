@@ -52,7 +52,7 @@ from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import canonical_path
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
-from kvgate_agent.sidecar.tenants import priority_of, tenant_of
+from kvgate_agent.sidecar.tenants import engine_priority, priority_of, tenant_of
 from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
 from kvgate_agent.sidecar.tokens import (
     PromptCount,
@@ -457,7 +457,10 @@ class Sidecar:
         )
         body = (
             parsed.upstream_body(
-                max_tokens=d.max_tokens, model=d.model, include_usage=parsed.stream
+                max_tokens=d.max_tokens,
+                model=d.model,
+                include_usage=parsed.stream,
+                priority=engine_priority(priority, spec.priority.forward_to),
             )
             or raw
         )
