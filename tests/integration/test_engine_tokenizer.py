@@ -21,7 +21,7 @@ from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.tokens import PromptCounter
 from kvgate_bench import tokenizer_error
 from kvgate_bench.toolkit import free_port, wait_until_async
-from tests.conftest import Proc, SidecarFactory
+from tests.conftest import Proc, SidecarFactory, gauges
 from tests.upstream import Upstream, serve_handler
 
 CHAT: dict[str, Any] = {
@@ -110,7 +110,8 @@ async def test_vllm_dialect_counts_what_the_engine_charges(
         got = await et.count(body, counter.count(body))
         assert got.exact
         assert got.tokens == await usage_prompt_tokens(session, sim.url, path, body)
-    assert et.dialect == "vllm" and et.answered == {"cache": 0, "engine": 2, "estimate": 0}
+    assert et.dialect == "vllm"
+    assert et.answered == {"cache": 0, "engine": 2, "estimate": 0, "unsupported": 0}
     again = await et.count(CHAT, counter.count(CHAT))  # a repeated prompt: no request
     assert again.exact and et.answered["cache"] == 1
 
@@ -138,6 +139,9 @@ async def test_the_sidecar_reserves_the_engines_count(
     assert r.status == 200
     r.release()
     assert sc.engine_tokens.answered["engine"] == 1
+    g = await gauges(session, url)
+    assert g['kvgate_engine_prompt_counts_total{source="engine"}'] == 1
+    assert g['kvgate_engine_prompt_counts_total{source="estimate"}'] == 0
 
 
 # ------------------------------------------------------------------ llama.cpp's dialect
@@ -219,7 +223,7 @@ async def test_the_cache_is_bounded_least_recently_used_first(
     bodies = [{"model": "m", "prompt": f"prompt number {i}"} for i in range(3)]
     for b in (bodies[0], bodies[1], bodies[0], bodies[2]):  # 1 is least recently used
         await et.count(b, counter.count(b))
-    assert et.answered == {"cache": 1, "engine": 3, "estimate": 0}
+    assert et.answered == {"cache": 1, "engine": 3, "estimate": 0, "unsupported": 0}
     llama_like.calls.clear()
     await et.count(bodies[0], counter.count(bodies[0]))
     await et.count(bodies[1], counter.count(bodies[1]))  # evicted: asked again
@@ -233,13 +237,20 @@ async def test_prompts_the_engine_cannot_count_keep_the_estimate(
     image = {
         "model": "m",
         "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": "x"}},
+                ],
+            }
         ],
     }
     for body in (image, {"model": "m", "prompt": ["a", "b"]}, {"model": "m", "prompt": [1, 2]}):
         estimate = counter.count(body)
         assert await et.count(body, estimate) is estimate
     assert llama_like.calls == []
+    assert et.answered["unsupported"] == 2  # the token ids were exact: not the engine's to count
 
 
 # ------------------------------------------------------------------ the real llama-server

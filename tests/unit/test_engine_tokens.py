@@ -67,4 +67,4 @@ async def test_without_a_session_every_count_is_the_estimate() -> None:
     et = EngineTokenizer("http://127.0.0.1:9", counter)
     estimate = counter.count({"messages": MSGS})
     assert await et.count({"messages": MSGS}, estimate) is estimate
-    assert et.answered == {"cache": 0, "engine": 0, "estimate": 1}
+    assert et.answered == {"cache": 0, "engine": 0, "estimate": 1, "unsupported": 0}

@@ -166,6 +166,8 @@ class Sidecar:
             if settings.engine_tokenizer
             else None
         )
+        if self.engine_tokens is not None:
+            self.metrics.attach_prompt_counts(self.engine_tokens.answered)
         self.forwarder = Forwarder(
             self.upstream,
             self.metrics,

@@ -171,15 +171,22 @@ class EngineTokenizer:
         self._cache: OrderedDict[bytes, int] = OrderedDict()
         self._pending: dict[bytes, asyncio.Task[int]] = {}
         self._quiet_until = float("-inf")
-        #: Counts answered, by source: ``cache``, ``engine``, ``estimate`` (the fallback).
-        self.answered: dict[str, int] = {"cache": 0, "engine": 0, "estimate": 0}
+        #: Counts answered, by source: ``engine``, ``cache``, ``estimate`` (the fallback: the
+        #: engine slow, down or failing), ``unsupported`` (a prompt it cannot count; the
+        #: estimate too).
+        self.answered: dict[str, int] = dict.fromkeys(
+            ("engine", "cache", "estimate", "unsupported"), 0
+        )
 
     async def count(self, body: Mapping[str, Any], estimate: PromptCount) -> PromptCount:
         """The prompt count of ``body`` (as :meth:`PromptCounter.count` reads it): the engine's
         exact one when cached or answered within :attr:`timeout`, else ``estimate``. Never
         raises for the engine's faults."""
-        query = None if estimate.exact else tokenize_query(body)
+        if estimate.exact:  # token ids only, or no text: nothing to ask
+            return estimate
+        query = tokenize_query(body)
         if query is None:
+            self.answered["unsupported"] += 1
             return estimate
         cached = self._cache.get(query.key)
         if cached is not None:
