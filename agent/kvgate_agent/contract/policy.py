@@ -265,7 +265,9 @@ class PriorityTarget(StrEnum):
 
     ``vLLM``: served with ``--scheduling-policy priority``, lower value first, so kvgate's
     priority is sent negated
-    (https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html#extra-parameters).
+    (https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html#extra-parameters); a
+    vLLM without that flag refuses a non-zero priority ("Got priority ... but Priority
+    scheduling is not enabled").
     ``SGLang``: served with ``--enable-priority-scheduling``, higher value first by default
     (unless ``--schedule-low-priority-values-first``), so it is sent as is
     (https://docs.sglang.ai/advanced_features/server_arguments.html). ``None``: no priority
