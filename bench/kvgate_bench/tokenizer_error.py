@@ -26,6 +26,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,6 +183,7 @@ class Row:
     engine: int
     initial: int
     calibrated: int
+    seconds: float  # the engine's count: one /tokenize (llama.cpp chat: + /apply-template)
 
 
 def _rel(est: int, real: int) -> float:
@@ -223,11 +225,13 @@ async def measure(
         engine.session = session
         for i, p in enumerate(prompts):
             initial = fresh.count(p.body)
+            t0 = time.perf_counter()
             got = await engine.count(p.body, initial)
+            seconds = time.perf_counter() - t0
             if not got.exact:
                 raise RuntimeError(f"the engine at {url} gave no count for {p.body!r:.200}")
             calibrated = calibrating.count(p.body)
-            rows.append(Row(p, got.tokens, initial.tokens, calibrated.tokens))
+            rows.append(Row(p, got.tokens, initial.tokens, calibrated.tokens, seconds))
             calibrating.observe(calibrated.text_bytes, got.tokens, calibrated.overhead_tokens)
             if i < check_usage:
                 named = {} if model is None else {"model": model}
@@ -242,11 +246,16 @@ async def measure(
 
 def report(rows: Sequence[Row], mismatches: int, checked: int, dialect: str | None) -> str:
     """The figures as a Markdown table: overall and per group, both estimates."""
+
+    def ms(q: float) -> float:
+        return 1000 * (percentile([r.seconds for r in rows], q) or 0.0)
+
     lines = [
         f"engine dialect: {dialect}; prompts: {len(rows)} "
         f"({sum(r.prompt.path.endswith('chat/completions') for r in rows)} chat); "
         f"engine tokens: {sum(r.engine for r in rows)}",
-        f"engine count = usage.prompt_tokens on {checked - mismatches}/{checked} checked",
+        f"engine count = usage.prompt_tokens on {checked - mismatches}/{checked} checked; "
+        f"the engine's count took p50 {ms(50):.1f} ms, p95 {ms(95):.1f} ms, max {ms(100):.1f} ms",
         "",
         "| prompts | estimate | n | mean signed | mean abs | p50 abs | p95 abs | max abs "
         "| under-counted |",
@@ -321,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             proc.wait(10)
     checked = min(args.check_usage, len(rows))
     if args.json:
-        out = {w: summarise(rows, w) for w in ("initial", "calibrated")}
+        out: dict[str, Any] = {w: summarise(rows, w) for w in ("initial", "calibrated")}
+        out["count_ms_p50"] = 1000 * (percentile([r.seconds for r in rows], 50) or 0.0)
         extra = {"usage_mismatches": mismatches, "checked": checked, "dialect": dialect}
         print(json.dumps({**out, **extra}))
     else:
