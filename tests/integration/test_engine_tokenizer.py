@@ -193,21 +193,38 @@ async def test_a_slow_engine_costs_one_timeout_and_fills_the_cache_later(
     assert cached.exact and cached.tokens == 8 and et.answered["cache"] == 1
 
 
-async def test_a_failing_engine_is_left_alone_for_the_backoff(
+async def test_a_failing_engine_is_left_alone_for_a_doubling_backoff(
     llama_like: LlamaLike, session: aiohttp.ClientSession
 ) -> None:
+    """A 5xx pauses the engine's counts for the backoff, twice as long after the next failure;
+    an answer resets it. A 4xx (the prompt's fault) pauses nothing."""
     now = [100.0]
-    llama_like.status = 500
     et, counter = tokenizer(llama_like.url, session, backoff=5.0, clock=lambda: now[0])
-    assert not (await et.count(CHAT, counter.count(CHAT))).exact
-    calls = len(llama_like.calls)
-    assert calls == 1
-    assert not (await et.count(CMPL, counter.count(CMPL))).exact  # within the backoff
-    assert len(llama_like.calls) == calls
-    llama_like.status = 200
+
+    async def exact(body: dict[str, Any]) -> bool:
+        return (await et.count(body, counter.count(body))).exact
+
+    llama_like.status = 400
+    assert not await exact(CHAT)
+    assert not await exact({"model": "m", "prompt": "another"})
+    assert len(llama_like.calls) == 2  # each asked: no pause after a 400
+    llama_like.status = 500
+    llama_like.calls.clear()
+    assert not await exact(CMPL)
+    assert not await exact({"model": "m", "prompt": "during the pause"})
+    assert len(llama_like.calls) == 1
     now[0] += 5.0
-    assert (await et.count(CMPL, counter.count(CMPL))).exact
-    assert et.answered["estimate"] == 2
+    assert not await exact(CMPL)  # the second failure: 10 s
+    now[0] += 9.0
+    assert not await exact(CMPL) and len(llama_like.calls) == 2
+    llama_like.status = 200
+    now[0] += 1.0
+    assert await exact(CMPL)
+    llama_like.status = 500
+    assert not await exact(CHAT)  # after an answer, the pause starts again at 5 s
+    now[0] += 5.0
+    llama_like.status = 200
+    assert await exact(CHAT)
 
 
 async def test_an_engine_that_is_down_gives_the_estimate(session: aiohttp.ClientSession) -> None:

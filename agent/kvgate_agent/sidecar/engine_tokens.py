@@ -15,10 +15,13 @@ Two dialects, told apart by the first answer:
 Counts are cached by the SHA-256 of the prompt's fields (an LRU of ``cache_size`` entries), so a
 repeated prompt (a retry, the optimistic re-admission) costs no request. A miss waits at most
 ``timeout`` seconds for the engine; past that, or on any error, the estimate is used and the
-engine's answer still fills the cache when it comes. After an error the engine is not asked for
-``backoff`` seconds, and at most ``max_in_flight`` requests are outstanding, so an engine that is
-down or slow adds no latency beyond one ``timeout``. Each engine count also calibrates the
-estimate (:meth:`PromptCounter.observe`), so the fallback improves while the engine answers.
+engine's answer still fills the cache when it comes. After a failure (no answer, a 5xx, an answer
+without a count) the engine is not asked for ``backoff`` seconds, doubled after each further
+failure up to :data:`MAX_BACKOFF_SECONDS` and reset by an answer (a 4xx is the prompt's fault, not
+the engine's: no pause); at most ``max_in_flight`` requests are outstanding. So an engine that is
+down, slow or has no such endpoint adds no latency beyond one ``timeout`` now and then. Each
+engine count also calibrates the estimate (:meth:`PromptCounter.observe`), so the fallback
+improves while the engine answers.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ DEFAULT_CACHE_SIZE = 4096
 """Prompt counts kept (entries; a 32-byte key and an int each)."""
 DEFAULT_BACKOFF_SECONDS = 5.0
 """Seconds the engine is not asked after a failed request."""
+MAX_BACKOFF_SECONDS = 60.0
+"""Longest pause (seconds) after repeated failures."""
 DEFAULT_MAX_IN_FLIGHT = 32
 """Most outstanding tokenize requests; beyond them the estimate is used at once."""
 
@@ -127,7 +132,12 @@ def tokenize_query(body: Mapping[str, Any]) -> TokenizeQuery | None:
 
 
 class EngineError(Exception):
-    """The engine's tokenize endpoint gave no count (status, shape)."""
+    """The engine's tokenize endpoint gave no count (status, shape); ``status`` is the HTTP
+    status when it answered with an error."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class EngineTokenizer:
@@ -171,6 +181,7 @@ class EngineTokenizer:
         self._cache: OrderedDict[bytes, int] = OrderedDict()
         self._pending: dict[bytes, asyncio.Task[int]] = {}
         self._quiet_until = float("-inf")
+        self._pause = 0.0  # the last pause after failures, seconds (0: the last call answered)
         #: Counts answered, by source: ``engine``, ``cache``, ``estimate`` (the fallback: the
         #: engine slow, down or failing), ``unsupported`` (a prompt it cannot count; the
         #: estimate too).
@@ -228,15 +239,19 @@ class EngineTokenizer:
         if task.cancelled():
             return
         exc = task.exception()
+        if isinstance(exc, EngineError) and exc.status is not None and exc.status < 500:
+            return  # this prompt's fault (a template that refuses it): the next may be fine
         if exc is not None:
-            if self._clock() >= self._quiet_until:
-                log.warning(
-                    "engine tokenize failed (%s); estimating prompts for %.0fs",
-                    exc or type(exc).__name__,
-                    self.backoff,
-                )
-            self._quiet_until = self._clock() + self.backoff
+            twice = min(2 * self._pause, MAX_BACKOFF_SECONDS)
+            pause = self._pause = self.backoff if self._pause == 0 else twice
+            log.warning(
+                "engine tokenize failed (%s); estimating prompts for %.0fs",
+                exc or type(exc).__name__,
+                pause,
+            )
+            self._quiet_until = self._clock() + pause
             return
+        self._pause = 0.0
         self._cache[key] = task.result()
         self._cache.move_to_end(key)
         while len(self._cache) > self.cache_size:
@@ -295,7 +310,7 @@ class EngineTokenizer:
             timeout=timeout,
         ) as r:
             if r.status != 200:
-                raise EngineError(f"{path} answered {r.status}")
+                raise EngineError(f"{path} answered {r.status}", r.status)
             answer = await r.json(content_type=None)
         if not isinstance(answer, dict):
             raise EngineError(f"{path} answered no JSON object")
