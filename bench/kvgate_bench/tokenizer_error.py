@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ import aiohttp
 
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.tokens import PromptCounter
-from kvgate_bench.toolkit import free_port, percentile, wait_http
+from kvgate_bench.toolkit import free_port, percentile, wait_http, wait_until
 
 #: Text of each kind, one line per snippet; prompts are drawn from these.
 SNIPPETS: dict[str, list[str]] = {
@@ -275,6 +276,24 @@ def report(rows: Sequence[Row], mismatches: int, checked: int, dialect: str | No
     return "\n".join(lines)
 
 
+def wait_ready(url: str, timeout: float = 120.0) -> None:
+    """Wait until ``url``'s ``/health`` answers 200 (llama-server answers 503 while it loads
+    the model).
+
+    Raises:
+        TimeoutError: not ready within ``timeout`` seconds.
+    """
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:  # HTTPError (503) included
+            return False
+
+    wait_until(ready, timeout, f"{url}/health answering 200")
+
+
 def _start_llama(binary: str, model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     fh = log.open("wb")
@@ -286,6 +305,7 @@ def _start_llama(binary: str, model: str, log: Path) -> tuple[subprocess.Popen[b
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", timeout=120.0, proc=proc)
+        wait_ready(url)
     except BaseException:
         proc.kill()
         proc.wait()

@@ -285,6 +285,7 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = [binary, "-m", model, "--port", str(port), "--host", "127.0.0.1", "-c", "4096"]
     p = Proc(args, f"http://127.0.0.1:{port}", "/health", Path(log))
     try:
+        tokenizer_error.wait_ready(p.url)  # 503 while the model loads
         yield p.url
     finally:
         p.stop()
