@@ -280,6 +280,12 @@ INVALID = [
         "spec.priority.header",
         "at least 1 chars long",
     ),
+    bad(
+        "priority-forward-to-enum",
+        {"priority.forwardTo": "vllm"},
+        "spec.priority.forwardTo",
+        "Unsupported value",
+    ),
     bad("actions-empty", {"overload.actions": []}, "spec.overload.actions", "at least 1 items"),
     bad(
         "action-enum",

@@ -143,7 +143,12 @@ def specs(edges: bool) -> st.SearchStrategy[dict[str, Any]]:
                     "order": enum(["FIFO", "Priority", "ShortestFirst"], ["LIFO"]),
                 }
             ),
-            "priority": optional({"header": enum(["x-prio"], ["x_prio"])}),
+            "priority": optional(
+                {
+                    "header": enum(["x-prio"], ["x_prio"]),
+                    "forwardTo": enum(["vLLM", "SGLang", "None"], ["vllm", "none"]),
+                }
+            ),
             "overload": optional(
                 {
                     "actions": st.lists(

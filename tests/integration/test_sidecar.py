@@ -157,6 +157,32 @@ async def test_chunked_body_over_the_limit_gets_413(
     assert upstream.bodies == []
 
 
+@pytest.mark.parametrize(
+    ("forward_to", "sent"), [("vLLM", [-5, 0, 3]), ("SGLang", [5, 0, -3]), ("None", None)]
+)
+async def test_priority_reaches_the_engine_in_its_own_order(
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    forward_to: str,
+    sent: list[int] | None,
+) -> None:
+    """``priority.forwardTo`` writes kvgate's priority (the policy's header) into the forwarded
+    body in the engine's order (vLLM lower first: negated; SGLang higher first: as is), in place
+    of the client's own body ``priority``, which never reaches the engine."""
+    url, _ = await sidecar_factory(
+        upstream.url, {"priority": {"header": "x-prio", "forwardTo": forward_to}}
+    )
+    for header in ("5", None, "-3"):
+        headers = {} if header is None else {"x-prio": header}
+        body = {**CHAT, "max_tokens": 4, "priority": 77}
+        async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+    got = [b.get("priority") for b in upstream.bodies]
+    assert got == ([None] * 3 if sent is None else sent)
+    assert all(b["max_tokens"] == 4 and b["messages"] == CHAT["messages"] for b in upstream.bodies)
+
+
 async def test_bad_priority_header_is_400(
     upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
 ) -> None:

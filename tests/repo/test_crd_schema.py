@@ -38,6 +38,7 @@ from kvgate_agent.contract.nodeadmission import (
 )
 from kvgate_agent.contract.policy import (
     LabelSelectorRequirement,
+    PriorityTarget,
     RateLimitPolicySpec,
     RateLimitSpec,
 )
@@ -373,8 +374,18 @@ def test_policy_defaults_spelled_out() -> None:
     assert spec["failureMode"] == "FailOpen"
     assert spec["queue"] == {"maxLength": 100, "maxWaitSeconds": 30, "order": "FIFO"}
     assert spec["cost"] == {"perRequest": 0, "promptTokenWeight": 1, "outputTokenWeight": 1}
-    assert spec["priority"] == {"header": "x-kvgate-priority"}
+    assert spec["priority"] == {"header": "x-kvgate-priority", "forwardTo": "None"}
     assert spec["rateLimits"] == [{"name": "a", "per": "Tenant", "warmupSeconds": 0}]
+
+
+def test_priority_forward_to_names_the_engines_as_strings() -> None:
+    """``forwardTo``'s enum is the engines' names, ``None`` a string (YAML would read a bare
+    ``null`` or ``~`` as no value, which the API server's defaulting would drop), in both CRDs."""
+    for schema in (RLP_SPEC, THRESHOLDS):
+        node = schema["properties"]["priority"]["properties"]["forwardTo"]
+        assert node["type"] == "string"
+        assert node["enum"] == [t.value for t in PriorityTarget] == ["vLLM", "SGLang", "None"]
+        assert node["default"] == "None"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 
 from kvgate_agent.contract.policy import (
     PolicyError,
+    PriorityTarget,
     ReservationMode,
     load_policy,
     parse_policy,
@@ -29,6 +30,7 @@ def test_defaults() -> None:
     assert s.model.block_size == 16
     assert s.tenants.header == "x-kvgate-tenant" and s.tenants.default_max_tokens == 1024
     assert s.priority.header == "x-kvgate-priority"
+    assert s.priority.forward_to is PriorityTarget.NONE
     assert [a.value for a in s.overload.actions] == ["Queue", "Reject"]
     assert s.cost.per_request == 0 and s.cost.prompt_token_weight == 1
     assert s.failure_mode.value == "FailOpen"
@@ -136,6 +138,8 @@ def test_reservation_and_slo_round_trip() -> None:
         ({"slo": {"minPriority": -1001}}, "spec.slo.minPriority"),
         ({"slo": {"minPriority": 0.5}}, "spec.slo.minPriority"),
         ({"slo": {"ttft": 0.5}}, "spec.slo.ttft"),
+        ({"priority": {"forwardTo": "vllm"}}, "spec.priority.forwardTo"),
+        ({"priority": {"forwardTo": None}}, "spec.priority.forwardTo"),
     ],
 )
 def test_invalid_policies_name_the_field(spec: dict[str, Any], field: str) -> None:

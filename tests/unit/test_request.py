@@ -251,6 +251,16 @@ def test_upstream_never_carries_a_clients_engine_priority() -> None:
     assert up({**CMPL, "priority": 3}, "completions") == {**CMPL, "max_tokens": 256}
 
 
+def test_upstream_carries_kvgates_engine_priority_in_place_of_the_clients() -> None:
+    assert up({**CHAT, "max_tokens": 5, "priority": 99}, priority=-3) == {
+        **CHAT,
+        "max_tokens": 5,
+        "priority": -3,
+    }
+    assert up({**CHAT, "max_tokens": 5}, priority=0) == {**CHAT, "max_tokens": 5, "priority": 0}
+    assert up({**CHAT, "max_tokens": 5}, priority=None) is None  # forwardTo None: unchanged
+
+
 def test_upstream_model_rewrite() -> None:
     assert up({**CHAT, "max_tokens": 5}, model="served") == {
         **CHAT,

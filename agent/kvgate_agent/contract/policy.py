@@ -259,11 +259,33 @@ class QueueSpec(_Model):
     order: QueueOrder = QueueOrder.FIFO
 
 
+class PriorityTarget(StrEnum):
+    """The engine a request's priority is written into the forwarded body for (its own
+    ``priority`` field), so the engine's queue and preemption order follow kvgate's.
+
+    ``vLLM``: served with ``--scheduling-policy priority``, lower value first, so kvgate's
+    priority is sent negated
+    (https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html#extra-parameters); a
+    vLLM without that flag refuses a non-zero priority ("Got priority ... but Priority
+    scheduling is not enabled").
+    ``SGLang``: served with ``--enable-priority-scheduling``, higher value first by default
+    (unless ``--schedule-low-priority-values-first``), so it is sent as is
+    (https://docs.sglang.ai/advanced_features/server_arguments.html). ``None``: no priority
+    field is sent.
+    """
+
+    VLLM = "vLLM"
+    SGLANG = "SGLang"
+    NONE = "None"
+
+
 class PrioritySpec(_Model):
     """Request priority header: an integer, higher = more important, negative = sheddable
-    (never queued under overload)."""
+    (never queued under overload). ``forwardTo``: the engine that also gets it in the body
+    (:class:`PriorityTarget`; default ``None``, nothing sent)."""
 
     header: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9-]+$")] = "x-kvgate-priority"
+    forward_to: PriorityTarget = PriorityTarget.NONE
 
 
 #: Priorities a request may carry (the sidecar refuses a priority header outside it with 400).

@@ -46,6 +46,7 @@ from kvgate_agent.sidecar.endpoints import (
     Passthrough,
     parse_generation,
 )
+from kvgate_agent.sidecar.engine_tokens import DEFAULT_TIMEOUT_SECONDS, EngineTokenizer
 from kvgate_agent.sidecar.forward import Forwarder
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
@@ -53,7 +54,7 @@ from kvgate_agent.sidecar.pool import already_degraded, send_to_pool
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import ParsedRequest, canonical_path
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
-from kvgate_agent.sidecar.tenants import priority_of, tenant_of
+from kvgate_agent.sidecar.tenants import engine_priority, priority_of, tenant_of
 from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
 from kvgate_agent.sidecar.tokens import (
     PromptCount,
@@ -74,6 +75,10 @@ class SidecarSettings:
             ``policy`` and ``agent`` must be given.
         tokenizer_file: HF ``tokenizer.json`` for exact prompt counts (else a conservative
             estimate corrected by reported usage).
+        engine_tokenizer: count prompts with the engine's own ``/tokenize`` (cached; the
+            estimate as the fallback: :mod:`kvgate_agent.sidecar.engine_tokens`).
+        engine_tokenize_timeout: seconds a request waits for the engine's count of a prompt it
+            has not cached before the estimate is used.
         max_body_bytes: request bodies above this get 413 (bytes).
         connect_timeout: seconds to open an upstream connection.
         read_timeout: seconds without any upstream byte before the request fails (None: no
@@ -98,6 +103,8 @@ class SidecarSettings:
     upstream: str
     policy: RateLimitPolicy | None = None
     tokenizer_file: str | None = None
+    engine_tokenizer: bool = False
+    engine_tokenize_timeout: float = DEFAULT_TIMEOUT_SECONDS
     max_body_bytes: int = 8 * 1024 * 1024
     connect_timeout: float = 5.0
     read_timeout: float | None = 600.0
@@ -155,6 +162,13 @@ class Sidecar:
             self.agent_link = AgentLink(settings.agent, t.link, self.sync_report, self._on_sync)
             self.metrics.attach_link(t.link, self.current_mode, lambda: t.policy_ref)
         self.counter = PromptCounter(settings.tokenizer_file)
+        self.engine_tokens = (
+            EngineTokenizer(self.upstream, self.counter, timeout=settings.engine_tokenize_timeout)
+            if settings.engine_tokenizer
+            else None
+        )
+        if self.engine_tokens is not None:
+            self.metrics.attach_prompt_counts(self.engine_tokens.answered)
         self.forwarder = Forwarder(
             self.upstream,
             self.metrics,
@@ -276,6 +290,8 @@ class Sidecar:
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         )
         self.forwarder.session = self.session
+        if self.engine_tokens is not None:
+            self.engine_tokens.session = self.session
         spec = self.spec
         await self.engine.start(
             self.session,
@@ -292,6 +308,8 @@ class Sidecar:
             await self.agent_link.stop()
         await self.engine.stop()
         self.admission.close()
+        if self.engine_tokens is not None:
+            self.engine_tokens.close()
         if self.session is not None:
             await self.session.close()
 
@@ -430,7 +448,10 @@ class Sidecar:
         except RequestError as exc:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.bad_request(exc)
-        prompt = self.counter.count(parsed.body if parsed.count_body is None else parsed.count_body)
+        count_body = parsed.body if parsed.count_body is None else parsed.count_body
+        prompt = self.counter.count(count_body)
+        if self.engine_tokens is not None:
+            prompt = await self.engine_tokens.count(count_body, prompt)
         max_tokens = parsed.max_tokens
         mml = spec.model.max_model_len or self.engine.max_model_len
         if parsed.max_tokens_defaulted and mml is not None:
@@ -461,7 +482,10 @@ class Sidecar:
         )
         body = (
             parsed.upstream_body(
-                max_tokens=d.max_tokens, model=d.model, include_usage=parsed.stream
+                max_tokens=d.max_tokens,
+                model=d.model,
+                include_usage=parsed.stream,
+                priority=engine_priority(priority, spec.priority.forward_to),
             )
             or raw
         )

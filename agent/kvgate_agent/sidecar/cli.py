@@ -32,9 +32,14 @@ from kvgate_agent.sidecar.agent_link import (
 )
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.endpoints import Passthrough
+from kvgate_agent.sidecar.engine_tokens import DEFAULT_TIMEOUT_SECONDS
 from kvgate_agent.sidecar.tokens import TokenizerError
 
 log = logging.getLogger("kvgate")
+
+#: ``--tokenizer`` value asking the model server's own ``/tokenize`` (a tokenizer file of that
+#: name is given as ``./engine``).
+ENGINE_TOKENIZER = "engine"
 
 
 def _url(value: str) -> str:
@@ -177,7 +182,16 @@ def _add_serving_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--tokenizer",
         default=_env("TOKENIZER"),
-        help="HF tokenizer.json for exact prompt counts [KVGATE_TOKENIZER]",
+        help="HF tokenizer.json for exact prompt counts, or 'engine': ask the model server's own "
+        "/tokenize (vLLM, llama.cpp; cached by prompt, the estimate when it is slow or down) "
+        "[KVGATE_TOKENIZER]",
+    )
+    s.add_argument(
+        "--engine-tokenize-timeout",
+        type=_positive(float),
+        default=_env("ENGINE_TOKENIZE_TIMEOUT", str(DEFAULT_TIMEOUT_SECONDS)),
+        help="with --tokenizer engine: seconds a request waits for the engine's count of a "
+        "prompt not yet cached before kvgate's estimate is used [KVGATE_ENGINE_TOKENIZE_TIMEOUT]",
     )
     s.add_argument(
         "--max-body-bytes",
@@ -360,7 +374,9 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         upstream=args.upstream,
         policy=policy,
         agent=agent,
-        tokenizer_file=args.tokenizer,
+        tokenizer_file=None if args.tokenizer == ENGINE_TOKENIZER else args.tokenizer,
+        engine_tokenizer=args.tokenizer == ENGINE_TOKENIZER,
+        engine_tokenize_timeout=args.engine_tokenize_timeout,
         max_body_bytes=args.max_body_bytes,
         read_timeout=args.upstream_timeout,
         drain_seconds=args.drain_seconds,

@@ -7,11 +7,11 @@ they can never drift from the truth.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgate_agent.admission import AdmissionController
@@ -27,6 +27,25 @@ QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 3
 #: rate over them is 0, not absent, before the first error
 #: (https://prometheus.io/docs/practices/instrumentation/#avoid-missing-metrics).
 UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status_5xx", "upstream_error")
+
+
+class _PromptCountCollector(Collector):
+    """``kvgate_engine_prompt_counts_total{source}`` from ``--tokenizer engine``'s tallies."""
+
+    def __init__(self, answered: Mapping[str, int]) -> None:
+        self.answered = answered
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        c = CounterMetricFamily(
+            "kvgate_engine_prompt_counts",
+            "Prompts counted with --tokenizer engine, by source: engine (its /tokenize), cache "
+            "(its earlier answer), estimate (the engine slow, down or failing), unsupported (a "
+            "prompt it cannot count: token ids, list prompts, images)",
+            labels=["source"],
+        )
+        for source, n in self.answered.items():
+            c.add_metric([source], n)
+        yield c
 
 
 @dataclass(slots=True)
@@ -271,6 +290,10 @@ class SidecarMetrics:
         """Count one admission decision (the Prometheus counter and the per-outcome totals)."""
         self.decisions.labels(outcome, reason, tenant_label).inc()
         self.decision_counts[outcome] = self.decision_counts.get(outcome, 0) + 1
+
+    def attach_prompt_counts(self, answered: Mapping[str, int]) -> None:
+        """Export ``--tokenizer engine``'s tallies by source (read at scrape time)."""
+        self.registry.register(_PromptCountCollector(answered))
 
     def attach_link(
         self,

@@ -263,6 +263,7 @@ class ParsedRequest:
         max_tokens: int | None = None,
         model: str | None = None,
         include_usage: bool = False,
+        priority: int | None = None,
     ) -> bytes | None:
         """The body to send upstream, or None when the client's bytes can go unchanged.
 
@@ -278,7 +279,8 @@ class ParsedRequest:
         A client's own ``priority`` field (:data:`ENGINE_PRIORITY_FIELDS`) is removed: engines
         that schedule by it (vLLM ``--scheduling-policy priority``, SGLang) would otherwise let a
         client jump the engine's queue around kvgate's priority, which comes from the policy's
-        header.
+        header. ``priority``: the engine's own priority value to write instead (see
+        :func:`kvgate_agent.sidecar.tenants.engine_priority`); None: the field stays out.
 
         Returns compact JSON (``separators=(",", ":")``, ``ensure_ascii=False``), UTF-8.
 
@@ -308,6 +310,9 @@ class ParsedRequest:
             opts = self.body.get("stream_options")
             changes["stream_options"] = {**(opts or {}), "include_usage": True}
         dropped = [k for k in ENGINE_PRIORITY_FIELDS if k in self.body]
+        if priority is not None:
+            changes.update(dict.fromkeys(ENGINE_PRIORITY_FIELDS, priority))
+            dropped = []
         if not changes and not dropped:
             return None
         out = {**self.body, **changes}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-from kvgate_agent.contract.policy import MAX_PRIORITY, MIN_PRIORITY
+from kvgate_agent.contract.policy import MAX_PRIORITY, MIN_PRIORITY, PriorityTarget
 from kvgate_agent.sidecar.openai_errors import RequestError
 
 ANONYMOUS = "anonymous"
@@ -68,6 +68,25 @@ def priority_of(headers: Mapping[str, str], header: str) -> int:
             400, f"header {header} must be between {MIN_PRIORITY} and {MAX_PRIORITY}", param=header
         )
     return p
+
+
+def engine_priority(priority: int, target: PriorityTarget) -> int | None:
+    """The ``priority`` body field to send an engine for kvgate's ``priority`` (higher = more
+    important), or None when the policy forwards none (``priority.forwardTo: None``).
+
+    vLLM serves lower values first (``--scheduling-policy priority``: "lower value means
+    earlier handling",
+    https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html#extra-parameters), so
+    the value is negated; SGLang (``--enable-priority-scheduling``) serves higher values first
+    unless ``--schedule-low-priority-values-first``
+    (https://docs.sglang.ai/advanced_features/server_arguments.html), so it is sent as is. Both
+    keep kvgate's order: a request kvgate ranks above another is served first by the engine too.
+    """
+    if target is PriorityTarget.VLLM:
+        return -priority
+    if target is PriorityTarget.SGLANG:
+        return priority
+    return None
 
 
 class TenantLabels:
