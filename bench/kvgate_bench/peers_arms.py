@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgate_agent.contract.api import API_VERSION
+from kvgate_bench.peers_install import clean_env
 from kvgate_bench.peers_wrk import MODEL, TENANT
 from kvgate_bench.toolkit import cpu_seconds, free_port, wait_port
 
@@ -186,10 +187,18 @@ class Fleet:
         self.workdir, self.cpu = workdir, cpu
         self.servers: list[Server] = []
 
-    def start(self, name: str, cmd: list[str], port: int, *, timeout: float = 60.0) -> Server:
+    def start(
+        self,
+        name: str,
+        cmd: list[str],
+        port: int,
+        *,
+        timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+    ) -> Server:
         """Start ``cmd`` under ``taskset`` and wait until ``port`` accepts connections."""
         log = (self.workdir / f"{name}.log").open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
             ["taskset", "-c", str(self.cpu), *cmd], stdout=log, stderr=subprocess.STDOUT, env=env
         )
@@ -245,12 +254,15 @@ class Fleet:
         cfg = self.workdir / "litellm.yaml"
         cfg.write_text(litellm_config(upstream_port))
         port = free_port()
-        os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at start
-        os.environ.setdefault("LITELLM_LOG", "ERROR")
-        os.environ.setdefault("DISABLE_SCHEMA_UPDATE", "True")
+        env = clean_env()
+        env.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch at start
+        env.setdefault("LITELLM_LOG", "ERROR")
+        # LiteLLM >= 1.108 refuses to start without a master key unless told this is local
+        # development; the benchmark measures the proxy without auth, on loopback only.
+        env.setdefault("LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY", "true")
         cmd = [binary, "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port),
                "--num_workers", "1"]  # fmt: skip
-        server = self.start("litellm", cmd, port, timeout=180.0)
+        server = self.start("litellm", cmd, port, timeout=180.0, env=env)
         wait_answer(f"http://127.0.0.1:{port}{CHAT_PATH}", server.proc, timeout=60.0)
         return server
 

@@ -73,8 +73,15 @@ def _as_root() -> list[str]:
     raise InstallError("installing nginx and wrk from Debian needs root (or sudo -n)")
 
 
+def clean_env() -> dict[str, str]:
+    """This process's environment without what would point another Python at kvgate's
+    environment (``PYTHONPATH``, ``VIRTUAL_ENV``, ``PYTHONHOME``): for LiteLLM's own venv."""
+    drop = {"PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def _run(cmd: list[str]) -> None:
-    done = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    done = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr, env=clean_env())
     if done.returncode != 0:
         raise InstallError(f"{' '.join(cmd)} exited {done.returncode}")
 

@@ -74,6 +74,13 @@ def _lookup(cells: Sequence[Cell]) -> dict[tuple[str, int, int], WrkResult]:
     return {(c.arm, c.body_bytes, c.connections): c.result for c in cells}
 
 
+def _answered(
+    by: dict[tuple[str, int, int], WrkResult], arm: str, body: int, conns: int
+) -> WrkResult | None:
+    r = by.get((arm, body, conns))
+    return r if r is not None and r.requests > 0 else None
+
+
 def load_rows(cells: Sequence[Cell]) -> list[list[str]]:
     """The load table: one row per cell, direct first in each (body, concurrency) group."""
     by = _lookup(cells)
@@ -84,6 +91,10 @@ def load_rows(cells: Sequence[Cell]) -> list[list[str]]:
         for arm in ARMS:
             r = by.get((arm, body, conns))
             if r is None:
+                continue
+            if r.requests == 0:  # nothing answered within the window: no percentiles
+                rows.append([size_label(body), str(conns), arm, "-", "-", "-", "-", "0",
+                             str(r.errors) + " (no answer)"])  # fmt: skip
                 continue
             added50 = r.p50_us - base.p50_us if base and arm != DIRECT else None
             added99 = r.p99_us - base.p99_us if base and arm != DIRECT else None
@@ -105,8 +116,8 @@ def ratio_rows(cells: Sequence[Cell]) -> list[list[str]]:
     by = _lookup(cells)
     rows = []
     for body, conns in sorted({(c.body_bytes, c.connections) for c in cells}):
-        base, kv = by.get((DIRECT, body, conns)), by.get((KVGATE, body, conns))
-        ng, ll = by.get((NGINX, body, conns)), by.get((LITELLM, body, conns))
+        base, kv = _answered(by, DIRECT, body, conns), _answered(by, KVGATE, body, conns)
+        ng, ll = _answered(by, NGINX, body, conns), _answered(by, LITELLM, body, conns)
         if kv is None:
             continue
         row = [size_label(body), str(conns)]

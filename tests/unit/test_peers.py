@@ -186,3 +186,11 @@ def test_render_and_section_replacement() -> None:
     assert "new body" in twice and "577 us" not in twice and twice.endswith("## Later section\n")
     with pytest.raises(ValueError, match="markers"):
         rep.replace_section(doc + rep.BEGIN + "\n", "x", title="t")
+
+
+def test_a_cell_without_answers_has_no_percentiles_or_ratios() -> None:
+    stuck = rep.Cell(rep.LITELLM, 1024, 32, WrkResult(0, 0, 0, 0, 0, 0))
+    cells = [_cell(rep.DIRECT, 85, 141000, c=32), stuck, _cell(rep.KVGATE, 577, 3393, c=32)]
+    rows = rep.load_rows(cells)
+    assert rows[1][2:5] == [rep.LITELLM, "-", "-"] and rows[1][-1] == "0 (no answer)"
+    assert rep.ratio_rows(cells)[0][4:] == ["-", "-"]
