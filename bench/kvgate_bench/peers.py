@@ -206,7 +206,7 @@ def stream_phase(
                 measure_streams(
                     port, server.cpu_seconds, server.pids[-1], streams=plan.streams,
                     warmup=plan.stream_warmup, seconds=plan.stream_seconds,
-                    max_tokens=plan.stream_tokens,
+                    max_tokens=plan.stream_tokens, upstream_cpu=sim.cpu_seconds,
                 )
             )  # fmt: skip
             rows.append(rep.StreamRow(arm, itl, result))

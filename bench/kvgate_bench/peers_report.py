@@ -147,14 +147,15 @@ def stream_rows(streams: Sequence[StreamRow]) -> list[list[str]]:
         rows.append([
             s.arm, f"{s.itl_ms:g} ms", str(r.streams), f"{r.chunks_per_second:,.0f}",
             f"{r.cores:.2f}", "-" if per is None else f"{per:.1f} us",
-            f"{r.rss_kib / 1024:.1f} MiB", f"{r.client_cores:.2f}", str(r.errors),
+            f"{r.rss_kib / 1024:.1f} MiB", f"{r.upstream_cores:.2f}",
+            f"{r.client_cores:.2f}", str(r.errors),
         ])  # fmt: skip
     return rows
 
 
 STREAM_HEAD = [
     "through", "ITL", "streams", "chunks/s", "server cores", "CPU per chunk",
-    "server RSS (streams open)", "client cores", "errors",
+    "server RSS (streams open)", "simulator cores", "client cores", "errors",
 ]  # fmt: skip
 
 

@@ -37,6 +37,7 @@ class StreamResult:
     rss_kib: int
     errors: int
     client_cpu_seconds: float = 0.0
+    upstream_cpu_seconds: float = 0.0
 
     @property
     def chunks_per_second(self) -> float:
@@ -52,6 +53,11 @@ class StreamResult:
     def client_cores(self) -> float:
         """The client's own CPU over the window, in cores: near 1, the client is the limit."""
         return self.client_cpu_seconds / self.seconds if self.seconds else 0.0
+
+    @property
+    def upstream_cores(self) -> float:
+        """The upstream's (the simulator's) CPU over the window, in cores."""
+        return self.upstream_cpu_seconds / self.seconds if self.seconds else 0.0
 
     @property
     def us_per_chunk(self) -> float | None:
@@ -161,6 +167,7 @@ async def measure_streams(
     warmup: float,
     seconds: float,
     max_tokens: int,
+    upstream_cpu: Callable[[], float] = lambda: 0.0,
 ) -> StreamResult:
     """Run ``streams`` streaming clients against 127.0.0.1:``port`` (see the module)."""
     body = chat_body(1024, stream=True, max_tokens=max_tokens)
@@ -172,17 +179,17 @@ async def measure_streams(
     tasks = [asyncio.create_task(_stream_client(port, request, c, stop, errors)) for c in counters]
     await asyncio.sleep(warmup)
     t0, cpu0, n0 = time.monotonic(), cpu(), sum(c.count for c in counters)
-    own0 = time.process_time()
+    own0, up0 = time.process_time(), upstream_cpu()
     await asyncio.sleep(seconds / 2)
     rss = memory_kib(rss_pid, "VmRSS")
     await asyncio.sleep(seconds / 2)
     t1, cpu1, n1 = time.monotonic(), cpu(), sum(c.count for c in counters)
-    own = time.process_time() - own0
+    own, up = time.process_time() - own0, upstream_cpu() - up0
     stop.set()
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    return StreamResult(streams, t1 - t0, n1 - n0, cpu1 - cpu0, rss, len(errors), own)
+    return StreamResult(streams, t1 - t0, n1 - n0, cpu1 - cpu0, rss, len(errors), own, up)
 
 
 async def _idle_connection(
