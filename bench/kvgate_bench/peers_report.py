@@ -193,10 +193,30 @@ def idle_line(idle: IdleResult | None) -> str:
     )
 
 
+#: What the section measures, written above its tables in ``docs/benchmarks.md``.
+HOW = """\
+Five arms side by side in one run, every server pinned to one CPU and the load generator to
+another (`taskset`; see `pinning`): **direct** (nginx `return 200` with a small OpenAI chat
+response), **nginx** as a proxy in front of it (keep-alive upstream, `proxy_buffering off`),
+the **LiteLLM** proxy (one worker, no database, no master key; one model entry pointing at
+direct), the **kvgate** sidecar of this checkout with a realistic policy (per-tenant and pod
+rate limits, a concurrency cap, Predicted KV reservation, a queue; budgets large enough that
+every request is admitted; `bench/kvgate_bench/peers_arms.py`) and **kvgate pass-through** (the
+same sidecar on an allowlisted path, forwarded without admission). Load: `wrk -t1 --latency`
+with a Lua script POSTing a chat body of the given size at `c` connections, arms rotated cell
+by cell; added = the arm's percentile minus direct's in the same cell. Streaming: 256
+concurrent streams from the llm-d simulator (on the servers' CPU) at the given inter-token
+latency through the sidecar and through nginx; CPU per chunk = the server's utime + stime
+(`/proc/<pid>/stat`) over the window / SSE `data:` events counted by the client. Memory:
+the sidecar's VmRSS. Options: `--quick`, `--seconds S`, `--client-cpu N`, `--server-cpu N`,
+`--no-litellm`, `--no-stream`, `--no-write`, `--docs FILE`, `--workdir DIR` (keeps the
+configurations and the servers' logs)."""
+
+
 def render(report: Report, *, markdown: bool) -> str:
     """The whole report as text (stdout) or Markdown (the docs section)."""
     table = md_table if markdown else text_table
-    parts = []
+    parts = [HOW] if markdown else []
     if markdown:
         parts.append(md_table(["", ""], [[k, v] for k, v in report.header]))
     else:
