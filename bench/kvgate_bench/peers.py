@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import importlib.metadata
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,6 +120,8 @@ def header(tools: Tools, plan: Plan, args: argparse.Namespace) -> list[tuple[str
     dist = importlib.metadata.version
     rows = [("date", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"))]
     rows += machine()
+    one, five, _ = os.getloadavg()
+    rows.append(("load average", f"{one:.1f} (1 min), {five:.1f} (5 min) at the end of the run"))
     rows += [
         ("pinning", f"wrk (1 thread) and the stream client on CPU {args.client_cpu}; every "
                     f"server on CPU {args.server_cpu} (taskset); nginx 1 worker, LiteLLM 1 worker"),
@@ -126,7 +129,8 @@ def header(tools: Tools, plan: Plan, args: argparse.Namespace) -> list[tuple[str
         ("peers", f"{_version([tools.nginx, '-v']).removeprefix('nginx version: ')}, "
                   f"LiteLLM {lite}, {_version([tools.wrk, '-v']).split(' [')[0]}, "
                   f"{Path(tools.llmd_sim).name}"),
-        ("load", f"{plan.seconds:g} s per cell and arm, arms rotated cell by cell"
+        ("load", f"{plan.seconds:g} s per cell and arm, arms rotated cell by cell, each run "
+                 "started once the servers idle (under 0.1 core, at most 10 s)"
                  + (" (--quick)" if args.quick else "")),
     ]  # fmt: skip
     return rows
@@ -145,7 +149,22 @@ def arm_urls(direct: int, proxy: int, litellm: int | None, kvgate: int) -> dict[
     return {a: urls[a] for a in rep.ARMS if a in urls}
 
 
-def run_grid(wrk: str, urls: dict[str, str], plan: Plan, workdir: Path, cpu: int) -> list[rep.Cell]:
+def settle(servers: Sequence[Server], *, idle: float = 0.1, timeout: float = 10.0) -> bool:
+    """Wait until ``servers`` together use under ``idle`` of a core over 0.25 s (the last
+    cell's backlog drained), at most ``timeout`` seconds; False when they never settled."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = sum(s.cpu_seconds() for s in servers)
+        time.sleep(0.25)
+        if sum(s.cpu_seconds() for s in servers) - before < idle * 0.25:
+            return True
+    return False
+
+
+def run_grid(
+    wrk: str, urls: dict[str, str], plan: Plan, workdir: Path, cpu: int,
+    servers: Sequence[Server] = (),
+) -> list[rep.Cell]:  # fmt: skip
     """Every (body, connections) cell through every arm, arms rotated per cell."""
     cells: list[rep.Cell] = []
     arms = list(urls)
@@ -161,6 +180,7 @@ def run_grid(wrk: str, urls: dict[str, str], plan: Plan, workdir: Path, cpu: int
             for arm in order:
                 cmd = wrk_command(wrk, urls[arm], script, connections=conns,
                                   seconds=plan.seconds, cpu=cpu)  # fmt: skip
+                settle(servers)
                 result = run_wrk(cmd, timeout=plan.seconds + 60)
                 cells.append(rep.Cell(arm, size, conns, result))
                 print(
@@ -245,7 +265,7 @@ def run(args: argparse.Namespace) -> rep.Report:
         for url in urls.values():
             wait_answer(url, kvgate.proc, timeout=30)
         print(f"arms up in {time.monotonic() - t0:.0f} s; load:", file=sys.stderr)
-        cells = run_grid(tools.wrk, urls, plan, workdir, args.client_cpu)
+        cells = run_grid(tools.wrk, urls, plan, workdir, args.client_cpu, list(f.servers))
         if lite is not None:
             f.stop(lite)
         f.stop(kvgate)
@@ -260,7 +280,7 @@ def run(args: argparse.Namespace) -> rep.Report:
     notes.append(
         "Added = the arm's percentile minus direct's in the same cell. Streaming: server CPU "
         "(/proc/<pid>/stat utime+stime, nginx's worker included) over the window / SSE chunks "
-        "counted by the client; the simulator's CPU is not counted. Memory: VmRSS."
+        "counted by the client; the simulator's CPU is its own column. Memory: VmRSS."
     )
     notes.append(f"Run time: {time.monotonic() - t0:.0f} s.")
     return rep.Report(header(tools, plan, args), cells, streams, idle, notes)
@@ -269,6 +289,12 @@ def run(args: argparse.Namespace) -> rep.Report:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the report, update the docs section."""
     args = parse_args(argv)
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the fleet, which stops every server
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
     report = run(args)
     print(rep.render(report, markdown=False))
     if not args.no_write:
