@@ -181,7 +181,8 @@ def run_grid(
                 cmd = wrk_command(wrk, urls[arm], script, connections=conns,
                                   seconds=plan.seconds, cpu=cpu)  # fmt: skip
                 settle(servers)
-                result = run_wrk(cmd, timeout=plan.seconds + 60)
+                raw = workdir / f"wrk-{arm.replace(' ', '-')}-{size}-c{conns}.txt"
+                result = run_wrk(cmd, timeout=plan.seconds + 60, save=raw)
                 cells.append(rep.Cell(arm, size, conns, result))
                 print(
                     f"  {rep.size_label(size):>6} c={conns:<3} {arm:<20} p50 "

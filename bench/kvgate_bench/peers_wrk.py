@@ -122,15 +122,16 @@ def lua_script(body_file: Path) -> str:
 def wrk_command(
     wrk: str, url: str, script: Path, *, connections: int, seconds: float, cpu: int
 ) -> list[str]:
-    """``taskset -c CPU wrk -t1 -cN -dS --latency -s SCRIPT URL`` (one thread: one CPU)."""
+    """``taskset -c CPU wrk -t1 -cN -dS --latency -s SCRIPT URL`` (one thread: one CPU; a
+    30 s request timeout, so that the slowest arm's latencies at 256 connections are not cut)."""
     return [
         "taskset", "-c", str(cpu), wrk, "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
-        "--timeout", "10s", "--latency", "-s", str(script), url,
+        "--timeout", "30s", "--latency", "-s", str(script), url,
     ]  # fmt: skip
 
 
-def run_wrk(cmd: list[str], *, timeout: float) -> WrkResult:
-    """Run one wrk command and parse its report.
+def run_wrk(cmd: list[str], *, timeout: float, save: Path | None = None) -> WrkResult:
+    """Run one wrk command and parse its report (its raw output written to ``save``).
 
     Raises:
         WrkError: wrk failed or printed no report (its output is in the message).
@@ -138,4 +139,6 @@ def run_wrk(cmd: list[str], *, timeout: float) -> WrkResult:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise WrkError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr}{done.stdout}")
+    if save is not None:
+        save.write_text(" ".join(cmd) + "\n" + done.stdout)
     return parse_wrk(done.stdout)

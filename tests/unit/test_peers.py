@@ -28,6 +28,7 @@ from kvgate_bench.peers_wrk import (
     lua_script,
     parse_time_us,
     parse_wrk,
+    run_wrk,
     wrk_command,
 )
 
@@ -194,3 +195,13 @@ def test_a_cell_without_answers_has_no_percentiles_or_ratios() -> None:
     rows = rep.load_rows(cells)
     assert rows[1][2:5] == [rep.LITELLM, "-", "-"] and rows[1][-1] == "0 (no answer)"
     assert rep.ratio_rows(cells)[0][4:] == ["-", "-"]
+
+
+def test_run_wrk_parses_and_keeps_the_raw_report(tmp_path: Path) -> None:
+    report = tmp_path / "report.txt"
+    report.write_text(WRK_OUTPUT)
+    raw = tmp_path / "raw.txt"
+    assert run_wrk(["cat", str(report)], timeout=30, save=raw).rps == 3383.28
+    assert raw.read_text().startswith("cat ") and "Requests/sec" in raw.read_text()
+    with pytest.raises(WrkError, match="exited 1"):
+        run_wrk(["cat", str(tmp_path / "missing")], timeout=30)
