@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 from urllib.parse import unquote
 
+import msgspec
+
 from kvgate_agent.sidecar.openai_errors import RequestError
 
 __all__ = [
@@ -231,6 +233,9 @@ class ParsedRequest:
             has none of its own (SGLang's per-prompt ``sampling_params`` when only some set
             ``max_new_tokens``: the policy default), so other elements' limits stay theirs;
             None: :attr:`max_tokens`.
+        raw: the body bytes as received (:attr:`body` decoded from them); empty when not
+            known. With them, a body that only gains fields is rewritten by inserting those
+            fields into the client's bytes rather than by re-encoding it all.
     """
 
     body: dict[str, Any]
@@ -249,6 +254,7 @@ class ParsedRequest:
     model_field: bool = True
     also_limits: tuple[str, ...] = ()
     fill_limit: int | None = None
+    raw: bytes = b""
 
     @property
     def usage_injected(self) -> bool:
@@ -280,7 +286,10 @@ class ParsedRequest:
         client jump the engine's queue around kvgate's priority, which comes from the policy's
         header.
 
-        Returns compact JSON (``separators=(",", ":")``, ``ensure_ascii=False``), UTF-8.
+        Returns the client's bytes with the new fields inserted first when every change adds a
+        field the body does not have (nothing is re-encoded: a 1 KB body costs a copy), else
+        the whole body re-encoded as compact UTF-8 JSON (msgspec; Python's :mod:`json` with
+        ``\\u`` escapes for a string that is not valid Unicode, a lone surrogate escape).
 
         Raises:
             ValueError: ``max_tokens`` below 1.
@@ -289,34 +298,44 @@ class ParsedRequest:
         if limit < 1:
             raise ValueError(f"max_tokens must be >= 1, got {limit}")
         changes: dict[str, Any] = {}
+        body = self.body
         rewrite = limit != self.client_max_tokens or bool(self.also_limits)
         if self.limit_path is not None and (rewrite or self.fill_limit is not None):
             key = self.limit_path[0]
             fill = limit if self.fill_limit is None else min(self.fill_limit, limit)
-            changes[key] = _with_limit(self.body.get(key), self.limit_path[1:], limit, fill)
+            changes[key] = _with_limit(body.get(key), self.limit_path[1:], limit, fill)
         elif rewrite:
             for other in (self.max_tokens_field, "max_tokens", "max_completion_tokens"):
-                if other == self.max_tokens_field or self.body.get(other) is not None:
+                if other == self.max_tokens_field or body.get(other) is not None:
                     changes[other] = limit  # keep every limit field consistent
             for other in self.also_limits:  # lowered to the limit, never raised (0 stays 0)
-                own: Any = self.body.get(other)
+                own: Any = body.get(other)
                 changes[other] = min(own, limit) if is_int(own) and own >= 0 else limit
-            changes = {k: v for k, v in changes.items() if self.body.get(k) != v}
+            changes = {k: v for k, v in changes.items() if body.get(k) != v}
         if model is not None and model != self.model and self.model_field:
             changes["model"] = model
         if include_usage and self.usage_injected:
-            opts = self.body.get("stream_options")
+            opts = body.get("stream_options")
             changes["stream_options"] = {**(opts or {}), "include_usage": True}
-        dropped = [k for k in ENGINE_PRIORITY_FIELDS if k in self.body]
+        dropped = [k for k in ENGINE_PRIORITY_FIELDS if k in body]
         if not changes and not dropped:
             return None
-        out = {**self.body, **changes}
+        if not dropped and self.raw and body and not any(k in body for k in changes):
+            return _insert_fields(self.raw, changes)
+        out = {**body, **changes}
         for key in dropped:  # the engine's queue order is kvgate's to give (its priority)
             del out[key]
         try:
-            return json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode()
+            return _encode(out)
         except UnicodeEncodeError:  # lone surrogate from a \\ud800 escape: keep it escaped
             return json.dumps(out, separators=(",", ":")).encode()
+
+
+def _insert_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
+    """``raw`` (a non-empty JSON object's text) with ``fields`` (keys it does not have)
+    inserted after its opening brace; the rest of the client's bytes unchanged."""
+    start = raw.index(b"{") + 1  # only whitespace may precede an object's brace
+    return b"".join((raw[:start], _encode(fields)[1:-1], b",", raw[start:]))
 
 
 def _with_limit(node: Any, path: tuple[str, ...], limit: int, fill: int) -> Any:
@@ -435,6 +454,7 @@ def parse_completion_request(
         max_tokens_field=field,
         n=n,
         also_limits=also,
+        raw=raw,
     )
 
 
@@ -474,6 +494,12 @@ def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
+_fast_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+_QUOTE = b'"'
+_QUOTE_ESCAPE = b"\\u0022"
+
+
 def decode_object(raw: bytes) -> dict[str, Any]:
     """The body as a JSON object (constants such as ``NaN`` refused).
 
@@ -481,10 +507,51 @@ def decode_object(raw: bytes) -> dict[str, Any]:
     (Python's keeps the last, serde-based servers such as TGI refuse it; RFC 8259 §4 leaves it
     open), so the limit kvgate read could differ from the one the engine applies.
 
+    Fast path: msgspec decodes the bytes (integers of any size stay exact), and
+    :func:`_no_repeated_key` proves no key was repeated. Anything it declines (invalid JSON,
+    a lone surrogate escape, ``1e400``, a repeated key, nesting past msgspec's limit) is decided
+    by :func:`_decode_strict`, the reference (Python's :mod:`json`), so errors and accepted
+    values are the same on both paths.
+
     Raises:
         RequestError: 400 for a body that is not UTF-8, not JSON or not an object (``param``
             None), or that repeats a key (``param`` the key).
     """
+    try:
+        body = _fast_decode(raw)
+    except (ValueError, RecursionError):  # msgspec.DecodeError, UnicodeDecodeError
+        return _decode_strict(raw)
+    if type(body) is not dict:
+        raise bad("The request body must be a JSON object", None)
+    if not _no_repeated_key(raw, body):
+        return _decode_strict(raw)
+    return body
+
+
+def _no_repeated_key(raw: bytes, body: dict[str, Any]) -> bool:
+    """True when ``raw`` (valid JSON that decoded to ``body``) repeats no key in any object;
+    False means "maybe" (the reference decides).
+
+    ``body`` re-encoded compactly has exactly the strings of ``raw`` less those of every
+    dropped duplicate (its key at least). A ``"`` occurs in JSON text only around a string or
+    escaped inside one (``\\"`` or ``\\u0022``; the encoder writes ``\\"``), so without a
+    duplicate the re-encoded text has as many ``"`` as ``raw`` plus one per ``\\u0022`` escape,
+    and with one at least two fewer. Counting every ``\\u0022`` byte sequence, escaped or not,
+    only errs towards "maybe". Equal bytes (the client wrote compact JSON, as most SDKs do)
+    need no count. Cost: one encode and at most three byte scans, no Python per key.
+    """
+    try:
+        canonical = _encode(body)
+    except (TypeError, ValueError, RecursionError):  # pragma: no cover - decoded JSON encodes
+        return False
+    if canonical == raw:
+        return True
+    return canonical.count(_QUOTE) == raw.count(_QUOTE) + raw.count(_QUOTE_ESCAPE)
+
+
+def _decode_strict(raw: bytes) -> dict[str, Any]:
+    """:func:`decode_object` by Python's :mod:`json`, the reference: each object's pairs are
+    checked for a repeated key, which is named in the 400."""
     try:
         body = json.loads(
             raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique
