@@ -390,6 +390,11 @@ def check_messages(messages: object) -> None:
     """``messages`` is a non-empty list of objects each with a string ``role``."""
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of message objects", "messages")
+    for m in messages:  # the usual case in one pass; the index only for an error
+        if type(m) is not dict or type(m.get("role")) is not str:
+            break
+    else:
+        return
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad(f"'messages[{i}]' must be an object", f"messages[{i}]")
@@ -466,11 +471,14 @@ def _openai_sequences(body: dict[str, Any], path_kind: PathKind) -> int:
     https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md), times the
     prompts of a completions list prompt (a list of strings or of token lists; a list of ints
     is one)."""
-    counts = {k: positive_int(body, k) or 1 for k in ("n", "best_of", "n_cmpl")}
     prompts = 1
     prompt = body.get("prompt")
     if path_kind == "completions" and isinstance(prompt, list) and not is_int(prompt[0]):
         prompts = len(prompt)
+    get = body.get
+    if get("n") is None and get("best_of") is None and get("n_cmpl") is None:
+        return check_sequences(1, prompts, "prompt")  # the usual case: one per prompt
+    counts = {k: positive_int(body, k) or 1 for k in ("n", "best_of", "n_cmpl")}
     param = max(counts, key=lambda k: counts[k])  # the first of the largest
     per_prompt = counts[param]
     check_sequences(per_prompt, 1, param)
