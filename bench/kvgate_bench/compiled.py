@@ -3,17 +3,19 @@ does (``scripts/build-mypyc``, the modules of ``scripts/mypyc-modules.txt``) int
 check that the compiled admission core decides exactly as the pure-Python one.
 
 The build goes to ``~/.cache/kvgate/mypyc/<hash>`` (``$KVGATE_MYPYC_CACHE`` overrides the
-parent), the hash covering every ``.py`` file of ``agent/kvgate_agent``, the module list, the
-build script and the mypy version, so a stale build is never reused; it takes about a minute of
-CPU. :func:`decision_trace` is a seeded workload on one controller with an injected clock
-(submits across tenants, priorities and sizes that reach every outcome, releases, token
-observations, queue pumps, holds); ``--compare`` runs it in a subprocess on the compiled build
-and in this process on the sources, and exits 1 if any decision differs.
+parent), the hash covering the compiled modules and every kvgate_agent module they import, the
+module list, the build script and the mypy version, so a stale build is never reused; it takes
+about a minute of CPU. :func:`decision_trace` is a seeded workload on one controller with an
+injected clock (submits across tenants, priorities and sizes that reach admitted, degraded,
+queued and refused outcomes, releases, token observations, queue pumps); ``--compare`` runs it
+in a subprocess on the compiled build and in this process on the sources, and exits 1 if any
+decision differs.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -46,10 +48,29 @@ def module_names() -> list[str]:
     return [p.removesuffix(".py").replace("/", ".") for p in module_paths()]
 
 
+def _sources() -> list[Path]:
+    """The listed modules and every kvgate_agent module they import, transitively: what a
+    compiled module's code and types come from."""
+    seen: set[Path] = set()
+    todo = [AGENT.parent / p for p in module_paths()]
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvgate_agent"):
+                base = AGENT.parent / Path(*(node.module or "").split("."))
+                todo += [base.with_suffix(".py"), base / "__init__.py"]
+                todo += [base / f"{a.name}.py" for a in node.names]
+    return sorted(seen)
+
+
 def build_hash() -> str:
-    """A digest of everything a build depends on (sources, list, script, mypy version)."""
+    """A digest of everything a build depends on (the compiled modules and what they import,
+    the list, the script, the mypy version)."""
     h = hashlib.sha256()
-    for path in sorted(AGENT.rglob("*.py")):
+    for path in _sources():
         h.update(str(path.relative_to(AGENT)).encode() + b"\0" + path.read_bytes())
     h.update(MODULES_FILE.read_bytes() + BUILD_SCRIPT.read_bytes())
     h.update(metadata.version("mypy").encode())
