@@ -9,19 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvgate_agent.sidecar.jsonbody import _decode_strict, decode_object
 from kvgate_agent.sidecar.openai_errors import (
     RATE_LIMIT_ERROR,
     RATE_LIMIT_EXCEEDED,
     RequestError,
     error_body,
 )
-from kvgate_agent.sidecar.request import (
-    ParsedRequest,
-    PathKind,
-    _decode_strict,
-    decode_object,
-    parse_completion_request,
-)
+from kvgate_agent.sidecar.request import ParsedRequest, PathKind, parse_completion_request
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 CMPL: dict[str, Any] = {"model": "m", "prompt": "hi"}

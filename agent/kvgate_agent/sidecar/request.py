@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 from urllib.parse import unquote
 
-import msgspec
-
+from kvgate_agent.sidecar.jsonbody import decode_object, encode
 from kvgate_agent.sidecar.openai_errors import RequestError
 
 __all__ = [
@@ -92,10 +91,6 @@ def bad(message: str, param: str | None) -> RequestError:
 def is_int(v: object) -> bool:
     """``v`` is a JSON integer (not a bool)."""
     return type(v) is int  # bool is an int subclass, and not a valid count
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def check_sequences(per_prompt: int, prompts: int, param: str) -> int:
@@ -326,7 +321,7 @@ class ParsedRequest:
         for key in dropped:  # the engine's queue order is kvgate's to give (its priority)
             del out[key]
         try:
-            return _encode(out)
+            return encode(out)
         except UnicodeEncodeError:  # lone surrogate from a \\ud800 escape: keep it escaped
             return json.dumps(out, separators=(",", ":")).encode()
 
@@ -335,7 +330,7 @@ def _insert_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
     """``raw`` (a non-empty JSON object's text) with ``fields`` (keys it does not have)
     inserted after its opening brace; the rest of the client's bytes unchanged."""
     start = raw.index(b"{") + 1  # only whitespace may precede an object's brace
-    return b"".join((raw[:start], _encode(fields)[1:-1], b",", raw[start:]))
+    return b"".join((raw[:start], encode(fields)[1:-1], b",", raw[start:]))
 
 
 def _with_limit(node: Any, path: tuple[str, ...], limit: int, fill: int) -> Any:
@@ -483,96 +478,6 @@ def _openai_sequences(body: dict[str, Any], path_kind: PathKind) -> int:
     per_prompt = counts[param]
     check_sequences(per_prompt, 1, param)
     return check_sequences(per_prompt, prompts, "prompt")
-
-
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _DuplicateKey(k)
-            seen.add(k)
-    return obj
-
-
-_fast_decode = msgspec.json.Decoder().decode
-_encode = msgspec.json.Encoder().encode
-_QUOTE = b'"'
-_QUOTE_ESCAPE = b"\\u0022"
-
-
-def decode_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (constants such as ``NaN`` refused).
-
-    A key repeated in one object is refused: JSON parsers disagree on which value wins
-    (Python's keeps the last, serde-based servers such as TGI refuse it; RFC 8259 §4 leaves it
-    open), so the limit kvgate read could differ from the one the engine applies.
-
-    Fast path: msgspec decodes the bytes (integers of any size stay exact), and
-    :func:`_no_repeated_key` proves no key was repeated. Anything it declines (invalid JSON,
-    a lone surrogate escape, ``1e400``, a repeated key, nesting past msgspec's limit) is decided
-    by :func:`_decode_strict`, the reference (Python's :mod:`json`), so errors and accepted
-    values are the same on both paths.
-
-    Raises:
-        RequestError: 400 for a body that is not UTF-8, not JSON or not an object (``param``
-            None), or that repeats a key (``param`` the key).
-    """
-    try:
-        body = _fast_decode(raw)
-    except (ValueError, RecursionError):  # msgspec.DecodeError, UnicodeDecodeError
-        return _decode_strict(raw)
-    if type(body) is not dict:
-        raise bad("The request body must be a JSON object", None)
-    if not _no_repeated_key(raw, body):
-        return _decode_strict(raw)
-    return body
-
-
-def _no_repeated_key(raw: bytes, body: dict[str, Any]) -> bool:
-    """True when ``raw`` (valid JSON that decoded to ``body``) repeats no key in any object;
-    False means "maybe" (the reference decides).
-
-    ``body`` re-encoded compactly has exactly the strings of ``raw`` less those of every
-    dropped duplicate (its key at least). A ``"`` occurs in JSON text only around a string or
-    escaped inside one (``\\"`` or ``\\u0022``; the encoder writes ``\\"``), so without a
-    duplicate the re-encoded text has as many ``"`` as ``raw`` plus one per ``\\u0022`` escape,
-    and with one at least two fewer. Counting every ``\\u0022`` byte sequence, escaped or not,
-    only errs towards "maybe". Equal bytes (the client wrote compact JSON, as most SDKs do)
-    need no count. Cost: one encode and at most three byte scans, no Python per key.
-    """
-    try:
-        canonical = _encode(body)
-    except (TypeError, ValueError, RecursionError):  # pragma: no cover - decoded JSON encodes
-        return False
-    if canonical == raw:
-        return True
-    return canonical.count(_QUOTE) == raw.count(_QUOTE) + raw.count(_QUOTE_ESCAPE)
-
-
-def _decode_strict(raw: bytes) -> dict[str, Any]:
-    """:func:`decode_object` by Python's :mod:`json`, the reference: each object's pairs are
-    checked for a repeated key, which is named in the 400."""
-    try:
-        body = json.loads(
-            raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique
-        )
-    except UnicodeDecodeError:
-        raise bad("The request body is not valid UTF-8", None) from None
-    except _DuplicateKey as exc:
-        raise bad(f"The request body repeats the key {exc.key[:64]!r}", exc.key[:64]) from None
-    except (ValueError, RecursionError):
-        raise bad("The request body is not valid JSON", None) from None
-    if not isinstance(body, dict):
-        raise bad("The request body must be a JSON object", None)
-    return body
 
 
 def _client_limit(
