@@ -40,7 +40,7 @@ from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from kvgate_bench.bench_decision import ADMISSION_HOT_MODULES
+from kvgate_bench import compiled
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = {"agent": REPO / "Dockerfile.agent", "operator": REPO / "Dockerfile.operator"}
@@ -345,19 +345,25 @@ def test_builder_installs_the_role_extra_with_the_constraints(role: str) -> None
             assert not dockerignored(f"{src}/x.py"), f"{src}/: .dockerignore leaves out its files"
 
 
-def test_agent_mypyc_build_is_opt_in_and_pinned() -> None:
+def test_agent_mypyc_build_is_the_default_and_pinned() -> None:
     head, stages = dockerfile("agent")
     args = [key_values(i.args) for i in head if i.cmd == "ARG"]
-    assert {"MYPYC": "0"} in args, "the compiled core is opt-in: ARG MYPYC=0"
-    (compiled,) = [s for s in stages if s.name == "venv-mypyc-1"]
-    (run,) = [i.args for i in compiled.all("RUN") if "mypyc" in i.args]
+    assert {"MYPYC": "1"} in args, "the compiled core is the default: ARG MYPYC=1"
+    (compiled_stage,) = [s for s in stages if s.name == "venv-mypyc-1"]
+    copied = [flags(i.args)[1] for i in compiled_stage.all("COPY")]
+    assert ["scripts/build-mypyc", "scripts/mypyc-modules.txt", "/tmp/mypyc/"] in copied
+    for src in ("scripts/build-mypyc", "scripts/mypyc-modules.txt"):
+        assert not dockerignored(src), f"{src} is copied but .dockerignore leaves it out"
+    (run,) = [i.args for i in compiled_stage.all("RUN") if "mypyc" in i.args]
     words = shlex.split(run)
     assert words[words.index("mypy") - 1] == "/tmp/constraints.txt", "mypy at the pinned version"
     assert "mypy" in pins()
-    compiled_files = sorted(w for w in words if w.startswith("kvgate_agent/") and w.endswith(".py"))
-    assert compiled_files == sorted(
-        f"kvgate_agent/admission/{m}.py" for m in ADMISSION_HOT_MODULES
-    ), "the image compiles the same admission modules as bench_decision --mypyc"
+    at = words.index("/tmp/mypyc/build-mypyc")
+    assert words[at - 1] == "MYPYC=/opt/mypyc/bin/mypyc"
+    site = "/opt/venv/lib/python3.11/site-packages"
+    assert words[at + 1 : at + 3] == [site, "/opt/venv/bin/python"]
+    # the list the image compiles is the one the benchmark and the equivalence check build
+    assert compiled.MODULES_FILE == REPO / "scripts" / "mypyc-modules.txt"
 
 
 @pytest.mark.parametrize("role", DOCKERFILES)

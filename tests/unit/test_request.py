@@ -6,7 +6,10 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvgate_agent.sidecar.jsonbody import _decode_strict, decode_object
 from kvgate_agent.sidecar.openai_errors import (
     RATE_LIMIT_ERROR,
     RATE_LIMIT_EXCEEDED,
@@ -364,3 +367,93 @@ def test_llamacpp_n_cmpl_multiplies_sequences_on_openai_paths() -> None:
     assert parse({**CMPL, "prompt": ["a", "b"], "n": 2, "n_cmpl": 3}, "completions").n == 6
     assert rejected({**CHAT, "n_cmpl": 129}).param == "n_cmpl"
     assert rejected({**CHAT, "n_cmpl": 0}).param == "n_cmpl"
+
+
+# -- the fast decoder (msgspec) against the reference (Python's json) ---------------------------
+
+JSON_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**80), 2**80),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(alphabet=st.sampled_from(list('ab"\\:{},[] \n\té😀')), max_size=6),
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda kids: (
+        st.lists(kids, max_size=3)
+        | st.dictionaries(st.sampled_from(["a", "b", 'q"', "é"]), kids, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+def _outcome(fn: Any, raw: bytes) -> Any:
+    try:
+        return ("ok", fn(raw))
+    except RequestError as exc:
+        return ("err", exc.message, exc.param)
+
+
+def _texts(obj: Any) -> list[bytes]:
+    """``obj`` as JSON text written the ways clients write it."""
+    return [
+        json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode(),
+        json.dumps(obj).encode(),  # spaces, \\u escapes
+        json.dumps(obj, indent=1).encode(),
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from(["model", "a", "é"]), JSON_VALUES, max_size=4), st.booleans()
+)
+def test_fast_decode_agrees_with_the_reference(body: dict[str, Any], quote: bool) -> None:
+    for raw in _texts(body):
+        assert _outcome(decode_object, raw) == _outcome(_decode_strict, raw) == ("ok", body)
+        # a key repeated at the top or nested: the same 400, naming the key
+        at = raw.index(b"{") + 1
+        value = b'"\\u0022"' if quote else b"2"
+        rest = raw[at:]
+        sep = b"" if rest.lstrip()[:1] == b"}" else b","
+        top = raw[:at] + b'"k":1,"\\u006b":' + value + sep + rest
+        for dup in (top, b'{"model":"m","w":[' + top + b"]}"):
+            got = _outcome(decode_object, dup)
+            assert got == _outcome(_decode_strict, dup)
+            assert got[0] == "err" and got[2] == "k", dup
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"a":"\\ud800"}',  # a lone surrogate escape: the reference accepts it
+        b'{"a":1e400}',  # infinity
+        b'{"a":' + b"9" * 40 + b"}",  # an integer past 64 bits stays exact
+        b'{"a":' + b"9" * 4301 + b"}",  # past Python's digit limit: refused as by the reference
+        b'{"a":"\\\\u0022","a":1}',  # "\\u0022" that is no escape
+        b'{"\\u0022":1,"\\"":2}',  # the same key written two ways
+        b'{"a":"\xed\xa0\x80"}',  # UTF-8 of a surrogate
+        b'{"a":[' + b"[" * 2000 + b"]" * 2000 + b"]}",
+        b" \n{}\t",
+    ],
+)
+def test_fast_decode_agrees_on_the_edges(raw: bytes) -> None:
+    assert _outcome(decode_object, raw) == _outcome(_decode_strict, raw)
+
+
+def test_upstream_body_inserts_added_fields_into_the_client_bytes() -> None:
+    raw = b' {"model": "m",  "messages": [{"role": "user", "content": "x"}], "stream": true}'
+    p = parse(raw)
+    sent = p.upstream_body(include_usage=True)
+    assert sent is not None
+    assert sent.endswith(raw[2:])  # the client's bytes, spaces and all, after the new fields
+    assert json.loads(sent) == {
+        **json.loads(raw),
+        "max_tokens": 256,
+        "stream_options": {"include_usage": True},
+    }
+    # a field the body has is rewritten by re-encoding (never a second copy of the key)
+    q = parse({**json.loads(raw), "max_tokens": 4000})
+    out = q.upstream_body(include_usage=True)
+    assert out is not None and out.count(b'"max_tokens"') == 1
+    assert json.loads(out)["max_tokens"] == 1024

@@ -376,7 +376,8 @@ def test_passthrough_returns_input_object_immediately() -> None:
 
 
 def test_parsing_cost_is_linear(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The terminator search never re-scans bytes of an incomplete event."""
+    """The terminator search never re-scans bytes of an incomplete event: line by line (CR
+    framing, through ``_EOL``) and event by event (LF framing, resuming at the buffer's end)."""
     scanned = 0
     real = sse._EOL
 
@@ -388,8 +389,18 @@ def test_parsing_cost_is_linear(monkeypatch: pytest.MonkeyPatch) -> None:
             return m
 
     monkeypatch.setattr(sse, "_EOL", Counting())
-    big = ev(chat_chunk("x" * 20_000)) + ev(usage_chunk(1, 2)) + DONE
-    acc, out = one_byte(big, True)
-    assert acc.usage == Usage(1, 2)
-    assert out == ev(chat_chunk("x" * 20_000)) + DONE
-    assert scanned <= len(big)
+    for eol in ("\r\n", "\n"):
+        scanned = 0
+        big = ev(chat_chunk("x" * 20_000), eol) + ev(usage_chunk(1, 2), eol)
+        big += f"data: [DONE]{eol}{eol}".encode()
+        acc = StreamAccountant(True)
+        out = bytearray()
+        for i in range(len(big)):
+            out += acc.feed(big[i : i + 1])
+            # LF framing: the next search starts at the last byte held (a "\n\n" may begin there)
+            assert eol == "\r\n" or acc._scan >= acc.pending_bytes - 1
+        out += acc.finish()
+        assert acc.usage == Usage(1, 2)
+        assert out == ev(chat_chunk("x" * 20_000), eol) + f"data: [DONE]{eol}{eol}".encode()
+        assert scanned <= len(big)
+        assert (scanned > 0) == (eol == "\r\n")

@@ -229,6 +229,7 @@ def parse_generation(
         model_field=fields.model is not None,
         also_limits=also,
         fill_limit=fill,
+        raw=raw,
     )
 
 

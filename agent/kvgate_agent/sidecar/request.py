@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 from urllib.parse import unquote
 
+from kvgate_agent.sidecar.jsonbody import decode_object, encode
 from kvgate_agent.sidecar.openai_errors import RequestError
 
 __all__ = [
@@ -90,10 +91,6 @@ def bad(message: str, param: str | None) -> RequestError:
 def is_int(v: object) -> bool:
     """``v`` is a JSON integer (not a bool)."""
     return type(v) is int  # bool is an int subclass, and not a valid count
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def check_sequences(per_prompt: int, prompts: int, param: str) -> int:
@@ -231,6 +228,9 @@ class ParsedRequest:
             has none of its own (SGLang's per-prompt ``sampling_params`` when only some set
             ``max_new_tokens``: the policy default), so other elements' limits stay theirs;
             None: :attr:`max_tokens`.
+        raw: the body bytes as received (:attr:`body` decoded from them); empty when not
+            known. With them, a body that only gains fields is rewritten by inserting those
+            fields into the client's bytes rather than by re-encoding it all.
     """
 
     body: dict[str, Any]
@@ -249,6 +249,7 @@ class ParsedRequest:
     model_field: bool = True
     also_limits: tuple[str, ...] = ()
     fill_limit: int | None = None
+    raw: bytes = b""
 
     @property
     def usage_injected(self) -> bool:
@@ -282,7 +283,10 @@ class ParsedRequest:
         header. ``priority``: the engine's own priority value to write instead (see
         :func:`kvgate_agent.sidecar.tenants.engine_priority`); None: the field stays out.
 
-        Returns compact JSON (``separators=(",", ":")``, ``ensure_ascii=False``), UTF-8.
+        Returns the client's bytes with the new fields inserted first when every change adds a
+        field the body does not have (nothing is re-encoded: a 1 KB body costs a copy), else
+        the whole body re-encoded as compact UTF-8 JSON (msgspec; Python's :mod:`json` with
+        ``\\u`` escapes for a string that is not valid Unicode, a lone surrogate escape).
 
         Raises:
             ValueError: ``max_tokens`` below 1.
@@ -291,37 +295,47 @@ class ParsedRequest:
         if limit < 1:
             raise ValueError(f"max_tokens must be >= 1, got {limit}")
         changes: dict[str, Any] = {}
+        body = self.body
         rewrite = limit != self.client_max_tokens or bool(self.also_limits)
         if self.limit_path is not None and (rewrite or self.fill_limit is not None):
             key = self.limit_path[0]
             fill = limit if self.fill_limit is None else min(self.fill_limit, limit)
-            changes[key] = _with_limit(self.body.get(key), self.limit_path[1:], limit, fill)
+            changes[key] = _with_limit(body.get(key), self.limit_path[1:], limit, fill)
         elif rewrite:
             for other in (self.max_tokens_field, "max_tokens", "max_completion_tokens"):
-                if other == self.max_tokens_field or self.body.get(other) is not None:
+                if other == self.max_tokens_field or body.get(other) is not None:
                     changes[other] = limit  # keep every limit field consistent
             for other in self.also_limits:  # lowered to the limit, never raised (0 stays 0)
-                own: Any = self.body.get(other)
+                own: Any = body.get(other)
                 changes[other] = min(own, limit) if is_int(own) and own >= 0 else limit
-            changes = {k: v for k, v in changes.items() if self.body.get(k) != v}
+            changes = {k: v for k, v in changes.items() if body.get(k) != v}
         if model is not None and model != self.model and self.model_field:
             changes["model"] = model
         if include_usage and self.usage_injected:
-            opts = self.body.get("stream_options")
+            opts = body.get("stream_options")
             changes["stream_options"] = {**(opts or {}), "include_usage": True}
-        dropped = [k for k in ENGINE_PRIORITY_FIELDS if k in self.body]
+        dropped = [k for k in ENGINE_PRIORITY_FIELDS if k in body]
         if priority is not None:
             changes.update(dict.fromkeys(ENGINE_PRIORITY_FIELDS, priority))
             dropped = []
         if not changes and not dropped:
             return None
-        out = {**self.body, **changes}
+        if not dropped and self.raw and body and not any(k in body for k in changes):
+            return _insert_fields(self.raw, changes)
+        out = {**body, **changes}
         for key in dropped:  # the engine's queue order is kvgate's to give (its priority)
             del out[key]
         try:
-            return json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode()
+            return encode(out)
         except UnicodeEncodeError:  # lone surrogate from a \\ud800 escape: keep it escaped
             return json.dumps(out, separators=(",", ":")).encode()
+
+
+def _insert_fields(raw: bytes, fields: dict[str, Any]) -> bytes:
+    """``raw`` (a non-empty JSON object's text) with ``fields`` (keys it does not have)
+    inserted after its opening brace; the rest of the client's bytes unchanged."""
+    start = raw.index(b"{") + 1  # only whitespace may precede an object's brace
+    return b"".join((raw[:start], encode(fields)[1:-1], b",", raw[start:]))
 
 
 def _with_limit(node: Any, path: tuple[str, ...], limit: int, fill: int) -> Any:
@@ -376,6 +390,11 @@ def check_messages(messages: object) -> None:
     """``messages`` is a non-empty list of objects each with a string ``role``."""
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty list of message objects", "messages")
+    for m in messages:  # the usual case in one pass; the index only for an error
+        if type(m) is not dict or type(m.get("role")) is not str:
+            break
+    else:
+        return
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad(f"'messages[{i}]' must be an object", f"messages[{i}]")
@@ -440,6 +459,7 @@ def parse_completion_request(
         max_tokens_field=field,
         n=n,
         also_limits=also,
+        raw=raw,
     )
 
 
@@ -451,58 +471,18 @@ def _openai_sequences(body: dict[str, Any], path_kind: PathKind) -> int:
     https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md), times the
     prompts of a completions list prompt (a list of strings or of token lists; a list of ints
     is one)."""
-    counts = {k: positive_int(body, k) or 1 for k in ("n", "best_of", "n_cmpl")}
     prompts = 1
     prompt = body.get("prompt")
     if path_kind == "completions" and isinstance(prompt, list) and not is_int(prompt[0]):
         prompts = len(prompt)
+    get = body.get
+    if get("n") is None and get("best_of") is None and get("n_cmpl") is None:
+        return check_sequences(1, prompts, "prompt")  # the usual case: one per prompt
+    counts = {k: positive_int(body, k) or 1 for k in ("n", "best_of", "n_cmpl")}
     param = max(counts, key=lambda k: counts[k])  # the first of the largest
     per_prompt = counts[param]
     check_sequences(per_prompt, 1, param)
     return check_sequences(per_prompt, prompts, "prompt")
-
-
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _DuplicateKey(k)
-            seen.add(k)
-    return obj
-
-
-def decode_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (constants such as ``NaN`` refused).
-
-    A key repeated in one object is refused: JSON parsers disagree on which value wins
-    (Python's keeps the last, serde-based servers such as TGI refuse it; RFC 8259 §4 leaves it
-    open), so the limit kvgate read could differ from the one the engine applies.
-
-    Raises:
-        RequestError: 400 for a body that is not UTF-8, not JSON or not an object (``param``
-            None), or that repeats a key (``param`` the key).
-    """
-    try:
-        body = json.loads(
-            raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique
-        )
-    except UnicodeDecodeError:
-        raise bad("The request body is not valid UTF-8", None) from None
-    except _DuplicateKey as exc:
-        raise bad(f"The request body repeats the key {exc.key[:64]!r}", exc.key[:64]) from None
-    except (ValueError, RecursionError):
-        raise bad("The request body is not valid JSON", None) from None
-    if not isinstance(body, dict):
-        raise bad("The request body must be a JSON object", None)
-    return body
 
 
 def _client_limit(

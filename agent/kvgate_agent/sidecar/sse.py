@@ -9,19 +9,20 @@ Framing follows the WHATWG event-stream grammar
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate_agent.sidecar.usage import EventReader
+from kvgate_agent.sidecar.usage import EventReader, decode_json
 
 __all__ = ["StreamAccountant", "Usage"]
 
 _EOL = re.compile(rb"\r\n|\r|\n")
 _CR = 0x0D
 _DONE = b"[DONE]"
-_json_decode = json.JSONDecoder().decode
+_LF = 0x0A
+_BLANK = b"\n\n"
+_DATA_SP = b"data: "
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +67,7 @@ class StreamAccountant:
         "_error",
         "_ev",
         "_finished",
+        "_lines",
         "_pos",
         "_reader",
         "_scan",
@@ -86,6 +88,7 @@ class StreamAccountant:
         self._done = False
         self._error: dict[str, Any] | None = None
         self._finished = False
+        self._lines = False  # a CR was seen: frame line by line (_process) from then on
 
     # -- results ---------------------------------------------------------------------------------
 
@@ -150,9 +153,64 @@ class StreamAccountant:
             raise RuntimeError("StreamAccountant.feed() after finish()")
         if not data:
             return b""
+        if not self._lines:
+            if b"\r" not in data:
+                out = self._feed_lf(data)
+                return data if not self._strip else out
+            self._lines = True  # the buffer holds one event's start, not yet read: re-read it
+            self._scan = 0
         self._buf += data
         out = self._process(eof=False)
         return data if not self._strip else out
+
+    def _feed_lf(self, data: bytes) -> bytes:
+        """:meth:`feed` for a stream framed by LF alone (no CR so far, as vLLM, SGLang, TGI
+        and llama.cpp send): events end at the first ``\\n\\n``, found by one byte search
+        that resumes where the last one stopped; each event is read whole (:meth:`_event`).
+        The buffer keeps only the current incomplete event, from its first byte."""
+        buf = self._buf
+        view: bytes | bytearray = data
+        if buf:
+            buf += data
+            view = buf
+        n = len(view)
+        start, scan = 0, self._scan
+        fwd = 0  # start of the not-yet-forwarded run of kept events
+        parts: list[bytes | bytearray] = []
+        strip = self._strip
+        while True:
+            while start < n and view[start] == _LF:  # a blank line between events: no event
+                start += 1
+            end = view.find(_BLANK, max(start, scan))
+            if end < 0:
+                break
+            if not self._event(view[start:end]) and strip:
+                if start > fwd:
+                    parts.append(view[fwd:start])
+                fwd = end + 2
+            start = scan = end + 2
+        out = b""
+        if strip and start > fwd:
+            if fwd == 0 and start == n and view is data:
+                out = data
+            else:
+                parts.append(view[fwd:start])
+        if parts:
+            out = b"".join(parts)
+        if view is buf:
+            del buf[:start]
+        elif start < n:
+            buf += data[start:]
+        self._scan = max(0, n - start - 1)  # a "\n\n" may begin at the last byte
+        return out
+
+    def _event(self, event: bytes | bytearray) -> bool:
+        """Account one whole LF-framed event (its lines, no blank line); as :meth:`_dispatch`."""
+        if event.startswith(_DATA_SP) and _LF not in event:  # one data line: the usual event
+            return self._account(bytes(event[6:]))
+        for line in bytes(event).split(b"\n"):
+            self._field(line)
+        return self._dispatch()
 
     def finish(self) -> bytes:
         """End of stream: account what is left and return any held-back bytes.
@@ -164,8 +222,15 @@ class StreamAccountant:
         if self._finished:
             return b""
         self._finished = True
-        out = self._process(eof=True)
         buf = self._buf
+        if not self._lines:  # an incomplete event's lines, none read yet
+            for line in bytes(buf).split(b"\n"):
+                if line:
+                    self._field(line)
+            self._pos = len(buf)
+            out = b""
+        else:
+            out = self._process(eof=True)
         if self._pos < len(buf):  # unterminated last line
             self._field(bytes(buf[self._pos :]))
         if self._data:  # trailing incomplete event: account it, never strip it
@@ -229,12 +294,15 @@ class StreamAccountant:
         if not data:
             return True
         self._data = []
-        payload = data[0] if len(data) == 1 else b"\n".join(data)
+        return self._account(data[0] if len(data) == 1 else b"\n".join(data))
+
+    def _account(self, payload: bytes) -> bool:
+        """Account one event's data; return False when it is the usage chunk to strip."""
         if payload.strip() == _DONE:
             self._done = True
             return True
         try:
-            obj = _json_decode(payload.decode())
+            obj = decode_json(payload)
         except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
             return True
         if not isinstance(obj, dict):

@@ -30,9 +30,28 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from kvgate_agent.sidecar.request import PathKind
 
-__all__ = ["EventReader", "body_usage", "event_reader"]
+__all__ = ["EventReader", "body_usage", "decode_json", "event_reader"]
+
+_json_decode = json.JSONDecoder().decode
+_fast_decode = msgspec.json.Decoder().decode
+
+
+def decode_json(data: bytes) -> Any:
+    """One stream event's data as JSON: msgspec first; what it refuses (``NaN``, a lone
+    surrogate escape, ``1e400``, deep nesting) by Python's :mod:`json` on the UTF-8 text, the
+    reference, so both accept the same events and read them alike.
+
+    Raises:
+        ValueError: not JSON, or not UTF-8. RecursionError: nested too deep for either.
+    """
+    try:
+        return _fast_decode(data)
+    except (ValueError, RecursionError):  # msgspec.DecodeError, UnicodeDecodeError
+        return _json_decode(data.decode())
 
 
 def _count(v: object) -> int | None:
@@ -93,9 +112,12 @@ def body_usage(kind: PathKind, data: bytes) -> tuple[int | None, int | None]:
     """(prompt_tokens, completion_tokens) a whole response body of ``kind`` reports, each None
     when absent or not a non-negative integer; a list of results (a batch) is summed."""
     try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        return None, None
+        obj = _fast_decode(data)
+    except (ValueError, RecursionError):
+        try:  # the reference: Python's json, which also reads UTF-16 and UTF-32 bodies
+            obj = json.loads(data)
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            return None, None
     if isinstance(obj, list) and kind in ("tgi", "sglang", "llamacpp"):
         pairs = [_one(kind, o) for o in obj]
         return _sum([p for p, _ in pairs]), _sum([c for _, c in pairs])

@@ -1,0 +1,68 @@
+"""The mypyc-compiled modules (``scripts/mypyc-modules.txt``, built by ``scripts/build-mypyc``
+into the agent image by default): the list names real, pure, strictly typed modules that cover
+the admission decision; the decision trace that compares compiled and pure runs is
+deterministic and reaches every kind of outcome; and, where a compiled build is cached
+(``python -m kvgate_bench.compiled`` makes one in about a minute of CPU), the compiled core
+decides exactly as the sources do. Compiling here would take longer than the unit suite allows.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from kvgate_bench import compiled
+
+AGENT_ROOT = compiled.AGENT.parent
+#: Imports a compiled module may not have: the frameworks the import contracts keep out of
+#: pure modules (mypyc compiles against their types, and the image's fallback must stay pure).
+FRAMEWORKS = {"aiohttp", "fastapi", "uvicorn", "kubernetes", "kopf", "prometheus_client"}
+
+
+def test_the_list_names_pure_agent_modules_covering_the_decision() -> None:
+    paths = compiled.module_paths()
+    assert paths == sorted(set(paths)), "sorted, no repeats"
+    for rel in paths:
+        path = AGENT_ROOT / rel
+        assert path.is_file(), rel
+        tree = ast.parse(path.read_text())
+        imported: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.split(".")[0])
+        assert not imported & FRAMEWORKS, (rel, imported & FRAMEWORKS)
+    # every admission module that AdmissionController.submit/release runs through is compiled
+    # (waiting.py is the asyncio driver, __init__ re-exports)
+    admission = sorted(
+        f"kvgate_agent/admission/{p.name}"
+        for p in (compiled.AGENT / "admission").glob("*.py")
+        if p.name not in ("__init__.py", "waiting.py")
+    )
+    assert [p for p in paths if p.startswith("kvgate_agent/admission/")] == admission
+    assert compiled.module_names()[0] == paths[0].removesuffix(".py").replace("/", ".")
+
+
+def test_the_build_script_reads_the_list() -> None:
+    script = compiled.BUILD_SCRIPT.read_text()
+    assert "mypyc-modules.txt" in script and '"$mypyc" "${mods[@]}"' in script
+    assert Path(compiled.BUILD_SCRIPT).stat().st_mode & 0o111, "executable"
+
+
+def test_the_decision_trace_is_deterministic_and_reaches_every_outcome() -> None:
+    rows = compiled.decision_trace(7, 1500)
+    assert rows == compiled.decision_trace(7, 1500)
+    outcomes = Counter(r[2] for r in rows if r[1] in ("submit", "resolved"))
+    assert {"admitted", "queued", "rejected"} <= set(outcomes), outcomes
+    assert rows != compiled.decision_trace(8, 1500)
+
+
+def test_compiled_core_decides_as_the_sources() -> None:
+    build = compiled.cached()
+    if build is None:
+        pytest.skip("no mypyc build cached for these sources: python -m kvgate_bench.compiled")
+    assert compiled.compiled_trace(build, 7, 3000) == compiled.decision_trace(7, 3000)
