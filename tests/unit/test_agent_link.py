@@ -174,6 +174,25 @@ def test_next_sync_at_once_after_a_held_answer_else_every_interval() -> None:
     assert link.next_sync_delay(clock(), SyncResult.TIMEOUT) == 1.0
 
 
+def test_a_held_call_broken_by_the_agent_starts_the_ttl_then_not_before() -> None:
+    clock = FakeClock(500.0)
+    link = ThresholdsLink(clock)
+    link.record_answer(answer({"failureMode": "FailClosed"}, ttl=30))
+    clock.advance(24)  # held 24 s, then the agent dies (connection reset)
+    link.record_failure(SyncResult.ERROR, held=True)
+    clock.advance(29)
+    assert link.mode() is Mode.STALE  # the full TTL from the agent going away, as before
+    assert link.age_seconds() == 53  # since the last answer
+    clock.advance(2)
+    assert link.mode() is Mode.FAIL_CLOSED
+    # A held call that times out (a silent agent) gets no credit: TTL from the last answer.
+    link.record_answer(answer({"failureMode": "FailClosed"}, ttl=30, etag="e2"))
+    clock.advance(27)
+    link.record_failure(SyncResult.TIMEOUT)
+    clock.advance(3.5)
+    assert link.mode() is Mode.FAIL_CLOSED
+
+
 def test_material_changes_of_the_report() -> None:
     base = SyncReport(namespace="ns", name="model-0", kv_capacity_tokens=1000, in_flight=2)
     same = base.model_copy(update={"decisions": {"admitted": 9}, "in_flight": 5})

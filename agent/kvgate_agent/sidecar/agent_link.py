@@ -202,6 +202,10 @@ class ThresholdsLink:
         #: The ETag to send as ``If-None-Match`` (the answer's ``ETag`` header).
         self.etag: str | None = None
         self.last_ok_at: float | None = None
+        #: When the last thresholds were last known current: the last success, or the end of a
+        #: held sync the agent's side closed (it was alive, and would have answered a change,
+        #: until then). The TTL counts from here.
+        self.current_at: float | None = None
         self.last_result: SyncResult | None = None
         self.counts: dict[SyncResult, int] = dict.fromkeys(SyncResult, 0)
         #: Whether the agent held the last successful sync (``Preference-Applied: wait``).
@@ -229,15 +233,22 @@ class ThresholdsLink:
         self.agent_holds = held
         self._success(SyncResult.NOT_MODIFIED)
 
-    def record_failure(self, result: SyncResult) -> None:
-        """A failed sync (any result but ok / not_modified): the last thresholds stay."""
+    def record_failure(self, result: SyncResult, *, held: bool = False) -> None:
+        """A failed sync (any result but ok / not_modified): the last thresholds stay.
+
+        ``held``: the agent held the call and then its connection broke (the agent stopped or
+        died, not a silent hang, which times out): the thresholds were current until now, so
+        the TTL counts from now, as when a plain sync fails right after a success. A held call
+        that times out gets no such credit (the agent may have been silent since it began)."""
         if result in _SUCCESS:
             raise ValueError(f"{result} is not a failure")
+        if held and self.current_at is not None:
+            self.current_at = max(self.current_at, self.clock())
         self.last_result = result
         self.counts[result] += 1
 
     def _success(self, result: SyncResult) -> None:
-        self.last_ok_at = self.clock()
+        self.last_ok_at = self.current_at = self.clock()
         self.last_result = result
         self.counts[result] += 1
 
@@ -308,14 +319,15 @@ class ThresholdsLink:
         """What to enforce now.
 
         - no answer yet: ``waiting``;
-        - last success older than the TTL: ``fail_open`` or ``fail_closed`` per
+        - last success (or the end of a held call the agent's side broke, see
+          :meth:`record_failure`) older than the TTL: ``fail_open`` or ``fail_closed`` per
           :attr:`failure_mode`;
         - the answer says no policy selects the pod: ``unmanaged``;
         - the last sync succeeded: ``live``; else ``stale``.
         """
-        if self.answer is None or self.last_ok_at is None:
+        if self.answer is None or self.current_at is None:
             return Mode.WAITING
-        if self.clock() - self.last_ok_at > self.ttl_seconds:
+        if self.clock() - self.current_at > self.ttl_seconds:
             if self.failure_mode is FailureMode.FAIL_CLOSED:
                 return Mode.FAIL_CLOSED
             return Mode.FAIL_OPEN
@@ -474,6 +486,7 @@ class AgentLink:
         answer: SyncAnswer | None = None
         detail = ""
         held = False
+        started = self.state.clock()
         try:
             result, answer, detail, held = await self._exchange(report or self.report(), wait)
         except asyncio.CancelledError:
@@ -483,6 +496,8 @@ class AgentLink:
             result, detail = SyncResult.TIMEOUT, f"no answer within {bound:g}s"
         except aiohttp.ClientError as exc:
             result, detail = SyncResult.ERROR, f"{type(exc).__name__}: {exc}"
+            # Broken after the agent held it (longer than an unheld answer may take).
+            held = wait > 0 and self.state.clock() - started >= self.settings.sync_timeout
         except Exception as exc:  # a bug must not stop the loop: count it, log it, carry on
             log.exception("sync with the node agent failed unexpectedly")
             result, detail = SyncResult.ERROR, repr(exc)
@@ -491,7 +506,7 @@ class AgentLink:
         elif result is SyncResult.NOT_MODIFIED:
             self.state.record_not_modified(held=held)
         else:
-            self.state.record_failure(result)
+            self.state.record_failure(result, held=held)
         self._log(result, "" if result in _SUCCESS else detail)
         self.on_result(result, answer)
         return result
