@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 import pytest
 
 from kvgate_agent.contract.sync import SyncReport, parse_wait
+from kvgate_agent.gpu.monitor import GpuSnapshot
+from kvgate_agent.gpu.monitor import GpuStatus as GpuReading
 from kvgate_agent.node.longpoll import Waiters, WaitOutcome, clamp_wait
 from kvgate_agent.node.state import NodeState
 
@@ -132,7 +135,7 @@ def test_a_held_sidecar_stays_connected_and_is_heard_from_until_released() -> No
     assert st.version > v  # the expiry may change answers: held syncs are re-checked
 
 
-def test_answer_inputs_bump_the_version() -> None:
+def test_answer_inputs_bump_the_version_and_an_unchanged_gpu_poll_does_not() -> None:
     st = NodeState("n")
     v0 = st.version
     st.set_spec(None, 0.0)
@@ -140,3 +143,12 @@ def test_answer_inputs_bump_the_version() -> None:
     assert v1 > v0
     st.set_engine(KEY, None)  # nothing known, nothing dropped
     assert st.version == v1
+    gpu = GpuReading("GPU-0", 0, "Fake", False, None, True, total_bytes=80, free_bytes=40)
+    st.set_gpus(GpuSnapshot((gpu,), True, None, taken_at=1.0), {})
+    v2 = st.version
+    assert v2 > v1
+    st.set_gpus(GpuSnapshot((gpu,), True, None, taken_at=3.0), {})  # same readings, later
+    assert st.version == v2 and st.gpus is not None and st.gpus.taken_at == 3.0
+    fuller = dataclasses.replace(gpu, free_bytes=10)
+    st.set_gpus(GpuSnapshot((fuller,), True, None, taken_at=5.0), {})
+    assert st.version > v2

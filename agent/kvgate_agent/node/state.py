@@ -127,10 +127,20 @@ class NodeState:
         self._refresh()
 
     def set_gpus(self, snapshot: GpuSnapshot, gpus_by_pod: Mapping[str, set[str]]) -> None:
-        """A new NVML snapshot and the pod UID → GPU UUIDs map from NVML processes."""
+        """A new NVML snapshot and the pod UID → GPU UUIDs map from NVML processes. The cached
+        answers (and :attr:`version`) stay when nothing they depend on moved (each GPU's
+        uuid, health, total and free bytes, and the map): an idle node's polls wake no held
+        sync."""
+        by_pod = {k: set(v) for k, v in gpus_by_pod.items()}
+        same = (
+            self.gpus is not None
+            and _answer_inputs(self.gpus) == _answer_inputs(snapshot)
+            and by_pod == self.gpus_by_pod
+        )
         self.gpus = snapshot
-        self.gpus_by_pod = {k: set(v) for k, v in gpus_by_pod.items()}
-        self._refresh()
+        self.gpus_by_pod = by_pod
+        if not same:
+            self._refresh()
 
     def record(self, report: SyncReport, now: float) -> None:
         """A sidecar's sync report (already authenticated)."""
@@ -452,6 +462,11 @@ class NodeState:
             self._safety[key] = now
         if only is None:
             self._answers.clear()
+
+
+def _answer_inputs(snap: GpuSnapshot) -> list[tuple[object, ...]]:
+    """What the answers read from a GPU snapshot (safety net, NVML estimate, attribution)."""
+    return [(g.uuid, g.healthy, g.total_bytes, g.free_bytes) for g in snap.gpus]
 
 
 def _gpu_status(g: GpuReading) -> GpuStatus:
