@@ -214,3 +214,55 @@ async def test_agent_shutdown_answers_held_syncs_and_the_sidecar_goes_stale(
     assert waits(agent, "released") == 1 and len(agent.waiters) == 0
     # The agent is gone: the next sync fails at once, the last thresholds stay (within the TTL).
     await until(lambda: sc.mode is Mode.STALE, 3.0)
+
+
+async def test_a_held_sync_that_hangs_past_its_wait_is_a_failed_sync(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    """An agent that answers once, then holds every call forever (frozen, or cut off without a
+    reset): each call fails at its wait + the sync timeout, the unheld first one included."""
+    from aiohttp import web
+
+    from kvgate_agent.contract.sync import SyncAnswer
+    from kvgate_agent.sidecar.agent_link import SyncResult
+
+    calls: list[str | None] = []
+    hang = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        calls.append(request.headers.get("Prefer"))
+        await request.read()
+        if hang.is_set():
+            await asyncio.sleep(3600)
+        body = SyncAnswer(etag='"e1"', ttl_seconds=30).model_dump(mode="json", by_alias=True)
+        return web.json_response(body, headers={"ETag": '"e1"'})
+
+    app = web.Application()
+    app.router.add_post(SYNC_PATH, handle)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    (tmp_path / "token").write_text(TOKEN)
+    settings = AgentSettings(
+        url=f"http://127.0.0.1:{port}",
+        pod_namespace=NS,
+        pod_name=POD,
+        token_file=str(tmp_path / "token"),
+        sync_interval=0.2,
+        sync_timeout=0.5,
+        sync_wait=1.0,
+    )
+    sc = Sidecar(SidecarSettings(upstream=upstream.url, agent=settings))
+    runners: list[Any] = [runner]
+    try:
+        await serve_sidecar(sc, runners)
+        link = sc.link
+        assert link is not None
+        await until(lambda: link.counts[SyncResult.OK] >= 1)
+        hang.set()
+        await until(lambda: link.counts[SyncResult.TIMEOUT] >= 2, 6.0)  # each within 1.5 s
+        assert "wait=1" in calls and link.last_result is SyncResult.TIMEOUT
+    finally:
+        for r in runners[::-1]:
+            await r.cleanup()

@@ -524,10 +524,10 @@ class AgentLink:
             headers["Authorization"] = f"Bearer {token}"
         if self.state.etag is not None and self.state.answer is not None:
             headers["If-None-Match"] = self.state.etag
-        timeout = None
         if wait > 0:
             headers[PREFER_HEADER] = f"wait={wait:g}"
-            timeout = aiohttp.ClientTimeout(total=wait + self.settings.sync_timeout)
+        # Always explicit (None would mean no bound at all): a hung call is a failed sync.
+        timeout = aiohttp.ClientTimeout(total=wait + self.settings.sync_timeout)
         async with self.session.post(self.url, data=body, headers=headers, timeout=timeout) as resp:
             data = await resp.read()
             held = resp.headers.get(APPLIED_HEADER, "").strip().lower().startswith("wait=")
