@@ -216,11 +216,12 @@ async def test_agent_shutdown_answers_held_syncs_and_the_sidecar_goes_stale(
     await until(lambda: sc.mode is Mode.STALE, 3.0)
 
 
+@pytest.mark.parametrize("wait", [1.0, 0.0])
 async def test_a_held_sync_that_hangs_past_its_wait_is_a_failed_sync(
-    upstream: Upstream, tmp_path: Path
+    upstream: Upstream, tmp_path: Path, wait: float
 ) -> None:
     """An agent that answers once, then holds every call forever (frozen, or cut off without a
-    reset): each call fails at its wait + the sync timeout, the unheld first one included."""
+    reset): each call fails at its wait + the sync timeout, held (long poll) or not."""
     from aiohttp import web
 
     from kvgate_agent.contract.sync import SyncAnswer
@@ -251,7 +252,7 @@ async def test_a_held_sync_that_hangs_past_its_wait_is_a_failed_sync(
         token_file=str(tmp_path / "token"),
         sync_interval=0.2,
         sync_timeout=0.5,
-        sync_wait=1.0,
+        sync_wait=wait,
     )
     sc = Sidecar(SidecarSettings(upstream=upstream.url, agent=settings))
     runners: list[Any] = [runner]
@@ -262,7 +263,8 @@ async def test_a_held_sync_that_hangs_past_its_wait_is_a_failed_sync(
         await until(lambda: link.counts[SyncResult.OK] >= 1)
         hang.set()
         await until(lambda: link.counts[SyncResult.TIMEOUT] >= 2, 6.0)  # each within 1.5 s
-        assert "wait=1" in calls and link.last_result is SyncResult.TIMEOUT
+        assert link.last_result is SyncResult.TIMEOUT
+        assert ("wait=1" in calls) is (wait > 0)
     finally:
         for r in runners[::-1]:
             await r.cleanup()
