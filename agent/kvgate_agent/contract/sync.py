@@ -1,6 +1,7 @@
 """The sidecar ↔ node agent sync protocol (HTTP on the node, JSON, camelCase).
 
-About once a second each sidecar calls ``POST /v1/sync`` on the agent of its node:
+Each sidecar calls ``POST /v1/sync`` on the agent of its node (held until its answer changes,
+see "Long poll" below; once a second against an agent that does not hold calls):
 
 - Request headers: ``Authorization: Bearer <projected service-account token>`` (audience
   ``kvgate-agent``; the agent checks it with a TokenReview and matches the pod it is bound to
