@@ -8,13 +8,15 @@ import pytest
 
 from kvgate_agent.admission import AdmissionRequest, Outcome, Reason
 from kvgate_agent.contract.policy import FailureMode
-from kvgate_agent.contract.sync import SyncAnswer
+from kvgate_agent.contract.sync import SyncAnswer, SyncReport
 from kvgate_agent.sidecar.agent_link import (
+    MIN_SYNC_GAP_SECONDS,
     AgentSettings,
     Mode,
     SyncResult,
     ThresholdsLink,
     gpu_uuids_from_env,
+    material_change,
     sidecar_metrics_url,
 )
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
@@ -131,6 +133,83 @@ def test_link_refuses_nonsense() -> None:
         link.record_failure(SyncResult.OK)
     with pytest.raises(ValueError):
         ThresholdsLink(FakeClock(500.0), ttl_override=0)
+
+
+def test_long_poll_wait_stays_within_the_ttl_and_needs_an_etag() -> None:
+    clock = FakeClock(500.0)
+    link = ThresholdsLink(clock)
+    assert link.wait_seconds(25, 2) == 0  # no answer yet: nothing to wait on
+    link.record_answer(answer(ttl=30))
+    assert link.wait_seconds(25, 2) == 25  # 25 + 2 s answer bound < 30 s TTL
+    link.record_answer(answer(ttl=20, etag="e2"))
+    assert link.wait_seconds(25, 2) == 16  # TTL - 2 x timeout: a hang still fails in time
+    link.record_answer(answer(ttl=4, etag="e3"))
+    assert link.wait_seconds(25, 2) == 0  # under a second left: plain polling
+    assert link.wait_seconds(0, 2) == 0
+
+
+def test_next_sync_at_once_after_a_held_answer_else_every_interval() -> None:
+    clock = FakeClock(500.0)
+    link = ThresholdsLink(clock)
+    # An agent that does not hold syncs: one interval after each, success or not.
+    link.record_answer(answer(interval=1.0))
+    assert link.next_sync_delay(500.0, SyncResult.OK) == 1.0
+    # A held call that ran its course (20 s): the next one at once.
+    link.record_not_modified(held=True)
+    clock.advance(20)
+    assert link.next_sync_delay(500.0, SyncResult.NOT_MODIFIED) == 0
+    # A held call ended early (agent stopping): no faster than the interval.
+    started = clock()
+    clock.advance(0.2)
+    link.record_not_modified(held=True)
+    assert link.next_sync_delay(started, SyncResult.NOT_MODIFIED) == pytest.approx(0.8)
+    # A change: at once, bounded below by the minimal gap.
+    started = clock()
+    link.record_answer(answer(etag="e2"), held=True)
+    assert link.next_sync_delay(started, SyncResult.OK) == pytest.approx(MIN_SYNC_GAP_SECONDS)
+    clock.advance(1)
+    assert link.next_sync_delay(started, SyncResult.OK) == 0
+    # A failure: back to the interval (the grace/failureMode logic is unchanged).
+    link.record_failure(SyncResult.TIMEOUT)
+    assert link.next_sync_delay(clock(), SyncResult.TIMEOUT) == 1.0
+
+
+def test_a_held_call_broken_by_the_agent_starts_the_ttl_then_not_before() -> None:
+    clock = FakeClock(500.0)
+    link = ThresholdsLink(clock)
+    link.record_answer(answer({"failureMode": "FailClosed"}, ttl=30))
+    clock.advance(24)  # held 24 s, then the agent dies (connection reset)
+    link.record_failure(SyncResult.ERROR, held=True)
+    clock.advance(29)
+    assert link.mode() is Mode.STALE  # the full TTL from the agent going away, as before
+    assert link.age_seconds() == 53  # since the last answer
+    clock.advance(2)
+    assert link.mode() is Mode.FAIL_CLOSED
+    # A held call that times out (a silent agent) gets no credit: TTL from the last answer.
+    link.record_answer(answer({"failureMode": "FailClosed"}, ttl=30, etag="e2"))
+    clock.advance(27)
+    link.record_failure(SyncResult.TIMEOUT)
+    clock.advance(3.5)
+    assert link.mode() is Mode.FAIL_CLOSED
+
+
+def test_material_changes_of_the_report() -> None:
+    base = SyncReport(namespace="ns", name="model-0", kv_capacity_tokens=1000, in_flight=2)
+    same = base.model_copy(update={"decisions": {"admitted": 9}, "in_flight": 5})
+    assert not material_change(base, same)  # counters and busy -> busier ride along
+    for update in (
+        {"in_flight": 0},  # went idle
+        {"queue_length": 3},  # began queueing
+        {"kv_reserved_tokens": 101},  # moved by > 10 % of the capacity
+        {"kv_capacity_tokens": 2000},
+        {"thresholds_etag": "e2"},
+        {"metrics_url": "http://10.0.0.1:8080/metrics"},
+        {"gpu_uuids": ["GPU-1"]},
+    ):
+        assert material_change(base, base.model_copy(update=update)), update
+    assert not material_change(base, base.model_copy(update={"kv_reserved_tokens": 100}))
+    no_cap = SyncReport(namespace="ns", name="model-0")
+    assert material_change(no_cap, no_cap.model_copy(update={"kv_reserved_tokens": 1}))
 
 
 def test_gpu_uuids_only_when_they_look_like_uuids() -> None:

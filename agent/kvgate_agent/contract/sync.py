@@ -1,6 +1,7 @@
 """The sidecar ↔ node agent sync protocol (HTTP on the node, JSON, camelCase).
 
-About once a second each sidecar calls ``POST /v1/sync`` on the agent of its node:
+Each sidecar calls ``POST /v1/sync`` on the agent of its node (held until its answer changes,
+see "Long poll" below; once a second against an agent that does not hold calls):
 
 - Request headers: ``Authorization: Bearer <projected service-account token>`` (audience
   ``kvgate-agent``; the agent checks it with a TokenReview and matches the pod it is bound to
@@ -17,6 +18,15 @@ About once a second each sidecar calls ``POST /v1/sync`` on the agent of its nod
 
 Units: tokens, seconds. The ETag covers everything in the answer, so any change (new policy
 generation, new KV capacity, the GPU safety net closing or opening) changes it.
+
+Long poll: a sync that sends ``If-None-Match`` and ``Prefer: wait=<seconds>`` (RFC 7240,
+https://www.rfc-editor.org/rfc/rfc7240#section-4.3) is held by the agent until the pod's answer
+differs from that ETag (``200`` with the new answer at once) or until the wait is over (``304``);
+the agent caps the wait (:data:`MAX_WAIT_SECONDS` unless configured) and says it held the call
+with ``Preference-Applied: wait=<seconds>``. A sidecar that sees no ``Preference-Applied``
+(an agent that answers at once) keeps syncing every ``syncIntervalSeconds``. While a call is
+held, the agent counts the sidecar as connected; a sidecar whose report changed materially
+abandons its held call and sends the new report (at most once per ``syncIntervalSeconds``).
 """
 
 from __future__ import annotations
@@ -32,6 +42,34 @@ from kvgate_agent.contract.policy import _Model
 TOKEN_AUDIENCE = "kvgate-agent"
 #: Path of the sync endpoint on the node agent.
 SYNC_PATH = "/v1/sync"
+
+#: Request header asking the agent to hold the sync (RFC 7240 ``Prefer: wait=N``)...
+PREFER_HEADER = "Prefer"
+#: ...and the answer header saying it did (``Preference-Applied: wait=N``).
+APPLIED_HEADER = "Preference-Applied"
+#: Longest hold of one sync, seconds: well below common proxy idle timeouts (60 s for nginx's
+#: ``proxy_read_timeout``, https://nginx.org/en/docs/http/ngx_http_proxy_module.html) and below
+#: the default 30 s thresholds TTL, so a held call never outlives the sidecar's patience.
+MAX_WAIT_SECONDS = 25.0
+
+
+def parse_wait(prefer: str | None) -> float | None:
+    """The ``wait`` preference of a ``Prefer`` header value in seconds (``"wait=20"`` → 20.0;
+    other preferences are ignored), or None when absent or not a non-negative number."""
+    if not prefer:
+        return None
+    for item in prefer.split(","):
+        name, _, value = item.strip().partition("=")
+        if name.strip().lower() != "wait":
+            continue
+        value = value.strip().strip('"')
+        try:
+            wait = float(value)
+        except ValueError:
+            return None
+        return wait if wait >= 0 and wait == wait and wait != float("inf") else None
+    return None
+
 
 #: Upper bound of every count and token figure in a report: far above any real value, and below
 #: 2^53 (exact in JSON doubles) and the int64 the NodeAdmission schema stores.
@@ -106,7 +144,8 @@ class SyncAnswer(_Model):
         safety_net: see :class:`SafetyNet`.
         ttl_seconds: how long the sidecar keeps enforcing these thresholds without a
             successful sync before its policy's ``failureMode`` applies (seconds).
-        sync_interval_seconds: how often the agent wants to hear from the sidecar (seconds).
+        sync_interval_seconds: how often the agent wants to hear from the sidecar when it does
+            not hold syncs, and the least time between two reports when it does (seconds).
     """
 
     etag: str
@@ -117,9 +156,13 @@ class SyncAnswer(_Model):
 
 
 __all__ = [
+    "APPLIED_HEADER",
+    "MAX_WAIT_SECONDS",
+    "PREFER_HEADER",
     "SYNC_PATH",
     "TOKEN_AUDIENCE",
     "SafetyNet",
     "SyncAnswer",
     "SyncReport",
+    "parse_wait",
 ]

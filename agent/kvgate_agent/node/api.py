@@ -3,7 +3,8 @@
 Routes only translate HTTP to :class:`~kvgate_agent.node.service.NodeAgent` calls:
 
 - ``POST /v1/sync``: a sidecar's report in, its thresholds out (see
-  :mod:`kvgate_agent.contract.sync`; ``304`` when ``If-None-Match`` matches).
+  :mod:`kvgate_agent.contract.sync`; ``304`` when ``If-None-Match`` matches; held until the
+  answer changes when the sidecar sends ``Prefer: wait=N``, ended early when it disconnects).
 - ``GET /metrics``: Prometheus exposition.
 - ``GET /healthz``: liveness (the process serves HTTP, its loops and watch run, and the API
   server answered recently: :meth:`~kvgate_agent.node.service.NodeAgent.live`); 503 with the
@@ -17,12 +18,20 @@ from __future__ import annotations
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Receive
 
-from kvgate_agent.contract.sync import SYNC_PATH
+from kvgate_agent.contract.sync import PREFER_HEADER, SYNC_PATH, parse_wait
 from kvgate_agent.node.service import NodeAgent
 
 #: Largest sync report accepted, bytes (a report is a few hundred bytes).
 MAX_REPORT_BYTES = 64 * 1024
+
+
+async def disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (ASGI ``http.disconnect``); call it only after the
+    request body was read whole (then the server's next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def build_app(agent: NodeAgent) -> FastAPI:
@@ -56,6 +65,8 @@ def build_app(agent: NodeAgent) -> FastAPI:
             request.headers.get("authorization"),
             request.headers.get("if-none-match"),
             request.client.host if request.client else None,
+            wait=parse_wait(request.headers.get(PREFER_HEADER)),
+            disconnected=lambda: disconnected(request.receive),
         )
         if result.body is None:
             return Response(status_code=result.status, headers=result.headers)

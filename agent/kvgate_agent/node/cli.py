@@ -50,6 +50,12 @@ SECONDS_FLAGS: tuple[tuple[str, str, str, str], ...] = (
     ("--thresholds-ttl", "THRESHOLDS_TTL", "30", "how long sidecars enforce without a sync"),
     ("--sync-interval", "SYNC_INTERVAL", "1", "how often sidecars sync"),
     (
+        "--max-sync-wait",
+        "MAX_SYNC_WAIT",
+        "25",
+        "longest hold of a sidecar's sync until its answer changes (long poll)",
+    ),
+    (
         "--token-cache-seconds",
         "TOKEN_CACHE_SECONDS",
         "60",
@@ -151,6 +157,7 @@ def _build(
         heartbeat_seconds=args.heartbeat_seconds,
         ttl_seconds=args.thresholds_ttl,
         sync_interval_seconds=args.sync_interval,
+        max_wait_seconds=args.max_sync_wait,
         proc_root=Path(args.proc_root),
         api_liveness_seconds=args.api_liveness_seconds,
     )
@@ -210,6 +217,7 @@ async def run_node(args: argparse.Namespace) -> int:
         {server_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
     )
     server.should_exit = True
+    agent.release_syncs()  # held long polls answer now: the server need not wait them out
     try:
         await server_task
     except (Exception, SystemExit) as exc:  # uvicorn exits (sys.exit) when it cannot bind

@@ -61,6 +61,11 @@ class _StateCollector(Collector):
             implausible.add_metric([ns, name, why], 1)
         yield implausible
         yield GaugeMetricFamily(
+            "kvgate_node_syncs_held",
+            "Sidecar syncs held open now (long polls waiting for a change)",
+            value=len(a.waiters),
+        )
+        yield GaugeMetricFamily(
             "kvgate_node_ready",
             "1 when the agent is ready (see /readyz)",
             value=1 if a.ready()[0] else 0,
@@ -169,7 +174,8 @@ class _StateCollector(Collector):
         if st.spec_read_at is not None:
             age.add_metric(["nodeadmission", "", ""], max(0.0, now - st.spec_read_at))
         for (ns, name), (_, at) in st.reports().items():
-            age.add_metric(["sync", ns, name], max(0.0, now - at))
+            held = st.is_held((ns, name))  # a held sync is a sidecar heard from now
+            age.add_metric(["sync", ns, name], 0.0 if held else max(0.0, now - at))
         for (ns, name), engine_age in a.engine_ages(now).items():
             if engine_age is not None:
                 age.add_metric(["engine", ns, name], engine_age)
@@ -182,7 +188,9 @@ class NodeMetrics:
     Attributes:
         syncs: sync requests by result (``ok``, ``not_modified``, ``unauthorized``,
             ``forbidden``, ``invalid``, ``unavailable``).
-        sync_seconds: time to handle a sync, seconds.
+        sync_seconds: time to handle a sync, seconds (a held sync's wait not included).
+        sync_waits: held syncs by outcome (``changed``, ``timeout``, ``superseded``,
+            ``disconnected``, ``released``).
         status_writes: NodeAdmission status writes by result (``ok``, ``absent``, ``error``).
         scrapes: engine metric scrapes by result (``ok``, ``error``, ``invalid``).
     """
@@ -207,5 +215,11 @@ class NodeMetrics:
         )
         self.scrapes = Counter(
             "kvgate_node_engine_scrapes", "Engine metric scrapes by result", ["result"], registry=r
+        )
+        self.sync_waits = Counter(
+            "kvgate_node_sync_waits",
+            "Held syncs (long polls) by how they ended",
+            ["outcome"],
+            registry=r,
         )
         r.register(_StateCollector(agent, clock))

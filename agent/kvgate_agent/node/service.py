@@ -14,7 +14,7 @@ import datetime as dt
 import ipaddress
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +25,12 @@ import aiohttp
 from pydantic import ValidationError
 
 from kvgate_agent.contract.nodeadmission import Condition, NodeAdmissionSpec, NodeAdmissionStatus
-from kvgate_agent.contract.sync import SyncReport
+from kvgate_agent.contract.sync import APPLIED_HEADER, MAX_WAIT_SECONDS, SyncReport
 from kvgate_agent.engines.metrics import parse_engine_metrics
 from kvgate_agent.gpu.monitor import GpuMonitor
 from kvgate_agent.node.auth import Authenticator, AuthError
 from kvgate_agent.node.engine import EngineView
+from kvgate_agent.node.longpoll import Waiters, WaitOutcome, clamp_wait
 from kvgate_agent.node.podgpu import gpus_by_pod
 from kvgate_agent.node.state import EngineFacts, NodeState, PodKey, StatusGate
 
@@ -65,6 +66,8 @@ class NodeSettings:
             process ids to pods.
         api_liveness_seconds: liveness fails once the API server has not answered for this
             long (see :meth:`NodeAgent.live`).
+        max_wait_seconds: longest hold of a sync that asks for one (long poll); 0 = answer
+            every sync at once.
     """
 
     node_name: str
@@ -78,6 +81,7 @@ class NodeSettings:
     report_expiry_seconds: float = 10.0
     proc_root: Path = Path("/proc")
     api_liveness_seconds: float = 120.0
+    max_wait_seconds: float = MAX_WAIT_SECONDS
 
 
 @dataclass(slots=True)
@@ -173,6 +177,10 @@ class NodeAgent:
         #: Whether the NodeAdmission watch thread runs: set with the watch.
         self.watch_alive: Callable[[], bool] | None = None
         self._started_at = clock()
+        #: Syncs held until the pod's answer changes (long polls).
+        self.waiters = Waiters()
+        self._notified_version = -1
+        self._releasing = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -254,6 +262,7 @@ class NodeAgent:
             self.state.spec_read_at = now
             return
         self.state.set_spec(spec, now)
+        self.notify_syncs()
         log.info(
             "NodeAdmission %s: %d governed pods",
             self.settings.node_name,
@@ -264,6 +273,7 @@ class NodeAgent:
     def _deletion_grace_over(self) -> None:
         self._grace = None  # (a recreated object cancels this timer)
         self.state.set_spec(None, self.clock())
+        self.notify_syncs()
         log.info("NodeAdmission %s gone: no pod here is governed", self.settings.node_name)
 
     def live(self) -> tuple[bool, str]:
@@ -318,16 +328,69 @@ class NodeAgent:
         authorization: str | None,
         if_none_match: str | None,
         peer: str | None,
+        wait: float | None = None,
+        disconnected: Callable[[], Awaitable[object]] | None = None,
     ) -> SyncResult:
-        """Handle ``POST /v1/sync`` (see :mod:`kvgate_agent.contract.sync`)."""
+        """Handle ``POST /v1/sync`` (see :mod:`kvgate_agent.contract.sync`).
+
+        ``wait``: the sidecar's ``Prefer: wait`` (seconds): an answer equal to ``if_none_match``
+        is held until it changes, for at most ``wait`` capped at ``max_wait_seconds``, and ends
+        early when ``disconnected()`` completes (the client went away) or the agent stops.
+        """
         started = time.perf_counter()
-        result = await self._sync(body, authorization, if_none_match, peer)
+        got = await self._sync(body, authorization, if_none_match, peer)
+        if isinstance(got, SyncResult):
+            self.metrics.sync_seconds.observe(time.perf_counter() - started)
+            return got
+        hold = 0.0 if self._releasing else clamp_wait(wait, self.settings.max_wait_seconds)
+        result = self._answer(got, if_none_match)
         self.metrics.sync_seconds.observe(time.perf_counter() - started)
+        if result.status == 304 and hold > 0 and if_none_match is not None:
+            self.state.hold(got)  # the sidecar counts as connected while held
+            try:
+                outcome = await self.waiters.wait(
+                    got,
+                    if_none_match.strip(),
+                    lambda: self.state.answer(got).etag,
+                    hold,
+                    disconnected,
+                )
+            finally:
+                self.state.release(got, self.clock())
+            self.metrics.sync_waits.labels(outcome.value).inc()
+            if outcome is WaitOutcome.CHANGED:
+                result = self._answer(got, if_none_match)
+        if hold > 0:
+            result.headers[APPLIED_HEADER] = f"wait={hold:g}"
+        self.metrics.syncs.labels("ok" if result.status == 200 else "not_modified").inc()
         return result
+
+    def _answer(self, key: PodKey, if_none_match: str | None) -> SyncResult:
+        """The pod's answer now: 304 when it is ``if_none_match``, else 200 with it."""
+        answer = self.state.answer(key)
+        headers = {"ETag": answer.etag, "Cache-Control": "no-cache"}
+        if if_none_match is not None and if_none_match.strip() == answer.etag:
+            return SyncResult(304, None, headers)
+        return SyncResult(
+            200, answer.model_dump(mode="json", by_alias=True, exclude_none=True), headers
+        )
+
+    def notify_syncs(self) -> None:
+        """An input of the answers changed: end the held syncs whose answer now differs."""
+        if self.state.version != self._notified_version:
+            self._notified_version = self.state.version
+            self.waiters.notify()
+
+    def release_syncs(self) -> None:
+        """On shutdown: answer every held sync now and hold no more (the server then stops at
+        once instead of waiting out the long polls)."""
+        self._releasing = True
+        self.waiters.release_all()
 
     async def _sync(
         self, body: bytes, authorization: str | None, if_none_match: str | None, peer: str | None
-    ) -> SyncResult:
+    ) -> SyncResult | PodKey:
+        """Validate, authenticate and record a report: an error answer, or the pod's key."""
         m = self.metrics
         try:
             report = SyncReport.model_validate_json(body)
@@ -367,15 +430,7 @@ class NodeAgent:
                     "%s/%s: not scraping %s (not the sidecar's own address %s)", *key, url, peer
                 )
             self._metrics_urls.pop(key, None)
-        answer = self.state.answer(key)
-        headers = {"ETag": answer.etag, "Cache-Control": "no-cache"}
-        if if_none_match is not None and if_none_match.strip() == answer.etag:
-            m.syncs.labels("not_modified").inc()
-            return SyncResult(304, None, headers)
-        m.syncs.labels("ok").inc()
-        return SyncResult(
-            200, answer.model_dump(mode="json", by_alias=True, exclude_none=True), headers
-        )
+        return key
 
     def _log_refusal(self, namespace: str, name: str, exc: AuthError) -> None:
         """Log a refused sync at most once a minute per pod and reason (sidecars retry every
@@ -402,6 +457,7 @@ class NodeAgent:
         )
         before = self.state.conditions()
         self.state.set_gpus(snap, by_pod)
+        self.notify_syncs()
         if before != self.state.conditions():
             self._status_wake.set()
 
@@ -428,6 +484,7 @@ class NodeAgent:
                 if sample is None
                 else EngineFacts(sample.kv_capacity_tokens, sample.kv_used_tokens),
             )
+        self.notify_syncs()
 
     async def _scrape(self, key: PodKey, url: str) -> None:
         assert self._session is not None

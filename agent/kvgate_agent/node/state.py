@@ -109,6 +109,9 @@ class NodeState:
         self._safety: dict[PodKey, _Safety] = {}
         self._answers: dict[PodKey, SyncAnswer] = {}
         self.stopped = False  # set on shutdown: the last status says so
+        #: Bumped whenever a cached answer is dropped (an answer may have changed).
+        self.version = 0
+        self._held: dict[PodKey, int] = {}  # pods whose sync the agent holds now (long poll)
         self.implausible: dict[PodKey, str] = {}  # engine capacities ignored, and why
 
     # ------------------------------------------------------------------ inputs
@@ -124,10 +127,20 @@ class NodeState:
         self._refresh()
 
     def set_gpus(self, snapshot: GpuSnapshot, gpus_by_pod: Mapping[str, set[str]]) -> None:
-        """A new NVML snapshot and the pod UID → GPU UUIDs map from NVML processes."""
+        """A new NVML snapshot and the pod UID → GPU UUIDs map from NVML processes. The cached
+        answers (and :attr:`version`) stay when nothing they depend on moved (each GPU's
+        uuid, health, total and free bytes, and the map): an idle node's polls wake no held
+        sync."""
+        by_pod = {k: set(v) for k, v in gpus_by_pod.items()}
+        same = (
+            self.gpus is not None
+            and _answer_inputs(self.gpus) == _answer_inputs(snapshot)
+            and by_pod == self.gpus_by_pod
+        )
         self.gpus = snapshot
-        self.gpus_by_pod = {k: set(v) for k, v in gpus_by_pod.items()}
-        self._refresh()
+        self.gpus_by_pod = by_pod
+        if not same:
+            self._refresh()
 
     def record(self, report: SyncReport, now: float) -> None:
         """A sidecar's sync report (already authenticated)."""
@@ -142,25 +155,57 @@ class NodeState:
         if facts is None:
             if self._engine.pop(key, None) is not None:
                 self._answers.pop(key, None)
+                self.version += 1
         elif self._engine.get(key) != facts:
             self._engine[key] = facts
             self._answers.pop(key, None)
+            self.version += 1
+
+    def hold(self, key: PodKey) -> None:
+        """The agent holds a sync of this pod (long poll): its sidecar counts as heard from
+        until :meth:`release`."""
+        self._held[key] = self._held.get(key, 0) + 1
+
+    def release(self, key: PodKey, now: float) -> None:
+        """A held sync of this pod ended at ``now``: the sidecar was heard from until then."""
+        left = self._held.get(key, 0) - 1
+        if left > 0:
+            self._held[key] = left
+        else:
+            self._held.pop(key, None)
+        rec = self._reports.get(key)
+        if rec is not None:
+            rec.at = max(rec.at, now)
+
+    def is_held(self, key: PodKey) -> bool:
+        """Whether a sync of this pod is held now (its sidecar is connected)."""
+        return key in self._held
 
     def expire(self, now: float) -> list[PodKey]:
         """Forget sidecars not heard from for ``report_expiry_seconds``; returns their keys."""
-        gone = [k for k, r in self._reports.items() if now - r.at > self.report_expiry_seconds]
+        gone = [
+            k
+            for k, r in self._reports.items()
+            if now - r.at > self.report_expiry_seconds and k not in self._held
+        ]
         for k in gone:
             del self._reports[k]
             self._engine.pop(k, None)
             self._answers.pop(k, None)
             self.implausible.pop(k, None)
+        if gone:
+            self.version += 1
         return gone
 
     # ------------------------------------------------------------------ queries
 
     def connected(self, now: float) -> int:
-        """Sidecars heard from within ``report_expiry_seconds``."""
-        return sum(1 for r in self._reports.values() if now - r.at <= self.report_expiry_seconds)
+        """Sidecars heard from within ``report_expiry_seconds``, or whose sync is held now."""
+        return sum(
+            1
+            for k, r in self._reports.items()
+            if now - r.at <= self.report_expiry_seconds or k in self._held
+        )
 
     def reports(self) -> dict[PodKey, tuple[SyncReport, float]]:
         """Every known sidecar's last report and when it came (monotonic seconds)."""
@@ -394,6 +439,7 @@ class NodeState:
 
     def _refresh(self, only: PodKey | None = None) -> None:
         """Re-evaluate the safety net (all pods, or one) and drop cached answers."""
+        self.version += 1
         keys = [only] if only is not None else list(set(self._pods) | set(self._safety))
         for key in keys:
             self._answers.pop(key, None)
@@ -416,6 +462,11 @@ class NodeState:
             self._safety[key] = now
         if only is None:
             self._answers.clear()
+
+
+def _answer_inputs(snap: GpuSnapshot) -> list[tuple[object, ...]]:
+    """What the answers read from a GPU snapshot (safety net, NVML estimate, attribution)."""
+    return [(g.uuid, g.healthy, g.total_bytes, g.free_bytes) for g in snap.gpus]
 
 
 def _gpu_status(g: GpuReading) -> GpuStatus:

@@ -22,7 +22,14 @@ from pydantic import ValidationError
 
 from kvgate_agent.contract.nodeadmission import PodThresholds
 from kvgate_agent.contract.policy import FailureMode
-from kvgate_agent.contract.sync import SYNC_PATH, SyncAnswer, SyncReport
+from kvgate_agent.contract.sync import (
+    APPLIED_HEADER,
+    MAX_WAIT_SECONDS,
+    PREFER_HEADER,
+    SYNC_PATH,
+    SyncAnswer,
+    SyncReport,
+)
 
 log = logging.getLogger("kvgate.sidecar.agent")
 
@@ -36,6 +43,13 @@ DEFAULT_TTL_SECONDS = 30.0
 DEFAULT_SYNC_INTERVAL_SECONDS = 1.0
 #: Bound on one sync call, seconds (connect + answer).
 DEFAULT_SYNC_TIMEOUT_SECONDS = 2.0
+#: Least time between the start of one held sync and the next after a 200 (seconds): a bound,
+#: not a pace (the next call is held until the answer changes again).
+MIN_SYNC_GAP_SECONDS = 0.05
+#: The reserved KV moving by more than this fraction of the KV capacity is a material change of
+#: the report (sent at once); the agent's NodeAdmission status gate uses the same step
+#: (``kvgate_agent.node.state.KV_RESERVED_STEP``).
+REPORT_KV_STEP = 0.10
 #: Where the projected service-account token (audience ``kvgate-agent``) is mounted.
 DEFAULT_TOKEN_FILE = "/var/run/secrets/kvgate/token"
 
@@ -106,6 +120,9 @@ class AgentSettings:
         gpu_uuids: the pod's GPUs when known (see :func:`gpu_uuids_from_env`).
         sync_timeout: bound on one sync call, seconds.
         sync_interval: seconds between syncs until an answer gives its own.
+        sync_wait: seconds the agent may hold a sync until the answer changes (long poll,
+            ``Prefer: wait``); capped so a held call ends well within the TTL (see
+            :meth:`ThresholdsLink.wait_seconds`); 0 = plain polling every sync interval.
         expected_policy: the RateLimitPolicy name the pod should be governed by (annotation
             ``kvgate.io/policy``); informational: a mismatch is logged and exported.
     """
@@ -121,6 +138,7 @@ class AgentSettings:
     gpu_uuids: tuple[str, ...] = field(default_factory=tuple)
     sync_timeout: float = DEFAULT_SYNC_TIMEOUT_SECONDS
     sync_interval: float = DEFAULT_SYNC_INTERVAL_SECONDS
+    sync_wait: float = MAX_WAIT_SECONDS
     expected_policy: str | None = None
 
 
@@ -184,35 +202,53 @@ class ThresholdsLink:
         #: The ETag to send as ``If-None-Match`` (the answer's ``ETag`` header).
         self.etag: str | None = None
         self.last_ok_at: float | None = None
+        #: When the last thresholds were last known current: the last success, or the end of a
+        #: held sync the agent's side closed (it was alive, and would have answered a change,
+        #: until then). The TTL counts from here.
+        self.current_at: float | None = None
         self.last_result: SyncResult | None = None
         self.counts: dict[SyncResult, int] = dict.fromkeys(SyncResult, 0)
+        #: Whether the agent held the last successful sync (``Preference-Applied: wait``).
+        self.agent_holds = False
 
     # ------------------------------------------------------------------ inputs
 
-    def record_answer(self, answer: SyncAnswer, etag: str | None = None) -> None:
+    def record_answer(
+        self, answer: SyncAnswer, etag: str | None = None, *, held: bool = False
+    ) -> None:
         """A 200: ``answer`` is what to enforce from now on; ``etag`` is the ``ETag`` header
-        (default: the answer's own ``etag``)."""
+        (default: the answer's own ``etag``); ``held``: the agent holds syncs (long poll)."""
         self.answer = answer
         self.etag = etag or answer.etag
+        self.agent_holds = held
         self._success(SyncResult.OK)
 
-    def record_not_modified(self) -> None:
-        """A 304: the thresholds applied are still current.
+    def record_not_modified(self, *, held: bool = False) -> None:
+        """A 304: the thresholds applied are still current (``held``: as for
+        :meth:`record_answer`).
 
         Raises ``ValueError`` if no answer was ever recorded (a 304 then means nothing)."""
         if self.answer is None:
             raise ValueError("304 Not Modified before any answer")
+        self.agent_holds = held
         self._success(SyncResult.NOT_MODIFIED)
 
-    def record_failure(self, result: SyncResult) -> None:
-        """A failed sync (any result but ok / not_modified): the last thresholds stay."""
+    def record_failure(self, result: SyncResult, *, held: bool = False) -> None:
+        """A failed sync (any result but ok / not_modified): the last thresholds stay.
+
+        ``held``: the agent held the call and then its connection broke (the agent stopped or
+        died, not a silent hang, which times out): the thresholds were current until now, so
+        the TTL counts from now, as when a plain sync fails right after a success. A held call
+        that times out gets no such credit (the agent may have been silent since it began)."""
         if result in _SUCCESS:
             raise ValueError(f"{result} is not a failure")
+        if held and self.current_at is not None:
+            self.current_at = max(self.current_at, self.clock())
         self.last_result = result
         self.counts[result] += 1
 
     def _success(self, result: SyncResult) -> None:
-        self.last_ok_at = self.clock()
+        self.last_ok_at = self.current_at = self.clock()
         self.last_result = result
         self.counts[result] += 1
 
@@ -245,6 +281,34 @@ class ThresholdsLink:
         t = self.thresholds
         return self.default_failure_mode if t is None else t.failure_mode
 
+    def wait_seconds(self, sync_wait: float, sync_timeout: float) -> float:
+        """How long to ask the agent to hold the next sync (``Prefer: wait``), seconds: at most
+        ``sync_wait``, and short enough that a held call that then hangs (answer bound: wait +
+        ``sync_timeout``) still fails before the TTL ends (wait <= TTL − 2 × ``sync_timeout``);
+        0 (plain polling) when that leaves under a second, or before the first answer (no ETag
+        to wait on)."""
+        if self.etag is None or self.answer is None:
+            return 0.0
+        wait = min(sync_wait, self.ttl_seconds - 2 * sync_timeout)
+        return wait if wait >= 1.0 else 0.0
+
+    def next_sync_delay(self, started: float, result: SyncResult) -> float:
+        """Seconds to wait before the next sync, after one that started at ``started`` (clock
+        seconds) ended with ``result``:
+
+        - a failure, or an agent that does not hold syncs: the sync interval (plain polling);
+        - a 200 from an agent that holds syncs: at once (:data:`MIN_SYNC_GAP_SECONDS` after the
+          start at least): the next call waits for the next change;
+        - a held 304: one sync interval after the start at least (a held call that ran out
+          waited longer than that, so at once; one ended early, e.g. by the agent stopping,
+          does not turn into a loop).
+        """
+        interval = self.sync_interval_seconds
+        if result not in _SUCCESS or not self.agent_holds:
+            return interval
+        gap = MIN_SYNC_GAP_SECONDS if result is SyncResult.OK else interval
+        return max(0.0, started + gap - self.clock())
+
     def age_seconds(self) -> float | None:
         """Seconds since the last successful sync; None before the first."""
         if self.last_ok_at is None:
@@ -255,14 +319,15 @@ class ThresholdsLink:
         """What to enforce now.
 
         - no answer yet: ``waiting``;
-        - last success older than the TTL: ``fail_open`` or ``fail_closed`` per
+        - last success (or the end of a held call the agent's side broke, see
+          :meth:`record_failure`) older than the TTL: ``fail_open`` or ``fail_closed`` per
           :attr:`failure_mode`;
         - the answer says no policy selects the pod: ``unmanaged``;
         - the last sync succeeded: ``live``; else ``stale``.
         """
-        if self.answer is None or self.last_ok_at is None:
+        if self.answer is None or self.current_at is None:
             return Mode.WAITING
-        if self.clock() - self.last_ok_at > self.ttl_seconds:
+        if self.clock() - self.current_at > self.ttl_seconds:
             if self.failure_mode is FailureMode.FAIL_CLOSED:
                 return Mode.FAIL_CLOSED
             return Mode.FAIL_OPEN
@@ -277,14 +342,54 @@ class ThresholdsLink:
         return self.answer is not None or self.clock() - self.started_at >= self.ttl_seconds
 
 
+def material_change(sent: SyncReport, now: SyncReport) -> bool:
+    """Whether ``now`` differs from the report last ``sent`` enough to send it without waiting
+    for the held sync to end: anything but the load figures changed (identity, KV capacity,
+    metrics URL, GPUs, thresholds ETag); the pod went idle or busy (in-flight or queue length
+    to or from zero); or the reserved KV moved by more than :data:`REPORT_KV_STEP` of the KV
+    capacity (any move without a capacity). Other load changes and the decision counters ride
+    on the next sync."""
+    if (
+        sent.namespace,
+        sent.name,
+        sent.uid,
+        sent.kv_capacity_tokens,
+        sent.metrics_url,
+        sent.gpu_uuids,
+        sent.thresholds_etag,
+    ) != (
+        now.namespace,
+        now.name,
+        now.uid,
+        now.kv_capacity_tokens,
+        now.metrics_url,
+        now.gpu_uuids,
+        now.thresholds_etag,
+    ):
+        return True
+    if (sent.in_flight == 0) != (now.in_flight == 0):
+        return True
+    if (sent.queue_length == 0) != (now.queue_length == 0):
+        return True
+    cap = now.kv_capacity_tokens
+    step = REPORT_KV_STEP * cap if cap else 0
+    return abs(now.kv_reserved_tokens - sent.kv_reserved_tokens) > step
+
+
 class AgentLink:
     """The sync loop against the node agent (an asyncio task on the sidecar's loop).
 
-    Every ``syncIntervalSeconds`` (from the last answer; 1 s until one arrives) it POSTs a
-    :class:`~kvgate_agent.contract.sync.SyncReport` to ``<agent-url>/v1/sync`` with the pod's
-    projected service-account token (read fresh from its file each time: kubelet rotates it) and
-    ``If-None-Match`` with the ETag it applies. Each call is bounded by a timeout (2 s by
-    default).
+    It POSTs a :class:`~kvgate_agent.contract.sync.SyncReport` to ``<agent-url>/v1/sync`` with
+    the pod's projected service-account token (read fresh from its file each time: kubelet
+    rotates it), ``If-None-Match`` with the ETag it applies and ``Prefer: wait=N`` (long poll,
+    :meth:`ThresholdsLink.wait_seconds`): an agent that holds syncs answers when the answer
+    changes or after N seconds, and the next call follows at once; otherwise it syncs every
+    ``syncIntervalSeconds`` (from the last answer; 1 s until one arrives), see
+    :meth:`ThresholdsLink.next_sync_delay`. Each call is bounded by N + the sync timeout (2 s
+    by default): a held call that hangs past that is a failed sync. While a call is held, the
+    report is re-read every sync interval; once the call outlived the sync timeout (so the agent
+    holds it) and the report changed materially (:func:`material_change`), the call is dropped
+    and the new report sent.
 
     Args:
         settings: the agent's URL and the pod's identity.
@@ -334,8 +439,33 @@ class AgentLink:
 
     async def _run(self) -> None:
         while True:
-            await self.sync_once()
-            await asyncio.sleep(self.state.sync_interval_seconds)
+            started = self.state.clock()
+            result = await self._sync_or_resend()
+            if result is not None:
+                await asyncio.sleep(self.state.next_sync_delay(started, result))
+
+    async def _sync_or_resend(self) -> SyncResult | None:
+        """One sync, or None when it was dropped for a materially newer report."""
+        sent = self.report()
+        wait = self.state.wait_seconds(self.settings.sync_wait, self.settings.sync_timeout)
+        task = asyncio.create_task(self.sync_once(sent, wait))
+        started = self.state.clock()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.state.sync_interval_seconds)
+                if done:
+                    return task.result()
+                held = self.state.clock() - started >= self.settings.sync_timeout
+                if wait > 0 and held and material_change(sent, self.report()):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    return None
+        finally:
+            if not task.done():  # we were cancelled (stop()): so is the call
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def _token(self) -> str | None:
         """The bearer token, read fresh (projected tokens rotate); None when unreadable."""
@@ -349,60 +479,74 @@ class AgentLink:
         self._token_warned = False
         return token or None
 
-    async def sync_once(self) -> SyncResult:
-        """One sync: send the report, record the outcome in ``state``, call ``on_result``.
-        Returns the result; never raises (except ``CancelledError``)."""
+    async def sync_once(self, report: SyncReport | None = None, wait: float = 0.0) -> SyncResult:
+        """One sync: send ``report`` (default: a fresh one), asking the agent to hold it up to
+        ``wait`` seconds; record the outcome in ``state``, call ``on_result``. Returns the
+        result; never raises (except ``CancelledError``)."""
         answer: SyncAnswer | None = None
         detail = ""
+        held = False
+        started = self.state.clock()
         try:
-            result, answer, detail = await self._exchange()
+            result, answer, detail, held = await self._exchange(report or self.report(), wait)
         except asyncio.CancelledError:
             raise
         except TimeoutError:
-            result, detail = SyncResult.TIMEOUT, f"no answer within {self.settings.sync_timeout}s"
+            bound = wait + self.settings.sync_timeout
+            result, detail = SyncResult.TIMEOUT, f"no answer within {bound:g}s"
         except aiohttp.ClientError as exc:
             result, detail = SyncResult.ERROR, f"{type(exc).__name__}: {exc}"
+            # Broken after the agent held it (longer than an unheld answer may take).
+            held = wait > 0 and self.state.clock() - started >= self.settings.sync_timeout
         except Exception as exc:  # a bug must not stop the loop: count it, log it, carry on
             log.exception("sync with the node agent failed unexpectedly")
             result, detail = SyncResult.ERROR, repr(exc)
         if answer is not None:
-            self.state.record_answer(answer, detail or None)
+            self.state.record_answer(answer, detail or None, held=held)
         elif result is SyncResult.NOT_MODIFIED:
-            self.state.record_not_modified()
+            self.state.record_not_modified(held=held)
         else:
-            self.state.record_failure(result)
+            self.state.record_failure(result, held=held)
         self._log(result, "" if result in _SUCCESS else detail)
         self.on_result(result, answer)
         return result
 
-    async def _exchange(self) -> tuple[SyncResult, SyncAnswer | None, str]:
-        """(result, answer on 200, ETag on 200 / detail on failure)."""
+    async def _exchange(
+        self, report: SyncReport, wait: float
+    ) -> tuple[SyncResult, SyncAnswer | None, str, bool]:
+        """(result, answer on 200, ETag on 200 / detail on failure, whether the agent holds
+        syncs)."""
         assert self.session is not None, "start() first"
-        body = self.report().model_dump_json(by_alias=True, exclude_none=True)
+        body = report.model_dump_json(by_alias=True, exclude_none=True)
         headers = {"Content-Type": "application/json"}
         token = self._token()
         if token is not None:
             headers["Authorization"] = f"Bearer {token}"
         if self.state.etag is not None and self.state.answer is not None:
             headers["If-None-Match"] = self.state.etag
-        async with self.session.post(self.url, data=body, headers=headers) as resp:
+        if wait > 0:
+            headers[PREFER_HEADER] = f"wait={wait:g}"
+        # Always explicit (None would mean no bound at all): a hung call is a failed sync.
+        timeout = aiohttp.ClientTimeout(total=wait + self.settings.sync_timeout)
+        async with self.session.post(self.url, data=body, headers=headers, timeout=timeout) as resp:
             data = await resp.read()
+            held = resp.headers.get(APPLIED_HEADER, "").strip().lower().startswith("wait=")
             if resp.status == 200:
                 try:
                     answer = SyncAnswer.model_validate_json(data)
                 except ValidationError as exc:
-                    return SyncResult.ERROR, None, f"unreadable answer: {exc}"
-                return SyncResult.OK, answer, resp.headers.get("ETag", answer.etag)
+                    return SyncResult.ERROR, None, f"unreadable answer: {exc}", False
+                return SyncResult.OK, answer, resp.headers.get("ETag", answer.etag), held
             if resp.status == 304:
                 if self.state.answer is None:
-                    return SyncResult.ERROR, None, "304 Not Modified before any answer"
-                return SyncResult.NOT_MODIFIED, None, ""
+                    return SyncResult.ERROR, None, "304 Not Modified before any answer", False
+                return SyncResult.NOT_MODIFIED, None, "", held
             detail = f"HTTP {resp.status}: {data[:300].decode(errors='replace')}"
             if resp.status == 401:
-                return SyncResult.UNAUTHORIZED, None, detail
+                return SyncResult.UNAUTHORIZED, None, detail, False
             if resp.status == 403:
-                return SyncResult.FORBIDDEN, None, detail
-            return SyncResult.ERROR, None, detail
+                return SyncResult.FORBIDDEN, None, detail, False
+            return SyncResult.ERROR, None, detail, False
 
     def _log(self, result: SyncResult, detail: str) -> None:
         """Log changes of outcome only, not every failed second."""

@@ -24,6 +24,7 @@ from kvgate_agent.args import env as _env
 from kvgate_agent.args import hostport as _hostport
 from kvgate_agent.args import positive as _positive
 from kvgate_agent.contract.policy import FailureMode, PolicyError, RateLimitPolicy, load_policy
+from kvgate_agent.contract.sync import MAX_WAIT_SECONDS
 from kvgate_agent.sidecar.agent_link import (
     DEFAULT_TOKEN_FILE,
     AgentSettings,
@@ -162,6 +163,14 @@ def _add_agent_args(s: argparse.ArgumentParser) -> None:
         help="with --agent-url: seconds the last thresholds stay enforced while the node "
         "agent is unreachable, then the policy's failureMode applies (default: the agent's "
         "ttlSeconds, 30 before its first answer) [KVGATE_THRESHOLDS_TTL]",
+    )
+    s.add_argument(
+        "--sync-wait",
+        type=_non_negative_seconds,
+        default=_env("SYNC_WAIT", str(MAX_WAIT_SECONDS)),
+        help="with --agent-url: seconds the node agent may hold a sync until the thresholds "
+        "change (long poll; capped below the TTL); 0 = poll every sync interval "
+        "[KVGATE_SYNC_WAIT]",
     )
 
 
@@ -339,6 +348,7 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
         metrics_url=sidecar_metrics_url(args.pod_ip or None, host, port),
         gpu_uuids=gpu_uuids_from_env(os.environ),
         expected_policy=args.expected_policy or None,
+        sync_wait=args.sync_wait,
     )
 
 
