@@ -179,7 +179,9 @@ class RateLimitSpec(_Model):
     worth); ``tokensPerMinute`` refills a cost bucket of ``burstTokens`` (default: one minute's
     worth), where cost is defined by :class:`CostSpec`. ``warmupSeconds``: capacity ramps linearly
     from a quarter to full over this time after the pod starts, so a fresh pod does not absorb a
-    full burst.
+    full burst. ``shared``: one budget across every pod the policy governs (``per: Tenant`` or
+    ``per: Global``; refused with ``per: Pod``), held in the sidecars' store (``--store``, a
+    Redis) through leases; without a store, the limit falls back to the per-pod behaviour.
     """
 
     name: Annotated[
@@ -191,9 +193,14 @@ class RateLimitSpec(_Model):
     burst_requests: PositiveInt | None = None
     burst_tokens: PositiveInt | None = None
     warmup_seconds: NonNegativeFloat = 0.0
+    shared: bool = False
 
     @model_validator(mode="after")
     def _has_a_rate(self) -> RateLimitSpec:
+        if self.shared and self.per is LimitScope.POD:
+            raise ValueError(
+                "shared needs per: Tenant or per: Global (a per: Pod limit is one pod's)"
+            )
         if self.requests_per_minute is None and self.tokens_per_minute is None:
             raise ValueError("a rate limit needs requestsPerMinute or tokensPerMinute")
         if self.burst_requests is not None and self.requests_per_minute is None:
