@@ -374,7 +374,9 @@ def test_policy_defaults_spelled_out() -> None:
     assert spec["queue"] == {"maxLength": 100, "maxWaitSeconds": 30, "order": "FIFO"}
     assert spec["cost"] == {"perRequest": 0, "promptTokenWeight": 1, "outputTokenWeight": 1}
     assert spec["priority"] == {"header": "x-kvgate-priority"}
-    assert spec["rateLimits"] == [{"name": "a", "per": "Tenant", "warmupSeconds": 0}]
+    assert spec["rateLimits"] == [
+        {"name": "a", "per": "Tenant", "warmupSeconds": 0, "shared": False}
+    ]
 
 
 # ----------------------------------------------------------------------------------------------

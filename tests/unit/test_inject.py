@@ -36,6 +36,7 @@ from kvgate_operator.inject import (
     apply_patch,
     inject,
 )
+from kvgate_operator.inject_store import store_volumes
 from kvgate_operator.template import (
     SIDECAR_NAME,
     TEMPLATE_VERSION,
@@ -212,8 +213,9 @@ def check_result(
         kept = [c for c in r.pod["spec"].get(k) or [] if c.get("name") != SIDECAR_NAME]
         assert kept == (pod_in["spec"].get(k) or [])
     vols = r.pod["spec"]["volumes"]
-    assert vols[:-1] == (pod_in["spec"].get("volumes") or [])
-    assert vols[-1]["name"] == TOKEN_VOLUME
+    ours = 1 + len(store_volumes(config.store))  # the token's, then the store's Secrets
+    assert vols[:-ours] == (pod_in["spec"].get("volumes") or [])
+    assert vols[-ours]["name"] == TOKEN_VOLUME
     assert restricted_violations(r.pod, sidecar) == []
     marker = json.loads(r.pod["metadata"]["annotations"][ANNOTATION_INJECTED])
     assert marker["native"] == config.native_sidecar

@@ -127,7 +127,7 @@ def test_shared_needs_tenant_or_global() -> None:
             "rateLimits": [{"name": "r", "per": "Pod", "shared": True, "requestsPerMinute": 1}]
         },
     }
-    with pytest.raises(PolicyError, match="shared needs per: Tenant or per: Global"):
+    with pytest.raises(PolicyError, match="shared needs per Tenant or per Global"):
         parse_policy(doc)
     doc["spec"]["rateLimits"][0]["per"] = "Global"  # type: ignore[index]
     assert parse_policy(doc).spec.rate_limits[0].shared

@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from kvgate_agent.contract.api import API_VERSION
@@ -195,12 +203,15 @@ class RateLimitSpec(_Model):
     warmup_seconds: NonNegativeFloat = 0.0
     shared: bool = False
 
+    @field_validator("shared")
+    @classmethod
+    def _shared_scope(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("per") is LimitScope.POD:
+            raise ValueError("shared needs per Tenant or per Global (per: Pod is one pod's limit)")
+        return v
+
     @model_validator(mode="after")
     def _has_a_rate(self) -> RateLimitSpec:
-        if self.shared and self.per is LimitScope.POD:
-            raise ValueError(
-                "shared needs per: Tenant or per: Global (a per: Pod limit is one pod's)"
-            )
         if self.requests_per_minute is None and self.tokens_per_minute is None:
             raise ValueError("a rate limit needs requestsPerMinute or tokensPerMinute")
         if self.burst_requests is not None and self.requests_per_minute is None:
