@@ -229,3 +229,14 @@ async def test_password_and_tls(
         assert await r.exists(key_prefix("default/test") + "r:requests:t1")
     finally:
         await r.aclose()
+
+
+async def test_without_a_store_shared_limits_are_per_pod_and_say_so(
+    sidecar_factory: SidecarFactory, sim: Callable[..., Any], client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(await sim(), shared_spec())
+    status, headers, _ = await post(client, url)
+    assert status == 200 and "x-kvgate-thresholds" not in headers
+    g = await gauges(client, url)
+    assert g["kvgate_shared_limits_local"] == 1
+    assert not any(k.startswith("kvgate_store_state") for k in g)

@@ -41,9 +41,9 @@ from kvgate_agent.admission.bucket import BucketMap, SharedBucket
 
 #: Lease period, seconds: a sidecar holding or needing slices syncs at least every half of it,
 #: and falls back (FailOpen/FailClosed) within it once the store stops answering.
-LEASE_SECONDS = 5.0
+LEASE_SECONDS = 8.0
 #: A slice covers this many seconds of the key's recent demand.
-DEMAND_HORIZON_S = 4.0
+DEMAND_HORIZON_S = 8.0
 #: Time constant of the demand average, seconds.
 DEMAND_TAU_S = 2.0
 #: A slice never exceeds this fraction of the shared burst (bounds the overshoot per sidecar).

@@ -172,6 +172,7 @@ class SharedStore:
         self._task: asyncio.Task[None] | None = None
         self.syncs_ok = 0
         self.syncs_failed = 0
+        self._held = False  # the FailClosed hold is in place
 
     async def start(self) -> None:
         """Connect (lazily: an unreachable store only fails syncs) and start the loop."""
@@ -221,17 +222,26 @@ class SharedStore:
             if self.book.state is not StoreState.SHARED or self.syncs_ok == 1:
                 log.info("store %s reachable: shared limits leased", self._host())
             self.book.done(ops, grants, peers, self.clock())
+            if any(g.granted > 0 for g in grants):
+                self.admission.kick()  # waiters for a slice: look again
         self._apply_state()
 
     def _apply_state(self) -> None:
         if self.book.state is StoreState.CLOSED:
+            message = "the store of the shared limits is unreachable (failureMode FailClosed)"
+            if not self._held:
+                # waiters would otherwise sit out their queue deadline behind the hold
+                self.admission.reject_waiting(Reason.FAIL_CLOSED, 503, 1.0, message)
             self.controller.hold(
                 Reason.FAIL_CLOSED,
                 retry_after=max(1.0, RETRY_SECONDS),
-                message="the store of the shared limits is unreachable (failureMode FailClosed)",
+                message=message,
                 key=HOLD_KEY,
             )
-        elif self.controller.lift(HOLD_KEY):
+            self._held = True
+            return
+        self._held = False
+        if self.controller.lift(HOLD_KEY):
             self.admission.kick()
 
     async def _call(self, ops: list[SliceOp], leaving: bool = False) -> tuple[int, list[Grant]]:
