@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 
 from kvgate_agent.admission.bucket import WARMUP_START_FRACTION
 from kvgate_agent.admission.lease import LEASE_SECONDS, MAX_LEASE_FRACTION
 from kvgate_agent.sidecar.store import StoreSettings, key_prefix
+from kvgate_bench import fleet as fleet_bench
 from kvgate_bench.redisserver import RedisServer, make_tls
 from kvgate_bench.toolkit import wait_until_async
 from tests.conftest import SidecarFactory, gauges
@@ -240,3 +242,13 @@ async def test_without_a_store_shared_limits_are_per_pod_and_say_so(
     g = await gauges(client, url)
     assert g["kvgate_shared_limits_local"] == 1
     assert not any(k.startswith("kvgate_store_state") for k in g)
+
+
+def test_fleet_benchmark_smoke(
+    redis_server: Callable[..., RedisServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m kvgate_bench.fleet`` runs end to end (briefly) and prints its table."""
+    redis_server()  # fails or skips as the fixture says when there is no redis-server
+    assert fleet_bench.main(["--seconds", "1.5", "--sidecars", "1", "--iterations", "2000"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 | " in out and "decision (submit + release)" in out
