@@ -18,8 +18,11 @@ Overshoot bound: a slice is debited from the shared bucket when granted, so over
 fleet admits at most the shared bucket's own bound (burst + rate x window) plus what was
 outstanding locally at the window's start: Σ over sidecars of their slices' positive levels and
 their uncharged debt (:meth:`LeaseBook.outstanding`, exported as
-``kvgate_shared_lease_outstanding``). Each term is at most ``MAX_LEASE_FRACTION`` x burst per key
-and sidecar (plus, while the store is unreachable under FailOpen, the local share credited).
+``kvgate_shared_lease_outstanding``). Per key and sidecar that is at most
+2 x ``MAX_LEASE_FRACTION`` x burst: a lease, and the first slice a new key starts with before its
+first sync (charged then); plus, while the store is unreachable under FailOpen, the local share
+credited (charged once it answers again). Usage beyond a reservation is owed by the slice (its
+level goes below 0) and paid from its next lease.
 
 Faults: a sync that fails twice in a row (each bounded by the store's timeout) marks the store
 down, which with syncs at least every ``LEASE_SECONDS / 2`` happens within :data:`LEASE_SECONDS`
