@@ -696,3 +696,14 @@ def test_passthrough_paths_reach_the_sidecar_as_one_variable_only_when_set() -> 
     for bad in ("v1/x", "/a,/b", " /x"):
         with pytest.raises(ValidationError):
             InjectionConfig(passthrough_paths=[bad])
+
+
+def test_store_settings_need_a_redis_url_and_add_only_what_is_set() -> None:
+    with pytest.raises(ValueError, match="redis:// or rediss://"):
+        InjectionConfig.model_validate({"store": {"url": "http://redis:6379"}})
+    cfg = InjectionConfig.model_validate({"store": {"url": "redis://redis:6379/0"}})
+    assert store_volumes(cfg.store) == []  # no Secret: no volume, no password file
+    c = sidecar_container(cfg, model_port=8000, sidecar_port=8001, policy=None)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KVGATE_STORE_URL"] == "redis://redis:6379/0"
+    assert "KVGATE_STORE_PASSWORD_FILE" not in env and "KVGATE_STORE_CA_FILE" not in env
