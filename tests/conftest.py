@@ -18,6 +18,7 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_bench.redisserver import RedisServer, find_redis_server
 from kvgate_bench.sim.server import SimConfig, start_sim
 from kvgate_bench.toolkit import find_k8s_bin, free_port, parse_samples, series, wait_http
 from tests.upstream import Upstream, serve_handler
@@ -277,3 +278,30 @@ async def sim() -> AsyncIterator[Callable[..., Awaitable[str]]]:
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """Start real ``redis-server`` processes on loopback ports in the test's temp dir:
+    ``server = start(password=None, tls=None)`` (a :class:`~kvgate_bench.redisserver.RedisServer`,
+    which can be killed and restarted); stopped at teardown. Without the binary (scripts/
+    install-redis, which scripts/test runs, or KVGATE_REDIS_SERVER), tests using it fail loudly,
+    unless KVGATE_ALLOW_SKIP_REDIS=1, then they skip."""
+    binary = find_redis_server()
+    if binary is None:
+        if os.environ.get("KVGATE_ALLOW_SKIP_REDIS") == "1":
+            pytest.skip("redis-server not installed (run scripts/install-redis)")
+        pytest.fail(
+            "redis-server not found: run scripts/install-redis (or scripts/test), or set "
+            "KVGATE_REDIS_SERVER; KVGATE_ALLOW_SKIP_REDIS=1 skips instead"
+        )
+    servers: list[RedisServer] = []
+
+    def start(**kw: Any) -> RedisServer:
+        server = RedisServer(binary, tmp_path / f"redis-{len(servers)}", **kw)
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -116,13 +116,15 @@ class Snapshot:
     """Everything desired state depends on.
 
     ``nodes`` maps node name to uid. ``engine_capacity`` maps a pod uid to the KV capacity in
-    tokens its engine reported (from NodeAdmission status, written by the agent).
+    tokens its engine reported (from NodeAdmission status, written by the agent). ``store``:
+    the injected sidecars have a store for ``shared`` limits (the chart's ``store.url``).
     """
 
     policies: Mapping[Key, Policy]
     pods: Mapping[Key, Pod]
     nodes: Mapping[str, str]
     engine_capacity: Mapping[str, int] = field(default_factory=dict)
+    store: bool = False
 
 
 @dataclass
@@ -137,6 +139,8 @@ class PolicyOutcome:
     conflicts: list[str] = field(default_factory=list)
     lost: int = 0
     write_error: str | None = None
+    #: None: the policy has no shared limit; else whether a store holds them.
+    shared_store: bool | None = None
 
     def status(self) -> dict[str, Any]:
         """The status fields (conditions without timestamps; the reconciler adds them).
@@ -179,8 +183,29 @@ class PolicyOutcome:
                     "message": ready_msg,
                     "observedGeneration": self.generation,
                 },
+                *self._shared_condition(),
             ],
         }
+
+    def _shared_condition(self) -> list[dict[str, Any]]:
+        """``SharedLimits`` (only for a policy with ``shared`` limits): True ``Store`` when the
+        sidecars lease them from the store, False ``NoStore`` when they fall back to per-pod
+        budgets (no ``store.url`` in the chart values)."""
+        if self.shared_store is None:
+            return []
+        ok = self.shared_store
+        return [
+            {
+                "type": "SharedLimits",
+                "status": "True" if ok else "False",
+                "reason": "Store" if ok else "NoStore",
+                "message": "shared limits hold across pods through the store"
+                if ok
+                else "no store configured (chart value store.url): shared limits are enforced "
+                "per pod, as if not shared",
+                "observedGeneration": self.generation,
+            }
+        ]
 
 
 @dataclass
@@ -217,13 +242,14 @@ def _precedence(p: Policy) -> tuple[str, str, str]:
 
 
 def resolve_thresholds(
-    spec: RateLimitPolicySpec, share: float, engine_kv_capacity: int | None
+    spec: RateLimitPolicySpec, share: float, engine_kv_capacity: int | None, store: bool = False
 ) -> PodThresholds:
     """One pod's thresholds: ``per: Global`` rates × ``share`` and bursts × ``share`` (at least
-    1), the best known KV capacity (tokens) and bytes per token."""
+    1), the best known KV capacity (tokens) and bytes per token. With a ``store``, ``shared``
+    Global limits keep the whole budget: the sidecars lease it from the store."""
     limits = []
     for rl in spec.rate_limits:
-        if rl.per is LimitScope.GLOBAL and share < 1:
+        if rl.per is LimitScope.GLOBAL and share < 1 and not (store and rl.shared):
             upd: dict[str, Any] = {}
             if rl.requests_per_minute is not None:
                 upd["requests_per_minute"] = rl.requests_per_minute * share
@@ -339,7 +365,7 @@ def _entries(snap: Snapshot, policy: Policy, outcome: PolicyOutcome) -> list[Pod
             uid=pod.uid,
             policy=ref,
             thresholds=resolve_thresholds(
-                policy.spec, min(1.0, share), snap.engine_capacity.get(pod.uid)
+                policy.spec, min(1.0, share), snap.engine_capacity.get(pod.uid), snap.store
             ),
         )
         for pod in members
@@ -354,10 +380,14 @@ def compute(snap: Snapshot) -> Desired:
     it is bound to an existing node, not terminating and not finished. A policy being deleted
     governs nothing. Of two policies selecting one pod the oldest (creationTimestamp, then
     name) wins and both report the overlap. ``per: Global`` limits are split evenly across the
-    policy's ready pods (across all matched pods when none is ready). The engine's reported KV
+    policy's ready pods (across all matched pods when none is ready), except ``shared`` ones
+    when the sidecars have a store (they lease the whole budget). The engine's reported KV
     capacity beats ``capacity.kvCacheTokens`` when ``fromEngineMetrics`` is set.
     """
     outcomes, valid = _validate(snap.policies)
+    for p in valid:
+        if p.spec is not None and any(rl.shared for rl in p.spec.rate_limits):
+            outcomes[p.key].shared_store = snap.store
     _assign(snap, valid, outcomes)
     pods_by_node: dict[str, list[dict[str, Any]]] = {n: [] for n in snap.nodes}
     for pol_key, outcome in outcomes.items():

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import jsonpatch
 
+from kvgate_operator.inject_store import store_volumes
 from kvgate_operator.template import (
     PORT_NAME,
     SIDECAR_NAME,
@@ -544,6 +545,9 @@ def _rule_inject(
         _marker_op(pod, marker),
         _append_op(pod.spec, "initContainers" if native else "containers", container),
         _append_op(pod.spec, "volumes", token_volume(config)),
+    ]
+    ops += [
+        {"op": "add", "path": "/spec/volumes/-", "value": v} for v in store_volumes(config.store)
     ]
     mode = "native sidecar (init container)" if native else "container"
     return Injection(

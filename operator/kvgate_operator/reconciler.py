@@ -375,7 +375,9 @@ class Reconciler:
                 cap = usage.get("engineKvCapacityTokens")
                 if usage.get("uid") and isinstance(cap, int) and cap > 0:
                     capacity[usage["uid"]] = cap
-        snap = Snapshot(policies, pods, nodes, capacity)
+        snap = Snapshot(
+            policies, pods, nodes, capacity, store=self.settings.injection.store is not None
+        )
         missed: list[MissedPod] = []
         if self.settings.webhook_enabled:
             missed = find_missed(raw_pods, self._namespace_labels(), self.settings.injection)

@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
+from kvgate_operator.inject_store import StoreInjection, store_env, store_mounts
+
 SIDECAR_NAME = "kvgate-sidecar"
 PORT_NAME = "kvgate-http"
 TOKEN_VOLUME = "kvgate-token"
@@ -64,6 +66,8 @@ class InjectionConfig(BaseModel):
         passthrough_paths: the sidecar's ``KVGATE_PASSTHROUGH_PATHS``: paths (or prefixes
             ending in ``*``) POST and other mutating requests may reach the model server on
             without admission, besides the sidecar's built-in allowlist; set only when non-empty.
+        store: the Redis of shared limits (:mod:`kvgate_operator.inject_store`); None: shared
+            limits are per pod.
     """
 
     model_config = ConfigDict(
@@ -88,6 +92,7 @@ class InjectionConfig(BaseModel):
     upstream_timeout_seconds: float = Field(600.0, gt=0, le=86400)
     log_level: str = "INFO"
     passthrough_paths: list[str] = Field(default_factory=list)
+    store: StoreInjection | None = None
 
     @field_validator("passthrough_paths")
     @classmethod
@@ -177,6 +182,9 @@ def sidecar_container(
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    if config.store is not None:
+        env += store_env(config.store)
+        container["volumeMounts"] += store_mounts(config.store)
     if config.native_sidecar:
         container["restartPolicy"] = "Always"
     return container

@@ -333,6 +333,12 @@ INVALID = [
         "burstTokens needs tokensPerMinute",
     ),
     bad(
+        "shared-per-pod",
+        {"rateLimits[0].per": "Pod", "rateLimits[0].shared": True},
+        "spec.rateLimits[0].shared",
+        "shared needs per",
+    ),
+    bad(
         "limit-names-repeat",
         {"rateLimits[1]": {"name": "per-tenant", "requestsPerMinute": 1}},
         "spec.rateLimits",
@@ -580,7 +586,7 @@ def test_defaults_are_filled_in(kv: Any, ns: str) -> None:
     assert stored["queue"] == {"maxLength": 100, "maxWaitSeconds": 30, "order": "FIFO"}
     assert stored["cost"] == {"perRequest": 0, "promptTokenWeight": 1, "outputTokenWeight": 1}
     assert stored["rateLimits"] == [
-        {"name": "a", "per": "Tenant", "requestsPerMinute": 60, "warmupSeconds": 0}
+        {"name": "a", "per": "Tenant", "requestsPerMinute": 60, "warmupSeconds": 0, "shared": False}
     ]
 
 

@@ -25,11 +25,12 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
 from kvgate_agent.gpu.fake import write_scenario
@@ -46,6 +47,7 @@ from kvgate_bench.promserver import (
     service_targets,
     substitute,
 )
+from kvgate_bench.redisserver import RedisServer
 from kvgate_bench.toolkit import free_port, wait_until
 from tests.conftest import REPO
 
@@ -236,13 +238,17 @@ def journey(kube: ControlPlane, tmp_path: Path) -> Iterator[Journey]:
         kube.helm("uninstall", RELEASE, "-n", RELEASE, "--wait=false", check=False)
 
 
-def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
+def test_install_inject_enforce_and_rbac(
+    journey: Journey, redis_server: Callable[..., RedisServer]
+) -> None:
     cp, j = journey.cp, journey
+    store = redis_server()  # the chart does not install Redis: one runs here
     # 1. helm install, with the webhook pointing at the operator run here.
     values = [
         "--set", f"webhook.url=https://127.0.0.1:{j.webhook_port}/inject-sidecar",
         "--set", f"agent.port={j.agent_port}",
         "--set", f"operator.port={free_port()}",
+        "--set", f"store.url={store.url}",
     ]  # fmt: skip
     cp.helm("install", RELEASE, str(CHART), "-n", RELEASE, "--create-namespace", *values)
     mwc = get(cp, "mutatingwebhookconfiguration", f"{RELEASE}-sidecar-injector")
@@ -390,6 +396,7 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
     )
     assert env["KVGATE_UPSTREAM"] == f"http://127.0.0.1:{model_port}"
     assert env["KVGATE_AGENT_URL"] == agent_url
+    assert env["KVGATE_STORE_URL"] == store.url
     # The projected token volume, as the kubelet would write it.
     token = cp.kubectl(
         "create", "token", "model", "-n", MODELS, "--audience", projected["audience"],
@@ -417,7 +424,7 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
 
     # 6. Traffic: the example policy chat-small (20000 tokens per minute per tenant) governs it.
     def live() -> bool:
-        return chat(url, 8)[1].get("x-kvgate-thresholds") == "live"
+        return chat(url, 8)[1].get("x-kvgate-thresholds") == "live, store=shared"
 
     wait_until(live, 60, "the sidecar's thresholds from the agent\n" + j.logs(), interval=0.2)
     status, headers, body = chat(url, 8)
@@ -435,6 +442,22 @@ def test_install_inject_enforce_and_rbac(journey: Journey) -> None:
                "the agent's status")  # fmt: skip
     if prom is not None:
         check_monitoring(prom, monitoring, traffic_end)
+    # A shared limit: leased from the store (its key appears), the policy's status says so.
+    cp.kubectl("patch", "rlp", "chat-small", "-n", MODELS, "--type=json", "-p", json.dumps([
+        {"op": "add", "path": "/spec/rateLimits/-", "value": {
+            "name": "fleet", "per": "Global", "shared": True, "requestsPerMinute": 6000}},
+    ]))  # fmt: skip
+    key = "kvgate:{models/chat-small}:fleet:requests:"
+    r = redis.Redis.from_url(store.url)
+
+    def leased() -> bool:
+        chat(url, 8, tenant="team-c")
+        return bool(r.exists(key))
+
+    wait_until(leased, 60, "a lease of the shared limit\n" + j.logs(), interval=0.5)
+    r.close()
+    conds = get(cp, "rlp", "chat-small", "-n", MODELS)["status"]["conditions"]
+    assert {c["type"]: c["status"] for c in conds}["SharedLimits"] == "True"
 
     # 7. RBAC for real, as the chart's service accounts.
     def can(sa: str, *args: str) -> bool:

@@ -256,6 +256,7 @@ BAD_VALUES = {
     "fractional drainSeconds": ["--set-json", "injector.drainSeconds=1.5"],
     "token expiry below 10 minutes": ["--set", "injector.tokenExpirationSeconds=60"],
     "issuerRef without name": ["--set", "webhook.certManager.issuerRef.kind=ClusterIssuer"],
+    "store url not redis": ["--set", "store.url=http://redis:6379"],
     # Cross-field checks (templates/validate.yaml).
     "cert-manager with caBundle": [
         "--set",
@@ -820,7 +821,8 @@ def test_operator_settings_read_the_environment(
 def test_injection_settings(docs: dict[str, Docs], scenario: str) -> None:
     env = _env(_operator(docs[scenario])["spec"]["template"]["spec"]["containers"][0])
     inj = json.loads(env["KVGATE_OPERATOR_INJECTION"])
-    assert set(inj) == INJECTION_KEYS
+    assert set(inj) - {"store"} == INJECTION_KEYS
+    assert ("store" in inj) is (scenario == "plain-container")  # only with store.url set
     ds = [d for d in docs[scenario] if d["kind"] == "DaemonSet"]
     agent = ds[0]["spec"]["template"]["spec"]["containers"][0]
     assert inj["sidecarImage"] == agent["image"]

@@ -375,7 +375,9 @@ def test_policy_defaults_spelled_out() -> None:
     assert spec["queue"] == {"maxLength": 100, "maxWaitSeconds": 30, "order": "FIFO"}
     assert spec["cost"] == {"perRequest": 0, "promptTokenWeight": 1, "outputTokenWeight": 1}
     assert spec["priority"] == {"header": "x-kvgate-priority", "forwardTo": "None"}
-    assert spec["rateLimits"] == [{"name": "a", "per": "Tenant", "warmupSeconds": 0}]
+    assert spec["rateLimits"] == [
+        {"name": "a", "per": "Tenant", "warmupSeconds": 0, "shared": False}
+    ]
 
 
 def test_priority_forward_to_names_the_engines_as_strings() -> None:

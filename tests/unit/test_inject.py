@@ -36,6 +36,7 @@ from kvgate_operator.inject import (
     apply_patch,
     inject,
 )
+from kvgate_operator.inject_store import store_volumes
 from kvgate_operator.template import (
     SIDECAR_NAME,
     TEMPLATE_VERSION,
@@ -212,8 +213,9 @@ def check_result(
         kept = [c for c in r.pod["spec"].get(k) or [] if c.get("name") != SIDECAR_NAME]
         assert kept == (pod_in["spec"].get(k) or [])
     vols = r.pod["spec"]["volumes"]
-    assert vols[:-1] == (pod_in["spec"].get("volumes") or [])
-    assert vols[-1]["name"] == TOKEN_VOLUME
+    ours = 1 + len(store_volumes(config.store))  # the token's, then the store's Secrets
+    assert vols[:-ours] == (pod_in["spec"].get("volumes") or [])
+    assert vols[-ours]["name"] == TOKEN_VOLUME
     assert restricted_violations(r.pod, sidecar) == []
     marker = json.loads(r.pod["metadata"]["annotations"][ANNOTATION_INJECTED])
     assert marker["native"] == config.native_sidecar
@@ -694,3 +696,14 @@ def test_passthrough_paths_reach_the_sidecar_as_one_variable_only_when_set() -> 
     for bad in ("v1/x", "/a,/b", " /x"):
         with pytest.raises(ValidationError):
             InjectionConfig(passthrough_paths=[bad])
+
+
+def test_store_settings_need_a_redis_url_and_add_only_what_is_set() -> None:
+    with pytest.raises(ValueError, match="redis:// or rediss://"):
+        InjectionConfig.model_validate({"store": {"url": "http://redis:6379"}})
+    cfg = InjectionConfig.model_validate({"store": {"url": "redis://redis:6379/0"}})
+    assert store_volumes(cfg.store) == []  # no Secret: no volume, no password file
+    c = sidecar_container(cfg, model_port=8000, sidecar_port=8001, policy=None)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KVGATE_STORE_URL"] == "redis://redis:6379/0"
+    assert "KVGATE_STORE_PASSWORD_FILE" not in env and "KVGATE_STORE_CA_FILE" not in env

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 from hypothesis import given, settings
@@ -288,3 +289,29 @@ def test_a_policy_whose_pods_all_belong_to_an_older_one_says_so() -> None:
     )
     ready = {c["type"]: c for c in d.policies[("m", "new")].status()["conditions"]}["Ready"]
     assert ready["reason"] == "AllPodsGovernedElsewhere" and "all 2" in ready["message"]
+
+
+def test_shared_global_limits_keep_the_whole_budget_with_a_store() -> None:
+    spec = {
+        "rateLimits": [
+            {"name": "g", "per": "Global", "shared": True, "requestsPerMinute": 600},
+            {"name": "h", "per": "Global", "requestsPerMinute": 600},
+        ]
+    }
+    pods = [pod("a"), pod("b", node="n2")]
+    with_store = compute(replace(snap([pol("p", spec)], pods), store=True))
+    g, h = entries(with_store, "n1")["a"]["thresholds"]["rateLimits"]
+    assert g["requestsPerMinute"] == 600  # leased from the store, not split
+    assert h["requestsPerMinute"] == 300
+    cond = {c["type"]: c for c in with_store.policies[("m", "p")].status()["conditions"]}
+    assert cond["SharedLimits"]["status"] == "True"
+    without = compute(snap([pol("p", spec)], pods))
+    g, _ = entries(without, "n1")["a"]["thresholds"]["rateLimits"]
+    assert g["requestsPerMinute"] == 300  # per pod, as if not shared, and the status says so
+    cond = {c["type"]: c for c in without.policies[("m", "p")].status()["conditions"]}
+    assert cond["SharedLimits"]["status"] == "False"
+    assert cond["SharedLimits"]["reason"] == "NoStore"
+    plain = compute(snap([pol("p", {})], pods))
+    assert "SharedLimits" not in {
+        c["type"] for c in plain.policies[("m", "p")].status()["conditions"]
+    }

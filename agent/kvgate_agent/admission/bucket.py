@@ -121,6 +121,65 @@ class TokenBucket:
         return self.refill(now) >= self.capacity
 
 
+class SharedBucket(TokenBucket):
+    """This pod's slice (lease) of one fleet-wide bucket held in the store (:mod:`.lease`).
+
+    It never refills by itself: ``level`` is what the leases granted (already debited from the
+    shared bucket), plus refunds from settlement, minus what admission took; the lease book
+    tops it up in the background. ``rate`` and ``capacity`` are the shared bucket's (units per
+    second, units), used for Retry-After. Usage beyond a reservation may take ``level`` below 0
+    (at most one capacity): the next leases pay it back, so nothing is spent twice.
+
+    Attributes:
+        debt: units credited here that the shared bucket has not been charged yet (the first
+            slice of a new key, and the local share credited while the store is unreachable
+            under FailOpen); charged at the next sync.
+        mark: ``level`` right after the last sync (the demand since is ``mark - level``).
+        demand: smoothed demand, units per second.
+        shared_level: the shared bucket's level at the last sync (units; 0 before one).
+    """
+
+    __slots__ = ("debt", "demand", "mark", "shared_level")
+
+    def __init__(self, capacity: float, rate: float, now: float, level: float = 0.0) -> None:
+        super().__init__(capacity, rate, now)
+        self.level = level
+        self.debt = level
+        self.mark = level
+        self.demand = 0.0
+        self.shared_level = 0.0
+
+    def capacity_at(self, now: float) -> float:
+        return self.capacity
+
+    def refill(self, now: float) -> float:
+        """The level (units); notes that admission looked at the slice (``last``: a slice a
+        request asked for, even in vain, is not idle)."""
+        self.last = now
+        return self.level
+
+    def peek(self, now: float) -> float:
+        return self.level
+
+    def charge(self, amount: float, now: float) -> None:
+        """Take ``amount`` units unconditionally, down to ``-capacity`` (a debt the next leases
+        pay)."""
+        self.level = max(-self.capacity, self.level - amount)
+
+    def seconds_until(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` units could be here: what the shared bucket lacks (as of the
+        last sync) at its refill rate; ``inf`` above the full capacity."""
+        if amount > self.capacity:
+            return math.inf
+        lacking = amount - max(0.0, self.level) - max(0.0, self.shared_level)
+        return max(0.0, lacking / self.rate)
+
+    def is_full(self, now: float) -> bool:
+        """True when the bucket holds nothing of the shared budget (its state can be
+        forgotten)."""
+        return self.level == 0.0 and self.debt == 0.0
+
+
 class BucketMap:
     """Buckets keyed by tenant (or a fixed key for pod-wide limits), bounded in memory.
 
@@ -134,6 +193,7 @@ class BucketMap:
     __slots__ = (
         "_buckets",
         "capacity",
+        "first_slice",
         "idle_seconds",
         "max_keys",
         "rate",
@@ -157,13 +217,21 @@ class BucketMap:
         self.max_keys = max_keys
         self.idle_seconds = idle_seconds
         self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+        #: None: local buckets. A number: the buckets are :class:`SharedBucket` slices of a
+        #: fleet-wide budget, a new one starting with this many units (charged later).
+        self.first_slice: float | None = None
 
     def get(self, key: str, now: float) -> TokenBucket:
         """The bucket for ``key``, created full (at its warm-up capacity) if absent."""
         b = self._buckets.get(key)
         if b is None:
             self._evict(now)
-            b = TokenBucket(self.capacity, self.rate, now, self.warmup_start, self.warmup_seconds)
+            if self.first_slice is None:
+                b = TokenBucket(
+                    self.capacity, self.rate, now, self.warmup_start, self.warmup_seconds
+                )
+            else:
+                b = SharedBucket(self.capacity, self.rate, now, self.first_slice)
             self._buckets[key] = b
         else:
             self._buckets.move_to_end(key)

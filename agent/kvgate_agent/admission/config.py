@@ -24,7 +24,8 @@ class LimitThreshold:
     """One rate limit after resolution.
 
     ``request_rate``/``cost_rate`` are units per second; capacities are units. Either pair may be
-    None (the limit does not count that unit).
+    None (the limit does not count that unit). ``shared``: the budget is fleet-wide, held
+    through leases from the store when the sidecar has one (:mod:`.lease`).
     """
 
     name: str
@@ -34,6 +35,7 @@ class LimitThreshold:
     cost_rate: float | None
     cost_capacity: float | None
     warmup_seconds: float
+    shared: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,7 @@ class AdmissionConfig:
                     else rl.tokens_per_minute * share / 60.0,
                     cost_capacity=None if cost_cap is None else max(1.0, cost_cap * share),
                     warmup_seconds=rl.warmup_seconds,
+                    shared=rl.shared,
                 )
             )
         actions = tuple(spec.overload.actions)

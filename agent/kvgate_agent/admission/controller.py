@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvgate_agent.admission.bucket import BucketMap
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
@@ -165,6 +166,16 @@ class AdmissionController(OverloadActions):
         self._aging_rate = _aging_rate(config)
         self._slo.retune(config.tpot_slo_seconds, config.ttft_slo_seconds, config.max_concurrency)
         self._sync_limit()
+
+    def attach_store(self) -> None:
+        """Hold shared limits as slices of fleet-wide budgets (see
+        :class:`~kvgate_agent.admission.lease.LeaseBook`), from now on and across
+        :meth:`reconfigure`."""
+        self._limits.attach_store(self.clock())
+
+    def shared_maps(self) -> list[tuple[str, str, BucketMap]]:
+        """(limit, unit, bucket map) of the limits held as fleet-wide slices."""
+        return self._limits.shared_maps()
 
     def _sync_limit(self) -> None:
         cap = self._limits.config.max_concurrency

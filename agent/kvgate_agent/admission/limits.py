@@ -69,11 +69,15 @@ class RateLimitBuckets:
     count that unit.
     """
 
-    __slots__ = ("cost", "is_tenant", "max_keys", "requests", "threshold")
+    __slots__ = ("cost", "is_tenant", "max_keys", "requests", "shared", "threshold")
 
-    def __init__(self, threshold: LimitThreshold, now: float, max_tenants: int) -> None:
+    def __init__(
+        self, threshold: LimitThreshold, now: float, max_tenants: int, shared: bool = False
+    ) -> None:
         self.threshold = threshold
         self.is_tenant = threshold.per is LimitScope.TENANT
+        #: The buckets are slices of a fleet-wide budget (a shared limit with a store attached).
+        self.shared = shared
         self.max_keys = max_tenants if self.is_tenant else 1
         self.requests = _retune(
             None,
@@ -93,6 +97,10 @@ class RateLimitBuckets:
             now,
             self.max_keys,
         )
+        if shared:
+            for bmap in (self.requests, self.cost):
+                if bmap is not None:
+                    bmap.first_slice = 0.0  # the lease book sizes first slices from its peers
 
     def key(self, tenant: str) -> str:
         """The bucket key for ``tenant``: the tenant itself, or "" for a pod-wide limit."""
@@ -121,6 +129,10 @@ class RateLimitBuckets:
             warmup_start,
             self.max_keys,
         )
+        if self.shared:
+            for bmap in (self.requests, self.cost):
+                if bmap is not None and bmap.first_slice is None:
+                    bmap.first_slice = 0.0
         self.threshold = threshold
 
 
@@ -191,6 +203,7 @@ class Limits:
         "predicted_in_flight",
         "predictor",
         "rate_limits",
+        "store_attached",
         "tickets",
     )
 
@@ -198,6 +211,8 @@ class Limits:
         self._started_at = started_at
         self._max_tenants = max_tenants
         self.config = config
+        #: Shared limits hold slices of fleet-wide buckets (:meth:`attach_store`).
+        self.store_attached = False
         self.rate_limits = [RateLimitBuckets(t, started_at, max_tenants) for t in config.limits]
         self.min_cost_capacity = _min_cost_capacity(config)
         self.in_flight = 0
@@ -220,12 +235,13 @@ class Limits:
         unchanged keeps its buckets (see :meth:`RateLimitBuckets.update`); new limits start with
         fresh (full) buckets; removed ones are dropped (tickets still holding their buckets
         release into them harmlessly). Reservations and tickets stay."""
-        old = {(lim.threshold.name, lim.threshold.per): lim for lim in self.rate_limits}
+        old = {(lim.threshold.name, lim.threshold.per, lim.shared): lim for lim in self.rate_limits}
         limits: list[RateLimitBuckets] = []
         for t in config.limits:
-            lim = old.get((t.name, t.per))
+            shared = t.shared and self.store_attached
+            lim = old.get((t.name, t.per, shared))
             if lim is None:
-                lim = RateLimitBuckets(t, self._started_at, self._max_tenants)
+                lim = RateLimitBuckets(t, self._started_at, self._max_tenants, shared)
             else:
                 lim.update(t, now, self._started_at)
             limits.append(lim)
@@ -234,6 +250,23 @@ class Limits:
         self.min_cost_capacity = _min_cost_capacity(config)
         self.predictor.reset_quantile(config.reservation_quantile)
         self.predicted = config.reservation is ReservationMode.PREDICTED
+
+    def attach_store(self, now: float) -> None:
+        """Hold every shared limit as slices of its fleet-wide budget from now on (the sidecar
+        has a store): such limits start with fresh, empty slice buckets."""
+        self.store_attached = True
+        self.reconfigure(self.config, now)
+
+    def shared_maps(self) -> list[tuple[str, str, BucketMap]]:
+        """(limit name, unit, bucket map) of every limit held as fleet-wide slices; ``unit`` is
+        ``requests`` or ``cost``."""
+        out = []
+        for lim in self.rate_limits:
+            if lim.shared:
+                for unit, bmap in (("requests", lim.requests), ("cost", lim.cost)):
+                    if bmap is not None:
+                        out.append((lim.threshold.name, unit, bmap))
+        return out
 
     def set_kv_capacity(self, tokens: int | None) -> None:
         """Enforce a new KV capacity (tokens; None = not enforced); reservations held stay."""

@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from kvgate_agent.contract.api import API_VERSION
@@ -179,7 +187,9 @@ class RateLimitSpec(_Model):
     worth); ``tokensPerMinute`` refills a cost bucket of ``burstTokens`` (default: one minute's
     worth), where cost is defined by :class:`CostSpec`. ``warmupSeconds``: capacity ramps linearly
     from a quarter to full over this time after the pod starts, so a fresh pod does not absorb a
-    full burst.
+    full burst. ``shared``: one budget across every pod the policy governs (``per: Tenant`` or
+    ``per: Global``; refused with ``per: Pod``), held in the sidecars' store (``--store``, a
+    Redis) through leases; without a store, the limit falls back to the per-pod behaviour.
     """
 
     name: Annotated[
@@ -191,6 +201,14 @@ class RateLimitSpec(_Model):
     burst_requests: PositiveInt | None = None
     burst_tokens: PositiveInt | None = None
     warmup_seconds: NonNegativeFloat = 0.0
+    shared: bool = False
+
+    @field_validator("shared")
+    @classmethod
+    def _shared_scope(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("per") is LimitScope.POD:
+            raise ValueError("shared needs per Tenant or per Global (per: Pod is one pod's limit)")
+        return v
 
     @model_validator(mode="after")
     def _has_a_rate(self) -> RateLimitSpec:

@@ -54,6 +54,7 @@ from kvgate_agent.sidecar.pool import already_degraded, send_to_pool
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import ParsedRequest, canonical_path
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
+from kvgate_agent.sidecar.store import SharedStore, StoreSettings, register_metrics
 from kvgate_agent.sidecar.tenants import engine_priority, priority_of, tenant_of
 from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
 from kvgate_agent.sidecar.tokens import (
@@ -98,6 +99,7 @@ class SidecarSettings:
         passthrough_paths: paths added to the pass-through allowlist for mutating methods
             (exact, or a prefix ending in ``*``), besides
             :data:`~kvgate_agent.sidecar.endpoints.DEFAULT_PASSTHROUGH`.
+        store: the Redis holding ``shared`` limits' budgets (None: they are per pod).
     """
 
     upstream: str
@@ -116,6 +118,7 @@ class SidecarSettings:
     tenant_label_limit: int = 50
     agent: AgentSettings | None = None
     passthrough_paths: tuple[str, ...] = ()
+    store: StoreSettings | None = None
 
 
 class Sidecar:
@@ -179,6 +182,13 @@ class Sidecar:
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
         self.passthrough = Passthrough.of(settings.passthrough_paths)
+        #: The leases of shared limits (None without a store: shared limits are per pod).
+        self.store: SharedStore | None = None
+        if settings.store is not None:
+            self.store = SharedStore(
+                settings.store, self.controller, self.admission, self._policy_name, clock
+            )
+        register_metrics(self.metrics.registry, self.controller, self.store)
 
     # ------------------------------------------------------------------ state
 
@@ -216,6 +226,23 @@ class Sidecar:
         """The engine's context length from ``/v1/models`` (tokens), if read."""
         return self.engine.max_model_len
 
+    def _policy_name(self) -> str:
+        """``namespace/name`` of the governing policy (the store keys' hash tag)."""
+        ref = None if self.thresholds is None else self.thresholds.policy_ref
+        if ref is not None:
+            return f"{ref.namespace}/{ref.name}"
+        meta = None if self.settings.policy is None else self.settings.policy.metadata
+        return "standalone" if meta is None else f"{meta.namespace or 'default'}/{meta.name}"
+
+    def mode_header(self) -> str | None:
+        """``x-kvgate-thresholds``: the thresholds mode (agent mode) and, with a store, where
+        shared limits stand (``store=shared|local|closed``); None when neither applies."""
+        mode = self.mode
+        parts = [] if mode is None else [mode.value]
+        if self.store is not None:
+            parts.append(f"store={self.store.book.state.value}")
+        return ", ".join(parts) or None
+
     def refresh_mode(self, *, force: bool = False) -> Mode | None:
         """Enforce the thresholds mode now (see :meth:`AgentThresholds.refresh`); None
         standalone."""
@@ -249,7 +276,8 @@ class Sidecar:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/kvgate/metrics", self.metrics_endpoint)
         # Standalone, the mode wrapper has nothing to do: route straight to the handler.
-        handler = self.completion if self.thresholds is not None else self._completion
+        wrap = self.thresholds is not None or self.store is not None
+        handler = self.completion if wrap else self._completion
         for path in GENERATION_PATHS:
             app.router.add_route("*", path, handler)
         app.router.add_route("*", "/{tail:.*}", self.other)
@@ -302,8 +330,12 @@ class Sidecar:
         if self.agent_link is not None:
             self.refresh_mode(force=True)
             await self.agent_link.start()
+        if self.store is not None:
+            await self.store.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
+        if self.store is not None:
+            await self.store.stop()  # hands the leases back
         if self.agent_link is not None:
             await self.agent_link.stop()
         await self.engine.stop()
@@ -403,13 +435,13 @@ class Sidecar:
     async def completion(self, request: web.Request) -> web.StreamResponse:
         """A generation path (:data:`GENERATION_PATHS`): validate, admit, forward. With a node
         agent, every answer says the thresholds mode in ``x-kvgate-thresholds``."""
-        if self.thresholds is None:
+        if self.thresholds is None and self.store is None:
             return await self._completion(request)
         self.refresh_mode()
         resp = await self._completion(request)
-        mode = self.mode
-        if not resp.prepared and mode is not None:  # streams got it with the admission headers
-            resp.headers[responses.THRESHOLDS_HEADER] = mode.value
+        value = self.mode_header()
+        if not resp.prepared and value is not None:  # streams got it with the admission headers
+            resp.headers[responses.THRESHOLDS_HEADER] = value
         return resp
 
     async def _not_a_generation(self, request: web.Request) -> web.StreamResponse | None:
@@ -476,10 +508,7 @@ class Sidecar:
         m.count_decision(d.outcome.value, d.reason.value, label)
         if d.ticket is None:
             return responses.refusal(d, parsed.path_kind)
-        mode = self.mode
-        headers = responses.admitted_headers(
-            d, None if mode is None else mode.value, parsed.max_tokens_clamped
-        )
+        headers = responses.admitted_headers(d, self.mode_header(), parsed.max_tokens_clamped)
         body = (
             parsed.upstream_body(
                 max_tokens=d.max_tokens,

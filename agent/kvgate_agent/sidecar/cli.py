@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 
 from aiohttp import web
@@ -34,6 +35,7 @@ from kvgate_agent.sidecar.agent_link import (
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.endpoints import Passthrough
 from kvgate_agent.sidecar.engine_tokens import DEFAULT_TIMEOUT_SECONDS
+from kvgate_agent.sidecar.store import StoreSettings
 from kvgate_agent.sidecar.tokens import TokenizerError
 
 log = logging.getLogger("kvgate")
@@ -84,6 +86,7 @@ def add_sidecar_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     _add_source_args(s)
     _add_agent_args(s)
     _add_serving_args(s)
+    _add_store_args(s)
     add_log_level(s)
 
 
@@ -264,6 +267,55 @@ def _add_routing_args(s: argparse.ArgumentParser) -> None:
     )
 
 
+def _store_url(value: str) -> str:
+    if not value.startswith(("redis://", "rediss://")):
+        raise argparse.ArgumentTypeError(f"expected a redis:// or rediss:// URL, got {value!r}")
+    return value
+
+
+def _add_store_args(s: argparse.ArgumentParser) -> None:
+    """The store of ``shared`` limits (a Redis; see :mod:`kvgate_agent.sidecar.store`)."""
+    s.add_argument(
+        "--store",
+        type=_store_url,
+        default=_env("STORE_URL"),
+        help="Redis holding the budgets of shared limits, redis://HOST:PORT/DB or rediss:// "
+        "(TLS); without it shared limits are enforced per pod [KVGATE_STORE_URL]",
+    )
+    s.add_argument(
+        "--store-password-file",
+        default=_env("STORE_PASSWORD_FILE"),
+        help="file holding the store's password (a mounted Secret) [KVGATE_STORE_PASSWORD_FILE]",
+    )
+    s.add_argument(
+        "--store-ca-file",
+        default=_env("STORE_CA_FILE"),
+        help="CA bundle verifying a rediss:// store [KVGATE_STORE_CA_FILE]",
+    )
+    s.add_argument(
+        "--store-timeout",
+        type=_positive(float),
+        default=_env("STORE_TIMEOUT", "1.0"),
+        help="seconds one store command may take before the sync counts as failed "
+        "[KVGATE_STORE_TIMEOUT]",
+    )
+
+
+def store_settings(args: argparse.Namespace) -> StoreSettings | None:
+    """The store settings from parsed ``sidecar`` arguments (None without ``--store``); the
+    sidecar's name among its peers is the pod's name, else host and pid."""
+    if not args.store:
+        return None
+    member = args.pod_name or f"{socket.gethostname()}-{os.getpid()}"
+    return StoreSettings(
+        url=args.store,
+        password_file=args.store_password_file or None,
+        ca_file=args.store_ca_file or None,
+        timeout=args.store_timeout,
+        member=member,
+    )
+
+
 async def run_sidecar(
     settings: SidecarSettings, listen: tuple[str, int], admin: tuple[str, int] | None
 ) -> int:
@@ -394,6 +446,7 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         body_timeout=args.body_timeout_seconds,
         engine_usage_seconds=args.engine_usage_seconds,
         passthrough_paths=passthrough,
+        store=store_settings(args),
     )
     with contextlib.suppress(ImportError):
         import uvloop

@@ -99,7 +99,7 @@ operator reads exactly these keys.
 */}}
 {{- define "kvgate.injection" -}}
 {{- $i := .Values.injector }}
-{{- dict
+{{- $inj := dict
   "sidecarImage" (include "kvgate.agentImage" .)
   "imagePullPolicy" $i.imagePullPolicy
   "nativeSidecar" $i.nativeSidecar
@@ -115,8 +115,16 @@ operator reads exactly these keys.
   "bodyTimeoutSeconds" $i.bodyTimeoutSeconds
   "upstreamTimeoutSeconds" $i.upstreamTimeoutSeconds
   "logLevel" $i.logLevel
-  "passthroughPaths" $i.passthroughPaths
-  | toJson }}
+  "passthroughPaths" $i.passthroughPaths }}
+{{- with .Values.store }}
+{{- if .url }}
+{{- $s := dict "url" .url "passwordKey" .passwordKey "tls" (dict "caKey" .tls.caKey) }}
+{{- if .existingSecret }}{{- $_ := set $s "existingSecret" .existingSecret }}{{- end }}
+{{- if .tls.caSecret }}{{- $_ := set $s.tls "caSecret" .tls.caSecret }}{{- end }}
+{{- $_ := set $inj "store" $s }}
+{{- end }}
+{{- end }}
+{{- $inj | toJson }}
 {{- end }}
 
 {{/* Restricted Pod Security for a container (the operator's; the agent's adds hostPID). */}}
