@@ -60,6 +60,7 @@ from kvgate_agent.sidecar.tokens import (
     default_within_context,
     optimistic_prompt_tokens,
 )
+from kvgate_agent.sidecar.upstream import UpstreamPool
 
 
 @dataclass(slots=True)
@@ -275,6 +276,11 @@ class Sidecar:
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         )
         self.forwarder.session = self.session
+        self.forwarder.pool = UpstreamPool(
+            self.upstream,
+            connect_timeout=self.settings.connect_timeout,
+            read_timeout=self.settings.read_timeout,
+        )
         spec = self.spec
         await self.engine.start(
             self.session,
@@ -291,6 +297,8 @@ class Sidecar:
             await self.agent_link.stop()
         await self.engine.stop()
         self.admission.close()
+        if self.forwarder.pool is not None:
+            self.forwarder.pool.close()
         if self.session is not None:
             await self.session.close()
 
