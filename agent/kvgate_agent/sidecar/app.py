@@ -334,6 +334,17 @@ class Sidecar:
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body (bytes). Raises :class:`RequestError` 413 above
         ``max_body_bytes``, 408 when it takes longer than ``body_timeout`` seconds."""
+        content = request.content
+        if content.is_eof() and request.content_length is not None:
+            # The whole body came with the headers (a small request): no waiting, no deadline.
+            # The size checked is the decoded one, as below (a compressed body may grow).
+            limit = self.settings.max_body_bytes
+            data = content.read_nowait(-1)
+            if request.content_length > limit or len(data) > limit:
+                raise RequestError(
+                    413, f"request body exceeds {limit} bytes", code="body_too_large"
+                )
+            return data
         try:
             async with asyncio.timeout(self.settings.body_timeout or None):
                 return await self._read_body_unbounded(request)

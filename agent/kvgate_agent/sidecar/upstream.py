@@ -57,12 +57,14 @@ class _Conn(asyncio.Protocol):
     __slots__ = (
         "_buffered",
         "_chunks",
+        "_deadline",
         "_drain",
         "_headers",
         "_loop",
         "_parser",
         "_paused",
         "_read_paused",
+        "_timer",
         "_until_close",
         "_waiter",
         "complete",
@@ -82,6 +84,8 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self._paused = False  # the socket's write buffer is full
         self._drain: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the read deadline's, see wait()
+        self._deadline = 0.0  # loop.time() by which the awaited change must come
         self._reset()
 
     def _reset(self) -> None:
@@ -119,6 +123,9 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(UpstreamBroken("the model server closed the connection"))
         if self.complete or self.error is not None:
@@ -177,15 +184,30 @@ class _Conn(asyncio.Protocol):
 
     async def wait(self, idle_s: float | None) -> None:
         """Until the connection's state changes (headers, body bytes, end, loss); raises
-        ``TimeoutError`` after ``idle_s`` seconds without a change (None: no limit)."""
+        ``TimeoutError`` after ``idle_s`` seconds without a change (None: no limit).
+
+        One timer per connection, moved lazily: a wait only pushes the deadline on, and the
+        timer, when it fires early, re-arms itself for the deadline (a stream waits once per
+        event; a timer made and cancelled for each would cost more than the wait)."""
         self._waiter = w = self._loop.create_future()
-        timer = None if idle_s is None else self._loop.call_later(idle_s, _expire, w)
+        if idle_s is not None:
+            self._deadline = self._loop.time() + idle_s
+            if self._timer is None:
+                self._timer = self._loop.call_at(self._deadline, self._check_deadline)
         try:
             await w
         finally:
             self._waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done():
+            return  # nobody waits: the next wait arms the timer again
+        if self._loop.time() < self._deadline:
+            self._timer = self._loop.call_at(self._deadline, self._check_deadline)
+        else:
+            w.set_exception(TimeoutError())
 
     async def drain(self, idle_s: float | None) -> None:
         """Until the socket accepts more bytes (the request body was large); raises
@@ -211,11 +233,6 @@ class _Conn(asyncio.Protocol):
             self._read_paused = False
             self.transport.resume_reading()
         return data
-
-
-def _expire(w: asyncio.Future[None]) -> None:
-    if not w.done():
-        w.set_exception(TimeoutError())
 
 
 class UpstreamResponse:
