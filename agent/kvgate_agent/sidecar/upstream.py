@@ -86,10 +86,12 @@ class _Conn(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None  # the read deadline's, see wait()
         self._deadline = 0.0  # loop.time() by which the awaited change must come
+        # One parser for the connection's life: llhttp starts on the next answer by itself
+        # once one is complete (a connection whose answer failed is never reused).
+        self._parser = httptools.HttpResponseParser(self)
         self._reset()
 
     def _reset(self) -> None:
-        self._parser = httptools.HttpResponseParser(self)
         self._headers: list[tuple[str, str]] = []
         self._chunks: list[bytes] = []
         self._buffered = 0
