@@ -192,3 +192,23 @@ async def test_an_idle_connection_the_server_closed_is_dropped() -> None:
         p.close()
         with pytest.raises(UpstreamConnectError):
             await p.request("POST", "/", [], b"{}")
+
+
+async def test_an_informational_answer_is_skipped_and_header_bytes_pass_unchanged() -> None:
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        seen.append(head)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)
+        await read_request(reader)
+
+    async with server(serve) as (url, _):
+        p = pool(url)
+        value = "caf\xc3\xa9".encode("latin-1").decode("utf-8", "surrogateescape")  # as aiohttp
+        resp = await p.request("POST", "/", [("X-Name", value)], b"{}")
+        assert resp.status == 200 and await resp.read_all(1024) == b"{}"
+        resp.release()
+        assert p.idle == 1
+        assert "X-Name: café\r\n".encode() in seen[0]
+        p.close()

@@ -96,14 +96,14 @@ def forward_headers(headers: Any) -> CIMultiDict[str]:
 
 #: Request headers the sidecar sets itself on an admitted request (besides the hop-by-hop
 #: ones): the body is JSON it may have rewritten, decoded and sent as identity, so that the
-#: answer can be read for its usage.
-_ADMITTED_DROP = HOP_BY_HOP | {"content-type", "content-encoding", "accept-encoding"}
+#: answer can be read for its usage; the body is sent at once (no ``Expect: 100-continue``).
+_ADMITTED_DROP = HOP_BY_HOP | {"content-type", "content-encoding", "accept-encoding", "expect"}
 
 
 def admitted_request_headers(headers: Any) -> list[tuple[str, str]]:
     """The client's ``headers`` as they go upstream with an admitted request: no hop-by-hop
-    header, ``Content-Type: application/json``, no ``Content-Encoding`` or
-    ``Accept-Encoding``."""
+    header, ``Content-Type: application/json``, no ``Content-Encoding``, ``Accept-Encoding``
+    or ``Expect``."""
     drop = _ADMITTED_DROP
     out = [(k, v) for k, v in headers.items() if k.lower() not in drop]
     out.append(("Content-Type", responses.JSON))
@@ -331,6 +331,7 @@ class Forwarder:
         observe = self.admission.core.observe_tokens
         ticket = ex.ticket
         told = 0  # output tokens last reported to the controller
+        write = out.write
         try:
             while chunk := await resp.read_any():
                 piece = acct.feed(chunk)
@@ -341,7 +342,10 @@ class Forwarder:
                     told = generated
                     observe(ticket, generated)
                 if piece:
-                    await _to_client(out.write(piece))
+                    try:  # _to_client, inlined: once per event
+                        await write(piece)
+                    except ConnectionResetError as exc:
+                        raise _ClientGone() from exc
                     if first:
                         self.metrics.ttft.observe(time.perf_counter() - ex.started)
                         first = False

@@ -60,6 +60,7 @@ class _Conn(asyncio.Protocol):
         "_deadline",
         "_drain",
         "_headers",
+        "_informational",
         "_loop",
         "_parser",
         "_paused",
@@ -98,6 +99,7 @@ class _Conn(asyncio.Protocol):
         self._read_paused = False
         self._waiter: asyncio.Future[None] | None = None
         self._until_close = False  # the body ends when the connection does (no length given)
+        self._informational = False  # a 1xx answer is being parsed
         self.status = 0
         self.headers_done = False
         self.complete = False
@@ -153,7 +155,12 @@ class _Conn(asyncio.Protocol):
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # informational (100 Continue, 103): the answer follows
+            self._headers = []
+            self._informational = True
+            return
+        self.status = status
         self.headers_done = True
         self.keep_alive = self._parser.should_keep_alive()
         self._until_close = not any(
@@ -167,6 +174,9 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
         self.complete = True
         self._wake()
 
@@ -362,7 +372,9 @@ class UpstreamPool:
         """Send ``method target`` with ``headers`` (no ``Host`` or ``Content-Length``: they are
         added) and ``body``; return once the answer's headers are in."""
         head = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), self._host_header]
-        head.extend(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers)
+        # aiohttp's server decodes header bytes as UTF-8 with surrogateescape: the same
+        # encoding gives back the bytes the client sent.
+        head.extend(f"{k}: {v}\r\n".encode("utf-8", "surrogateescape") for k, v in headers)
         head.append(b"Content-Length: %d\r\n\r\n" % len(body))
         conn = await self._acquire()
         try:
