@@ -162,7 +162,8 @@ class Sidecar:
             self.counter,
             body_timeout=settings.body_timeout,
         )
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # pass-through requests
+        self._probe_session: aiohttp.ClientSession | None = None  # the engine probe
         self.draining = False
         self.passthrough = Passthrough.of(settings.passthrough_paths)
 
@@ -281,9 +282,18 @@ class Sidecar:
             connect_timeout=self.settings.connect_timeout,
             read_timeout=self.settings.read_timeout,
         )
+        # The engine probe's reads (a few a second at most) close their connection: the
+        # connections to the model server are those of the requests in flight and the idle
+        # kept-alive ones of the two pools, nothing the probe left behind.
+        self._probe_session = aiohttp.ClientSession(
+            timeout=timeout,
+            auto_decompress=False,
+            connector=aiohttp.TCPConnector(force_close=True),
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
         spec = self.spec
         await self.engine.start(
-            self.session,
+            self._probe_session,
             poll=spec.capacity.from_engine_metrics
             or spec.model.max_model_len is None
             or self.thresholds is not None,  # thresholds may ask for the engine's capacity later
@@ -301,6 +311,8 @@ class Sidecar:
             self.forwarder.pool.close()
         if self.session is not None:
             await self.session.close()
+        if self._probe_session is not None:
+            await self._probe_session.close()
 
     # ------------------------------------------------------------------ own endpoints
 
