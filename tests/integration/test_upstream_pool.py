@@ -212,3 +212,20 @@ async def test_an_informational_answer_is_skipped_and_header_bytes_pass_unchange
         assert p.idle == 1
         assert "X-Name: café\r\n".encode() in seen[0]
         p.close()
+
+
+async def test_a_connection_idle_past_keepalive_is_not_reused() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(OK)
+
+    async with server(serve) as (url, opened):
+        p = UpstreamPool(url, connect_timeout=2.0, read_timeout=5.0, keepalive_s=0.1)
+        for _ in range(2):
+            resp = await p.request("POST", "/", [], b"{}")
+            assert await resp.read_all(1024) == b"{}"
+            resp.release()
+            await asyncio.sleep(0.2)
+        assert opened[0] == 2  # the first was closed rather than reused
+        p.close()

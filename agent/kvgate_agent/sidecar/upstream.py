@@ -19,8 +19,8 @@ aiohttp's own):
   ``sock_read``), or the request body not accepted by the socket in that time.
 
 Pool: idle connections are reused last-in first-out; one the model server closed is dropped as
-soon as the loss is seen, and one idle for ``keepalive_s`` seconds is closed when the pool is
-next used. A request is never retried (a POST is not idempotent).
+soon as the loss is seen, and one idle for ``keepalive_s`` seconds (:data:`KEEPALIVE_S`) is
+closed when the pool is next used. A request is never retried (a POST is not idempotent).
 """
 
 from __future__ import annotations
@@ -36,7 +36,19 @@ import aiohttp
 import httptools
 from multidict import CIMultiDict
 
-__all__ = ["UpstreamBroken", "UpstreamConnectError", "UpstreamPool", "UpstreamResponse"]
+__all__ = [
+    "KEEPALIVE_S",
+    "UpstreamBroken",
+    "UpstreamConnectError",
+    "UpstreamPool",
+    "UpstreamResponse",
+]
+
+#: Seconds an idle connection is kept: under uvicorn's default ``--timeout-keep-alive`` of 5 s
+#: (vLLM, SGLang and TGI's Python servers), so that the pool does not write a request on a
+#: connection the model server is closing at that moment (a POST is never retried);
+#: https://www.uvicorn.org/settings/#timeouts
+KEEPALIVE_S = 4.0
 
 #: Buffered answer bytes above which the pool stops reading a connection until they are
 #: consumed (flow control against a model server faster than the client).
@@ -338,7 +350,7 @@ class UpstreamPool:
         *,
         connect_timeout: float,
         read_timeout: float | None,
-        keepalive_s: float = 30.0,
+        keepalive_s: float = KEEPALIVE_S,
         max_idle: int = 512,
     ) -> None:
         u = urlsplit(base_url)
