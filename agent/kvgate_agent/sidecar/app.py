@@ -63,6 +63,7 @@ from kvgate_agent.sidecar.tokens import (
     default_within_context,
     optimistic_prompt_tokens,
 )
+from kvgate_agent.sidecar.upstream import UpstreamPool
 
 
 @dataclass(slots=True)
@@ -179,7 +180,8 @@ class Sidecar:
             self.counter,
             body_timeout=settings.body_timeout,
         )
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # pass-through requests
+        self._probe_session: aiohttp.ClientSession | None = None  # the engine probe
         self.draining = False
         self.passthrough = Passthrough.of(settings.passthrough_paths)
         #: The leases of shared limits (None without a store: shared limits are per pod).
@@ -320,9 +322,23 @@ class Sidecar:
         self.forwarder.session = self.session
         if self.engine_tokens is not None:
             self.engine_tokens.session = self.session
+        self.forwarder.pool = UpstreamPool(
+            self.upstream,
+            connect_timeout=self.settings.connect_timeout,
+            read_timeout=self.settings.read_timeout,
+        )
+        # The engine probe's reads (a few a second at most) close their connection: the
+        # connections to the model server are those of the requests in flight and the idle
+        # kept-alive ones of the two pools, nothing the probe left behind.
+        self._probe_session = aiohttp.ClientSession(
+            timeout=timeout,
+            auto_decompress=False,
+            connector=aiohttp.TCPConnector(force_close=True),
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
+        )
         spec = self.spec
         await self.engine.start(
-            self.session,
+            self._probe_session,
             poll=spec.capacity.from_engine_metrics
             or spec.model.max_model_len is None
             or self.thresholds is not None,  # thresholds may ask for the engine's capacity later
@@ -342,8 +358,12 @@ class Sidecar:
         self.admission.close()
         if self.engine_tokens is not None:
             self.engine_tokens.close()
+        if self.forwarder.pool is not None:
+            self.forwarder.pool.close()
         if self.session is not None:
             await self.session.close()
+        if self._probe_session is not None:
+            await self._probe_session.close()
 
     # ------------------------------------------------------------------ own endpoints
 
@@ -377,6 +397,17 @@ class Sidecar:
     async def _read_body(self, request: web.Request) -> bytes:
         """The request body (bytes). Raises :class:`RequestError` 413 above
         ``max_body_bytes``, 408 when it takes longer than ``body_timeout`` seconds."""
+        content = request.content
+        if content.is_eof() and request.content_length is not None:
+            # The whole body came with the headers (a small request): no waiting, no deadline.
+            # The size checked is the decoded one, as below (a compressed body may grow).
+            limit = self.settings.max_body_bytes
+            data = content.read_nowait(-1)
+            if request.content_length > limit or len(data) > limit:
+                raise RequestError(
+                    413, f"request body exceeds {limit} bytes", code="body_too_large"
+                )
+            return data
         try:
             async with asyncio.timeout(self.settings.body_timeout or None):
                 return await self._read_body_unbounded(request)

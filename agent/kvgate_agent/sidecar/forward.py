@@ -34,6 +34,7 @@ from kvgate_agent.sidecar.openai_errors import body_too_slow
 from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
+from kvgate_agent.sidecar.upstream import UpstreamConnectError, UpstreamPool, UpstreamResponse
 from kvgate_agent.sidecar.usage import body_usage, event_reader
 
 log = logging.getLogger("kvgate.sidecar")
@@ -72,7 +73,7 @@ class MalformedStream(aiohttp.ClientPayloadError):
     or its non-streamed answer is over :data:`MAX_UPSTREAM_BODY_BYTES`."""
 
 
-async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
+async def _read_capped(resp: UpstreamResponse) -> bytes:
     """``resp``'s whole body (bytes), at most :data:`MAX_UPSTREAM_BODY_BYTES`.
 
     Raises:
@@ -81,22 +82,31 @@ async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
     cap = MAX_UPSTREAM_BODY_BYTES
     if resp.content_length is not None and resp.content_length > cap:
         raise MalformedStream(f"an upstream answer of {resp.content_length} bytes, over {cap}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in resp.content.iter_any():
-        size += len(chunk)
-        if size > cap:
-            raise MalformedStream(f"an upstream answer over {cap} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    data = await resp.read_all(cap)
+    if data is None:
+        raise MalformedStream(f"an upstream answer over {cap} bytes")
+    return data
 
 
 def forward_headers(headers: Any) -> CIMultiDict[str]:
     """``headers`` without the hop-by-hop ones."""
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in headers.items():
-        if k.lower() not in HOP_BY_HOP:
-            out.add(k, v)
+    hop = HOP_BY_HOP
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in hop])
+
+
+#: Request headers the sidecar sets itself on an admitted request (besides the hop-by-hop
+#: ones): the body is JSON it may have rewritten, decoded and sent as identity, so that the
+#: answer can be read for its usage; the body is sent at once (no ``Expect: 100-continue``).
+_ADMITTED_DROP = HOP_BY_HOP | {"content-type", "content-encoding", "accept-encoding", "expect"}
+
+
+def admitted_request_headers(headers: Any) -> list[tuple[str, str]]:
+    """The client's ``headers`` as they go upstream with an admitted request: no hop-by-hop
+    header, ``Content-Type: application/json``, no ``Content-Encoding``, ``Accept-Encoding``
+    or ``Expect``."""
+    drop = _ADMITTED_DROP
+    out = [(k, v) for k, v in headers.items() if k.lower() not in drop]
+    out.append(("Content-Type", responses.JSON))
     return out
 
 
@@ -168,7 +178,7 @@ class _Exchange:
     prompt_tokens: int | None = None
     reached: bool = False
     clean: bool = False
-    resp: aiohttp.ClientResponse | None = None
+    resp: UpstreamResponse | None = None
     out: web.StreamResponse | None = None
 
 
@@ -189,7 +199,8 @@ class Forwarder:
         self.metrics = metrics
         self.admission = admission
         self.counter = counter
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # pass-through requests
+        self.pool: UpstreamPool | None = None  # admitted requests
         self._running: set[asyncio.Task[Any]] = set()  # admitted requests' handler tasks
         self._ending = False
 
@@ -258,20 +269,19 @@ class Forwarder:
     async def _exchange(
         self, request: web.Request, body: bytes, ex: _Exchange
     ) -> web.StreamResponse:
-        assert self.session is not None
+        assert self.pool is not None
         m = self.metrics
-        fwd = forward_headers(request.headers)
-        fwd["Content-Type"] = responses.JSON
-        fwd.popall("Content-Encoding", None)  # the body was decoded on the way in
-        fwd.popall("Accept-Encoding", None)  # identity, so the stream can be read for usage
+        fwd = admitted_request_headers(request.headers)
+        rel = request.rel_url
+        target = request.path  # a generation path, canonical
+        if rel.raw_query_string:
+            target += "?" + rel.raw_query_string
         # From here the engine may be working on it: a cancellation (the drain deadline) or
         # a failure before the answer still charges the prompt.
         ex.reached = True
         try:
-            ex.resp = resp = await self.session.post(
-                self.upstream + request.path_qs, data=body, headers=fwd
-            )
-        except aiohttp.ClientConnectorError as exc:
+            ex.resp = resp = await self.pool.request("POST", target, fwd, body)
+        except UpstreamConnectError as exc:
             ex.reached = False  # never connected: no work to charge
             m.upstream_errors.labels("connect").inc()
             m.upstream_ok.value = False
@@ -303,7 +313,7 @@ class Forwarder:
     async def _relay_stream(
         self,
         request: web.Request,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         out_headers: CIMultiDict[str],
         ex: _Exchange,
     ) -> web.StreamResponse:
@@ -321,8 +331,9 @@ class Forwarder:
         observe = self.admission.core.observe_tokens
         ticket = ex.ticket
         told = 0  # output tokens last reported to the controller
+        write = out.write
         try:
-            async for chunk in resp.content.iter_any():
+            while chunk := await resp.read_any():
                 piece = acct.feed(chunk)
                 if acct.pending_bytes > MAX_EVENT_BYTES:
                     raise MalformedStream(f"an event stream event over {MAX_EVENT_BYTES} bytes")
@@ -331,7 +342,10 @@ class Forwarder:
                     told = generated
                     observe(ticket, generated)
                 if piece:
-                    await _to_client(out.write(piece))
+                    try:  # _to_client, inlined: once per event
+                        await write(piece)
+                    except ConnectionResetError as exc:
+                        raise _ClientGone() from exc
                     if first:
                         self.metrics.ttft.observe(time.perf_counter() - ex.started)
                         first = False
