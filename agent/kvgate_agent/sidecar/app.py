@@ -50,9 +50,9 @@ from kvgate_agent.sidecar.engine_tokens import DEFAULT_TIMEOUT_SECONDS, EngineTo
 from kvgate_agent.sidecar.forward import Forwarder
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
-from kvgate_agent.sidecar.pool import already_degraded, send_to_pool
+from kvgate_agent.sidecar.pool import already_degraded, degrade_to_pool
 from kvgate_agent.sidecar.probe import EngineProbe
-from kvgate_agent.sidecar.request import ParsedRequest, canonical_path
+from kvgate_agent.sidecar.request import canonical_path
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.store import SharedStore, StoreSettings, register_metrics
 from kvgate_agent.sidecar.tenants import engine_priority, priority_of, tenant_of
@@ -535,7 +535,11 @@ class Sidecar:
         if d.queue_seconds > 0:
             m.queue_wait.observe(d.queue_seconds)
         if d.reason is Reason.FALLBACK_POOL:
-            return await self._to_pool(request, parsed, raw, d, label)
+            assert self.session is not None
+            return await degrade_to_pool(
+                self.session, request, self.spec, parsed, raw, d, self.mode_header(),
+                lambda x: m.count_decision(x.outcome.value, x.reason.value, label),
+            )  # fmt: skip
         m.count_decision(d.outcome.value, d.reason.value, label)
         if d.ticket is None:
             return responses.refusal(d, parsed.path_kind)
@@ -559,34 +563,6 @@ class Sidecar:
             tenant_label=label,
             started=started,
         )
-
-    async def _to_pool(
-        self, request: web.Request, parsed: ParsedRequest, raw: bytes, d: Decision, label: str
-    ) -> web.StreamResponse:
-        """Send a request this pod cannot take to the policy's fallback pool (:mod:`.pool`);
-        counted as degraded when the pool takes it, else as this pod's refusal."""
-        degrade = self.spec.overload.degrade
-        assert self.session is not None and d.refusal is not None
-        refusal = d.refusal
-        if degrade is None or degrade.fallback is None:  # the policy changed while it waited
-            self.metrics.count_decision(refusal.outcome.value, refusal.reason.value, label)
-            return responses.refusal(refusal, parsed.path_kind)
-        mode = self.mode
-        body = parsed.upstream_body(max_tokens=d.max_tokens, model=d.model) or raw
-        resp, taken = await send_to_pool(
-            self.session,
-            request,
-            degrade.fallback.upstream,
-            body,
-            d,
-            parsed.path_kind,
-            responses.admitted_headers(d, None if mode is None else mode.value, False),
-        )
-        if taken:
-            self.metrics.count_decision(d.outcome.value, d.reason.value, label)
-        else:
-            self.metrics.count_decision(refusal.outcome.value, refusal.reason.value, label)
-        return resp
 
     async def _admit(self, areq: AdmissionRequest, prompt: PromptCount) -> Decision:
         """Admit ``areq``. "Never fits" must not rest on a cautious guess: an estimated prompt

@@ -13,14 +13,15 @@ never answers worse than no fallback would have.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import aiohttp
 from aiohttp import web
 
 from kvgate_agent.admission import Decision
+from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar import responses
-from kvgate_agent.sidecar.request import PathKind
+from kvgate_agent.sidecar.request import ParsedRequest, PathKind
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -113,3 +114,33 @@ async def send_to_pool(
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         log.info("fallback pool %s unreachable (%s): this pod's refusal", upstream, exc)
         return responses.refusal(d.refusal, kind), False
+
+
+async def degrade_to_pool(
+    session: aiohttp.ClientSession,
+    request: web.Request,
+    spec: RateLimitPolicySpec,
+    parsed: ParsedRequest,
+    raw: bytes,
+    d: Decision,
+    mode: str | None,
+    count: Callable[[Decision], None],
+) -> web.StreamResponse:
+    """Send a request this pod cannot take (``d``, reason ``fallback_pool``) to ``spec``'s
+    fallback pool, its body (``raw``, parsed as ``parsed``) rewritten to the pool's model;
+    ``count`` is called once with the decision that stands: ``d`` when the pool takes it, this
+    pod's own refusal when it does not (or when the policy lost its pool while it waited).
+    ``mode``: the ``x-kvgate-thresholds`` value, if any."""
+    assert d.refusal is not None
+    refusal = d.refusal
+    degrade = spec.overload.degrade
+    if degrade is None or degrade.fallback is None:
+        count(refusal)
+        return responses.refusal(refusal, parsed.path_kind)
+    body = parsed.upstream_body(max_tokens=d.max_tokens, model=d.model) or raw
+    headers = responses.admitted_headers(d, mode, False)
+    resp, taken = await send_to_pool(
+        session, request, degrade.fallback.upstream, body, d, parsed.path_kind, headers
+    )
+    count(d if taken else refusal)
+    return resp
