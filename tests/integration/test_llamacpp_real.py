@@ -161,7 +161,7 @@ async def test_a_prompt_over_the_slot_is_refused_with_400_before_the_engine(
                     model=LLAMA_MODEL, prompt=LONG_PROMPT, max_tokens=4
                 )
         assert err.value.status_code == 400 and f"{SLOT_TOKENS} tokens" in err.value.message
-        assert err.value.response.headers.get("x-kvgate-decision") is None  # never admitted
+        assert err.value.response.headers["x-kvgate-decision"] == "rejected"
     slots = await engine_json(client, engine.url, "/slots")
     assert not any(s["is_processing"] for s in slots)
     assert await engine_metric(client, engine.url, "llamacpp:prompt_tokens_total") == before

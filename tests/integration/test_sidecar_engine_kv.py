@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -159,3 +160,26 @@ async def test_an_unknown_engine_is_reported_never_silently_blind(
     assert r.status == 200 and text.startswith("ok, but the engine's KV capacity is not known")
     async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
         assert r.status == 200
+
+
+async def test_a_prompt_with_no_room_in_the_engines_context_never_reaches_it(
+    sim: Callable[..., Awaitable[str]],
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+) -> None:
+    engine = await sim(max_model_len=256)
+    url, sc = await sidecar_factory(engine, {})
+    await wait_until_async(lambda: sc.engine_max_model_len == 256, 5.0, "/v1/models")
+    fits = {**VIA_SIDECAR, "max_tokens": 4, "messages": [{"role": "user", "content": "hi " * 50}]}
+    async with client.post(url + "/v1/chat/completions", json=fits) as r:
+        assert r.status == 200
+    # 1500 bytes: at least 334 tokens even at the optimistic 4.5 bytes a token.
+    over = {**fits, "messages": [{"role": "user", "content": "x" * 1500}]}
+    async with client.post(url + "/v1/chat/completions", json=over) as r:
+        assert r.status == 400 and r.headers["x-kvgate-decision"] == "rejected"
+        err = (await r.json())["error"]
+    assert err["code"] == "context_length_exceeded" and "no room for output" in err["message"]
+    async with client.get(engine + "/sim/stats") as r:
+        stats = await r.json()
+    assert stats["finished_total"] == 1  # only the request that fits reached the engine
+    assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0
