@@ -1,12 +1,13 @@
-"""Shared fixtures: the sidecar in-process or as a real process, the llm-d inference simulator as a
-real process, the local control plane. Clocks, waiting, ports and Prometheus reading are in
-:mod:`kvgate_bench.toolkit`."""
+"""Shared fixtures: the sidecar in-process or as a real process, the llm-d inference simulator and
+llama.cpp's llama-server as real processes, the local control plane. Clocks, waiting, ports and
+Prometheus reading are in :mod:`kvgate_bench.toolkit`."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,14 @@ from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_bench.redisserver import RedisServer, find_redis_server
 from kvgate_bench.sim.server import SimConfig, start_sim
-from kvgate_bench.toolkit import find_k8s_bin, free_port, parse_samples, series, wait_http
+from kvgate_bench.toolkit import (
+    find_k8s_bin,
+    free_port,
+    parse_samples,
+    series,
+    wait_http,
+    wait_until,
+)
 from tests.upstream import Upstream, serve_handler
 
 REPO = Path(__file__).resolve().parent.parent
@@ -187,6 +195,86 @@ def llmd_sim(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
             tmp_path / f"llmd-{port}.log",
         )
         procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        p.stop()
+
+
+def llama_paths() -> tuple[str, str] | None:
+    """(llama-server binary, GGUF model) built and fetched by scripts/build-llama: from
+    $KVGATE_LLAMA_SERVER and $KVGATE_LLAMA_MODEL, else the cache; None when either is missing.
+
+    Raises (through pytest.fail): a preset path that is not usable."""
+    cache = Path(os.environ.get("KVGATE_CACHE", Path.home() / ".cache" / "kvgate"))
+    found: list[str | None] = []
+    for var, pattern, ok in (
+        ("KVGATE_LLAMA_SERVER", "bin/llama-server-*", lambda p: os.access(p, os.X_OK)),
+        ("KVGATE_LLAMA_MODEL", "models/gemma3-270m*.gguf", os.path.isfile),
+    ):
+        preset = os.environ.get(var)
+        if preset:
+            if not ok(preset):
+                pytest.fail(f"{var}={preset} is not usable (run scripts/build-llama)")
+            found.append(preset)
+        else:
+            hits = sorted(cache.glob(pattern))
+            found.append(str(hits[-1]) if hits else None)
+    server, model = found
+    return None if server is None or model is None else (server, model)
+
+
+#: llama-server's model name in answers (``--alias``).
+LLAMA_MODEL = "gemma-3-270m"
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Proc]]:
+    """Start the real llama.cpp ``llama-server`` (Gemma 3 270M Q4_K_M on CPU, 2 threads) on a
+    loopback port: ``proc = start(parallel=2, ctx=1024, *extra_flags)``, with ``--metrics``,
+    ``--slots``, ``--no-kv-unified`` (each of the ``parallel`` slots holds ``ctx / parallel``
+    tokens) and the alias :data:`LLAMA_MODEL`; ready once ``/health`` answers 200 (the model
+    loaded). One module's servers are stopped at its end. The test command builds it
+    (scripts/build-llama, run by scripts/test); without it these tests skip with that reason,
+    except under CI (``$CI`` set), where they fail."""
+    paths = llama_paths()
+    if paths is None:
+        why = "llama-server or its model not built: run scripts/build-llama (or scripts/test)"
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    binary, model = paths
+    tmp = tmp_path_factory.mktemp("llama")
+    procs: list[Proc] = []
+
+    def start(parallel: int = 2, ctx: int = 1024, *extra: str) -> Proc:
+        port = free_port()
+        p = Proc(
+            [
+                binary,
+                *("-m", model, "--alias", LLAMA_MODEL, "--host", "127.0.0.1", "--port", str(port)),
+                *("--parallel", str(parallel), "-c", str(ctx), "--no-kv-unified"),
+                *("--metrics", "--slots", "-t", "2", "--no-warmup", *extra),
+            ],
+            f"http://127.0.0.1:{port}",
+            "/health",
+            tmp / f"llama-{port}.log",
+        )
+        procs.append(p)
+
+        def loaded() -> bool:
+            try:
+                urllib.request.urlopen(p.url + "/health", timeout=2).close()
+            except OSError:  # 503 "Loading model" is an HTTPError, an OSError
+                if p.popen.poll() is not None:
+                    raise RuntimeError(
+                        f"llama-server exited: {p.log.read_text()[-2000:]}"
+                    ) from None
+                return False
+            return True
+
+        wait_until(loaded, 60.0, "llama-server loading its model")
         return p
 
     yield start

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -24,7 +25,8 @@ from kvgate_agent.contract.policy import OverloadAction
 from kvgate_agent.sidecar.engine_usage import EngineUsagePoll
 from kvgate_bench.sim.server import SimConfig, start_sim
 from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
-from tests.conftest import SidecarFactory
+from tests.conftest import SidecarFactory, gauges
+from tests.upstream import CHAT, Upstream
 
 #: kvgate-sim's pool (tokens) and a direct request's prompt and output (tokens): two direct
 #: requests hold 2 x (1500 + 150) = 3300 of 4096 tokens; the sidecar's request reserves
@@ -133,3 +135,51 @@ def test_a_non_positive_interval_is_refused() -> None:
     controller = AdmissionController(AdmissionConfig())
     with pytest.raises(ValueError, match="> 0"):
         EngineUsagePoll("http://127.0.0.1:1", controller, AsyncAdmission(controller), 0)
+
+
+async def test_an_unknown_engine_is_reported_never_silently_blind(
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The stand-in answers /metrics, /props and /slots with a JSON echo: no engine kvgate knows.
+    with caplog.at_level(logging.WARNING, logger="kvgate.sidecar"):
+        url, sc = await sidecar_factory(upstream.url, {"capacity": {"fromEngineMetrics": True}})
+        # Unknown, it is re-read every second.
+        await wait_until_async(lambda: upstream.paths.count("/metrics") >= 3, 10.0, "re-reads")
+    assert sc.controller.kv_capacity_tokens is None  # FailOpen: admitted without a KV cap
+    assert sc.engine.engine_name is None
+    said = [r.getMessage() for r in caplog.records if "KV capacity is not known" in r.getMessage()]
+    assert len(said) == 1, said  # once, not on every poll
+    assert "unparseable metrics text" in said[0] and "/props: not llama.cpp's" in said[0]
+    g = await gauges(client, url)
+    assert g["kvgate_engine_capacity_unknown"] == 1
+    async with client.get(url + "/readyz") as r:
+        text = await r.text()
+    assert r.status == 200 and text.startswith("ok, but the engine's KV capacity is not known")
+    async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+        assert r.status == 200
+
+
+async def test_a_prompt_with_no_room_in_the_engines_context_never_reaches_it(
+    sim: Callable[..., Awaitable[str]],
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+) -> None:
+    engine = await sim(max_model_len=256)
+    url, sc = await sidecar_factory(engine, {})
+    await wait_until_async(lambda: sc.engine_max_model_len == 256, 5.0, "/v1/models")
+    fits = {**VIA_SIDECAR, "max_tokens": 4, "messages": [{"role": "user", "content": "hi " * 50}]}
+    async with client.post(url + "/v1/chat/completions", json=fits) as r:
+        assert r.status == 200
+    # 1500 bytes: at least 334 tokens even at the optimistic 4.5 bytes a token.
+    over = {**fits, "messages": [{"role": "user", "content": "x" * 1500}]}
+    async with client.post(url + "/v1/chat/completions", json=over) as r:
+        assert r.status == 400 and r.headers["x-kvgate-decision"] == "rejected"
+        err = (await r.json())["error"]
+    assert err["code"] == "context_length_exceeded" and "no room for output" in err["message"]
+    async with client.get(engine + "/sim/stats") as r:
+        stats = await r.json()
+    assert stats["finished_total"] == 1  # only the request that fits reached the engine
+    assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0

@@ -1,4 +1,5 @@
-"""Parse one model server's Prometheus ``/metrics`` text (vLLM, SGLang, TGI, trtllm-serve) into
+"""Parse one model server's Prometheus ``/metrics`` text (vLLM, SGLang, TGI, trtllm-serve,
+llama.cpp's llama-server) into
 an :class:`EngineSample`: running and waiting requests, KV usage (fraction 0..1), KV capacity and
 used KV (tokens). Several label sets of one metric (vLLM's ``engine`` per data-parallel rank,
 SGLang's ``dp_rank``) are summed, except the usage fraction, whose max is kept.
@@ -19,9 +20,9 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
-Engine = Literal["vllm", "sglang", "tgi", "trtllm"]
+Engine = Literal["vllm", "sglang", "tgi", "trtllm", "llamacpp"]
 
-ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "tgi", "trtllm")
+ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "tgi", "trtllm", "llamacpp")
 """Known engines, in the order used to break a detection tie."""
 
 _PREFIX: dict[Engine, str] = {
@@ -29,6 +30,7 @@ _PREFIX: dict[Engine, str] = {
     "sglang": "sglang:",
     "tgi": "tgi_",
     "trtllm": "trtllm_",
+    "llamacpp": "llamacpp:",
 }
 
 FRACTION_SLACK = 1e-6
@@ -53,7 +55,8 @@ class EngineSample:
         ok: False when the text could not be parsed at all or carries no known engine's
             metrics; then every value is None and ``reason`` says why.
         reason: why not ``ok`` (None when ok).
-        engine: ``"vllm"``, ``"sglang"``, ``"tgi"``, ``"trtllm"``, or None when not detected.
+        engine: ``"vllm"``, ``"sglang"``, ``"tgi"``, ``"trtllm"``, ``"llamacpp"``, or None when
+            not detected.
         running: requests in the running batch (count), summed over label sets.
         waiting: requests queued in the engine (count), summed.
         kv_usage: fraction of the KV pool in use, 0..1 (max over label sets).
@@ -90,8 +93,8 @@ def parse_engine_metrics(text: str, engine: str | None = None) -> EngineSample:
     Returns:
         An :class:`EngineSample`. Detection: the engine whose core metric names (running,
         waiting, usage) appear most often wins, ties broken in :data:`ENGINES` order; without
-        any core name, the engine whose prefix (``vllm:``, ``sglang:``, ``tgi_``, ``trtllm_``)
-        appears most often.
+        any core name, the engine whose prefix (``vllm:``, ``sglang:``, ``tgi_``, ``trtllm_``,
+        ``llamacpp:``) appears most often.
 
     Never raises: unparseable text gives ``EngineSample(ok=False, reason=...)``.
     """
@@ -102,7 +105,7 @@ def parse_engine_metrics(text: str, engine: str | None = None) -> EngineSample:
     chosen = engine if engine in _PREFIX else _detect(series)
     if chosen is None:
         return EngineSample(
-            ok=False, reason="no known engine metrics (vllm:, sglang:, tgi_, trtllm_)"
+            ok=False, reason="no known engine metrics (vllm:, sglang:, tgi_, trtllm_, llamacpp:)"
         )
     return _READERS[chosen](series)
 
@@ -130,6 +133,7 @@ _CORE: dict[Engine, tuple[str, ...]] = {
         "trtllm_num_requests_waiting",
         "trtllm_kv_cache_utilization",
     ),
+    "llamacpp": ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
 }
 
 
@@ -362,11 +366,24 @@ def _trtllm(series: Mapping[str, Mapping[Labels, float]]) -> EngineSample:
     return f.sample("trtllm")
 
 
+def _llamacpp(series: Mapping[str, Mapping[Labels, float]]) -> EngineSample:
+    """llama.cpp's llama-server (``--metrics``): ``llamacpp:requests_processing`` (busy slots),
+    ``llamacpp:requests_deferred`` (waiting for a slot); no KV usage nor capacity in the
+    exposition (capacity: :func:`kvgate_agent.engines.llamacpp.parse_props`).
+    Names: https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md
+    """
+    f = _Fields(series)
+    f.count(RUNNING, "llamacpp:requests_processing")
+    f.count(WAITING, "llamacpp:requests_deferred")
+    return f.sample("llamacpp")
+
+
 _READERS: dict[str, Callable[[Mapping[str, Mapping[Labels, float]]], EngineSample]] = {
     "vllm": _vllm,
     "sglang": _sglang,
     "tgi": _tgi,
     "trtllm": _trtllm,
+    "llamacpp": _llamacpp,
 }
 
 

@@ -62,6 +62,7 @@ from kvgate_agent.sidecar.tokens import (
     PromptCounter,
     default_within_context,
     optimistic_prompt_tokens,
+    prompt_over_context,
 )
 from kvgate_agent.sidecar.upstream import UpstreamPool
 
@@ -157,6 +158,7 @@ class Sidecar:
             self.metrics.upstream_ok,
             settings.engine_poll_seconds,
             settings.engine_usage_seconds,
+            self.metrics.engine_unknown,
         )
         if settings.agent is not None:
             t = AgentThresholds(
@@ -374,7 +376,8 @@ class Sidecar:
     async def readyz(self, request: web.Request) -> web.Response:
         """Readiness: not draining; with a node agent, a first answer arrived or the TTL has
         passed since start; the model server answers its ``/health``; and, under FailClosed,
-        the engine's KV capacity is known (FailOpen serves without it)."""
+        the engine's KV capacity is known (FailOpen serves without it, and says why in the
+        body: ``ok, but the engine's KV capacity is not known: ...``)."""
         if self.draining:
             return web.Response(status=503, text="draining")
         if self.thresholds is not None:
@@ -385,7 +388,8 @@ class Sidecar:
             return web.Response(status=503, text="waiting for the engine's KV capacity")
         if not await self.engine.healthy():
             return web.Response(status=503, text="the model server is not answering")
-        return web.Response(text="ok")
+        problem = self.engine.capacity_problem
+        return web.Response(text="ok" if problem is None else f"ok, but {problem}")
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """Prometheus exposition of the sidecar's registry."""
@@ -517,6 +521,11 @@ class Sidecar:
             prompt = await self.engine_tokens.count(count_body, prompt)
         max_tokens = parsed.max_tokens
         mml = spec.model.max_model_len or self.engine.max_model_len
+        if mml is not None and (
+            over := prompt_over_context(prompt, self.counter.bytes_per_token, mml)
+        ):
+            self.metrics.count_decision("rejected", "invalid_request", "")
+            return responses.bad_request(RequestError(400, over, code="context_length_exceeded"))
         if parsed.max_tokens_defaulted and mml is not None:
             max_tokens = default_within_context(max_tokens, prompt, mml)
         areq = AdmissionRequest(

@@ -228,6 +228,8 @@ class SidecarMetrics:
             (``kvgate_upstream_up``).
         policy_mismatch: the governing policy is not the annotated one
             (``kvgate_policy_mismatch``).
+        engine_unknown: the engine's KV capacity is asked for but unreadable although it
+            answers (``kvgate_engine_capacity_unknown``).
         agent_sync: ``kvgate_agent_sync_total{result}``, once :meth:`attach_link` was called.
     """
 
@@ -281,6 +283,15 @@ class SidecarMetrics:
                 "1 while the governing RateLimitPolicy is not the one the pod's kvgate.io/policy "
                 "annotation names",
                 self.policy_mismatch,
+            )
+        )
+        self.engine_unknown = Flag(False)  # set by the sidecar's engine probe
+        r.register(
+            _FlagCollector(
+                "kvgate_engine_capacity_unknown",
+                "1 while capacity.fromEngineMetrics is asked but the model server answers "
+                "without a KV capacity kvgate can read (an unknown engine); /readyz says why",
+                self.engine_unknown,
             )
         )
         self.decision_counts: dict[str, int] = {}

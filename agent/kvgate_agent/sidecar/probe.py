@@ -1,5 +1,6 @@
-"""The sidecar's own reads of its model server: KV capacity (``/metrics``), context length
-(``/v1/models``), liveness (``/health``) and, every ``usage_seconds``, the KV tokens in use
+"""The sidecar's own reads of its model server: KV capacity (``/metrics``; llama.cpp: ``/props``
+and ``/slots``), context length (``/v1/models``; llama.cpp: the slot's context), liveness
+(``/health``) and, every ``usage_seconds``, the KV tokens in use
 (:mod:`kvgate_agent.sidecar.engine_usage`).
 
 Invariant: an implausible or unreadable KV capacity is never enforced; until one is read,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +23,8 @@ import aiohttp
 from kvgate_agent.admission import AdmissionController, AsyncAdmission, Reason
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED
-from kvgate_agent.engines.metrics import kv_capacity_from_metrics
+from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
+from kvgate_agent.engines.metrics import KV_CAPACITY, parse_engine_metrics
 from kvgate_agent.sidecar.engine_usage import EngineUsagePoll
 from kvgate_agent.sidecar.metrics import Flag
 
@@ -47,7 +50,11 @@ class EngineProbe:
 
     Attributes:
         kv_tokens: KV capacity the engine reported (tokens), once read.
-        max_model_len: context length from ``/v1/models`` (tokens), once read.
+        max_model_len: context length from ``/v1/models`` (tokens), or llama.cpp's slot
+            context (``/props``), once read: the most one request's prompt + output may hold.
+        engine_name: the engine whose KV capacity was read (``vllm``, ``llamacpp``, ...).
+        capacity_problem: why the engine's KV capacity is not known although it answers
+            (an unknown engine), None otherwise; shown by ``/readyz``.
         capacity_known: the KV capacity admission enforces is known (read, explicit, or not
             asked from the engine).
 
@@ -57,6 +64,7 @@ class EngineProbe:
         poll_seconds: how often the KV capacity is re-read once known.
         usage_seconds: how often the KV tokens in use are read while a KV capacity is
             enforced (0: never).
+        unknown_engine: set while :attr:`capacity_problem` is (``kvgate_engine_capacity_unknown``).
     """
 
     def __init__(
@@ -68,6 +76,7 @@ class EngineProbe:
         upstream_ok: Flag,
         poll_seconds: float,
         usage_seconds: float = 0.0,
+        unknown_engine: Flag | None = None,
     ) -> None:
         self.upstream = upstream
         self.controller = controller
@@ -78,6 +87,9 @@ class EngineProbe:
         self.session: aiohttp.ClientSession | None = None
         self.kv_tokens: int | None = None
         self.max_model_len: int | None = None
+        self.engine_name: str | None = None
+        self.capacity_problem: str | None = None
+        self.unknown_engine = Flag(False) if unknown_engine is None else unknown_engine
         self.capacity_known = not spec().capacity.from_engine_metrics
         self._health: _HealthCheck | None = None
         self._task: asyncio.Task[None] | None = None
@@ -120,17 +132,11 @@ class EngineProbe:
             self._wake.set()
 
     async def refresh_capacity(self) -> None:
-        """Read the engine's KV capacity from its ``/metrics``. On failure the last known value
+        """Read the engine's KV capacity (:meth:`read_capacity`). On failure the last known value
         stays; if none was ever read, ``failureMode`` decides: FailOpen enforces the policy's
         explicit ``kvCacheTokens`` (or no KV cap), FailClosed answers 503 until it is read."""
         assert self.session is not None
-        tokens: int | None = None
-        try:
-            async with self.session.get(self.upstream + "/metrics", timeout=PROBE_TIMEOUT) as resp:
-                if resp.status == 200:
-                    tokens = kv_capacity_from_metrics(await resp.text())
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            log.warning("cannot read engine metrics: %s", exc)
+        tokens = await self.read_capacity()
         spec = self.spec()
         mml = spec.model.max_model_len
         if tokens is not None and (tokens > MAX_REPORTED or (mml is not None and tokens < mml)):
@@ -158,10 +164,80 @@ class EngineProbe:
                 "FailClosed",
             )
 
+    async def read_capacity(self) -> int | None:
+        """The KV capacity (tokens) the engine reports: vLLM, SGLang and trtllm-serve in
+        ``/metrics`` (:func:`parse_engine_metrics`), llama.cpp in ``/props`` and ``/slots``
+        (:func:`parse_props`: slots × slot context; the slot context also becomes
+        :attr:`max_model_len`, the per-request limit). None when unreadable (the engine does not
+        answer: logged) or not reported (an unknown engine: :meth:`_unknown`)."""
+        got = await self._get("/metrics")
+        if got is None:
+            return None
+        status, body = got
+        sample = parse_engine_metrics(body.decode("utf-8", "replace")) if status == 200 else None
+        if sample is not None and sample.kv_capacity_tokens is not None:
+            self._recognised(sample.engine)
+            return sample.kv_capacity_tokens
+        layout = await self._slot_layout()
+        if isinstance(layout, SlotLayout):
+            self._recognised("llamacpp")
+            self.max_model_len = layout.slot_tokens
+            return layout.kv_capacity_tokens
+        if sample is None:
+            why = f"GET /metrics answered {status}"
+        elif not sample.ok:
+            why = sample.reason or "no known engine metrics"
+        else:
+            bad = sample.invalid.get(KV_CAPACITY)
+            why = f"{sample.engine} reports no KV capacity" + (f" ({bad})" if bad else "")
+        self._unknown(f"{why}; /props: {layout}")
+        return None
+
+    async def _slot_layout(self) -> SlotLayout | str:
+        """llama-server's slot layout, or why there is none (a short reason)."""
+        got = await self._get("/props")
+        if got is None or got[0] != 200:
+            return "unreadable" if got is None else f"answered {got[0]}"
+        slots = await self._get("/slots")  # 501 with --no-slots: /props alone then
+        try:
+            props = json.loads(got[1])
+            listed = json.loads(slots[1]) if slots is not None and slots[0] == 200 else None
+            return parse_props(props, listed)
+        except (ValueError, LayoutError) as exc:  # JSONDecodeError is a ValueError
+            return f"not llama.cpp's ({exc})"
+
+    async def _get(self, path: str) -> tuple[int, bytes] | None:
+        """(status, body) of ``GET upstream + path``, None when the engine does not answer."""
+        assert self.session is not None
+        try:
+            async with self.session.get(self.upstream + path, timeout=PROBE_TIMEOUT) as resp:
+                return resp.status, await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("cannot read engine %s: %s", path, exc)
+            return None
+
+    def _recognised(self, engine: str | None) -> None:
+        if self.engine_name != engine:
+            log.info("engine recognised: %s", engine)
+        self.engine_name = engine
+        self.capacity_problem = None
+        self.unknown_engine.value = False
+
+    def _unknown(self, why: str) -> None:
+        """The engine answers but reports no KV capacity kvgate can read: logged once (again
+        only when the reason changes), ``kvgate_engine_capacity_unknown`` 1 and the reason in
+        ``/readyz`` until it does."""
+        problem = f"the engine's KV capacity is not known: {why}"
+        if problem != self.capacity_problem:
+            log.warning("%s; admitting without it (give capacity.kvCacheTokens)", problem)
+        self.capacity_problem = problem
+        self.unknown_engine.value = True
+
     async def refresh_max_model_len(self) -> None:
         """Learn the engine's context length from ``GET /v1/models`` (vLLM reports
         ``max_model_len`` per model) when the policy gives no ``model.maxModelLen``: a defaulted
-        max_tokens is then kept within it, as the engine's own default would be."""
+        max_tokens is then kept within it, as the engine's own default would be. llama.cpp
+        reports its slot's context as ``meta.n_ctx``."""
         assert self.session is not None
         try:
             async with self.session.get(
@@ -172,9 +248,7 @@ class EngineProbe:
             log.debug("cannot read /v1/models: %s", exc)
             return
         lens: list[int] = [
-            m["max_model_len"]
-            for m in (data or {}).get("data") or []
-            if isinstance(m, dict) and type(m.get("max_model_len")) is int
+            n for m in (data or {}).get("data") or [] if (n := _context_of(m)) is not None
         ]
         if lens and min(lens) > 0:
             self.max_model_len = min(lens)
@@ -214,3 +288,14 @@ class EngineProbe:
         self._health = _HealthCheck(now, ok)
         self.upstream_ok.value = ok
         return ok
+
+
+def _context_of(model: object) -> int | None:
+    """One ``/v1/models`` entry's context length (tokens): vLLM's ``max_model_len``, else
+    llama.cpp's ``meta.n_ctx`` (the slot's context); None when neither is a whole number."""
+    if not isinstance(model, dict):
+        return None
+    n = model.get("max_model_len")
+    if n is None and isinstance(meta := model.get("meta"), dict):
+        n = meta.get("n_ctx")
+    return n if type(n) is int else None

@@ -285,3 +285,21 @@ def default_within_context(default: int, prompt: PromptCount, max_model_len: int
         if max_model_len - bound >= 1:
             return min(default, max_model_len - bound)
     return default
+
+
+def prompt_over_context(prompt: PromptCount, bytes_per_token: float, context: int) -> str | None:
+    """Why a prompt can never be served within ``context`` tokens (the engine's
+    ``max_model_len``, llama.cpp's slot context), or None when it may fit. A prompt needs room
+    for at least one output token: llama-server refuses ``prompt >= n_ctx``
+    (``exceed_context_size_error``), vLLM ``prompt + max_tokens > max_model_len``. An estimated
+    count is taken at its low end (:func:`optimistic_prompt_tokens`), so a prompt the engine
+    would serve is never refused on a cautious guess.
+    """
+    low = prompt.tokens if prompt.exact else optimistic_prompt_tokens(prompt, bytes_per_token)
+    if low < context:
+        return None
+    size = f"{low} tokens" if prompt.exact else f"at least {low} tokens (estimated)"
+    return (
+        f"the prompt is {size}, which leaves no room for output within the model's context "
+        f"length of {context} tokens; shorten the prompt"
+    )
