@@ -482,7 +482,9 @@ class Sidecar:
             return responses.bad_request(exc)
         count_body = parsed.body if parsed.count_body is None else parsed.count_body
         prompt = self.counter.count(count_body)
-        if self.engine_tokens is not None:
+        if self.engine_tokens is not None and not self._refused_anyway(
+            AdmissionRequest(tenant, prompt.tokens, parsed.max_tokens, priority, parsed.n)
+        ):
             prompt = await self.engine_tokens.count(count_body, prompt)
         max_tokens = parsed.max_tokens
         mml = spec.model.max_model_len or self.engine.max_model_len
@@ -556,6 +558,11 @@ class Sidecar:
         else:
             self.metrics.count_decision(refusal.outcome.value, refusal.reason.value, label)
         return resp
+
+    def _refused_anyway(self, est: AdmissionRequest) -> bool:
+        """Whether admission refuses ``est`` (the estimated prompt) whatever its exact count:
+        draining, a hold, its request-count rate limit; then the engine is not asked."""
+        return self.draining or self.controller.refused_whatever_the_prompt(est)
 
     async def _admit(self, areq: AdmissionRequest, prompt: PromptCount) -> Decision:
         """Admit ``areq``. "Never fits" must not rest on a cautious guess: an estimated prompt
