@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvgate_agent.admission import Reason
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.tokens import PromptCounter
 from kvgate_bench import tokenizer_error
@@ -178,6 +179,43 @@ async def test_the_sidecar_process_asks_the_engine_with_tokenizer_engine(
         assert r.status == 200
     assert [p for p, _ in llama_like.calls] == ["/tokenize", "/apply-template", "/tokenize"]
     assert llama_like.generation.bodies == [body]
+
+
+async def test_a_request_admission_refuses_anyway_is_not_counted_by_the_engine(
+    llama_like: LlamaLike, sidecar_factory: SidecarFactory, session: aiohttp.ClientSession
+) -> None:
+    """A tenant over its request-count rate limit (Reject only), a FailClosed hold: refused
+    whatever the prompt's exact count, so no ``/tokenize`` is asked for them."""
+    llama_like.generation = Upstream()
+    url, sc = await sidecar_factory(
+        llama_like.url,
+        {
+            "rateLimits": [{"name": "t", "requestsPerMinute": 0.01, "burstRequests": 1}],
+            "overload": {"actions": ["Reject"]},
+        },
+        engine_tokenizer=True,
+        engine_tokenize_timeout=5.0,
+    )
+
+    async def post(prompt: str, tenant: str) -> int:
+        body = {**CMPL, "prompt": prompt, "max_tokens": 3}
+        headers = {"x-kvgate-tenant": tenant}
+        async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+            return r.status
+
+    assert await post("one two three", "a") == 200
+    asked = len(llama_like.calls)  # the dialect probe, then the count
+    assert asked == 2
+    assert await post("four five six", "a") == 429  # tenant a is out of requests
+    sc.controller.hold(Reason.FAIL_CLOSED, retry_after=5, message="stale thresholds")
+    assert await post("seven eight", "b") == 503
+    assert len(llama_like.calls) == asked  # neither was counted
+    sc.controller.lift(Reason.FAIL_CLOSED)
+    assert await post("seven eight", "b") == 200  # tenant b, no hold: counted, admitted
+    assert llama_like.calls[asked:] == [
+        ("/tokenize", {"content": "seven eight", "add_special": True})
+    ]
+    assert sc.controller.in_flight == 0
 
 
 async def test_a_slow_engine_costs_one_timeout_and_fills_the_cache_later(

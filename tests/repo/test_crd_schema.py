@@ -437,6 +437,19 @@ def test_descriptions_state_the_defaults(crd: dict[str, Any]) -> None:
     assert not missing, f"default not in the description: {missing}"
 
 
+def test_the_fallback_pool_upstream_names_the_sidecar_port() -> None:
+    """A fallback pool reached at its engine's port has no admission: the CRD says to use the
+    sidecar's port (``kvgate-http``), and so does the README's policy table."""
+    node = sub(RLP_SPEC, "overload", "degrade", "fallback", "upstream")
+    assert "kvgate-http" in node["description"]
+    (row,) = [
+        line
+        for line in (REPO / "README.md").read_text().splitlines()
+        if line.startswith("| `overload.degrade.fallback` ")
+    ]
+    assert "kvgate-http" in row
+
+
 def test_thresholds_repeat_the_policy_spec_schemas() -> None:
     """NodeAdmission's thresholds and the policy spec share every sub-schema, byte for byte
     (descriptions, defaults, bounds, CEL rules), so one cannot drift from the other."""

@@ -923,6 +923,34 @@ def test_pump_admits_nobody_while_held_and_waiters_time_out_with_the_hold() -> N
     assert c.in_flight == 1
 
 
+def test_refused_whatever_the_prompt_only_when_no_count_could_change_it() -> None:
+    clock = FakeClock(1000.0)
+    rpm = {"name": "t", "requestsPerMinute": 0.01, "burstRequests": 1}
+    reject = {"rateLimits": [rpm], "overload": {"actions": ["Reject"]}}
+    c = make(reject, clock)
+    assert not c.refused_whatever_the_prompt(req("a"))
+    assert c.submit(req("a")).ticket is not None
+    assert c.refused_whatever_the_prompt(req("a", prompt=1))  # out of requests: 429 anyway
+    assert not c.refused_whatever_the_prompt(req("b"))
+    c.hold(Reason.FAIL_CLOSED, retry_after=1, message="stale")
+    assert c.refused_whatever_the_prompt(req("b"))
+    c.lift(Reason.FAIL_CLOSED)
+    # Queue (for a request that may queue) or a fallback model could still serve tenant a.
+    queue = make({"rateLimits": [rpm]}, clock)
+    assert queue.submit(req("a")).ticket is not None
+    assert not queue.refused_whatever_the_prompt(req("a"))
+    assert queue.refused_whatever_the_prompt(req("a", priority=-1))  # sheddable: never queued
+    degrade = {"actions": ["Degrade", "Reject"], "degrade": {"fallbackModel": "small"}}
+    fallback = make({"rateLimits": [rpm], "overload": degrade}, clock)
+    assert fallback.submit(req("a")).ticket is not None
+    assert not fallback.refused_whatever_the_prompt(req("a"))
+    # A token-cost limit depends on the prompt: never refused by this check.
+    tpm = {"name": "c", "tokensPerMinute": 0.01, "burstTokens": 100}
+    cost = make({"rateLimits": [tpm], "overload": {"actions": ["Reject"]}}, clock)
+    assert cost.submit(req("a", 50, 40)).ticket is not None
+    assert not cost.refused_whatever_the_prompt(req("a", 50, 40))
+
+
 def test_holds_with_keys_do_not_lift_each_other_and_the_longest_wait_answers() -> None:
     clock = FakeClock(1000.0)
     c = make({}, clock)

@@ -15,6 +15,7 @@ from kvgate_agent.sidecar.agent_link import (
     Mode,
     SyncResult,
     ThresholdsLink,
+    broken_hold_credit,
     gpu_uuids_from_env,
     material_change,
     sidecar_metrics_url,
@@ -174,16 +175,24 @@ def test_next_sync_at_once_after_a_held_answer_else_every_interval() -> None:
     assert link.next_sync_delay(clock(), SyncResult.TIMEOUT) == 1.0
 
 
-def test_a_held_call_broken_by_the_agent_starts_the_ttl_then_not_before() -> None:
+def test_a_held_call_broken_by_the_agent_credits_its_start_plus_the_sync_timeout() -> None:
     clock = FakeClock(500.0)
     link = ThresholdsLink(clock)
     link.record_answer(answer({"failureMode": "FailClosed"}, ttl=30))
-    clock.advance(24)  # held 24 s, then the agent dies (connection reset)
-    link.record_failure(SyncResult.ERROR, held=True)
-    clock.advance(29)
-    assert link.mode() is Mode.STALE  # the full TTL from the agent going away, as before
-    assert link.age_seconds() == 53  # since the last answer
-    clock.advance(2)
+    started = clock()
+    clock.advance(24)  # held 24 s (frozen, say), then the connection is reset
+    alive_until = broken_hold_credit(started, clock(), wait=20, sync_timeout=5)
+    assert alive_until == started + 5  # when the agent took the call, not when it broke
+    link.record_failure(SyncResult.ERROR, alive_until=alive_until)
+    clock.advance(10)
+    assert link.mode() is Mode.STALE
+    assert link.age_seconds() == 34  # since the last answer
+    clock.advance(1.5)  # 35.5 s after the answer: the TTL from started + 5 is over
+    assert link.mode() is Mode.FAIL_CLOSED
+    # Credit never runs ahead of the clock.
+    link.record_answer(answer({"failureMode": "FailClosed"}, ttl=30, etag="e1"))
+    link.record_failure(SyncResult.ERROR, alive_until=clock() + 100)
+    clock.advance(30.5)
     assert link.mode() is Mode.FAIL_CLOSED
     # A held call that times out (a silent agent) gets no credit: TTL from the last answer.
     link.record_answer(answer({"failureMode": "FailClosed"}, ttl=30, etag="e2"))
@@ -191,6 +200,13 @@ def test_a_held_call_broken_by_the_agent_starts_the_ttl_then_not_before() -> Non
     link.record_failure(SyncResult.TIMEOUT)
     clock.advance(3.5)
     assert link.mode() is Mode.FAIL_CLOSED
+
+
+def test_broken_hold_credit_only_for_a_call_held_past_the_sync_timeout() -> None:
+    assert broken_hold_credit(100.0, 104.9, wait=20, sync_timeout=5) is None  # quick break
+    assert broken_hold_credit(100.0, 130.0, wait=0, sync_timeout=5) is None  # not a hold
+    assert broken_hold_credit(100.0, 105.0, wait=20, sync_timeout=5) == 105.0
+    assert broken_hold_credit(100.0, 124.0, wait=20, sync_timeout=5) == 105.0
 
 
 def test_material_changes_of_the_report() -> None:

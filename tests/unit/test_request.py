@@ -80,6 +80,28 @@ def test_rejects_invalid_json(raw: bytes) -> None:
     assert rejected(raw).param is None
 
 
+MSG = b'{"model":"m","messages":[{"role":"user","content":"x"}],'
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        MSG + b'"max_tokens":900,"temperature":1e400}',
+        MSG + b'"temperature":-1E+400}',
+        MSG + b'"logit_bias":{"5":[2.5e999]}}',
+    ],
+)
+def test_rejects_numbers_past_a_double(raw: bytes) -> None:
+    # Python's json reads them as infinity, which msgspec re-encodes as null: both decode paths
+    # refuse them with the same 400 (the fast path hands them to the reference)
+    err = rejected(raw)
+    assert err.param is None
+    assert "not a finite" in err.message
+    assert _outcome(decode_object, raw) == _outcome(_decode_strict, raw)
+    assert _outcome(_decode_strict, raw)[0] == "err"
+    assert parse(raw.replace(b"400", b"300").replace(b"999", b"9")).max_tokens > 0
+
+
 def test_rejects_non_utf8() -> None:
     err = rejected(b'{"model": "\xff"}')
     assert err.param is None

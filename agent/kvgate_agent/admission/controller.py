@@ -235,6 +235,22 @@ class AdmissionController(OverloadActions):
             return None
         return self._holds.active(self.clock())
 
+    def refused_whatever_the_prompt(self, req: AdmissionRequest) -> bool:
+        """True when :meth:`submit` would refuse ``req`` now for a reason its prompt's size
+        cannot change: an active hold (FailClosed, GPU memory low, ...), or its request-count
+        rate limit under a policy that has neither Queue (for ``req``: a sheddable request is
+        never queued) nor a fallback (model or pool) to serve it otherwise. A caller may then
+        skip an exact prompt count (an engine round trip) and submit the estimate. False means
+        "maybe admitted" (never a promise)."""
+        if self.active_hold() is not None:
+            return True
+        cfg = self._limits.config
+        queue = _QUEUE in cfg.actions and req.priority >= 0
+        if queue or cfg.fallback_model or cfg.fallback_pool_model:
+            return False
+        b = self._limits.blocker(req, req.max_tokens, self.clock())
+        return b is not None and b.reason is Reason.RATE_LIMIT_REQUESTS
+
     # ------------------------------------------------------------------ submit
 
     def submit(self, req: AdmissionRequest) -> Decision:

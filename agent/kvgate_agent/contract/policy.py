@@ -351,7 +351,9 @@ class FallbackPoolSpec(_Model):
     quantized model, with its own kvgate sidecar and admission.
 
     ``model``: the name the request's ``model`` is rewritten to; ``upstream``: the pool's base
-    URL (``http://NAME.NAMESPACE.svc:PORT``), the request's path kept.
+    URL (``http://NAME.NAMESPACE.svc:PORT``), the request's path kept; ``PORT`` must reach the
+    pool's kvgate sidecar (its ``kvgate-http`` port), not its engine, else the pool's requests
+    pass no admission.
     """
 
     model: Annotated[str, Field(min_length=1, max_length=256)]

@@ -169,6 +169,22 @@ def sidecar_metrics_url(pod_ip: str | None, listen_host: str, listen_port: int) 
     return f"http://{host}:{listen_port}/metrics"
 
 
+def broken_hold_credit(
+    started: float, now: float, wait: float, sync_timeout: float
+) -> float | None:
+    """Until when (clock seconds) a held sync that broke with a connection error at ``now``
+    proves the agent alive: ``started + sync_timeout`` when the call asked to be held
+    (``wait`` > 0 seconds) and lasted at least ``sync_timeout`` seconds (longer than an unheld
+    answer may take, so the agent took it and held it), else None (no credit).
+
+    Never ``now``: an agent frozen (SIGSTOP) for most of the hold and then killed (RST) breaks
+    the call just like one that crashed at ``now``, and crediting ``now`` would stretch the
+    staleness to wait + TTL before ``failureMode`` applies."""
+    if wait > 0 and now - started >= sync_timeout:
+        return started + sync_timeout
+    return None
+
+
 class ThresholdsLink:
     """The sidecar's view of its thresholds over time (pure: no I/O, clock injected).
 
@@ -202,9 +218,9 @@ class ThresholdsLink:
         #: The ETag to send as ``If-None-Match`` (the answer's ``ETag`` header).
         self.etag: str | None = None
         self.last_ok_at: float | None = None
-        #: When the last thresholds were last known current: the last success, or the end of a
-        #: held sync the agent's side closed (it was alive, and would have answered a change,
-        #: until then). The TTL counts from here.
+        #: When the last thresholds were last known current: the last success, or the start of
+        #: a held sync the agent's side later closed plus the sync timeout (it took the call and
+        #: held it, see :func:`broken_hold_credit`). The TTL counts from here.
         self.current_at: float | None = None
         self.last_result: SyncResult | None = None
         self.counts: dict[SyncResult, int] = dict.fromkeys(SyncResult, 0)
@@ -233,17 +249,17 @@ class ThresholdsLink:
         self.agent_holds = held
         self._success(SyncResult.NOT_MODIFIED)
 
-    def record_failure(self, result: SyncResult, *, held: bool = False) -> None:
+    def record_failure(self, result: SyncResult, *, alive_until: float | None = None) -> None:
         """A failed sync (any result but ok / not_modified): the last thresholds stay.
 
-        ``held``: the agent held the call and then its connection broke (the agent stopped or
-        died, not a silent hang, which times out): the thresholds were current until now, so
-        the TTL counts from now, as when a plain sync fails right after a success. A held call
-        that times out gets no such credit (the agent may have been silent since it began)."""
+        ``alive_until``: clock seconds until which the agent is known to have been alive, for a
+        held call its side then broke (see :func:`broken_hold_credit`): the TTL counts from
+        there (never from later than now), as when a plain sync fails right after a success.
+        None (a timeout, a call not held): no credit, the TTL counts from the last success."""
         if result in _SUCCESS:
             raise ValueError(f"{result} is not a failure")
-        if held and self.current_at is not None:
-            self.current_at = max(self.current_at, self.clock())
+        if alive_until is not None and self.current_at is not None:
+            self.current_at = max(self.current_at, min(alive_until, self.clock()))
         self.last_result = result
         self.counts[result] += 1
 
@@ -486,6 +502,7 @@ class AgentLink:
         answer: SyncAnswer | None = None
         detail = ""
         held = False
+        alive_until: float | None = None
         started = self.state.clock()
         try:
             result, answer, detail, held = await self._exchange(report or self.report(), wait)
@@ -496,8 +513,9 @@ class AgentLink:
             result, detail = SyncResult.TIMEOUT, f"no answer within {bound:g}s"
         except aiohttp.ClientError as exc:
             result, detail = SyncResult.ERROR, f"{type(exc).__name__}: {exc}"
-            # Broken after the agent held it (longer than an unheld answer may take).
-            held = wait > 0 and self.state.clock() - started >= self.settings.sync_timeout
+            alive_until = broken_hold_credit(
+                started, self.state.clock(), wait, self.settings.sync_timeout
+            )
         except Exception as exc:  # a bug must not stop the loop: count it, log it, carry on
             log.exception("sync with the node agent failed unexpectedly")
             result, detail = SyncResult.ERROR, repr(exc)
@@ -506,7 +524,7 @@ class AgentLink:
         elif result is SyncResult.NOT_MODIFIED:
             self.state.record_not_modified(held=held)
         else:
-            self.state.record_failure(result, held=held)
+            self.state.record_failure(result, alive_until=alive_until)
         self._log(result, "" if result in _SUCCESS else detail)
         self.on_result(result, answer)
         return result

@@ -52,7 +52,7 @@ from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
 from kvgate_agent.sidecar.pool import already_degraded, degrade_to_pool
 from kvgate_agent.sidecar.probe import EngineProbe
-from kvgate_agent.sidecar.request import canonical_path
+from kvgate_agent.sidecar.request import ParsedRequest, canonical_path, is_json
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.store import SharedStore, StoreSettings, register_metrics
 from kvgate_agent.sidecar.tenants import engine_priority, priority_of, tenant_of
@@ -489,7 +489,7 @@ class Sidecar:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.method_not_allowed(request.method, request.path)
         content_type = request.headers.get("Content-Type")
-        if content_type is not None and not _is_json(content_type):
+        if content_type is not None and not is_json(content_type):
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.unsupported_media_type(content_type)
         return None
@@ -515,10 +515,7 @@ class Sidecar:
         except RequestError as exc:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.bad_request(exc)
-        count_body = parsed.body if parsed.count_body is None else parsed.count_body
-        prompt = self.counter.count(count_body)
-        if self.engine_tokens is not None:
-            prompt = await self.engine_tokens.count(count_body, prompt)
+        prompt = await self._prompt(parsed, tenant, priority)
         max_tokens = parsed.max_tokens
         mml = spec.model.max_model_len or self.engine.max_model_len
         if mml is not None and (
@@ -573,6 +570,18 @@ class Sidecar:
             started=started,
         )
 
+    async def _prompt(self, parsed: ParsedRequest, tenant: str, priority: int) -> PromptCount:
+        """The prompt's count (tokens): the estimate, or with ``--tokenizer engine`` the
+        engine's own, asked only when admission could take the request (not draining, no hold,
+        not over its request-count rate limit with no way around)."""
+        count_body = parsed.body if parsed.count_body is None else parsed.count_body
+        prompt = self.counter.count(count_body)
+        if self.engine_tokens is not None:
+            est = AdmissionRequest(tenant, prompt.tokens, parsed.max_tokens, priority, parsed.n)
+            if not (self.draining or self.controller.refused_whatever_the_prompt(est)):
+                prompt = await self.engine_tokens.count(count_body, prompt)
+        return prompt
+
     async def _admit(self, areq: AdmissionRequest, prompt: PromptCount) -> Decision:
         """Admit ``areq``. "Never fits" must not rest on a cautious guess: an estimated prompt
         refused as exceeding the capacity is retried with an optimistic count (the server's
@@ -583,12 +592,3 @@ class Sidecar:
             if optimistic < areq.prompt_tokens:
                 d = await self.admission.admit(replace(areq, prompt_tokens=optimistic))
         return d
-
-
-def _is_json(content_type: str) -> bool:
-    """``application/json`` or ``application/<x>+json``, any parameters (``charset=utf-8``),
-    any case (RFC 9110 §8.3.1)."""
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (
-        media.startswith("application/") and media.endswith("+json")
-    )

@@ -7,6 +7,7 @@ and accept the same bodies with the same errors. Pure byte/JSON logic: no HTTP f
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, NoReturn
 
 import msgspec
@@ -22,6 +23,20 @@ def _bad(message: str, param: str | None) -> RequestError:
 
 def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
+
+
+class _NotFinite(ValueError):
+    pass
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number with a fraction or exponent as a float; one past a double's range (such as
+    ``1e400``, which Python's :mod:`json` reads as infinity) is refused: re-encoded it would
+    become ``null`` (msgspec), sent as written the engine reads it its own way."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotFinite(text)
+    return value
 
 
 class _DuplicateKey(ValueError):
@@ -50,7 +65,8 @@ _QUOTE_ESCAPE = b"\\u0022"
 
 
 def decode_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object (constants such as ``NaN`` refused).
+    """The body as a JSON object (constants such as ``NaN`` and numbers past a double's range,
+    such as ``1e400``, refused).
 
     A key repeated in one object is refused: JSON parsers disagree on which value wins
     (Python's keeps the last, serde-based servers such as TGI refuse it; RFC 8259 §4 leaves it
@@ -63,8 +79,9 @@ def decode_object(raw: bytes) -> dict[str, Any]:
     values are the same on both paths.
 
     Raises:
-        RequestError: 400 for a body that is not UTF-8, not JSON or not an object (``param``
-            None), or that repeats a key (``param`` the key).
+        RequestError: 400 for a body that is not UTF-8, not JSON, not an object or that has a
+            number that is not finite (``param`` None), or that repeats a key (``param`` the
+            key).
     """
     try:
         body = _fast_decode(raw)
@@ -100,15 +117,24 @@ def _no_repeated_key(raw: bytes, body: dict[str, Any]) -> bool:
 
 def _decode_strict(raw: bytes) -> dict[str, Any]:
     """:func:`decode_object` by Python's :mod:`json`, the reference: each object's pairs are
-    checked for a repeated key, which is named in the 400."""
+    checked for a repeated key, which is named in the 400, and every float for a finite value."""
     try:
         body = json.loads(
-            raw.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique
+            raw.decode("utf-8"),
+            parse_constant=_reject_constant,
+            parse_float=_finite_float,
+            object_pairs_hook=_unique,
         )
     except UnicodeDecodeError:
         raise _bad("The request body is not valid UTF-8", None) from None
     except _DuplicateKey as exc:
         raise _bad(f"The request body repeats the key {exc.key[:64]!r}", exc.key[:64]) from None
+    except _NotFinite as exc:
+        raise _bad(
+            f"The request body has a number out of range ({str(exc)[:32]} is not a finite"
+            " 64-bit float)",
+            None,
+        ) from None
     except (ValueError, RecursionError):
         raise _bad("The request body is not valid JSON", None) from None
     if not isinstance(body, dict):

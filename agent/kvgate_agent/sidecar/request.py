@@ -36,6 +36,7 @@ __all__ = [
     "decode_object",
     "effective_limit",
     "is_int",
+    "is_json",
     "n_predict_limit",
     "parse_completion_request",
     "positive_int",
@@ -537,3 +538,12 @@ def canonical_path(raw_path: str) -> str:
             continue
         segments.append(seg)
     return "/" + "/".join(segments)
+
+
+def is_json(content_type: str) -> bool:
+    """``application/json`` or ``application/<x>+json``, any parameters (``charset=utf-8``),
+    any case (RFC 9110 §8.3.1)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
