@@ -21,6 +21,7 @@ from aiohttp import web
 from kvgate_agent.admission import Decision
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar import responses
+from kvgate_agent.sidecar.forward import HOP_BY_HOP
 from kvgate_agent.sidecar.request import ParsedRequest, PathKind
 
 log = logging.getLogger("kvgate.sidecar")
@@ -29,23 +30,9 @@ log = logging.getLogger("kvgate.sidecar")
 #: pod's sidecar already sent it here, so it is never sent on.
 DEGRADED_HEADER = "x-kvgate-degraded"
 
-#: Hop-by-hop headers (RFC 9110 §7.6.1) and those recomputed per leg; never relayed.
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-        "content-type",
-    }
-)
+#: Headers never relayed on either leg: the hop-by-hop ones (RFC 9110 §7.6.1), those recomputed
+#: per leg, and the content type (set for the body sent).
+_HOP_BY_HOP = HOP_BY_HOP | {"content-type"}
 
 #: Statuses of the pool that mean "it cannot take it either": the client gets this pod's
 #: refusal. 4xx other than 429 are the request's own fault and are relayed as they are.
