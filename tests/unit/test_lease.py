@@ -98,6 +98,14 @@ class Sidecar:
         self.admitted += 1
         return d.outcome is Outcome.ADMITTED
 
+    def drain_queue(self) -> None:
+        """Pump the queue; count (and release) the waiters it admitted."""
+        self.c.pump()
+        for w in self.c.take_resolved():
+            if w.decision is not None and w.decision.ticket is not None:
+                self.c.release(w.decision.ticket, completion_tokens=1)
+                self.admitted += 1
+
 
 RPM = {"rateLimits": [{"name": "r", "per": "Tenant", "shared": True, "requestsPerMinute": 600}]}
 
@@ -221,6 +229,69 @@ def test_steady_state_needs_at_most_one_command_per_20_admitted() -> None:
     run([s], clock, 30.0, [50.0])
     assert s.admitted - admitted == 1500
     assert (store.calls - calls) * 20 <= s.admitted - admitted
+
+
+# ---------------------------------------------------------------- requests above a usual slice
+
+
+def test_a_small_shared_burst_still_admits_whole_requests() -> None:
+    """burstRequests 5: a tenth of the burst is half a request, yet requests are admitted at
+    about the shared rate (the lease asks for what the blocked request needs)."""
+    clock = FakeClock(0.0)
+    store = ModelStore(clock)
+    spec = {
+        "rateLimits": [
+            {
+                "name": "r",
+                "per": "Global",
+                "shared": True,
+                "requestsPerMinute": 60,
+                "burstRequests": 5,
+            }
+        ]
+    }
+    s = Sidecar("p", spec, clock, store)
+    for _ in range(300):  # 60 s, two requests a second
+        clock.advance(0.2)
+        s.step()
+        s.drain_queue()
+        if _ % 5 == 0:
+            s.send()
+            s.send()
+    assert 0.7 * 60 <= s.admitted <= 60 + 5 + 1
+
+
+def test_a_request_costing_a_fifth_of_the_burst_is_admitted_from_the_queue() -> None:
+    """Cost capacity 1000 units, one request costing 200 (above the 100 of a usual slice): it
+    waits in the queue, the slice grows to 200 and it is admitted; meanwhile the queue is not
+    looked at again every millisecond."""
+    clock = FakeClock(0.0)
+    store = ModelStore(clock)
+    spec = {
+        "rateLimits": [
+            {
+                "name": "c",
+                "per": "Global",
+                "shared": True,
+                "tokensPerMinute": 6000,
+                "burstTokens": 1000,
+            }
+        ],
+    }
+    s = Sidecar("p", spec, clock, store)
+    s.step()
+    req = AdmissionRequest("a", 0, 200)
+    d = s.c.submit(req)
+    assert d.outcome is Outcome.QUEUED and d.waiter is not None
+    wake = s.c.next_wake()
+    assert wake is not None and wake - clock() >= 0.04  # not a pump every millisecond
+    for _ in range(50):
+        clock.advance(0.2)
+        s.step()
+        s.c.pump()
+        if d.waiter.decision is not None:
+            break
+    assert d.waiter.decision is not None and d.waiter.decision.ticket is not None
 
 
 # ---------------------------------------------------------------- idle, shutdown

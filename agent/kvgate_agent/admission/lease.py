@@ -11,17 +11,21 @@ sends it as one atomic script call and hands the answer to :meth:`LeaseBook.done
 Sizing: a slice covers :data:`DEMAND_HORIZON_S` seconds of the key's recent demand (a
 time-weighted moving average of what admission took), at least a quarter and at most
 :data:`MAX_LEASE_FRACTION` of the burst; it is renewed once its level falls below half that
-target, handed back after :data:`IDLE_SECONDS` without use and at shutdown. A grant below what
-was asked (the shared bucket is drained) backs off until the shared refill could cover the rest.
+target, handed back after :data:`IDLE_SECONDS` without use and at shutdown. A request costing
+more than that (a small burst, a large ``max_tokens``) leaves its amount in the slice's ``need``:
+the next lease asks for what is missing of it (at most a burst), so it is admitted once the
+shared bucket holds that much. A grant below what was asked (the shared bucket is drained) backs
+off until the shared refill could cover the rest.
 
 Overshoot bound: a slice is debited from the shared bucket when granted, so over any window the
 fleet admits at most the shared bucket's own bound (burst + rate x window) plus what was
 outstanding locally at the window's start: Σ over sidecars of their slices' positive levels and
 their uncharged debt (:meth:`LeaseBook.outstanding`, exported as
 ``kvgate_shared_lease_outstanding``). Per key and sidecar that is at most
-2 x ``MAX_LEASE_FRACTION`` x burst: a lease, and the first slice a new key starts with before its
-first sync (charged then); plus, while the store is unreachable under FailOpen, the local share
-credited (charged once it answers again). Usage beyond a reservation is owed by the slice (its
+2 x ``MAX_LEASE_FRACTION`` x burst (a lease, and the first slice a new key starts with before
+its first sync, charged then), or a lease the size of the largest request waiting; plus,
+while the store is unreachable under FailOpen, the local share credited (charged once it
+answers again). Usage beyond a reservation is owed by the slice (its
 level goes below 0) and paid from its next lease.
 
 Faults: a sync that fails twice in a row (each bounded by the store's timeout) marks the store
@@ -198,8 +202,10 @@ class LeaseBook:
         want = 0.0
         if now - b.last >= IDLE_SECONDS:
             give_back = max(0.0, b.level)
-        elif b.level < LOW_WATER * target(b):
-            want = target(b) - b.level
+            b.need = 0.0
+        elif b.level < LOW_WATER * target(b) or b.level < b.need:
+            # a request larger than the usual slice waits: ask for all of it (at most a burst)
+            want = min(b.capacity, max(target(b), b.need) - b.level)
         if give_back == 0.0 and want == 0.0 and b.debt == 0.0:
             return None
         b.level -= give_back
@@ -220,10 +226,14 @@ class LeaseBook:
             b.level += g.granted
             b.mark += g.granted
             b.shared_level = g.shared_level
+            if b.level >= b.need:
+                b.need = 0.0
             if g.granted + 1e-9 < op.want:
                 lacking = op.want - g.granted
                 wait = min(1.0, max(0.1, lacking / b.rate))
                 self.next_try = max(self.next_try, now + wait)
+        for _, b in self.slices():
+            b.sync_at = self.next_try
 
     def failed(self, ops: list[SliceOp], now: float) -> None:
         """The sync of ``ops`` failed (error or timeout): hand-backs return to their slices, and
@@ -235,6 +245,8 @@ class LeaseBook:
         if self.failures >= FAILURES_DOWN:
             self.up = False
         self.next_try = now + RETRY_SECONDS
+        for _, b in self.slices():
+            b.sync_at = self.next_try
 
     def hand_back_all(self) -> list[SliceOp]:
         """The ops of a last sync at shutdown: every positive slice handed back, every debt
