@@ -352,6 +352,23 @@ def test_fail_closed_state_when_the_store_is_down() -> None:
     assert s.book.state is StoreState.SHARED
 
 
+def test_fail_closed_lifts_once_no_shared_limit_is_left() -> None:
+    """Store down under FailClosed, then the policy drops its shared limit: nothing is leased,
+    so nothing is closed (the sidecar must not refuse everything forever)."""
+    clock = FakeClock(0.0)
+    store = ModelStore(clock)
+    spec = {**RPM, "failureMode": "FailClosed"}
+    s = Sidecar("p", spec, clock, store)
+    run([s], clock, 2.0, [5.0])
+    store.up = False
+    run([s], clock, LEASE_SECONDS, [0.0])
+    assert s.book.state.value == "closed"
+    local = {"failureMode": "FailClosed", "rateLimits": [{**RPM["rateLimits"][0], "shared": False}]}
+    s.c.reconfigure(controller(local, clock).config)
+    run([s], clock, 0.4, [0.0])
+    assert s.book.state is StoreState.SHARED
+
+
 def test_restarted_empty_store_starts_buckets_at_the_warmup_level() -> None:
     clock = FakeClock(0.0)
     store = ModelStore(clock)

@@ -159,11 +159,14 @@ class LeaseBook:
     def tick(self, now: float) -> list[SliceOp] | None:
         """Advance to ``now``: learn each slice's demand, credit the local share while the
         store is down under FailOpen, size first slices; returns the ops of the sync due now
-        (possibly empty: a heartbeat), or None when no sync is due."""
+        (possibly empty: a heartbeat), or None when no sync is due. With no shared limit
+        held the store counts as up (nothing to fall back from)."""
         dt = max(0.0, now - self.last_tick)
         self.last_tick = now
         maps = self._maps()
         if not maps:
+            # nothing leased: no fault to fall back from (a FailClosed hold must lift)
+            self.up, self.failures = True, 0
             return None
         slices = self.slices()
         local = self.state is StoreState.LOCAL
