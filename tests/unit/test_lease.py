@@ -34,6 +34,7 @@ class ModelStore:
         self.peers: dict[str, float] = {}
         self.up = True
         self.calls = 0
+        self.log: list[tuple[str, SliceOp, Grant]] = []  # (member, op, grant) of every call
 
     def call(self, member: str, ops: list[SliceOp]) -> tuple[int, list[Grant]]:
         if not self.up:
@@ -52,6 +53,7 @@ class ModelStore:
             level -= grant
             self.buckets[op.name] = (level, now)
             grants.append(Grant(grant, level))
+            self.log.append((member, op, grants[-1]))
         return len(self.peers), grants
 
 
@@ -331,12 +333,23 @@ def test_store_down_falls_back_to_the_local_share_within_a_lease_period() -> Non
     debt = fleet[0].book.outstanding()
     assert debt > 0
     store.up = True
-    level_before = store.buckets["r:requests:a"][0]
-    run(fleet, clock, 1.0, [0.0, 0.0])  # the next try comes within RETRY_SECONDS
+    key = "r:requests:a"
+    level_before, written = store.buckets[key]
+    store.log.clear()
+    for _ in range(5):  # the next try comes within RETRY_SECONDS: one sync of p0 alone
+        clock.advance(0.2)
+        fleet[0].step()
+        if store.log:
+            break
     assert fleet[0].book.state is StoreState.SHARED
     assert fleet[0].book.outstanding() < debt  # the debt was charged
-    # what was spent during the outage is charged: the shared bucket is drained, not full
-    assert store.buckets["r:requests:a"][0] < level_before + 10 * 1 - 0.5 * got + 600
+    [(_, op, grant)] = [e for e in store.log if e[1].name == key]
+    # what was spent during the outage is charged: less what the slice held before, at most
+    # a lease of a tenth of the burst
+    assert op.debt >= got - MAX_LEASE_FRACTION * 600 - 1
+    refilled = min(600.0, level_before + 10 * (clock() - written))
+    expected = refilled + op.give_back - op.debt - grant.granted
+    assert store.buckets[key][0] == pytest.approx(expected, abs=1e-6)
 
 
 def test_fail_closed_state_when_the_store_is_down() -> None:
