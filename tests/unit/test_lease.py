@@ -78,7 +78,9 @@ class Sidecar:
         self.store = store
         self.c = controller(spec, clock)
         fail_closed = spec.get("failureMode") == "FailClosed"
-        self.book = LeaseBook(self.c.shared_maps, lambda: fail_closed, clock())
+        self.book = LeaseBook(
+            self.c.shared_maps, lambda: fail_closed, clock(), retired=self.c.take_retired_slices
+        )
         self.admitted = 0
 
     def step(self) -> None:
@@ -391,6 +393,39 @@ def test_restarted_empty_store_starts_buckets_at_the_warmup_level() -> None:
     run([s], clock, 0.4, [0.0])
     level, _ = store.buckets["r:requests:a"]
     assert level <= 600 * WARMUP_START_FRACTION
+
+
+def test_a_removed_shared_limit_hands_its_slices_back() -> None:
+    clock = FakeClock(0.0)
+    store = ModelStore(clock)
+    s = Sidecar("p", RPM, clock, store)
+    run([s], clock, 3.0, [10.0])
+    held = s.book.outstanding()
+    assert held > 0
+    store.log.clear()
+    local = {"rateLimits": [{**RPM["rateLimits"][0], "shared": False}]}
+    s.c.reconfigure(controller(local, clock).config)
+    store.up = False  # the first try fails: the final op is kept, and nothing falls back
+    run([s], clock, 1.0, [0.0])
+    assert s.book.state is StoreState.SHARED and not store.log
+    store.up = True
+    run([s], clock, 1.0, [0.0])
+    [(_, op, _)] = store.log
+    assert op.final and op.give_back + op.debt == pytest.approx(held)
+
+
+def test_a_slice_evicted_by_the_key_cap_gets_a_final_op() -> None:
+    m = BucketMap(10, 1, warmup_start=0.0, idle_seconds=100.0, max_keys=1)
+    m.first_slice = 0.0
+    a = m.get("a", 0.0)
+    assert isinstance(a, SharedBucket)
+    a.level, a.debt = 3.0, 2.0
+    m.get("b", 1.0)  # over the cap: "a" goes although it holds units
+    book = LeaseBook(lambda: [("r", "requests", m)], lambda: False, 0.0)
+    ops = book.tick(1.0)
+    assert ops is not None
+    [op] = [op for op in ops if op.name == "r:requests:a"]
+    assert op.final and (op.give_back, op.debt) == (3.0, 2.0)
 
 
 def test_bucket_map_forgets_empty_slices() -> None:

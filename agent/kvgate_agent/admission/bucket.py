@@ -209,6 +209,7 @@ class BucketMap:
     __slots__ = (
         "_buckets",
         "capacity",
+        "evicted",
         "first_slice",
         "idle_seconds",
         "max_keys",
@@ -236,6 +237,9 @@ class BucketMap:
         #: None: local buckets. A number: the buckets are :class:`SharedBucket` slices of a
         #: fleet-wide budget, a new one starting with this many units (charged later).
         self.first_slice: float | None = None
+        #: Slices dropped by the hard cap while holding units or owing some: (key, slice), for
+        #: the lease book's final hand-back.
+        self.evicted: list[tuple[str, SharedBucket]] = []
 
     def get(self, key: str, now: float) -> TokenBucket:
         """The bucket for ``key``, created full (at its warm-up capacity) if absent."""
@@ -266,6 +270,8 @@ class BucketMap:
                 oldest.pins == 0 and now - oldest.last >= self.idle_seconds and oldest.is_full(now)
             ):
                 del buckets[key]
+                if isinstance(oldest, SharedBucket) and not oldest.is_full(now):
+                    self.evicted.append((key, oldest))
             elif now - oldest.last >= self.idle_seconds or oldest.pins:
                 buckets.move_to_end(key)
             else:

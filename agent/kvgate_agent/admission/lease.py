@@ -85,6 +85,8 @@ class SliceOp:
         want: units asked for (0: none).
         give_back: units handed back (already taken off the local level).
         debt: units to charge unconditionally (already spent here).
+        final: the slice is gone here (its limit removed, or evicted by the key cap): this
+            op is its last, retried until the store takes it.
     """
 
     name: str
@@ -92,6 +94,7 @@ class SliceOp:
     want: float
     give_back: float
     debt: float
+    final: bool = False
 
 
 @dataclass(slots=True)
@@ -117,6 +120,8 @@ class LeaseBook:
         maps: returns (limit, unit, bucket map) of every shared limit held now.
         fail_closed: returns whether the policy's ``failureMode`` is FailClosed.
         now: clock seconds at creation.
+        retired: returns (and forgets) the slices of shared limits removed since the last
+            call, as (``limit:unit:tenant``, slice): each gets a final hand-back.
     """
 
     def __init__(
@@ -124,9 +129,12 @@ class LeaseBook:
         maps: Callable[[], list[tuple[str, str, BucketMap]]],
         fail_closed: Callable[[], bool],
         now: float,
+        retired: Callable[[], list[tuple[str, SharedBucket]]] = list,
     ) -> None:
         self._maps = maps
         self._fail_closed = fail_closed
+        self._retired = retired
+        self._final: list[SliceOp] = []  # last ops of slices gone here, not yet taken
         self.peers = 1
         self.up = True  # until a sync says otherwise: the first try decides
         self.failures = 0
@@ -164,10 +172,11 @@ class LeaseBook:
         dt = max(0.0, now - self.last_tick)
         self.last_tick = now
         maps = self._maps()
+        self._collect_final(maps)
         if not maps:
             # nothing leased: no fault to fall back from (a FailClosed hold must lift)
             self.up, self.failures = True, 0
-            return None
+            return self._take_final() if self._final and now >= self.next_try else None
         slices = self.slices()
         local = self.state is StoreState.LOCAL
         for _, _, bmap in maps:
@@ -184,9 +193,26 @@ class LeaseBook:
         if now < self.next_try:
             return None
         ops = [op for name, b in slices if (op := self._op(name, b, now)) is not None]
+        ops += self._take_final()
         if ops or not self.up or now - self.last_sync >= LEASE_SECONDS / 2:
             return ops  # while down, even an empty one: the probe that finds the store back
         return None
+
+    def _collect_final(self, maps: list[tuple[str, str, BucketMap]]) -> None:
+        gone = list(self._retired())
+        for limit, unit, bmap in maps:
+            gone += [(f"{limit}:{unit}:{key}", b) for key, b in bmap.evicted]
+            bmap.evicted.clear()
+        for name, b in gone:
+            back, debt = max(0.0, b.level), b.debt + max(0.0, -b.level)
+            b.level = b.mark = 0.0
+            b.debt = 0.0
+            if back or debt:
+                self._final.append(SliceOp(name, b, 0.0, back, debt, final=True))
+
+    def _take_final(self) -> list[SliceOp]:
+        out, self._final = self._final, []
+        return out
 
     def _credit_share(self, b: SharedBucket, dt: float) -> None:
         cap = b.capacity / self.peers
@@ -238,23 +264,36 @@ class LeaseBook:
         for _, b in self.slices():
             b.sync_at = self.next_try
 
+    def cancelled(self, ops: list[SliceOp]) -> None:
+        """The sync of ``ops`` was cancelled (shutdown): hand-backs return to their slices, final
+        ops wait for the last sync; no failure is counted."""
+        for op in ops:
+            if op.final:
+                self._final.append(op)
+            else:
+                op.bucket.level += op.give_back
+                op.bucket.mark += op.give_back
+
     def failed(self, ops: list[SliceOp], now: float) -> None:
         """The sync of ``ops`` failed (error or timeout): hand-backs return to their slices, and
         after :data:`FAILURES_DOWN` failures in a row the store counts as down."""
         for op in ops:
+            if op.final:
+                self._final.append(op)  # retried with the next sync
+                continue
             op.bucket.level += op.give_back
             op.bucket.mark += op.give_back
         self.failures += 1
-        if self.failures >= FAILURES_DOWN:
-            self.up = False
+        if self.failures >= FAILURES_DOWN and self._maps():
+            self.up = False  # with nothing leased any more there is nothing to fall back from
         self.next_try = now + RETRY_SECONDS
         for _, b in self.slices():
             b.sync_at = self.next_try
 
     def hand_back_all(self) -> list[SliceOp]:
         """The ops of a last sync at shutdown: every positive slice handed back, every debt
-        charged."""
-        ops = []
+        charged (and the final ops still pending)."""
+        ops = self._take_final()
         for name, b in self.slices():
             back = max(0.0, b.level)
             debt = b.debt + max(0.0, -b.level)

@@ -166,6 +166,7 @@ class SharedStore:
             controller.shared_maps,
             lambda: controller.config.failure_mode is FailureMode.FAIL_CLOSED,
             clock(),
+            retired=controller.take_retired_slices,
         )
         self.client: aioredis.Redis | None = None
         self._script: Any = None
@@ -221,9 +222,7 @@ class SharedStore:
         try:
             peers, grants = await self._call(ops)
         except asyncio.CancelledError:
-            for op in ops:
-                op.bucket.level += op.give_back
-                op.bucket.mark += op.give_back
+            self.book.cancelled(ops)
             raise
         except Exception as exc:  # any store failure is a failed sync
             self.syncs_failed += 1
