@@ -21,6 +21,7 @@ from kvgate_agent.admission.lease import (
     SliceOp,
     StoreState,
 )
+from kvgate_agent.contract.nodeadmission import PodThresholds
 from kvgate_agent.contract.policy import PolicyError, parse_policy
 from kvgate_bench.toolkit import FakeClock
 
@@ -72,14 +73,25 @@ def controller(spec: dict[str, Any], clock: FakeClock) -> AdmissionController:
 class Sidecar:
     """One admission core with its lease book, synced against ``store`` on each step."""
 
-    def __init__(self, name: str, spec: dict[str, Any], clock: FakeClock, store: ModelStore):
+    def __init__(
+        self,
+        name: str,
+        spec: dict[str, Any],
+        clock: FakeClock,
+        store: ModelStore,
+        share: float = 1.0,
+    ) -> None:
         self.name = name
         self.clock = clock
         self.store = store
         self.c = controller(spec, clock)
         fail_closed = spec.get("failureMode") == "FailClosed"
         self.book = LeaseBook(
-            self.c.shared_maps, lambda: fail_closed, clock(), retired=self.c.take_retired_slices
+            self.c.shared_maps,
+            lambda: fail_closed,
+            clock(),
+            retired=self.c.take_retired_slices,
+            share=lambda: share,
         )
         self.admitted = 0
 
@@ -352,6 +364,23 @@ def test_store_down_falls_back_to_the_local_share_within_a_lease_period() -> Non
     refilled = min(600.0, level_before + 10 * (clock() - written))
     expected = refilled + op.give_back - op.debt - grant.granted
     assert store.buckets[key][0] == pytest.approx(expected, abs=1e-6)
+
+
+def test_store_down_from_the_start_credits_the_operators_split_not_the_whole_rate() -> None:
+    """No peer count seen yet (the store never answered): one of four pods (globalShare 0.25)
+    is credited a quarter of the rate, not all of it."""
+    clock = FakeClock(0.0)
+    store = ModelStore(clock)
+    store.up = False
+    s = Sidecar("p", RPM, clock, store, share=0.25)
+    run([s], clock, 20.0, [20.0])
+    assert s.book.state.value == "local"
+    assert 0.6 * 2.5 * 20 <= s.admitted <= 60 + 2.5 * 20 + 10  # first slice + a quarter
+
+
+def test_the_operators_split_reaches_the_config() -> None:
+    thresholds = PodThresholds.model_validate({"globalShare": 0.25})
+    assert AdmissionConfig.from_policy(thresholds).fleet_share == 0.25
 
 
 def test_fail_closed_state_when_the_store_is_down() -> None:

@@ -31,7 +31,8 @@ level goes below 0) and paid from its next lease.
 Faults: a sync that fails twice in a row (each bounded by the store's timeout) marks the store
 down, which with syncs at least every ``LEASE_SECONDS / 2`` happens within :data:`LEASE_SECONDS`
 of the store going away. Then under FailOpen each slice is credited this pod's share of the
-refill (rate / peers, up to burst / peers; peers as last seen in the store) and the credit is
+refill (rate / peers, up to burst / peers; peers as last seen in the store, or the operator's
+split ``globalShare`` before any sync answered) and the credit is
 recorded as debt; under FailClosed nothing is credited and the sidecar refuses new work (503).
 Once the store answers again the debt is charged to the shared bucket first: what was spent
 during the outage is not spent twice.
@@ -130,10 +131,13 @@ class LeaseBook:
         fail_closed: Callable[[], bool],
         now: float,
         retired: Callable[[], list[tuple[str, SharedBucket]]] = list,
+        share: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self._maps = maps
         self._fail_closed = fail_closed
         self._retired = retired
+        self._share = share
+        self.peers_seen = False  # a sync answered with the peer count
         self._final: list[SliceOp] = []  # last ops of slices gone here, not yet taken
         self.peers = 1
         self.up = True  # until a sync says otherwise: the first try decides
@@ -181,7 +185,7 @@ class LeaseBook:
         local = self.state is StoreState.LOCAL
         for _, _, bmap in maps:
             top = MAX_LEASE_FRACTION * bmap.capacity
-            bmap.first_slice = min(top, bmap.capacity / self.peers) if local or self.up else 0.0
+            bmap.first_slice = min(top, bmap.capacity * self.share()) if local or self.up else 0.0
         w = 1.0 - math.exp(-dt / DEMAND_TAU_S) if dt > 0 else 0.0
         for _, b in slices:
             used = b.mark - b.level
@@ -214,10 +218,16 @@ class LeaseBook:
         out, self._final = self._final, []
         return out
 
+    def share(self) -> float:
+        """This sidecar's fraction of a shared budget when on its own: 1 / the peers last seen
+        in the store, or the operator's split (``share``) before any sync answered."""
+        return 1.0 / self.peers if self.peers_seen else min(1.0, max(1e-9, self._share()))
+
     def _credit_share(self, b: SharedBucket, dt: float) -> None:
-        cap = b.capacity / self.peers
+        share = self.share()
+        cap = b.capacity * share
         if b.level < cap:
-            add = min(cap - b.level, dt * b.rate / self.peers)
+            add = min(cap - b.level, dt * b.rate * share)
             b.level += add
             b.mark += add
             b.debt += add
@@ -248,6 +258,7 @@ class LeaseBook:
         self.syncs += 1
         self.last_sync = now
         self.peers = max(1, peers)
+        self.peers_seen = True
         self.next_try = now
         for op, g in zip(ops, grants, strict=True):
             b = op.bucket

@@ -167,6 +167,7 @@ class SharedStore:
             lambda: controller.config.failure_mode is FailureMode.FAIL_CLOSED,
             clock(),
             retired=controller.take_retired_slices,
+            share=lambda: controller.config.fleet_share,
         )
         self.client: aioredis.Redis | None = None
         self._script: Any = None
