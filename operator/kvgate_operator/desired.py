@@ -28,6 +28,7 @@ from kvgate_agent.contract.policy import (
     RateLimitPolicySpec,
     parse_policy,
 )
+from kvgate_operator.inject_store import ANNOTATION_STORE, STORE_KIND
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -85,6 +86,9 @@ class Pod:
     node: str | None
     active: bool
     ready: bool
+    #: The webhook gave its sidecar a store (annotation ``kvgate.io/store``): it leases shared
+    #: limits instead of enforcing its split of them.
+    store: bool = False
 
     @property
     def key(self) -> Key:
@@ -108,6 +112,7 @@ class Pod:
             (obj.get("spec") or {}).get("nodeName"),
             meta.get("deletionTimestamp") is None and phase not in ("Succeeded", "Failed"),
             ready,
+            (meta.get("annotations") or {}).get(ANNOTATION_STORE) == STORE_KIND,
         )
 
 
@@ -117,7 +122,8 @@ class Snapshot:
 
     ``nodes`` maps node name to uid. ``engine_capacity`` maps a pod uid to the KV capacity in
     tokens its engine reported (from NodeAdmission status, written by the agent). ``store``:
-    the injected sidecars have a store for ``shared`` limits (the chart's ``store.url``).
+    the webhook injects sidecars with a store for ``shared`` limits now (the chart's
+    ``store.url``); each pod's own :attr:`Pod.store` decides its thresholds.
     """
 
     policies: Mapping[Key, Policy]
@@ -141,6 +147,8 @@ class PolicyOutcome:
     write_error: str | None = None
     #: None: the policy has no shared limit; else whether a store holds them.
     shared_store: bool | None = None
+    #: Matched pods whose sidecar has no store although the others (or the chart) have one.
+    store_less: int = 0
 
     def status(self) -> dict[str, Any]:
         """The status fields (conditions without timestamps; the reconciler adds them).
@@ -190,10 +198,22 @@ class PolicyOutcome:
     def _shared_condition(self) -> list[dict[str, Any]]:
         """``SharedLimits`` (only for a policy with ``shared`` limits): True ``Store`` when the
         sidecars lease them from the store, False ``NoStore`` when they fall back to per-pod
-        budgets (no ``store.url`` in the chart values)."""
+        budgets (no ``store.url`` in the chart values), False ``MixedStore`` when some matched pods
+        were injected without one."""
         if self.shared_store is None:
             return []
         ok = self.shared_store
+        if ok and self.store_less:
+            return [
+                {
+                    "type": "SharedLimits",
+                    "status": "False",
+                    "reason": "MixedStore",
+                    "message": f"{self.store_less} pod(s) were injected without the store: they "
+                    "enforce their split of Global shared limits per pod until recreated",
+                    "observedGeneration": self.generation,
+                }
+            ]
         return [
             {
                 "type": "SharedLimits",
@@ -352,6 +372,7 @@ def _entries(snap: Snapshot, policy: Policy, outcome: PolicyOutcome) -> list[Pod
     # Without a Global limit the share means nothing: keep it 1 so pods coming and going
     # do not rewrite every other pod's thresholds.
     share = 1.0 / (ready or len(members)) if has_global else 1.0
+    # a store-less pod takes its 1/N of a Global limit, a pod with a store leases it whole
     ref = PolicyRef(
         namespace=policy.namespace,
         name=policy.name,
@@ -365,7 +386,7 @@ def _entries(snap: Snapshot, policy: Policy, outcome: PolicyOutcome) -> list[Pod
             uid=pod.uid,
             policy=ref,
             thresholds=resolve_thresholds(
-                policy.spec, min(1.0, share), snap.engine_capacity.get(pod.uid), snap.store
+                policy.spec, min(1.0, share), snap.engine_capacity.get(pod.uid), pod.store
             ),
         )
         for pod in members
@@ -381,14 +402,18 @@ def compute(snap: Snapshot) -> Desired:
     governs nothing. Of two policies selecting one pod the oldest (creationTimestamp, then
     name) wins and both report the overlap. ``per: Global`` limits are split evenly across the
     policy's ready pods (across all matched pods when none is ready), except ``shared`` ones
-    when the sidecars have a store (they lease the whole budget). The engine's reported KV
+    for pods whose sidecar has a store (annotation ``kvgate.io/store``: they lease the whole
+    budget). The engine's reported KV
     capacity beats ``capacity.kvCacheTokens`` when ``fromEngineMetrics`` is set.
     """
     outcomes, valid = _validate(snap.policies)
+    _assign(snap, valid, outcomes)
     for p in valid:
         if p.spec is not None and any(rl.shared for rl in p.spec.rate_limits):
-            outcomes[p.key].shared_store = snap.store
-    _assign(snap, valid, outcomes)
+            o = outcomes[p.key]
+            with_store = sum(1 for k in o.matched if snap.pods[k].store)
+            o.shared_store = snap.store or with_store > 0
+            o.store_less = len(o.matched) - with_store if o.shared_store else 0
     pods_by_node: dict[str, list[dict[str, Any]]] = {n: [] for n in snap.nodes}
     for pol_key, outcome in outcomes.items():
         if not outcome.matched:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import jsonpatch
 
-from kvgate_operator.inject_store import store_volumes
+from kvgate_operator.inject_store import store_ops
 from kvgate_operator.template import (
     PORT_NAME,
     SIDECAR_NAME,
@@ -546,9 +546,7 @@ def _rule_inject(
         _append_op(pod.spec, "initContainers" if native else "containers", container),
         _append_op(pod.spec, "volumes", token_volume(config)),
     ]
-    ops += [
-        {"op": "add", "path": "/spec/volumes/-", "value": v} for v in store_volumes(config.store)
-    ]
+    ops += store_ops(config.store)
     mode = "native sidecar (init container)" if native else "container"
     return Injection(
         "injected",

@@ -13,6 +13,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
+#: Pod annotation the webhook sets on pods whose sidecar it gave a store: the operator gives such
+#: a pod the whole budget of a ``shared`` Global limit (leased), a pod without it its 1/N split
+#: (a pod injected before ``store.url`` was set runs without a store until recreated).
+ANNOTATION_STORE = "kvgate.io/store"
+STORE_KIND = "redis"
 #: Volume and mount of the store's password Secret.
 PASSWORD_VOLUME = "kvgate-store-password"
 PASSWORD_DIR = "/var/run/secrets/kvgate-store"
@@ -90,6 +95,17 @@ def store_volumes(store: StoreInjection | None) -> list[dict[str, Any]]:
     if store.tls.ca_secret is not None:
         vols.append(_secret(CA_VOLUME, store.tls.ca_secret, store.tls.ca_key))
     return vols
+
+
+def store_ops(store: StoreInjection | None) -> list[dict[str, Any]]:
+    """JSON Patch ops adding the store's Secret volumes and the :data:`ANNOTATION_STORE`
+    annotation (after the op that makes sure ``metadata.annotations`` exists)."""
+    if store is None:
+        return []
+    ops = [{"op": "add", "path": "/spec/volumes/-", "value": v} for v in store_volumes(store)]
+    path = "/metadata/annotations/" + ANNOTATION_STORE.replace("~", "~0").replace("/", "~1")
+    ops.append({"op": "add", "path": path, "value": STORE_KIND})
+    return ops
 
 
 def _secret(volume: str, secret: str, key: str) -> dict[str, Any]:

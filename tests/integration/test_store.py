@@ -16,13 +16,21 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
+from kvgate_agent.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionRequest,
+    AsyncAdmission,
+    Reason,
+)
 from kvgate_agent.admission.bucket import WARMUP_START_FRACTION
 from kvgate_agent.admission.lease import LEASE_SECONDS, MAX_LEASE_FRACTION
-from kvgate_agent.sidecar.store import StoreSettings, key_prefix
+from kvgate_agent.contract.policy import parse_policy
+from kvgate_agent.sidecar.store import SharedStore, StoreSettings, key_prefix
 from kvgate_bench import fleet as fleet_bench
 from kvgate_bench.redisserver import RedisServer, make_tls
 from kvgate_bench.toolkit import wait_until_async
-from tests.conftest import SidecarFactory, gauges
+from tests.conftest import SidecarFactory, gauges, policy_doc
 from tests.upstream import CHAT
 
 FLEET_SECONDS = float(os.environ.get("KVGATE_FLEET_SECONDS", "12"))
@@ -252,3 +260,35 @@ def test_fleet_benchmark_smoke(
     assert fleet_bench.main(["--seconds", "1.5", "--sidecars", "1", "--iterations", "2000"]) == 0
     out = capsys.readouterr().out
     assert "| 1 | " in out and "decision (submit + release)" in out
+
+
+async def test_fail_closed_hold_lifts_when_the_shared_limit_goes(
+    redis_server: Callable[..., RedisServer],
+) -> None:
+    """Store down under FailClosed: everything 503; then the policy no longer has a shared
+    limit: the hold lifts although no sync will ever run again."""
+    server = redis_server()
+    spec = shared_spec(failure_mode="FailClosed")
+    c = AdmissionController(AdmissionConfig.from_policy(parse_policy(policy_doc(spec)).spec))
+    store = SharedStore(
+        StoreSettings(url=server.url, member="a", timeout=0.3),
+        c,
+        AsyncAdmission(c),
+        lambda: "default/test",
+    )
+    server.kill()
+    await store.start()
+    try:
+
+        def reason() -> Reason:
+            d = c.submit(AdmissionRequest("t1", 0, 1))
+            if d.ticket is not None:
+                c.release(d.ticket, completion_tokens=1)
+            return d.reason
+
+        await wait_until_async(lambda: reason() is Reason.FAIL_CLOSED, 10, "closed")
+        local = shared_spec(failure_mode="FailClosed", shared=False)
+        c.reconfigure(AdmissionConfig.from_policy(parse_policy(policy_doc(local)).spec))
+        await wait_until_async(lambda: reason() is Reason.OK, 5, "lifted")
+    finally:
+        await store.stop()

@@ -36,7 +36,7 @@ from kvgate_operator.inject import (
     apply_patch,
     inject,
 )
-from kvgate_operator.inject_store import store_volumes
+from kvgate_operator.inject_store import ANNOTATION_STORE, STORE_KIND, store_volumes
 from kvgate_operator.template import (
     SIDECAR_NAME,
     TEMPLATE_VERSION,
@@ -228,6 +228,9 @@ def check_result(
     before = dict((pod_in.get("metadata") or {}).get("annotations") or {})
     after = dict(r.pod["metadata"]["annotations"])
     del after[ANNOTATION_INJECTED]
+    if config.store is not None:  # the operator gives it the whole shared budget: leased
+        assert after.pop(ANNOTATION_STORE) == STORE_KIND
+        before.pop(ANNOTATION_STORE, None)
     assert after == before
     assert r.pod["metadata"].get("labels") == (pod_in.get("metadata") or {}).get("labels")
     # Injecting again changes nothing.

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvgate_agent.contract.policy import LabelSelector
 from kvgate_operator.desired import Pod, Policy, Snapshot, compute, selects
+from kvgate_operator.inject_store import ANNOTATION_STORE, STORE_KIND
 from kvgate_operator.plan import plan, with_transition_times
 from tests.conftest import policy_doc
 
@@ -36,6 +37,7 @@ def pod(
     labels: dict[str, str] | None = None,
     ready: bool = True,
     terminating: bool = False,
+    store: bool = False,
 ) -> Pod:
     meta: dict[str, Any] = {
         "name": name,
@@ -43,6 +45,8 @@ def pod(
         "uid": f"uid-{name}",
         "labels": {"app": "llm"} if labels is None else labels,
     }
+    if store:
+        meta["annotations"] = {ANNOTATION_STORE: STORE_KIND}
     if terminating:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return Pod.from_object(
@@ -299,7 +303,8 @@ def test_shared_global_limits_keep_the_whole_budget_with_a_store() -> None:
         ]
     }
     pods = [pod("a"), pod("b", node="n2")]
-    with_store = compute(replace(snap([pol("p", spec)], pods), store=True))
+    leased = [pod("a", store=True), pod("b", node="n2", store=True)]
+    with_store = compute(replace(snap([pol("p", spec)], leased), store=True))
     g, h = entries(with_store, "n1")["a"]["thresholds"]["rateLimits"]
     assert g["requestsPerMinute"] == 600  # leased from the store, not split
     assert h["requestsPerMinute"] == 300
@@ -311,6 +316,22 @@ def test_shared_global_limits_keep_the_whole_budget_with_a_store() -> None:
     cond = {c["type"]: c for c in without.policies[("m", "p")].status()["conditions"]}
     assert cond["SharedLimits"]["status"] == "False"
     assert cond["SharedLimits"]["reason"] == "NoStore"
+    # Pods injected before store.url was set: store-less, they keep their split whatever the
+    # operator's own settings say, and the condition says the fleet is mixed.
+    mixed = compute(replace(snap([pol("p", spec)], [leased[0], pods[1]]), store=True))
+    g, _ = entries(mixed, "n1")["a"]["thresholds"]["rateLimits"]
+    assert g["requestsPerMinute"] == 600
+    g, _ = entries(mixed, "n2")["b"]["thresholds"]["rateLimits"]
+    assert g["requestsPerMinute"] == 300
+    cond = {c["type"]: c for c in mixed.policies[("m", "p")].status()["conditions"]}
+    assert cond["SharedLimits"]["status"] == "False"
+    assert (
+        cond["SharedLimits"]["reason"] == "MixedStore"
+        and "1 pod" in cond["SharedLimits"]["message"]
+    )
+    old = compute(replace(snap([pol("p", spec)], pods), store=True))
+    g, _ = entries(old, "n1")["a"]["thresholds"]["rateLimits"]
+    assert g["requestsPerMinute"] == 300  # no pod has a store yet: each its split
     plain = compute(snap([pol("p", {})], pods))
     assert "SharedLimits" not in {
         c["type"] for c in plain.policies[("m", "p")].status()["conditions"]

@@ -19,6 +19,9 @@ from collections.abc import Iterator
 #: ``warmup_seconds`` (cold-start protection; the fraction is kvgate's choice, documented in
 #: ``RateLimitSpec``).
 WARMUP_START_FRACTION = 0.25
+#: A slice holding less than a request asks never offers a wait below this (seconds): only a
+#: sync can top it up, so looking again sooner is wasted work.
+SHORT_SLICE_WAIT_S = 0.05
 
 
 class TokenBucket:
@@ -137,9 +140,14 @@ class SharedBucket(TokenBucket):
         mark: ``level`` right after the last sync (the demand since is ``mark - level``).
         demand: smoothed demand, units per second.
         shared_level: the shared bucket's level at the last sync (units; 0 before one).
+        need: the largest amount (units) a request blocked by this slice asked of it since the
+            slice last held that much: the next lease asks for at least that (a request costing
+            more than a usual slice must still be admitted at some point).
+        sync_at: clock seconds of the next sync that could top the slice up (set by the lease
+            book).
     """
 
-    __slots__ = ("debt", "demand", "mark", "shared_level")
+    __slots__ = ("debt", "demand", "mark", "need", "shared_level", "sync_at")
 
     def __init__(self, capacity: float, rate: float, now: float, level: float = 0.0) -> None:
         super().__init__(capacity, rate, now)
@@ -148,6 +156,8 @@ class SharedBucket(TokenBucket):
         self.mark = level
         self.demand = 0.0
         self.shared_level = 0.0
+        self.need = 0.0
+        self.sync_at = now
 
     def capacity_at(self, now: float) -> float:
         return self.capacity
@@ -168,11 +178,17 @@ class SharedBucket(TokenBucket):
 
     def seconds_until(self, amount: float, now: float) -> float:
         """Seconds until ``amount`` units could be here: what the shared bucket lacks (as of the
-        last sync) at its refill rate; ``inf`` above the full capacity."""
+        last sync) at its refill rate, and never before the next sync (or
+        :data:`SHORT_SLICE_WAIT_S`) while the slice holds less than ``amount``; ``inf`` above
+        the full capacity. A short slice notes ``amount`` in :attr:`need`."""
         if amount > self.capacity:
             return math.inf
         lacking = amount - max(0.0, self.level) - max(0.0, self.shared_level)
-        return max(0.0, lacking / self.rate)
+        wait = max(0.0, lacking / self.rate)
+        if self.level < amount:
+            self.need = max(self.need, amount)
+            wait = max(wait, self.sync_at - now, SHORT_SLICE_WAIT_S)
+        return wait
 
     def is_full(self, now: float) -> bool:
         """True when the bucket holds nothing of the shared budget (its state can be
@@ -193,6 +209,7 @@ class BucketMap:
     __slots__ = (
         "_buckets",
         "capacity",
+        "evicted",
         "first_slice",
         "idle_seconds",
         "max_keys",
@@ -220,6 +237,9 @@ class BucketMap:
         #: None: local buckets. A number: the buckets are :class:`SharedBucket` slices of a
         #: fleet-wide budget, a new one starting with this many units (charged later).
         self.first_slice: float | None = None
+        #: Slices dropped by the hard cap while holding units or owing some: (key, slice), for
+        #: the lease book's final hand-back.
+        self.evicted: list[tuple[str, SharedBucket]] = []
 
     def get(self, key: str, now: float) -> TokenBucket:
         """The bucket for ``key``, created full (at its warm-up capacity) if absent."""
@@ -250,6 +270,8 @@ class BucketMap:
                 oldest.pins == 0 and now - oldest.last >= self.idle_seconds and oldest.is_full(now)
             ):
                 del buckets[key]
+                if isinstance(oldest, SharedBucket) and not oldest.is_full(now):
+                    self.evicted.append((key, oldest))
             elif now - oldest.last >= self.idle_seconds or oldest.pins:
                 buckets.move_to_end(key)
             else:

@@ -49,6 +49,9 @@ class AdmissionConfig:
     ``slo_min_priority`` (:mod:`.slo`), None = not served. ``fallback_pool_model``: the model
     of the other pool (``overload.degrade.fallback``) a request this pod cannot take may be
     sent to; its upstream URL stays with the sidecar (the core does no I/O).
+    ``fleet_share``: this pod's fraction (0, 1] of the policy's pods, as the operator split
+    ``per: Global`` budgets (``globalShare`` of its thresholds; 1 standalone): the local share of
+    a shared limit while the store is down before any peer count was seen.
     """
 
     limits: tuple[LimitThreshold, ...] = ()
@@ -73,6 +76,7 @@ class AdmissionConfig:
     ttft_slo_seconds: float | None = None
     tpot_slo_seconds: float | None = None
     slo_min_priority: int = 0
+    fleet_share: float = 1.0
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         """Cost units: perRequest + prompt × promptTokenWeight + output × outputTokenWeight."""
@@ -154,4 +158,6 @@ class AdmissionConfig:
             ttft_slo_seconds=spec.slo.ttft_seconds,
             tpot_slo_seconds=spec.slo.tpot_seconds,
             slo_min_priority=spec.slo.min_priority,
+            # the operator's thresholds (PodThresholds) carry the split it made
+            fleet_share=float(getattr(spec, "global_share", global_share)),
         )

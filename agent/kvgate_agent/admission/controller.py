@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvgate_agent.admission.bucket import BucketMap
+from kvgate_agent.admission.bucket import BucketMap, SharedBucket
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
@@ -176,6 +176,12 @@ class AdmissionController(OverloadActions):
     def shared_maps(self) -> list[tuple[str, str, BucketMap]]:
         """(limit, unit, bucket map) of the limits held as fleet-wide slices."""
         return self._limits.shared_maps()
+
+    def take_retired_slices(self) -> list[tuple[str, SharedBucket]]:
+        """(``limit:unit:tenant``, slice) of shared limits removed since the last call, still
+        holding or owing units (for a final hand-back to the store)."""
+        out, self._limits.retired = self._limits.retired, []
+        return out
 
     def _sync_limit(self) -> None:
         cap = self._limits.config.max_concurrency

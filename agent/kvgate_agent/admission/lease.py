@@ -11,23 +11,28 @@ sends it as one atomic script call and hands the answer to :meth:`LeaseBook.done
 Sizing: a slice covers :data:`DEMAND_HORIZON_S` seconds of the key's recent demand (a
 time-weighted moving average of what admission took), at least a quarter and at most
 :data:`MAX_LEASE_FRACTION` of the burst; it is renewed once its level falls below half that
-target, handed back after :data:`IDLE_SECONDS` without use and at shutdown. A grant below what
-was asked (the shared bucket is drained) backs off until the shared refill could cover the rest.
+target, handed back after :data:`IDLE_SECONDS` without use and at shutdown. A request costing
+more than that (a small burst, a large ``max_tokens``) leaves its amount in the slice's ``need``:
+the next lease asks for what is missing of it (at most a burst), so it is admitted once the
+shared bucket holds that much. A grant below what was asked (the shared bucket is drained) backs
+off until the shared refill could cover the rest.
 
 Overshoot bound: a slice is debited from the shared bucket when granted, so over any window the
 fleet admits at most the shared bucket's own bound (burst + rate x window) plus what was
 outstanding locally at the window's start: Σ over sidecars of their slices' positive levels and
 their uncharged debt (:meth:`LeaseBook.outstanding`, exported as
 ``kvgate_shared_lease_outstanding``). Per key and sidecar that is at most
-2 x ``MAX_LEASE_FRACTION`` x burst: a lease, and the first slice a new key starts with before its
-first sync (charged then); plus, while the store is unreachable under FailOpen, the local share
-credited (charged once it answers again). Usage beyond a reservation is owed by the slice (its
+2 x ``MAX_LEASE_FRACTION`` x burst (a lease, and the first slice a new key starts with before
+its first sync, charged then), or a lease the size of the largest request waiting; plus,
+while the store is unreachable under FailOpen, the local share credited (charged once it
+answers again). Usage beyond a reservation is owed by the slice (its
 level goes below 0) and paid from its next lease.
 
 Faults: a sync that fails twice in a row (each bounded by the store's timeout) marks the store
 down, which with syncs at least every ``LEASE_SECONDS / 2`` happens within :data:`LEASE_SECONDS`
 of the store going away. Then under FailOpen each slice is credited this pod's share of the
-refill (rate / peers, up to burst / peers; peers as last seen in the store) and the credit is
+refill (rate / peers, up to burst / peers; peers as last seen in the store, or the operator's
+split ``globalShare`` before any sync answered) and the credit is
 recorded as debt; under FailClosed nothing is credited and the sidecar refuses new work (503).
 Once the store answers again the debt is charged to the shared bucket first: what was spent
 during the outage is not spent twice.
@@ -81,6 +86,8 @@ class SliceOp:
         want: units asked for (0: none).
         give_back: units handed back (already taken off the local level).
         debt: units to charge unconditionally (already spent here).
+        final: the slice is gone here (its limit removed, or evicted by the key cap): this
+            op is its last, retried until the store takes it.
     """
 
     name: str
@@ -88,6 +95,7 @@ class SliceOp:
     want: float
     give_back: float
     debt: float
+    final: bool = False
 
 
 @dataclass(slots=True)
@@ -113,6 +121,8 @@ class LeaseBook:
         maps: returns (limit, unit, bucket map) of every shared limit held now.
         fail_closed: returns whether the policy's ``failureMode`` is FailClosed.
         now: clock seconds at creation.
+        retired: returns (and forgets) the slices of shared limits removed since the last
+            call, as (``limit:unit:tenant``, slice): each gets a final hand-back.
     """
 
     def __init__(
@@ -120,9 +130,15 @@ class LeaseBook:
         maps: Callable[[], list[tuple[str, str, BucketMap]]],
         fail_closed: Callable[[], bool],
         now: float,
+        retired: Callable[[], list[tuple[str, SharedBucket]]] = list,
+        share: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self._maps = maps
         self._fail_closed = fail_closed
+        self._retired = retired
+        self._share = share
+        self.peers_seen = False  # a sync answered with the peer count
+        self._final: list[SliceOp] = []  # last ops of slices gone here, not yet taken
         self.peers = 1
         self.up = True  # until a sync says otherwise: the first try decides
         self.failures = 0
@@ -155,17 +171,21 @@ class LeaseBook:
     def tick(self, now: float) -> list[SliceOp] | None:
         """Advance to ``now``: learn each slice's demand, credit the local share while the
         store is down under FailOpen, size first slices; returns the ops of the sync due now
-        (possibly empty: a heartbeat), or None when no sync is due."""
+        (possibly empty: a heartbeat), or None when no sync is due. With no shared limit
+        held the store counts as up (nothing to fall back from)."""
         dt = max(0.0, now - self.last_tick)
         self.last_tick = now
         maps = self._maps()
+        self._collect_final(maps)
         if not maps:
-            return None
+            # nothing leased: no fault to fall back from (a FailClosed hold must lift)
+            self.up, self.failures = True, 0
+            return self._take_final() if self._final and now >= self.next_try else None
         slices = self.slices()
         local = self.state is StoreState.LOCAL
         for _, _, bmap in maps:
             top = MAX_LEASE_FRACTION * bmap.capacity
-            bmap.first_slice = min(top, bmap.capacity / self.peers) if local or self.up else 0.0
+            bmap.first_slice = min(top, bmap.capacity * self.share()) if local or self.up else 0.0
         w = 1.0 - math.exp(-dt / DEMAND_TAU_S) if dt > 0 else 0.0
         for _, b in slices:
             used = b.mark - b.level
@@ -177,14 +197,37 @@ class LeaseBook:
         if now < self.next_try:
             return None
         ops = [op for name, b in slices if (op := self._op(name, b, now)) is not None]
+        ops += self._take_final()
         if ops or not self.up or now - self.last_sync >= LEASE_SECONDS / 2:
             return ops  # while down, even an empty one: the probe that finds the store back
         return None
 
+    def _collect_final(self, maps: list[tuple[str, str, BucketMap]]) -> None:
+        gone = list(self._retired())
+        for limit, unit, bmap in maps:
+            gone += [(f"{limit}:{unit}:{key}", b) for key, b in bmap.evicted]
+            bmap.evicted.clear()
+        for name, b in gone:
+            back, debt = max(0.0, b.level), b.debt + max(0.0, -b.level)
+            b.level = b.mark = 0.0
+            b.debt = 0.0
+            if back or debt:
+                self._final.append(SliceOp(name, b, 0.0, back, debt, final=True))
+
+    def _take_final(self) -> list[SliceOp]:
+        out, self._final = self._final, []
+        return out
+
+    def share(self) -> float:
+        """This sidecar's fraction of a shared budget when on its own: 1 / the peers last seen
+        in the store, or the operator's split (``share``) before any sync answered."""
+        return 1.0 / self.peers if self.peers_seen else min(1.0, max(1e-9, self._share()))
+
     def _credit_share(self, b: SharedBucket, dt: float) -> None:
-        cap = b.capacity / self.peers
+        share = self.share()
+        cap = b.capacity * share
         if b.level < cap:
-            add = min(cap - b.level, dt * b.rate / self.peers)
+            add = min(cap - b.level, dt * b.rate * share)
             b.level += add
             b.mark += add
             b.debt += add
@@ -198,8 +241,10 @@ class LeaseBook:
         want = 0.0
         if now - b.last >= IDLE_SECONDS:
             give_back = max(0.0, b.level)
-        elif b.level < LOW_WATER * target(b):
-            want = target(b) - b.level
+            b.need = 0.0
+        elif b.level < LOW_WATER * target(b) or b.level < b.need:
+            # a request larger than the usual slice waits: ask for all of it (at most a burst)
+            want = min(b.capacity, max(target(b), b.need) - b.level)
         if give_back == 0.0 and want == 0.0 and b.debt == 0.0:
             return None
         b.level -= give_back
@@ -213,6 +258,7 @@ class LeaseBook:
         self.syncs += 1
         self.last_sync = now
         self.peers = max(1, peers)
+        self.peers_seen = True
         self.next_try = now
         for op, g in zip(ops, grants, strict=True):
             b = op.bucket
@@ -220,26 +266,45 @@ class LeaseBook:
             b.level += g.granted
             b.mark += g.granted
             b.shared_level = g.shared_level
+            if b.level >= b.need:
+                b.need = 0.0
             if g.granted + 1e-9 < op.want:
                 lacking = op.want - g.granted
                 wait = min(1.0, max(0.1, lacking / b.rate))
                 self.next_try = max(self.next_try, now + wait)
+        for _, b in self.slices():
+            b.sync_at = self.next_try
+
+    def cancelled(self, ops: list[SliceOp]) -> None:
+        """The sync of ``ops`` was cancelled (shutdown): hand-backs return to their slices, final
+        ops wait for the last sync; no failure is counted."""
+        for op in ops:
+            if op.final:
+                self._final.append(op)
+            else:
+                op.bucket.level += op.give_back
+                op.bucket.mark += op.give_back
 
     def failed(self, ops: list[SliceOp], now: float) -> None:
         """The sync of ``ops`` failed (error or timeout): hand-backs return to their slices, and
         after :data:`FAILURES_DOWN` failures in a row the store counts as down."""
         for op in ops:
+            if op.final:
+                self._final.append(op)  # retried with the next sync
+                continue
             op.bucket.level += op.give_back
             op.bucket.mark += op.give_back
         self.failures += 1
-        if self.failures >= FAILURES_DOWN:
-            self.up = False
+        if self.failures >= FAILURES_DOWN and self._maps():
+            self.up = False  # with nothing leased any more there is nothing to fall back from
         self.next_try = now + RETRY_SECONDS
+        for _, b in self.slices():
+            b.sync_at = self.next_try
 
     def hand_back_all(self) -> list[SliceOp]:
         """The ops of a last sync at shutdown: every positive slice handed back, every debt
-        charged."""
-        ops = []
+        charged (and the final ops still pending)."""
+        ops = self._take_final()
         for name, b in self.slices():
             back = max(0.0, b.level)
             debt = b.debt + max(0.0, -b.level)

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvgate_agent.admission.bucket import BucketMap, TokenBucket
+from kvgate_agent.admission.bucket import BucketMap, SharedBucket, TokenBucket
 from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
 from kvgate_agent.admission.decision import AdmissionRequest, BucketCharge, Reason, Ticket
 from kvgate_agent.admission.predictor import LengthPredictor
@@ -165,6 +165,18 @@ def _retune(
     return bmap
 
 
+def _slices(lim: RateLimitBuckets) -> list[tuple[str, SharedBucket]]:
+    """(``limit:unit:tenant``, slice) of the slices of ``lim`` holding or owing units."""
+    out = []
+    for unit, bmap in (("requests", lim.requests), ("cost", lim.cost)):
+        if bmap is None:
+            continue
+        for key, b in bmap.items():
+            if isinstance(b, SharedBucket) and not b.is_full(0.0):
+                out.append((f"{lim.threshold.name}:{unit}:{key}", b))
+    return out
+
+
 class Limits:
     """Everything one pod's admission counts against: the rate limits' buckets, requests in
     flight (concurrency) and KV tokens reserved, with the live tickets.
@@ -203,6 +215,7 @@ class Limits:
         "predicted_in_flight",
         "predictor",
         "rate_limits",
+        "retired",
         "store_attached",
         "tickets",
     )
@@ -213,6 +226,8 @@ class Limits:
         self.config = config
         #: Shared limits hold slices of fleet-wide buckets (:meth:`attach_store`).
         self.store_attached = False
+        #: (``limit:unit:tenant``, slice) of removed shared limits, for a final hand-back.
+        self.retired: list[tuple[str, SharedBucket]] = []
         self.rate_limits = [RateLimitBuckets(t, started_at, max_tenants) for t in config.limits]
         self.min_cost_capacity = _min_cost_capacity(config)
         self.in_flight = 0
@@ -245,6 +260,10 @@ class Limits:
             else:
                 lim.update(t, now, self._started_at)
             limits.append(lim)
+        kept = {id(lim) for lim in limits}
+        for lim in self.rate_limits:
+            if lim.shared and id(lim) not in kept:
+                self.retired += _slices(lim)
         self.rate_limits = limits
         self.config = config
         self.min_cost_capacity = _min_cost_capacity(config)

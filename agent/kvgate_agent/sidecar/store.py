@@ -166,6 +166,8 @@ class SharedStore:
             controller.shared_maps,
             lambda: controller.config.failure_mode is FailureMode.FAIL_CLOSED,
             clock(),
+            retired=controller.take_retired_slices,
+            share=lambda: controller.config.fleet_share,
         )
         self.client: aioredis.Redis | None = None
         self._script: Any = None
@@ -198,18 +200,30 @@ class SharedStore:
 
     async def _loop(self) -> None:
         while True:
-            ops = self.book.tick(self.clock())
-            if ops is not None:
-                await self.sync(ops)
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug here must not silently stop leasing
+                log.exception("shared store loop step failed")
             await asyncio.sleep(TICK_S)
+
+    async def step(self) -> None:
+        """One turn of the loop: the sync due now (if any), then hold or lift admission as the
+        fault state says (also when no sync was due: a limit no longer shared lifts a hold)."""
+        ops = self.book.tick(self.clock())
+        if ops is not None:
+            await self.sync(ops)
+        self._apply_state()
 
     async def sync(self, ops: list[SliceOp]) -> None:
         """Send ``ops`` as one script call and give the book the answer (or the failure); then
-        hold or lift admission as the fault state says."""
+        hold or lift admission as the fault state says. Cancelled (at :meth:`stop`), hand-backs
+        return to their slices without counting as a failure."""
         try:
             peers, grants = await self._call(ops)
         except asyncio.CancelledError:
-            self.book.failed(ops, self.clock())
+            self.book.cancelled(ops)
             raise
         except Exception as exc:  # any store failure is a failed sync
             self.syncs_failed += 1
