@@ -173,8 +173,8 @@ async def test_a_prompt_with_no_room_in_the_engines_context_never_reaches_it(
     fits = {**VIA_SIDECAR, "max_tokens": 4, "messages": [{"role": "user", "content": "hi " * 50}]}
     async with client.post(url + "/v1/chat/completions", json=fits) as r:
         assert r.status == 200
-    # 1500 bytes: at least 334 tokens even at the optimistic 4.5 bytes a token.
-    over = {**fits, "messages": [{"role": "user", "content": "x" * 1500}]}
+    # 2000 bytes: at least 334 tokens even at 6 bytes a token.
+    over = {**fits, "messages": [{"role": "user", "content": "x" * 2000}]}
     async with client.post(url + "/v1/chat/completions", json=over) as r:
         assert r.status == 400 and r.headers["x-kvgate-decision"] == "rejected"
         err = (await r.json())["error"]

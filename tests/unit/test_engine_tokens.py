@@ -26,6 +26,10 @@ def test_a_chat_is_asked_with_the_fields_its_template_renders() -> None:
 def test_a_completion_string_is_asked_as_is() -> None:
     q = tokenize_query({"model": "m", "prompt": "def f(): pass"})
     assert q is not None and (q.prompt, q.chat) == ("def f(): pass", None)
+    # llama.cpp's /completion, /completions and /infill are parsed as a list of prompts: one
+    # string among them is still one string to count.
+    one = tokenize_query({"prompt": ["def f(): pass"]})
+    assert one is not None and (one.prompt, one.chat) == ("def f(): pass", None)
 
 
 @pytest.mark.parametrize(

@@ -115,9 +115,9 @@ def test_models_entry_context_vllm_then_llamacpp_meta() -> None:
     [
         (PromptCount(511, 2000, exact=True), False),  # one token of room: the engine serves it
         (PromptCount(512, 2000, exact=True), True),  # llama-server: prompt >= n_ctx is refused
-        # An estimate is judged at its low end (4.5 bytes a token): 2300 bytes -> >= 512.
-        (PromptCount(800, 2300, exact=False, overhead_tokens=0), True),
-        (PromptCount(800, 2200, exact=False, overhead_tokens=0), False),
+        # An estimate is judged at its low end (6 bytes a token): 3072 bytes -> >= 512.
+        (PromptCount(1118, 3072, exact=False, overhead_tokens=0), True),
+        (PromptCount(1115, 3066, exact=False, overhead_tokens=0), False),
     ],
 )
 def test_a_prompt_without_room_for_output_is_refused(prompt: PromptCount, refused: bool) -> None:
@@ -125,3 +125,11 @@ def test_a_prompt_without_room_for_output_is_refused(prompt: PromptCount, refuse
     assert (why is not None) is refused
     if why is not None:
         assert "512 tokens" in why and "shorten the prompt" in why
+
+
+def test_an_estimate_does_not_refuse_what_the_engine_serves() -> None:
+    """950 x "word " (4,750 bytes) is 951 tokens for Gemma 3 and served in a 1024-token slot;
+    at the optimistic 4.5 bytes a token it read 1,056 and was refused."""
+    prompt = PromptCount(1728, 4750, exact=False, overhead_tokens=0)
+    assert prompt_over_context(prompt, 2.75, 1024) is None
+    assert prompt_over_context(PromptCount(1728, 4750, exact=True), 2.75, 1024) is not None

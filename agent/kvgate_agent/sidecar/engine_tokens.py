@@ -126,6 +126,8 @@ def tokenize_query(body: Mapping[str, Any]) -> TokenizeQuery | None:
         chat.update({k: body[k] for k in _CHAT_FIELDS if body.get(k) is not None})
         return TokenizeQuery(None, chat)
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # one string prompt (llama.cpp's /completion is parsed as a list)
     if isinstance(prompt, str) and not any(body.get(k) for k in _CHAT_FIELDS):
         return TokenizeQuery(prompt, None)
     return None

@@ -292,13 +292,20 @@ def prompt_over_context(prompt: PromptCount, bytes_per_token: float, context: in
     ``max_model_len``, llama.cpp's slot context), or None when it may fit. A prompt needs room
     for at least one output token: llama-server refuses ``prompt >= n_ctx``
     (``exceed_context_size_error``), vLLM ``prompt + max_tokens > max_model_len``. An estimated
-    count is taken at its low end (:func:`optimistic_prompt_tokens`), so a prompt the engine
-    would serve is never refused on a cautious guess.
+    count is taken at a low end of :data:`MAX_BYTES_PER_TOKEN` bytes a token (Gemma 3's 262k
+    vocabulary spends 5-6 bytes on a token of plain English words, above the optimistic 4.5 that
+    sizes reservations), so a prompt the engine would serve is not refused on a guess; an exact
+    count (a tokenizer file, ``--tokenizer engine``) is judged as it is.
     """
-    low = prompt.tokens if prompt.exact else optimistic_prompt_tokens(prompt, bytes_per_token)
+    low = (
+        prompt.tokens
+        if prompt.exact
+        else max(0, prompt.tokens - math.ceil(prompt.text_bytes / bytes_per_token))
+        + math.ceil(prompt.text_bytes / MAX_BYTES_PER_TOKEN)
+    )
     if low < context:
         return None
-    size = f"{low} tokens" if prompt.exact else f"at least {low} tokens (estimated)"
+    size = f"{low} tokens" if prompt.exact else f"an estimated {low} tokens or more"
     return (
         f"the prompt is {size}, which leaves no room for output within the model's context "
         f"length of {context} tokens; shorten the prompt"
