@@ -292,3 +292,37 @@ async def test_fail_closed_hold_lifts_when_the_shared_limit_goes(
         await wait_until_async(lambda: reason() is Reason.OK, 5, "lifted")
     finally:
         await store.stop()
+
+
+async def test_a_new_tenant_starts_full_and_an_empty_redis_at_the_warm_up_level(
+    sidecar_factory: SidecarFactory,
+    sim: Callable[..., Any],
+    redis_server: Callable[..., RedisServer],
+    client: aiohttp.ClientSession,
+) -> None:
+    """On a Redis that has held the policy's buckets (its marker key), a tenant's first bucket
+    starts full, as a new local bucket does; on a new or emptied Redis at the warm-up level,
+    since nobody's spending is known there."""
+    server = redis_server()
+    store = StoreSettings(url=server.url, member="a", timeout=0.5)
+    url, _ = await sidecar_factory(
+        await sim(), shared_spec(requestsPerMinute=6000, burstRequests=600), store=store
+    )
+    r = aioredis.Redis.from_url(server.url)
+    prefix = key_prefix("default/test") + "r:requests:"
+    try:
+        levels: dict[str, float] = {}
+        for tenant in ("first", "second"):
+            await post(client, url, tenant)
+            key = prefix + tenant
+
+            async def held(key: str = key) -> bool:
+                return bool(await r.exists(key))
+
+            await wait_until_async(held, 10, f"{tenant}'s bucket in Redis")
+            levels[tenant] = float(await r.hget(key, "l") or 0)
+    finally:
+        await r.aclose()
+    warm = 600 * WARMUP_START_FRACTION
+    assert levels["first"] <= warm  # a new Redis: the warm-up level, less the first lease
+    assert levels["second"] > warm  # the policy known here: a new tenant starts full

@@ -8,9 +8,10 @@ shared bucket on the server's clock (``TIME``, never the client's), hands back, 
 grants. All keys of one policy carry the policy in a hash tag (``kvgate:{ns/name}:...``) so the
 script's keys are in one slot of a Redis Cluster (https://redis.io/docs/latest/operate/oss_and_stack/reference/cluster-spec/#hash-tags).
 
-A key the server does not hold (a new tenant, or a Redis restarted empty) starts at
-:data:`~kvgate_agent.admission.bucket.WARMUP_START_FRACTION` of its burst, not full. Keys expire
-once they would have refilled (plus a minute), so idle tenants cost the server nothing.
+A key the server does not hold starts full for a new tenant (as a new local bucket does), and at
+:data:`~kvgate_agent.admission.bucket.WARMUP_START_FRACTION` of its burst, not full, when the
+Redis is new or restarted empty (no marker key of the policy: nobody's spending is known).
+Keys expire once they would have refilled (plus a minute), so idle tenants cost the server nothing.
 
 Connection: ``redis://HOST:PORT/DB`` or ``rediss://`` (TLS, with a CA file), password from a file
 (a mounted Secret), every command bounded by ``timeout`` seconds: a slow or partitioned store
@@ -51,8 +52,12 @@ TICK_S = 0.2
 #: Name of the admission hold under FailClosed while the store is unreachable.
 HOLD_KEY = "store"
 
-#: KEYS[1] the policy's peer set, KEYS[2..] the buckets; ARGV: member, peer TTL (s), leaving
-#: (0/1), warm-up fraction, then per bucket: capacity, rate (units/s), want, give back, debt.
+#: KEYS[1] the policy's peer set, KEYS[2] its marker (a key that says this Redis has held the
+#: policy's buckets before, kept a day past the last sync), KEYS[3..] the buckets; ARGV: member,
+#: peer TTL (s), leaving (0/1), warm-up fraction, then per bucket: capacity, rate (units/s),
+#: want, give back, debt. A bucket key the server does not hold starts full when the marker is
+#: there (a new tenant, as a new local bucket does) and at the warm-up fraction when it is not
+#: (a Redis new or restarted empty: every tenant's spending is unknown).
 #: Returns {peers, granted, level, granted, level, ...} as strings (Lua numbers would be
 #: truncated to integers on the way out).
 LUA = """
@@ -68,8 +73,10 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
 redis.call('EXPIRE', KEYS[1], math.ceil(ttl * 2))
 local out = {tostring(redis.call('ZCARD', KEYS[1]))}
 local warm = tonumber(ARGV[4])
-for i = 2, #KEYS do
-  local j = 5 + (i - 2) * 5
+if redis.call('EXISTS', KEYS[2]) == 1 then warm = 1 end
+if #KEYS > 2 then redis.call('SET', KEYS[2], '1', 'EX', 86400) end
+for i = 3, #KEYS do
+  local j = 5 + (i - 3) * 5
   local cap, rate = tonumber(ARGV[j]), tonumber(ARGV[j + 1])
   local want, back, debt = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3]), tonumber(ARGV[j + 4])
   local h = redis.call('HMGET', KEYS[i], 'l', 't')
@@ -261,7 +268,7 @@ class SharedStore:
     async def _call(self, ops: list[SliceOp], leaving: bool = False) -> tuple[int, list[Grant]]:
         assert self.client is not None and self._script is not None
         prefix = key_prefix(self._policy())
-        keys = [prefix + "peers"] + [prefix + op.name for op in ops]
+        keys = [prefix + "peers", prefix + "marker"] + [prefix + op.name for op in ops]
         args: list[str | float] = [
             self.settings.member,
             LEASE_SECONDS * 2,
