@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -312,21 +310,10 @@ async def test_prompts_the_engine_cannot_count_keep_the_estimate(
 
 
 @pytest.fixture(scope="module")
-def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The real llama.cpp ``llama-server`` named by ``KVGATE_LLAMA_SERVER`` serving the GGUF in
-    ``KVGATE_LLAMA_MODEL``; skipped when either is unset."""
-    binary, model = os.environ.get("KVGATE_LLAMA_SERVER"), os.environ.get("KVGATE_LLAMA_MODEL")
-    if not binary or not model:
-        pytest.skip("KVGATE_LLAMA_SERVER / KVGATE_LLAMA_MODEL not set")
-    port = free_port()
-    log = tmp_path_factory.mktemp("llama") / "llama-server.log"
-    args = [binary, "-m", model, "--port", str(port), "--host", "127.0.0.1", "-c", "4096"]
-    p = Proc(args, f"http://127.0.0.1:{port}", "/health", Path(log))
-    try:
-        tokenizer_error.wait_ready(p.url)  # 503 while the model loads
-        yield p.url
-    finally:
-        p.stop()
+def llama_url(llama_server: Callable[..., Proc]) -> str:
+    """The real llama.cpp ``llama-server`` (the shared ``llama_server`` fixture), one slot of
+    4,096 tokens: its base URL."""
+    return llama_server(1, 4096).url
 
 
 LLAMA_PROMPTS: list[tuple[str, dict[str, Any]]] = [
@@ -351,13 +338,13 @@ LLAMA_PROMPTS: list[tuple[str, dict[str, Any]]] = [
 
 
 async def test_real_llama_server_counts_match_its_usage(
-    llama_server: str, session: aiohttp.ClientSession
+    llama_url: str, session: aiohttp.ClientSession
 ) -> None:
-    et, counter = tokenizer(llama_server, session, timeout=30.0)
+    et, counter = tokenizer(llama_url, session, timeout=30.0)
     for path, body in LLAMA_PROMPTS:
         got = await et.count(body, counter.count(body))
         assert got.exact, body
-        assert got.tokens == await usage_prompt_tokens(session, llama_server, path, body), body
+        assert got.tokens == await usage_prompt_tokens(session, llama_url, path, body), body
     assert et.dialect == "llamacpp"
 
 
