@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_bench.llamaserver import llama_args, wait_loaded
 from kvgate_bench.redisserver import RedisServer, find_redis_server
 from kvgate_bench.sim.server import SimConfig, start_sim
 from kvgate_bench.toolkit import (
@@ -27,7 +27,6 @@ from kvgate_bench.toolkit import (
     parse_samples,
     series,
     wait_http,
-    wait_until,
 )
 from tests.upstream import Upstream, serve_handler
 
@@ -210,7 +209,7 @@ def llama_paths() -> tuple[str, str] | None:
     cache = Path(os.environ.get("KVGATE_CACHE", Path.home() / ".cache" / "kvgate"))
     found: list[str | None] = []
     for var, pattern, ok in (
-        ("KVGATE_LLAMA_SERVER", "bin/llama-server-*", lambda p: os.access(p, os.X_OK)),
+        ("KVGATE_LLAMA_SERVER", "bin/llama-server-*-*-*", lambda p: os.access(p, os.X_OK)),
         ("KVGATE_LLAMA_MODEL", "models/gemma3-270m*.gguf", os.path.isfile),
     ):
         preset = os.environ.get(var)
@@ -223,10 +222,6 @@ def llama_paths() -> tuple[str, str] | None:
             found.append(str(hits[-1]) if hits else None)
     server, model = found
     return None if server is None or model is None else (server, model)
-
-
-#: llama-server's model name in answers (``--alias``).
-LLAMA_MODEL = "gemma-3-270m"
 
 
 @pytest.fixture(scope="module")
@@ -250,31 +245,11 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
     def start(parallel: int = 2, ctx: int = 1024, *extra: str) -> Proc:
         port = free_port()
-        p = Proc(
-            [
-                binary,
-                *("-m", model, "--alias", LLAMA_MODEL, "--host", "127.0.0.1", "--port", str(port)),
-                *("--parallel", str(parallel), "-c", str(ctx), "--no-kv-unified"),
-                *("--metrics", "--slots", "-t", "2", "--no-warmup", *extra),
-            ],
-            f"http://127.0.0.1:{port}",
-            "/health",
-            tmp / f"llama-{port}.log",
-        )
+        args = llama_args(binary, model, port, parallel, ctx, *extra)
+        p = Proc(args, f"http://127.0.0.1:{port}", "/health", tmp / f"llama-{port}.log")
         procs.append(p)
-
-        def loaded() -> bool:
-            try:
-                urllib.request.urlopen(p.url + "/health", timeout=2).close()
-            except OSError:  # 503 "Loading model" is an HTTPError, an OSError
-                if p.popen.poll() is not None:
-                    raise RuntimeError(
-                        f"llama-server exited: {p.log.read_text()[-2000:]}"
-                    ) from None
-                return False
-            return True
-
-        wait_until(loaded, 60.0, "llama-server loading its model")
+        # Loading the 270M model takes about a second on a quiet machine; 120 s is for a busy one.
+        wait_loaded(p.popen, p.url, p.log, 120.0)
         return p
 
     yield start

@@ -29,8 +29,9 @@ import aiohttp
 import openai
 import pytest
 
+from kvgate_bench.llamaserver import LLAMA_MODEL
 from kvgate_bench.toolkit import parse_samples, sample_sum, wait_until_async
-from tests.conftest import LLAMA_MODEL, Proc, SidecarFactory, gauges
+from tests.conftest import Proc, SidecarFactory, gauges
 
 pytestmark = pytest.mark.llama
 
