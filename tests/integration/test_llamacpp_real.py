@@ -274,3 +274,79 @@ async def test_concurrency_above_the_slots_is_queued_not_failed(
     admitted = 'kvgate_admission_decisions_total{outcome="admitted",reason="ok",'
     assert g[admitted + f'tenant="{TENANT}"}}'] == n and g["kvgate_in_flight_requests"] == 0
     print(f"concurrency {n} over {SLOTS} slots: all served; engine deferred up to {deferred_seen}")
+
+
+async def _stream(
+    client: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
+) -> tuple[int, dict[str, str], bytes, float]:
+    """One streamed completion through the sidecar: (status, headers, body, seconds from the
+    send to the answer's headers)."""
+    body = {"model": LLAMA_MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    sent = time.monotonic()
+    async with client.post(
+        url + "/v1/completions", json=body, headers={"x-kvgate-tenant": TENANT}
+    ) as r:
+        headed = time.monotonic() - sent
+        return r.status, dict(r.headers), await r.read(), headed
+
+
+async def test_a_request_let_out_of_the_queue_is_not_sent_on_the_connection_llama_closed(
+    sidecar: Callable[..., Any], client: aiohttp.ClientSession
+) -> None:
+    # llama-server answers a stream with "Keep-Alive: timeout=5, max=100", then closes the
+    # connection: the request released from the queue by that stream's end took it (502).
+    url, sc = await sidecar({"concurrency": {"maxRequests": 1}})
+    for i in range(5):
+        got = await asyncio.gather(*(_stream(client, url, f"{i}{j} is", 4) for j in range(2)))
+        assert [g[0] for g in got] == [200, 200], [g[2][:300] for g in got]
+        assert all(g[2].rstrip().endswith(b"data: [DONE]") for g in got)
+        assert sorted(g[1]["x-kvgate-decision"] for g in got) == ["admitted", "queued"]
+    g = await gauges(client, url)
+    assert sum(v for k, v in g.items() if k.startswith("kvgate_upstream_errors_total")) == 0
+    assert g["kvgate_in_flight_requests"] == 0 and g["kvgate_kv_reserved_tokens"] == 0
+    print(f"stale keep-alive connections met and resent: {sc.forwarder.pool.stale_retries}")
+
+
+async def test_no_more_requests_reach_llama_than_it_has_slots_the_rest_wait_in_order(
+    llama_server: Callable[..., Proc],
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+) -> None:
+    slots = 4
+    engine = llama_server(slots, 4096)  # the new user's server: 4 slots of 1024 tokens
+    # The TTFT SLO is generous here (10 s, not 1 s) so that on a busy machine the queued four
+    # are served rather than shed: this test is about where they wait, not the SLO.
+    spec = {**LEARN, "slo": {"ttftSeconds": 10.0, "tpotSeconds": 0.2}}
+    url, sc = await sidecar_factory(engine.url, spec)
+    assert sc.controller.engine_concurrency == slots and sc.controller.concurrency_limit == slots
+    seen = {"llamacpp:requests_processing": 0.0, "llamacpp:requests_deferred": 0.0}
+
+    async def watch() -> None:
+        while True:
+            async with client.get(engine.url + "/metrics") as r:
+                samples = parse_samples(await r.text())
+            for name in seen:
+                seen[name] = max(seen[name], sample_sum(samples, name))
+            await asyncio.sleep(0.02)
+
+    async def send(i: int) -> tuple[int, dict[str, str], bytes, float]:
+        await asyncio.sleep(0.05 * i)  # a known arrival order
+        status, headers, body, headed = await _stream(client, url, f"Story {i}: once", 24)
+        return status, headers, body, 0.05 * i + headed
+
+    watcher = asyncio.create_task(watch())
+    try:
+        got = await asyncio.gather(*(send(i) for i in range(2 * slots)))
+    finally:
+        watcher.cancel()
+    assert [g[0] for g in got] == [200] * (2 * slots), [g[2][:300] for g in got]
+    decisions = [g[1]["x-kvgate-decision"] for g in got]
+    assert decisions == ["admitted"] * slots + ["queued"] * slots, decisions
+    # Each queued request was let in after the one that arrived before it.
+    admitted_at = [0.05 * i + int(got[i][1]["x-kvgate-queue-wait-ms"]) / 1000 for i in range(4, 8)]
+    assert admitted_at == sorted(admitted_at), admitted_at
+    assert seen["llamacpp:requests_processing"] <= slots
+    assert seen["llamacpp:requests_deferred"] == 0, seen
+    g = await gauges(client, url)
+    assert g["kvgate_in_flight_requests"] == 0 and g["kvgate_kv_reserved_tokens"] == 0
+    print(f"{2 * slots} streams over {slots} slots: engine saw {seen}; admitted at {admitted_at}")

@@ -229,3 +229,83 @@ async def test_a_connection_idle_past_keepalive_is_not_reused() -> None:
             await asyncio.sleep(0.2)
         assert opened[0] == 2  # the first was closed rather than reused
         p.close()
+
+
+async def test_a_request_on_a_kept_alive_connection_the_server_closed_goes_on_a_fresh_one() -> None:
+    # The server reads the next request on a kept-alive connection and closes it unanswered:
+    # what a server closing an idle connection does as the request crosses it.
+    served: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, body = await read_request(reader)
+        served.append(body)
+        writer.write(OK)
+        await writer.drain()
+        await read_request(reader)  # read, never answered: the connection closes
+
+    async with server(serve) as (url, opened):
+        p = pool(url)
+        for i in range(3):
+            resp = await p.request("POST", "/", [], b"req%d" % i)
+            assert resp.status == 200 and await resp.read_all(1024) == b"{}"
+            resp.release()
+        # The 2nd and 3rd each went out on the previous (closed) connection, then a fresh one.
+        assert served == [b"req0", b"req1", b"req2"]
+        assert opened[0] == 3 and p.stale_retries == 2
+        assert p.busy == 0
+        p.close()
+
+
+async def test_a_server_that_closes_after_each_streamed_answer_loses_no_request() -> None:
+    # llama.cpp's llama-server: a chunked stream with "Keep-Alive: timeout=5, max=100", then the
+    # connection closed at once.
+    stream = (
+        b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5, max=100\r\nContent-Type: text/event-stream\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+        b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+    )
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(stream)
+        await writer.drain()
+
+    async with server(serve) as (url, opened):
+        p = pool(url)
+        for _ in range(5):  # each taken at once after the last release, as a queued request is
+            resp = await p.request("POST", "/", [], b"{}")
+            assert resp.status == 200 and await resp.read_all(1024) == b"data: [DONE]\n\n"
+            resp.release()
+        assert opened[0] == 5 and p.busy == 0
+        p.close()
+
+
+async def test_a_failure_after_a_byte_of_answer_or_on_a_fresh_connection_is_never_resent() -> None:
+    sent = [0]
+
+    async def partial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)
+        sent[0] += 1
+        writer.write(b"HTTP/1.1 200")  # a byte of answer, then the close
+
+    async with server(partial) as (url, opened):
+        p = pool(url)
+        resp = await p.request("POST", "/", [], b"{}")
+        await resp.read_all(1024)
+        resp.release()
+        with pytest.raises(UpstreamBroken):
+            await p.request("POST", "/", [], b"{}")
+        assert (sent[0], opened[0], p.stale_retries, p.busy) == (1, 1, 0, 0)
+        p.close()
+
+    async def unanswered(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)  # a fresh connection closed unanswered
+
+    async with server(unanswered) as (url, opened):
+        p = pool(url)
+        with pytest.raises(UpstreamBroken):
+            await p.request("POST", "/", [], b"{}")
+        assert (opened[0], p.stale_retries, p.busy) == (1, 0, 0)
+        p.close()

@@ -72,6 +72,7 @@ class AdmissionController(OverloadActions):
         self._head_blocked_shared = False
         self._resolved: list[Waiter] = []
         self._aging_rate = _aging_rate(config)
+        self._engine_slots: int | None = None
         self._slo = SloState(
             config.tpot_slo_seconds,
             config.ttft_slo_seconds,
@@ -109,9 +110,32 @@ class AdmissionController(OverloadActions):
 
     @property
     def concurrency_limit(self) -> int | None:
-        """The concurrency cap enforced now (the policy's, or the adaptive limit when lower;
-        None = none)."""
+        """The concurrency cap enforced now: the lowest of the policy's cap, the engine's own
+        (:meth:`set_engine_concurrency`) and the adaptive limit (None = none)."""
         return self._limits.concurrency_limit
+
+    @property
+    def engine_concurrency(self) -> int | None:
+        """The requests the engine says it serves at once (llama.cpp's slots), None if unknown."""
+        return self._engine_slots
+
+    def set_engine_concurrency(self, slots: int | None) -> None:
+        """The engine serves at most ``slots`` requests at once (llama.cpp's ``total_slots``;
+        None: it states no such limit). That is a ceiling on the concurrency cap: a request
+        admitted above it would only wait in the engine's own queue, outside kvgate's queue
+        order, its TTFT budget and its Retry-After. Waiters are re-examined on the next pump."""
+        if slots == self._engine_slots:
+            return
+        self._engine_slots = slots
+        c = self._limits.config
+        self._slo.retune(c.tpot_slo_seconds, c.ttft_slo_seconds, self._cap())
+        self._sync_limit()
+
+    def observe_engine_waiting(self, waiting: int | None) -> None:
+        """The engine reports ``waiting`` requests in its own queue (None: unknown): they are
+        ahead of every newcomer in the expected wait, for
+        :data:`~kvgate_agent.admission.limits.ENGINE_KV_TTL_S` seconds from now."""
+        self._slo.observe_engine_waiting(waiting, self.clock() + ENGINE_KV_TTL_S)
 
     @property
     def slo(self) -> SloState:
@@ -164,7 +188,7 @@ class AdmissionController(OverloadActions):
         """
         self._limits.reconfigure(config, self.clock())
         self._aging_rate = _aging_rate(config)
-        self._slo.retune(config.tpot_slo_seconds, config.ttft_slo_seconds, config.max_concurrency)
+        self._slo.retune(config.tpot_slo_seconds, config.ttft_slo_seconds, self._cap())
         self._sync_limit()
 
     def attach_store(self) -> None:
@@ -183,8 +207,13 @@ class AdmissionController(OverloadActions):
         out, self._limits.retired = self._limits.retired, []
         return out
 
+    def _cap(self) -> int | None:
+        """The policy's concurrency cap, lowered to the engine's own (None: neither)."""
+        cap, engine = self._limits.config.max_concurrency, self._engine_slots
+        return engine if cap is None else cap if engine is None else min(cap, engine)
+
     def _sync_limit(self) -> None:
-        cap = self._limits.config.max_concurrency
+        cap = self._cap()
         adaptive = self._slo.limit
         self._limits.concurrency_limit = (
             cap if adaptive is None else adaptive if cap is None else min(cap, adaptive)

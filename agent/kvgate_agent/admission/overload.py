@@ -105,14 +105,14 @@ class OverloadActions:
     ) -> float | None:
         """Seconds ``req`` would wait in the queue: its own bucket's refill time when only that
         blocks it, else the drain time of the waiters ahead (:meth:`SloState.expected_wait`;
-        under Priority order only those of at least its priority are ahead). O(distinct
-        priorities waiting)."""
+        under Priority order only those of at least its priority are ahead; the engine's own
+        waiting requests are ahead of all). O(distinct priorities waiting)."""
         if blocker is not None and blocker.tenant_scoped and blocker.bucket is not None:
             return blocker.bucket.seconds_until(blocker.amount, now)
         ahead = len(self._queue)
         if self._limits.config.queue_order is QueueOrder.PRIORITY:
             ahead = sum(n for p, n in self._waiting_by_priority.items() if p >= req.priority)
-        return self._slo.expected_wait(ahead, self._limits.in_flight)
+        return self._slo.expected_wait(ahead, self._limits.in_flight, now)
 
     def _wait_budget(self, req: AdmissionRequest) -> float | None:
         """Seconds ``req`` may wait under its TTFT SLO; None when no TTFT SLO applies to it."""

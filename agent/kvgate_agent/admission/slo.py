@@ -16,7 +16,10 @@ finish. With ``N`` requests in flight that each hold their place for ``S`` secon
 (admission to release, smoothed), the full server frees a place every ``S / N`` seconds
 (Little's law, https://doi.org/10.1287/opre.9.3.383), so a newcomer with ``k`` waiting ahead
 waits about ``(k + 1) x S / N`` seconds. (The measured release rate is no substitute: below
-saturation it is the arrival rate, far below how fast a full server drains.)
+saturation it is the arrival rate, far below how fast a full server drains.) Requests the engine
+itself holds in its own queue (``vllm:num_requests_waiting``, llama.cpp's
+``llamacpp:requests_deferred``: sent around kvgate, or by another sidecar) are ahead too: they
+count in ``k`` while the engine's report is fresh (:meth:`SloState.observe_engine_waiting`).
 
 The time budget for waiting is the TTFT SLO less the observed time from admission to the first
 token (prefill). A request expected to wait more than :data:`SHED_FACTOR` times its budget is
@@ -77,6 +80,8 @@ class SloState:
     DEFAULT_START = 64
 
     __slots__ = (
+        "_engine_waiting",
+        "_engine_waiting_until",
         "_gap_n",
         "_gap_sum",
         "_interval_end",
@@ -110,6 +115,8 @@ class SloState:
         self._gap_n = 0.0
         self._reached = False
         self._interval_end = now + INTERVAL_S
+        self._engine_waiting = 0
+        self._engine_waiting_until = 0.0
 
     def retune(
         self, tpot_seconds: float | None, ttft_seconds: float | None, max_limit: int | None
@@ -168,12 +175,27 @@ class SloState:
             up = self.limit + max(1, math.floor(self.limit * INCREASE))
             self.limit = up if self.max_limit is None else min(self.max_limit, up)
 
-    def expected_wait(self, ahead: int, in_flight: int) -> float | None:
+    def observe_engine_waiting(self, waiting: int | None, until: float) -> None:
+        """The engine reports ``waiting`` requests in its own queue (None: unknown); they count
+        ahead of every newcomer in :meth:`expected_wait` until clock time ``until``."""
+        self._engine_waiting = max(0, waiting or 0)
+        self._engine_waiting_until = until
+
+    def engine_waiting(self, now: float) -> int:
+        """Requests the engine reported waiting in its own queue, 0 once that report is older
+        than its lifetime."""
+        return self._engine_waiting if now <= self._engine_waiting_until else 0
+
+    def expected_wait(self, ahead: int, in_flight: int, now: float | None = None) -> float | None:
         """Seconds a newcomer with ``ahead`` requests waiting before it would wait while
-        ``in_flight`` requests hold the server: ``(ahead + 1) x service_s / in_flight``; None
-        before any request was released or with nothing in flight."""
+        ``in_flight`` requests hold the server: ``(ahead + w + 1) x service_s / in_flight``, with
+        ``w`` the engine's own waiting requests at clock time ``now`` (:meth:`engine_waiting`;
+        0 when ``now`` is None); None before any request was released or with nothing in
+        flight."""
         if self.service_s is None or in_flight <= 0:
             return None
+        if now is not None:
+            ahead += self.engine_waiting(now)
         return (ahead + 1) * self.service_s / in_flight
 
     def wait_budget(self) -> float | None:

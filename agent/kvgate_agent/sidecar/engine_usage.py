@@ -1,10 +1,14 @@
-"""The sidecar's cheap, frequent read of the KV tokens its model server has in use.
+"""The sidecar's cheap, frequent read of the KV tokens its model server has in use and of the
+requests waiting in the engine's own queue.
 
 Requests can reach the engine around kvgate (another client, a second sidecar, a restart with
 requests still running): the engine's own figure is then larger than kvgate's reservations,
-and admission counts it (``AdmissionController.observe_engine_kv``; a figure counts for
+and admission counts it (``AdmissionController.observe_engine_kv``); the requests it holds in
+its own queue are ahead of every newcomer in the expected wait
+(``AdmissionController.observe_engine_waiting``). Each figure counts for
 ``kvgate_agent.admission.limits.ENGINE_KV_TTL_S`` seconds, so a stalled poll never holds
-admission). Read only while a KV capacity is enforced: without one, KV use decides nothing.
+admission. Read only while a KV capacity or a TTFT SLO is enforced: without either, neither
+figure decides anything.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import aiohttp
 
 from kvgate_agent.admission import AdmissionController, AsyncAdmission
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
-from kvgate_agent.engines.metrics import parse_engine_metrics
+from kvgate_agent.engines.metrics import EngineSample, parse_engine_metrics
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -27,9 +31,11 @@ USAGE_TIMEOUT = aiohttp.ClientTimeout(total=ENGINE_KV_TTL_S)
 
 class EngineUsagePoll:
     """Every ``interval`` seconds (after the previous read ends), ``GET upstream/metrics`` and
-    hand ``kv_used_tokens`` (:func:`~kvgate_agent.engines.metrics.parse_engine_metrics`) to
-    ``controller.observe_engine_kv``; None when the engine does not report it or the read
-    fails. A failed read is logged at debug once per outage, and its recovery once.
+    hand ``kv_used_tokens`` and ``waiting``
+    (:func:`~kvgate_agent.engines.metrics.parse_engine_metrics`) to
+    ``controller.observe_engine_kv`` and ``controller.observe_engine_waiting``; None when the
+    engine does not report one or the read fails. A failed read is logged at debug once per
+    outage, and its recovery once.
 
     Args:
         upstream: model server base URL, e.g. ``http://127.0.0.1:8000``.
@@ -67,8 +73,9 @@ class EngineUsagePoll:
                 await self._task
             self._task = None
 
-    async def read(self, session: aiohttp.ClientSession) -> int | None:
-        """One read: the KV tokens the engine reports in use, or None (not reported, unread)."""
+    async def read(self, session: aiohttp.ClientSession) -> EngineSample | None:
+        """One read: the engine's metrics (KV tokens in use, requests waiting), or None
+        (unread)."""
         try:
             async with session.get(self.upstream + "/metrics", timeout=USAGE_TIMEOUT) as resp:
                 if resp.status != 200:
@@ -84,11 +91,14 @@ class EngineUsagePoll:
         if self.failing:
             log.debug("reading the engine's KV usage again")
         self.failing = False
-        return parse_engine_metrics(text).kv_used_tokens
+        return parse_engine_metrics(text)
 
     async def _run(self, session: aiohttp.ClientSession) -> None:
+        c = self.controller
         while True:
-            if self.controller.kv_capacity_tokens is not None:
-                self.controller.observe_engine_kv(await self.read(session))
+            if c.kv_capacity_tokens is not None or c.config.ttft_slo_seconds is not None:
+                sample = await self.read(session)
+                c.observe_engine_kv(None if sample is None else sample.kv_used_tokens)
+                c.observe_engine_waiting(None if sample is None else sample.waiting)
                 self.admission.kick()
             await asyncio.sleep(self.interval)

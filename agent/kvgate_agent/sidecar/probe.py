@@ -1,6 +1,7 @@
 """The sidecar's own reads of its model server: KV capacity (``/metrics``; llama.cpp: ``/props``
-and ``/slots``), context length (``/v1/models``; llama.cpp: the slot's context), liveness
-(``/health``) and, every ``usage_seconds``, the KV tokens in use
+and ``/slots``), the requests it serves at once (llama.cpp's slots), context length
+(``/v1/models``; llama.cpp: the slot's context), liveness (``/health``) and, every
+``usage_seconds``, the KV tokens in use and the engine's own queue
 (:mod:`kvgate_agent.sidecar.engine_usage`).
 
 Invariant: an implausible or unreadable KV capacity is never enforced; until one is read,
@@ -108,6 +109,8 @@ class EngineProbe:
         self._wake = asyncio.Event()
         if self.spec().capacity.from_engine_metrics:
             await self.refresh_capacity()
+        else:
+            await self.refresh_slots()
         if poll:
             self._task = asyncio.create_task(self._poll())
         if self.usage is not None:
@@ -182,6 +185,7 @@ class EngineProbe:
         if isinstance(layout, SlotLayout):
             self._recognised("llamacpp")
             self.max_model_len = layout.slot_tokens
+            self._engine_slots(layout)
             return layout.kv_capacity_tokens
         if sample is None:
             why = f"GET /metrics answered {status}"
@@ -192,6 +196,22 @@ class EngineProbe:
             why = f"{sample.engine} reports no KV capacity" + (f" ({bad})" if bad else "")
         self._unknown(f"{why}; /props: {layout}")
         return None
+
+    async def refresh_slots(self) -> None:
+        """llama-server's slot count, when the KV capacity is not read from the engine (the
+        concurrency ceiling holds either way: :meth:`_engine_slots`). Another engine answers
+        ``/props`` with 404: nothing changes."""
+        layout = await self._slot_layout()
+        if isinstance(layout, SlotLayout):
+            self._engine_slots(layout)
+
+    def _engine_slots(self, layout: SlotLayout) -> None:
+        """llama-server serves ``layout.slots`` requests at once and queues the rest itself
+        (``llamacpp:requests_deferred``): admission never lets more than that in."""
+        if layout.slots != self.controller.engine_concurrency:
+            log.info("the engine serves %d requests at once: the concurrency ceiling", layout.slots)
+            self.controller.set_engine_concurrency(layout.slots)
+            self.admission.kick()
 
     async def _slot_layout(self) -> SlotLayout | str:
         """llama-server's slot layout, or why there is none (a short reason)."""
@@ -269,6 +289,8 @@ class EngineProbe:
             wake.clear()
             if self.spec().capacity.from_engine_metrics:
                 await self.refresh_capacity()
+            else:
+                await self.refresh_slots()
 
     async def healthy(self) -> bool:
         """GET the model server's ``/health`` (vLLM, SGLang and TGI serve it), cached for

@@ -19,8 +19,18 @@ aiohttp's own):
   ``sock_read``), or the request body not accepted by the socket in that time.
 
 Pool: idle connections are reused last-in first-out; one the model server closed is dropped as
-soon as the loss is seen, and one idle for ``keepalive_s`` seconds (:data:`KEEPALIVE_S`) is
-closed when the pool is next used. A request is never retried (a POST is not idempotent).
+soon as the loss is seen (never handed to a request), and one idle for ``keepalive_s`` seconds
+(:data:`KEEPALIVE_S`) is closed when the pool is next used.
+
+Invariant: a request is sent at most twice, and twice only when it went out on a reused
+connection that the model server closed before sending a single byte of answer: the server
+closed a kept-alive connection as the request was written, so it never read it (the stale
+keep-alive rule of HTTP clients: Go's ``net/http`` ``errServerClosedIdle``, urllib3's retry of a
+reused connection; RFC 9112 §9.3.1 on a connection closed while idle). The second send is on a
+fresh connection. llama.cpp's server answers a stream with ``Keep-Alive: timeout=5, max=100``
+and then closes the connection, so the next request written on it met a close: that was a 502.
+Every other failure (a byte of answer came, a timeout, a fresh connection) is never retried: a
+POST is not idempotent.
 """
 
 from __future__ import annotations
@@ -86,6 +96,7 @@ class _Conn(asyncio.Protocol):
         "idle_since",
         "keep_alive",
         "lost",
+        "received",
         "status",
         "transport",
     )
@@ -95,6 +106,7 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.idle_since = 0.0
+        self.received = False  # a byte of the current answer has arrived
         self._paused = False  # the socket's write buffer is full
         self._drain: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None  # the read deadline's, see wait()
@@ -116,6 +128,7 @@ class _Conn(asyncio.Protocol):
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
+        self.received = False
         self.error: BaseException | None = None
 
     # ---------------------------------------------------------------- asyncio callbacks
@@ -125,6 +138,7 @@ class _Conn(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        self.received = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -367,6 +381,9 @@ class UpstreamPool:
         self._idle: list[_Conn] = []  # oldest first
         self._busy: set[_Conn] = set()
         self._closed = False
+        #: Requests sent a second time because a reused connection was closed before any byte
+        #: of answer (see the module's invariant).
+        self.stale_retries = 0
 
     @property
     def idle(self) -> int:
@@ -382,40 +399,74 @@ class UpstreamPool:
         self, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes
     ) -> UpstreamResponse:
         """Send ``method target`` with ``headers`` (no ``Host`` or ``Content-Length``: they are
-        added) and ``body``; return once the answer's headers are in."""
+        added) and ``body``; return once the answer's headers are in. Sent once more, on a fresh
+        connection, only when a reused one was closed before any byte of answer (see the module's
+        invariant; :attr:`stale_retries` counts those).
+
+        Raises:
+            UpstreamConnectError: no connection could be opened.
+            UpstreamBroken: the model server closed the connection before the headers were
+                complete (on a fresh connection, or after a byte of answer), or sent what is
+                not HTTP.
+            TimeoutError: no byte of answer within ``read_timeout`` seconds.
+        """
         head = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), self._host_header]
         # aiohttp's server decodes header bytes as UTF-8 with surrogateescape: the same
         # encoding gives back the bytes the client sent.
         head.extend(f"{k}: {v}\r\n".encode("utf-8", "surrogateescape") for k, v in headers)
         head.append(b"Content-Length: %d\r\n\r\n" % len(body))
-        conn = await self._acquire()
+        data = [b"".join(head), body] if body else [b"".join(head)]
+        conn, reused = await self._acquire(fresh=False)
         try:
-            transport = conn.transport
-            assert transport is not None
-            transport.writelines([b"".join(head), body] if body else [b"".join(head)])
-            await conn.drain(self.read_timeout)
-            while not conn.headers_done:
-                if conn.error is not None:
-                    raise conn.error
-                await conn.wait(self.read_timeout)
+            await self._send(conn, data)
+        except UpstreamBroken:
+            self._drop(conn)
+            if not reused or conn.received:
+                raise
+            self.stale_retries += 1  # the server closed a kept-alive connection: never read
+            conn, _ = await self._acquire(fresh=True)
+            try:
+                await self._send(conn, data)
+            except BaseException:
+                self._drop(conn)
+                raise
         except BaseException:
             self._drop(conn)
             raise
         return UpstreamResponse(self, conn, self.read_timeout)
 
-    async def _acquire(self) -> _Conn:
+    async def _send(self, conn: _Conn, data: list[bytes]) -> None:
+        """Write ``data`` on ``conn`` and wait for the answer's headers."""
+        transport = conn.transport
+        assert transport is not None
+        transport.writelines(data)
+        await conn.drain(self.read_timeout)
+        while not conn.headers_done:
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait(self.read_timeout)
+
+    async def _acquire(self, *, fresh: bool) -> tuple[_Conn, bool]:
+        """A connection and whether it was reused from the idle list (``fresh``: always a new
+        one)."""
         if self._closed:
             raise UpstreamConnectError("the upstream pool is closed")
         idle = self._idle
         now = time.monotonic()
-        while idle:
+        while idle and not fresh:
             conn = idle.pop()
-            if conn.lost or now - conn.idle_since > self.keepalive_s:
+            transport = conn.transport
+            if (
+                conn.lost
+                or transport is None
+                or transport.is_closing()
+                or now - conn.idle_since > self.keepalive_s
+            ):
                 self._close(conn)
                 continue
             conn._reset()
             self._busy.add(conn)
-            return conn
+            return conn, True
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
@@ -427,7 +478,7 @@ class UpstreamPool:
                 f"cannot connect to the model server at {self._host}:{self._port}: {exc!r}"
             ) from exc
         self._busy.add(conn)
-        return conn
+        return conn, False
 
     def _put(self, conn: _Conn) -> None:
         self._busy.discard(conn)
