@@ -39,6 +39,7 @@ class Upstream:
     paths: list[str] = field(default_factory=list)
     closed_at: list[float] = field(default_factory=list)
     headers_delay: float = 0.0
+    hold: asyncio.Event | None = None  # when given: no answer (not even headers) until it is set
     first_token_delay: float = 0.0
     token_delay: float = 0.0
     tokens: int = 3
@@ -46,6 +47,7 @@ class Upstream:
     fail: str = ""  # "before_response": drop the connection; "mid_stream": drop after 2 events
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     active: int = 0
+    events_sent: int = 0  # stream events written (not byte_by_byte), over all requests
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.paths.append(request.path)
@@ -63,6 +65,8 @@ class Upstream:
         self.active += 1
         try:
             await asyncio.sleep(self.headers_delay)
+            if self.hold is not None:
+                await self.hold.wait()
             if self.fail == "before_response" and request.transport is not None:
                 request.transport.abort()
                 raise ConnectionResetError("simulated engine crash")
@@ -99,6 +103,7 @@ class Upstream:
                         request.transport.abort()
                         raise ConnectionResetError("simulated engine crash mid-stream")
                     await resp.write(part)
+                    self.events_sent += 1
                     await asyncio.sleep(self.token_delay)
             await resp.write_eof()
             return resp
@@ -140,8 +145,9 @@ class Faulty:
             self.active -= 1
 
     async def _answer(self, request: web.Request, fault: str) -> web.StreamResponse:
-        """``ok``: 3 events and ``[DONE]`` (streams; any body gets it); ``short``/``long``: 40
-        events 50 ms apart / 1000 events 10 ms apart; ``hang_before_headers``,
+        """``ok``: 3 events and ``[DONE]`` (streams; any body gets it); ``short``/``long``/
+        ``longer``: 40 events 50 ms apart / 1000 / 3000 events 10 ms apart (at least 2 s / 10 s
+        / 30 s); ``hang_before_headers``,
         ``hang_before_first_token``: silence; ``status_500`` (OpenAI body),
         ``status_503_html``; ``reset_in_body``: 10 of 1000 promised bytes, then a TCP reset;
         ``reset_mid_stream``: a reset after 2 events; ``garbage``: bytes that are not SSE or
@@ -176,7 +182,9 @@ class Faulty:
             for _ in range(2_000):  # 128 MiB
                 await resp.write(b"x" * 65536)
             return resp
-        tokens, delay = {"long": (1000, 0.01), "short": (40, 0.05)}.get(fault, (3, 0.0))
+        tokens, delay = {"longer": (3000, 0.01), "long": (1000, 0.01), "short": (40, 0.05)}.get(
+            fault, (3, 0.0)
+        )
         for i in range(tokens):
             await resp.write(chunk(f"t{i} "))
             if fault == "reset_mid_stream" and i == 1:

@@ -126,14 +126,16 @@ async def test_demo_core_short_run() -> None:
         demo.DemoConfig(),
         duration=1.5,
         decode_ms=1.0,
-        drain_timeout=5.0,
+        drain_timeout=20.0,  # not a cut-off on a busy machine: cut-offs count as failed below
         seed=4,
         kv_capacity_tokens=8192,
         profiles=FAST_PROFILES,
     )
     started = time.monotonic()
     report = await demo.run_demo(cfg, policy=_fast_policy())
-    assert time.monotonic() - started < 15
+    # Two short runs (~3 s each), not a stuck one: the bound is generous (60 s) for a busy
+    # machine; a request that never ends is caught as a cut-off (failed == 0) below.
+    assert time.monotonic() - started < 60
 
     n = len(report.schedule)
     assert n > 10

@@ -52,12 +52,15 @@ async def test_missing_max_tokens_is_charged_at_the_default_and_sent_upstream(
             "model": {"blockSize": 1},
         },
     )
-    upstream.headers_delay = 0.3
+    upstream.hold = asyncio.Event()  # in flight until the reservation was read, however slowly
     task = asyncio.create_task(client.post(url + "/v1/chat/completions", json=CHAT))
-    await wait_until_async(lambda: upstream.bodies, 10, "the request upstream")
-    # While in flight, the reservation is prompt + the default 77 tokens.
-    prompt_estimate = sc.counter.count(CHAT).tokens
-    assert sc.controller.kv_reserved_tokens == prompt_estimate + 77
+    try:
+        await wait_until_async(lambda: upstream.bodies, 10, "the request upstream")
+        # While in flight, the reservation is prompt + the default 77 tokens.
+        prompt_estimate = sc.counter.count(CHAT).tokens
+        assert sc.controller.kv_reserved_tokens == prompt_estimate + 77
+    finally:
+        upstream.hold.set()
     r = await task
     r.release()
     assert upstream.bodies[0]["max_tokens"] == 77
@@ -242,7 +245,9 @@ async def test_cost_above_capacity_is_refused_at_once_with_400(
         assert "Retry-After" not in r.headers
         assert r.headers["x-kvgate-reason"] == "exceeds_capacity"
         assert_openai_error(await r.json())
-    assert time.monotonic() - t0 < 0.5
+    # At once, not after a wait in the queue (30 s by default): the bound is the point, so it
+    # is generous (10 s) for a busy machine, still well under the queue's wait.
+    assert time.monotonic() - t0 < 10
     assert upstream.bodies == []
 
 
@@ -284,11 +289,18 @@ async def test_fallback_model_rewrite(
 async def test_queued_request_is_admitted_when_capacity_frees(
     upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
 ) -> None:
-    upstream.headers_delay = 0.2
-    url, _ = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
-    rs = await asyncio.gather(
-        *(client.post(url + "/v1/chat/completions", json=CHAT) for _ in range(3))
-    )
+    upstream.headers_delay = 0.2  # each request holds the one slot 0.2 s at least
+    upstream.hold = asyncio.Event()  # ...and the first until the other two are queued
+    url, sc = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
+    sent = asyncio.gather(*(client.post(url + "/v1/chat/completions", json=CHAT) for _ in range(3)))
+    try:
+        # Queued (seen, not assumed from arriving within 0.2 s), then 0.2 s more at least:
+        # the second waits >= 0.2 s, the third >= 0.4 s (behind the second's 0.2 s).
+        await wait_until_async(lambda: sc.controller.queue_length == 2, 10, "two queued")
+        await asyncio.sleep(0.2)
+    finally:
+        upstream.hold.set()
+    rs = await sent
     decisions = sorted(r.headers["x-kvgate-decision"] for r in rs)
     assert decisions == ["admitted", "queued", "queued"]
     assert all(r.status == 200 for r in rs)
@@ -341,11 +353,11 @@ async def _disconnect_after(
 
 
 @pytest.mark.parametrize("phase", ["before_headers", "first_token", "mid_stream"])
-async def test_client_gone_closes_upstream_within_1s_and_releases_everything(
+async def test_client_gone_closes_upstream_at_once_and_releases_everything(
     upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession, phase: str
 ) -> None:
-    upstream.tokens = 100
-    upstream.token_delay = 0.1
+    upstream.tokens = 300
+    upstream.token_delay = 0.1  # a 30 s stream
     if phase == "before_headers":
         upstream.headers_delay = 30
     elif phase == "first_token":
@@ -362,32 +374,51 @@ async def test_client_gone_closes_upstream_within_1s_and_releases_everything(
     task = asyncio.create_task(_disconnect_after(url, body, after, delay=0.2))
     await wait_until_async(lambda: upstream.bodies, 10, "the request upstream")
     closed = await task
-    await wait_until_async(lambda: upstream.closed_at, 1.0, "the upstream connection to close")
-    assert upstream.closed_at, "upstream connection still open"
-    assert upstream.closed_at[0] - closed < 1.0
-    await asyncio.sleep(0.05)
+    await wait_until_async(lambda: upstream.closed_at, 5.0, "the upstream connection to close")
+    # At once (expected: milliseconds), not at the end of the 30 s wait or stream: the bound
+    # is the point, so it is generous (5 s) for a busy machine, still well under 30 s.
+    assert upstream.closed_at[0] - closed < 5.0
     c = sc.controller
-    assert c.in_flight == 0 and c.kv_reserved_tokens == 0 and c.queue_length == 0
+    await wait_until_async(
+        lambda: c.in_flight == 0 and c.kv_reserved_tokens == 0 and c.queue_length == 0,
+        10,
+        "everything released",
+    )
     assert (await gauges(client, url))["kvgate_client_disconnects_total"] == 1
-    # Charged only for what was produced: the 5000 burst is nearly whole again.
+    # Charged only for what was produced (what the model server sent, however long that took
+    # on a busy machine): the 5000 burst is nearly whole again.
     (level,) = [lvl for _, unit, _, lvl, _ in c.bucket_levels() if unit == "cost"]
-    produced = 0 if phase != "mid_stream" else 15
+    produced = upstream.events_sent
+    assert phase == "mid_stream" or produced == 0
     assert level >= 5000 - sc.counter.count(CHAT).tokens - produced - 1
 
 
 async def test_client_gone_while_queued_never_reaches_upstream(
     upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
 ) -> None:
-    upstream.headers_delay = 1.0
+    upstream.hold = asyncio.Event()  # the first request holds the one slot until set
     url, sc = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
+    c = sc.controller
     first = asyncio.create_task(client.post(url + "/v1/chat/completions", json=CHAT))
-    await wait_until_async(lambda: upstream.bodies, 10, "the request upstream")
-    await _disconnect_after(url, CHAT, 0, delay=0.1)
-    await asyncio.sleep(0.1)
-    assert sc.controller.queue_length == 0
+    try:
+        await wait_until_async(lambda: upstream.bodies, 10, "the request upstream")
+        # The second one queued (seen, not slept on), then its client gone.
+        _, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        raw = json.dumps(CHAT).encode()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
+        )
+        await writer.drain()
+        await wait_until_async(lambda: c.queue_length == 1, 10, "the second request queued")
+        writer.close()
+        await wait_until_async(lambda: c.queue_length == 0, 10, "the queued request dropped")
+        assert c.in_flight == 1 and len(upstream.bodies) == 1  # dropped, not admitted
+    finally:
+        upstream.hold.set()
     (await first).release()
+    await wait_until_async(lambda: c.in_flight == 0, 10, "the first request to end")
     assert len(upstream.bodies) == 1
-    assert sc.controller.in_flight == 0
 
 
 async def test_100_streams_cancelled_mid_flight_leave_every_gauge_at_zero(
@@ -599,9 +630,15 @@ async def test_client_disconnects_are_not_counted_as_upstream_errors(
     url, _ = await sidecar_factory(upstream.url, {})
     body = {**CHAT, "stream": True, "max_tokens": 500}
     await asyncio.gather(*(_disconnect_after(url, body, 300) for _ in range(10)))
-    await asyncio.sleep(0.3)
-    g = await gauges(client, url)
-    assert g["kvgate_client_disconnects_total"] == 10
+    # Not a fixed sleep: until all ten were handled (counted, nothing left in flight).
+    g = await poll_until_async(
+        lambda: gauges(client, url),
+        lambda g: (
+            g["kvgate_client_disconnects_total"] == 10 and g["kvgate_in_flight_requests"] == 0
+        ),
+        10.0,
+    )
+    assert g["kvgate_client_disconnects_total"] == 10 and g["kvgate_in_flight_requests"] == 0
     assert not any(v for k, v in g.items() if k.startswith("kvgate_upstream_errors_total"))
 
 

@@ -110,11 +110,13 @@ def answer(path: str, body: dict[str, Any]) -> tuple[bytes, str]:
 
 @dataclass
 class MultiUpstream:
-    """Records every request that reaches it; holds each generation request ``hold`` seconds."""
+    """Records every request that reaches it; holds each generation request ``hold`` seconds,
+    then, with a ``gate``, until the gate is set."""
 
     url: str = ""
     seen: list[tuple[str, str, bytes]] = field(default_factory=list)
     hold: float = 0.0
+    gate: asyncio.Event | None = None
     cut_after: int | None = None  # streams: drop the connection after this many events
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -129,6 +131,8 @@ class MultiUpstream:
         if request.path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens"):
             return web.json_response({"tokens": [1, 2]})
         await asyncio.sleep(self.hold)
+        if self.gate is not None:
+            await self.gate.wait()
         payload, kind = answer(request.path, body)
         if kind == "json":
             return web.Response(body=payload, content_type="application/json")
@@ -144,7 +148,10 @@ class MultiUpstream:
 
     @property
     def generation_calls(self) -> list[tuple[str, str, bytes]]:
-        return [s for s in self.seen if s[1] not in ("/v1/models", "/health", "/metrics")]
+        """What reached it but the sidecar's own probes (sent in the background, at times of
+        their own: llama.cpp's ``/props`` and ``/slots`` among them)."""
+        probes = ("/v1/models", "/health", "/metrics", "/props", "/slots")
+        return [s for s in self.seen if s[1] not in probes]
 
 
 @pytest.fixture
@@ -259,12 +266,19 @@ async def test_best_of_is_reserved_for_every_sequence(
     url, sc = await sidecar_factory(
         multi.url, {"capacity": {"kvCacheTokens": 100000}, "model": {"blockSize": 1}}
     )
-    multi.hold = 0.5
+    multi.gate = asyncio.Event()  # in flight until the reservation was read, however slowly
     body = {"model": "m", "prompt": "hi", "max_tokens": 10, "n": 2, "best_of": 5}
     task = asyncio.create_task(client.post(url + "/v1/completions", json=body))
-    await wait_until_async(lambda: multi.generation_calls, 4, "the upstream to get the request")
-    prompt = sc.counter.count({"prompt": "hi"}).tokens
-    assert sc.controller.kv_reserved_tokens == prompt + 5 * 10  # max(n, best_of) sequences
+    try:
+        await wait_until_async(
+            lambda: any(c[:2] == ("POST", "/v1/completions") for c in multi.seen),
+            10,
+            "the upstream to get the request",  # not the sidecar's GET probes
+        )
+        prompt = sc.counter.count({"prompt": "hi"}).tokens
+        assert sc.controller.kv_reserved_tokens == prompt + 5 * 10  # max(n, best_of) sequences
+    finally:
+        multi.gate.set()
     (await task).release()
 
 
@@ -304,7 +318,6 @@ async def test_list_prompts_and_batches_reserve_every_sequence(
     url, sc = await sidecar_factory(
         multi.url, {"capacity": {"kvCacheTokens": 100000}, "model": {"blockSize": 1}}
     )
-    multi.hold = 0.4
     cases: list[tuple[str, dict[str, Any], int]] = [
         ("/v1/completions", {"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 10, "n": 2}, 6),
         ("/v1/completions", {"model": "m", "prompt": [[1, 2], [3]], "max_tokens": 10}, 2),
@@ -313,9 +326,13 @@ async def test_list_prompts_and_batches_reserve_every_sequence(
         ("/completion", {"prompt": ["a", "b"], "n_predict": 10}, 2),
     ]
     for path, body, sequences in cases:
+        multi.gate = asyncio.Event()  # in flight until the reservation was read, however slowly
         task = asyncio.create_task(client.post(url + path, json=body))
-        await wait_until_async(lambda: sc.controller.kv_reserved_tokens, 4, "a reservation")
-        reserved = sc.controller.kv_reserved_tokens
+        try:
+            await wait_until_async(lambda: sc.controller.kv_reserved_tokens, 10, "a reservation")
+            reserved = sc.controller.kv_reserved_tokens
+        finally:
+            multi.gate.set()
         (await task).release()
         assert (
             reserved - 10 * sequences
@@ -323,7 +340,7 @@ async def test_list_prompts_and_batches_reserve_every_sequence(
                 {"prompt": body.get("prompt") or body.get("text") or body.get("inputs")}
             ).tokens
         ), (path, body)
-        await wait_until_async(lambda: sc.controller.kv_reserved_tokens == 0, 4, "the release")
+        await wait_until_async(lambda: sc.controller.kv_reserved_tokens == 0, 10, "the release")
 
 
 async def test_unbounded_or_missing_limits_send_the_policy_default_in_each_apis_field(

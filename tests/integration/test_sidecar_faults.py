@@ -154,7 +154,8 @@ async def test_1000_clients_aborting_in_every_phase_free_everything(
         reset(w)
     await wait_until_async(lambda: faulty.active == 0, 10, "the upstream to see them go")
     # 3. Queued behind ``per`` long streams that hold every slot.
-    holders = await open_many(per, request_bytes(STREAM, "long"), b"data: ")
+    # 30 s streams: they still hold every slot while the queue fills on a busy machine.
+    holders = await open_many(per, request_bytes(STREAM, "longer"), b"data: ")
     queued = await open_many(per, request_bytes(STREAM, "ok"), None)
     await wait_until_async(lambda: sc.controller.queue_length == per, 30, "the queue to fill")
     for w in queued:
@@ -218,9 +219,9 @@ async def test_slow_loris_is_cut_while_legitimate_traffic_is_served(
         trickle = {"headers": head, "body": body, "silent": b""}[kind]
 
         async def drip() -> None:
-            for i in range(len(trickle)):
+            for i in range(len(trickle)):  # 0.5 s a byte: the whole trickle takes over 30 s
                 writer.write(trickle[i : i + 1])
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.5)
 
         async def read_all() -> bytes:
             # Chunk by chunk: the sidecar closes with the rest of the trickle unread, so the
@@ -234,7 +235,7 @@ async def test_slow_loris_is_cut_while_legitimate_traffic_is_served(
             return got
 
         dripping = asyncio.ensure_future(drip())
-        got = await asyncio.wait_for(read_all(), 15)
+        got = await asyncio.wait_for(read_all(), 30)
         dripping.cancel()
         writer.close()
         return time.monotonic() - t0, got
@@ -242,21 +243,32 @@ async def test_slow_loris_is_cut_while_legitimate_traffic_is_served(
     legit = asyncio.ensure_future(good_client())
     kinds = ["headers"] * 40 + ["body"] * 40 + ["silent"] * 20
     results = await asyncio.gather(*(slow(k) for k in kinds))
+    # Served while the slow connections were held: a count reached, not a rate (a sidecar
+    # starved by them would serve none).
+    served_meanwhile = len(served)
+    assert served_meanwhile >= 1
     # A kept-alive connection, idle for longer than the header deadline, is not cut.
     async with aiohttp.ClientSession() as s:
         for _ in range(2):
             async with s.post(url + "/v1/chat/completions", json=CHAT) as r:
                 assert r.status == 200
             await asyncio.sleep(1.5)
+    # However slow the machine, the well-behaved client gets 10 answers (not: within a time).
+    await wait_until_async(lambda: len(served) >= 10, 60, "10 well-behaved requests")
     stop.set()
     await legit
 
     for kind in ("headers", "body", "silent"):
         held = [sec for k, (sec, _) in zip(kinds, results, strict=True) if k == kind]
         print(f"slow {kind}: {len(held)} connections held {min(held):.2f}-{max(held):.2f} s")
-    print(f"well-behaved client meanwhile: {len(served)} requests, statuses {set(served)}")
+    print(
+        f"well-behaved client: {served_meanwhile} requests while they were held, "
+        f"{len(served)} in all, statuses {set(served)}"
+    )
     for kind, (seconds, got) in zip(kinds, results, strict=True):
-        assert seconds < 6, f"{kind}: held {seconds:.1f} s"
+        # Cut at the deadline (1 s; 2 s for a body, aiohttp lingers 1 s), not held until the
+        # trickle ends (30 s): the bound is the point, so it is generous for a busy machine.
+        assert seconds < 12, f"{kind}: held {seconds:.1f} s"
         assert got.startswith(b"HTTP/1.1 408") if kind != "silent" else got == b"", (
             kind,
             got[:100],
@@ -286,11 +298,13 @@ async def test_a_pipelined_partial_request_gets_the_header_deadline(
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     t0 = time.monotonic()
     writer.write(complete + b"GET /healthz HTTP/1.1\r\nHo")
-    got = await asyncio.wait_for(reader.read(), 10)  # until the sidecar closes
+    got = await asyncio.wait_for(reader.read(), 30)  # until the sidecar closes
     held = time.monotonic() - t0
     writer.close()
     assert got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in got, got[-200:]
-    assert held < 5, held
+    # Closed at the 1 s header deadline, not held until the keep-alive timeout (75 s): the
+    # bound is the point, so it is generous (10 s) for a busy machine.
+    assert held < 10, held
     # control: the complete request alone leaves an idle kept-alive connection open
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(complete)
@@ -319,7 +333,9 @@ async def test_a_slow_passthrough_body_is_cut_at_the_body_deadline(
     got += await asyncio.wait_for(reader.read(), 15)  # closed (after lingering, as aiohttp does)
     writer.close()
     assert got.startswith(b"HTTP/1.1 408"), got[:200]
-    assert 0.9 < answered < 4, answered
+    # At the 1 s body deadline, not when the 15 s wait gives up: the bound is the point, so it
+    # is generous (8 s) for a busy machine.
+    assert 0.9 < answered < 8, answered
     g = await all_free(client, url, sc)
     assert g['kvgate_client_timeouts_total{phase="body"}'] == 1
     assert faulty.reached == 0

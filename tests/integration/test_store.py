@@ -139,7 +139,9 @@ async def test_a_shared_global_budget_follows_the_traffic_to_one_replica(
 ) -> None:
     urls = await fleet(sidecar_factory, sim, redis_server(), shared_spec("Global"), 3)
     statuses, _ = await drive(client, urls[:1], FLEET_SECONDS, 3 * RATE)
-    assert statuses[200] >= 0.8 * RATE * FLEET_SECONDS, statuses  # not a third of it
+    # Most of the whole budget, not a third of it (~50 by default): 0.6 of it leaves room for a
+    # busy machine, whose one sequential client sends fewer requests, still well above a third.
+    assert statuses[200] >= 0.6 * RATE * FLEET_SECONDS, statuses
     assert statuses[200] <= BURST * WARMUP_START_FRACTION + RATE * (FLEET_SECONDS + 1) + 12
 
 
