@@ -90,9 +90,12 @@ def smoke(binary: str, model: str, log: Path, timeout: float = 120.0) -> str:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as fh:
-        popen = subprocess.Popen(
-            llama_args(binary, model, port, 1, 512), stdout=fh, stderr=subprocess.STDOUT
-        )
+        try:
+            popen = subprocess.Popen(
+                llama_args(binary, model, port, 1, 512), stdout=fh, stderr=subprocess.STDOUT
+            )
+        except OSError as e:  # missing, not executable, not a program for this machine
+            raise LlamaServerError(f"cannot start {binary}: {e}") from None
         try:
             wait_loaded(popen, url, log, timeout)
             body = json.dumps({"prompt": "Hello", "n_predict": 1}).encode()
@@ -127,17 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) not in (2, 3):
         print("usage: python -m kvgate_bench.llamaserver SERVER MODEL [LOG]", file=sys.stderr)
         return 2
-    log = (
-        Path(args[2])
-        if len(args) == 3
-        else Path(tempfile.mkdtemp(prefix="kvgate-llama-")) / "smoke.log"
-    )
     start = time.monotonic()
-    try:
-        text = smoke(args[0], args[1], log)
-    except LlamaServerError as e:
-        print(f"llama-server smoke check failed ({args[0]}): {e}", file=sys.stderr)
-        return 1
+    with tempfile.TemporaryDirectory(prefix="kvgate-llama-") as tmp:
+        log = Path(args[2]) if len(args) == 3 else Path(tmp) / "smoke.log"
+        try:
+            text = smoke(args[0], args[1], log)
+        except LlamaServerError as e:  # the message holds the server's output
+            print(f"llama-server smoke check failed ({args[0]}): {e}", file=sys.stderr)
+            return 1
     took = time.monotonic() - start
     print(
         f"llama-server smoke check: /health 200, one token {text!r} in {took:.1f} s",

@@ -10,7 +10,12 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from kvgate_agent.sidecar.upstream import UpstreamBroken, UpstreamConnectError, UpstreamPool
+from kvgate_agent.sidecar.upstream import (
+    RESEND_WINDOW_S,
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamPool,
+)
 from kvgate_bench.toolkit import free_port
 
 #: What one connection of the test server does: read requests from the reader, write answers.
@@ -280,7 +285,9 @@ async def test_a_server_that_closes_after_each_streamed_answer_loses_no_request(
         p.close()
 
 
-async def test_a_failure_after_a_byte_of_answer_or_on_a_fresh_connection_is_never_resent() -> None:
+async def test_a_failure_after_a_byte_a_late_close_or_on_a_fresh_connection_is_never_resent() -> (
+    None
+):
     sent = [0]
 
     async def partial(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -291,6 +298,24 @@ async def test_a_failure_after_a_byte_of_answer_or_on_a_fresh_connection_is_neve
         writer.write(b"HTTP/1.1 200")  # a byte of answer, then the close
 
     async with server(partial) as (url, opened):
+        p = pool(url)
+        resp = await p.request("POST", "/", [], b"{}")
+        await resp.read_all(1024)
+        resp.release()
+        with pytest.raises(UpstreamBroken):
+            await p.request("POST", "/", [], b"{}")
+        assert (sent[0], opened[0], p.stale_retries, p.busy) == (1, 1, 0, 0)
+        p.close()
+
+    async def late_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await read_request(reader)
+        sent[0] += 1
+        await asyncio.sleep(RESEND_WINDOW_S * 2)  # it may have worked on it: then closes
+
+    sent[0] = 0
+    async with server(late_close) as (url, opened):
         p = pool(url)
         resp = await p.request("POST", "/", [], b"{}")
         await resp.read_all(1024)

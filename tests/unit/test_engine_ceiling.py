@@ -100,9 +100,26 @@ def test_a_request_is_shed_when_the_engines_own_queue_makes_its_wait_hopeless() 
     held += _admit(c, 1)
     # One place frees every 0.5 s: one waiting ahead is a 1 s wait, within 2 x the budget.
     assert c.submit(req("a")).waiter is not None
-    c.observe_engine_waiting(6)  # six more in the engine's own queue: (1 + 6 + 1) x 0.5 = 4 s
+    c.observe_engine_waiting(6, running=2)  # six more queued: (1 + 6 + 1) x 0.5 = 4 s
     d = c.submit(req("b"))
     assert d.outcome is Outcome.REJECTED and d.reason is Reason.SLO
     assert d.retry_after is not None and d.retry_after >= 4.0
     clock.advance(ENGINE_KV_TTL_S + 0.1)  # the report went stale: queued again
     assert c.submit(req("c")).waiter is not None
+
+
+def test_kvgates_own_requests_waiting_in_the_engine_are_not_counted_twice() -> None:
+    # A cap of 16 above the engine's batch of 4: 12 of kvgate's own requests wait in the engine.
+    clock = FakeClock(1000.0)
+    c = make({"concurrency": {"maxRequests": 16}, "slo": {"ttftSeconds": 1.0}}, clock)
+    held = _admit(c, 16)
+    clock.advance(3.0)
+    c.release(held[0], completion_tokens=5)  # service time 3 s
+    held[0] = _admit(c, 1)[0]
+    c.observe_engine_waiting(12, running=4)  # all twelve are kvgate's: nothing more ahead
+    assert c.slo.engine_waiting(clock()) == 0
+    assert c.submit(req("new")).waiter is not None  # (0 + 1) x 3 / 16 s: queued, not shed
+    c.observe_engine_waiting(15, running=4)  # three more than kvgate's own: sent around it
+    assert c.slo.engine_waiting(clock()) == 3
+    c.observe_engine_waiting(5, running=None)  # running unknown: all in flight may be waiting
+    assert c.slo.engine_waiting(clock()) == 0

@@ -116,26 +116,26 @@ class AdmissionController(OverloadActions):
 
     @property
     def engine_concurrency(self) -> int | None:
-        """The requests the engine says it serves at once (llama.cpp's slots), None if unknown."""
+        """Requests the engine serves at once (llama.cpp's slots); None: unknown."""
         return self._engine_slots
 
     def set_engine_concurrency(self, slots: int | None) -> None:
         """The engine serves at most ``slots`` requests at once (llama.cpp's ``total_slots``;
-        None: it states no such limit). That is a ceiling on the concurrency cap: a request
-        admitted above it would only wait in the engine's own queue, outside kvgate's queue
-        order, its TTFT budget and its Retry-After. Waiters are re-examined on the next pump."""
-        if slots == self._engine_slots:
-            return
-        self._engine_slots = slots
+        None: no such limit): a ceiling on the concurrency cap, as a request above it would
+        wait in the engine's own queue, outside kvgate's order, TTFT budget and Retry-After."""
+        self._engine_slots = slots  # the same figure again changes nothing
         c = self._limits.config
         self._slo.retune(c.tpot_slo_seconds, c.ttft_slo_seconds, self._cap())
         self._sync_limit()
 
-    def observe_engine_waiting(self, waiting: int | None) -> None:
-        """The engine reports ``waiting`` requests in its own queue (None: unknown): they are
-        ahead of every newcomer in the expected wait, for
-        :data:`~kvgate_agent.admission.limits.ENGINE_KV_TTL_S` seconds from now."""
-        self._slo.observe_engine_waiting(waiting, self.clock() + ENGINE_KV_TTL_S)
+    def observe_engine_waiting(self, waiting: int | None, running: int | None = None) -> None:
+        """The engine reports ``waiting`` requests in its own queue, ``running`` in its batch
+        (None: unknown). kvgate's own requests not running may be among the waiting (a cap above
+        vLLM's ``max_num_seqs``), so only ``waiting - (in_flight - running)`` count ahead of a
+        newcomer, for :data:`~kvgate_agent.admission.limits.ENGINE_KV_TTL_S` seconds."""
+        ours = max(0, self._limits.in_flight - (running or 0))
+        others = None if waiting is None else max(0, waiting - ours)
+        self._slo.observe_engine_waiting(others, self.clock() + ENGINE_KV_TTL_S)
 
     @property
     def slo(self) -> SloState:

@@ -328,6 +328,7 @@ class Sidecar:
             self.upstream,
             connect_timeout=self.settings.connect_timeout,
             read_timeout=self.settings.read_timeout,
+            on_resend=self.metrics.upstream_resends.inc,
         )
         # The engine probe's reads (a few a second at most) close their connection: the
         # connections to the model server are those of the requests in flight and the idle

@@ -261,9 +261,10 @@ def _add_routing_args(s: argparse.ArgumentParser) -> None:
         "--engine-usage-seconds",
         type=_non_negative_seconds,
         default=_env("ENGINE_USAGE_SECONDS", "1"),
-        help="how often the model server's KV tokens in use are read from its /metrics "
-        "while a KV capacity is enforced; admission counts that figure where it exceeds "
-        "kvgate's own reservations; 0 disables [KVGATE_ENGINE_USAGE_SECONDS]",
+        help="how often the model server's KV tokens in use and its own waiting requests are "
+        "read from its /metrics while a KV capacity or a TTFT SLO is enforced; admission "
+        "counts the KV figure where it exceeds kvgate's own reservations, and the waiting "
+        "requests in the expected queue wait; 0 disables [KVGATE_ENGINE_USAGE_SECONDS]",
     )
 
 

@@ -99,6 +99,9 @@ class EngineUsagePoll:
             if c.kv_capacity_tokens is not None or c.config.ttft_slo_seconds is not None:
                 sample = await self.read(session)
                 c.observe_engine_kv(None if sample is None else sample.kv_used_tokens)
-                c.observe_engine_waiting(None if sample is None else sample.waiting)
+                if sample is None:
+                    c.observe_engine_waiting(None)
+                else:
+                    c.observe_engine_waiting(sample.waiting, sample.running)
                 self.admission.kick()
             await asyncio.sleep(self.interval)

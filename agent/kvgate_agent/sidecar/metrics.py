@@ -134,8 +134,8 @@ class _AdmissionCollector(Collector):
         if c.concurrency_limit is not None:
             yield GaugeMetricFamily(
                 "kvgate_concurrency_limit",
-                "Concurrency cap enforced now (the policy's, or the adaptive limit of "
-                "slo.tpotSeconds when lower), requests",
+                "Concurrency cap enforced now (the lowest of the policy's, the engine's slots "
+                "and the adaptive limit of slo.tpotSeconds), requests",
                 value=c.concurrency_limit,
             )
         slo = c.slo
@@ -218,6 +218,8 @@ class SidecarMetrics:
         queue_wait: ``kvgate_queue_wait_seconds`` histogram (requests that waited).
         upstream_errors: ``kvgate_upstream_errors_total{kind}`` (:data:`UPSTREAM_ERROR_KINDS`:
             connect, timeout, status_5xx, upstream_error), each 0 from the start.
+        upstream_resends: ``kvgate_upstream_resends_total``: admitted requests sent once more on
+            a fresh connection, the reused one having been closed at once with no byte of answer.
         client_disconnects: ``kvgate_client_disconnects_total``.
         client_timeouts: ``kvgate_client_timeouts_total{phase}``: connections closed because the
             request headers (``phase="headers"``) or body (``"body"``) came too slowly.
@@ -256,6 +258,12 @@ class SidecarMetrics:
         )
         for kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(kind)
+        self.upstream_resends = Counter(
+            "kvgate_upstream_resends",
+            "Admitted requests sent again on a fresh connection: the reused one was closed "
+            "at once, with no byte of answer (a stale keep-alive connection)",
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "kvgate_client_disconnects",
             "Admitted requests whose client went away before the response ended",

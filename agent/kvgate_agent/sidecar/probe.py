@@ -93,6 +93,7 @@ class EngineProbe:
         self.unknown_engine = Flag(False) if unknown_engine is None else unknown_engine
         self.capacity_known = not spec().capacity.from_engine_metrics
         self._health: _HealthCheck | None = None
+        self._no_props = False  # /props answered, but not as llama.cpp: not asked again
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self.usage = (
@@ -199,11 +200,16 @@ class EngineProbe:
 
     async def refresh_slots(self) -> None:
         """llama-server's slot count, when the KV capacity is not read from the engine (the
-        concurrency ceiling holds either way: :meth:`_engine_slots`). Another engine answers
-        ``/props`` with 404: nothing changes."""
-        layout = await self._slot_layout()
+        concurrency ceiling holds either way: :meth:`_engine_slots`). Quiet: an engine that
+        does not answer is logged at debug only (the KV capacity was not asked for), and one
+        that answers ``/props`` with anything but llama.cpp's layout is not asked again."""
+        if self._no_props:
+            return
+        layout = await self._slot_layout(quiet=True)
         if isinstance(layout, SlotLayout):
             self._engine_slots(layout)
+        elif layout != "unreadable":
+            self._no_props = True  # another engine (vLLM answers 404): /props is not llama's
 
     def _engine_slots(self, layout: SlotLayout) -> None:
         """llama-server serves ``layout.slots`` requests at once and queues the rest itself
@@ -213,12 +219,13 @@ class EngineProbe:
             self.controller.set_engine_concurrency(layout.slots)
             self.admission.kick()
 
-    async def _slot_layout(self) -> SlotLayout | str:
-        """llama-server's slot layout, or why there is none (a short reason)."""
-        got = await self._get("/props")
+    async def _slot_layout(self, *, quiet: bool = False) -> SlotLayout | str:
+        """llama-server's slot layout, or why there is none (a short reason; "unreadable" when
+        the engine did not answer)."""
+        got = await self._get("/props", quiet=quiet)
         if got is None or got[0] != 200:
             return "unreadable" if got is None else f"answered {got[0]}"
-        slots = await self._get("/slots")  # 501 with --no-slots: /props alone then
+        slots = await self._get("/slots", quiet=quiet)  # 501 with --no-slots: /props alone
         try:
             props = json.loads(got[1])
             listed = json.loads(slots[1]) if slots is not None and slots[0] == 200 else None
@@ -226,14 +233,17 @@ class EngineProbe:
         except (ValueError, LayoutError) as exc:  # JSONDecodeError is a ValueError
             return f"not llama.cpp's ({exc})"
 
-    async def _get(self, path: str) -> tuple[int, bytes] | None:
-        """(status, body) of ``GET upstream + path``, None when the engine does not answer."""
+    async def _get(self, path: str, *, quiet: bool = False) -> tuple[int, bytes] | None:
+        """(status, body) of ``GET upstream + path``, None when the engine does not answer
+        (logged as a warning, at debug when ``quiet``)."""
         assert self.session is not None
         try:
             async with self.session.get(self.upstream + path, timeout=PROBE_TIMEOUT) as resp:
                 return resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            log.warning("cannot read engine %s: %s", path, exc)
+            log.log(
+                logging.DEBUG if quiet else logging.WARNING, "cannot read engine %s: %s", path, exc
+            )
             return None
 
     def _recognised(self, engine: str | None) -> None:

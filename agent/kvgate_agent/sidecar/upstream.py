@@ -23,14 +23,15 @@ soon as the loss is seen (never handed to a request), and one idle for ``keepali
 (:data:`KEEPALIVE_S`) is closed when the pool is next used.
 
 Invariant: a request is sent at most twice, and twice only when it went out on a reused
-connection that the model server closed before sending a single byte of answer: the server
-closed a kept-alive connection as the request was written, so it never read it (the stale
-keep-alive rule of HTTP clients: Go's ``net/http`` ``errServerClosedIdle``, urllib3's retry of a
-reused connection; RFC 9112 §9.3.1 on a connection closed while idle). The second send is on a
-fresh connection. llama.cpp's server answers a stream with ``Keep-Alive: timeout=5, max=100``
-and then closes the connection, so the next request written on it met a close: that was a 502.
-Every other failure (a byte of answer came, a timeout, a fresh connection) is never retried: a
-POST is not idempotent.
+connection that the model server closed, without a single byte of answer, within
+:data:`RESEND_WINDOW_S` of the write: the server closed a kept-alive connection as the request
+crossed it, so it had no time to work on it (the stale keep-alive case: Go's ``net/http`` names it
+``errServerClosedIdle``; RFC 9112 §9.3.1 lets a client resend on a connection closed while idle).
+The second send is on a fresh connection. llama.cpp's server answers a stream with
+``Keep-Alive: timeout=5, max=100`` and closes the connection 0.1 ms after the stream's end, so
+the next request written on it (one let out of the queue by that very end) met the close: that
+was a 502. A later close (the server may have started on the request: a crash, a proxy's cut),
+a byte of answer, a timeout or a fresh connection is never resent: a generation is not free.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -48,6 +49,7 @@ from multidict import CIMultiDict
 
 __all__ = [
     "KEEPALIVE_S",
+    "RESEND_WINDOW_S",
     "UpstreamBroken",
     "UpstreamConnectError",
     "UpstreamPool",
@@ -59,6 +61,13 @@ __all__ = [
 #: connection the model server is closing at that moment (a POST is never retried);
 #: https://www.uvicorn.org/settings/#timeouts
 KEEPALIVE_S = 4.0
+
+#: Seconds after the write within which a reused connection's close, with no byte of answer,
+#: is the server closing it as idle (resent once): the close crosses the request on the wire and
+#: is seen within an event-loop turn (a fraction of a millisecond after llama-server's stream
+#: ends; tens of milliseconds on a busy machine), while a server that read the request and then
+#: failed takes longer than this to have done work worth not repeating.
+RESEND_WINDOW_S = 0.25
 
 #: Buffered answer bytes above which the pool stops reading a connection until they are
 #: consumed (flow control against a model server faster than the client).
@@ -355,7 +364,8 @@ class UpstreamPool:
 
     ``connect_timeout``: seconds to open a connection; ``read_timeout``: seconds without a byte
     of the answer (None: no limit); ``keepalive_s``: seconds a connection may stay idle in the
-    pool; ``max_idle``: idle connections kept at most.
+    pool; ``max_idle``: idle connections kept at most; ``on_resend``: called for each request
+    sent a second time (the module's invariant).
     """
 
     def __init__(
@@ -366,6 +376,7 @@ class UpstreamPool:
         read_timeout: float | None,
         keepalive_s: float = KEEPALIVE_S,
         max_idle: int = 512,
+        on_resend: Callable[[], object] | None = None,
     ) -> None:
         u = urlsplit(base_url)
         if u.scheme not in ("http", "https") or not u.hostname:
@@ -384,6 +395,7 @@ class UpstreamPool:
         #: Requests sent a second time because a reused connection was closed before any byte
         #: of answer (see the module's invariant).
         self.stale_retries = 0
+        self._on_resend = on_resend
 
     @property
     def idle(self) -> int:
@@ -400,8 +412,8 @@ class UpstreamPool:
     ) -> UpstreamResponse:
         """Send ``method target`` with ``headers`` (no ``Host`` or ``Content-Length``: they are
         added) and ``body``; return once the answer's headers are in. Sent once more, on a fresh
-        connection, only when a reused one was closed before any byte of answer (see the module's
-        invariant; :attr:`stale_retries` counts those).
+        connection, only when a reused one was closed at once with no byte of answer (see the
+        module's invariant; :attr:`stale_retries` counts those, and ``on_resend`` is called).
 
         Raises:
             UpstreamConnectError: no connection could be opened.
@@ -417,13 +429,16 @@ class UpstreamPool:
         head.append(b"Content-Length: %d\r\n\r\n" % len(body))
         data = [b"".join(head), body] if body else [b"".join(head)]
         conn, reused = await self._acquire(fresh=False)
+        written = time.monotonic()
         try:
             await self._send(conn, data)
         except UpstreamBroken:
             self._drop(conn)
-            if not reused or conn.received:
+            if not reused or conn.received or time.monotonic() - written > RESEND_WINDOW_S:
                 raise
-            self.stale_retries += 1  # the server closed a kept-alive connection: never read
+            self.stale_retries += 1  # the server closed a kept-alive connection as it came
+            if self._on_resend is not None:
+                self._on_resend()
             conn, _ = await self._acquire(fresh=True)
             try:
                 await self._send(conn, data)
