@@ -913,6 +913,13 @@ def test_certificate_rotation_under_load_fails_no_admission(
         op.start()
         ns = namespace(kube, "wh-rotation", {"kvgate.io/inject": "true"})
         wait_for(lambda: effective(kube, ns), 30, "the rotating operator's webhook")
+        # It rotates only once it leads (a follower adopts the Secret): on a busy machine the
+        # lease can take longer to come than the 20 s of creates, so wait for its first rotation.
+        wait_for(
+            lambda: op.metric("kvgate_webhook_certificate_reloads_total") >= 1,
+            60,
+            "the rotating operator leading and renewing its certificate",
+        )
         failures: list[str] = []
         uninjected: list[str] = []
         seconds: list[float] = []
