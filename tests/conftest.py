@@ -74,7 +74,7 @@ async def gauges(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
 @pytest.fixture
 async def sidecar_factory() -> AsyncIterator[SidecarFactory]:
     """Start sidecars in this event loop: ``url, sidecar = await make(upstream, spec, **settings)``.
-    ``sidecar.controller`` is the admission state, for assertions on gauges."""
+    ``sidecar.admission.stats()`` is the admission state, for assertions on gauges."""
     runners: list[web.AppRunner] = []
 
     async def make(upstream: str, spec: dict[str, Any], **settings: Any) -> tuple[str, Sidecar]:

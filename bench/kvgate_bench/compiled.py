@@ -141,7 +141,7 @@ def decision_trace(seed: int = 7, steps: int = 3000) -> list[list[object]]:
             i, op, getattr(outcome, "value", None), getattr(reason, "value", None),
             getattr(d, "status", None), getattr(d, "max_tokens", None),
             round(1000 * (getattr(d, "retry_after", 0.0) or 0.0)),
-            ctl.queue_length, ctl.in_flight, ctl.kv_reserved_tokens,
+            ctl.stats().queue_length, ctl.stats().in_flight, ctl.stats().kv_reserved_tokens,
         ])  # fmt: skip
 
     for i in range(steps):

@@ -279,7 +279,7 @@ async def _start_sidecar(upstream: str, policy: RateLimitPolicy) -> tuple[web.Ap
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]
-    if sidecar.controller.kv_capacity_tokens is None:
+    if sidecar.admission.stats().kv_capacity_tokens is None:
         raise RuntimeError("the sidecar enforces no KV capacity: policy or engine metrics wrong")
     return runner, f"http://127.0.0.1:{port}"
 

@@ -30,10 +30,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from kvgate_agent.admission import AdmissionConfig, AdmissionController, AdmissionRequest
+from kvgate_agent.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionRequest,
+    AsyncAdmission,
+)
 from kvgate_agent.admission.bucket import WARMUP_START_FRACTION
 from kvgate_agent.admission.lease import MAX_LEASE_FRACTION
-from kvgate_agent.admission.waiting import AsyncAdmission
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.store import SharedStore, StoreSettings
@@ -91,7 +95,6 @@ async def run_fleet(
         ctl = AdmissionController(AdmissionConfig.from_policy(spec))
         store = SharedStore(
             StoreSettings(url=server.url, member=f"pod-{i}"),
-            ctl,
             AsyncAdmission(ctl),
             lambda: f"bench/fleet-{n}-{int(rpm)}",
         )
@@ -109,7 +112,7 @@ async def run_fleet(
             warm = (await commands(probe), admitted)
         due = int((now - t0) * offered)
         while sent < due:
-            ctl = stores[sent % n].controller
+            ctl = stores[sent % n].admission.core
             d = ctl.submit(req)
             if d.ticket is not None:
                 ctl.release(d.ticket, completion_tokens=1)

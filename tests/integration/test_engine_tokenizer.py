@@ -132,8 +132,8 @@ async def test_the_sidecar_reserves_the_engines_count(
     task = asyncio.create_task(
         session.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 9})
     )
-    await wait_until_async(lambda: sc.controller.in_flight == 1, 10, "the request in flight")
-    assert sc.controller.kv_reserved_tokens == real + 9
+    await wait_until_async(lambda: sc.admission.stats().in_flight == 1, 10, "the request in flight")
+    assert sc.admission.stats().kv_reserved_tokens == real + 9
     r = await task
     assert r.status == 200
     r.release()
@@ -205,15 +205,15 @@ async def test_a_request_admission_refuses_anyway_is_not_counted_by_the_engine(
     asked = len(llama_like.calls)  # the dialect probe, then the count
     assert asked == 2
     assert await post("four five six", "a") == 429  # tenant a is out of requests
-    sc.controller.hold(Reason.FAIL_CLOSED, retry_after=5, message="stale thresholds")
+    sc.admission.hold(Reason.FAIL_CLOSED, retry_after=5, message="stale thresholds")
     assert await post("seven eight", "b") == 503
     assert len(llama_like.calls) == asked  # neither was counted
-    sc.controller.lift(Reason.FAIL_CLOSED)
+    sc.admission.lift(Reason.FAIL_CLOSED)
     assert await post("seven eight", "b") == 200  # tenant b, no hold: counted, admitted
     assert llama_like.calls[asked:] == [
         ("/tokenize", {"content": "seven eight", "add_special": True})
     ]
-    assert sc.controller.in_flight == 0
+    assert sc.admission.stats().in_flight == 0
 
 
 async def test_a_slow_engine_costs_one_timeout_and_fills_the_cache_later(

@@ -62,7 +62,7 @@ async def test_a_full_primary_degrades_to_the_pool_and_both_full_gives_its_own_4
     url, primary = await sidecar_factory(big.url, degrade_to("small", pool_url))
 
     held = await _hold(client, url, "big")
-    await wait_until_async(lambda: primary.controller.in_flight == 1, 10, "the primary full")
+    await wait_until_async(lambda: primary.admission.stats().in_flight == 1, 10, "the primary full")
     async with client.post(url + "/v1/chat/completions", json=chat("big")) as r:
         body = await r.json()
         assert r.status == 200, body
@@ -71,7 +71,7 @@ async def test_a_full_primary_degrades_to_the_pool_and_both_full_gives_its_own_4
         assert body["model"] == "small"  # the pool's engine served it
     # Both full: the pool's slot held by a degraded request, then one more.
     held_pool = await _hold(client, url, "big")
-    await wait_until_async(lambda: pool.controller.in_flight == 1, 10, "the pool full")
+    await wait_until_async(lambda: pool.admission.stats().in_flight == 1, 10, "the pool full")
     async with client.post(url + "/v1/chat/completions", json=chat("big")) as r:
         refused = await r.json()
         assert r.status == 429, refused
@@ -108,9 +108,9 @@ async def test_a_degraded_request_is_never_sent_on_and_an_unreachable_pool_refus
     b_url, b = await sidecar_factory(b_sim.url, degrade_to("a", f"http://127.0.0.1:{free_port()}"))
     a_url, a = await sidecar_factory(a_sim.url, degrade_to("b", b_url))
     held_a = await _hold(client, a_url, "a")
-    await wait_until_async(lambda: a.controller.in_flight == 1, 10, "A full")
+    await wait_until_async(lambda: a.admission.stats().in_flight == 1, 10, "A full")
     held_b = await _hold(client, a_url, "a")  # degraded to B: B full
-    await wait_until_async(lambda: b.controller.in_flight == 1, 10, "B full")
+    await wait_until_async(lambda: b.admission.stats().in_flight == 1, 10, "B full")
     # A -> B (degraded, full) must not go on to B's fallback: B answers its 429, A its own.
     async with client.post(a_url + "/v1/chat/completions", json=chat("a")) as r:
         assert r.status == 429 and r.headers["x-kvgate-reason"] == "concurrency"

@@ -95,7 +95,7 @@ async def test_kv_capacity_and_slot_limit_are_learned_from_props_and_slots(
         SLOTS,
         SLOT_TOKENS,
     )
-    assert sc.controller.kv_capacity_tokens == SLOTS * SLOT_TOKENS == CTX
+    assert sc.admission.stats().kv_capacity_tokens == SLOTS * SLOT_TOKENS == CTX
     assert sc.engine.max_model_len == SLOT_TOKENS  # the per-request limit: one slot
     assert sc.engine.engine_name == "llamacpp" and sc.engine.capacity_problem is None
     g = await gauges(client, url)
@@ -326,7 +326,10 @@ async def test_no_more_requests_reach_llama_than_it_has_slots_the_rest_wait_in_o
     # they wait (the adaptive limit of the TPOT SLO stays, under the slots).
     spec = {**LEARN, "slo": {"tpotSeconds": 0.2}, "queue": {"maxWaitSeconds": 600}}
     url, sc = await sidecar_factory(engine.url, spec)
-    assert sc.controller.engine_concurrency == slots and sc.controller.concurrency_limit == slots
+    assert (
+        sc.admission.stats().engine_concurrency == slots
+        and sc.admission.stats().concurrency_limit == slots
+    )
     seen = {"llamacpp:requests_processing": 0.0, "llamacpp:requests_deferred": 0.0}
 
     async def watch() -> None:
@@ -337,11 +340,13 @@ async def test_no_more_requests_reach_llama_than_it_has_slots_the_rest_wait_in_o
                 seen[name] = max(seen[name], sample_sum(samples, name))
             await asyncio.sleep(0.02)
 
-    c = sc.controller
+    c = sc.admission.core
 
     async def send(i: int) -> tuple[int, dict[str, str], bytes, float]:
         # A known arrival order: each sent once the sidecar holds the ones before it.
-        await wait_until_async(lambda: c.in_flight + c.queue_length >= i, 30.0, f"request {i}")
+        await wait_until_async(
+            lambda: c.stats().in_flight + c.stats().queue_length >= i, 30.0, f"request {i}"
+        )
         return await _stream(client, url, f"Story {i}: once", 16)
 
     watcher = asyncio.create_task(watch())

@@ -58,7 +58,7 @@ async def test_missing_max_tokens_is_charged_at_the_default_and_sent_upstream(
         await wait_until_async(lambda: upstream.bodies, 10, "the request upstream")
         # While in flight, the reservation is prompt + the default 77 tokens.
         prompt_estimate = sc.counter.count(CHAT).tokens
-        assert sc.controller.kv_reserved_tokens == prompt_estimate + 77
+        assert sc.admission.stats().kv_reserved_tokens == prompt_estimate + 77
     finally:
         upstream.hold.set()
     r = await task
@@ -140,7 +140,7 @@ async def test_bad_input_gets_openai_error_and_never_reaches_upstream(
     assert_openai_error(err)
     assert err["error"]["param"] == param
     assert upstream.bodies == []
-    assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0
+    assert sc.admission.stats().in_flight == 0 and sc.admission.stats().kv_reserved_tokens == 0
 
 
 async def test_chunked_body_over_the_limit_gets_413(
@@ -296,7 +296,7 @@ async def test_queued_request_is_admitted_when_capacity_frees(
     try:
         # Queued (seen, not assumed from arriving within 0.2 s), then 0.2 s more at least:
         # the second waits >= 0.2 s, the third >= 0.4 s (behind the second's 0.2 s).
-        await wait_until_async(lambda: sc.controller.queue_length == 2, 10, "two queued")
+        await wait_until_async(lambda: sc.admission.stats().queue_length == 2, 10, "two queued")
         await asyncio.sleep(0.2)
     finally:
         upstream.hold.set()
@@ -378,9 +378,13 @@ async def test_client_gone_closes_upstream_at_once_and_releases_everything(
     # At once (expected: milliseconds), not at the end of the 30 s wait or stream: the bound
     # is the point, so it is generous (5 s) for a busy machine, still well under 30 s.
     assert upstream.closed_at[0] - closed < 5.0
-    c = sc.controller
+    c = sc.admission.core
     await wait_until_async(
-        lambda: c.in_flight == 0 and c.kv_reserved_tokens == 0 and c.queue_length == 0,
+        lambda: (
+            c.stats().in_flight == 0
+            and c.stats().kv_reserved_tokens == 0
+            and c.stats().queue_length == 0
+        ),
         10,
         "everything released",
     )
@@ -398,7 +402,7 @@ async def test_client_gone_while_queued_never_reaches_upstream(
 ) -> None:
     upstream.hold = asyncio.Event()  # the first request holds the one slot until set
     url, sc = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
-    c = sc.controller
+    c = sc.admission.core
     first = asyncio.create_task(client.post(url + "/v1/chat/completions", json=CHAT))
     try:
         await wait_until_async(lambda: upstream.bodies, 10, "the request upstream")
@@ -410,14 +414,16 @@ async def test_client_gone_while_queued_never_reaches_upstream(
             b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
         )
         await writer.drain()
-        await wait_until_async(lambda: c.queue_length == 1, 10, "the second request queued")
+        await wait_until_async(lambda: c.stats().queue_length == 1, 10, "the second request queued")
         writer.close()
-        await wait_until_async(lambda: c.queue_length == 0, 10, "the queued request dropped")
-        assert c.in_flight == 1 and len(upstream.bodies) == 1  # dropped, not admitted
+        await wait_until_async(
+            lambda: c.stats().queue_length == 0, 10, "the queued request dropped"
+        )
+        assert c.stats().in_flight == 1 and len(upstream.bodies) == 1  # dropped, not admitted
     finally:
         upstream.hold.set()
     (await first).release()
-    await wait_until_async(lambda: c.in_flight == 0, 10, "the first request to end")
+    await wait_until_async(lambda: c.stats().in_flight == 0, 10, "the first request to end")
     assert len(upstream.bodies) == 1
 
 
@@ -491,7 +497,7 @@ async def test_fail_open_without_engine_capacity_keeps_local_caps(
     )
     async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
         assert r.status == 200
-    assert sc.controller.kv_capacity_tokens == 4096  # the explicit fallback stays enforced
+    assert sc.admission.stats().kv_capacity_tokens == 4096  # the explicit fallback stays enforced
 
 
 async def test_upstream_unreachable_is_502_and_releases(
@@ -505,7 +511,7 @@ async def test_upstream_unreachable_is_502_and_releases(
         async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
             assert r.status == 502
             assert_openai_error(await r.json())
-    assert sc.controller.in_flight == 0
+    assert sc.admission.stats().in_flight == 0
 
 
 async def test_defaulted_max_tokens_stays_within_the_engines_context(
@@ -603,7 +609,7 @@ async def test_engine_crash_mid_stream_ends_with_an_error_event(
     events = [e for e in data.split(b"\n\n") if e]
     assert len(events) == 3
     assert json.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "upstream_error"
-    assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0
+    assert sc.admission.stats().in_flight == 0 and sc.admission.stats().kv_reserved_tokens == 0
 
 
 async def test_gzip_request_body_is_forwarded_decoded(

@@ -238,16 +238,16 @@ async def test_a_change_propagates_and_in_flight_requests_finish(
     await stream.content.readany()
     assert (await post(client, url))[0] == 429
     agent.set_thresholds({**limits, "concurrency": {"maxRequests": 3}})
-    await until(lambda: sc.controller.config.max_concurrency == 3)
-    assert sc.controller.in_flight == 1  # the stream survived the change
+    await until(lambda: sc.admission.config.max_concurrency == 3)
+    assert sc.admission.stats().in_flight == 1  # the stream survived the change
     upstream.token_delay = 0.0
     results = await asyncio.gather(post(client, url), post(client, url))
     assert [r[0] for r in results] == [200, 200]
     body = await stream.read()
     assert body.endswith(b"data: [DONE]\n\n") and body.count(b"data: ") >= 6
     stream.release()
-    await until(lambda: sc.controller.in_flight == 0)
-    assert sc.controller.kv_reserved_tokens == 0
+    await until(lambda: sc.admission.stats().in_flight == 0)
+    assert sc.admission.stats().kv_reserved_tokens == 0
     m = await gauges(client, url)
     assert m['kvgate_policy_generation{name="pol",namespace="ns"}'] == agent.generation
 
@@ -327,7 +327,7 @@ async def test_gpu_safety_net_closed_gives_503_gpu_memory_low_until_it_reopens(
             "retryAfterSeconds": 2,
         }
     )
-    await until(lambda: sc.controller.active_hold() is not None)
+    await until(lambda: sc.admission.core.active_hold() is not None)
     async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
         assert r.status == 503 and r.headers["Retry-After"] == "2"
         assert r.headers["x-kvgate-reason"] == "gpu_memory_low"
@@ -335,7 +335,7 @@ async def test_gpu_safety_net_closed_gives_503_gpu_memory_low_until_it_reopens(
         err = (await r.json())["error"]
         assert err["code"] == "gpu_memory_low" and "GPU-0" in err["message"]
     agent.set_safety_net({"open": True})
-    await until(lambda: sc.controller.active_hold() is None)
+    await until(lambda: sc.admission.core.active_hold() is None)
     assert (await post(client, url))[0] == 200
 
 

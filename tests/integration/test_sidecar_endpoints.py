@@ -254,7 +254,7 @@ async def test_every_generation_api_is_admitted_and_settled_from_its_own_usage(
     g = await gauges(client, url)
     assert g['kvgate_tokens_total{kind="completion",tenant="anonymous"}'] == TOKENS
     assert g["kvgate_in_flight_requests"] == 0
-    assert sc.controller.kv_reserved_tokens == 0
+    assert sc.admission.stats().kv_reserved_tokens == 0
 
 
 # ---------------------------------------------------------------- sequences: n, best_of, batches
@@ -276,7 +276,9 @@ async def test_best_of_is_reserved_for_every_sequence(
             "the upstream to get the request",  # not the sidecar's GET probes
         )
         prompt = sc.counter.count({"prompt": "hi"}).tokens
-        assert sc.controller.kv_reserved_tokens == prompt + 5 * 10  # max(n, best_of) sequences
+        assert (
+            sc.admission.stats().kv_reserved_tokens == prompt + 5 * 10
+        )  # max(n, best_of) sequences
     finally:
         multi.gate.set()
     (await task).release()
@@ -329,8 +331,10 @@ async def test_list_prompts_and_batches_reserve_every_sequence(
         multi.gate = asyncio.Event()  # in flight until the reservation was read, however slowly
         task = asyncio.create_task(client.post(url + path, json=body))
         try:
-            await wait_until_async(lambda: sc.controller.kv_reserved_tokens, 10, "a reservation")
-            reserved = sc.controller.kv_reserved_tokens
+            await wait_until_async(
+                lambda: sc.admission.stats().kv_reserved_tokens, 10, "a reservation"
+            )
+            reserved = sc.admission.stats().kv_reserved_tokens
         finally:
             multi.gate.set()
         (await task).release()
@@ -340,7 +344,9 @@ async def test_list_prompts_and_batches_reserve_every_sequence(
                 {"prompt": body.get("prompt") or body.get("text") or body.get("inputs")}
             ).tokens
         ), (path, body)
-        await wait_until_async(lambda: sc.controller.kv_reserved_tokens == 0, 10, "the release")
+        await wait_until_async(
+            lambda: sc.admission.stats().kv_reserved_tokens == 0, 10, "the release"
+        )
 
 
 async def test_unbounded_or_missing_limits_send_the_policy_default_in_each_apis_field(
@@ -511,7 +517,7 @@ async def test_absolute_form_targets_are_routed_by_their_path_and_never_bypass_a
     assert (await raw_post(url, "http://x/v1/x/../completions", chat)).startswith(b"HTTP/1.1 4")
     posts = [c[1] for c in multi.generation_calls if c[0] == "POST"]
     assert posts == ["/tokenize", "/v1/chat/completions"]
-    assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0
+    assert sc.admission.stats().in_flight == 0 and sc.admission.stats().kv_reserved_tokens == 0
 
 
 @pytest.mark.parametrize("method", ["GET", "HEAD", "PUT", "DELETE", "PATCH"])
@@ -615,6 +621,6 @@ async def test_a_stream_cut_mid_way_releases_and_charges_the_events_seen(
         data = await r.read()
     assert b"upstream_error" in data  # the in-band error event ends the stream
     g = await gauges(client, url)
-    assert g["kvgate_in_flight_requests"] == 0 and sc.controller.kv_reserved_tokens == 0
+    assert g["kvgate_in_flight_requests"] == 0 and sc.admission.stats().kv_reserved_tokens == 0
     charged = g['kvgate_tokens_total{kind="completion",tenant="anonymous"}']
     assert 1 <= charged <= 3  # the output events that arrived, not the reservation

@@ -81,7 +81,7 @@ async def test_engine_kv_used_around_the_sidecar_refuses_until_it_is_freed(
         sim = f"http://127.0.0.1:{port}"
         url, sc = await sidecar_factory(sim, SPEC, engine_usage_seconds=0.1)
         blind, _ = await sidecar_factory(sim, SPEC, engine_usage_seconds=0)
-        assert sc.controller.kv_capacity_tokens == POOL  # read from vllm:cache_config_info
+        assert sc.admission.stats().kv_capacity_tokens == POOL  # read from vllm:cache_config_info
         assert (await _via(client, url))[1] == "admitted"  # an idle engine: it fits
 
         direct = [asyncio.create_task(_direct(client, sim)) for _ in range(2)]
@@ -97,7 +97,7 @@ async def test_engine_kv_used_around_the_sidecar_refuses_until_it_is_freed(
         assert got[1:] == ("rejected", "kv_capacity") and got[0] in (429, 503), got
         assert not any(t.done() for t in direct), "the direct requests ended too soon"
         assert (await _via(client, blind))[1] == "admitted"  # without the usage poll: blind
-        assert sc.controller.in_flight == 0
+        assert sc.admission.stats().in_flight == 0
 
         await asyncio.gather(*direct)
         ended = time.monotonic()
@@ -123,9 +123,7 @@ async def test_an_unreadable_engine_counts_as_unknown_and_is_logged_once(
     controller.observe_engine_kv(POOL)  # the engine was full at the last read
     request = AdmissionRequest("t", 10, 100)
     assert controller.submit(request).outcome is Outcome.REJECTED
-    poll = EngineUsagePoll(
-        f"http://127.0.0.1:{free_port()}", controller, AsyncAdmission(controller), 0.01
-    )
+    poll = EngineUsagePoll(f"http://127.0.0.1:{free_port()}", AsyncAdmission(controller), 0.01)
     reads = 0
     read = poll.read
 
@@ -151,7 +149,7 @@ async def test_an_unreadable_engine_counts_as_unknown_and_is_logged_once(
 def test_a_non_positive_interval_is_refused() -> None:
     controller = AdmissionController(AdmissionConfig())
     with pytest.raises(ValueError, match="> 0"):
-        EngineUsagePoll("http://127.0.0.1:1", controller, AsyncAdmission(controller), 0)
+        EngineUsagePoll("http://127.0.0.1:1", AsyncAdmission(controller), 0)
 
 
 async def test_an_unknown_engine_is_reported_never_silently_blind(
@@ -165,7 +163,7 @@ async def test_an_unknown_engine_is_reported_never_silently_blind(
         url, sc = await sidecar_factory(upstream.url, {"capacity": {"fromEngineMetrics": True}})
         # Unknown, it is re-read every second.
         await wait_until_async(lambda: upstream.paths.count("/metrics") >= 3, 10.0, "re-reads")
-    assert sc.controller.kv_capacity_tokens is None  # FailOpen: admitted without a KV cap
+    assert sc.admission.stats().kv_capacity_tokens is None  # FailOpen: admitted without a KV cap
     assert sc.engine.engine_name is None
     said = [r.getMessage() for r in caplog.records if "KV capacity is not known" in r.getMessage()]
     assert len(said) == 1, said  # once, not on every poll
@@ -199,4 +197,4 @@ async def test_a_prompt_with_no_room_in_the_engines_context_never_reaches_it(
     async with client.get(engine + "/sim/stats") as r:
         stats = await r.json()
     assert stats["finished_total"] == 1  # only the request that fits reached the engine
-    assert sc.controller.in_flight == 0 and sc.controller.kv_reserved_tokens == 0
+    assert sc.admission.stats().in_flight == 0 and sc.admission.stats().kv_reserved_tokens == 0

@@ -75,10 +75,14 @@ async def all_free(client: aiohttp.ClientSession, url: str, sc: Sidecar) -> dict
         ),
         10.0,
     )
-    c = sc.controller
+    c = sc.admission.core
     assert (g["kvgate_in_flight_requests"], g["kvgate_queue_length"]) == (0, 0)
-    assert (g["kvgate_kv_reserved_tokens"], c.in_flight, c.queue_length) == (0, 0, 0)
-    assert c.kv_reserved_tokens == 0
+    assert (g["kvgate_kv_reserved_tokens"], c.stats().in_flight, c.stats().queue_length) == (
+        0,
+        0,
+        0,
+    )
+    assert c.stats().kv_reserved_tokens == 0
     return g
 
 
@@ -157,10 +161,12 @@ async def test_1000_clients_aborting_in_every_phase_free_everything(
     # 30 s streams: they still hold every slot while the queue fills on a busy machine.
     holders = await open_many(per, request_bytes(STREAM, "longer"), b"data: ")
     queued = await open_many(per, request_bytes(STREAM, "ok"), None)
-    await wait_until_async(lambda: sc.controller.queue_length == per, 30, "the queue to fill")
+    await wait_until_async(
+        lambda: sc.admission.stats().queue_length == per, 30, "the queue to fill"
+    )
     for w in queued:
         reset(w)
-    await wait_until_async(lambda: sc.controller.queue_length == 0, 10, "the queue to empty")
+    await wait_until_async(lambda: sc.admission.stats().queue_length == 0, 10, "the queue to empty")
     for w in holders:  # the holders are mid-stream: the fifth phase
         reset(w)
     # 4. Response headers sent, no token yet.

@@ -391,7 +391,7 @@ def test_fuzzed_requests_never_5xx_never_leak_refusals_upstream_and_free_everyth
     run()
     sc = servers.sidecar
     assert sc is not None
-    c = sc.controller
+    c = sc.admission.core
     total = sum(statuses.values())
     print(f"\nfuzz: {total} cases; statuses {dict(sorted(statuses.items()))}")
     print(f"fuzz: reached the upstream: {len(set(servers.recorder.cases))}")
@@ -400,7 +400,7 @@ def test_fuzzed_requests_never_5xx_never_leak_refusals_upstream_and_free_everyth
     assert errors == [], errors[:5]
     assert leaked == [], leaked[:5]
     assert not_openai == [], not_openai[:5]  # every refusal has an OpenAI error body
-    assert (c.in_flight, c.kv_reserved_tokens, c.queue_length) == (0, 0, 0)
+    assert (c.stats().in_flight, c.stats().kv_reserved_tokens, c.stats().queue_length) == (0, 0, 0)
     gauges = servers.call(_gauges(sc))
     for name in ("kvgate_in_flight_requests", "kvgate_kv_reserved_tokens", "kvgate_queue_length"):
         assert gauges.get(name, 0.0) == 0.0, (name, gauges.get(name))

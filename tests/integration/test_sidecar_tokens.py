@@ -33,14 +33,14 @@ class Observed:
 def spy_on_observe_tokens(sc: Sidecar, monkeypatch: pytest.MonkeyPatch) -> list[Observed]:
     """Record every ``observe_tokens`` call the sidecar makes, then let the real one run."""
     calls: list[Observed] = []
-    controller = sc.controller
-    real = controller.observe_tokens
+    admission = sc.admission
+    real = admission.observe_tokens
 
     def spy(ticket: Ticket, generated: int) -> None:
-        calls.append(Observed(ticket, generated, controller.in_flight))
+        calls.append(Observed(ticket, generated, admission.stats().in_flight))
         real(ticket, generated)
 
-    monkeypatch.setattr(controller, "observe_tokens", spy)
+    monkeypatch.setattr(admission, "observe_tokens", spy)
     return calls
 
 
@@ -92,7 +92,7 @@ async def test_streamed_tokens_reach_the_controller_as_they_pass(
         assert_growing_to(calls, 30)
         # Reported as the tokens passed, not once at the end (one event per 5 ms step).
         assert len(calls) >= 5, [c.generated for c in calls]
-        assert sc.controller.in_flight == 0
+        assert sc.admission.stats().in_flight == 0
     finally:
         await runner.cleanup()
 

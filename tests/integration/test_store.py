@@ -274,7 +274,6 @@ async def test_fail_closed_hold_lifts_when_the_shared_limit_goes(
     c = AdmissionController(AdmissionConfig.from_policy(parse_policy(policy_doc(spec)).spec))
     store = SharedStore(
         StoreSettings(url=server.url, member="a", timeout=0.3),
-        c,
         AsyncAdmission(c),
         lambda: "default/test",
     )

@@ -164,16 +164,16 @@ def test_kv_reservation_is_block_rounded_atomic_and_released_once() -> None:
         }
     )
     d = c.submit(req(prompt=10, max_tokens=7))  # 17 tokens -> 32 reserved
-    assert d.outcome is Outcome.ADMITTED and c.kv_reserved_tokens == 32
+    assert d.outcome is Outcome.ADMITTED and c.stats().kv_reserved_tokens == 32
     d2 = c.submit(req(prompt=20, max_tokens=12))  # 32 -> fits exactly
-    assert d2.ticket is not None and c.kv_reserved_tokens == 64
+    assert d2.ticket is not None and c.stats().kv_reserved_tokens == 64
     d3 = c.submit(req(prompt=1, max_tokens=1))
     assert d3.outcome is Outcome.REJECTED and d3.reason is Reason.KV_CAPACITY
     assert d3.status == 429 and d3.retry_after is not None and d3.retry_after >= 1
     assert d.ticket is not None
     assert c.release(d.ticket, completion_tokens=7) is True
     assert c.release(d.ticket, completion_tokens=7) is False  # exactly once
-    assert c.kv_reserved_tokens == 32 and c.in_flight == 1
+    assert c.stats().kv_reserved_tokens == 32 and c.stats().in_flight == 1
 
 
 def test_reservation_above_kv_capacity_is_refused_at_once_with_400() -> None:
@@ -181,7 +181,7 @@ def test_reservation_above_kv_capacity_is_refused_at_once_with_400() -> None:
     d = c.submit(req(prompt=100, max_tokens=2000))
     assert d.outcome is Outcome.REJECTED and d.status == 400
     assert d.reason is Reason.EXCEEDS_CAPACITY and d.retry_after is None
-    assert c.queue_length == 0 and c.in_flight == 0
+    assert c.stats().queue_length == 0 and c.stats().in_flight == 0
 
 
 # ---------------------------------------------------------------- cost and buckets
@@ -196,7 +196,7 @@ def test_cost_above_bucket_capacity_is_refused_at_once_never_queued() -> None:
     c = make({"rateLimits": [{"name": "t", "tokensPerMinute": 600, "burstTokens": 1000}]})
     d = c.submit(req(prompt=500, max_tokens=600))
     assert d.status == 400 and d.reason is Reason.EXCEEDS_CAPACITY and d.retry_after is None
-    assert d.limit == "t" and c.queue_length == 0
+    assert d.limit == "t" and c.stats().queue_length == 0
 
 
 def test_cost_above_capacity_is_degraded_when_policy_allows() -> None:
@@ -346,14 +346,14 @@ def test_concurrency_cap_queues_and_release_admits_in_fifo_order() -> None:
     held = _tickets(c, 2)
     w1 = c.submit(req("x")).waiter
     w2 = c.submit(req("y")).waiter
-    assert w1 is not None and w2 is not None and c.queue_length == 2
+    assert w1 is not None and w2 is not None and c.stats().queue_length == 2
     clock.advance(0.5)
     c.release(held[0], completion_tokens=5)
     c.pump()
     done = c.take_resolved()
     assert done == [w1] and w1.decision is not None
     assert w1.decision.outcome is Outcome.QUEUED and w1.decision.queue_seconds == 0.5
-    assert w2.decision is None and c.in_flight == 2
+    assert w2.decision is None and c.stats().in_flight == 2
 
 
 def test_new_arrivals_do_not_overtake_the_queue() -> None:
@@ -419,7 +419,7 @@ def test_queue_timeout_falls_through_to_the_next_action() -> None:
     assert c.take_resolved() == [w] and w.decision is not None
     assert w.decision.outcome is Outcome.REJECTED and w.decision.reason is Reason.QUEUE_TIMEOUT
     assert w.decision.status == 429 and w.decision.retry_after is not None
-    assert w.decision.retry_after >= 1 and c.queue_length == 0
+    assert w.decision.retry_after >= 1 and c.stats().queue_length == 0
 
 
 def test_queue_full_rejects_with_retry_after_from_drain_time() -> None:
@@ -438,7 +438,7 @@ def test_sheddable_requests_are_never_queued() -> None:
     _tickets(c, 1)
     d = c.submit(req("x", priority=-1))
     assert d.outcome is Outcome.REJECTED and d.reason is Reason.SHEDDABLE
-    assert c.queue_length == 0
+    assert c.stats().queue_length == 0
 
 
 def test_waiter_blocked_by_its_own_tenant_bucket_does_not_block_others() -> None:
@@ -497,7 +497,7 @@ def test_next_wake_never_asks_for_a_pump_in_the_past_behind_a_shared_blocker() -
     c.release(held, completion_tokens=300)
     c.pump()
     assert {w.request.tenant for w in c.take_resolved()} == {"vip", "a"}
-    assert c.queue_length == 0 and c.next_wake() is None
+    assert c.stats().queue_length == 0 and c.next_wake() is None
 
 
 def test_cancel_removes_a_waiter() -> None:
@@ -506,7 +506,7 @@ def test_cancel_removes_a_waiter() -> None:
     w = c.submit(req("x")).waiter
     assert w is not None
     c.cancel(w)
-    assert c.queue_length == 0 and c.next_wake() is None
+    assert c.stats().queue_length == 0 and c.next_wake() is None
 
 
 # ---------------------------------------------------------------- degrade
@@ -524,7 +524,7 @@ def test_degrade_clamps_max_tokens_to_the_kv_that_is_free() -> None:
     d = c.submit(req("x", prompt=20, max_tokens=500))
     assert d.outcome is Outcome.DEGRADED and d.reason is Reason.MAX_TOKENS_CLAMPED
     assert d.max_tokens == 92  # 20 + 92 = 112 = 7 blocks
-    assert c.kv_reserved_tokens == 1024
+    assert c.stats().kv_reserved_tokens == 1024
 
 
 def test_degrade_never_clamps_below_min_max_tokens() -> None:
@@ -643,10 +643,10 @@ async def test_async_waiter_wakes_on_release_without_polling() -> None:
     assert first.ticket is not None
     task = asyncio.create_task(a.admit(req("b")))
     await asyncio.sleep(0)
-    assert c.queue_length == 1 and not task.done()
+    assert c.stats().queue_length == 1 and not task.done()
     a.release(first.ticket, completion_tokens=1)
     second = await asyncio.wait_for(task, 1)
-    assert second.outcome is Outcome.QUEUED and c.in_flight == 1
+    assert second.outcome is Outcome.QUEUED and c.stats().in_flight == 1
 
 
 async def test_async_cancelled_waiter_leaves_nothing_behind() -> None:
@@ -658,10 +658,10 @@ async def test_async_cancelled_waiter_leaves_nothing_behind() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert c.queue_length == 0
+    assert c.stats().queue_length == 0
     assert first.ticket is not None
     a.release(first.ticket, completion_tokens=1)
-    assert c.in_flight == 0 and c.kv_reserved_tokens == 0
+    assert c.stats().in_flight == 0 and c.stats().kv_reserved_tokens == 0
 
 
 async def test_async_waiter_admitted_then_cancelled_releases_its_ticket() -> None:
@@ -675,7 +675,7 @@ async def test_async_waiter_admitted_then_cancelled_releases_its_ticket() -> Non
     task.cancel()  # ... but its client left before the task resumed
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert c.in_flight == 0 and c.kv_reserved_tokens == 0
+    assert c.stats().in_flight == 0 and c.stats().kv_reserved_tokens == 0
 
 
 # ---------------------------------------------------------------- state machine
@@ -758,9 +758,9 @@ class AdmissionMachine(RuleBasedStateMachine):
     @invariant()
     def accounting_adds_up(self) -> None:
         c = self.c
-        assert c.in_flight == len(self.tickets) <= 4
-        assert c.kv_reserved_tokens == sum(t.kv_tokens for t in self.tickets) <= 2048
-        assert c.queue_length == len(self.waiters) <= 5
+        assert c.stats().in_flight == len(self.tickets) <= 4
+        assert c.stats().kv_reserved_tokens == sum(t.kv_tokens for t in self.tickets) <= 2048
+        assert c.stats().queue_length == len(self.waiters) <= 5
         for *_, level, cap in c.bucket_levels():
             assert -1e-9 <= level <= cap + 1e-9
 
@@ -773,8 +773,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         for w in self.c.take_resolved():
             if w.decision is not None and w.decision.ticket is not None:
                 self.c.release(w.decision.ticket, completion_tokens=0)
-        assert self.c.in_flight == 0 and self.c.kv_reserved_tokens == 0
-        assert self.c.queue_length == 0
+        assert self.c.stats().in_flight == 0 and self.c.stats().kv_reserved_tokens == 0
+        assert self.c.stats().queue_length == 0
 
 
 TestAdmissionMachine = AdmissionMachine.TestCase
@@ -805,13 +805,13 @@ def test_reconfigure_keeps_in_flight_tickets_and_kv_and_releases_them_afterwards
     t2 = c.submit(req("b", 50, 50)).ticket
     assert t1 is not None and t2 is not None
     c.reconfigure(config_of({**base, "concurrency": {"maxRequests": 2}}))
-    assert c.in_flight == 2 and c.kv_reserved_tokens == 300
+    assert c.stats().in_flight == 2 and c.stats().kv_reserved_tokens == 300
     assert c.config.max_concurrency == 2
     d = c.submit(req("c", 10, 10))  # the new cap counts the old tickets
     assert d.reason is Reason.CONCURRENCY
     assert c.release(t1, completion_tokens=5) and c.release(t2, completion_tokens=5)
     assert not c.release(t1, completion_tokens=5)  # still exactly once
-    assert c.in_flight == 0 and c.kv_reserved_tokens == 0
+    assert c.stats().in_flight == 0 and c.stats().kv_reserved_tokens == 0
 
 
 def test_reconfigure_keeps_buckets_carries_the_level_over_and_clamps_it() -> None:
@@ -847,7 +847,7 @@ def test_reconfigure_adds_fresh_limits_and_drops_removed_ones() -> None:
     assert c.submit(req("a")).ticket is not None
     assert c.submit(req("a")).reason is Reason.RATE_LIMIT_REQUESTS
     assert c.release(t, completion_tokens=1)  # into the detached "old" bucket: harmless
-    assert c.in_flight == 2
+    assert c.stats().in_flight == 2
     # Same name, other scope: a different limit, fresh buckets.
     c.reconfigure(config_of({"rateLimits": [{**new, "per": "Pod"}], **reject}))
     assert c.submit(req("z")).ticket is not None
@@ -869,10 +869,12 @@ def test_reconfigure_keeps_the_queue_and_the_next_pump_admits_what_now_fits() ->
     w = c.submit(req("b")).waiter
     assert first.ticket is not None and w is not None
     c.reconfigure(config_of({"concurrency": {"maxRequests": 2}}))
-    assert c.queue_length == 1 and w.decision is None  # nothing decided by reconfigure itself
+    assert (
+        c.stats().queue_length == 1 and w.decision is None
+    )  # nothing decided by reconfigure itself
     c.pump()
     assert w.decision is not None and w.decision.outcome is Outcome.QUEUED
-    assert c.take_resolved() == [w] and c.in_flight == 2
+    assert c.take_resolved() == [w] and c.stats().in_flight == 2
     a.close()
 
 
@@ -911,7 +913,7 @@ def test_pump_admits_nobody_while_held_and_waiters_time_out_with_the_hold() -> N
     c.hold(Reason.GPU_MEMORY_LOW, retry_after=1, message="low")
     c.release(t, completion_tokens=1)
     c.pump()
-    assert c.queue_length == 2 and c.take_resolved() == []  # room, but held
+    assert c.stats().queue_length == 2 and c.take_resolved() == []  # room, but held
     c.lift(Reason.GPU_MEMORY_LOW)
     c.pump()
     assert w1.decision is not None and w1.decision.outcome is Outcome.QUEUED
@@ -920,7 +922,7 @@ def test_pump_admits_nobody_while_held_and_waiters_time_out_with_the_hold() -> N
     c.pump()
     assert w2.decision is not None and w2.decision.status == 503
     assert w2.decision.reason is Reason.GPU_MEMORY_LOW and w2.decision.queue_seconds == 11
-    assert c.in_flight == 1
+    assert c.stats().in_flight == 1
 
 
 def test_refused_whatever_the_prompt_only_when_no_count_could_change_it() -> None:
@@ -982,7 +984,7 @@ def test_a_timed_fail_closed_hold_wakes_waiters_when_it_ends() -> None:
     assert (d.status, d.reason, d.retry_after) == (503, Reason.FAIL_CLOSED, 2)
     c.release(t, completion_tokens=1)
     c.pump()
-    assert c.queue_length == 1
+    assert c.stats().queue_length == 1
     assert c.next_wake() == 1002  # the hold's end, before the waiter's 30 s deadline
     clock.advance(2)
     c.pump()

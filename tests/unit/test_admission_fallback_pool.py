@@ -53,7 +53,7 @@ def test_a_full_pod_sends_the_request_to_the_pool_with_its_own_refusal_kept() ->
     assert d.ticket is None and d.model == "small-q4"  # nothing reserved here
     assert d.refusal is not None and d.refusal.status == 429
     assert d.refusal.reason is Reason.CONCURRENCY and d.refusal.retry_after is not None
-    assert c.in_flight == 1
+    assert c.stats().in_flight == 1
 
 
 def test_the_pool_takes_a_tenant_over_its_budget() -> None:
@@ -135,7 +135,7 @@ def test_queue_first_then_the_pool_when_the_wait_times_out() -> None:
     clock.advance(6)
     c.pump()
     assert w.decision is not None and w.decision.reason is Reason.FALLBACK_POOL
-    assert w.decision.queue_seconds == 6 and c.queue_length == 0
+    assert w.decision.queue_seconds == 6 and c.stats().queue_length == 0
     assert w.decision.refusal is not None and w.decision.refusal.reason is Reason.QUEUE_TIMEOUT
 
 

@@ -218,20 +218,20 @@ class PredictedAdmissionMachine(RuleBasedStateMachine):
     def accounting_adds_up(self) -> None:
         c = self.c
         live = self.tickets
-        assert c.in_flight == len(live) <= MAX_CONCURRENCY
-        assert c.kv_reserved_tokens == sum(t.kv_tokens for t in live)
+        assert c.stats().in_flight == len(live) <= MAX_CONCURRENCY
+        assert c.stats().kv_reserved_tokens == sum(t.kv_tokens for t in live)
         growth = 0
         for t in live:
             assert not t.released
             assert t.kv_reserved_at_admission <= t.kv_tokens <= t.kv_max
             assert t.kv_tokens % BLOCK == 0
             growth += t.kv_tokens - t.kv_reserved_at_admission
-        assert c.kv_reserved_tokens <= CAPACITY + growth  # only growth may overflow
-        assert c.queue_length == len(self.waiters) <= QUEUE_LENGTH
-        limit = c.concurrency_limit
+        assert c.stats().kv_reserved_tokens <= CAPACITY + growth  # only growth may overflow
+        assert c.stats().queue_length == len(self.waiters) <= QUEUE_LENGTH
+        limit = c.stats().concurrency_limit
         assert limit is not None and limit <= MAX_CONCURRENCY
         if not any(t.kv_reserved_at_admission < t.kv_max for t in live):
-            assert c.kv_headroom_tokens == 0
+            assert c.stats().kv_headroom_tokens == 0
 
     def teardown(self) -> None:
         c = self.c
@@ -239,16 +239,16 @@ class PredictedAdmissionMachine(RuleBasedStateMachine):
         self.clock.advance(100.0)
         c.pump()
         self._collect()
-        assert not self.waiters and c.queue_length == 0
+        assert not self.waiters and c.stats().queue_length == 0
         for t in self.tickets:
             assert c.release(t, completion_tokens=t.generated)
         self.tickets = []
         c.pump()
         self._collect()
         assert not self.tickets
-        assert c.in_flight == 0 and c.kv_reserved_tokens == 0
-        assert c.kv_headroom_tokens == 0
-        assert c.queue_length == 0
+        assert c.stats().in_flight == 0 and c.stats().kv_reserved_tokens == 0
+        assert c.stats().kv_headroom_tokens == 0
+        assert c.stats().queue_length == 0
 
 
 TestPredictedAdmissionMachine = PredictedAdmissionMachine.TestCase
@@ -272,14 +272,14 @@ class CancellingMachine(PredictedAdmissionMachine):
         for w in self.waiters:
             c.cancel(w)
         self.waiters = []
-        assert c.queue_length == 0
+        assert c.stats().queue_length == 0
         for t in self.tickets:
             assert c.release(t, completion_tokens=0, reached_upstream=False)
         self.tickets = []
         c.pump()
         assert not c.take_resolved()
-        assert c.in_flight == 0 and c.kv_reserved_tokens == 0
-        assert c.kv_headroom_tokens == 0
+        assert c.stats().in_flight == 0 and c.stats().kv_reserved_tokens == 0
+        assert c.stats().kv_headroom_tokens == 0
 
 
 TestCancellingMachine = CancellingMachine.TestCase

@@ -268,7 +268,7 @@ def sync(sc: Sidecar, a: SyncAnswer | None, result: SyncResult = SyncResult.OK) 
 
 
 def ask(sc: Sidecar, tenant: str = "a") -> Any:
-    return sc.controller.submit(AdmissionRequest(tenant, 10, 10))
+    return sc.admission.core.submit(AdmissionRequest(tenant, 10, 10))
 
 
 LIMITED = {
@@ -293,9 +293,9 @@ async def test_sidecar_follows_the_modes_without_dropping_in_flight_work() -> No
     assert sc.mode is Mode.WAITING and early.ticket is not None  # FailOpen: no limits yet
     sync(sc, answer({**LIMITED, "concurrency": {"maxRequests": 3}}, ttl=5, interval=0.5))
     # mypy keeps the narrowing of sc.mode across sync(), which changes it
-    assert sc.mode is Mode.LIVE and sc.controller.config.max_concurrency == 3  # type: ignore[comparison-overlap]
+    assert sc.mode is Mode.LIVE and sc.admission.config.max_concurrency == 3  # type: ignore[comparison-overlap]
     first = ask(sc)
-    assert first.ticket is not None and sc.controller.in_flight == 2  # the early one counts
+    assert first.ticket is not None and sc.admission.stats().in_flight == 2  # the early one counts
     assert ask(sc).reason is Reason.RATE_LIMIT_REQUESTS  # burst of 1
     clock.advance(1)
     sync(sc, None, SyncResult.ERROR)
@@ -304,14 +304,14 @@ async def test_sidecar_follows_the_modes_without_dropping_in_flight_work() -> No
     assert ask(sc).reason is Reason.CONCURRENCY  # 3 in flight
     clock.advance(5)  # past the TTL: FailOpen keeps only the local caps
     assert sc.current_mode() is Mode.FAIL_OPEN
-    assert sc.controller.config.limits == () and sc.controller.config.max_concurrency == 3
-    assert sc.controller.config.kv_capacity_tokens == 4096
-    assert sc.controller.in_flight == 3  # nothing in flight was dropped
+    assert sc.admission.config.limits == () and sc.admission.config.max_concurrency == 3
+    assert sc.admission.config.kv_capacity_tokens == 4096
+    assert sc.admission.stats().in_flight == 3  # nothing in flight was dropped
     sc.admission.release(first.ticket, completion_tokens=1)
     sc.admission.release(early.ticket, completion_tokens=1)
-    assert sc.controller.in_flight == 1 and sc.controller.kv_reserved_tokens == 32
+    assert sc.admission.stats().in_flight == 1 and sc.admission.stats().kv_reserved_tokens == 32
     sync(sc, None, SyncResult.NOT_MODIFIED)  # the agent is back
-    assert sc.mode is Mode.LIVE and len(sc.controller.config.limits) == 1
+    assert sc.mode is Mode.LIVE and len(sc.admission.config.limits) == 1
 
 
 async def test_sidecar_fail_closed_holds_with_the_sync_interval_then_reopens() -> None:
@@ -336,7 +336,7 @@ async def test_sidecar_waiting_under_a_configured_fail_closed_answers_503() -> N
     assert ask(sc).reason is Reason.FAIL_CLOSED
     sync(sc, answer(managed=False))
     assert sc.mode is Mode.UNMANAGED
-    assert ask(sc).ticket is not None and sc.controller.config.limits == ()
+    assert ask(sc).ticket is not None and sc.admission.config.limits == ()
 
 
 async def test_sidecar_safety_net_holds_with_gpu_memory_low_and_reopens() -> None:
@@ -374,12 +374,12 @@ async def test_sidecar_does_not_split_global_limits_twice_and_prefers_its_engine
         "rateLimits": [{"name": "g", "per": "Global", "requestsPerMinute": 60}],
     }
     sync(sc, answer(thresholds))
-    (limit,) = sc.controller.config.limits
+    (limit,) = sc.admission.config.limits
     assert limit.request_rate == pytest.approx(1.0) and limit.request_capacity == 60
-    assert sc.controller.kv_capacity_tokens == 1000 and sc.capacity_known
+    assert sc.admission.stats().kv_capacity_tokens == 1000 and sc.capacity_known
     sc.engine_kv_tokens = 5000  # what the sidecar read from the engine itself
     sync(sc, answer({**thresholds, "kvCapacityTokens": 1200}, etag="e2"))
-    assert sc.controller.kv_capacity_tokens == 5000
+    assert sc.admission.stats().kv_capacity_tokens == 5000
 
 
 async def test_sync_report_reflects_the_admission_state() -> None:

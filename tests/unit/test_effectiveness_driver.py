@@ -160,9 +160,13 @@ def test_kvgate_maxtokens_stays_within_capacity_and_leaks_nothing() -> None:
     check_conserved(run)
     ctl = arm.controller
     cap = SMALL.num_gpu_blocks * SMALL.block_size
-    assert ctl.kv_capacity_tokens == cap
+    assert ctl.stats().kv_capacity_tokens == cap
     assert cap // 2 < arm.max_kv_reserved <= cap  # KV bound, and was never overbooked
-    assert ctl.in_flight == 0 and ctl.kv_reserved_tokens == 0 and ctl.queue_length == 0
+    assert (
+        ctl.stats().in_flight == 0
+        and ctl.stats().kv_reserved_tokens == 0
+        and ctl.stats().queue_length == 0
+    )
     outcomes = {r.outcome for r in run.records}
     assert REJECTED in outcomes and SERVED in outcomes
     # What the engine got: the policy's default for unset max_tokens, never above the client's.
@@ -234,7 +238,7 @@ def test_kvgate_arm_never_asks_to_be_woken_in_the_past() -> None:
     head = ctl.submit(AdmissionRequest("z", 10, 480, priority=1)).waiter  # KV: 512 + 496 > 1000
     assert head is not None and ctl.take_resolved() == []
     arm.on_wake(15.0)
-    assert ctl.queue_length == 2
+    assert ctl.stats().queue_length == 2
     at = arm.next_wake()
     assert at is not None and at > 15.0
 

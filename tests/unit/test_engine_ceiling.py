@@ -38,24 +38,28 @@ def test_the_engines_slots_cap_the_concurrency_limit(
 ) -> None:
     c = make(spec)
     c.set_engine_concurrency(slots)
-    assert c.engine_concurrency == slots and c.concurrency_limit == limit
+    assert c.stats().engine_concurrency == slots and c.stats().concurrency_limit == limit
 
 
 def test_requests_above_the_slots_wait_in_kvgates_queue_in_order() -> None:
     clock = FakeClock(1000.0)
     c = make({"capacity": {"kvCacheTokens": 4096}, "slo": {"tpotSeconds": 0.2}}, clock)
-    assert c.concurrency_limit == SloState.DEFAULT_START  # 64 before the engine is read
+    assert c.stats().concurrency_limit == SloState.DEFAULT_START  # 64 before the engine is read
     c.set_engine_concurrency(4)
     held = _admit(c, 4)
     waiters = [c.submit(req(f"w{i}")).waiter for i in range(4)]
-    assert all(w is not None for w in waiters) and c.in_flight == 4 and c.queue_length == 4
+    assert (
+        all(w is not None for w in waiters)
+        and c.stats().in_flight == 4
+        and c.stats().queue_length == 4
+    )
     order = []
     for t in held:
         clock.advance(0.1)
         c.release(t, completion_tokens=5)
         c.pump()
         got = c.take_resolved()
-        assert len(got) == 1 and c.in_flight == 4  # one out, one in: never above the slots
+        assert len(got) == 1 and c.stats().in_flight == 4  # one out, one in: never above the slots
         order += got
     assert order == waiters
     assert all(w is not None and w.decision is not None for w in order)
@@ -71,9 +75,10 @@ def test_the_adaptive_limit_stays_under_the_slots_and_the_policy_cap_returns_wit
         clock.advance(0.25)
         for t in tickets:
             c.observe_tokens(t, t.generated + 5)
-        assert c.concurrency_limit == 4
+        assert c.stats().concurrency_limit == 4
     c.set_engine_concurrency(None)  # an engine that states no limit: the policy's cap again
-    assert c.concurrency_limit is not None and 4 <= c.concurrency_limit <= 16
+    limit = c.stats().concurrency_limit
+    assert limit is not None and 4 <= limit <= 16
 
 
 def test_the_engines_own_waiting_requests_count_in_the_expected_wait() -> None:

@@ -71,7 +71,7 @@ def test_predicted_reservation_after_enough_settled_requests() -> None:
     assert t.kv_tokens < round_up(PROMPT + 4096, BLOCK)
     assert t.kv_reserved_at_admission == t.kv_tokens
     assert t.kv_max == round_up(PROMPT + 4096, BLOCK)
-    assert c.kv_reserved_tokens == t.kv_tokens
+    assert c.stats().kv_reserved_tokens == t.kv_tokens
     # Another tenant, same model and band: the pooled key serves it.
     u = admitted(c.submit(req(tenant="b")))
     assert u.kv_tokens == round_up(PROMPT + pred, BLOCK)
@@ -105,7 +105,7 @@ def test_max_tokens_mode_keeps_the_worst_case() -> None:
     assert o.kv_tokens == round_up(PROMPT + 4096, BLOCK)
     c.observe_tokens(t, 500)
     assert t.kv_tokens == t.kv_max  # nothing to grow
-    assert c.kv_headroom_tokens == 0
+    assert c.stats().kv_headroom_tokens == 0
 
 
 def test_predicted_output_tokens_override_is_used() -> None:
@@ -144,12 +144,12 @@ def test_observe_tokens_grows_block_by_block_up_to_the_worst_case() -> None:
         assert kv >= min(kv_max, PROMPT + g + 1)  # the next token always has a place
         if PROMPT + g < base:
             assert kv == base  # nothing grows before the sequence outgrows the reservation
-        assert c.kv_reserved_tokens == kv
+        assert c.stats().kv_reserved_tokens == kv
         prev = kv
     assert t.kv_tokens == kv_max == round_up(PROMPT + 4096, BLOCK)
     assert t.kv_reserved_at_admission == base
     assert c.release(t, completion_tokens=4096)
-    assert c.kv_reserved_tokens == 0 and c.in_flight == 0
+    assert c.stats().kv_reserved_tokens == 0 and c.stats().in_flight == 0
 
 
 def test_observe_tokens_ignores_counts_that_do_not_increase() -> None:
@@ -161,7 +161,7 @@ def test_observe_tokens_ignores_counts_that_do_not_increase() -> None:
     c.observe_tokens(t, 150)
     c.observe_tokens(t, 200)
     assert t.kv_tokens == kv and t.generated == 200
-    assert c.kv_reserved_tokens == kv
+    assert c.stats().kv_reserved_tokens == kv
 
 
 def test_observe_tokens_after_release_is_a_no_op() -> None:
@@ -169,11 +169,11 @@ def test_observe_tokens_after_release_is_a_no_op() -> None:
     t = admitted(c.submit(req(predicted_output_tokens=10)))
     c.observe_tokens(t, 5)
     assert c.release(t, completion_tokens=5)
-    assert c.kv_reserved_tokens == 0
+    assert c.stats().kv_reserved_tokens == 0
     kv = t.kv_tokens
     clock.advance(1.0)
     c.observe_tokens(t, 3000)
-    assert c.kv_reserved_tokens == 0 and c.in_flight == 0
+    assert c.stats().kv_reserved_tokens == 0 and c.stats().in_flight == 0
     assert t.kv_tokens == kv and t.generated == 5
     assert not c.release(t, completion_tokens=3000)
 
@@ -186,12 +186,12 @@ def test_two_tickets_grow_independently_and_release_to_zero() -> None:
         clock.advance(0.001)
         c.observe_tokens(a, g)
         c.observe_tokens(b, 2 * g)
-        assert c.kv_reserved_tokens == a.kv_tokens + b.kv_tokens
+        assert c.stats().kv_reserved_tokens == a.kv_tokens + b.kv_tokens
     assert a.kv_tokens <= a.kv_max and b.kv_tokens <= b.kv_max
     c.release(a, completion_tokens=599)
-    assert c.kv_reserved_tokens == b.kv_tokens
+    assert c.stats().kv_reserved_tokens == b.kv_tokens
     c.release(b, completion_tokens=1198)
-    assert c.kv_reserved_tokens == 0 and c.in_flight == 0
+    assert c.stats().kv_reserved_tokens == 0 and c.stats().in_flight == 0
 
 
 def test_headroom_kept_for_predicted_reservations_after_overruns() -> None:
@@ -200,11 +200,11 @@ def test_headroom_kept_for_predicted_reservations_after_overruns() -> None:
         t = admitted(c.submit(req(predicted_output_tokens=10)))
         c.observe_tokens(t, 500)
         c.release(t, completion_tokens=500)
-    assert c.kv_headroom_tokens == 0  # nothing predicted in flight
+    assert c.stats().kv_headroom_tokens == 0  # nothing predicted in flight
     t = admitted(c.submit(req(predicted_output_tokens=10)))
-    assert c.kv_headroom_tokens > 0
+    assert c.stats().kv_headroom_tokens > 0
     c.release(t, completion_tokens=10)
-    assert c.kv_headroom_tokens == 0
+    assert c.stats().kv_headroom_tokens == 0
 
 
 # ---------------------------------------------------------------- engine's KV figure
@@ -255,14 +255,14 @@ def test_slo_request_queued_while_the_expected_wait_fits() -> None:
         assert d.outcome is Outcome.QUEUED and d.waiter is not None, (k, d)
         assert d.waiter.deadline - d.waiter.enqueued_at == pytest.approx(1.8)
         assert d.waiter.deadline <= clock() + 1.8 + 1e-9
-    assert c.queue_length == 3
+    assert c.stats().queue_length == 3
 
 
 def test_slo_request_refused_when_the_queue_is_long() -> None:
     c, _clock = slo_controller()
     for k in range(14):  # expected waits up to 3.5 s: within SHED_FACTOR x the 1.8 s budget
         assert c.submit(req(max_tokens=10, priority=1)).outcome is Outcome.QUEUED, k
-    expected = c.slo.expected_wait(c.queue_length, c.in_flight)
+    expected = c.slo.expected_wait(c.stats().queue_length, c.stats().in_flight)
     assert expected is not None
     assert expected == pytest.approx(3.75)  # (14 + 1) x 0.5 s / 2 > 2 x 1.8 s
     assert expected > SHED_FACTOR * 1.8
@@ -270,7 +270,7 @@ def test_slo_request_refused_when_the_queue_is_long() -> None:
     assert d.outcome is Outcome.REJECTED and d.reason is Reason.SLO, d
     assert d.status == 429
     assert d.retry_after == retry_after_seconds(expected)
-    assert c.queue_length == 14  # not queued
+    assert c.stats().queue_length == 14  # not queued
 
 
 def test_below_min_priority_never_slo_shed() -> None:
@@ -373,13 +373,13 @@ def stream_one_interval(
 
 def test_streamed_gaps_over_target_lower_the_limit_and_under_it_raise_it() -> None:
     c, clock = make(kv_capacity_tokens=None, max_concurrency=64, tpot_slo_seconds=0.05)
-    assert c.concurrency_limit == 64
+    assert c.stats().concurrency_limit == 64
     tickets = [admitted(c.submit(req(max_tokens=4096))) for _ in range(8)]
     for t in tickets:
         c.observe_tokens(t, 1)  # first tokens: no gap yet
     for _ in range(20):  # 80 ms between tokens, over the 50 ms target
         stream_one_interval(c, clock, tickets, 0.08)
-    low = c.concurrency_limit
+    low = c.stats().concurrency_limit
     assert low is not None and 8 < low < 64
     assert c.slo.gap_s == pytest.approx(0.08, rel=0.05)
     # Fast tokens (the smoothed gap falls below the target within ~20 intervals), but the limit
@@ -387,20 +387,20 @@ def test_streamed_gaps_over_target_lower_the_limit_and_under_it_raise_it() -> No
     for _ in range(30):
         stream_one_interval(c, clock, tickets, 0.01)
     assert c.slo.gap_s is not None and c.slo.gap_s < 0.85 * 0.05
-    low = c.concurrency_limit
+    low = c.stats().concurrency_limit
     assert low is not None and low > 8
     for _ in range(10):
         stream_one_interval(c, clock, tickets, 0.01)
-    assert c.concurrency_limit == low
+    assert c.stats().concurrency_limit == low
     # Fill up to the limit (refused beyond it): now it rises again.
-    while c.in_flight < low:
+    while c.stats().in_flight < low:
         tickets.append(admitted(c.submit(req(max_tokens=4096))))
     assert c.submit(req(max_tokens=4096, priority=-1)).limit == "concurrency"
     for _ in range(10):
         stream_one_interval(c, clock, tickets, 0.01)
-        while c.concurrency_limit is not None and c.in_flight < c.concurrency_limit:
+        while (lim := c.stats().concurrency_limit) is not None and c.stats().in_flight < lim:
             tickets.append(admitted(c.submit(req(max_tokens=4096))))
-    limit = c.concurrency_limit
+    limit = c.stats().concurrency_limit
     assert limit is not None and low < limit <= 64
 
 
@@ -411,7 +411,7 @@ def test_non_streamed_responses_do_not_move_the_limit() -> None:
         clock.advance(2.0)
         c.release(t, completion_tokens=20)
     assert c.slo.gap_s is None
-    assert c.concurrency_limit == 64
+    assert c.stats().concurrency_limit == 64
 
 
 def test_an_engine_report_stops_counting_after_its_ttl() -> None:

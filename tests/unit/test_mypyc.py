@@ -37,11 +37,11 @@ def test_the_list_names_pure_agent_modules_covering_the_decision() -> None:
                 imported.add(node.module.split(".")[0])
         assert not imported & FRAMEWORKS, (rel, imported & FRAMEWORKS)
     # every admission module that AdmissionController.submit/release runs through is compiled
-    # (waiting.py is the asyncio driver, __init__ re-exports)
+    # (async_admission.py is the asyncio driver, __init__ re-exports)
     admission = sorted(
         f"kvgate_agent/admission/{p.name}"
         for p in (compiled.AGENT / "admission").glob("*.py")
-        if p.name not in ("__init__.py", "waiting.py")
+        if p.name not in ("__init__.py", "async_admission.py")
     )
     assert [p for p in paths if p.startswith("kvgate_agent/admission/")] == admission
     assert compiled.module_names()[0] == paths[0].removesuffix(".py").replace("/", ".")

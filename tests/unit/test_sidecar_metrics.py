@@ -7,7 +7,7 @@ import re
 
 from prometheus_client import generate_latest
 
-from kvgate_agent.admission import AdmissionConfig, AdmissionController
+from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.metrics import UPSTREAM_ERROR_KINDS, SidecarMetrics
 from kvgate_bench.toolkit import FakeClock, parse_samples, sample_value
@@ -16,7 +16,9 @@ from tests.conftest import REPO, policy_doc
 
 def test_every_upstream_error_kind_is_exported_at_zero_from_the_start() -> None:
     spec = parse_policy(policy_doc({"tenants": {"defaultMaxTokens": 16}})).spec
-    m = SidecarMetrics(AdmissionController(AdmissionConfig.from_policy(spec), FakeClock(1000.0)))
+    m = SidecarMetrics(
+        AsyncAdmission(AdmissionController(AdmissionConfig.from_policy(spec), FakeClock(1000.0)))
+    )
     samples = parse_samples(generate_latest(m.registry).decode())
     for kind in UPSTREAM_ERROR_KINDS:
         assert sample_value(samples, "kvgate_upstream_errors_total", kind=kind) == 0.0

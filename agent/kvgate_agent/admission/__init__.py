@@ -1,15 +1,19 @@
 """kvgate's admission algorithms: pure, clock-injected, no HTTP.
 
-Public API: :class:`AdmissionController` (the decisions), :class:`AsyncAdmission` (awaiting a
-place in the queue), :class:`AdmissionConfig` (resolved thresholds), and the decision types.
+Public API: :class:`AsyncAdmission` (the one API the sidecar drives: every call that may let a
+waiter in wakes the queue itself), :class:`AdmissionController` (the pure decisions, driven
+directly on a virtual clock by the benchmark), :class:`AdmissionStats` (a read-only snapshot),
+:class:`AdmissionConfig` (resolved thresholds), and the decision types.
 Inside: :mod:`.bucket` (token buckets), :mod:`.limits` (what is counted and reserved),
-:mod:`.holds` (stops on all admission), :mod:`.retry` (Retry-After), :mod:`.controller`
-(composes them with the queue and the overload actions), :mod:`.waiting` (the asyncio side).
+:mod:`.holds` (stops on all admission), :mod:`.retry` (Retry-After), :mod:`.queue` (the wait
+queue), :mod:`.overload` (Degrade, Queue, Reject), :mod:`.controller` (composes them),
+:mod:`.async_admission` (the asyncio side).
 """
 
+from kvgate_agent.admission.async_admission import AsyncAdmission
 from kvgate_agent.admission.bucket import BucketMap, TokenBucket
 from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
-from kvgate_agent.admission.controller import AdmissionController
+from kvgate_agent.admission.controller import AdmissionController, AdmissionStats
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
     Decision,
@@ -21,12 +25,12 @@ from kvgate_agent.admission.decision import (
 from kvgate_agent.admission.holds import Hold
 from kvgate_agent.admission.limits import round_up
 from kvgate_agent.admission.retry import retry_after_seconds
-from kvgate_agent.admission.waiting import AsyncAdmission
 
 __all__ = [
     "AdmissionConfig",
     "AdmissionController",
     "AdmissionRequest",
+    "AdmissionStats",
     "AsyncAdmission",
     "BucketMap",
     "Decision",

@@ -1,19 +1,20 @@
 """The admission controller of one pod: admit each request now, queue it, degrade it or refuse it.
 
-It composes the limit bookkeeping (:mod:`.limits`), the holds (:mod:`.holds`) and the
-Retry-After computation (:mod:`.retry`) with the wait queue and the policy's overload actions
-(Degrade, Queue, Reject, in the policy's order). A request that can never fit is refused with 400
-at once, never told to retry (https://github.com/bucket4j/bucket4j/issues/220).
+It composes the limit bookkeeping (:mod:`.limits`), the holds (:mod:`.holds`), the wait queue
+(:mod:`.queue`) and the policy's overload actions (:mod:`.overload`: Degrade, Queue, Reject, in
+the policy's order, with Retry-After from :mod:`.retry`). A request that can never fit is
+refused with 400 at once, never told to retry (https://github.com/bucket4j/bucket4j/issues/220).
 
 Invariant: pure and clock-injected (no I/O, no asyncio); every public method runs to completion
 without yielding, so a check and its reservation are atomic on one event loop. The asyncio side
-is :mod:`kvgate_agent.admission.waiting`.
+is :mod:`kvgate_agent.admission.async_admission`.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvgate_agent.admission.bucket import BucketMap, SharedBucket
 from kvgate_agent.admission.config import AdmissionConfig
@@ -28,10 +29,11 @@ from kvgate_agent.admission.decision import (
 )
 from kvgate_agent.admission.holds import Hold, Holds
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S, Blocker, Limits
-from kvgate_agent.admission.overload import OverloadActions
-from kvgate_agent.admission.retry import DecodeSpeed, refusal
+from kvgate_agent.admission.overload import Enqueue, Resources, act, exceeds_capacity
+from kvgate_agent.admission.queue import WaitQueue
+from kvgate_agent.admission.retry import DecodeSpeed
 from kvgate_agent.admission.slo import SloState
-from kvgate_agent.contract.policy import OverloadAction, QueueOrder
+from kvgate_agent.contract.policy import OverloadAction
 
 Clock = Callable[[], float]
 
@@ -43,7 +45,36 @@ _QUEUE = OverloadAction.QUEUE.value
 _REJECT = OverloadAction.REJECT.value
 
 
-class AdmissionController(OverloadActions):
+@dataclass(frozen=True, slots=True)
+class AdmissionStats:
+    """A read-only snapshot of one pod's admission state, for metrics, sync reports and tests.
+
+    Each field's docstring is under it.
+    """
+
+    in_flight: int
+    """Admitted requests not yet released."""
+    queue_length: int
+    """Requests waiting now."""
+    kv_reserved_tokens: int
+    """KV tokens reserved by the requests in flight (block-rounded)."""
+    kv_capacity_tokens: int | None
+    """KV capacity enforced, tokens (None: not enforced)."""
+    kv_headroom_tokens: int
+    """KV tokens kept free for the growth of predicted reservations in flight."""
+    concurrency_limit: int | None
+    """The concurrency cap enforced now: the lowest of the policy's cap, the engine's own and
+    the adaptive limit (None: none)."""
+    engine_concurrency: int | None
+    """Requests the engine serves at once (llama.cpp's slots); None: unknown."""
+    seconds_per_token: float
+    """Observed decode time per output token, seconds (the drain estimate's speed)."""
+    inter_token_seconds: float | None
+    """Smoothed time between streamed output tokens (the adaptive limit's input), seconds;
+    None before the first gap."""
+
+
+class AdmissionController:
     """Admission state of one pod.
 
     Args:
@@ -66,12 +97,7 @@ class AdmissionController(OverloadActions):
         self._limits = Limits(config, self.started_at, max_tenants)
         self._holds = Holds()
         self._speed = DecodeSpeed()
-        self._queue: dict[int, Waiter] = {}
-        self._waiting_by_priority: dict[int, int] = {}
-        self._seq = 0
-        self._head_blocked_shared = False
-        self._resolved: list[Waiter] = []
-        self._aging_rate = _aging_rate(config)
+        self._queue = WaitQueue(self._limits)
         self._engine_slots: int | None = None
         self._slo = SloState(
             config.tpot_slo_seconds,
@@ -79,6 +105,7 @@ class AdmissionController(OverloadActions):
             config.max_concurrency,
             self.started_at,
         )
+        self._r = Resources(self._limits, self._queue, self._slo, self._speed)
         self._sync_limit()
 
     # ------------------------------------------------------------------ observation
@@ -88,36 +115,25 @@ class AdmissionController(OverloadActions):
         """The thresholds enforced now."""
         return self._limits.config
 
-    @property
-    def in_flight(self) -> int:
-        """Admitted requests not yet released."""
-        return self._limits.in_flight
+    def stats(self) -> AdmissionStats:
+        """The admission state now (see :class:`AdmissionStats`)."""
+        limits = self._limits
+        return AdmissionStats(
+            in_flight=limits.in_flight,
+            queue_length=len(self._queue),
+            kv_reserved_tokens=limits.kv_reserved_tokens,
+            kv_capacity_tokens=limits.config.kv_capacity_tokens,
+            kv_headroom_tokens=limits.headroom,
+            concurrency_limit=limits.concurrency_limit,
+            engine_concurrency=self._engine_slots,
+            seconds_per_token=self._speed.seconds_per_token,
+            inter_token_seconds=self._slo.gap_s,
+        )
 
     @property
-    def kv_reserved_tokens(self) -> int:
-        """KV tokens reserved by the requests in flight (block-rounded)."""
-        return self._limits.kv_reserved_tokens
-
-    @property
-    def seconds_per_token(self) -> float:
-        """Observed decode time per output token, seconds (the drain estimate's speed)."""
-        return self._speed.seconds_per_token
-
-    @property
-    def queue_length(self) -> int:
-        """Requests waiting now."""
-        return len(self._queue)
-
-    @property
-    def concurrency_limit(self) -> int | None:
-        """The concurrency cap enforced now: the lowest of the policy's cap, the engine's own
-        (:meth:`set_engine_concurrency`) and the adaptive limit (None = none)."""
-        return self._limits.concurrency_limit
-
-    @property
-    def engine_concurrency(self) -> int | None:
-        """Requests the engine serves at once (llama.cpp's slots); None: unknown."""
-        return self._engine_slots
+    def idle(self) -> bool:
+        """Nothing in flight and nobody waiting."""
+        return self._limits.in_flight == 0 and not self._queue
 
     def set_engine_concurrency(self, slots: int | None) -> None:
         """The engine serves at most ``slots`` requests at once (llama.cpp's ``total_slots``;
@@ -143,22 +159,12 @@ class AdmissionController(OverloadActions):
         adaptive limit, read only."""
         return self._slo
 
-    @property
-    def kv_headroom_tokens(self) -> int:
-        """KV tokens kept free for the growth of predicted reservations in flight."""
-        return self._limits.headroom
-
     def predicted_output_tokens(
         self, tenant: str, model: str | None, max_tokens: int
     ) -> int | None:
         """The length predictor's output tokens per choice for such a request (None: not enough
         samples yet)."""
         return self._limits.predictor.predict(tenant, model, max_tokens)
-
-    @property
-    def kv_capacity_tokens(self) -> int | None:
-        """KV capacity enforced, tokens (None: not enforced)."""
-        return self._limits.config.kv_capacity_tokens
 
     def bucket_levels(self) -> list[tuple[str, str, str, float, float]]:
         """(limit name, unit, key, level, capacity) for every bucket held in memory now.
@@ -184,10 +190,10 @@ class AdmissionController(OverloadActions):
         with fresh (full) buckets; removed limits are dropped, and tickets still holding their
         buckets release into them harmlessly. A new KV capacity or concurrency cap below what
         is already reserved admits nothing until enough is released. Waiters are re-examined
-        on the next :meth:`pump` (``AsyncAdmission.kick``); nothing is decided here.
+        on the next :meth:`pump` (``AsyncAdmission`` runs it at once); nothing is decided here.
         """
         self._limits.reconfigure(config, self.clock())
-        self._aging_rate = _aging_rate(config)
+        self._queue.retune(config)
         self._slo.retune(config.tpot_slo_seconds, config.ttft_slo_seconds, self._cap())
         self._sync_limit()
 
@@ -293,7 +299,9 @@ class AdmissionController(OverloadActions):
 
         1. A request that can never fit (cost above a bucket's full capacity, reservation above
            the KV capacity) has its max_tokens clamped if the policy has Degrade with
-           ``minMaxTokens`` low enough, else is refused with 400 (``param`` says what to change).
+           ``minMaxTokens`` low enough; else, when its prompt was estimated
+           (``req.prompt_tokens_min`` set and lower), it is decided on that lowest count; else
+           it is refused with 400 (``param`` says what to change).
         2. If it fits now and nobody waits ahead for the same shared resources, it is admitted
            and its reservations are taken in this call.
         3. Otherwise the overload actions are tried in order: Degrade (clamp max_tokens to what
@@ -303,7 +311,7 @@ class AdmissionController(OverloadActions):
         Returns a :class:`Decision`: admitted/degraded with a ticket, rejected with status and
         Retry-After, or queued with a waiter (await it through the asyncio driver, or call
         :meth:`pump` and read ``waiter.decision``). ``req.max_tokens`` must be ≥ 1; it is
-        lowered in place when clamped.
+        lowered in place when clamped, and ``req.prompt_tokens`` when the lowest count decides.
         """
         now = self.clock()
         limits = self._limits
@@ -320,7 +328,13 @@ class AdmissionController(OverloadActions):
             if max_fit is not None and req.max_tokens > max_fit:
                 floor = cfg.min_max_tokens
                 if not (_DEGRADE in cfg.actions and floor is not None and max_fit >= floor):
-                    return self._exceeds_capacity(req, max_fit)
+                    low = req.prompt_tokens_min
+                    if low is not None and low < req.prompt_tokens:
+                        # "Never fits" must not rest on a cautious estimate: decide on the
+                        # prompt's lowest count (the server's reported usage settles the charge).
+                        req.prompt_tokens, req.prompt_tokens_min = low, None
+                        return self.submit(req)
+                    return exceeds_capacity(limits, req, max_fit)
                 req.max_tokens = max_fit
                 clamped = True
                 kv = limits.kv_tokens(req.prompt_tokens, max_fit, req.n)
@@ -329,7 +343,8 @@ class AdmissionController(OverloadActions):
         found: list[BucketCharge] = []
         kv = limits.reservation(req, req.max_tokens)
         blocker = limits.blocker(req, req.max_tokens, now, found=found, kv=kv, cost=cost)
-        if blocker is None and not (self._queue and self._head_blocked_shared):
+        q = self._queue
+        if blocker is None and not (q and q.head_blocked_shared):
             ticket = limits.reserve(req, req.max_tokens, now, found=found, kv=kv)
             if clamped:
                 return Decision(
@@ -341,9 +356,25 @@ class AdmissionController(OverloadActions):
             return Decision(_ADMITTED, _OK, ticket, req.max_tokens)
         if blocker is not None and blocker.reason is Reason.CONCURRENCY:
             self._slo.reached()
-        return self._overload(req, blocker, cfg.actions, now, clamped, 0.0)
+        return self._act(req, blocker, cfg.actions, now, clamped, 0.0)
 
     # ------------------------------------------------------------------ queue
+
+    def _act(
+        self,
+        req: AdmissionRequest,
+        blocker: Blocker | None,
+        actions: tuple[str, ...],
+        now: float,
+        clamped: bool,
+        waited: float,
+    ) -> Decision:
+        """The overload actions' decision for ``req`` (:func:`.overload.act`), queueing it when
+        that is their answer."""
+        d = act(self._r, req, blocker, actions, now, clamped, waited)
+        if isinstance(d, Enqueue):
+            return self._enqueue(req, d.remaining, now, clamped, d.budget)
+        return d
 
     def _enqueue(
         self,
@@ -351,53 +382,24 @@ class AdmissionController(OverloadActions):
         remaining: tuple[str, ...],
         now: float,
         clamped: bool,
-        budget: float | None = None,
+        budget: float | None,
     ) -> Decision:
         """Queue ``req`` until the policy's maximum wait, or its SLO's wait ``budget`` (seconds)
         when that is shorter."""
-        self._seq += 1
         max_wait = self._limits.config.queue_max_wait_seconds
-        w = Waiter(
-            req,
-            self._seq,
-            now,
-            now + (max_wait if budget is None else min(max_wait, budget)),
-            self._limits.reservation(req, req.max_tokens),
-            remaining or (_REJECT,),
-            clamped,
-        )
-        self._queue[w.seq] = w
-        by = self._waiting_by_priority
-        by[req.priority] = by.get(req.priority, 0) + 1
+        deadline = now + (max_wait if budget is None else min(max_wait, budget))
+        w = self._queue.add(req, now, deadline, remaining or (_REJECT,), clamped)
         self.pump()
         if w.decision is not None:  # admitted at once: the caller gets it directly
-            self._resolved.remove(w)
+            self._queue.unresolve(w)
             if w.decision.outcome is Outcome.QUEUED:
                 w.decision.outcome = Outcome.ADMITTED  # it never waited
             return w.decision
         return Decision(Outcome.QUEUED, Reason.OK, waiter=w, max_tokens=req.max_tokens)
 
-    def _ordered(self, now: float) -> list[Waiter]:
-        waiters = list(self._queue.values())
-        order = self._limits.config.queue_order
-        if order is QueueOrder.PRIORITY:
-            waiters.sort(key=lambda w: (-w.request.priority, w.seq))
-        elif order is QueueOrder.SHORTEST_FIRST:
-            rate = self._aging_rate
-            waiters.sort(key=lambda w: (w.kv_tokens - (now - w.enqueued_at) * rate, w.seq))
-        return waiters
-
-    def _head_blocker(self, now: float) -> Blocker | None:
-        for w in self._ordered(now):
-            b = self._limits.blocker(w.request, w.request.max_tokens, now)
-            if b is not None and not b.tenant_scoped:
-                return b
-        return None
-
     def take_resolved(self) -> list[Waiter]:
         """Waiters that left the queue (``decision`` set) since the last call, in order."""
-        done, self._resolved = self._resolved, []
-        return done
+        return self._queue.take_resolved()
 
     def pump(self) -> None:
         """Move waiters out of the queue: expire those past their deadline (their remaining
@@ -405,113 +407,55 @@ class AdmissionController(OverloadActions):
         ``decision`` got set are collected for :meth:`take_resolved`. A waiter blocked by a
         shared resource (the concurrency cap, KV, a pod-wide bucket) stops the scan so later
         ones cannot overtake it; one blocked only by its own tenant's bucket is skipped."""
-        if not self._queue:
-            self._head_blocked_shared = False
+        q = self._queue
+        if not q:
+            q.head_blocked_shared = False
             return
         now = self.clock()
         self._tick(now)
         held = self._holds.active(now) if self._holds else None
         self._expire(now, held)
-        self._head_blocked_shared = False
+        q.head_blocked_shared = False
         if held is None:
-            self._admit_waiting(now)
+            q.admit_fitting(now)
 
     def _expire(self, now: float, held: Hold | None) -> None:
         """Decide on every waiter past its deadline: refused with ``held``'s 503 while a hold
         is active (no admission of any kind, not even degraded), else by its remaining overload
         actions (Degrade first, if the policy has it: having waited its turn, it may)."""
+        q = self._queue
         actions_cfg = self._limits.config.actions
-        for w in [w for w in self._queue.values() if now >= w.deadline]:
-            self._dequeue(w)
+        for w in q.expired(now):
+            q.remove(w)
             waited = now - w.enqueued_at
             if held is not None:
                 d = held.refusal(now, w.request.max_tokens)
                 d.message = f"timed out after {waited:.1f}s in the admission queue: {d.message}"
                 d.queue_seconds = waited
-                w.decision = d
-                self._resolved.append(w)
+                q.resolve(w, d)
                 continue
             blocker = self._limits.blocker(w.request, w.request.max_tokens, now)
             actions = w.remaining_actions
             if _DEGRADE in actions_cfg and _DEGRADE not in actions:
                 actions = (_DEGRADE, *actions)
-            w.decision = self._overload(
-                w.request, blocker, actions, now, w.clamped, max(waited, 1e-9)
-            )
-            self._resolved.append(w)
-
-    def _admit_waiting(self, now: float) -> None:
-        """Admit the waiters that fit now, in queue order, until one blocked by a shared
-        resource (see :meth:`pump`)."""
-        limits = self._limits
-        waiters = iter(self._ordered(now))
-        for w in waiters:
-            b = limits.blocker(w.request, w.request.max_tokens, now)
-            if b is None:
-                self._dequeue(w)
-                ticket = limits.reserve(w.request, w.request.max_tokens, now)
-                outcome = Outcome.DEGRADED if w.clamped else Outcome.QUEUED
-                reason = Reason.MAX_TOKENS_CLAMPED if w.clamped else Reason.OK
-                w.decision = Decision(
-                    outcome,
-                    reason,
-                    ticket=ticket,
-                    max_tokens=w.request.max_tokens,
-                    queue_seconds=now - w.enqueued_at,
-                )
-                self._resolved.append(w)
-                continue
-            w.retry_at = (
-                None if b.bucket is None else now + max(1e-3, b.bucket.seconds_until(b.amount, now))
-            )
-            if not b.tenant_scoped:
-                self._head_blocked_shared = True
-                # Those behind it cannot go first, whatever their own bucket says: a release
-                # pumps again. A refill time left from an earlier pass would be in the past and
-                # make next_wake() ask for a pump at once, again and again.
-                for behind in waiters:
-                    behind.retry_at = None
-                break
+            q.resolve(w, self._act(w.request, blocker, actions, now, w.clamped, max(waited, 1e-9)))
 
     def reject_waiting(self, reason: Reason, status: int, retry_after: float, message: str) -> None:
         """Refuse everybody still waiting (e.g. shutting down): each waiter's decision becomes
         a rejection with ``status`` and ``retry_after`` seconds, collected for
         :meth:`take_resolved`."""
-        now = self.clock()
-        for w in list(self._queue.values()):
-            self._dequeue(w)
-            d = refusal(reason, "queue", status, retry_after, w.request.max_tokens, message)
-            d.queue_seconds = now - w.enqueued_at
-            w.decision = d
-            self._resolved.append(w)
-        self._head_blocked_shared = False
+        self._queue.reject_all(self.clock(), reason, status, retry_after, message)
 
     def cancel(self, waiter: Waiter) -> None:
         """Remove a waiter whose client went away. If it had already been admitted, the caller
         must :meth:`release` its ticket (this method does not, to keep ownership clear)."""
-        if self._queue.get(waiter.seq) is waiter:
-            self._dequeue(waiter)
-            if not self._queue:
-                self._head_blocked_shared = False
-
-    def _dequeue(self, w: Waiter) -> None:
-        del self._queue[w.seq]
-        by = self._waiting_by_priority
-        p = w.request.priority
-        left = by[p] - 1
-        if left:
-            by[p] = left
-        else:
-            del by[p]
+        self._queue.cancel(waiter)
 
     def next_wake(self) -> float | None:
         """Clock time at which :meth:`pump` should next run even if nothing is released: the
         earliest queue deadline or bucket refill a waiter needs, or the end of a hold that ends
         by itself (it lets waiters in); None when nobody waits."""
-        t: float | None = None
-        for w in self._queue.values():
-            c = w.deadline if w.retry_at is None else min(w.deadline, w.retry_at)
-            t = c if t is None else min(t, c)
+        t = self._queue.next_wake()
         if t is not None:
             end = self._holds.next_end()
             if end is not None:
@@ -590,10 +534,3 @@ class AdmissionController(OverloadActions):
         for :data:`~kvgate_agent.admission.limits.ENGINE_KV_TTL_S` seconds from now."""
         self._limits.engine_kv_used = used_tokens
         self._limits.engine_kv_until = self.clock() + ENGINE_KV_TTL_S
-
-
-def _aging_rate(config: AdmissionConfig) -> float:
-    """ShortestFirst aging, KV tokens per second: after half the maximum wait, a waiting
-    request outranks any new one."""
-    ref = config.max_model_len or config.kv_capacity_tokens or 8192
-    return ref / max(1e-3, config.queue_max_wait_seconds / 2)

@@ -79,6 +79,9 @@ class AdmissionRequest:
             fallback model (False for APIs without a ``model`` field, e.g. TGI's ``/generate``).
         degraded: the request was already degraded by another pod's sidecar (it carries
             ``x-kvgate-degraded``), so it is never sent on to a fallback pool again.
+        prompt_tokens_min: the lowest the prompt's count can be, tokens, when ``prompt_tokens``
+            is a cautious estimate (None: exact): a request that would never fit at the
+            estimate is decided on this count instead, never refused on a guess.
     """
 
     tenant: str
@@ -90,6 +93,7 @@ class AdmissionRequest:
     predicted_output_tokens: int | None = None
     model_rewritable: bool = True
     degraded: bool = False
+    prompt_tokens_min: int | None = None
 
 
 @dataclass(slots=True, eq=False)

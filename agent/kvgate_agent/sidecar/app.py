@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -27,7 +27,6 @@ from kvgate_agent.admission import (
     AdmissionController,
     AdmissionRequest,
     AsyncAdmission,
-    Decision,
     Reason,
 )
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy, RateLimitPolicySpec
@@ -143,16 +142,16 @@ class Sidecar:
             )
         self.settings = settings
         self._policy_spec = NO_LIMITS if settings.policy is None else settings.policy.spec
-        self.controller = AdmissionController(AdmissionConfig.from_policy(self._policy_spec), clock)
-        self.admission = AsyncAdmission(self.controller)
-        self.metrics = SidecarMetrics(self.controller, settings.tenant_label_limit)
+        self.admission = AsyncAdmission(
+            AdmissionController(AdmissionConfig.from_policy(self._policy_spec), clock)
+        )
+        self.metrics = SidecarMetrics(self.admission, settings.tenant_label_limit)
         self.upstream = settings.upstream.rstrip("/")
         #: Agent mode only: the node agent's thresholds and the link syncing with it.
         self.thresholds: AgentThresholds | None = None
         self.agent_link: AgentLink | None = None
         self.engine = EngineProbe(
             self.upstream,
-            self.controller,
             self.admission,
             lambda: self.spec,
             self.metrics.upstream_ok,
@@ -161,9 +160,7 @@ class Sidecar:
             self.metrics.engine_unknown,
         )
         if settings.agent is not None:
-            t = AgentThresholds(
-                settings.agent, clock, self.controller, self.admission, self.metrics, self.engine
-            )
+            t = AgentThresholds(settings.agent, clock, self.admission, self.metrics, self.engine)
             self.thresholds = t
             self.agent_link = AgentLink(settings.agent, t.link, self.sync_report, self._on_sync)
             self.metrics.attach_link(t.link, self.current_mode, lambda: t.policy_ref)
@@ -189,10 +186,8 @@ class Sidecar:
         #: The leases of shared limits (None without a store: shared limits are per pod).
         self.store: SharedStore | None = None
         if settings.store is not None:
-            self.store = SharedStore(
-                settings.store, self.controller, self.admission, self._policy_name, clock
-            )
-        register_metrics(self.metrics.registry, self.controller, self.store)
+            self.store = SharedStore(settings.store, self.admission, self._policy_name, clock)
+        register_metrics(self.metrics.registry, self.admission, self.store)
 
     # ------------------------------------------------------------------ state
 
@@ -535,8 +530,15 @@ class Sidecar:
             parsed.model,
             model_rewritable=parsed.model_field,
             degraded=already_degraded(request.headers),
+            # "Never fits" must not rest on a cautious estimate: admission decides on the
+            # optimistic count then (the server's reported usage settles the charge).
+            prompt_tokens_min=(
+                None
+                if prompt.exact
+                else optimistic_prompt_tokens(prompt, self.counter.bytes_per_token)
+            ),
         )
-        d = await self._admit(areq, prompt)
+        d = await self.admission.admit(areq)
         m = self.metrics
         label = m.tenant_label(tenant)
         if d.queue_seconds > 0:
@@ -579,17 +581,6 @@ class Sidecar:
         prompt = self.counter.count(count_body)
         if self.engine_tokens is not None:
             est = AdmissionRequest(tenant, prompt.tokens, parsed.max_tokens, priority, parsed.n)
-            if not (self.draining or self.controller.refused_whatever_the_prompt(est)):
+            if not (self.draining or self.admission.refused_whatever_the_prompt(est)):
                 prompt = await self.engine_tokens.count(count_body, prompt)
         return prompt
-
-    async def _admit(self, areq: AdmissionRequest, prompt: PromptCount) -> Decision:
-        """Admit ``areq``. "Never fits" must not rest on a cautious guess: an estimated prompt
-        refused as exceeding the capacity is retried with an optimistic count (the server's
-        reported usage corrects the charge afterwards)."""
-        d = await self.admission.admit(areq)
-        if d.reason is Reason.EXCEEDS_CAPACITY and not prompt.exact:
-            optimistic = optimistic_prompt_tokens(prompt, self.counter.bytes_per_token)
-            if optimistic < areq.prompt_tokens:
-                d = await self.admission.admit(replace(areq, prompt_tokens=optimistic))
-        return d

@@ -377,7 +377,7 @@ async def run_sidecar(
         idle.cancel()
         log.warning(
             "stopping with %d requests in flight (drain deadline or second signal)",
-            sidecar.controller.in_flight,
+            sidecar.admission.stats().in_flight,
         )
         await sidecar.forwarder.end_all(grace=1.0)  # streams end with an error event
     await runner.cleanup()  # cancels what is still running: their reservations are released

@@ -19,7 +19,7 @@ import logging
 
 import aiohttp
 
-from kvgate_agent.admission import AdmissionController, AsyncAdmission
+from kvgate_agent.admission import AsyncAdmission
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
 from kvgate_agent.engines.metrics import EngineSample, parse_engine_metrics
 
@@ -31,31 +31,27 @@ USAGE_TIMEOUT = aiohttp.ClientTimeout(total=ENGINE_KV_TTL_S)
 
 class EngineUsagePoll:
     """Every ``interval`` seconds (after the previous read ends), ``GET upstream/metrics`` and
-    hand ``kv_used_tokens`` and ``waiting``
+    hand ``kv_used_tokens``, ``waiting`` and ``running``
     (:func:`~kvgate_agent.engines.metrics.parse_engine_metrics`) to
-    ``controller.observe_engine_kv`` and ``controller.observe_engine_waiting``; None when the
-    engine does not report one or the read fails. A failed read is logged at debug once per
-    outage, and its recovery once.
+    ``AsyncAdmission.observe_engine_usage``, which reconsiders waiting requests at once (the
+    engine may have freed KV); None when the engine does not report one or the read fails. A
+    failed read is logged at debug once per outage, and its recovery once.
 
     Args:
         upstream: model server base URL, e.g. ``http://127.0.0.1:8000``.
-        controller: the admission state fed.
-        admission: kicked after each figure, so a waiting request is reconsidered at once when
-            the engine frees KV.
+        admission: the admission state fed.
         interval: seconds between reads (> 0).
     """
 
     def __init__(
         self,
         upstream: str,
-        controller: AdmissionController,
         admission: AsyncAdmission,
         interval: float,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"the usage poll interval must be > 0 seconds, not {interval}")
         self.upstream = upstream
-        self.controller = controller
         self.admission = admission
         self.interval = interval
         self.failing = False
@@ -94,14 +90,12 @@ class EngineUsagePoll:
         return parse_engine_metrics(text)
 
     async def _run(self, session: aiohttp.ClientSession) -> None:
-        c = self.controller
+        a = self.admission
         while True:
-            if c.kv_capacity_tokens is not None or c.config.ttft_slo_seconds is not None:
+            if a.config.kv_capacity_tokens is not None or a.config.ttft_slo_seconds is not None:
                 sample = await self.read(session)
-                c.observe_engine_kv(None if sample is None else sample.kv_used_tokens)
                 if sample is None:
-                    c.observe_engine_waiting(None)
+                    a.observe_engine_usage(None, None, None)
                 else:
-                    c.observe_engine_waiting(sample.waiting, sample.running)
-                self.admission.kick()
+                    a.observe_engine_usage(sample.kv_used_tokens, sample.waiting, sample.running)
             await asyncio.sleep(self.interval)

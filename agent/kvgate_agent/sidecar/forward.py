@@ -328,7 +328,7 @@ class Forwarder:
         ex.out = out = web.StreamResponse(status=resp.status, headers=out_headers)
         await _to_client(out.prepare(request))
         first = True
-        observe = self.admission.core.observe_tokens
+        observe = self.admission.observe_tokens
         ticket = ex.ticket
         told = 0  # output tokens last reported to the controller
         write = out.write

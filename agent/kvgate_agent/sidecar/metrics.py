@@ -1,7 +1,7 @@
 """The sidecar's Prometheus metrics, on a registry of its own (no global state).
 
 Gauges that mirror admission state (in-flight, KV reserved, queue length, bucket levels) are read
-from the controller at scrape time by a custom collector, so the hot path never updates them and
+from admission at scrape time by a custom collector, so the hot path never updates them and
 they can never drift from the truth.
 """
 
@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvgate_agent.admission import AdmissionController
+from kvgate_agent.admission import AdmissionStats, AsyncAdmission
 from kvgate_agent.contract.nodeadmission import PolicyRef
 from kvgate_agent.sidecar.agent_link import Mode, SyncResult, ThresholdsLink
 from kvgate_agent.sidecar.tenants import TenantLabels
@@ -56,15 +56,14 @@ class Flag:
 
 
 class _AdmissionCollector(Collector):
-    def __init__(
-        self, controller: AdmissionController, labels: TenantLabels, upstream_ok: Flag
-    ) -> None:
-        self.controller = controller
+    def __init__(self, admission: AsyncAdmission, labels: TenantLabels, upstream_ok: Flag) -> None:
+        self.admission = admission
         self.labels = labels
         self.upstream_ok = upstream_ok
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        c = self.controller
+        c = self.admission.stats()
+        core = self.admission.core
         yield GaugeMetricFamily(
             "kvgate_in_flight_requests", "Admitted requests not yet finished", value=c.in_flight
         )
@@ -77,7 +76,7 @@ class _AdmissionCollector(Collector):
             value=c.kv_reserved_tokens,
         )
         cap = c.kv_capacity_tokens
-        bpt = c.config.bytes_per_token
+        bpt = core.config.bytes_per_token
         if cap is not None:
             yield GaugeMetricFamily(
                 "kvgate_kv_capacity_tokens", "KV capacity admission enforces, tokens", value=cap
@@ -105,7 +104,7 @@ class _AdmissionCollector(Collector):
             "Effective capacity of a rate-limit bucket",
             labels=["limit", "unit", "tenant"],
         )
-        for name, unit, key, lvl, cp in c.bucket_levels():
+        for name, unit, key, lvl, cp in core.bucket_levels():
             tenant = "" if key == "" else self.labels(key)
             if tenant == TenantLabels.OTHER:
                 continue
@@ -114,7 +113,7 @@ class _AdmissionCollector(Collector):
         yield level
         yield capacity
         yield GaugeMetricFamily(
-            "kvgate_tenants_tracked", "Tenant buckets held in memory", value=c.tenants_tracked()
+            "kvgate_tenants_tracked", "Tenant buckets held in memory", value=core.tenants_tracked()
         )
         yield GaugeMetricFamily(
             "kvgate_seconds_per_output_token",
@@ -128,7 +127,7 @@ class _AdmissionCollector(Collector):
         )
 
     @staticmethod
-    def _limits(c: AdmissionController) -> Iterator[GaugeMetricFamily]:
+    def _limits(c: AdmissionStats) -> Iterator[GaugeMetricFamily]:
         """The concurrency limit enforced now, the adaptive limit's input, the KV headroom."""
         cap = c.kv_capacity_tokens
         if c.concurrency_limit is not None:
@@ -138,12 +137,11 @@ class _AdmissionCollector(Collector):
                 "and the adaptive limit of slo.tpotSeconds), requests",
                 value=c.concurrency_limit,
             )
-        slo = c.slo
-        if slo.gap_s is not None:
+        if c.inter_token_seconds is not None:
             yield GaugeMetricFamily(
                 "kvgate_inter_token_seconds",
                 "Smoothed time between streamed output tokens (the adaptive limit's input), s",
-                value=slo.gap_s,
+                value=c.inter_token_seconds,
             )
         if cap is not None:
             yield GaugeMetricFamily(
@@ -235,7 +233,7 @@ class SidecarMetrics:
         agent_sync: ``kvgate_agent_sync_total{result}``, once :meth:`attach_link` was called.
     """
 
-    def __init__(self, controller: AdmissionController, tenant_label_limit: int = 50) -> None:
+    def __init__(self, admission: AsyncAdmission, tenant_label_limit: int = 50) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.tenant_label = TenantLabels(tenant_label_limit)
         self.upstream_ok = Flag(True)
@@ -284,7 +282,7 @@ class SidecarMetrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
-        r.register(_AdmissionCollector(controller, self.tenant_label, self.upstream_ok))
+        r.register(_AdmissionCollector(admission, self.tenant_label, self.upstream_ok))
         r.register(
             _FlagCollector(
                 "kvgate_policy_mismatch",

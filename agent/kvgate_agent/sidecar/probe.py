@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvgate_agent.admission import AdmissionController, AsyncAdmission, Reason
+from kvgate_agent.admission import AsyncAdmission, Reason
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED
 from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
@@ -34,7 +34,7 @@ log = logging.getLogger("kvgate.sidecar")
 #: Bound on the sidecar's own reads of the model server (metrics, model list): a hung engine
 #: endpoint must not stall the capacity check for the request timeout (minutes).
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
-#: Hold key on the admission controller while the KV capacity is unknown under FailClosed.
+#: Hold key on admission while the KV capacity is unknown under FailClosed.
 HOLD_ENGINE_CAPACITY = "engine_capacity"
 #: How long a ``/health`` answer is reused, seconds.
 HEALTH_CACHE_SECONDS = 1.0
@@ -71,7 +71,6 @@ class EngineProbe:
     def __init__(
         self,
         upstream: str,
-        controller: AdmissionController,
         admission: AsyncAdmission,
         spec: Callable[[], RateLimitPolicySpec],
         upstream_ok: Flag,
@@ -80,7 +79,6 @@ class EngineProbe:
         unknown_engine: Flag | None = None,
     ) -> None:
         self.upstream = upstream
-        self.controller = controller
         self.admission = admission
         self.spec = spec
         self.upstream_ok = upstream_ok
@@ -97,9 +95,7 @@ class EngineProbe:
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self.usage = (
-            EngineUsagePoll(upstream, controller, admission, usage_seconds)
-            if usage_seconds > 0
-            else None
+            EngineUsagePoll(upstream, admission, usage_seconds) if usage_seconds > 0 else None
         )
 
     async def start(self, session: aiohttp.ClientSession, *, poll: bool) -> None:
@@ -131,7 +127,7 @@ class EngineProbe:
         now rather than in a poll interval."""
         self.capacity_known = known
         if known:
-            self.controller.lift(HOLD_ENGINE_CAPACITY)
+            self.admission.lift(HOLD_ENGINE_CAPACITY)
         elif self._wake is not None:
             self._wake.set()
 
@@ -148,22 +144,21 @@ class EngineProbe:
             # figure below that (or absurdly large) is a broken report: never enforce it.
             log.warning("ignoring the engine's implausible KV capacity of %d tokens", tokens)
             tokens = None
-        c = self.controller
+        a = self.admission
         if tokens is not None:
-            if tokens != c.config.kv_capacity_tokens:
+            if tokens != a.config.kv_capacity_tokens:
                 log.info("KV capacity from engine metrics: %d tokens", tokens)
             self.kv_tokens = tokens
-            c.set_kv_capacity(tokens)
-            c.lift(HOLD_ENGINE_CAPACITY)
+            a.set_kv_capacity(tokens)
+            a.lift(HOLD_ENGINE_CAPACITY)
             self.capacity_known = True
-            self.admission.kick()
         elif not self.capacity_known and spec.failure_mode is FailureMode.FAIL_CLOSED:
             # The next attempt is in a second (see _poll): say so, honestly.
-            c.hold(
+            a.hold(
                 Reason.FAIL_CLOSED,
                 key=HOLD_ENGINE_CAPACITY,
                 retry_after=1.0,
-                until=c.clock() + 1.0,
+                until=a.clock() + 1.0,
                 message="the model server's KV capacity is not known yet and failureMode is "
                 "FailClosed",
             )
@@ -214,10 +209,9 @@ class EngineProbe:
     def _engine_slots(self, layout: SlotLayout) -> None:
         """llama-server serves ``layout.slots`` requests at once and queues the rest itself
         (``llamacpp:requests_deferred``): admission never lets more than that in."""
-        if layout.slots != self.controller.engine_concurrency:
+        if layout.slots != self.admission.stats().engine_concurrency:
             log.info("the engine serves %d requests at once: the concurrency ceiling", layout.slots)
-            self.controller.set_engine_concurrency(layout.slots)
-            self.admission.kick()
+            self.admission.set_engine_concurrency(layout.slots)
 
     async def _slot_layout(self, *, quiet: bool = False) -> SlotLayout | str:
         """llama-server's slot layout, or why there is none (a short reason; "unreadable" when

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvgate_agent.admission import AdmissionController, AsyncAdmission, Reason
+from kvgate_agent.admission import AsyncAdmission, Reason
 from kvgate_agent.admission.bucket import WARMUP_START_FRACTION
 from kvgate_agent.admission.lease import (
     LEASE_SECONDS,
@@ -149,8 +149,7 @@ class SharedStore:
 
     Args:
         settings: the store.
-        controller: the admission core whose shared limits are leased.
-        admission: its async front (kicked when a FailClosed hold lifts).
+        admission: the admission whose shared limits are leased (its core holds the slices).
         policy: returns the governing policy's ``namespace/name`` (the keys' hash tag).
         clock: monotonic seconds (the book's; the store's own clock decides refills).
     """
@@ -158,16 +157,15 @@ class SharedStore:
     def __init__(
         self,
         settings: StoreSettings,
-        controller: AdmissionController,
         admission: AsyncAdmission,
         policy: Callable[[], str],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
-        self.controller = controller
         self.admission = admission
         self._policy = policy
         self.clock = clock
+        controller = admission.core
         controller.attach_store()
         self.book = LeaseBook(
             controller.shared_maps,
@@ -244,7 +242,7 @@ class SharedStore:
                 log.info("store %s reachable: shared limits leased", self._host())
             self.book.done(ops, grants, peers, self.clock())
             if any(g.granted > 0 for g in grants):
-                self.admission.kick()  # waiters for a slice: look again
+                self.admission.slices_granted()  # waiters for a slice: look again
         self._apply_state()
 
     def _apply_state(self) -> None:
@@ -253,7 +251,7 @@ class SharedStore:
             if not self._held:
                 # waiters would otherwise sit out their queue deadline behind the hold
                 self.admission.reject_waiting(Reason.FAIL_CLOSED, 503, 1.0, message)
-            self.controller.hold(
+            self.admission.hold(
                 Reason.FAIL_CLOSED,
                 retry_after=max(1.0, RETRY_SECONDS),
                 message=message,
@@ -262,8 +260,7 @@ class SharedStore:
             self._held = True
             return
         self._held = False
-        if self.controller.lift(HOLD_KEY):
-            self.admission.kick()
+        self.admission.lift(HOLD_KEY)
 
     async def _call(self, ops: list[SliceOp], leaving: bool = False) -> tuple[int, list[Grant]]:
         assert self.client is not None and self._script is not None
@@ -295,15 +292,15 @@ class StoreCollector(Collector):
     units) and ``kvgate_shared_limits_local`` (shared limits enforced per pod for want of a
     store)."""
 
-    def __init__(self, controller: AdmissionController, store: SharedStore | None) -> None:
-        self.controller = controller
+    def __init__(self, admission: AsyncAdmission, store: SharedStore | None) -> None:
+        self.admission = admission
         self.store = store
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         local = (
             0
             if self.store is not None
-            else sum(1 for t in self.controller.config.limits if t.shared)
+            else sum(1 for t in self.admission.config.limits if t.shared)
         )
         yield GaugeMetricFamily(
             "kvgate_shared_limits_local",
@@ -338,7 +335,7 @@ class StoreCollector(Collector):
 
 
 def register_metrics(
-    registry: CollectorRegistry, controller: AdmissionController, store: SharedStore | None
+    registry: CollectorRegistry, admission: AsyncAdmission, store: SharedStore | None
 ) -> None:
     """Add the store's metrics to the sidecar's ``registry``."""
-    registry.register(StoreCollector(controller, store))
+    registry.register(StoreCollector(admission, store))

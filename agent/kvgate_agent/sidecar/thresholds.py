@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission, Reason
+from kvgate_agent.admission import AdmissionConfig, AsyncAdmission, Reason
 from kvgate_agent.contract.nodeadmission import PodThresholds, PolicyRef
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED, SafetyNet, SyncAnswer, SyncReport
@@ -23,7 +23,7 @@ log = logging.getLogger("kvgate.sidecar")
 #: What an agent-mode sidecar enforces without thresholds (before the first answer, unmanaged
 #: pods, FailOpen without any thresholds): no rate limits, no caps; everything is admitted.
 NO_LIMITS = RateLimitPolicySpec()
-#: Hold keys on the admission controller (see ``AdmissionController.hold``).
+#: Hold keys on admission (see ``AsyncAdmission.hold``).
 HOLD_THRESHOLDS = "thresholds"
 HOLD_GPU_MEMORY = "gpu_memory"
 
@@ -43,13 +43,11 @@ class AgentThresholds:
         self,
         settings: AgentSettings,
         clock: Callable[[], float],
-        controller: AdmissionController,
         admission: AsyncAdmission,
         metrics: SidecarMetrics,
         probe: EngineProbe,
     ) -> None:
         self.settings = settings
-        self.controller = controller
         self.admission = admission
         self.metrics = metrics
         self.probe = probe
@@ -90,11 +88,11 @@ class AgentThresholds:
             self.apply(None)
         else:
             self.apply(link.thresholds, local_caps_only=mode is Mode.FAIL_OPEN)
-        c = self.controller
+        a = self.admission
         if mode is Mode.FAIL_CLOSED or (
             mode is Mode.WAITING and link.failure_mode is FailureMode.FAIL_CLOSED
         ):
-            c.hold(
+            a.hold(
                 Reason.FAIL_CLOSED,
                 key=HOLD_THRESHOLDS,
                 retry_after=link.sync_interval_seconds,
@@ -102,9 +100,8 @@ class AgentThresholds:
                 "is FailClosed",
             )
         else:
-            c.lift(HOLD_THRESHOLDS)
+            a.lift(HOLD_THRESHOLDS)
         self._apply_safety_net(mode)
-        self.admission.kick()
         return mode
 
     def _log_change(self, mode: Mode) -> None:
@@ -125,14 +122,14 @@ class AgentThresholds:
             detail = net.reason or "GPU free memory below the safety margin"
             if net.gpu_uuid is not None:
                 detail += f" on {net.gpu_uuid}"
-            self.controller.hold(
+            self.admission.hold(
                 Reason.GPU_MEMORY_LOW,
                 key=HOLD_GPU_MEMORY,
                 retry_after=net.retry_after_seconds,
                 message=f"admission paused to protect GPU memory: {detail}",
             )
         else:
-            self.controller.lift(HOLD_GPU_MEMORY)
+            self.admission.lift(HOLD_GPU_MEMORY)
 
     def apply(self, thresholds: PodThresholds | None, *, local_caps_only: bool = False) -> None:
         """Enforce ``thresholds`` from now on without dropping in-flight work (see
@@ -159,9 +156,8 @@ class AgentThresholds:
             if spec.capacity.from_engine_metrics and self.probe.kv_tokens is not None:
                 kv = self.probe.kv_tokens
         self.spec = spec
-        self.controller.reconfigure(AdmissionConfig.from_policy(spec, kv_capacity_tokens=kv))
+        self.admission.reconfigure(AdmissionConfig.from_policy(spec, kv_capacity_tokens=kv))
         self.probe.set_capacity_known(not spec.capacity.from_engine_metrics or kv is not None)
-        self.admission.kick()
 
     def on_sync(self, result: SyncResult, answer: SyncAnswer | None) -> None:
         """After every sync: count it; on a new answer, take its safety net and policy."""
@@ -192,7 +188,7 @@ class AgentThresholds:
     def sync_report(self) -> SyncReport:
         """What this sidecar tells the node agent now (tokens; decisions cumulative)."""
         a = self.settings
-        c = self.controller
+        c = self.admission.stats()
         cap = c.kv_capacity_tokens
         answer = self.link.answer
         return SyncReport(

@@ -382,7 +382,7 @@ class KvgateMaxTokensArm(Arm):
             req = self._waiting.pop(w.seq)
             if w.decision is not None:
                 self._apply(req, w.decision, now)
-        self.max_kv_reserved = max(self.max_kv_reserved, ctl.kv_reserved_tokens)
+        self.max_kv_reserved = max(self.max_kv_reserved, ctl.stats().kv_reserved_tokens)
 
     def on_arrival(self, req: Request, now: float) -> None:
         self.clock.now = now
