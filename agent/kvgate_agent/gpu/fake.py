@@ -125,9 +125,6 @@ class FakeGpuBackend:
         """init() fails ``times`` times, then succeeds."""
         self.fail("init", None, error, times=times)
 
-    def clear_faults(self) -> None:
-        self._faults.clear()
-
     def hang(self, method: str, uuid: str | None) -> threading.Event:
         """Make ``method`` on ``uuid`` block until the returned event is set (then it
         answers normally). Tests must set it (or call :meth:`release_all`) before exiting:
