@@ -14,10 +14,11 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from kvgate_agent.contract.policy import RateLimitPolicySpec, _Model
+from kvgate_agent.contract.base import ContractModel
+from kvgate_agent.contract.policy import RateLimitPolicySpec
 
 
-class PolicyRef(_Model):
+class PolicyRef(ContractModel):
     """The RateLimitPolicy a pod's thresholds come from, at the generation they were computed
     from (so a sidecar can tell whether it runs the newest policy)."""
 
@@ -54,7 +55,7 @@ class PodThresholds(RateLimitPolicySpec):
         return self
 
 
-class PodAdmission(_Model):
+class PodAdmission(ContractModel):
     """One pod on the node and its thresholds."""
 
     namespace: str
@@ -64,14 +65,14 @@ class PodAdmission(_Model):
     thresholds: PodThresholds
 
 
-class NodeAdmissionSpec(_Model):
+class NodeAdmissionSpec(ContractModel):
     """Written by the operator. ``pods`` is sorted by (namespace, name)."""
 
     node_name: str
     pods: list[PodAdmission] = Field(default_factory=list)
 
 
-class GpuStatus(_Model):
+class GpuStatus(ContractModel):
     """One GPU or MIG slice as NVML reports it (bytes). Memory values are unset when the device
     cannot be read (``healthy`` False): unknown is never reported as 0."""
 
@@ -89,7 +90,7 @@ class GpuStatus(_Model):
     reason: str | None = None
 
 
-class PodUsage(_Model):
+class PodUsage(ContractModel):
     """What one pod's sidecar and engine report (tokens).
 
     ``gpuUuids`` are the GPUs the agent attributes to the pod (see ``gpuSource``);
@@ -110,7 +111,7 @@ class PodUsage(_Model):
     safety_net_open: bool = True
 
 
-class Condition(_Model):
+class Condition(ContractModel):
     """A Kubernetes-style condition."""
 
     type: str
@@ -120,7 +121,7 @@ class Condition(_Model):
     last_transition_time: str | None = None
 
 
-class NodeAdmissionStatus(_Model):
+class NodeAdmissionStatus(ContractModel):
     """Written by the node agent."""
 
     gpus: list[GpuStatus] = Field(default_factory=list)

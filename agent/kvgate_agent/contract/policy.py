@@ -22,7 +22,6 @@ from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
-    BaseModel,
     ConfigDict,
     Field,
     ValidationError,
@@ -34,6 +33,7 @@ from pydantic.alias_generators import to_camel
 
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.api import RATE_LIMIT_POLICY_KIND as KIND
+from kvgate_agent.contract.base import ContractModel
 
 #: The manifest's ``apiVersion`` and ``kind`` as pydantic checks them: a ``Literal`` must spell
 #: its value, so it is checked against :mod:`kvgate_agent.contract.api` at import.
@@ -52,17 +52,6 @@ class PolicyError(ValueError):
     """A policy document that cannot be used; the message names every bad field."""
 
 
-class _Model(BaseModel):
-    """Base: camelCase aliases, unknown fields refused (a typo must not silently do nothing)."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        frozen=True,
-    )
-
-
 class KVCacheDtype(StrEnum):
     """Element type of the KV cache. ``fp8`` is 1 byte per element
     (vLLM ``--kv-cache-dtype fp8``)."""
@@ -78,7 +67,7 @@ class KVCacheDtype(StrEnum):
         return {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[self.value]
 
 
-class ModelSpec(_Model):
+class ModelSpec(ContractModel):
     """Shape of the served model, for KV arithmetic.
 
     Bytes per token = 2 (K and V) × numLayers × numKVHeads × headDim × dtype bytes
@@ -117,7 +106,7 @@ class ReservationMode(StrEnum):
     MAX_TOKENS = "MaxTokens"
 
 
-class CapacitySpec(_Model):
+class CapacitySpec(ContractModel):
     """Where the pod's KV capacity comes from, best source first, and how much of it a request
     reserves.
 
@@ -145,13 +134,13 @@ class CapacitySpec(_Model):
     reservation_quantile: Annotated[float, Field(ge=0.5, le=0.999, allow_inf_nan=False)] = 0.9
 
 
-class ConcurrencySpec(_Model):
+class ConcurrencySpec(ContractModel):
     """Per-pod cap on requests in flight at the model server."""
 
     max_requests: PositiveInt | None = None
 
 
-class TenantsSpec(_Model):
+class TenantsSpec(ContractModel):
     """How a request is attributed to a tenant.
 
     ``header``: the request header naming the tenant (missing = ``anonymous``). The special value
@@ -180,7 +169,7 @@ class LimitScope(StrEnum):
     GLOBAL = "Global"
 
 
-class RateLimitSpec(_Model):
+class RateLimitSpec(ContractModel):
     """One token-bucket limit.
 
     ``requestsPerMinute`` refills a request bucket of ``burstRequests`` (default: one minute's
@@ -239,7 +228,7 @@ class RateLimitSpec(_Model):
         return max(1.0, float(math.ceil(self.tokens_per_minute)))
 
 
-class CostSpec(_Model):
+class CostSpec(ContractModel):
     """Cost of one request in bucket units.
 
     cost = perRequest + prompt_tokens × promptTokenWeight + max_tokens × outputTokenWeight,
@@ -269,7 +258,7 @@ class QueueOrder(StrEnum):
     SHORTEST_FIRST = "ShortestFirst"
 
 
-class QueueSpec(_Model):
+class QueueSpec(ContractModel):
     """Bounded wait queue for requests that do not fit now."""
 
     max_length: NonNegativeInt = 100
@@ -297,7 +286,7 @@ class PriorityTarget(StrEnum):
     NONE = "None"
 
 
-class PrioritySpec(_Model):
+class PrioritySpec(ContractModel):
     """Request priority header: an integer, higher = more important, negative = sheddable
     (never queued under overload). ``forwardTo``: the engine that also gets it in the body
     (:class:`PriorityTarget`; default ``None``, nothing sent)."""
@@ -311,7 +300,7 @@ MIN_PRIORITY = -1000
 MAX_PRIORITY = 1000
 
 
-class SloSpec(_Model):
+class SloSpec(ContractModel):
     """Latency targets (seconds). Unset targets are not enforced.
 
     ``ttftSeconds``: time-to-first-token SLO, in (0, 3600], for requests with priority >=
@@ -346,7 +335,7 @@ class OverloadAction(StrEnum):
 FALLBACK_UPSTREAM_PATTERN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$"
 
 
-class FallbackPoolSpec(_Model):
+class FallbackPoolSpec(ContractModel):
     """Another pool to send a request this pod cannot take: a Service serving a smaller or
     quantized model, with its own kvgate sidecar and admission.
 
@@ -360,7 +349,7 @@ class FallbackPoolSpec(_Model):
     upstream: Annotated[str, Field(max_length=512, pattern=FALLBACK_UPSTREAM_PATTERN)]
 
 
-class DegradeSpec(_Model):
+class DegradeSpec(ContractModel):
     """How to degrade: clamp max_tokens to what fits (not below ``minMaxTokens``), rewrite the
     request's model to ``fallbackModel`` (same server), or send it to another pool
     (``fallback``: a smaller model's Service)."""
@@ -370,7 +359,7 @@ class DegradeSpec(_Model):
     fallback: FallbackPoolSpec | None = None
 
 
-class OverloadSpec(_Model):
+class OverloadSpec(ContractModel):
     """Ordered overload actions, tried in turn (default: Queue, then Reject)."""
 
     actions: Annotated[list[OverloadAction], Field(min_length=1, max_length=3)] = Field(
@@ -404,7 +393,7 @@ class FailureMode(StrEnum):
     FAIL_CLOSED = "FailClosed"
 
 
-class LabelSelectorRequirement(_Model):
+class LabelSelectorRequirement(ContractModel):
     """A Kubernetes label selector requirement."""
 
     key: Annotated[str, Field(min_length=1)]
@@ -442,7 +431,7 @@ def _check_label_value(value: str) -> None:
         raise ValueError(f"invalid label value {value!r}")
 
 
-class LabelSelector(_Model):
+class LabelSelector(ContractModel):
     """A Kubernetes label selector (``matchLabels`` and ``matchExpressions``). Keys and values
     must be valid label keys and values (a selector with any other can never match)."""
 
@@ -461,7 +450,7 @@ class LabelSelector(_Model):
         return self
 
 
-class RateLimitPolicySpec(_Model):
+class RateLimitPolicySpec(ContractModel):
     """``spec`` of a RateLimitPolicy. Every field is optional (``selector`` is required in the
     cluster and ignored standalone)."""
 
@@ -512,7 +501,7 @@ class RateLimitPolicySpec(_Model):
         return self
 
 
-class ObjectMeta(_Model):
+class ObjectMeta(ContractModel):
     """The parts of Kubernetes metadata kvgate reads; the rest is accepted and ignored."""
 
     model_config = ConfigDict(
@@ -525,7 +514,7 @@ class ObjectMeta(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
 
 
-class RateLimitPolicy(_Model):
+class RateLimitPolicy(ContractModel):
     """A whole RateLimitPolicy manifest. ``status`` (written by the operator) is ignored here."""
 
     api_version: ApiVersionLiteral

@@ -35,8 +35,8 @@ from typing import Annotated
 
 from pydantic import ConfigDict, Field
 
+from kvgate_agent.contract.base import ContractModel
 from kvgate_agent.contract.nodeadmission import PodAdmission
-from kvgate_agent.contract.policy import _Model
 
 #: Audience the sidecar's projected service-account token is issued for.
 TOKEN_AUDIENCE = "kvgate-agent"
@@ -77,7 +77,7 @@ MAX_REPORTED = 2**40
 NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_REPORTED)]
 
 
-class SyncReport(_Model):
+class SyncReport(ContractModel):
     """What a sidecar reports about its pod (tokens; counters are cumulative since it started).
 
     Attributes:
@@ -117,7 +117,7 @@ class SyncReport(_Model):
     thresholds_etag: Annotated[str, Field(max_length=128)] | None = None
 
 
-class SafetyNet(_Model):
+class SafetyNet(ContractModel):
     """The node's GPU memory safety net for this pod.
 
     ``open`` False: NVML free memory on one of the pod's GPUs is below the policy's
@@ -133,7 +133,7 @@ class SafetyNet(_Model):
     retry_after_seconds: Annotated[float, Field(gt=0)] = 1.0
 
 
-class SyncAnswer(_Model):
+class SyncAnswer(ContractModel):
     """What the agent answers a sidecar.
 
     Attributes:

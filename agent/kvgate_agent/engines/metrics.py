@@ -385,10 +385,3 @@ _READERS: dict[str, Callable[[Mapping[str, Mapping[Labels, float]]], EngineSampl
     "trtllm": _trtllm,
     "llamacpp": _llamacpp,
 }
-
-
-def kv_capacity_from_metrics(text: str) -> int | None:
-    """KV capacity in tokens reported in a Prometheus exposition text, or None if absent or
-    invalid (non-numeric, zero, negative or non-finite values are invalid, never "unlimited").
-    Several engines behind one server (vLLM data parallel) add up."""
-    return parse_engine_metrics(text).kv_capacity_tokens

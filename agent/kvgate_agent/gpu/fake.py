@@ -125,9 +125,6 @@ class FakeGpuBackend:
         """init() fails ``times`` times, then succeeds."""
         self.fail("init", None, error, times=times)
 
-    def clear_faults(self) -> None:
-        self._faults.clear()
-
     def hang(self, method: str, uuid: str | None) -> threading.Event:
         """Make ``method`` on ``uuid`` block until the returned event is set (then it
         answers normally). Tests must set it (or call :meth:`release_all`) before exiting:
@@ -212,18 +209,21 @@ FaultKind = Literal["lost", "not_supported", "library_missing", "timeout", "unkn
 GpuMethod = Literal["memory", "utilization", "processes"]
 
 
-class _Model(BaseModel):
+class _ScenarioModel(BaseModel):
+    """Base of a scenario file's parts: snake_case names as in the file, unknown fields refused
+    (a typo must not silently do nothing), no coercion (``"3"`` is not a number)."""
+
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class ScenarioProcess(_Model):
+class ScenarioProcess(_ScenarioModel):
     """One process on a GPU: ``pid``, ``used_bytes`` (null: "not available")."""
 
     pid: int
     used_bytes: int | None = None
 
 
-class ScenarioGpu(_Model):
+class ScenarioGpu(_ScenarioModel):
     """One device of a scenario file (see :class:`FileFakeGpuBackend`)."""
 
     uuid: str
@@ -246,7 +246,7 @@ class ScenarioGpu(_Model):
         return self.error
 
 
-class Scenario(_Model):
+class Scenario(_ScenarioModel):
     """A whole scenario file (see :class:`FileFakeGpuBackend`)."""
 
     init_error: FaultKind | None = None

@@ -7,8 +7,8 @@ latency histogram are updated on their paths.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -16,7 +16,8 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvgate_agent.gpu.monitor import GpuSnapshot
-    from kvgate_agent.node.service import NodeAgent
+    from kvgate_agent.node.auth import Authenticator
+    from kvgate_agent.node.state import NodeState, PodKey
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created series only add noise
 
@@ -25,8 +26,26 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created serie
 SYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+class AgentView(Protocol):
+    """What the metrics read of the node agent at scrape time
+    (:class:`~kvgate_agent.node.service.NodeAgent` is one; this module does not import it)."""
+
+    @property
+    def state(self) -> NodeState: ...
+
+    @property
+    def auth(self) -> Authenticator: ...
+
+    @property
+    def waiters(self) -> Sized: ...
+
+    def ready(self) -> tuple[bool, str]: ...
+
+    def engine_ages(self, now: float) -> Mapping[PodKey, float | None]: ...
+
+
 class _StateCollector(Collector):
-    def __init__(self, agent: NodeAgent, clock: Callable[[], float]) -> None:
+    def __init__(self, agent: AgentView, clock: Callable[[], float]) -> None:
         self.agent = agent
         self.clock = clock
 
@@ -195,7 +214,7 @@ class NodeMetrics:
         scrapes: engine metric scrapes by result (``ok``, ``error``, ``invalid``).
     """
 
-    def __init__(self, agent: NodeAgent, clock: Callable[[], float]) -> None:
+    def __init__(self, agent: AgentView, clock: Callable[[], float]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.syncs = Counter(

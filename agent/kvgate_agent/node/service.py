@@ -31,6 +31,7 @@ from kvgate_agent.gpu.monitor import GpuMonitor
 from kvgate_agent.node.auth import Authenticator, AuthError
 from kvgate_agent.node.engine import EngineView
 from kvgate_agent.node.longpoll import Waiters, WaitOutcome, clamp_wait
+from kvgate_agent.node.metrics import NodeMetrics
 from kvgate_agent.node.podgpu import gpus_by_pod
 from kvgate_agent.node.state import EngineFacts, NodeState, PodKey, StatusGate
 
@@ -140,8 +141,6 @@ class NodeAgent:
         clock: Clock = time.monotonic,
         wall: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
     ) -> None:
-        from kvgate_agent.node.metrics import NodeMetrics
-
         self.settings = settings
         self.monitor = monitor
         self.auth = authenticator

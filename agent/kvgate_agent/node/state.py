@@ -211,10 +211,6 @@ class NodeState:
         """Every known sidecar's last report and when it came (monotonic seconds)."""
         return {k: (r.report, r.at) for k, r in self._reports.items()}
 
-    def engine_facts(self, key: PodKey) -> EngineFacts | None:
-        """The pod's current engine facts, if known."""
-        return self._engine.get(key)
-
     def pod_gpus(self, key: PodKey) -> PodGpus:
         """The GPUs attributed to a pod (see :func:`attribute_gpus`)."""
         pod = self._pods.get(key)
