@@ -522,8 +522,8 @@ async def test_defaulted_max_tokens_stays_within_the_engines_context(
     runner, port = await start_sim(SimConfig(max_model_len=1024, decode_ms=0))
     try:
         url, sc = await sidecar_factory(f"http://127.0.0.1:{port}", {})
-        await wait_until_async(lambda: sc.engine_max_model_len is not None, 2.0, "/v1/models")
-        assert sc.engine_max_model_len == 1024
+        await wait_until_async(lambda: sc.engine.max_model_len is not None, 2.0, "/v1/models")
+        assert sc.engine.max_model_len == 1024
         body = {
             "model": "kvgate-sim-model",
             "messages": [{"role": "user", "content": "a , b ; c . d " * 40}],

@@ -184,7 +184,7 @@ async def test_a_prompt_with_no_room_in_the_engines_context_never_reaches_it(
 ) -> None:
     engine = await sim(max_model_len=256)
     url, sc = await sidecar_factory(engine, {})
-    await wait_until_async(lambda: sc.engine_max_model_len == 256, 5.0, "/v1/models")
+    await wait_until_async(lambda: sc.engine.max_model_len == 256, 5.0, "/v1/models")
     fits = {**VIA_SIDECAR, "max_tokens": 4, "messages": [{"role": "user", "content": "hi " * 50}]}
     async with client.post(url + "/v1/chat/completions", json=fits) as r:
         assert r.status == 200

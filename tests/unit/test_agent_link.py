@@ -377,7 +377,7 @@ async def test_sidecar_does_not_split_global_limits_twice_and_prefers_its_engine
     (limit,) = sc.admission.config.limits
     assert limit.request_rate == pytest.approx(1.0) and limit.request_capacity == 60
     assert sc.admission.stats().kv_capacity_tokens == 1000 and sc.capacity_known
-    sc.engine_kv_tokens = 5000  # what the sidecar read from the engine itself
+    sc.engine.kv_tokens = 5000  # what the sidecar read from the engine itself
     sync(sc, answer({**thresholds, "kvCapacityTokens": 1200}, etag="e2"))
     assert sc.admission.stats().kv_capacity_tokens == 5000
 

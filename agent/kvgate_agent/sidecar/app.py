@@ -211,20 +211,6 @@ class Sidecar:
         """The KV capacity admission enforces is known."""
         return self.engine.capacity_known
 
-    @property
-    def engine_kv_tokens(self) -> int | None:
-        """KV capacity the sidecar read from the engine itself (tokens), if it did."""
-        return self.engine.kv_tokens
-
-    @engine_kv_tokens.setter
-    def engine_kv_tokens(self, tokens: int | None) -> None:
-        self.engine.kv_tokens = tokens
-
-    @property
-    def engine_max_model_len(self) -> int | None:
-        """The engine's context length from ``/v1/models`` (tokens), if read."""
-        return self.engine.max_model_len
-
     def _policy_name(self) -> str:
         """``namespace/name`` of the governing policy (the store keys' hash tag)."""
         ref = None if self.thresholds is None else self.thresholds.policy_ref
