@@ -264,7 +264,8 @@ def sync(sc: Sidecar, a: SyncAnswer | None, result: SyncResult = SyncResult.OK) 
         sc.link.record_not_modified()
     else:
         sc.link.record_failure(result)
-    sc._on_sync(result, a)
+    assert sc.thresholds is not None
+    sc.thresholds.on_sync(result, a)
 
 
 def ask(sc: Sidecar, tenant: str = "a") -> Any:
@@ -394,7 +395,8 @@ async def test_sync_report_reflects_the_admission_state() -> None:
     sync(sc, answer(LIMITED))
     assert ask(sc).ticket is not None
     sc.metrics.count_decision("admitted", "ok", "a")
-    r = sc.sync_report()
+    assert sc.thresholds is not None
+    r = sc.thresholds.sync_report()
     assert (r.namespace, r.name, r.uid) == ("ns", "model-0", "u-1")
     assert r.in_flight == 1 and r.kv_reserved_tokens == 32 and r.kv_capacity_tokens == 4096
     assert r.decisions == {"admitted": 1} and r.thresholds_etag == "e1"

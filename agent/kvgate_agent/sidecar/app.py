@@ -30,13 +30,11 @@ from kvgate_agent.admission import (
     Reason,
 )
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy, RateLimitPolicySpec
-from kvgate_agent.contract.sync import SyncAnswer, SyncReport
 from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.agent_link import (
     AgentLink,
     AgentSettings,
     Mode,
-    SyncResult,
     ThresholdsLink,
 )
 from kvgate_agent.sidecar.endpoints import (
@@ -162,7 +160,7 @@ class Sidecar:
         if settings.agent is not None:
             t = AgentThresholds(settings.agent, clock, self.admission, self.metrics, self.engine)
             self.thresholds = t
-            self.agent_link = AgentLink(settings.agent, t.link, self.sync_report, self._on_sync)
+            self.agent_link = AgentLink(settings.agent, t.link, t.sync_report, t.on_sync)
             self.metrics.attach_link(t.link, self.current_mode, lambda: t.policy_ref)
         self.counter = PromptCounter(settings.tokenizer_file)
         self.engine_tokens = (
@@ -238,16 +236,6 @@ class Sidecar:
         mode = self.refresh_mode()
         assert mode is not None, "no node agent configured"
         return mode
-
-    def sync_report(self) -> SyncReport:
-        """What this sidecar tells the node agent now. Agent mode only."""
-        assert self.thresholds is not None, "no node agent configured"
-        return self.thresholds.sync_report()
-
-    def _on_sync(self, result: SyncResult, answer: SyncAnswer | None) -> None:
-        """What the agent link calls after every sync."""
-        assert self.thresholds is not None
-        self.thresholds.on_sync(result, answer)
 
     # ------------------------------------------------------------------ lifecycle
 
