@@ -13,7 +13,7 @@ queue), :mod:`.overload` (Degrade, Queue, Reject), :mod:`.controller` (composes 
 from kvgate_agent.admission.async_admission import AsyncAdmission
 from kvgate_agent.admission.bucket import BucketMap, TokenBucket
 from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
-from kvgate_agent.admission.controller import AdmissionController, AdmissionStats
+from kvgate_agent.admission.controller import AdmissionController
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
     Decision,
@@ -25,6 +25,7 @@ from kvgate_agent.admission.decision import (
 from kvgate_agent.admission.holds import Hold
 from kvgate_agent.admission.limits import round_up
 from kvgate_agent.admission.retry import retry_after_seconds
+from kvgate_agent.admission.stats import AdmissionStats
 
 __all__ = [
     "AdmissionConfig",

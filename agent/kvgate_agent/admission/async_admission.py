@@ -18,8 +18,9 @@ import asyncio
 from collections.abc import Callable
 
 from kvgate_agent.admission.config import AdmissionConfig
-from kvgate_agent.admission.controller import AdmissionController, AdmissionStats
+from kvgate_agent.admission.controller import AdmissionController
 from kvgate_agent.admission.decision import AdmissionRequest, Decision, Reason, Ticket
+from kvgate_agent.admission.stats import AdmissionStats
 
 
 class AsyncAdmission:

@@ -1,9 +1,10 @@
 """The admission controller of one pod: admit each request now, queue it, degrade it or refuse it.
 
 It composes the limit bookkeeping (:mod:`.limits`), the holds (:mod:`.holds`), the wait queue
-(:mod:`.queue`) and the policy's overload actions (:mod:`.overload`: Degrade, Queue, Reject, in
-the policy's order, with Retry-After from :mod:`.retry`). A request that can never fit is
-refused with 400 at once, never told to retry (https://github.com/bucket4j/bucket4j/issues/220).
+(:mod:`.queue`), the concurrency ceiling (:mod:`.ceiling`) and the policy's overload actions
+(:mod:`.overload`: Degrade, Queue, Reject, in the policy's order, with Retry-After from
+:mod:`.retry`). A request that can never fit is refused with 400 at once, never told to retry
+(https://github.com/bucket4j/bucket4j/issues/220).
 
 Invariant: pure and clock-injected (no I/O, no asyncio); every public method runs to completion
 without yielding, so a check and its reservation are atomic on one event loop. The asyncio side
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from kvgate_agent.admission.bucket import BucketMap, SharedBucket
+from kvgate_agent.admission.ceiling import ConcurrencyCeiling
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
@@ -33,6 +34,7 @@ from kvgate_agent.admission.overload import Enqueue, Resources, act, exceeds_cap
 from kvgate_agent.admission.queue import WaitQueue
 from kvgate_agent.admission.retry import DecodeSpeed
 from kvgate_agent.admission.slo import SloState
+from kvgate_agent.admission.stats import AdmissionStats
 from kvgate_agent.contract.policy import OverloadAction
 
 Clock = Callable[[], float]
@@ -43,35 +45,6 @@ _OK = Reason.OK
 _DEGRADE = OverloadAction.DEGRADE.value
 _QUEUE = OverloadAction.QUEUE.value
 _REJECT = OverloadAction.REJECT.value
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionStats:
-    """A read-only snapshot of one pod's admission state, for metrics, sync reports and tests.
-
-    Each field's docstring is under it.
-    """
-
-    in_flight: int
-    """Admitted requests not yet released."""
-    queue_length: int
-    """Requests waiting now."""
-    kv_reserved_tokens: int
-    """KV tokens reserved by the requests in flight (block-rounded)."""
-    kv_capacity_tokens: int | None
-    """KV capacity enforced, tokens (None: not enforced)."""
-    kv_headroom_tokens: int
-    """KV tokens kept free for the growth of predicted reservations in flight."""
-    concurrency_limit: int | None
-    """The concurrency cap enforced now: the lowest of the policy's cap, the engine's own and
-    the adaptive limit (None: none)."""
-    engine_concurrency: int | None
-    """Requests the engine serves at once (llama.cpp's slots); None: unknown."""
-    seconds_per_token: float
-    """Observed decode time per output token, seconds (the drain estimate's speed)."""
-    inter_token_seconds: float | None
-    """Smoothed time between streamed output tokens (the adaptive limit's input), seconds;
-    None before the first gap."""
 
 
 class AdmissionController:
@@ -98,15 +71,14 @@ class AdmissionController:
         self._holds = Holds()
         self._speed = DecodeSpeed()
         self._queue = WaitQueue(self._limits)
-        self._engine_slots: int | None = None
         self._slo = SloState(
             config.tpot_slo_seconds,
             config.ttft_slo_seconds,
             config.max_concurrency,
             self.started_at,
         )
+        self._ceiling = ConcurrencyCeiling(self._limits, self._slo)
         self._r = Resources(self._limits, self._queue, self._slo, self._speed)
-        self._sync_limit()
 
     # ------------------------------------------------------------------ observation
 
@@ -125,7 +97,7 @@ class AdmissionController:
             kv_capacity_tokens=limits.config.kv_capacity_tokens,
             kv_headroom_tokens=limits.headroom,
             concurrency_limit=limits.concurrency_limit,
-            engine_concurrency=self._engine_slots,
+            engine_concurrency=self._ceiling.engine_slots,
             seconds_per_token=self._speed.seconds_per_token,
             inter_token_seconds=self._slo.gap_s,
         )
@@ -137,12 +109,8 @@ class AdmissionController:
 
     def set_engine_concurrency(self, slots: int | None) -> None:
         """The engine serves at most ``slots`` requests at once (llama.cpp's ``total_slots``;
-        None: no such limit): a ceiling on the concurrency cap, as a request above it would
-        wait in the engine's own queue, outside kvgate's order, TTFT budget and Retry-After."""
-        self._engine_slots = slots  # the same figure again changes nothing
-        c = self._limits.config
-        self._slo.retune(c.tpot_slo_seconds, c.ttft_slo_seconds, self._cap())
-        self._sync_limit()
+        None: no such limit): see :meth:`ConcurrencyCeiling.set_engine_slots`."""
+        self._ceiling.set_engine_slots(slots)
 
     def observe_engine_waiting(self, waiting: int | None, running: int | None = None) -> None:
         """The engine reports ``waiting`` requests in its own queue, ``running`` in its batch
@@ -194,8 +162,7 @@ class AdmissionController:
         """
         self._limits.reconfigure(config, self.clock())
         self._queue.retune(config)
-        self._slo.retune(config.tpot_slo_seconds, config.ttft_slo_seconds, self._cap())
-        self._sync_limit()
+        self._ceiling.retune(config)
 
     def attach_store(self) -> None:
         """Hold shared limits as slices of fleet-wide budgets (see
@@ -212,25 +179,6 @@ class AdmissionController:
         holding or owing units (for a final hand-back to the store)."""
         out, self._limits.retired = self._limits.retired, []
         return out
-
-    def _cap(self) -> int | None:
-        """The policy's concurrency cap, lowered to the engine's own (None: neither)."""
-        cap, engine = self._limits.config.max_concurrency, self._engine_slots
-        return engine if cap is None else cap if engine is None else min(cap, engine)
-
-    def _sync_limit(self) -> None:
-        cap = self._cap()
-        adaptive = self._slo.limit
-        self._limits.concurrency_limit = (
-            cap if adaptive is None else adaptive if cap is None else min(cap, adaptive)
-        )
-
-    def _tick(self, now: float) -> None:
-        slo = self._slo
-        before = slo.limit
-        slo.tick(now, self._limits.in_flight)
-        if slo.limit != before:
-            self._sync_limit()
 
     # ------------------------------------------------------------------ holds
 
@@ -339,7 +287,7 @@ class AdmissionController:
                 clamped = True
                 kv = limits.kv_tokens(req.prompt_tokens, max_fit, req.n)
                 cost = cfg.cost(req.prompt_tokens, req.n * max_fit)
-        self._tick(now)
+        self._ceiling.tick(now)
         found: list[BucketCharge] = []
         kv = limits.reservation(req, req.max_tokens)
         blocker = limits.blocker(req, req.max_tokens, now, found=found, kv=kv, cost=cost)
@@ -412,7 +360,7 @@ class AdmissionController:
             q.head_blocked_shared = False
             return
         now = self.clock()
-        self._tick(now)
+        self._ceiling.tick(now)
         held = self._holds.active(now) if self._holds else None
         self._expire(now, held)
         q.head_blocked_shared = False
@@ -502,7 +450,7 @@ class AdmissionController:
             slo.observe_departure(now - ticket.admitted_at)
         else:
             limits.release(ticket, now, 0.0, 0.0)
-        self._tick(now)
+        self._ceiling.tick(now)
         return True
 
     # ------------------------------------------------------------------ live correction
@@ -526,7 +474,7 @@ class AdmissionController:
         ticket.last_token_at = now
         if ticket.prompt_tokens + generated >= ticket.kv_tokens:
             self._limits.grow(ticket, generated)
-        self._tick(now)
+        self._ceiling.tick(now)
 
     def observe_engine_kv(self, used_tokens: int | None) -> None:
         """The engine reports ``used_tokens`` KV tokens in use (None: unknown). Where that is

@@ -504,13 +504,7 @@ class Sidecar:
             parsed.model,
             model_rewritable=parsed.model_field,
             degraded=already_degraded(request.headers),
-            # "Never fits" must not rest on a cautious estimate: admission decides on the
-            # optimistic count then (the server's reported usage settles the charge).
-            prompt_tokens_min=(
-                None
-                if prompt.exact
-                else optimistic_prompt_tokens(prompt, self.counter.bytes_per_token)
-            ),
+            prompt_tokens_min=optimistic_prompt_tokens(prompt, self.counter.bytes_per_token),
         )
         d = await self.admission.admit(areq)
         m = self.metrics

@@ -259,9 +259,14 @@ OPTIMISTIC_BYTES_PER_TOKEN = 4.5
 vocabularies averages about 4 bytes per token; 4.5 errs towards fewer tokens."""
 
 
-def optimistic_prompt_tokens(prompt: PromptCount, bytes_per_token: float) -> int:
+def optimistic_prompt_tokens(prompt: PromptCount, bytes_per_token: float) -> int | None:
     """A low estimate (tokens) of an inexact prompt count: the text part re-counted at
-    :data:`OPTIMISTIC_BYTES_PER_TOKEN` instead of the cautious ``bytes_per_token``."""
+    :data:`OPTIMISTIC_BYTES_PER_TOKEN` instead of the cautious ``bytes_per_token``; None for an
+    exact count. Admission decides a request that would never fit at the cautious count on this
+    one (``AdmissionRequest.prompt_tokens_min``): "never fits" must not rest on a guess, and the
+    server's reported usage settles the charge."""
+    if prompt.exact:
+        return None
     cautious_text = math.ceil(prompt.text_bytes / bytes_per_token)
     rest = max(0, prompt.tokens - cautious_text)
     return rest + math.ceil(prompt.text_bytes / OPTIMISTIC_BYTES_PER_TOKEN)
