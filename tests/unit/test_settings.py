@@ -16,11 +16,14 @@ import pytest
 from kvgate_agent.args import Flag, default_text, field_default, flag_fields, from_args
 from kvgate_agent.cli import build_parser
 from kvgate_agent.contract.policy import FailureMode
+from kvgate_agent.node.settings import NodeSettings
 from kvgate_agent.sidecar.cli import agent_settings, store_settings
 from kvgate_agent.sidecar.settings import AgentSettings, SidecarSettings, StoreSettings
 from tests.conftest import REPO
 
 SIDECAR_CLASSES: tuple[type[Any], ...] = (SidecarSettings, AgentSettings, StoreSettings)
+#: Each role's settings dataclasses.
+ROLES: dict[str, tuple[type[Any], ...]] = {"sidecar": SIDECAR_CLASSES, "node": (NodeSettings,)}
 #: Flags of both roles that are no settings field: the shared ``--log-level``.
 SHARED = {"--log-level"}
 
@@ -66,22 +69,23 @@ def parsed(action: argparse.Action, text: str) -> Any:
     return action.type(text) if action.type is not None else text  # type: ignore[operator]
 
 
-def test_every_sidecar_flag_is_a_settings_field() -> None:
-    acts = actions(role_parser("sidecar"))
-    derived = [meta.flag_name(f) for f, meta in flags_of(*SIDECAR_CLASSES)]
+@pytest.mark.parametrize("role", ROLES)
+def test_every_flag_is_a_settings_field(role: str) -> None:
+    acts = actions(role_parser(role))
+    derived = [meta.flag_name(f) for f, meta in flags_of(*ROLES[role])]
     assert len(derived) == len(set(derived)), "two fields claim one flag"
     assert set(acts) == set(derived) | SHARED
 
 
 @pytest.mark.parametrize(
-    ("field", "meta"),
-    list(flags_of(*SIDECAR_CLASSES)),
-    ids=lambda x: x.name if isinstance(x, dataclasses.Field) else "",
+    ("role", "field", "meta"),
+    [(role, f, meta) for role, classes in ROLES.items() for f, meta in flags_of(*classes)],
+    ids=lambda x: x.name if isinstance(x, dataclasses.Field) else x if isinstance(x, str) else "",
 )
 def test_flag_name_env_and_default_come_from_the_field(
-    field: dataclasses.Field[Any], meta: Flag, monkeypatch: pytest.MonkeyPatch
+    role: str, field: dataclasses.Field[Any], meta: Flag, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    action = actions(role_parser("sidecar"))[meta.flag_name(field)]
+    action = actions(role_parser(role))[meta.flag_name(field)]
     # the name: the field's, unless the field names its flag (an interface older than it)
     if meta.name is None:
         assert meta.flag_name(field) == "--" + field.name.replace("_", "-")
@@ -96,12 +100,13 @@ def test_flag_name_env_and_default_come_from_the_field(
         assert action.required == meta.required
     else:
         text = (meta.text or default_text)(default)
+        assert text is not None
         assert action.default == text
         value = parsed(action, text)
         assert (meta.to_field(value) if meta.to_field else value) == default
     # the variable: it replaces the default (and a required flag is then optional)
     monkeypatch.setenv(env, "/from-env" if meta.repeat else "from-env")
-    again = actions(role_parser("sidecar"))[meta.flag_name(field)]
+    again = actions(role_parser(role))[meta.flag_name(field)]
     assert again.default == (["/from-env"] if meta.repeat else "from-env")
     assert again.required is False
 
