@@ -201,7 +201,7 @@ async def test_slow_loris_is_cut_while_legitimate_traffic_is_served(
     here; 10 s and 30 s by default), silent ones are closed, while a well-behaved client
     keeps getting 200s; a kept-alive connection idle past the header deadline still serves
     its next request."""
-    url, sc = await start(faulty.url, {}, header_timeout=1.0, body_timeout=1.0)
+    url, sc = await start(faulty.url, {}, header_timeout_seconds=1.0, body_timeout_seconds=1.0)
     port = int(url.rsplit(":", 1)[1])
     stop = asyncio.Event()
     served: list[int] = []
@@ -296,7 +296,7 @@ async def test_a_pipelined_partial_request_gets_the_header_deadline(
     never completes: the first is answered, the second gets 408 at the header deadline (1 s
     here) and the connection is closed, not held until the keep-alive timeout. A complete
     request alone is kept alive past that deadline."""
-    url, _ = await start(faulty.url, {}, header_timeout=1.0)
+    url, _ = await start(faulty.url, {}, header_timeout_seconds=1.0)
     port = int(url.rsplit(":", 1)[1])
     complete = (
         request_bytes(CHAT) if first == "POST" else b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -327,7 +327,7 @@ async def test_a_slow_passthrough_body_is_cut_at_the_body_deadline(
     """A body on an allowlisted path (``/tokenize``) that stops half-way gets 408 at the body
     deadline (1 s here) and is closed; its upstream request, under way, is aborted (the model
     server never gets the whole body)."""
-    url, sc = await start(faulty.url, {}, header_timeout=2.0, body_timeout=1.0)
+    url, sc = await start(faulty.url, {}, header_timeout_seconds=2.0, body_timeout_seconds=1.0)
     reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
     t0 = time.monotonic()
     writer.write(
@@ -460,7 +460,7 @@ async def test_upstream_faults_map_to_a_clear_answer_and_free_everything(
     url, sc = await start(
         upstream,
         {"capacity": {"kvCacheTokens": 100_000}, "concurrency": {"maxRequests": 4}},
-        read_timeout=1.0,
+        upstream_timeout=1.0,
     )
     body = {**CHAT, "stream": stream, "max_tokens": 100}
     t0 = time.monotonic()

@@ -15,12 +15,10 @@ import signal
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvgate_agent.args import add_log_level, configure_logging, positive
-from kvgate_agent.args import env as _env
-from kvgate_agent.args import hostport as _hostport
+from kvgate_agent.args import add_flags, add_log_level, configure_logging, from_args
+from kvgate_agent.node.settings import NodeSettings
 
 if TYPE_CHECKING:
     from kvgate_agent.gpu import GpuMonitor
@@ -30,106 +28,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.node")
 
 
-def _seconds(value: str) -> float:
-    return float(positive(float)(value))
-
-
-#: The node agent's flags in seconds: (flag, environment variable after ``KVGATE_``, default,
-#: help text).
-SECONDS_FLAGS: tuple[tuple[str, str, str, str], ...] = (
-    ("--gpu-poll-seconds", "GPU_POLL_SECONDS", "2", "how often NVML is read"),
-    ("--gpu-call-timeout", "GPU_CALL_TIMEOUT", "2", "bound on each NVML read of one GPU"),
-    ("--scrape-seconds", "SCRAPE_SECONDS", "5", "how often engine metrics are scraped"),
-    (
-        "--status-min-interval",
-        "STATUS_MIN_INTERVAL",
-        "5",
-        "NodeAdmission status writes at most this often",
-    ),
-    ("--heartbeat-seconds", "HEARTBEAT_SECONDS", "30", "...and at least this often"),
-    ("--thresholds-ttl", "THRESHOLDS_TTL", "30", "how long sidecars enforce without a sync"),
-    ("--sync-interval", "SYNC_INTERVAL", "1", "how often sidecars sync"),
-    (
-        "--max-sync-wait",
-        "MAX_SYNC_WAIT",
-        "25",
-        "longest hold of a sidecar's sync until its answer changes (long poll)",
-    ),
-    (
-        "--token-cache-seconds",
-        "TOKEN_CACHE_SECONDS",
-        "60",
-        "how long an accepted token is trusted",
-    ),
-    (
-        "--api-liveness-seconds",
-        "API_LIVENESS_SECONDS",
-        "120",
-        "liveness (/healthz) fails once the API server has not answered for this long",
-    ),
-    (
-        "--watch-server-timeout",
-        "WATCH_SERVER_TIMEOUT",
-        "20",
-        "the API server ends each NodeAdmission watch after this; it is renewed",
-    ),
-    (
-        "--watch-read-timeout",
-        "WATCH_READ_TIMEOUT",
-        "30",
-        "a watch silent this long (above the server timeout) is dead: reconnect",
-    ),
-)
-
-
 def add_node_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the ``node`` subcommand to ``kvgate-agent``'s parser."""
+    """Add the ``node`` subcommand to ``kvgate-agent``'s parser: one flag per flag field of
+    :class:`~kvgate_agent.node.settings.NodeSettings` (:func:`~kvgate_agent.args.add_flags`),
+    and ``--log-level``."""
     n = sub.add_parser(
         "node",
         help="node agent: NVML, KV usage, thresholds to sidecars, NodeAdmission status",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    n.add_argument(
-        "--node-name",
-        default=_env("NODE_NAME"),
-        required=_env("NODE_NAME") is None,
-        help="this node's name (downward API spec.nodeName) [KVGATE_NODE_NAME]",
-    )
-    n.add_argument(
-        "--listen",
-        type=_hostport,
-        default=_env("LISTEN", "0.0.0.0:9470"),
-        help="HOST:PORT for the sidecars' sync API, /metrics, /healthz, /readyz [KVGATE_LISTEN]",
-    )
-    n.add_argument(
-        "--gpu-backend",
-        default=_env("GPU_BACKEND", "nvml"),
-        help="'nvml', or 'fake:<scenario.json>' for tests [KVGATE_GPU_BACKEND]",
-    )
-    n.add_argument(
-        "--kubeconfig",
-        default=_env("KUBECONFIG_FILE"),
-        help="kubeconfig for running outside a pod (default: in-cluster, then $KUBECONFIG) "
-        "[KVGATE_KUBECONFIG_FILE]",
-    )
-    _add_seconds_flags(n)
-    n.add_argument(
-        "--proc-root",
-        default=_env("PROC_ROOT", "/proc"),
-        help="host /proc (with hostPID) to map NVML processes to pods [KVGATE_PROC_ROOT]",
-    )
+    add_flags(n, NodeSettings)
     add_log_level(n)
-
-
-def _add_seconds_flags(n: argparse.ArgumentParser) -> None:
-    """The flags of :data:`SECONDS_FLAGS`, each also read from its environment variable."""
-    for flag, env, default, text in SECONDS_FLAGS:
-        n.add_argument(
-            flag,
-            type=_seconds,
-            default=_env(env, default),
-            help=f"{text}, seconds [KVGATE_{env}]",
-        )
 
 
 def _build(
@@ -146,32 +55,24 @@ def _build(
         StatusWriter,
         load_api_client,
     )
-    from kvgate_agent.node.service import NodeAgent, NodeSettings
+    from kvgate_agent.node.service import NodeAgent
 
-    api_client = load_api_client(args.kubeconfig)
-    settings = NodeSettings(
-        node_name=args.node_name,
-        gpu_poll_seconds=args.gpu_poll_seconds,
-        scrape_seconds=args.scrape_seconds,
-        status_min_interval=args.status_min_interval,
-        heartbeat_seconds=args.heartbeat_seconds,
-        ttl_seconds=args.thresholds_ttl,
-        sync_interval_seconds=args.sync_interval,
-        max_wait_seconds=args.max_sync_wait,
-        proc_root=Path(args.proc_root),
-        api_liveness_seconds=args.api_liveness_seconds,
+    settings = from_args(NodeSettings, args)
+    api_client = load_api_client(settings.kubeconfig)
+    monitor = GpuMonitor(
+        backend_from_spec(settings.gpu_backend), call_timeout=settings.gpu_call_timeout
     )
-    monitor = GpuMonitor(backend_from_spec(args.gpu_backend), call_timeout=args.gpu_call_timeout)
-    auth = Authenticator(kube_token_reviewer(api_client), ok_ttl=args.token_cache_seconds)
+    auth = Authenticator(kube_token_reviewer(api_client), ok_ttl=settings.token_cache_seconds)
     contact = ApiContact()
-    agent = NodeAgent(settings, monitor, auth, StatusWriter(api_client, args.node_name, contact))
+    writer = StatusWriter(api_client, settings.node_name, contact)
+    agent = NodeAgent(settings, monitor, auth, writer)
     watch = NodeAdmissionWatch(
         api_client,
-        args.node_name,
+        settings.node_name,
         asyncio.get_running_loop(),
         agent.on_spec,
-        timeout_seconds=max(1, round(args.watch_server_timeout)),
-        read_timeout=args.watch_read_timeout,
+        timeout_seconds=max(1, round(settings.watch_server_timeout)),
+        read_timeout=settings.watch_read_timeout,
         contact=contact,
     )
     agent.api_contact_age, agent.watch_alive = contact.age, watch.alive

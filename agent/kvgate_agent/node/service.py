@@ -17,7 +17,6 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,7 +24,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from kvgate_agent.contract.nodeadmission import Condition, NodeAdmissionSpec, NodeAdmissionStatus
-from kvgate_agent.contract.sync import APPLIED_HEADER, MAX_WAIT_SECONDS, SyncReport
+from kvgate_agent.contract.sync import APPLIED_HEADER, SyncReport
 from kvgate_agent.engines.metrics import parse_engine_metrics
 from kvgate_agent.gpu.monitor import GpuMonitor
 from kvgate_agent.node.auth import Authenticator, AuthError
@@ -33,6 +32,7 @@ from kvgate_agent.node.engine import EngineView
 from kvgate_agent.node.longpoll import Waiters, WaitOutcome, clamp_wait
 from kvgate_agent.node.metrics import NodeMetrics
 from kvgate_agent.node.podgpu import gpus_by_pod
+from kvgate_agent.node.settings import NodeSettings as NodeSettings  # re-exported
 from kvgate_agent.node.state import EngineFacts, NodeState, PodKey, StatusGate
 
 log = logging.getLogger("kvgate.node")
@@ -46,43 +46,6 @@ MAX_SCRAPE_BYTES = 4 * 1024 * 1024
 
 class _TooLarge(Exception):
     pass
-
-
-@dataclass(slots=True)
-class NodeSettings:
-    """Settings of one node agent (seconds unless named otherwise).
-
-    Attributes:
-        node_name: the node, and its NodeAdmission's name.
-        gpu_poll_seconds: how often NVML is read.
-        scrape_seconds: how often each engine's metrics are scraped.
-        engine_max_age_seconds: an engine sample older than this is stale (invalid); default
-            3 × ``scrape_seconds``.
-        status_min_interval: the NodeAdmission status is written at most this often...
-        heartbeat_seconds: ...and at least this often.
-        ttl_seconds: how long sidecars keep enforcing without a sync (sent to them).
-        sync_interval_seconds: how often sidecars sync (sent to them).
-        report_expiry_seconds: a sidecar silent this long counts as disconnected.
-        proc_root: where host processes are visible (``/proc`` with ``hostPID``), to map NVML
-            process ids to pods.
-        api_liveness_seconds: liveness fails once the API server has not answered for this
-            long (see :meth:`NodeAgent.live`).
-        max_wait_seconds: longest hold of a sync that asks for one (long poll); 0 = answer
-            every sync at once.
-    """
-
-    node_name: str
-    gpu_poll_seconds: float = 2.0
-    scrape_seconds: float = 5.0
-    engine_max_age_seconds: float | None = None
-    status_min_interval: float = 5.0
-    heartbeat_seconds: float = 30.0
-    ttl_seconds: float = 30.0
-    sync_interval_seconds: float = 1.0
-    report_expiry_seconds: float = 10.0
-    proc_root: Path = Path("/proc")
-    api_liveness_seconds: float = 120.0
-    max_wait_seconds: float = MAX_WAIT_SECONDS
 
 
 @dataclass(slots=True)

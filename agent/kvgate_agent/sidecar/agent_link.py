@@ -13,7 +13,6 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
@@ -24,12 +23,13 @@ from kvgate_agent.contract.nodeadmission import PodThresholds
 from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.contract.sync import (
     APPLIED_HEADER,
-    MAX_WAIT_SECONDS,
     PREFER_HEADER,
     SYNC_PATH,
     SyncAnswer,
     SyncReport,
 )
+from kvgate_agent.sidecar.settings import DEFAULT_SYNC_INTERVAL_SECONDS
+from kvgate_agent.sidecar.settings import AgentSettings as AgentSettings  # re-exported
 
 log = logging.getLogger("kvgate.sidecar.agent")
 
@@ -39,10 +39,6 @@ Clock = Callable[[], float]
 #: thresholds without a successful sync, and how long it waits for a first answer before it
 #: reports ready anyway.
 DEFAULT_TTL_SECONDS = 30.0
-#: Sync interval used until an answer gives one (seconds).
-DEFAULT_SYNC_INTERVAL_SECONDS = 1.0
-#: Bound on one sync call, seconds (connect + answer).
-DEFAULT_SYNC_TIMEOUT_SECONDS = 2.0
 #: Least time between the start of one held sync and the next after a 200 (seconds): a bound,
 #: not a pace (the next call is held until the answer changes again).
 MIN_SYNC_GAP_SECONDS = 0.05
@@ -50,8 +46,6 @@ MIN_SYNC_GAP_SECONDS = 0.05
 #: the report (sent at once); the agent's NodeAdmission status gate uses the same step
 #: (``kvgate_agent.node.state.KV_RESERVED_STEP``).
 REPORT_KV_STEP = 0.10
-#: Where the projected service-account token (audience ``kvgate-agent``) is mounted.
-DEFAULT_TOKEN_FILE = "/var/run/secrets/kvgate/token"
 
 _GPU_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*$")
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -100,46 +94,6 @@ class SyncResult(StrEnum):
 
 
 _SUCCESS = (SyncResult.OK, SyncResult.NOT_MODIFIED)
-
-
-@dataclass(frozen=True, slots=True)
-class AgentSettings:
-    """How the sidecar reaches its node agent and who it is.
-
-    Attributes:
-        url: the agent's base URL, e.g. ``http://10.0.0.5:9443`` (``/v1/sync`` is appended).
-        pod_namespace, pod_name: the pod (downward API); required.
-        pod_uid: the pod's uid (downward API), checked against the token by the agent.
-        token_file: the projected service-account token, read before every call.
-        failure_mode: what applies before the first answer (and past the TTL when the last
-            answer carried no policy).
-        ttl_override: seconds the last thresholds stay enforced without a successful sync;
-            None = the answer's ``ttlSeconds`` (30 before any answer).
-        metrics_url: reported so the agent can scrape the engine through the sidecar; None =
-            do not scrape (see :func:`sidecar_metrics_url`).
-        gpu_uuids: the pod's GPUs when known (see :func:`gpu_uuids_from_env`).
-        sync_timeout: bound on one sync call, seconds.
-        sync_interval: seconds between syncs until an answer gives its own.
-        sync_wait: seconds the agent may hold a sync until the answer changes (long poll,
-            ``Prefer: wait``); capped so a held call ends well within the TTL (see
-            :meth:`ThresholdsLink.wait_seconds`); 0 = plain polling every sync interval.
-        expected_policy: the RateLimitPolicy name the pod should be governed by (annotation
-            ``kvgate.io/policy``); informational: a mismatch is logged and exported.
-    """
-
-    url: str
-    pod_namespace: str
-    pod_name: str
-    pod_uid: str | None = None
-    token_file: str = DEFAULT_TOKEN_FILE
-    failure_mode: FailureMode = FailureMode.FAIL_OPEN
-    ttl_override: float | None = None
-    metrics_url: str | None = None
-    gpu_uuids: tuple[str, ...] = field(default_factory=tuple)
-    sync_timeout: float = DEFAULT_SYNC_TIMEOUT_SECONDS
-    sync_interval: float = DEFAULT_SYNC_INTERVAL_SECONDS
-    sync_wait: float = MAX_WAIT_SECONDS
-    expected_policy: str | None = None
 
 
 def gpu_uuids_from_env(env: Mapping[str, str]) -> tuple[str, ...]:

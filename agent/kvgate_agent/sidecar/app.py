@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -29,11 +28,10 @@ from kvgate_agent.admission import (
     AsyncAdmission,
     Reason,
 )
-from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy, RateLimitPolicySpec
+from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.agent_link import (
     AgentLink,
-    AgentSettings,
     Mode,
     ThresholdsLink,
 )
@@ -43,15 +41,16 @@ from kvgate_agent.sidecar.endpoints import (
     Passthrough,
     parse_generation,
 )
-from kvgate_agent.sidecar.engine_tokens import DEFAULT_TIMEOUT_SECONDS, EngineTokenizer
+from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.forward import Forwarder
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
 from kvgate_agent.sidecar.pool import already_degraded, degrade_to_pool
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import ParsedRequest, canonical_path, is_json
+from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
-from kvgate_agent.sidecar.store import SharedStore, StoreSettings, register_metrics
+from kvgate_agent.sidecar.store import SharedStore, register_metrics
 from kvgate_agent.sidecar.tenants import engine_priority, priority_of, tenant_of
 from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
 from kvgate_agent.sidecar.tokens import (
@@ -62,62 +61,6 @@ from kvgate_agent.sidecar.tokens import (
     prompt_over_context,
 )
 from kvgate_agent.sidecar.upstream import UpstreamPool
-
-
-@dataclass(slots=True)
-class SidecarSettings:
-    """Runtime settings of one sidecar.
-
-    Attributes:
-        upstream: base URL of the model server, e.g. ``http://127.0.0.1:8000``.
-        policy: the RateLimitPolicy enforced (standalone mode).
-        agent: the node agent to take thresholds from (cluster mode). Exactly one of
-            ``policy`` and ``agent`` must be given.
-        tokenizer_file: HF ``tokenizer.json`` for exact prompt counts (else a conservative
-            estimate corrected by reported usage).
-        engine_tokenizer: count prompts with the engine's own ``/tokenize`` (cached; the
-            estimate as the fallback: :mod:`kvgate_agent.sidecar.engine_tokens`).
-        engine_tokenize_timeout: seconds a request waits for the engine's count of a prompt it
-            has not cached before the estimate is used.
-        max_body_bytes: request bodies above this get 413 (bytes).
-        connect_timeout: seconds to open an upstream connection.
-        read_timeout: seconds without any upstream byte before the request fails (None: no
-            limit).
-        drain_seconds: on SIGTERM, how long in-flight requests may take to finish.
-        header_timeout: seconds a client connection may take to send a request's headers
-            (from the connection's opening, or a later request's first byte); then it gets 408
-            and is closed (0: no limit; :mod:`kvgate_agent.sidecar.slowclients`).
-        body_timeout: seconds a request's body (admission-controlled or passed through) may take
-            to arrive once its headers are in; then 408 (0: no limit).
-        engine_poll_seconds: how often the engine's KV capacity is re-read when
-            ``capacity.fromEngineMetrics`` is set.
-        engine_usage_seconds: how often the engine's KV tokens in use are read from its
-            ``/metrics`` while a KV capacity is enforced; admission counts that figure where it
-            exceeds kvgate's own reservations (0: never read).
-        tenant_label_limit: distinct tenant label values in metrics before ``other``.
-        passthrough_paths: paths added to the pass-through allowlist for mutating methods
-            (exact, or a prefix ending in ``*``), besides
-            :data:`~kvgate_agent.sidecar.endpoints.DEFAULT_PASSTHROUGH`.
-        store: the Redis holding ``shared`` limits' budgets (None: they are per pod).
-    """
-
-    upstream: str
-    policy: RateLimitPolicy | None = None
-    tokenizer_file: str | None = None
-    engine_tokenizer: bool = False
-    engine_tokenize_timeout: float = DEFAULT_TIMEOUT_SECONDS
-    max_body_bytes: int = 8 * 1024 * 1024
-    connect_timeout: float = 5.0
-    read_timeout: float | None = 600.0
-    drain_seconds: float = 30.0
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    engine_poll_seconds: float = 15.0
-    engine_usage_seconds: float = 1.0
-    tenant_label_limit: int = 50
-    agent: AgentSettings | None = None
-    passthrough_paths: tuple[str, ...] = ()
-    store: StoreSettings | None = None
 
 
 class Sidecar:
@@ -175,7 +118,7 @@ class Sidecar:
             self.metrics,
             self.admission,
             self.counter,
-            body_timeout=settings.body_timeout,
+            body_timeout=settings.body_timeout_seconds,
         )
         self.session: aiohttp.ClientSession | None = None  # pass-through requests
         self._probe_session: aiohttp.ClientSession | None = None  # the engine probe
@@ -260,12 +203,12 @@ class Sidecar:
 
     def runner(self, *, admin: bool = False, **kwargs: Any) -> GuardedAppRunner:
         """The runner serving :meth:`build_app` (:meth:`build_admin_app` with ``admin``) with
-        the header deadline (``settings.header_timeout``); ``kwargs`` go to
+        the header deadline (``settings.header_timeout_seconds``); ``kwargs`` go to
         ``web.AppRunner``."""
         timeouts = self.metrics.client_timeouts.labels("headers")
         return GuardedAppRunner(
             self.build_admin_app() if admin else self.build_app(),
-            header_timeout=self.settings.header_timeout,
+            header_timeout=self.settings.header_timeout_seconds,
             on_timeout=timeouts.inc,
             **kwargs,
         )
@@ -282,7 +225,7 @@ class Sidecar:
         timeout = aiohttp.ClientTimeout(
             total=None,
             connect=self.settings.connect_timeout,
-            sock_read=self.settings.read_timeout,
+            sock_read=self.settings.upstream_timeout,
         )
         self.session = aiohttp.ClientSession(
             timeout=timeout,
@@ -296,7 +239,7 @@ class Sidecar:
         self.forwarder.pool = UpstreamPool(
             self.upstream,
             connect_timeout=self.settings.connect_timeout,
-            read_timeout=self.settings.read_timeout,
+            read_timeout=self.settings.upstream_timeout,
             on_resend=self.metrics.upstream_resends.inc,
         )
         # The engine probe's reads (a few a second at most) close their connection: the
@@ -383,7 +326,7 @@ class Sidecar:
                 )
             return data
         try:
-            async with asyncio.timeout(self.settings.body_timeout or None):
+            async with asyncio.timeout(self.settings.body_timeout_seconds or None):
                 return await self._read_body_unbounded(request)
         except TimeoutError:
             self.metrics.client_timeouts.labels("body").inc()

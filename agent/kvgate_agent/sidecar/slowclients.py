@@ -12,7 +12,7 @@ headers are not complete within ``header_timeout`` seconds, counted, as hyper's
 connection opens (first request) or from the first byte of a later request on a kept-alive
 connection. An idle kept-alive connection (no byte of a next request) is left to aiohttp's
 keep-alive timeout (:data:`KEEPALIVE_TIMEOUT_S` here). The time to send the body is bounded by
-the handler reading it (see ``SidecarSettings.body_timeout``).
+the handler reading it (see ``SidecarSettings.body_timeout_seconds``).
 
 A request the parser refuses before any handler runs (a malformed request line or header,
 ``Content-Length`` together with ``Transfer-Encoding``: request smuggling, RFC 9112 §6.3) gets

@@ -25,7 +25,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -44,6 +43,7 @@ from kvgate_agent.admission.lease import (
     StoreState,
 )
 from kvgate_agent.contract.policy import FailureMode
+from kvgate_agent.sidecar.settings import StoreSettings as StoreSettings  # re-exported
 
 log = logging.getLogger("kvgate.store")
 
@@ -94,25 +94,6 @@ for i = 3, #KEYS do
 end
 return out
 """
-
-
-@dataclass(frozen=True, slots=True)
-class StoreSettings:
-    """Where the shared buckets live.
-
-    Attributes:
-        url: ``redis://HOST:PORT/DB`` or ``rediss://HOST:PORT/DB``.
-        password_file: file holding the password (read at start; trailing newline dropped).
-        ca_file: CA bundle to verify a ``rediss://`` server with (default: the system's).
-        timeout: seconds any one command (and connecting) may take.
-        member: this sidecar's name among its peers (pod name, or host and pid).
-    """
-
-    url: str
-    password_file: str | None = None
-    ca_file: str | None = None
-    timeout: float = 1.0
-    member: str = ""
 
 
 def connect(settings: StoreSettings) -> aioredis.Redis:

@@ -338,7 +338,7 @@ async def _sidecar(
         upstream=upstream,
         policy=parse_policy(policy_manifest(spec)),
         tokenizer_file=None if tokenizer is None else str(tokenizer),
-        read_timeout=None,
+        upstream_timeout=None,
     )
     clock: Callable[[], float] = time.monotonic
     if time_scale != 1.0:

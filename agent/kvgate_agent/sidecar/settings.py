@@ -1,0 +1,361 @@
+"""The sidecar's settings: :class:`SidecarSettings`, with :class:`AgentSettings` (cluster mode)
+and :class:`StoreSettings` (shared limits) inside it.
+
+Each field's default is written here once, with its docstring under it. A field that is also a
+``kvgate-agent sidecar`` flag carries :func:`~kvgate_agent.args.flag` metadata, from which
+:mod:`kvgate_agent.sidecar.cli` derives the flag, its ``KVGATE_*`` variable and its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from kvgate_agent.args import flag, hostport, hostport_text, non_negative_seconds, positive, url
+from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy
+from kvgate_agent.contract.sync import MAX_WAIT_SECONDS
+from kvgate_agent.sidecar.endpoints import Passthrough
+from kvgate_agent.sidecar.engine_tokens import DEFAULT_TIMEOUT_SECONDS
+
+#: Sync interval used until an answer gives one (seconds).
+DEFAULT_SYNC_INTERVAL_SECONDS = 1.0
+#: Bound on one sync call, seconds (connect + answer).
+DEFAULT_SYNC_TIMEOUT_SECONDS = 2.0
+
+
+def passthrough_path(value: str) -> str:
+    """An argparse type: one allowlist entry, refused (exit 2) when it could never match (see
+    :class:`~kvgate_agent.sidecar.endpoints.Passthrough`)."""
+    path = value.strip()
+    if not path.startswith("/"):
+        raise argparse.ArgumentTypeError(f"expected a path starting with '/', got {value!r}")
+    try:
+        Passthrough.of([path])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return path
+
+
+def store_url(value: str) -> str:
+    """An argparse type: a ``redis://`` or ``rediss://`` URL."""
+    if not value.startswith(("redis://", "rediss://")):
+        raise argparse.ArgumentTypeError(f"expected a redis:// or rediss:// URL, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """How the sidecar reaches its node agent and who it is (cluster mode)."""
+
+    url: str = field(
+        metadata=flag(
+            "node agent base URL, e.g. http://$(HOST_IP):9470: thresholds come from it "
+            "(cluster mode; give this or --policy)",
+            name="--agent-url",
+            parse=url,
+        )
+    )
+    """The agent's base URL, e.g. ``http://10.0.0.5:9470`` (``/v1/sync`` is appended)."""
+
+    pod_namespace: str = field(
+        metadata=flag("this pod's namespace (downward API); required with --agent-url")
+    )
+    """The pod's namespace (downward API); required."""
+
+    pod_name: str = field(
+        metadata=flag("this pod's name (downward API); required with --agent-url")
+    )
+    """The pod's name (downward API); required."""
+
+    token_file: str = field(
+        default="/var/run/secrets/kvgate/token",
+        metadata=flag(
+            "projected service-account token (audience kvgate-agent) sent to the node agent, "
+            "re-read before every sync"
+        ),
+    )
+    """The projected service-account token (audience ``kvgate-agent``), read before every
+    call; the default is where the operator's webhook mounts it."""
+
+    pod_uid: str | None = field(
+        default=None,
+        metadata=flag("this pod's uid (downward API), checked by the node agent"),
+    )
+    """The pod's uid (downward API), checked against the token by the agent."""
+
+    pod_ip: str | None = field(
+        default=None,
+        metadata=flag(
+            "this pod's IP (downward API): the node agent scrapes the engine's metrics "
+            "through http://POD_IP:PORT/metrics"
+        ),
+    )
+    """The pod's IP (downward API), from which :attr:`metrics_url` is made."""
+
+    failure_mode: FailureMode = field(
+        default=FailureMode.FAIL_OPEN,
+        metadata=flag(
+            "with --agent-url: what applies until the node agent's first answer (FailOpen: no "
+            "limits; FailClosed: 503), and past the TTL when no policy selects the pod",
+            choices=[m.value for m in FailureMode],
+            to_field=FailureMode,
+        ),
+    )
+    """What applies before the first answer (and past the TTL when the last answer carried no
+    policy)."""
+
+    expected_policy: str | None = field(
+        default=None,
+        metadata=flag(
+            "with --agent-url: the RateLimitPolicy this pod should be governed by (the "
+            "webhook sets it from the kvgate.io/policy annotation); a different or no policy "
+            "is logged and shown in kvgate_policy_mismatch"
+        ),
+    )
+    """The RateLimitPolicy name the pod should be governed by (annotation
+    ``kvgate.io/policy``); informational: a mismatch is logged and exported."""
+
+    ttl_override: float | None = field(
+        default=None,
+        metadata=flag(
+            "with --agent-url: seconds the last thresholds stay enforced while the node "
+            "agent is unreachable, then the policy's failureMode applies (default: the agent's "
+            "ttlSeconds, 30 before its first answer)",
+            name="--thresholds-ttl",
+            parse=positive(float),
+        ),
+    )
+    """Seconds the last thresholds stay enforced without a successful sync; None = the
+    answer's ``ttlSeconds`` (30 before any answer)."""
+
+    sync_wait: float = field(
+        default=MAX_WAIT_SECONDS,
+        metadata=flag(
+            "with --agent-url: seconds the node agent may hold a sync until the thresholds "
+            "change (long poll; capped below the TTL); 0 = poll every sync interval",
+            parse=non_negative_seconds,
+        ),
+    )
+    """Seconds the agent may hold a sync until the answer changes (long poll, ``Prefer:
+    wait``); capped so a held call ends well within the TTL (see
+    :meth:`~kvgate_agent.sidecar.agent_link.ThresholdsLink.wait_seconds`); 0 = plain polling
+    every sync interval."""
+
+    metrics_url: str | None = None
+    """Reported so the agent can scrape the engine through the sidecar; None = do not scrape
+    (see :func:`~kvgate_agent.sidecar.agent_link.sidecar_metrics_url`)."""
+
+    gpu_uuids: tuple[str, ...] = ()
+    """The pod's GPUs when known (see :func:`~kvgate_agent.sidecar.agent_link.gpu_uuids_from_env`,
+    ``KVGATE_GPU_UUIDS``)."""
+
+    sync_timeout: float = DEFAULT_SYNC_TIMEOUT_SECONDS
+    """Bound on one sync call, seconds."""
+
+    sync_interval: float = DEFAULT_SYNC_INTERVAL_SECONDS
+    """Seconds between syncs until an answer gives its own."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """Where the shared buckets live (a Redis; see :mod:`kvgate_agent.sidecar.store`)."""
+
+    url: str = field(
+        metadata=flag(
+            "Redis holding the budgets of shared limits, redis://HOST:PORT/DB or rediss:// "
+            "(TLS); without it shared limits are enforced per pod",
+            name="--store",
+            env="STORE_URL",
+            parse=store_url,
+        )
+    )
+    """``redis://HOST:PORT/DB`` or ``rediss://HOST:PORT/DB``."""
+
+    password_file: str | None = field(
+        default=None,
+        metadata=flag(
+            "file holding the store's password (a mounted Secret)", name="--store-password-file"
+        ),
+    )
+    """File holding the password (read at start; trailing newline dropped)."""
+
+    ca_file: str | None = field(
+        default=None,
+        metadata=flag("CA bundle verifying a rediss:// store", name="--store-ca-file"),
+    )
+    """CA bundle to verify a ``rediss://`` server with (default: the system's)."""
+
+    timeout: float = field(
+        default=1.0,
+        metadata=flag(
+            "seconds one store command may take before the sync counts as failed",
+            name="--store-timeout",
+            parse=positive(float),
+        ),
+    )
+    """Seconds any one command (and connecting) may take."""
+
+    member: str = ""
+    """This sidecar's name among its peers (pod name, or host and pid)."""
+
+
+@dataclass(slots=True)
+class SidecarSettings:
+    """Runtime settings of one sidecar. Exactly one of :attr:`policy` and :attr:`agent` is
+    given (:class:`~kvgate_agent.sidecar.app.Sidecar` refuses anything else)."""
+
+    upstream: str = field(
+        metadata=flag("model server base URL, e.g. http://127.0.0.1:8000", parse=url, required=True)
+    )
+    """Base URL of the model server, e.g. ``http://127.0.0.1:8000``."""
+
+    policy: RateLimitPolicy | None = field(
+        default=None,
+        metadata=flag(
+            "RateLimitPolicy manifest file (YAML or JSON): standalone mode; give this or "
+            "--agent-url"
+        ),
+    )
+    """The RateLimitPolicy enforced (standalone mode). Its flag names the manifest file, which
+    ``kvgate-agent sidecar`` loads."""
+
+    agent: AgentSettings | None = None
+    """The node agent to take thresholds from (cluster mode; its own flags)."""
+
+    listen: tuple[str, int] = field(
+        default=("127.0.0.1", 8080),
+        metadata=flag("HOST:PORT to serve clients on", parse=hostport, text=hostport_text),
+    )
+    """Where :func:`~kvgate_agent.sidecar.cli.run_sidecar` serves clients."""
+
+    admin_listen: tuple[str, int] | None = field(
+        default=None,
+        metadata=flag(
+            "optional HOST:PORT serving /metrics, /healthz, /readyz",
+            parse=hostport,
+            text=hostport_text,
+        ),
+    )
+    """Where :func:`~kvgate_agent.sidecar.cli.run_sidecar` serves ``/metrics``, ``/healthz``
+    and ``/readyz`` on their own (None: only on :attr:`listen`)."""
+
+    tokenizer_file: str | None = field(
+        default=None,
+        metadata=flag(
+            "HF tokenizer.json for exact prompt counts, or 'engine': ask the model server's own "
+            "/tokenize (vLLM, llama.cpp; cached by prompt, the estimate when it is slow or "
+            "down)",
+            name="--tokenizer",
+        ),
+    )
+    """HF ``tokenizer.json`` for exact prompt counts (else a conservative estimate corrected by
+    reported usage). Its flag's value ``engine`` sets :attr:`engine_tokenizer` instead."""
+
+    engine_tokenizer: bool = False
+    """Count prompts with the engine's own ``/tokenize`` (cached; the estimate as the fallback:
+    :mod:`kvgate_agent.sidecar.engine_tokens`)."""
+
+    engine_tokenize_timeout: float = field(
+        default=DEFAULT_TIMEOUT_SECONDS,
+        metadata=flag(
+            "with --tokenizer engine: seconds a request waits for the engine's count of a "
+            "prompt not yet cached before kvgate's estimate is used",
+            parse=positive(float),
+        ),
+    )
+    """Seconds a request waits for the engine's count of a prompt it has not cached before the
+    estimate is used."""
+
+    max_body_bytes: int = field(
+        default=8 * 1024 * 1024,
+        metadata=flag("request body limit, bytes; larger bodies get 413", parse=positive(int)),
+    )
+    """Request bodies above this get 413 (bytes)."""
+
+    connect_timeout: float = 5.0
+    """Seconds to open an upstream connection."""
+
+    upstream_timeout: float | None = field(
+        default=600.0,
+        metadata=flag(
+            "seconds without a byte from the model server before a request fails with 504",
+            parse=positive(float),
+        ),
+    )
+    """Seconds without any upstream byte before the request fails (None: no limit)."""
+
+    header_timeout_seconds: float = field(
+        default=10.0,
+        metadata=flag(
+            "seconds a client connection may take to send a request's headers (slow "
+            "clients get 408 and are disconnected); 0 disables",
+            parse=non_negative_seconds,
+        ),
+    )
+    """Seconds a client connection may take to send a request's headers (from the connection's
+    opening, or a later request's first byte); then it gets 408 and is closed (0: no limit;
+    :mod:`kvgate_agent.sidecar.slowclients`)."""
+
+    body_timeout_seconds: float = field(
+        default=30.0,
+        metadata=flag(
+            "seconds a request's body (admitted or passed through) may take to arrive after "
+            "its headers (then 408); 0 disables",
+            parse=non_negative_seconds,
+        ),
+    )
+    """Seconds a request's body (admission-controlled or passed through) may take to arrive
+    once its headers are in; then 408 (0: no limit)."""
+
+    drain_seconds: float = field(
+        default=30.0,
+        metadata=flag(
+            "on SIGTERM, how long in-flight requests may finish; keep it below "
+            "the pod's terminationGracePeriodSeconds",
+            parse=positive(float),
+        ),
+    )
+    """On SIGTERM, how long in-flight requests may take to finish."""
+
+    passthrough_paths: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "a path (or a prefix ending in *) that POST and other mutating requests may reach "
+            "the model server on without admission, besides /tokenize, /detokenize, "
+            "/chat_tokenize, /v1/messages/count_tokens, /apply-template and "
+            "/v1/responses/*/cancel (* in the middle: one segment); repeatable; any other "
+            "unknown mutating request gets 404; an entry that can never match (a '?', a "
+            "generation path, a non-canonical path) exits 2. The flags add to "
+            "KVGATE_PASSTHROUGH_PATHS (comma-separated)",
+            name="--passthrough-path",
+            env="PASSTHROUGH_PATHS",
+            parse=passthrough_path,
+            repeat=True,
+        ),
+    )
+    """Paths added to the pass-through allowlist for mutating methods (exact, or a prefix
+    ending in ``*``), besides :data:`~kvgate_agent.sidecar.endpoints.DEFAULT_PASSTHROUGH`."""
+
+    engine_poll_seconds: float = 15.0
+    """How often the engine's KV capacity is re-read when ``capacity.fromEngineMetrics`` is
+    set."""
+
+    engine_usage_seconds: float = field(
+        default=1.0,
+        metadata=flag(
+            "how often the model server's KV tokens in use and its own waiting requests are "
+            "read from its /metrics while a KV capacity or a TTFT SLO is enforced; admission "
+            "counts the KV figure where it exceeds kvgate's own reservations, and the waiting "
+            "requests in the expected queue wait; 0 disables",
+            parse=non_negative_seconds,
+        ),
+    )
+    """How often the engine's KV tokens in use are read from its ``/metrics`` while a KV
+    capacity is enforced; admission counts that figure where it exceeds kvgate's own
+    reservations (0: never read)."""
+
+    tenant_label_limit: int = 50
+    """Distinct tenant label values in metrics before ``other``."""
+
+    store: StoreSettings | None = None
+    """The Redis holding ``shared`` limits' budgets (None: they are per pod; its own flags)."""
