@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate_agent.engines.metrics import EngineSample, parse_engine_metrics
+from kvgate_agent.engines.scrape import EngineSample, parse_engine_metrics
 from kvgate_agent.node.engine import EngineView
 from kvgate_bench.toolkit import FakeClock
 

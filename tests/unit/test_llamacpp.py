@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
-from kvgate_agent.engines.metrics import parse_engine_metrics
+from kvgate_agent.engines.scrape import parse_engine_metrics
 from kvgate_agent.sidecar.probe import _context_of
 from kvgate_agent.sidecar.tokens import PromptCount, prompt_over_context
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvgate_agent.engines.metrics import EngineSample, parse_engine_metrics
+from kvgate_agent.engines.scrape import EngineSample, parse_engine_metrics
 
 Clock = Callable[[], float]
 

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from kvgate_agent.contract.nodeadmission import Condition, NodeAdmissionSpec, NodeAdmissionStatus
 from kvgate_agent.contract.sync import APPLIED_HEADER, SyncReport
-from kvgate_agent.engines.metrics import parse_engine_metrics
+from kvgate_agent.engines.scrape import parse_engine_metrics
 from kvgate_agent.gpu.monitor import GpuMonitor
 from kvgate_agent.node.auth import Authenticator, AuthError
 from kvgate_agent.node.engine import EngineView

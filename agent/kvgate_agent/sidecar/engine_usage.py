@@ -21,7 +21,7 @@ import aiohttp
 
 from kvgate_agent.admission import AsyncAdmission
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
-from kvgate_agent.engines.metrics import EngineSample, parse_engine_metrics
+from kvgate_agent.engines.scrape import EngineSample, parse_engine_metrics
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -32,7 +32,7 @@ USAGE_TIMEOUT = aiohttp.ClientTimeout(total=ENGINE_KV_TTL_S)
 class EngineUsagePoll:
     """Every ``interval`` seconds (after the previous read ends), ``GET upstream/metrics`` and
     hand ``kv_used_tokens``, ``waiting`` and ``running``
-    (:func:`~kvgate_agent.engines.metrics.parse_engine_metrics`) to
+    (:func:`~kvgate_agent.engines.scrape.parse_engine_metrics`) to
     ``AsyncAdmission.observe_engine_usage``, which reconsiders waiting requests at once (the
     engine may have freed KV); None when the engine does not report one or the read fails. A
     failed read is logged at debug once per outage, and its recovery once.

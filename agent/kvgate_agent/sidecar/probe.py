@@ -25,7 +25,7 @@ from kvgate_agent.admission import AsyncAdmission, Reason
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED
 from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
-from kvgate_agent.engines.metrics import KV_CAPACITY, parse_engine_metrics
+from kvgate_agent.engines.scrape import KV_CAPACITY, parse_engine_metrics
 from kvgate_agent.sidecar.engine_usage import EngineUsagePoll
 from kvgate_agent.sidecar.metrics import Flag
 
