@@ -9,7 +9,8 @@ Measures, in one process and one run:
 * baselines: an empty timed region (the timer's own cost), an empty Python function call, and a
   dict lookup + one :meth:`TokenBucket.take` (the least any bucket limiter does);
 * the request path around the decision: parsing a typical ~1 KB chat body
-  (:func:`parse_completion_request`) and counting its prompt (:meth:`PromptCounter.count`).
+  (:meth:`~kvgate_agent.sidecar.apis.openai.OpenAI.parse`) and counting its prompt
+  (:meth:`PromptCounter.count`).
 
 Every operation is timed one call at a time with ``time.perf_counter_ns`` (p50, p99) after a
 warm-up, and also as a whole loop divided by the iteration count (mean without per-call timer
@@ -47,7 +48,7 @@ from kvgate_agent.admission import (
 )
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_agent.sidecar.request import parse_completion_request
+from kvgate_agent.sidecar.apis.openai import CHAT
 from kvgate_agent.sidecar.tokens import PromptCounter
 from kvgate_bench import compiled
 from kvgate_bench.toolkit import percentile
@@ -260,24 +261,21 @@ def operations() -> list[Op]:
     spec = parse_policy(POLICY).spec
 
     def parse(i: int) -> object:
-        return parse_completion_request(
+        return CHAT.parse(
             raw,
-            "chat",
             default_max_tokens=spec.tenants.default_max_tokens,
             max_tokens_cap=spec.tenants.max_tokens_cap,
             max_model_len=spec.model.max_model_len,
         )
 
-    parsed = parse_completion_request(
-        raw, "chat", default_max_tokens=512, max_tokens_cap=2048, max_model_len=8192
-    )
+    parsed = CHAT.parse(raw, default_max_tokens=512, max_tokens_cap=2048, max_model_len=8192)
     counter = PromptCounter()
     return [
         Op("timer only (empty timed region)", lambda i: None),
         Op("baseline: empty function call", empty),
         Op("baseline: dict lookup + TokenBucket.take", dict_take),
         Op("decision: submit + release", decision_op()),
-        Op(f"parse_completion_request ({len(raw)} B chat body)", parse, 0.25),
+        Op(f"CHAT.parse ({len(raw)} B chat body)", parse, 0.25),
         Op(
             "PromptCounter.count (estimate, no tokenizer)",
             lambda i: counter.count(parsed.body),

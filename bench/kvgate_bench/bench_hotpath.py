@@ -3,7 +3,7 @@ chunk, outside the HTTP legs, in microseconds of CPU.
 
 Measures, in one process and one run, each operation as the sidecar calls it:
 
-* body parsing: :func:`~kvgate_agent.sidecar.endpoints.parse_generation` of a ~1 KB and a
+* body parsing: :meth:`~kvgate_agent.sidecar.apis.openai.OpenAI.parse` (chat) of a ~1 KB and a
   ~16 KB streaming chat body as the OpenAI SDKs send it (compact JSON), and of the 1 KB body as
   Python's ``json.dumps`` writes it by default (spaces, ``\\u`` escapes: the repeated-key check's
   slower branch);
@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvgate_agent.sidecar.endpoints import parse_generation
+from kvgate_agent.sidecar.apis.openai import CHAT
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_bench.bench_decision import typical_chat_body
 
@@ -88,14 +88,14 @@ def parse_op(raw: bytes) -> Callable[[], object]:
     """Parse ``raw`` as a chat body, as the sidecar does."""
 
     def op() -> object:
-        return parse_generation(raw, "chat", **LIMITS)
+        return CHAT.parse(raw, **LIMITS)
 
     return op
 
 
 def upstream_op(raw: bytes) -> Callable[[], object]:
     """Parse once; then each call builds the upstream body with ``include_usage`` added."""
-    parsed = parse_generation(raw, "chat", **LIMITS)
+    parsed = CHAT.parse(raw, **LIMITS)
     assert parsed.usage_injected, "the benchmark body must lack include_usage"
 
     def op() -> object:

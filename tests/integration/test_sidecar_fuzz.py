@@ -379,8 +379,8 @@ def test_fuzzed_requests_never_5xx_never_leak_refusals_upstream_and_free_everyth
         number = next(counter)
         status, relayed, openai_error = send(servers.port, case, number)
         statuses[status] += 1
-        kind = GENERATION_PATHS.get(case.path.split("?")[0], "other")
-        by_path[(str(kind), status)] += 1
+        route = GENERATION_PATHS.get(case.path.split("?")[0])
+        by_path[(route.name if route is not None else "other", status)] += 1
         if status >= 500 and not relayed:
             errors.append((number, status, case))
         elif status >= 400 and str(number) in servers.recorder.cases:

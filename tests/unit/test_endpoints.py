@@ -1,5 +1,5 @@
-"""The engines' generation APIs parsed into admission inputs (endpoints.parse_generation), their
-upstream rewrites, the pass-through allowlist, and the usage each API reports (usage.py)."""
+"""The engines' generation APIs parsed into admission inputs (each route's parse, sidecar/apis),
+their upstream rewrites, the pass-through allowlist, and the usage each API reports."""
 
 from __future__ import annotations
 
@@ -8,24 +8,46 @@ from typing import Any
 
 import pytest
 
-from kvgate_agent.sidecar.endpoints import Passthrough, Route, parse_generation
+from kvgate_agent.sidecar.apis.base import Api, Route
+from kvgate_agent.sidecar.apis.generate import GENERATE
+from kvgate_agent.sidecar.apis.llamacpp import LLAMACPP
+from kvgate_agent.sidecar.apis.messages import MESSAGES
+from kvgate_agent.sidecar.apis.openai import CHAT, COMPLETIONS
+from kvgate_agent.sidecar.apis.responses import RESPONSES
+from kvgate_agent.sidecar.apis.sglang import SGLANG
+from kvgate_agent.sidecar.apis.tgi import TGI, TGI_STREAM
+from kvgate_agent.sidecar.endpoints import Passthrough
 from kvgate_agent.sidecar.openai_errors import RequestError
-from kvgate_agent.sidecar.request import ParsedRequest, PathKind
+from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.tokens import NON_TEXT_PART_TOKENS, PromptCounter
-from kvgate_agent.sidecar.usage import body_usage, event_reader
+
+#: Each route by the name the cases below use (``tgi_stream``: ``/generate_stream``).
+ROUTES: dict[str, Route] = {
+    "chat": CHAT,
+    "completions": COMPLETIONS,
+    "responses": RESPONSES,
+    "messages": MESSAGES,
+    "generate": GENERATE,
+    "tgi_stream": TGI_STREAM,
+    "llamacpp": LLAMACPP,
+}
+#: Each API by its name.
+APIS: dict[str, Api] = {
+    a.name: a for a in (CHAT, COMPLETIONS, RESPONSES, MESSAGES, TGI, SGLANG, LLAMACPP)
+}
 
 
 def parse(
-    body: Any, route: Route, *, default: int = 256, cap: int | None = 1024, mml: int | None = 4096
+    body: Any, route: str, *, default: int = 256, cap: int | None = 1024, mml: int | None = 4096
 ) -> ParsedRequest:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return parse_generation(
-        raw, route, default_max_tokens=default, max_tokens_cap=cap, max_model_len=mml
+    return ROUTES[route].parse(
+        raw, default_max_tokens=default, max_tokens_cap=cap, max_model_len=mml
     )
 
 
-def refused(body: Any, route: Route, **kw: Any) -> str | None:
+def refused(body: Any, route: str, **kw: Any) -> str | None:
     with pytest.raises(RequestError) as info:
         parse(body, route, **kw)
     assert info.value.status == 400
@@ -41,7 +63,7 @@ def counted(p: ParsedRequest) -> int:
 
 def test_responses_reads_max_output_tokens_input_and_instructions() -> None:
     p = parse({"model": "m", "input": "hello", "max_output_tokens": 30}, "responses")
-    assert (p.path_kind, p.max_tokens, p.n, p.max_tokens_field, p.model) == (
+    assert (p.api.name, p.max_tokens, p.n, p.max_tokens_field, p.model) == (
         "responses", 30, 1, "max_output_tokens", "m",
     )  # fmt: skip
     items = {
@@ -80,7 +102,7 @@ def test_messages_require_max_tokens_and_count_system_and_blocks() -> None:
         ],
     }
     p = parse(body, "messages")
-    assert (p.path_kind, p.max_tokens, p.n) == ("messages", 64, 1)
+    assert (p.api.name, p.max_tokens, p.n) == ("messages", 64, 1)
     assert counted(p) > NON_TEXT_PART_TOKENS + 30
     assert refused({**body, "max_tokens": None}, "messages") == "max_tokens"
     assert refused({**body, "messages": []}, "messages") == "messages"
@@ -89,7 +111,7 @@ def test_messages_require_max_tokens_and_count_system_and_blocks() -> None:
 
 def test_tgi_generate_reads_parameters_and_best_of() -> None:
     p = parse({"inputs": "hi", "parameters": {"max_new_tokens": 20, "best_of": 3}}, "generate")
-    assert (p.path_kind, p.max_tokens, p.n, p.stream, p.model_field) == ("tgi", 20, 3, False, False)
+    assert (p.api.name, p.max_tokens, p.n, p.stream, p.model_field) == ("tgi", 20, 3, False, False)
     s = parse({"inputs": "hi"}, "tgi_stream")
     assert s.stream and s.max_tokens_defaulted and s.n == 1
     assert refused({"inputs": 5}, "generate") == "inputs"
@@ -104,7 +126,7 @@ def test_tgi_generate_reads_parameters_and_best_of() -> None:
 
 def test_sglang_generate_reads_sampling_params_batches_and_n() -> None:
     p = parse({"text": "hi", "sampling_params": {"max_new_tokens": 9, "n": 4}}, "generate")
-    assert (p.path_kind, p.max_tokens, p.n) == ("sglang", 9, 4)
+    assert (p.api.name, p.max_tokens, p.n) == ("sglang", 9, 4)
     batch = {
         "text": ["a", "b", "c"],
         "sampling_params": [{"max_new_tokens": 5}, {"max_new_tokens": 50, "n": 2}, {}],
@@ -137,7 +159,7 @@ def test_sglang_generate_reads_sampling_params_batches_and_n() -> None:
 
 def test_llamacpp_n_predict_minus_one_is_unbounded_and_prompts_multiply() -> None:
     p = parse({"prompt": "hi", "n_predict": -1}, "llamacpp")
-    assert (p.path_kind, p.max_tokens, p.max_tokens_defaulted) == ("llamacpp", 256, True)
+    assert (p.api.name, p.max_tokens, p.max_tokens_defaulted) == ("llamacpp", 256, True)
     assert json.loads(p.upstream_body() or b"")["n_predict"] == 256  # bounded upstream
     zero = parse({"prompt": "hi", "n_predict": 0}, "llamacpp")
     assert zero.max_tokens == 1  # prompt only: n_predict 0 kept (it wins over max_tokens)
@@ -166,7 +188,7 @@ def test_llamacpp_n_predict_minus_one_is_unbounded_and_prompts_multiply() -> Non
 
 
 @pytest.mark.parametrize("route", ["responses", "messages"])
-def test_llamacpp_n_predict_is_charged_on_every_top_level_limit(route: Route) -> None:
+def test_llamacpp_n_predict_is_charged_on_every_top_level_limit(route: str) -> None:
     body: dict[str, Any] = {"model": "m", "max_tokens": 1, "max_output_tokens": 1, "n_predict": -1}
     msgs = [{"role": "user", "content": "hi"}]
     body |= {"input": "hi"} if route == "responses" else {"messages": msgs}
@@ -180,7 +202,7 @@ def test_llamacpp_n_predict_is_charged_on_every_top_level_limit(route: Route) ->
 @pytest.mark.parametrize(
     "raw", [b"{", b"[]", b"\xff", b'{"a": NaN}', b'{"a": 1, "a": 2}', b"[" * 5000 + b"]" * 5000]
 )
-def test_malformed_bodies_are_400_on_every_route(route: Route, raw: bytes) -> None:
+def test_malformed_bodies_are_400_on_every_route(route: str, raw: bytes) -> None:
     refused(raw, route)
 
 
@@ -281,9 +303,9 @@ def test_passthrough_entries_that_can_never_match_are_refused(entry: str, why: s
         ("chat", {"usage": {"prompt_tokens": 5, "completion_tokens": 7}}, (5, 7)),
     ],
 )
-def test_body_usage(kind: PathKind, body: Any, want: tuple[int | None, int | None]) -> None:
-    assert body_usage(kind, json.dumps(body).encode()) == want
-    assert body_usage(kind, b"\xff not json") == (None, None)
+def test_body_usage(kind: str, body: Any, want: tuple[int | None, int | None]) -> None:
+    assert APIS[kind].body_usage(json.dumps(body).encode()) == want
+    assert APIS[kind].body_usage(b"\xff not json") == (None, None)
 
 
 def _events(events: list[Any], named: bool = False, done: bool = False) -> bytes:
@@ -295,7 +317,7 @@ def _events(events: list[Any], named: bool = False, done: bool = False) -> bytes
     return out + (b"data: [DONE]\n\n" if done else b"")
 
 
-STREAMS: list[tuple[PathKind, bytes, int | None, int]] = [
+STREAMS: list[tuple[str, bytes, int | None, int]] = [
     (
         "responses",
         _events(
@@ -377,9 +399,9 @@ STREAMS: list[tuple[PathKind, bytes, int | None, int]] = [
 @pytest.mark.parametrize(("kind", "stream", "prompt", "completion"), STREAMS)
 @pytest.mark.parametrize("split", [1, 7, 10**6])
 def test_each_apis_stream_settles_its_usage_split_anywhere(
-    kind: PathKind, stream: bytes, prompt: int | None, completion: int, split: int
+    kind: str, stream: bytes, prompt: int | None, completion: int, split: int
 ) -> None:
-    acct = StreamAccountant(False, event_reader(kind))
+    acct = StreamAccountant(False, APIS[kind].event_reader())
     out = b"".join(acct.feed(stream[i : i + split]) for i in range(0, len(stream), split))
     out += acct.finish()
     assert out == stream  # relayed unchanged

@@ -1,4 +1,5 @@
-"""parse_completion_request validation, ParsedRequest.upstream_body, OpenAI error bodies."""
+"""OpenAI chat and completions parsing (apis/openai.py), ParsedRequest.upstream_body, OpenAI
+error bodies."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvgate_agent.sidecar.apis import openai
 from kvgate_agent.sidecar.jsonbody import _decode_strict, decode_object
 from kvgate_agent.sidecar.openai_errors import (
     RATE_LIMIT_ERROR,
@@ -16,7 +18,7 @@ from kvgate_agent.sidecar.openai_errors import (
     RequestError,
     error_body,
 )
-from kvgate_agent.sidecar.request import ParsedRequest, PathKind, parse_completion_request
+from kvgate_agent.sidecar.request import ParsedRequest
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 CMPL: dict[str, Any] = {"model": "m", "prompt": "hi"}
@@ -24,19 +26,18 @@ CMPL: dict[str, Any] = {"model": "m", "prompt": "hi"}
 
 def parse(
     body: Any,
-    kind: PathKind = "chat",
+    kind: str = "chat",
     *,
     default: int = 256,
     cap: int | None = 1024,
     max_len: int | None = 4096,
 ) -> ParsedRequest:
     raw = body if isinstance(body, bytes) else json.dumps(body, ensure_ascii=False).encode()
-    return parse_completion_request(
-        raw, kind, default_max_tokens=default, max_tokens_cap=cap, max_model_len=max_len
-    )
+    api = openai.CHAT if kind == "chat" else openai.COMPLETIONS
+    return api.parse(raw, default_max_tokens=default, max_tokens_cap=cap, max_model_len=max_len)
 
 
-def rejected(body: Any, kind: PathKind = "chat", **kw: Any) -> RequestError:
+def rejected(body: Any, kind: str = "chat", **kw: Any) -> RequestError:
     with pytest.raises(RequestError) as ei:
         parse(body, kind, **kw)
     err = ei.value
@@ -195,7 +196,7 @@ def test_rejects_stream_options(opts: Any, param: str) -> None:
 def test_defaults() -> None:
     p = parse(CHAT)
     assert p.body == CHAT
-    assert (p.model, p.path_kind, p.stream, p.client_wants_usage, p.n) == (
+    assert (p.model, p.api.name, p.stream, p.client_wants_usage, p.n) == (
         "m",
         "chat",
         False,
@@ -237,7 +238,7 @@ def test_max_completion_tokens_wins_in_chat() -> None:
 # -- upstream_body -------------------------------------------------------------------------------
 
 
-def up(body: dict[str, Any], kind: PathKind = "chat", **kw: Any) -> dict[str, Any] | None:
+def up(body: dict[str, Any], kind: str = "chat", **kw: Any) -> dict[str, Any] | None:
     raw = parse(body, kind).upstream_body(**kw)
     return None if raw is None else json.loads(raw)
 
@@ -346,7 +347,7 @@ def test_sequences_count_best_of_and_every_prompt_of_a_list() -> None:
         ({**CMPL, "best_of": 2.5}, "completions", "best_of"),
     ],
 )
-def test_absurd_sequence_counts_are_refused(body: Any, kind: PathKind, param: str) -> None:
+def test_absurd_sequence_counts_are_refused(body: Any, kind: str, param: str) -> None:
     assert rejected(body, kind).param == param
 
 
@@ -362,7 +363,7 @@ def test_a_repeated_key_is_refused_at_any_depth() -> None:
 
 
 @pytest.mark.parametrize("kind", ["chat", "completions"])
-def test_llamacpp_n_predict_is_charged_and_rewritten_on_openai_paths(kind: PathKind) -> None:
+def test_llamacpp_n_predict_is_charged_and_rewritten_on_openai_paths(kind: str) -> None:
     base = CHAT if kind == "chat" else CMPL
     # llama.cpp lets n_predict override max_tokens: -1 is unbounded, so the default is charged
     unbounded = parse({**base, "max_tokens": 1, "n_predict": -1}, kind)

@@ -39,7 +39,6 @@ from kvgate_agent.sidecar.endpoints import (
     GENERATION_PATHS,
     SAFE_METHODS,
     Passthrough,
-    parse_generation,
 )
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.forward import Forwarder
@@ -416,9 +415,8 @@ class Sidecar:
         spec = self.spec
         try:
             raw = await self._read_body(request)
-            parsed = parse_generation(
+            parsed = GENERATION_PATHS[request.path].parse(
                 raw,
-                GENERATION_PATHS[request.path],
                 default_max_tokens=spec.tenants.default_max_tokens,
                 max_tokens_cap=spec.tenants.max_tokens_cap,
                 max_model_len=spec.model.max_model_len,
@@ -462,7 +460,7 @@ class Sidecar:
             )  # fmt: skip
         m.count_decision(d.outcome.value, d.reason.value, label)
         if d.ticket is None:
-            return responses.refusal(d, parsed.path_kind)
+            return responses.refusal(d, parsed.api)
         headers = responses.admitted_headers(d, self.mode_header(), parsed.max_tokens_clamped)
         body = (
             parsed.upstream_body(

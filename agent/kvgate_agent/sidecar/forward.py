@@ -35,7 +35,6 @@ from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
 from kvgate_agent.sidecar.upstream import UpstreamConnectError, UpstreamPool, UpstreamResponse
-from kvgate_agent.sidecar.usage import body_usage, event_reader
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -297,7 +296,7 @@ class Forwarder:
         data = await _read_capped(resp)
         ex.clean = True
         if resp.status == 200:
-            ex.prompt_tokens, reported = body_usage(ex.parsed.path_kind, data)
+            ex.prompt_tokens, reported = ex.parsed.api.body_usage(data)
             # No usage reported: charge what was reserved rather than nothing.
             t = ex.ticket
             ex.completion_tokens = t.max_tokens * t.n if reported is None else reported
@@ -324,7 +323,7 @@ class Forwarder:
         choices; :attr:`StreamAccountant.completion_tokens_estimate`) whenever that count
         grows: at most once per upstream read, so at most once per SSE event, and never a
         smaller count than the last one (the exact total is settled at release)."""
-        acct = StreamAccountant(ex.parsed.usage_injected, event_reader(ex.parsed.path_kind))
+        acct = StreamAccountant(ex.parsed.usage_injected, ex.parsed.api.event_reader())
         ex.out = out = web.StreamResponse(status=resp.status, headers=out_headers)
         await _to_client(out.prepare(request))
         first = True

@@ -21,8 +21,9 @@ from aiohttp import web
 from kvgate_agent.admission import Decision
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar import responses
+from kvgate_agent.sidecar.apis.base import Api
 from kvgate_agent.sidecar.forward import HOP_BY_HOP
-from kvgate_agent.sidecar.request import ParsedRequest, PathKind
+from kvgate_agent.sidecar.request import ParsedRequest
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -54,7 +55,7 @@ async def send_to_pool(
     upstream: str,
     body: bytes,
     d: Decision,
-    kind: PathKind,
+    api: Api,
     headers: dict[str, str],
 ) -> tuple[web.StreamResponse, bool]:
     """Send ``request`` (its path and query kept, ``body`` already rewritten to the pool's model)
@@ -64,7 +65,7 @@ async def send_to_pool(
         session: the sidecar's client session (its connect and read timeouts apply).
         upstream: the pool's base URL (``http://HOST:PORT``).
         d: the ``fallback_pool`` decision; ``d.refusal`` is answered when the pool refuses.
-        kind: the API's kind, for the refusal's error body.
+        api: the request's API, for the refusal's error body.
         headers: kvgate's own headers for the answer (decision, reason, mode...).
 
     Returns:
@@ -80,7 +81,7 @@ async def send_to_pool(
         async with session.post(url, data=body, headers=out) as resp:
             if resp.status in _POOL_REFUSED:
                 log.debug("fallback pool %s answered %d: this pod's refusal", upstream, resp.status)
-                return responses.refusal(d.refusal, kind), False
+                return responses.refusal(d.refusal, api), False
             answer = web.StreamResponse(status=resp.status, headers=_relayed(resp.headers))
             answer.headers.update(headers)
             answer.headers[DEGRADED_HEADER] = f"model={d.model}"
@@ -100,7 +101,7 @@ async def send_to_pool(
             return answer, True
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         log.info("fallback pool %s unreachable (%s): this pod's refusal", upstream, exc)
-        return responses.refusal(d.refusal, kind), False
+        return responses.refusal(d.refusal, api), False
 
 
 async def degrade_to_pool(
@@ -123,11 +124,11 @@ async def degrade_to_pool(
     degrade = spec.overload.degrade
     if degrade is None or degrade.fallback is None:
         count(refusal)
-        return responses.refusal(refusal, parsed.path_kind)
+        return responses.refusal(refusal, parsed.api)
     body = parsed.upstream_body(max_tokens=d.max_tokens, model=d.model) or raw
     headers = responses.admitted_headers(d, mode, False)
     resp, taken = await send_to_pool(
-        session, request, degrade.fallback.upstream, body, d, parsed.path_kind, headers
+        session, request, degrade.fallback.upstream, body, d, parsed.api, headers
     )
     count(d if taken else refusal)
     return resp

@@ -1,33 +1,26 @@
-"""Parse and validate an admission-controlled request body, rewrite it for the upstream, and
-canonicalise request paths (:func:`canonical_path`).
+"""A parsed admission-controlled request (:class:`ParsedRequest`) and its rewriting for the
+upstream, the checks every generation API shares (output limits, sequences, llama.cpp's
+``n_predict``, chat messages), and the canonical form of request paths (:func:`canonical_path`).
 
-Covers the OpenAI ``POST /v1/chat/completions`` (``path_kind="chat"``) and
-``POST /v1/completions`` (``"completions"``) here; the other engines' generation APIs are parsed
-by :mod:`kvgate_agent.sidecar.endpoints` into the same :class:`ParsedRequest`. Only the fields
-admission depends on are checked; everything else is left for the model server to judge. An
-explicit JSON ``null`` counts as absent for the optional fields (``max_tokens``,
-``max_completion_tokens``, ``stream``, ``stream_options``, ``n``, ``best_of``), as the OpenAI API
-treats it. Pure byte/JSON logic: no HTTP framework.
+Each API's own parsing is in its module of :mod:`kvgate_agent.sidecar.apis`, which builds the
+:class:`ParsedRequest`. Pure byte/JSON logic: no HTTP framework.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import unquote
 
+from kvgate_agent.sidecar.apis.base import Api
 from kvgate_agent.sidecar.jsonbody import decode_object, encode
 from kvgate_agent.sidecar.openai_errors import RequestError
 
 __all__ = [
-    "ADMITTED_PATHS",
-    "LIMIT_PARAM",
     "MAX_SEQUENCES",
     "MAX_SEQUENCES_PER_PROMPT",
-    "PROMPT_PARAM",
     "ParsedRequest",
-    "PathKind",
     "bad",
     "canonical_path",
     "check_context",
@@ -38,40 +31,8 @@ __all__ = [
     "is_int",
     "is_json",
     "n_predict_limit",
-    "parse_completion_request",
     "positive_int",
 ]
-
-#: The generation APIs: OpenAI chat and completions (vLLM, SGLang, TGI, llama.cpp all serve
-#: them), OpenAI Responses and Anthropic Messages (vLLM), TGI's and SGLang's native
-#: ``/generate`` and llama.cpp's native ``/completion`` (see :mod:`kvgate_agent.sidecar.endpoints`).
-PathKind = Literal["chat", "completions", "responses", "messages", "tgi", "sglang", "llamacpp"]
-#: The OpenAI chat and completions paths, parsed here (the full table, with the other engines'
-#: APIs, is :data:`kvgate_agent.sidecar.endpoints.GENERATION_PATHS`).
-ADMITTED_PATHS: dict[str, PathKind] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-}
-#: The request field holding the prompt, per API (the ``param`` of a "prompt too long" 400).
-PROMPT_PARAM: dict[PathKind, str] = {
-    "chat": "messages",
-    "completions": "prompt",
-    "responses": "input",
-    "messages": "messages",
-    "tgi": "inputs",
-    "sglang": "text",
-    "llamacpp": "prompt",
-}
-#: The request field holding the output limit, per API (the ``param`` of a "too long" 400).
-LIMIT_PARAM: dict[PathKind, str] = {
-    "chat": "max_tokens",
-    "completions": "max_tokens",
-    "responses": "max_output_tokens",
-    "messages": "max_tokens",
-    "tgi": "parameters.max_new_tokens",
-    "sglang": "sampling_params.max_new_tokens",
-    "llamacpp": "n_predict",
-}
 
 MAX_SEQUENCES_PER_PROMPT = 128
 """Most sequences one prompt may ask for (``n``, ``best_of``, beam width): the maximum the OpenAI
@@ -202,7 +163,8 @@ class ParsedRequest:
     Attributes:
         body: the decoded JSON object (not modified by this module).
         model: the ``model`` field.
-        path_kind: ``"chat"`` or ``"completions"``.
+        api: the generation API (:class:`~kvgate_agent.sidecar.apis.base.Api`) the request
+            came in on: its usage reader, its fields' names in a 400.
         stream: the ``stream`` field (False when absent).
         client_wants_usage: the client set ``stream_options.include_usage`` true.
         max_tokens: effective output limit, tokens: the client's value clamped to
@@ -236,7 +198,7 @@ class ParsedRequest:
 
     body: dict[str, Any]
     model: str
-    path_kind: PathKind
+    api: Api
     stream: bool
     client_wants_usage: bool
     max_tokens: int
@@ -256,8 +218,7 @@ class ParsedRequest:
     def usage_injected(self) -> bool:
         """The proxy asks the stream for a usage chunk the client did not (OpenAI chat and
         completions only), and strips it on the way back."""
-        openai = self.path_kind in ("chat", "completions")
-        return openai and self.stream and not self.client_wants_usage
+        return self.api.stream_usage_option and self.stream and not self.client_wants_usage
 
     def upstream_body(
         self,
@@ -369,24 +330,6 @@ def positive_int(body: dict[str, Any], key: str, param: str | None = None) -> in
     return int(v)
 
 
-def _check_prompt(prompt: object) -> None:
-    """Accept str, list[str], list[int], list[list[int]] (non-empty lists, ids >= 0)."""
-    if isinstance(prompt, str):
-        return
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return
-        if all(is_int(p) and p >= 0 for p in prompt):
-            return
-        if all(isinstance(p, list) and p and all(is_int(t) and t >= 0 for t in p) for p in prompt):
-            return
-    raise bad(
-        "'prompt' must be a string, a list of strings, a list of token ids or a list of "
-        "lists of token ids (non-empty)",
-        "prompt",
-    )
-
-
 def check_messages(messages: object) -> None:
     """``messages`` is a non-empty list of objects each with a string ``role``."""
     if not isinstance(messages, list) or not messages:
@@ -401,127 +344,6 @@ def check_messages(messages: object) -> None:
             raise bad(f"'messages[{i}]' must be an object", f"messages[{i}]")
         if not isinstance(m.get("role"), str):
             raise bad(f"'messages[{i}].role' must be a string", f"messages[{i}].role")
-
-
-def parse_completion_request(
-    raw: bytes,
-    path_kind: PathKind,
-    *,
-    default_max_tokens: int,
-    max_tokens_cap: int | None,
-    max_model_len: int | None,
-) -> ParsedRequest:
-    """Decode and validate a request body.
-
-    Args:
-        raw: the request body bytes (must be UTF-8 JSON).
-        path_kind: ``"chat"`` (``/v1/chat/completions``) or ``"completions"``.
-        default_max_tokens: output limit (tokens) used when the client sends none; also bounded
-            by ``max_tokens_cap`` and ``max_model_len``.
-        max_tokens_cap: largest output limit (tokens) forwarded; larger client values are
-            clamped. None: no cap.
-        max_model_len: the model's context length (tokens), when known; a client limit above it
-            can never be served and is rejected.
-
-    Raises:
-        RequestError: status 400, ``invalid_request_error``, ``param`` naming the field
-            (None for a body that is not UTF-8 JSON or not an object): ``model``, ``messages``,
-            ``messages[i]``, ``messages[i].role``, ``prompt``, ``max_tokens``,
-            ``max_completion_tokens``, ``stream``, ``stream_options``,
-            ``stream_options.include_usage``, ``n``, ``best_of`` (also for more sequences than
-            :func:`check_sequences` allows).
-    """
-    body = decode_object(raw)
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise bad("'model' is required and must be a string", "model")
-    if path_kind == "chat":
-        check_messages(body.get("messages"))
-    else:
-        if "prompt" not in body:
-            raise bad("'prompt' is required", "prompt")
-        _check_prompt(body["prompt"])
-    field, client_max, also = _client_limit(body, path_kind, max_model_len)
-    stream, wants_usage = _stream_options(body)
-    n = _openai_sequences(body, path_kind)
-    effective, clamped = effective_limit(
-        client_max, default_max_tokens, max_tokens_cap, max_model_len
-    )
-    return ParsedRequest(
-        body=body,
-        model=model,
-        path_kind=path_kind,
-        stream=stream,
-        client_wants_usage=wants_usage,
-        max_tokens=effective,
-        max_tokens_defaulted=client_max is None,
-        max_tokens_clamped=clamped,
-        client_max_tokens=client_max,
-        max_tokens_field=field,
-        n=n,
-        also_limits=also,
-        raw=raw,
-    )
-
-
-def _openai_sequences(body: dict[str, Any], path_kind: PathKind) -> int:
-    """Sequences of an OpenAI request: ``max(n, best_of, n_cmpl)`` per prompt (vLLM's
-    ``best_of``, also the beam width of its ``use_beam_search``:
-    https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html; llama.cpp's own ``n_cmpl``,
-    "number of completions", copied through its OpenAI routes:
-    https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md), times the
-    prompts of a completions list prompt (a list of strings or of token lists; a list of ints
-    is one)."""
-    prompts = 1
-    prompt = body.get("prompt")
-    if path_kind == "completions" and isinstance(prompt, list) and not is_int(prompt[0]):
-        prompts = len(prompt)
-    get = body.get
-    if get("n") is None and get("best_of") is None and get("n_cmpl") is None:
-        return check_sequences(1, prompts, "prompt")  # the usual case: one per prompt
-    counts = {k: positive_int(body, k) or 1 for k in ("n", "best_of", "n_cmpl")}
-    param = max(counts, key=lambda k: counts[k])  # the first of the largest
-    per_prompt = counts[param]
-    check_sequences(per_prompt, 1, param)
-    return check_sequences(per_prompt, prompts, "prompt")
-
-
-def _client_limit(
-    body: dict[str, Any], path_kind: PathKind, max_model_len: int | None
-) -> tuple[str, int | None, tuple[str, ...]]:
-    """(the limit field to rewrite upstream, the client's output limit in tokens or None, other
-    limit fields to rewrite: see :func:`n_predict_limit`). Chat's ``max_completion_tokens``
-    wins over ``max_tokens``; a limit above the context length is refused."""
-    field = "max_tokens"
-    client_max = positive_int(body, "max_tokens")
-    if path_kind == "chat":
-        mct = positive_int(body, "max_completion_tokens")
-        if mct is not None:
-            field, client_max = "max_completion_tokens", mct
-    check_context(field, client_max, max_model_len)
-    client_max, also = n_predict_limit(body, client_max, max_model_len)
-    return field, client_max, also
-
-
-def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
-    """(``stream``, ``stream_options.include_usage``), each False when absent or null."""
-    stream = body.get("stream")
-    if stream is None:
-        stream = False
-    elif not isinstance(stream, bool):
-        raise bad("'stream' must be a boolean", "stream")
-    wants_usage = False
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise bad("'stream_options' must be an object", "stream_options")
-        inc = opts.get("include_usage")
-        if inc is not None and not isinstance(inc, bool):
-            raise bad(
-                "'stream_options.include_usage' must be a boolean", "stream_options.include_usage"
-            )
-        wants_usage = inc is True
-    return stream, wants_usage
 
 
 def canonical_path(raw_path: str) -> str:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvgate_agent.admission import Decision, Outcome, Reason
+from kvgate_agent.sidecar.apis.base import Api
+from kvgate_agent.sidecar.apis.openai import CHAT
 from kvgate_agent.sidecar.openai_errors import (
     INVALID_REQUEST_ERROR,
     RATE_LIMIT_ERROR,
@@ -20,7 +22,6 @@ from kvgate_agent.sidecar.openai_errors import (
     RequestError,
     error_body,
 )
-from kvgate_agent.sidecar.request import LIMIT_PARAM, PROMPT_PARAM, PathKind
 
 JSON = "application/json"
 #: Response header naming the thresholds mode (see ``agent_link.Mode``) when a node agent is used.
@@ -34,12 +35,13 @@ def json_response(status: int, body: bytes, headers: dict[str, str] | None = Non
     return web.Response(status=status, body=body, content_type=JSON, headers=headers)
 
 
-def refusal(d: Decision, kind: PathKind = "chat") -> web.Response:
+def refusal(d: Decision, api: Api = CHAT) -> web.Response:
     """The answer to a refused decision (``d.ticket`` is None): its status (400, 429 or 503),
     ``Retry-After`` (seconds) when the decision gives one, ``RateLimit-Policy`` and ``RateLimit``
     when a bucket refused, and an OpenAI error body (a 400 names the offending field as the
-    API ``kind`` calls it: ``prompt`` is ``messages`` for chat, ``max_tokens`` is
-    ``parameters.max_new_tokens`` for TGI...)."""
+    ``api`` calls it, :attr:`~kvgate_agent.sidecar.apis.base.Api.prompt_param` and
+    :attr:`~kvgate_agent.sidecar.apis.base.Api.limit_param`: ``prompt`` is ``messages`` for
+    chat, ``max_tokens`` is ``parameters.max_new_tokens`` for TGI...)."""
     headers = {DECISION_HEADER: d.outcome.value, REASON_HEADER: d.reason.value}
     if d.retry_after is not None:
         headers["Retry-After"] = str(d.retry_after)
@@ -53,9 +55,9 @@ def refusal(d: Decision, kind: PathKind = "chat") -> web.Response:
     if d.status == 400:
         param = d.param or "max_tokens"
         if param == "prompt":
-            param = PROMPT_PARAM[kind]
+            param = api.prompt_param
         elif param == "max_tokens":
-            param = LIMIT_PARAM[kind]
+            param = api.limit_param
         body = error_body(d.message, INVALID_REQUEST_ERROR, param, d.reason.value)
     elif d.status == 503:
         body = error_body(d.message, SERVICE_UNAVAILABLE, None, d.reason.value)

@@ -50,9 +50,11 @@ class StreamAccountant:
             ``"choices": []`` and a non-null ``usage``), which is dropped; incomplete events are
             held back. When False, :meth:`feed` returns its input unchanged at once.
 
-        reader: for another API's stream (TGI, SGLang, llama.cpp, Responses, Messages), the
-            :class:`~kvgate_agent.sidecar.usage.EventReader` that accounts its JSON events; usage,
-            output count and end of stream then come from it (``[DONE]`` still counts as the end).
+        reader: for another API's stream (TGI, SGLang, llama.cpp, Responses, Messages), that
+            API's :class:`~kvgate_agent.sidecar.usage.EventReader` (its
+            :meth:`~kvgate_agent.sidecar.apis.base.Api.event_reader`), which accounts its JSON
+            events; usage, output count and end of stream then come from it (``[DONE]`` still
+            counts as the end).
 
     An event that ends with a bare CR is only known to be complete when the next byte arrives
     (it might be the LF of a CRLF) or at :meth:`finish`. Malformed JSON is ignored for
