@@ -179,6 +179,41 @@ def decision_trace(seed: int = 7, steps: int = 3000) -> list[list[object]]:
     return rows
 
 
+#: Request bodies :func:`body_trace` decodes: accepted ones, and one for each way a body is
+#: refused with 400 (not UTF-8, not JSON, not an object, a constant, a number past a double's
+#: range, a repeated key, on msgspec's fast path and on the reference's).
+BODIES: tuple[bytes, ...] = (
+    b'{"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}',
+    b'{"a": 1.5e3, "b": [1, 2, {"c": null}], "d": 123456789012345678901234567890}',
+    b'{"temperature": 1e400}',
+    b'{"a": [-1e400]}',
+    b'{"max_tokens": 1, "max_tokens": 2}',
+    b'{"a": {"k": 1, "k": 2}}',
+    b'{"a": NaN}',
+    b'{"a": Infinity}',
+    b"[1, 2]",
+    b'{"a": 1',
+    b"\xff\xfe",
+    b'{"a": "\\ud800", "b": 1e400}',
+)
+
+
+def body_trace() -> list[list[object]]:
+    """Each of :data:`BODIES` through the sidecar's body decoding
+    (:func:`~kvgate_agent.sidecar.jsonbody.decode_object`): ``["ok", keys]`` or ``[status,
+    param, message]`` of the 400, as JSON-ready rows."""
+    from kvgate_agent.sidecar.jsonbody import decode_object
+    from kvgate_agent.sidecar.openai_errors import RequestError
+
+    rows: list[list[object]] = []
+    for raw in BODIES:
+        try:
+            rows.append(["ok", sorted(decode_object(raw))])
+        except RequestError as exc:
+            rows.append([exc.status, exc.param, exc.message])
+    return rows
+
+
 def compiled_trace(build_dir: Path, seed: int, steps: int) -> list[list[object]]:
     """:func:`decision_trace` run in a subprocess on the compiled build (which it checks is
     what imports).
@@ -186,17 +221,29 @@ def compiled_trace(build_dir: Path, seed: int, steps: int) -> list[list[object]]
     Raises:
         RuntimeError: the subprocess failed or did not import the compiled modules.
     """
+    return _on_build(build_dir, f"compiled.decision_trace({seed}, {steps})")
+
+
+def compiled_body_trace(build_dir: Path) -> list[list[object]]:
+    """:func:`body_trace` run in a subprocess on the compiled build (see :func:`compiled_trace`;
+    raises the same)."""
+    return _on_build(build_dir, "compiled.body_trace()")
+
+
+def _on_build(build_dir: Path, call: str) -> list[list[object]]:
+    """The JSON rows ``call`` (an expression over this module, named ``compiled``) returns in a
+    subprocess whose imports come from ``build_dir``."""
     code = (
         "import json, sys\n"
         "from kvgate_bench import compiled\n"
         "plain = compiled.plain_modules()\n"
         "if plain: sys.exit(f'not compiled: {plain}')\n"
-        f"print(json.dumps(compiled.decision_trace({seed}, {steps})))\n"
+        f"print(json.dumps({call}))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(build_dir)}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if run.returncode != 0:
-        raise RuntimeError(f"compiled trace failed: {run.stdout[-2000:]}{run.stderr[-2000:]}")
+        raise RuntimeError(f"compiled {call} failed: {run.stdout[-2000:]}{run.stderr[-2000:]}")
     rows: list[list[object]] = json.loads(run.stdout)
     return rows
 
@@ -222,14 +269,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"compiled build: {d}")
     if not args.compare:
         return 0
-    pure = decision_trace(args.seed, args.steps)
-    comp = compiled_trace(d, args.seed, args.steps)
-    diff = next((i for i, (a, b) in enumerate(zip(pure, comp, strict=True)) if a != b), None)
-    if diff is None:
-        print(f"{len(pure)} decisions: compiled and pure agree")
-        return 0
-    print(f"decision {diff} differs: pure {pure[diff]}, compiled {comp[diff]}")
-    return 1
+    failed = 0
+    for what, pure, comp in (
+        (
+            "decisions",
+            decision_trace(args.seed, args.steps),
+            compiled_trace(d, args.seed, args.steps),
+        ),
+        ("request bodies", body_trace(), compiled_body_trace(d)),
+    ):
+        diff = next((i for i, (a, b) in enumerate(zip(pure, comp, strict=True)) if a != b), None)
+        if diff is None:
+            print(f"{len(pure)} {what}: compiled and pure agree")
+        else:
+            failed = 1
+            print(f"{what} {diff} differs: pure {pure[diff]}, compiled {comp[diff]}")
+    return failed
 
 
 if __name__ == "__main__":

@@ -66,3 +66,15 @@ def test_compiled_core_decides_as_the_sources() -> None:
     if build is None:
         pytest.skip("no mypyc build cached for these sources: python -m kvgate_bench.compiled")
     assert compiled.compiled_trace(build, 7, 3000) == compiled.decision_trace(7, 3000)
+
+
+def test_compiled_body_decoding_answers_as_the_sources() -> None:
+    """Every refusal reason reached, each a 400 (a compiled exception check once turned
+    ``1e400`` into a 500), and the compiled build gives the same rows."""
+    rows = compiled.body_trace()
+    assert {r[0] for r in rows} == {"ok", 400}
+    assert sum(r[0] == 400 for r in rows) == len(compiled.BODIES) - 2
+    build = compiled.cached()
+    if build is None:
+        pytest.skip("no mypyc build cached for these sources: python -m kvgate_bench.compiled")
+    assert compiled.compiled_body_trace(build) == rows
