@@ -22,7 +22,7 @@ from kvgate_agent.admission import (
 )
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
 from kvgate_agent.contract.policy import OverloadAction
-from kvgate_agent.sidecar.engine_usage import EngineUsagePoll
+from kvgate_agent.sidecar.engine_load import EngineLoadPoll
 from kvgate_bench.sim.server import SimConfig, start_sim
 from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import SidecarFactory, gauges
@@ -123,7 +123,7 @@ async def test_an_unreadable_engine_counts_as_unknown_and_is_logged_once(
     controller.observe_engine_kv(POOL)  # the engine was full at the last read
     request = AdmissionRequest("t", 10, 100)
     assert controller.submit(request).outcome is Outcome.REJECTED
-    poll = EngineUsagePoll(f"http://127.0.0.1:{free_port()}", AsyncAdmission(controller), 0.01)
+    poll = EngineLoadPoll(f"http://127.0.0.1:{free_port()}", AsyncAdmission(controller), 0.01)
     reads = 0
     read = poll.read
 
@@ -149,7 +149,7 @@ async def test_an_unreadable_engine_counts_as_unknown_and_is_logged_once(
 def test_a_non_positive_interval_is_refused() -> None:
     controller = AdmissionController(AdmissionConfig())
     with pytest.raises(ValueError, match="> 0"):
-        EngineUsagePoll("http://127.0.0.1:1", AsyncAdmission(controller), 0)
+        EngineLoadPoll("http://127.0.0.1:1", AsyncAdmission(controller), 0)
 
 
 async def test_an_unknown_engine_is_reported_never_silently_blind(

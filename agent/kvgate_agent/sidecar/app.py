@@ -41,10 +41,10 @@ from kvgate_agent.sidecar.endpoints import (
     Passthrough,
 )
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
+from kvgate_agent.sidecar.fallback_pool import already_degraded, degrade_to_pool
 from kvgate_agent.sidecar.forward import Forwarder
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
-from kvgate_agent.sidecar.pool import already_degraded, degrade_to_pool
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import ParsedRequest, canonical_path, is_json
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported

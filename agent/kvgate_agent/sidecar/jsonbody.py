@@ -46,8 +46,7 @@ def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise _Refused(
-            f"The request body has a number out of range ({text[:32]} is not a finite"
-            " 64-bit float)"
+            f"The request body has a number out of range ({text[:32]} is not a finite 64-bit float)"
         )
     return value
 

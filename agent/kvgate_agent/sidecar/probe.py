@@ -2,7 +2,7 @@
 and ``/slots``), the requests it serves at once (llama.cpp's slots), context length
 (``/v1/models``; llama.cpp: the slot's context), liveness (``/health``) and, every
 ``usage_seconds``, the KV tokens in use and the engine's own queue
-(:mod:`kvgate_agent.sidecar.engine_usage`).
+(:mod:`kvgate_agent.sidecar.engine_load`).
 
 Invariant: an implausible or unreadable KV capacity is never enforced; until one is read,
 ``failureMode`` decides (FailOpen admits under the policy's explicit figure, FailClosed answers
@@ -26,7 +26,7 @@ from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED
 from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
 from kvgate_agent.engines.scrape import KV_CAPACITY, parse_engine_metrics
-from kvgate_agent.sidecar.engine_usage import EngineUsagePoll
+from kvgate_agent.sidecar.engine_load import EngineLoadPoll
 from kvgate_agent.sidecar.metrics import Flag
 
 log = logging.getLogger("kvgate.sidecar")
@@ -95,7 +95,7 @@ class EngineProbe:
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self.usage = (
-            EngineUsagePoll(upstream, admission, usage_seconds) if usage_seconds > 0 else None
+            EngineLoadPoll(upstream, admission, usage_seconds) if usage_seconds > 0 else None
         )
 
     async def start(self, session: aiohttp.ClientSession, *, poll: bool) -> None:

@@ -29,7 +29,7 @@ log = logging.getLogger("kvgate.sidecar")
 USAGE_TIMEOUT = aiohttp.ClientTimeout(total=ENGINE_KV_TTL_S)
 
 
-class EngineUsagePoll:
+class EngineLoadPoll:
     """Every ``interval`` seconds (after the previous read ends), ``GET upstream/metrics`` and
     hand ``kv_used_tokens``, ``waiting`` and ``running``
     (:func:`~kvgate_agent.engines.scrape.parse_engine_metrics`) to
