@@ -1,5 +1,8 @@
 """Token buckets for request and cost budgets, and a bounded keyed set of them.
 
+:class:`Bucket` is what admission asks of any bucket; :class:`TokenBucket` is the local one,
+:class:`SharedBucket` this pod's slice of a fleet-wide one (it never refills by itself).
+
 A bucket holds up to ``capacity`` units and refills at ``rate`` units per second (the classic token
 bucket, e.g. RFC 2697's committed-burst bucket). Units are whatever the limit counts: requests, or
 cost units (see ``CostSpec``). All times are seconds on a monotonic clock the caller passes in.
@@ -12,6 +15,7 @@ nothing; days of idleness refill to capacity, never beyond (no float overflow: t
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -24,8 +28,62 @@ WARMUP_START_FRACTION = 0.25
 SHORT_SLICE_WAIT_S = 0.05
 
 
-class TokenBucket:
-    """One token bucket.
+class Bucket(ABC):
+    """What admission asks of a bucket: units (requests or cost units) taken by an admission,
+    put back or charged at settlement, and the wait until an amount is there (Retry-After).
+
+    ``capacity``: full capacity, units; ``rate``: units per second; ``level``: units held now;
+    ``last``: clock seconds of the last look; ``pins``: reservations held against it (a pinned
+    bucket is in use and never evicted).
+    """
+
+    __slots__ = ("capacity", "last", "level", "pins", "rate")
+
+    capacity: float
+    rate: float
+    level: float
+    last: float
+    pins: int
+
+    @abstractmethod
+    def capacity_at(self, now: float) -> float:
+        """The capacity in force at ``now``, units (below ``capacity`` only while warming)."""
+
+    @abstractmethod
+    def refill(self, now: float) -> float:
+        """The level at ``now`` (units), after adding what accrued (if the bucket refills)."""
+
+    @abstractmethod
+    def peek(self, now: float) -> float:
+        """The level at ``now`` (units) without changing any state (for metrics)."""
+
+    @abstractmethod
+    def put_back(self, amount: float, now: float) -> None:
+        """Return ``amount`` units (a refund)."""
+
+    @abstractmethod
+    def charge(self, amount: float, now: float) -> None:
+        """Take ``amount`` units unconditionally (usage beyond what was reserved)."""
+
+    @abstractmethod
+    def seconds_until(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` units could be taken; ``inf`` when never."""
+
+    @abstractmethod
+    def forgettable(self, now: float) -> bool:
+        """True when the bucket's state carries nothing a new one would not (it may be
+        evicted)."""
+
+    def take(self, amount: float, now: float) -> bool:
+        """Take ``amount`` units if the bucket holds them; returns whether it did."""
+        if self.refill(now) >= amount:
+            self.level -= amount
+            return True
+        return False
+
+
+class TokenBucket(Bucket):
+    """One local token bucket.
 
     Args:
         capacity: full capacity in units (> 0).
@@ -39,7 +97,7 @@ class TokenBucket:
     ``f = WARMUP_START_FRACTION``, and a new bucket starts full at its effective capacity.
     """
 
-    __slots__ = ("_ramp_end", "_ramp_start", "capacity", "last", "level", "pins", "rate")
+    __slots__ = ("_ramp_end", "_ramp_start")
 
     def __init__(
         self,
@@ -86,13 +144,6 @@ class TokenBucket:
             return self.level
         return min(self.capacity_at(now), self.level + elapsed * self.rate)
 
-    def take(self, amount: float, now: float) -> bool:
-        """Take ``amount`` units if the bucket holds them; returns whether it did."""
-        if self.refill(now) >= amount:
-            self.level -= amount
-            return True
-        return False
-
     def put_back(self, amount: float, now: float) -> None:
         """Return ``amount`` units (a refund), never above the effective capacity."""
         cap = self.capacity_at(now)
@@ -119,12 +170,12 @@ class TokenBucket:
             wait = max(wait, self._ramp_start + need_frac * span - now)
         return wait
 
-    def is_full(self, now: float) -> bool:
-        """True when the bucket is back at full capacity (its state can be forgotten)."""
+    def forgettable(self, now: float) -> bool:
+        """True when the bucket is back at full capacity (a new one starts full)."""
         return self.refill(now) >= self.capacity
 
 
-class SharedBucket(TokenBucket):
+class SharedBucket(Bucket):
     """This pod's slice (lease) of one fleet-wide bucket held in the store (:mod:`.lease`).
 
     It never refills by itself: ``level`` is what the leases granted (already debited from the
@@ -150,7 +201,14 @@ class SharedBucket(TokenBucket):
     __slots__ = ("debt", "demand", "mark", "need", "shared_level", "sync_at")
 
     def __init__(self, capacity: float, rate: float, now: float, level: float = 0.0) -> None:
-        super().__init__(capacity, rate, now)
+        if capacity <= 0 or rate <= 0 or not math.isfinite(capacity) or not math.isfinite(rate):
+            raise ValueError(
+                f"bucket needs finite capacity > 0 and rate > 0, got {capacity}, {rate}"
+            )
+        self.capacity = capacity
+        self.rate = rate
+        self.last = now
+        self.pins = 0
         self.level = level
         self.debt = level
         self.mark = level
@@ -160,6 +218,7 @@ class SharedBucket(TokenBucket):
         self.sync_at = now
 
     def capacity_at(self, now: float) -> float:
+        """The shared bucket's capacity (a slice does not warm up)."""
         return self.capacity
 
     def refill(self, now: float) -> float:
@@ -169,7 +228,12 @@ class SharedBucket(TokenBucket):
         return self.level
 
     def peek(self, now: float) -> float:
+        """The level (units)."""
         return self.level
+
+    def put_back(self, amount: float, now: float) -> None:
+        """Return ``amount`` units (a settlement refund), never above the capacity."""
+        self.level = min(self.capacity, self.refill(now) + amount)
 
     def charge(self, amount: float, now: float) -> None:
         """Take ``amount`` units unconditionally, down to ``-capacity`` (a debt the next leases
@@ -190,9 +254,8 @@ class SharedBucket(TokenBucket):
             wait = max(wait, self.sync_at - now, SHORT_SLICE_WAIT_S)
         return wait
 
-    def is_full(self, now: float) -> bool:
-        """True when the bucket holds nothing of the shared budget (its state can be
-        forgotten)."""
+    def forgettable(self, now: float) -> bool:
+        """True when the slice holds and owes nothing of the shared budget."""
         return self.level == 0.0 and self.debt == 0.0
 
 
@@ -233,7 +296,7 @@ class BucketMap:
         self.warmup_seconds = warmup_seconds
         self.max_keys = max_keys
         self.idle_seconds = idle_seconds
-        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+        self._buckets: OrderedDict[str, Bucket] = OrderedDict()
         #: None: local buckets. A number: the buckets are :class:`SharedBucket` slices of a
         #: fleet-wide budget, a new one starting with this many units (charged later).
         self.first_slice: float | None = None
@@ -241,7 +304,7 @@ class BucketMap:
         #: the lease book's final hand-back.
         self.evicted: list[tuple[str, SharedBucket]] = []
 
-    def get(self, key: str, now: float) -> TokenBucket:
+    def get(self, key: str, now: float) -> Bucket:
         """The bucket for ``key``, created full (at its warm-up capacity) if absent."""
         b = self._buckets.get(key)
         if b is None:
@@ -267,10 +330,12 @@ class BucketMap:
                 return
             key, oldest = next(iter(buckets.items()))
             if len(buckets) >= self.max_keys or (
-                oldest.pins == 0 and now - oldest.last >= self.idle_seconds and oldest.is_full(now)
+                oldest.pins == 0
+                and now - oldest.last >= self.idle_seconds
+                and oldest.forgettable(now)
             ):
                 del buckets[key]
-                if isinstance(oldest, SharedBucket) and not oldest.is_full(now):
+                if isinstance(oldest, SharedBucket) and not oldest.forgettable(now):
                     self.evicted.append((key, oldest))
             elif now - oldest.last >= self.idle_seconds or oldest.pins:
                 buckets.move_to_end(key)
@@ -280,6 +345,6 @@ class BucketMap:
     def __len__(self) -> int:
         return len(self._buckets)
 
-    def items(self) -> Iterator[tuple[str, TokenBucket]]:
+    def items(self) -> Iterator[tuple[str, Bucket]]:
         """(key, bucket) pairs, least recently used first."""
         return iter(list(self._buckets.items()))

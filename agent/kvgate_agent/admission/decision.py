@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeAlias
 
-from kvgate_agent.admission.bucket import TokenBucket
+from kvgate_agent.admission.bucket import Bucket
 
 #: One bucket reservation held by a ticket: (bucket, units reserved, is the cost bucket). A
 #: plain tuple, not a NamedTuple: one is built per bucket on every admission.
-BucketCharge: TypeAlias = tuple[TokenBucket, float, bool]
+BucketCharge: TypeAlias = tuple[Bucket, float, bool]
 
 
 class Outcome(StrEnum):

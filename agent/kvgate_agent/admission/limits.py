@@ -19,7 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvgate_agent.admission.bucket import BucketMap, SharedBucket, TokenBucket
+from kvgate_agent.admission.bucket import Bucket, BucketMap, SharedBucket
 from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
 from kvgate_agent.admission.decision import AdmissionRequest, BucketCharge, Reason, Ticket
 from kvgate_agent.admission.predictor import LengthPredictor
@@ -57,7 +57,7 @@ class Blocker:
     reason: Reason
     limit: str
     tenant_scoped: bool = False
-    bucket: TokenBucket | None = None
+    bucket: Bucket | None = None
     amount: float = 0.0
     threshold: LimitThreshold | None = None
 
@@ -172,7 +172,7 @@ def _slices(lim: RateLimitBuckets) -> list[tuple[str, SharedBucket]]:
         if bmap is None:
             continue
         for key, b in bmap.items():
-            if isinstance(b, SharedBucket) and not b.is_full(0.0):
+            if isinstance(b, SharedBucket) and not b.forgettable(0.0):
                 out.append((f"{lim.threshold.name}:{unit}:{key}", b))
     return out
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 
-from kvgate_agent.admission.bucket import TokenBucket
+from kvgate_agent.admission.bucket import Bucket
 from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason, Waiter
 from kvgate_agent.admission.limits import Blocker, Limits
 
@@ -80,7 +80,7 @@ def wait_seconds(
 def _refill_wait(
     req: AdmissionRequest,
     blocker: Blocker,
-    b: TokenBucket,
+    b: Bucket,
     now: float,
     limits: Limits,
     queue: Collection[Waiter],
