@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -36,9 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgate_agent.contract.api import API_VERSION
+from kvgate_bench import processes
 from kvgate_bench.peers_install import clean_env
 from kvgate_bench.peers_wrk import MODEL, TENANT
-from kvgate_bench.toolkit import cpu_seconds, free_port, wait_port
+from kvgate_bench.toolkit import cpu_seconds, free_port
 
 PASSTHROUGH_PATH = "/bench/chat"
 CHAT_PATH = "/v1/chat/completions"
@@ -197,30 +196,17 @@ class Fleet:
         env: dict[str, str] | None = None,
     ) -> Server:
         """Start ``cmd`` under ``taskset`` and wait until ``port`` accepts connections."""
-        log = (self.workdir / f"{name}.log").open("wb")
         env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
-            ["taskset", "-c", str(self.cpu), *cmd], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-        log.close()
-        server = Server(name, port, proc)
+        log = self.workdir / f"{name}.log"
+        taskset = ["taskset", "-c", str(self.cpu), *cmd]
+        proc = processes.start(taskset, log, env=env, port=port, timeout=timeout, what=name)
+        server = Server(name, port, proc.popen)
         self.servers.append(server)
-        try:
-            wait_port(port, proc, timeout=timeout)
-        except (RuntimeError, TimeoutError) as e:
-            tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{name} did not start: {e}\n{tail}") from e
         return server
 
     def stop(self, server: Server) -> None:
         """Stop one server (SIGTERM, SIGKILL after 10 s)."""
-        with contextlib.suppress(ProcessLookupError):
-            server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
+        processes.stop(server.proc)
         if server in self.servers:
             self.servers.remove(server)
 
@@ -243,10 +229,10 @@ class Fleet:
         policy = self.workdir / "policy.yaml"
         policy.write_text(POLICY_YAML)
         port = free_port()
-        cmd = [sys.executable, "-m", "kvgate_agent", "sidecar",
-               "--upstream", f"http://127.0.0.1:{upstream_port}", "--policy", str(policy),
-               "--listen", f"127.0.0.1:{port}", "--log-level", "WARNING",
-               "--passthrough-path", PASSTHROUGH_PATH]  # fmt: skip
+        cmd = processes.sidecar_argv(
+            "--log-level", "WARNING", "--passthrough-path", PASSTHROUGH_PATH,
+            upstream=f"http://127.0.0.1:{upstream_port}", policy=policy, port=port,
+        )  # fmt: skip
         return self.start(name, cmd, port)
 
     def litellm(self, binary: str, upstream_port: int) -> Server:
