@@ -5,8 +5,6 @@ Prometheus reading are in :mod:`kvgate_bench.toolkit`."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,8 @@ from aiohttp import web
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_bench.llamaserver import llama_args, wait_loaded
+from kvgate_bench.processes import Proc, start_sidecar
+from kvgate_bench.processes import start as start_process
 from kvgate_bench.redisserver import RedisServer, find_redis_server
 from kvgate_bench.sim.server import SimConfig, start_sim
 from kvgate_bench.toolkit import (
@@ -26,7 +26,6 @@ from kvgate_bench.toolkit import (
     free_port,
     parse_samples,
     series,
-    wait_http,
 )
 from tests.upstream import Upstream, serve_handler
 
@@ -88,36 +87,6 @@ async def sidecar_factory() -> AsyncIterator[SidecarFactory]:
         await r.cleanup()
 
 
-class Proc:
-    """A child process serving HTTP on ``url``."""
-
-    def __init__(
-        self, args: list[str], url: str, health: str, log: Path, env: dict[str, str] | None = None
-    ) -> None:
-        self.log = log
-        self._fh = log.open("wb")
-        self.popen = subprocess.Popen(
-            args, stdout=self._fh, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
-        self.url = url
-        try:
-            wait_http(url + health, proc=self.popen)
-        except Exception:
-            self.stop()
-            raise RuntimeError(f"{args[0]} did not start: {log.read_text()[-2000:]}") from None
-
-    def stop(self, timeout: float = 10.0) -> int:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._fh.close()
-        return self.popen.returncode
-
-
 @pytest.fixture
 def sidecar_process(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
     """Start the real ``kvgate-agent sidecar`` CLI as a child process:
@@ -128,23 +97,14 @@ def sidecar_process(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
         policy = tmp_path / f"policy-{len(procs)}.yaml"
         policy.write_text(yaml.safe_dump(policy_doc(spec)))
         port = free_port()
-        p = Proc(
-            [
-                sys.executable,
-                "-m",
-                "kvgate_agent",
-                "sidecar",
-                "--upstream",
-                upstream,
-                "--policy",
-                str(policy),
-                "--listen",
-                f"127.0.0.1:{port}",
-                *extra,
-            ],
-            f"http://127.0.0.1:{port}",
-            "/healthz",
+        p = start_sidecar(
             tmp_path / f"sidecar-{port}.log",
+            *extra,
+            upstream=upstream,
+            policy=policy,
+            port=port,
+            status=None,
+            timeout=15.0,
         )
         procs.append(p)
         return p
@@ -179,20 +139,14 @@ def llmd_sim(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
 
     def start(*extra: str) -> Proc:
         port = free_port()
-        p = Proc(
-            [
-                binary,
-                "--model",
-                "test-model",
-                "--port",
-                str(port),
-                "--force-dummy-tokenizer",
-                *extra,
-            ],
-            f"http://127.0.0.1:{port}",
-            "/health",
+        p = start_process(
+            [binary, "--model", "test-model", "--port", str(port), "--force-dummy-tokenizer",
+             *extra],
             tmp_path / f"llmd-{port}.log",
-        )
+            url=f"http://127.0.0.1:{port}",
+            ready="/health",
+            timeout=15.0,
+        )  # fmt: skip
         procs.append(p)
         return p
 
@@ -246,7 +200,8 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     def start(parallel: int = 2, ctx: int = 1024, *extra: str) -> Proc:
         port = free_port()
         args = llama_args(binary, model, port, parallel, ctx, *extra)
-        p = Proc(args, f"http://127.0.0.1:{port}", "/health", tmp / f"llama-{port}.log")
+        url = f"http://127.0.0.1:{port}"
+        p = start_process(args, tmp / f"llama-{port}.log", url=url, ready="/health", timeout=15.0)
         procs.append(p)
         # Loading the 270M model takes about a second on a quiet machine; 120 s is for a busy one.
         wait_loaded(p.popen, p.url, p.log, 120.0)

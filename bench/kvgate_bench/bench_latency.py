@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate_agent.contract.api import API_VERSION
-from kvgate_bench.toolkit import free_port, percentile, wait_port
+from kvgate_bench.processes import Proc, sidecar_argv, start, stop_all
+from kvgate_bench.toolkit import free_port, percentile
 
 TARGET_ADDED_P50_MS = 0.35
 TARGET_ADDED_P99_MS = 1.0
@@ -260,40 +260,23 @@ def processes(workdir: Path, profile: Path | None = None) -> Iterator[tuple[int,
     policy = workdir / "policy.yaml"
     policy.write_text(POLICY_YAML)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Proc] = []
     try:
-        with (workdir / "upstream.log").open("wb") as up_log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "kvgate_bench.bench_latency", "--serve-upstream",
-                     "--port", str(up_port)],
-                    stdout=up_log, stderr=subprocess.STDOUT, env=env,
-                )
-            )  # fmt: skip
-        wait_port(up_port, procs[0])
-        with (workdir / "sidecar.log").open("wb") as sc_log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable,
-                     *(["-m", "cProfile", "-o", str(profile)] if profile is not None else []),
-                     "-m", "kvgate_agent", "sidecar",
-                     "--upstream", f"http://127.0.0.1:{up_port}", "--policy", str(policy),
-                     "--listen", f"127.0.0.1:{sc_port}", "--log-level", "WARNING",
-                     "--passthrough-path", "/bench/chat"],
-                    stdout=sc_log, stderr=subprocess.STDOUT, env=env,
-                )
-            )  # fmt: skip
-        wait_port(sc_port, procs[1])
+        procs.append(
+            start(
+                [sys.executable, "-m", "kvgate_bench.bench_latency", "--serve-upstream",
+                 "--port", str(up_port)],
+                workdir / "upstream.log", env=env, port=up_port, timeout=20.0,
+            )
+        )  # fmt: skip
+        sidecar = sidecar_argv(
+            "--log-level", "WARNING", "--passthrough-path", "/bench/chat",
+            upstream=f"http://127.0.0.1:{up_port}", policy=policy, port=sc_port, profile=profile,
+        )  # fmt: skip
+        procs.append(start(sidecar, workdir / "sidecar.log", env=env, port=sc_port, timeout=20.0))
         yield up_port, sc_port
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_all(p.popen for p in procs)
 
 
 # ---------------------------------------------------------------------- measurement

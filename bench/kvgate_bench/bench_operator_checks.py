@@ -8,7 +8,6 @@ import datetime as dt
 import io
 import pstats
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -18,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_agent.contract.api import GROUP, VERSION
+from kvgate_bench import processes
 from kvgate_bench.bench_operator_cluster import Http, Specs, Statuses
 from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.toolkit import (
-    free_port,
-)
+from kvgate_bench.toolkit import free_port
 
 # ----------------------------------------------------------------------------------------------
 # Desired vs observed
@@ -155,14 +153,7 @@ class Operator:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        processes.stop(self.proc, 20)
 
     def passes(self) -> list[LogPass]:
         out = []

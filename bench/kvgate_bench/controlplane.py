@@ -31,7 +31,6 @@ Usage::
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime
 import json
 import os
@@ -51,6 +50,7 @@ from typing import Any
 
 import yaml
 
+from kvgate_bench.processes import stop
 from kvgate_bench.toolkit import free_port
 from kvgate_operator import pki
 
@@ -106,24 +106,6 @@ def _tail(path: Path, lines: int = 40) -> str:
     except OSError as e:
         return f"<{path}: {e}>"
     return "\n".join(text.splitlines()[-lines:])
-
-
-def _stop(
-    proc: subprocess.Popen[bytes] | None, timeout: float = 10.0, sig: int = signal.SIGTERM
-) -> None:
-    """Send ``sig`` (SIGTERM) to ``proc``, kill it if it lingers past ``timeout`` seconds,
-    reap it."""
-    if proc is None:
-        return
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait()
 
 
 def kubectl_binary() -> str:
@@ -232,8 +214,8 @@ class ControlPlane:
                     self._start_processes(attempt)
                     break
                 except _PortRace:
-                    _stop(self._apiserver)
-                    _stop(self._etcd)
+                    stop(self._apiserver)
+                    stop(self._etcd)
                     self._apiserver = self._etcd = None
             else:
                 raise ControlPlaneError("could not bind free ports in 3 attempts" + self._logs())
@@ -246,8 +228,8 @@ class ControlPlane:
 
     def stop(self) -> None:
         """Terminate kube-apiserver, then etcd (kill if they linger); remove the temp dir."""
-        _stop(self._apiserver)
-        _stop(self._etcd)
+        stop(self._apiserver)
+        stop(self._etcd)
         self._apiserver = self._etcd = None
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

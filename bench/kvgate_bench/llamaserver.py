@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from kvgate_bench.processes import stop
 from kvgate_bench.toolkit import free_port
 
 __all__ = ["LLAMA_MODEL", "LlamaServerError", "llama_args", "smoke", "wait_loaded"]
@@ -115,13 +116,7 @@ def smoke(binary: str, model: str, log: Path, timeout: float = 120.0) -> str:
                 raise LlamaServerError(f"llama-server answered without a token: {answer!r}")
             return str(answer.get("content", ""))
         finally:
-            if popen.poll() is None:
-                popen.terminate()
-                try:
-                    popen.wait(10)
-                except subprocess.TimeoutExpired:
-                    popen.kill()
-                    popen.wait()
+            stop(popen)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,32 +30,20 @@ from typing import Any
 import yaml
 
 from kvgate_agent.gpu.fake import write_scenario
-from kvgate_bench.controlplane import ControlPlane, _stop
-from kvgate_bench.toolkit import free_port, parse_samples, sample_value, wait_until
+from kvgate_bench.controlplane import ControlPlane
+from kvgate_bench.processes import agent_argv, sidecar_argv, sim_argv, spawn, start, stop
+from kvgate_bench.toolkit import free_port, parse_samples, sample_value
 
 REPO = Path(__file__).resolve().parents[2]
 GiB = 1 << 30
 
 
-def _spawn(
-    args: list[str], log: Path, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    with log.open("ab") as fh:
-        return subprocess.Popen(
-            args,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-
-
 def stop_process(
     proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout: float = 15
 ) -> None:
-    """Send ``sig`` and reap; SIGKILL if it lingers past ``timeout`` seconds."""
-    _stop(proc, timeout, sig)
+    """Send ``sig`` and reap; SIGKILL if it lingers past ``timeout`` seconds
+    (:func:`kvgate_bench.processes.stop`)."""
+    stop(proc, timeout, sig)
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
@@ -299,8 +287,12 @@ class NodeStack:
         }
         if self.kubeconfig is not None:
             env["KUBECONFIG"] = str(self.kubeconfig)
-        self.operator = _spawn(
-            [sys.executable, "-m", "kvgate_operator"], self.work / "operator.log", env
+        self.operator = spawn(
+            [sys.executable, "-m", "kvgate_operator"],
+            self.work / "operator.log",
+            env,
+            append=True,
+            new_session=True,
         )
 
     def start_agent(self, gpus: dict[str, Any] | None = None) -> None:
@@ -308,11 +300,7 @@ class NodeStack:
         if gpus is not None or not self.scenario.exists():
             write_scenario(self.scenario, gpus or fake_gpus())
         self.agent_port = self.agent_port or free_port()
-        args = [
-            sys.executable,
-            "-m",
-            "kvgate_agent",
-            "node",
+        args = agent_argv(
             "--node-name",
             self.node_name,
             "--listen",
@@ -332,18 +320,13 @@ class NodeStack:
             "--sync-interval",
             str(self.sync_interval),
             *self.agent_args,
-        ]
-        self.agent = _spawn(
+        )
+        self.agent = self._start(
             args,
             self.work / "agent.log",
             {**os.environ, "KVGATE_PROC_ROOT": str(self.work / "proc")},
-        )
-        wait_until(
-            lambda: (
-                self._alive(self.agent, "agent") and http_get(self.agent_url + "/healthz")[0] == 200
-            ),
-            30,
-            "the node agent's /healthz",
+            self.agent_url,
+            "/healthz",
         )
 
     def kill_agent(self, sig: int = signal.SIGKILL) -> None:
@@ -352,17 +335,11 @@ class NodeStack:
     def start_sim(self, **flags: Any) -> str:
         """Start a ``kvgate-sim``; returns its base URL once it answers."""
         port = free_port()
-        args = [sys.executable, "-m", "kvgate_bench.sim.cli", "--port", str(port)]
+        args = sim_argv("--port", str(port))
         for k, v in {"model": "sim", "decode-ms": 2, "kv-capacity-tokens": 65536, **flags}.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
-        proc = _spawn(args, self.work / f"sim-{port}.log")
-        self.sims.append(proc)
         url = f"http://127.0.0.1:{port}"
-        wait_until(
-            lambda: self._alive(proc, "kvgate-sim") and http_get(url + "/health")[0] == 200,
-            30,
-            "kvgate-sim",
-        )
+        self.sims.append(self._start(args, self.work / f"sim-{port}.log", None, url, "/health"))
         return url
 
     def add_model_pod(
@@ -403,31 +380,27 @@ class NodeStack:
 
     def start_sidecar(self, mp: ModelPod, failure_mode: str | None = None) -> None:
         mp.log = self.work / f"sidecar-{mp.name}.log"
-        mp.proc = _spawn(
-            [sys.executable, "-m", "kvgate_agent", "sidecar"],
-            mp.log,
-            self.sidecar_env_for(mp, failure_mode),
-        )
-        wait_until(
-            lambda: (
-                self._alive(mp.proc, f"sidecar {mp.name}")
-                and http_get(mp.url + "/healthz")[0] == 200
-            ),
-            30,
-            f"sidecar {mp.name}",
+        # The port is the environment's KVGATE_LISTEN (as the webhook injects it).
+        mp.proc = self._start(
+            sidecar_argv(), mp.log, self.sidecar_env_for(mp, failure_mode), mp.url, "/healthz"
         )
 
-    def _alive(self, proc: subprocess.Popen[bytes] | None, what: str) -> bool:
-        if proc is None or proc.poll() is not None:
+    def _start(
+        self, args: list[str], log: Path, env: dict[str, str] | None, url: str, ready: str
+    ) -> subprocess.Popen[bytes]:
+        """:func:`kvgate_bench.processes.start` (log appended, a session of its own), ready once
+        ``url + ready`` answers 200 within 30 s; else RuntimeError with every log's tail."""
+        try:
+            return start(
+                args, log, env=env, url=url, ready=ready, status=200, append=True, new_session=True
+            ).popen
+        except RuntimeError as e:
             logs = sorted(self.work.glob("*.log"))
             tail = "\n".join(
                 f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
                 for p in logs
             )
-            raise RuntimeError(
-                f"{what} exited ({None if proc is None else proc.returncode})\n{tail}"
-            )
-        return True
+            raise RuntimeError(f"{str(e).split(chr(10), 1)[0]}\n{tail}") from None
 
     def stop(self) -> None:
         """Stop every process (sidecars first, so they can drain)."""

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from kvgate_bench.controlplane import _stop
+from kvgate_bench.processes import stop
 from kvgate_bench.toolkit import free_port, wait_until
 
 ENV = "KVGATE_PROMETHEUS"
@@ -284,7 +284,7 @@ class PrometheusServer:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
-        _stop(self.proc, 15)
+        stop(self.proc, 15)
         self.proc = None
 
     def __enter__(self) -> PrometheusServer:

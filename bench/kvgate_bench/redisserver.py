@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvgate_bench.processes import stop
 from kvgate_bench.toolkit import free_port, wait_port
 from kvgate_operator.pki import issue, new_ca
 
@@ -138,11 +139,5 @@ class RedisServer:
 
     def stop(self) -> None:
         """SIGTERM and wait (SIGKILL after 10 s)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop(self.proc)
         self.proc = None

@@ -22,8 +22,6 @@ import collections
 import json
 import socket
 import struct
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -35,7 +33,8 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from kvgate_bench.toolkit import free_port, memory_kib, parse_samples, series, wait_http
+from kvgate_bench.processes import start_sidecar
+from kvgate_bench.toolkit import free_port, memory_kib, parse_samples, series
 
 #: The outcome of request ``i`` is ``MIX[i % len(MIX)]``.
 MIX = (
@@ -158,22 +157,19 @@ async def _sidecar(upstream: str, workdir: Path) -> AsyncIterator[tuple[str, int
     """The real sidecar CLI in front of ``upstream``: yields (base URL, pid)."""
     policy = workdir / "policy.yaml"
     policy.write_text(yaml.safe_dump(POLICY))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with (workdir / "sidecar.log").open("wb") as log:
-        args = ["--upstream", upstream, "--policy", str(policy), "--listen", f"127.0.0.1:{port}"]
-        proc = subprocess.Popen(  # noqa: ASYNC220 (starts at once; waited on in a thread)
-            [sys.executable, "-m", "kvgate_agent", "sidecar", *args, "--log-level", "ERROR"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, lambda: wait_http(url + "/healthz", 30, proc))
-            yield url, proc.pid
-        finally:
-            proc.terminate()
-            await loop.run_in_executor(None, proc.wait, 30)
+    proc = await asyncio.to_thread(
+        start_sidecar,
+        workdir / "sidecar.log",
+        "--log-level",
+        "ERROR",
+        upstream=upstream,
+        policy=policy,
+        status=None,
+    )
+    try:
+        yield proc.url, proc.pid
+    finally:
+        await asyncio.to_thread(proc.stop, 30)
 
 
 # ---------------------------------------------------------------------- the clients

@@ -37,6 +37,7 @@ import aiohttp
 
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.tokens import PromptCounter
+from kvgate_bench.processes import stop
 from kvgate_bench.toolkit import free_port, percentile, wait_http, wait_until
 
 #: Text of each kind, one line per snippet; prompts are drawn from these.
@@ -345,9 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             measure(url.rstrip("/"), prompts, args.check_usage, args.served_model)
         )
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+        stop(proc)
     checked = min(args.check_usage, len(rows))
     if args.json:
         out: dict[str, Any] = {w: summarise(rows, w) for w in ("initial", "calibrated")}

@@ -12,8 +12,9 @@ from typing import Any
 
 import aiohttp
 
+from kvgate_bench.processes import Proc
 from kvgate_bench.toolkit import free_port, wait_until_async
-from tests.conftest import Proc, SidecarFactory, gauges
+from tests.conftest import SidecarFactory, gauges
 
 SLOW = ("--time-to-first-token", "1500ms", "--inter-token-latency", "1ms")
 #: The primary's slot is held longer than a request to the pool takes.

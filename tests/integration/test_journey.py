@@ -35,7 +35,8 @@ import yaml
 
 from kvgate_agent.gpu.fake import write_scenario
 from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.nodestack import _spawn, chat, fake_gpus, http_get, stop_process
+from kvgate_bench.nodestack import chat, fake_gpus, http_get
+from kvgate_bench.processes import kvgate_agent_argv, sim_argv, spawn, stop
 from kvgate_bench.promserver import (
     PrometheusServer,
     comparison_operand,
@@ -101,7 +102,7 @@ class Journey:
         return self.cp.kubeconfig_for_token(token.stdout.strip(), name)
 
     def spawn(self, args: list[str], env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
-        proc = _spawn(args, self.work / log, env)
+        proc = spawn(args, self.work / log, env, append=True, new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -113,7 +114,7 @@ class Journey:
 
     def stop(self) -> None:
         for p in reversed(self.procs):
-            stop_process(p)
+            stop(p, 15)
 
 
 # --------------------------------------------------------------------------- Prometheus, Grafana
@@ -374,14 +375,13 @@ def test_install_inject_enforce_and_rbac(
         KVGATE_KUBECONFIG_FILE=str(j.sa_kubeconfig(f"{RELEASE}-agent", agent_pod)),
         KVGATE_SYNC_INTERVAL="0.25",
     )
-    j.spawn([sys.executable, "-m", "kvgate_agent", *agent["args"]], env, "agent.log")
+    j.spawn(kvgate_agent_argv(*agent["args"]), env, "agent.log")
     agent_url = f"http://127.0.0.1:{j.agent_port}"
     wait_until(lambda: http_get(agent_url + "/readyz")[0] == 200, 60, "agent\n" + j.logs())
 
     # 5. The model server and the injected sidecar, with the webhook's command and environment.
     j.spawn(
-        [sys.executable, "-m", "kvgate_bench.sim.cli", "--port", str(model_port),
-         "--model", "sim", "--decode-ms", "1"],
+        sim_argv("--port", str(model_port), "--model", "sim", "--decode-ms", "1"),
         dict(os.environ), "sim.log",
     )  # fmt: skip
     env = resolve_env(
@@ -408,7 +408,7 @@ def test_install_inject_enforce_and_rbac(
     env["KVGATE_TOKEN_FILE"] = str(token_file)
     env["KVGATE_LISTEN"] = f"127.0.0.1:{sidecar_port}"
     j.spawn(
-        [sys.executable, "-m", "kvgate_agent", *sc["args"]],
+        kvgate_agent_argv(*sc["args"]),
         {**dict(os.environ), **env},
         "sidecar.log",
     )

@@ -31,8 +31,9 @@ import openai
 import pytest
 
 from kvgate_bench.llamaserver import LLAMA_MODEL
+from kvgate_bench.processes import Proc
 from kvgate_bench.toolkit import parse_samples, sample_sum, wait_until_async
-from tests.conftest import Proc, SidecarFactory, gauges
+from tests.conftest import SidecarFactory, gauges
 
 pytestmark = pytest.mark.llama
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_bench import peers_report as rep
+from kvgate_bench import peers as rep
 from kvgate_bench.peers_arms import (
     POLICY_YAML,
     RESPONSE_JSON,
@@ -20,14 +20,18 @@ from kvgate_bench.peers_arms import (
     nginx_direct_conf,
     nginx_proxy_conf,
 )
-from kvgate_bench.peers_stream import EventCounter, IdleResult, StreamResult, read_response
-from kvgate_bench.peers_wrk import (
+from kvgate_bench.peers_load import (
+    EventCounter,
+    IdleResult,
+    StreamResult,
+    StreamRow,
     WrkError,
     WrkResult,
     chat_body,
     lua_script,
     parse_time_us,
     parse_wrk,
+    read_response,
     run_wrk,
     wrk_command,
 )
@@ -172,7 +176,7 @@ def test_render_and_section_replacement() -> None:
     report = rep.Report(
         header=[("date", "2026-12-01 17:00 UTC")],
         cells=[_cell(rep.DIRECT, 85, 141000), _cell(rep.KVGATE, 577, 3393)],
-        streams=[rep.StreamRow("kvgate", 10, StreamResult(256, 10.0, 220000, 6.5, 90000, 0))],
+        streams=[StreamRow("kvgate", 10, StreamResult(256, 10.0, 220000, 6.5, 90000, 0))],
         idle=IdleResult(1000, 50000, 70480),
         notes=["a note"],
     )

@@ -84,6 +84,7 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_bench import processes
 from kvgate_bench.effectiveness.arms import (
     ArmContext,
     KvgateMaxTokensArm,
@@ -149,13 +150,12 @@ def sim_config(profile_name: str, config: EngineConfig, time_scale: float = 1.0)
 
 def sim_argv(sc: SimConfig, port: int = 0) -> list[str]:
     """The ``kvgate-sim`` command line (``python -m kvgate_bench.sim.cli``) serving ``sc``."""
-    argv = [
-        sys.executable, "-m", "kvgate_bench.sim.cli", "--port", str(port),
-        "--model", sc.model, "--profile", sc.profile,
+    argv = processes.sim_argv(
+        "--port", str(port), "--model", sc.model, "--profile", sc.profile,
         "--kv-capacity-tokens", str(sc.kv_tokens), "--block-size", str(sc.block_size),
         "--max-model-len", str(sc.max_model_len), "--max-num-seqs", str(sc.max_num_seqs),
         "--time-scale", repr(sc.time_scale),
-    ]  # fmt: skip
+    )  # fmt: skip
     if sc.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(sc.max_num_batched_tokens)]
     return argv
@@ -169,18 +169,6 @@ def policy_manifest(spec: dict[str, Any], name: str = "effectiveness") -> dict[s
         "metadata": {"name": name},
         "spec": spec,
     }
-
-
-async def _stop(proc: asyncio.subprocess.Process) -> None:
-    """Terminate ``proc`` if it still runs; kill it after 10 s."""
-    if proc.returncode is None:
-        proc.terminate()
-        try:
-            async with asyncio.timeout(10):
-                await proc.wait()
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
 
 
 def kvgate_arm(arm: str, ctx: ArmContext) -> KvgateMaxTokensArm | None:
@@ -302,9 +290,11 @@ class RealtimeRun:
 
 
 @contextlib.asynccontextmanager
-async def _sim(sc: SimConfig, subprocess: bool, engines: list[SimEngine]) -> AsyncIterator[str]:
-    """kvgate-sim serving ``sc`` (a subprocess or in this loop: its engine is appended to
-    ``engines``); yields its base URL."""
+async def _sim(
+    sc: SimConfig, subprocess: bool, engines: list[SimEngine], tmp: Path
+) -> AsyncIterator[str]:
+    """kvgate-sim serving ``sc`` (a subprocess, its log in ``tmp``, or in this loop: its engine
+    is appended to ``engines``); yields its base URL."""
     if not subprocess:
         runner, port = await start_sim(sc)
         engines.append(runner.app[SIM_KEY].engine)
@@ -313,19 +303,19 @@ async def _sim(sc: SimConfig, subprocess: bool, engines: list[SimEngine]) -> Asy
         finally:
             await runner.cleanup()
         return
-    proc = await asyncio.create_subprocess_exec(
-        *sim_argv(sc), stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    port = free_port()
+    proc = await asyncio.to_thread(
+        processes.start,
+        sim_argv(sc, port),
+        tmp / "kvgate-sim.log",
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        url=f"http://127.0.0.1:{port}",
+        ready="/health",
     )
     try:
-        assert proc.stdout is not None
-        async with asyncio.timeout(30):
-            line = (await proc.stdout.readline()).decode()
-        m = re.search(r"listening on (http://\S+)", line)
-        if m is None:
-            raise RuntimeError(f"kvgate-sim did not start: {line!r}")
-        yield m.group(1)
+        yield proc.url
     finally:
-        await _stop(proc)
+        await asyncio.to_thread(proc.stop)
 
 
 @contextlib.asynccontextmanager
@@ -363,35 +353,16 @@ async def _sidecar_process(
     answer ``/healthz`` within 30 s (its log is in the message)."""
     policy = tmp / "policy.json"
     policy.write_text(json.dumps(policy_manifest(spec)))
-    log = tmp / "sidecar.log"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [
-        sys.executable, "-m", "kvgate_agent", "sidecar", "--upstream", upstream,
-        "--policy", str(policy), "--listen", f"127.0.0.1:{port}",
-        "--upstream-timeout", "3600",
-    ]  # fmt: skip
+    argv = ["--upstream-timeout", "3600"]
     if tokenizer is not None:
         argv += ["--tokenizer", str(tokenizer)]
-    with log.open("wb") as fh:
-        proc = await asyncio.create_subprocess_exec(*argv, stdout=fh, stderr=fh)
+    proc = await asyncio.to_thread(
+        processes.start_sidecar, tmp / "sidecar.log", *argv, upstream=upstream, policy=policy
+    )
     try:
-        deadline = asyncio.get_running_loop().time() + 30.0
-        while not await _healthy(url):
-            if proc.returncode is not None or asyncio.get_running_loop().time() > deadline:
-                raise RuntimeError(f"the sidecar did not start: {log.read_text()[-2000:]}")
-            await asyncio.sleep(0.1)
-        yield url
+        yield proc.url
     finally:
-        await _stop(proc)
-
-
-async def _healthy(url: str) -> bool:
-    try:
-        async with aiohttp.ClientSession() as http, http.get(url + "/healthz") as r:
-            return r.status == 200
-    except aiohttp.ClientError:
-        return False
+        await asyncio.to_thread(proc.stop)
 
 
 _DEGRADED_MAX_TOKENS = re.compile(r"max_tokens=(\d+)")
@@ -548,7 +519,7 @@ async def run_realtime(
         if tokenizer is not None:
             write_word_tokenizer(tokenizer)
         async with (
-            _sim(sc, sim_subprocess, engines) as sim_url,
+            _sim(sc, sim_subprocess, engines, Path(tmp)) as sim_url,
             contextlib.AsyncExitStack() as stack,
             aiohttp.ClientSession(timeout=timeout, connector=connector) as session,
         ):
