@@ -19,121 +19,108 @@ from kvgate_operator.template import InjectionConfig
 
 
 class OperatorSettings(BaseSettings):
-    """All operator settings; each field reads ``KVGATE_OPERATOR_<FIELD>``.
-
-    Attributes:
-        namespace: watch only this namespace's policies and pods (None: the whole cluster).
-        debounce_seconds: wait after a watch event before a pass, so a burst is one pass.
-        resync_seconds: a pass runs at least this often even without events.
-        liveness_stale_seconds: the liveness probe fails when no pass succeeded for this long.
-            Three resyncs: a pass runs at least every ``resync_seconds`` and every API call is
-            bounded (below), so a pass cannot hang; the operator rides out an API server outage
-            by itself and passes again within a minute of the network healing. Failing sooner
-            would restart it during an outage, where a restart helps nothing and the kubelet's
-            restart back-off would then delay its recovery; after three failed resyncs, a
-            restart (fresh connections and credentials) is the remedy left.
-        watch_server_timeout: seconds the API server keeps one watch open before the operator
-            re-establishes it from the last resourceVersion, without a re-list (kopf
-            ``watching.server_timeout``); short, so a healthy watch is never silent for long.
-        watch_client_timeout: seconds one watch request may last in all before the client
-            treats it as hung and reconnects (kopf ``watching.client_timeout``); above the
-            server timeout. This is what notices a watch on a silently dead connection (held
-            open, no bytes): within 30 s by default.
-        connect_timeout: seconds to connect (TCP and TLS handshake) to the API server.
-        request_timeout: seconds any other API call may take: kopf's whole request
-            (``networking.request_timeout``) and each silence between bytes of the reconcile
-            pass's calls (the kubernetes client's read timeout).
-        liveness_port: port of the liveness endpoint (``/healthz``) and of ``/metrics``.
-        standalone: run without kopf peering (kopf's own multi-replica scheme; off: replicas are
-            coordinated by ``leader_election`` instead, see README "High availability").
-        leader_election: of several replicas only the holder of the Lease
-            ``leader_election_lease_name`` in ``pod_namespace`` writes
-            (:mod:`kvgate_operator.leader`); needs ``pod_namespace`` (without it, a local run,
-            there is no election and this process always writes).
-        leader_election_lease_name: the Lease's name.
-        leader_election_lease_duration: seconds a follower waits, after the Lease last changed,
-            before taking it over (client-go's default 15).
-        leader_election_renew_deadline: seconds after its last successful renewal the leader
-            stops writing (client-go's default 10); below the lease duration.
-        leader_election_retry_period: seconds between two attempts to take or renew the Lease
-            (client-go's default 2); below the renew deadline.
-        pod_name: this replica's pod name (downward API): its identity in the Lease and in its
-            User-Agent (unset: the host name and a random suffix).
-        pod_namespace: the namespace the operator runs in (downward API). The webhook's
-            certificate Secret lives there, and it is never injected.
-        webhook_enabled: serve the sidecar-injection webhook (``/inject-sidecar``). False: no
-            webhook server, no certificates, no missed-injection check.
-        webhook_addr: the address the webhook's HTTPS server listens on.
-        webhook_port: the webhook's HTTPS port (the chart's Service maps 443 to it).
-        webhook_host: the host name(s) the API server calls the webhook by, comma-separated:
-            the SANs of the self-signed serving certificate (e.g.
-            ``kvgate-webhook.kvgate-system.svc``; ``127.0.0.1`` for a local run). Default
-            ``localhost,127.0.0.1``.
-        webhook_config_name: the MutatingWebhookConfiguration whose ``caBundle`` the operator
-            keeps equal to its self-signed CA (None: it patches nothing).
-        webhook_cert_dir: a directory with ``tls.crt`` and ``tls.key`` provided from outside
-            (cert-manager); the operator then neither makes certificates nor patches the
-            ``caBundle`` (cert-manager's cainjector does), and reloads the files when they
-            change. Takes precedence over ``webhook_self_signed``.
-        webhook_self_signed: without ``webhook_cert_dir``, make a CA and a serving certificate
-            and keep them in the Secret ``webhook_secret_name``. False without a
-            ``webhook_cert_dir`` is a configuration error.
-        webhook_secret_name: the Secret (in ``pod_namespace``) with the self-signed CA and
-            serving certificate.
-        webhook_cert_sync_seconds: how often the operator checks its certificate for renewal,
-            re-syncs the ``caBundle`` (a Helm upgrade may have reset it) and, with
-            ``webhook_cert_dir``, re-reads the files.
-        webhook_ca_lifetime_seconds, webhook_ca_renew_before_seconds,
-        webhook_serving_lifetime_seconds, webhook_serving_renew_before_seconds: the self-signed
-            CA's and serving certificate's lifetimes and how long before their end they are
-            renewed (default 365/90 and 90/30 days; see
-            :class:`~kvgate_operator.certs.Lifetimes` for the constraints).
-        webhook_namespace_cache_seconds: how long the webhook trusts a namespace's labels
-            before looking them up again.
-        webhook_namespace_lookup_timeout: seconds a namespace lookup may take; past it the pod
-            is treated as not opted in through its namespace (the request must answer well
-            within the webhook's ``timeoutSeconds``).
-        injection: how the sidecar is injected, JSON with camelCase keys (the chart renders it;
-            :class:`~kvgate_operator.inject.InjectionConfig`). ``ownNamespace`` defaults to
-            ``pod_namespace``.
-    """
+    """All operator settings; each field reads ``KVGATE_OPERATOR_<FIELD>`` and has its docstring
+    under it."""
 
     model_config = SettingsConfigDict(env_prefix="KVGATE_OPERATOR_")
 
     namespace: str | None = None
+    """Watch only this namespace's policies and pods (None: the whole cluster)."""
     debounce_seconds: float = Field(0.2, ge=0, le=60)
+    """Wait after a watch event before a pass, so a burst is one pass."""
     resync_seconds: float = Field(300.0, gt=0)
+    """A pass runs at least this often even without events."""
     liveness_stale_seconds: float = Field(900.0, gt=0)
+    """The liveness probe fails when no pass succeeded for this long. Three resyncs: a pass runs at
+    least every ``resync_seconds`` and every API call is bounded (below), so a pass cannot hang; the
+    operator rides out an API server outage by itself and passes again within a minute of the
+    network healing. Failing sooner would restart it during an outage, where a restart helps nothing
+    and the kubelet's restart back-off would then delay its recovery; after three failed resyncs, a
+    restart (fresh connections and credentials) is the remedy left."""
     watch_server_timeout: int = Field(20, gt=0)
+    """Seconds the API server keeps one watch open before the operator re-establishes it from the
+    last resourceVersion, without a re-list (kopf ``watching.server_timeout``); short, so a healthy
+    watch is never silent for long."""
     watch_client_timeout: int = Field(30, gt=0)
+    """Seconds one watch request may last in all before the client treats it as hung and reconnects
+    (kopf ``watching.client_timeout``); above the server timeout. This is what notices a watch on a
+    silently dead connection (held open, no bytes): within 30 s by default."""
     connect_timeout: int = Field(10, gt=0)
+    """Seconds to connect (TCP and TLS handshake) to the API server."""
     request_timeout: float = Field(30.0, gt=0)
+    """Seconds any other API call may take: kopf's whole request (``networking.request_timeout``)
+    and each silence between bytes of the reconcile pass's calls (the kubernetes client's read
+    timeout)."""
     liveness_port: int = Field(8080, ge=0, le=65535)
+    """Port of the liveness endpoint (``/healthz``) and of ``/metrics``."""
     standalone: bool = True
+    """Run without kopf peering (kopf's own multi-replica scheme; off: replicas are coordinated by
+    ``leader_election`` instead, see README "High availability")."""
     leader_election: bool = True
+    """Of several replicas only the holder of the Lease ``leader_election_lease_name`` in
+    ``pod_namespace`` writes (:mod:`kvgate_operator.leader`); needs ``pod_namespace`` (without it, a
+    local run, there is no election and this process always writes)."""
     leader_election_lease_name: str = Field("kvgate-operator", min_length=1)
+    """The Lease's name."""
     leader_election_lease_duration: float = Field(15.0, gt=0)
+    """Seconds a follower waits, after the Lease last changed, before taking it over (client-go's
+    default 15)."""
     leader_election_renew_deadline: float = Field(10.0, gt=0)
+    """Seconds after its last successful renewal the leader stops writing (client-go's default 10);
+    below the lease duration."""
     leader_election_retry_period: float = Field(2.0, gt=0)
+    """Seconds between two attempts to take or renew the Lease (client-go's default 2); below the
+    renew deadline."""
     pod_name: str | None = None
+    """This replica's pod name (downward API): its identity in the Lease and in its User-Agent
+    (unset: the host name and a random suffix)."""
 
     pod_namespace: str | None = None
+    """The namespace the operator runs in (downward API). The webhook's certificate Secret lives
+    there, and it is never injected."""
     webhook_enabled: bool = True
+    """Serve the sidecar-injection webhook (``/inject-sidecar``). False: no webhook server, no
+    certificates, no missed-injection check."""
     webhook_addr: str = "0.0.0.0"
+    """The address the webhook's HTTPS server listens on."""
     webhook_port: int = Field(9443, ge=1, le=65535)
+    """The webhook's HTTPS port (the chart's Service maps 443 to it)."""
     webhook_host: str | None = None
+    """The host name(s) the API server calls the webhook by, comma-separated: the SANs of the self-
+    signed serving certificate (e.g. ``kvgate-webhook.kvgate-system.svc``; ``127.0.0.1`` for a local
+    run). Default ``localhost,127.0.0.1``."""
     webhook_config_name: str | None = None
+    """The MutatingWebhookConfiguration whose ``caBundle`` the operator keeps equal to its self-
+    signed CA (None: it patches nothing)."""
     webhook_cert_dir: Path | None = None
+    """A directory with ``tls.crt`` and ``tls.key`` provided from outside (cert-manager); the
+    operator then neither makes certificates nor patches the ``caBundle`` (cert-manager's cainjector
+    does), and reloads the files when they change. Takes precedence over ``webhook_self_signed``."""
     webhook_self_signed: bool = True
+    """Without ``webhook_cert_dir``, make a CA and a serving certificate and keep them in the Secret
+    ``webhook_secret_name``. False without a ``webhook_cert_dir`` is a configuration error."""
     webhook_secret_name: str = Field("kvgate-webhook-tls", min_length=1)
+    """The Secret (in ``pod_namespace``) with the self-signed CA and serving certificate."""
     webhook_cert_sync_seconds: float = Field(60.0, gt=0)
+    """How often the operator checks its certificate for renewal, re-syncs the ``caBundle`` (a Helm
+    upgrade may have reset it) and, with ``webhook_cert_dir``, re-reads the files.
+    webhook_ca_lifetime_seconds, webhook_ca_renew_before_seconds, webhook_serving_lifetime_seconds,
+    webhook_serving_renew_before_seconds: the self-signed CA's and serving certificate's lifetimes
+    and how long before their end they are renewed (default 365/90 and 90/30 days; see
+    :class:`~kvgate_operator.certs.Lifetimes` for the constraints)."""
     webhook_ca_lifetime_seconds: float = Field(CA_LIFETIME.total_seconds(), gt=0)
     webhook_ca_renew_before_seconds: float = Field(CA_RENEW_BEFORE.total_seconds(), gt=0)
     webhook_serving_lifetime_seconds: float = Field(SERVING_LIFETIME.total_seconds(), gt=0)
     webhook_serving_renew_before_seconds: float = Field(SERVING_RENEW_BEFORE.total_seconds(), gt=0)
     webhook_namespace_cache_seconds: float = Field(5.0, ge=0)
+    """How long the webhook trusts a namespace's labels before looking them up again."""
     webhook_namespace_lookup_timeout: float = Field(1.5, gt=0)
+    """Seconds a namespace lookup may take; past it the pod is treated as not opted in through its
+    namespace (the request must answer well within the webhook's ``timeoutSeconds``)."""
     injection: InjectionConfig = Field(default_factory=InjectionConfig)
+    """How the sidecar is injected, JSON with camelCase keys (the chart renders it;
+    :class:`~kvgate_operator.inject.InjectionConfig`). ``ownNamespace`` defaults to
+    ``pod_namespace``."""
 
     @model_validator(mode="after")
     def _watch(self) -> OperatorSettings:

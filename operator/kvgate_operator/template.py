@@ -38,61 +38,59 @@ def _default_resources() -> Resources:
 
 class InjectionConfig(BaseModel):
     """How the sidecar is injected. The chart renders it as JSON (camelCase keys) into the
-    operator's environment variable ``KVGATE_OPERATOR_INJECTION``.
-
-    Attributes:
-        sidecar_image: the kvgate-agent image; its entrypoint is ``kvgate-agent``.
-        image_pull_policy: ``Always``, ``IfNotPresent`` or ``Never``.
-        native_sidecar: True: an init container with ``restartPolicy: Always`` (Kubernetes
-            >= 1.29), which starts before and stops after the model server; False: a plain
-            container appended to ``spec.containers``.
-        sidecar_port: TCP port the sidecar listens on, unless the pod annotates
-            ``kvgate.io/sidecar-port``.
-        agent_port: the node agent's hostPort; the sidecar syncs with
-            ``http://$(KVGATE_HOST_IP):<agent_port>``.
-        token_audience: audience of the projected service-account token the sidecar presents.
-        token_expiration_seconds: lifetime of that token, seconds (Kubernetes minimum 600).
-        resources: the sidecar's ``resources`` (``requests`` / ``limits``), copied as is.
-        excluded_namespaces: never injected, whatever their labels say.
-        own_namespace: kvgate's own namespace, never injected (set by the operator).
-        drain_seconds: the sidecar's ``KVGATE_DRAIN_SECONDS`` (> 0).
-        header_timeout_seconds: the sidecar's ``KVGATE_HEADER_TIMEOUT_SECONDS``: seconds a client
-            may take to send a request's headers (slow-loris bound; 0 disables).
-        body_timeout_seconds: the sidecar's ``KVGATE_BODY_TIMEOUT_SECONDS``: seconds a request's
-            body may take after its headers (0 disables).
-        upstream_timeout_seconds: the sidecar's ``KVGATE_UPSTREAM_TIMEOUT``: seconds without a
-            byte from the model server before 504 (> 0).
-        log_level: the sidecar's ``KVGATE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR.
-        passthrough_paths: the sidecar's ``KVGATE_PASSTHROUGH_PATHS``: paths (or prefixes
-            ending in ``*``) POST and other mutating requests may reach the model server on
-            without admission, besides the sidecar's built-in allowlist; set only when non-empty.
-        store: the Redis of shared limits (:mod:`kvgate_operator.inject_store`); None: shared
-            limits are per pod.
-    """
+    operator's environment variable ``KVGATE_OPERATOR_INJECTION``. Each field's docstring is
+    under it; the chart's ``injector`` values carry the same defaults (held equal by
+    ``tests/unit/test_settings_chart.py``)."""
 
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
     )
 
     sidecar_image: str = Field("ghcr.io/kvgate/kvgate-agent:0.1.0", min_length=1)
+    """The kvgate-agent image; its entrypoint is ``kvgate-agent``."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """``Always``, ``IfNotPresent`` or ``Never``."""
     native_sidecar: bool = True
+    """True: an init container with ``restartPolicy: Always`` (Kubernetes >= 1.29), which starts
+    before and stops after the model server; False: a plain container appended to
+    ``spec.containers``."""
     sidecar_port: int = Field(8001, ge=1, le=65535)
+    """TCP port the sidecar listens on, unless the pod annotates ``kvgate.io/sidecar-port``."""
     agent_port: int = Field(9470, ge=1, le=65535)
+    """The node agent's hostPort; the sidecar syncs with
+    ``http://$(KVGATE_HOST_IP):<agent_port>``."""
     token_audience: str = Field("kvgate-agent", min_length=1)
+    """Audience of the projected service-account token the sidecar presents."""
     token_expiration_seconds: int = Field(3600, ge=600, le=2**32)
+    """Lifetime of that token, seconds (Kubernetes minimum 600)."""
     resources: Resources = Field(default_factory=_default_resources)
+    """The sidecar's ``resources`` (``requests`` / ``limits``), copied as is."""
     excluded_namespaces: list[str] = Field(
         default_factory=lambda: ["kube-system", "kube-public", "kube-node-lease"]
     )
+    """Never injected, whatever their labels say."""
     own_namespace: str | None = None
+    """kvgate's own namespace, never injected (set by the operator)."""
     drain_seconds: int = Field(30, gt=0)
+    """The sidecar's ``KVGATE_DRAIN_SECONDS`` (> 0)."""
     header_timeout_seconds: float = Field(10.0, ge=0, le=3600)
+    """The sidecar's ``KVGATE_HEADER_TIMEOUT_SECONDS``: seconds a client may take to send a
+    request's headers (slow-loris bound; 0 disables)."""
     body_timeout_seconds: float = Field(30.0, ge=0, le=3600)
+    """The sidecar's ``KVGATE_BODY_TIMEOUT_SECONDS``: seconds a request's body may take after its
+    headers (0 disables)."""
     upstream_timeout_seconds: float = Field(600.0, gt=0, le=86400)
+    """The sidecar's ``KVGATE_UPSTREAM_TIMEOUT``: seconds without a byte from the model server
+    before 504 (> 0)."""
     log_level: str = "INFO"
+    """The sidecar's ``KVGATE_LOG_LEVEL``: DEBUG, INFO, WARNING or ERROR."""
     passthrough_paths: list[str] = Field(default_factory=list)
+    """The sidecar's ``KVGATE_PASSTHROUGH_PATHS``: paths (or prefixes ending in ``*``) POST and
+    other mutating requests may reach the model server on without admission, besides the sidecar's
+    built-in allowlist; set only when non-empty."""
     store: StoreInjection | None = None
+    """The Redis of shared limits (:mod:`kvgate_operator.inject_store`); None: shared limits are per
+    pod."""
 
     @field_validator("passthrough_paths")
     @classmethod
