@@ -223,8 +223,9 @@ async def measure(
     rows: list[Row] = []
     mismatches = 0
     async with aiohttp.ClientSession() as session:
-        engine = EngineTokenizer(url, PromptCounter(), timeout=60.0, cache_size=1)
-        engine.session = session
+        engine = EngineTokenizer(
+            url, PromptCounter(), timeout=60.0, cache_size=1, session=lambda: session
+        )
         for i, p in enumerate(prompts):
             initial = fresh.count(p.body)
             t0 = time.perf_counter()

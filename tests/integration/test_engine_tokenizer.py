@@ -81,8 +81,7 @@ def tokenizer(
     url: str, session: aiohttp.ClientSession, **kw: Any
 ) -> tuple[EngineTokenizer, PromptCounter]:
     counter = PromptCounter()
-    et = EngineTokenizer(url, counter, **kw)
-    et.session = session
+    et = EngineTokenizer(url, counter, session=lambda: session, **kw)
     return et, counter
 
 

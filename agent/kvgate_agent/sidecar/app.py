@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from yarl import URL
@@ -44,6 +43,7 @@ from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.fallback_pool import already_degraded, degrade_to_pool
 from kvgate_agent.sidecar.forward import Forwarder
 from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.model_server import ModelServer
 from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import ParsedRequest, canonical_path, is_json
@@ -59,7 +59,6 @@ from kvgate_agent.sidecar.tokens import (
     optimistic_prompt_tokens,
     prompt_over_context,
 )
-from kvgate_agent.sidecar.upstream import UpstreamPool
 
 
 class Sidecar:
@@ -86,12 +85,18 @@ class Sidecar:
             AdmissionController(AdmissionConfig.from_policy(self._policy_spec), clock)
         )
         self.metrics = SidecarMetrics(self.admission, settings.tenant_label_limit)
-        self.upstream = settings.upstream.rstrip("/")
+        #: Every connection to the model server (opened at startup, closed at cleanup).
+        self.model_server = ModelServer(
+            settings.upstream,
+            connect_timeout=settings.connect_timeout,
+            upstream_timeout=settings.upstream_timeout,
+            on_resend=self.metrics.upstream_resends.inc,
+        )
         #: Agent mode only: the node agent's thresholds and the link syncing with it.
         self.thresholds: AgentThresholds | None = None
         self.agent_link: AgentLink | None = None
         self.engine = EngineProbe(
-            self.upstream,
+            self.model_server,
             self.admission,
             lambda: self.spec,
             self.metrics.upstream_ok,
@@ -106,21 +111,24 @@ class Sidecar:
             self.metrics.attach_link(t.link, self.current_mode, lambda: t.policy_ref)
         self.counter = PromptCounter(settings.tokenizer_file)
         self.engine_tokens = (
-            EngineTokenizer(self.upstream, self.counter, timeout=settings.engine_tokenize_timeout)
+            EngineTokenizer(
+                self.model_server.url,
+                self.counter,
+                timeout=settings.engine_tokenize_timeout,
+                session=self.model_server.opened_session,
+            )
             if settings.engine_tokenizer
             else None
         )
         if self.engine_tokens is not None:
             self.metrics.attach_prompt_counts(self.engine_tokens.answered)
         self.forwarder = Forwarder(
-            self.upstream,
+            self.model_server,
             self.metrics,
             self.admission,
             self.counter,
             body_timeout=settings.body_timeout_seconds,
         )
-        self.session: aiohttp.ClientSession | None = None  # pass-through requests
-        self._probe_session: aiohttp.ClientSession | None = None  # the engine probe
         self.draining = False
         self.passthrough = Passthrough.of(settings.passthrough_paths)
         #: The leases of shared limits (None without a store: shared limits are per pod).
@@ -221,38 +229,9 @@ class Sidecar:
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=self.settings.connect_timeout,
-            sock_read=self.settings.upstream_timeout,
-        )
-        self.session = aiohttp.ClientSession(
-            timeout=timeout,
-            auto_decompress=False,
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
-        self.forwarder.session = self.session
-        if self.engine_tokens is not None:
-            self.engine_tokens.session = self.session
-        self.forwarder.pool = UpstreamPool(
-            self.upstream,
-            connect_timeout=self.settings.connect_timeout,
-            read_timeout=self.settings.upstream_timeout,
-            on_resend=self.metrics.upstream_resends.inc,
-        )
-        # The engine probe's reads (a few a second at most) close their connection: the
-        # connections to the model server are those of the requests in flight and the idle
-        # kept-alive ones of the two pools, nothing the probe left behind.
-        self._probe_session = aiohttp.ClientSession(
-            timeout=timeout,
-            auto_decompress=False,
-            connector=aiohttp.TCPConnector(force_close=True),
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
-        )
+        await self.model_server.open()
         spec = self.spec
         await self.engine.start(
-            self._probe_session,
             poll=spec.capacity.from_engine_metrics
             or spec.model.max_model_len is None
             or self.thresholds is not None,  # thresholds may ask for the engine's capacity later
@@ -272,12 +251,7 @@ class Sidecar:
         self.admission.close()
         if self.engine_tokens is not None:
             self.engine_tokens.close()
-        if self.forwarder.pool is not None:
-            self.forwarder.pool.close()
-        if self.session is not None:
-            await self.session.close()
-        if self._probe_session is not None:
-            await self._probe_session.close()
+        await self.model_server.close()
 
     # ------------------------------------------------------------------ own endpoints
 
@@ -453,9 +427,8 @@ class Sidecar:
         if d.queue_seconds > 0:
             m.queue_wait.observe(d.queue_seconds)
         if d.reason is Reason.FALLBACK_POOL:
-            assert self.session is not None
             return await degrade_to_pool(
-                self.session, request, self.spec, parsed, raw, d, self.mode_header(),
+                self.model_server.session(), request, self.spec, parsed, raw, d, self.mode_header(),
                 lambda x: m.count_decision(x.outcome.value, x.reason.value, label),
             )  # fmt: skip
         m.count_decision(d.outcome.value, d.reason.value, label)

@@ -153,9 +153,10 @@ class EngineTokenizer:
         backoff: seconds without asking after a failed tokenize request.
         max_in_flight: most outstanding tokenize requests.
         clock: monotonic seconds (injected for tests).
+        session: returns the client to ask the engine with, None while there is none.
 
-    Set :attr:`session` (the sidecar's upstream client) before the first :meth:`count`; without
-    it every count is the estimate.
+    ``session`` returns the client to ask the engine with (the sidecar's
+    :meth:`ModelServer.opened_session`); while it returns None every count is the estimate.
     """
 
     def __init__(
@@ -168,6 +169,7 @@ class EngineTokenizer:
         backoff: float = DEFAULT_BACKOFF_SECONDS,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         clock: Callable[[], float] = time.monotonic,
+        session: Callable[[], aiohttp.ClientSession | None] = lambda: None,
     ) -> None:
         if timeout <= 0 or cache_size < 1 or max_in_flight < 1:
             raise ValueError("timeout must be > 0, cache_size and max_in_flight >= 1")
@@ -177,7 +179,7 @@ class EngineTokenizer:
         self.cache_size = cache_size
         self.backoff = backoff
         self.max_in_flight = max_in_flight
-        self.session: aiohttp.ClientSession | None = None
+        self._session = session
         self.dialect: Dialect | None = None
         self._clock = clock
         self._cache: OrderedDict[bytes, int] = OrderedDict()
@@ -208,11 +210,12 @@ class EngineTokenizer:
             return self._exact(cached, estimate)
         task = self._pending.get(query.key)
         if task is None:
-            if self.session is None or self._clock() < self._quiet_until:
+            session = self._session()
+            if session is None or self._clock() < self._quiet_until:
                 return self._fallback(estimate)
             if len(self._pending) >= self.max_in_flight:
                 return self._fallback(estimate)
-            task = asyncio.ensure_future(self._fetch(self.session, query, estimate))
+            task = asyncio.ensure_future(self._fetch(session, query, estimate))
             self._pending[query.key] = task
             task.add_done_callback(functools.partial(self._settle, query.key))
         try:

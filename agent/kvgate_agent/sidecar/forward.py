@@ -30,11 +30,12 @@ from yarl import URL
 from kvgate_agent.admission import AsyncAdmission, Ticket
 from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.model_server import ModelServer
 from kvgate_agent.sidecar.openai_errors import body_too_slow
 from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
-from kvgate_agent.sidecar.upstream import UpstreamConnectError, UpstreamPool, UpstreamResponse
+from kvgate_agent.sidecar.upstream import UpstreamConnectError, UpstreamResponse
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -182,24 +183,23 @@ class _Exchange:
 
 
 class Forwarder:
-    """Sends requests to the model server at ``upstream`` (``session`` set at startup)."""
+    """Sends requests to the model server (``server``: admitted ones over its pool, pass-through
+    ones over its kept-alive client)."""
 
     def __init__(
         self,
-        upstream: str,
+        server: ModelServer,
         metrics: SidecarMetrics,
         admission: AsyncAdmission,
         counter: PromptCounter,
         *,
         body_timeout: float = 0.0,
     ) -> None:
-        self.upstream = upstream
+        self.server = server
         self.body_timeout = body_timeout  # seconds a pass-through body may take; 0: no limit
         self.metrics = metrics
         self.admission = admission
         self.counter = counter
-        self.session: aiohttp.ClientSession | None = None  # pass-through requests
-        self.pool: UpstreamPool | None = None  # admitted requests
         self._running: set[asyncio.Task[Any]] = set()  # admitted requests' handler tasks
         self._ending = False
 
@@ -268,7 +268,6 @@ class Forwarder:
     async def _exchange(
         self, request: web.Request, body: bytes, ex: _Exchange
     ) -> web.StreamResponse:
-        assert self.pool is not None
         m = self.metrics
         fwd = admitted_request_headers(request.headers)
         rel = request.rel_url
@@ -279,7 +278,7 @@ class Forwarder:
         # a failure before the answer still charges the prompt.
         ex.reached = True
         try:
-            ex.resp = resp = await self.pool.request("POST", target, fwd, body)
+            ex.resp = resp = await self.server.pool.request("POST", target, fwd, body)
         except UpstreamConnectError as exc:
             ex.reached = False  # never connected: no work to charge
             m.upstream_errors.labels("connect").inc()
@@ -412,16 +411,15 @@ class Forwarder:
         upstream is always the sidecar's own. The body must be complete within
         :attr:`body_timeout` seconds of the handler's start, else the upstream request is
         aborted and the client gets 408 (``client_timeouts{phase="body"}``) and is closed."""
-        assert self.session is not None
         rel = request.rel_url  # request.raw_path is the whole URL of an absolute-form target
         raw_path = rel.raw_path + (f"?{rel.raw_query_string}" if rel.raw_query_string else "")
         fwd = forward_headers(request.headers)
         fwd.popall("Content-Encoding", None)  # the body is decoded on the way in
         body = _BodyDeadline(request, self.body_timeout, asyncio.get_running_loop().time())
         data = body.chunks() if request.body_exists else None
-        url = URL(self.upstream + raw_path, encoded=True)
+        url = URL(self.server.url + raw_path, encoded=True)
         try:
-            resp = await self.session.request(request.method, url, headers=fwd, data=data)
+            resp = await self.server.session().request(request.method, url, headers=fwd, data=data)
         except aiohttp.ClientConnectorError:
             self.metrics.upstream_errors.labels("connect").inc()
             return responses.passthrough_unreachable()

@@ -28,6 +28,7 @@ from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
 from kvgate_agent.engines.scrape import KV_CAPACITY, parse_engine_metrics
 from kvgate_agent.sidecar.engine_load import EngineLoadPoll
 from kvgate_agent.sidecar.metrics import Flag
+from kvgate_agent.sidecar.model_server import ModelServer
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -47,7 +48,7 @@ class _HealthCheck:
 
 
 class EngineProbe:
-    """Reads the model server at ``upstream`` for the sidecar.
+    """Reads the model server (``server``'s probe client) for the sidecar.
 
     Attributes:
         kv_tokens: KV capacity the engine reported (tokens), once read.
@@ -70,7 +71,7 @@ class EngineProbe:
 
     def __init__(
         self,
-        upstream: str,
+        server: ModelServer,
         admission: AsyncAdmission,
         spec: Callable[[], RateLimitPolicySpec],
         upstream_ok: Flag,
@@ -78,12 +79,11 @@ class EngineProbe:
         usage_seconds: float = 0.0,
         unknown_engine: Flag | None = None,
     ) -> None:
-        self.upstream = upstream
+        self.server = server
         self.admission = admission
         self.spec = spec
         self.upstream_ok = upstream_ok
         self.poll_seconds = poll_seconds
-        self.session: aiohttp.ClientSession | None = None
         self.kv_tokens: int | None = None
         self.max_model_len: int | None = None
         self.engine_name: str | None = None
@@ -95,14 +95,14 @@ class EngineProbe:
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self.usage = (
-            EngineLoadPoll(upstream, admission, usage_seconds) if usage_seconds > 0 else None
+            EngineLoadPoll(server.url, admission, usage_seconds) if usage_seconds > 0 else None
         )
 
-    async def start(self, session: aiohttp.ClientSession, *, poll: bool) -> None:
+    async def start(self, *, poll: bool) -> None:
         """Read the KV capacity once (when the spec asks for it), then, with ``poll``, keep
         polling the engine in the background. The KV usage poll (``usage_seconds`` > 0) runs
-        regardless: a capacity may be enforced later (new thresholds)."""
-        self.session = session
+        regardless: a capacity may be enforced later (new thresholds). The model server's
+        connections must be open (:meth:`ModelServer.open`)."""
         self._wake = asyncio.Event()
         if self.spec().capacity.from_engine_metrics:
             await self.refresh_capacity()
@@ -111,7 +111,7 @@ class EngineProbe:
         if poll:
             self._task = asyncio.create_task(self._poll())
         if self.usage is not None:
-            self.usage.start(session)
+            self.usage.start(self.server.probe())
 
     async def stop(self) -> None:
         """Stop polling (both polls)."""
@@ -135,7 +135,6 @@ class EngineProbe:
         """Read the engine's KV capacity (:meth:`read_capacity`). On failure the last known value
         stays; if none was ever read, ``failureMode`` decides: FailOpen enforces the policy's
         explicit ``kvCacheTokens`` (or no KV cap), FailClosed answers 503 until it is read."""
-        assert self.session is not None
         tokens = await self.read_capacity()
         spec = self.spec()
         mml = spec.model.max_model_len
@@ -230,9 +229,10 @@ class EngineProbe:
     async def _get(self, path: str, *, quiet: bool = False) -> tuple[int, bytes] | None:
         """(status, body) of ``GET upstream + path``, None when the engine does not answer
         (logged as a warning, at debug when ``quiet``)."""
-        assert self.session is not None
         try:
-            async with self.session.get(self.upstream + path, timeout=PROBE_TIMEOUT) as resp:
+            async with self.server.probe().get(
+                self.server.url + path, timeout=PROBE_TIMEOUT
+            ) as resp:
                 return resp.status, await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.log(
@@ -262,10 +262,9 @@ class EngineProbe:
         ``max_model_len`` per model) when the policy gives no ``model.maxModelLen``: a defaulted
         max_tokens is then kept within it, as the engine's own default would be. llama.cpp
         reports its slot's context as ``meta.n_ctx``."""
-        assert self.session is not None
         try:
-            async with self.session.get(
-                self.upstream + "/v1/models", timeout=PROBE_TIMEOUT
+            async with self.server.probe().get(
+                self.server.url + "/v1/models", timeout=PROBE_TIMEOUT
             ) as resp:
                 data = await resp.json(content_type=None) if resp.status == 200 else None
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -303,10 +302,9 @@ class EngineProbe:
         now = time.monotonic()
         if self._health is not None and now - self._health.at < HEALTH_CACHE_SECONDS:
             return self._health.ok
-        assert self.session is not None
         try:
-            async with self.session.get(
-                self.upstream + "/health", timeout=aiohttp.ClientTimeout(total=1.0)
+            async with self.server.probe().get(
+                self.server.url + "/health", timeout=aiohttp.ClientTimeout(total=1.0)
             ) as resp:
                 ok = resp.status < 500
         except (TimeoutError, aiohttp.ClientError):

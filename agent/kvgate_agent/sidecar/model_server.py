@@ -1,0 +1,113 @@
+"""Every connection from the sidecar to its model server, owned in one place.
+
+:class:`ModelServer` holds the three clients the sidecar talks to its engine with, opened
+together when the sidecar starts serving and closed together when it stops:
+
+- :attr:`~ModelServer.pool`: kvgate's own kept-alive connections for admitted requests
+  (:class:`~kvgate_agent.sidecar.upstream.UpstreamPool`, the hot path);
+- :meth:`~ModelServer.session`: an aiohttp client for pass-through requests, the engine's
+  ``/tokenize`` and ``/apply-template``, and the fallback pool's sidecar;
+- :meth:`~ModelServer.probe`: an aiohttp client whose connections close after each read, for
+  the engine probe (``/metrics``, ``/props``, ``/slots``, ``/v1/models``, ``/health``) and the
+  engine load poll: the connections to the model server are then those of the requests in
+  flight and the idle kept-alive ones of the two pools, nothing a probe left behind.
+
+The parts that use them (the forwarder, the engine probe, the engine tokenizer) are given this
+object when they are built; none holds a client of its own or has one set later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import aiohttp
+
+from kvgate_agent.sidecar.upstream import UpstreamPool
+
+_SKIP_HEADERS = ("User-Agent", "Accept-Encoding", "Content-Type")
+
+
+class ModelServer:
+    """The sidecar's connections to the model server at ``url``.
+
+    Args:
+        url: the model server's base URL, e.g. ``http://127.0.0.1:8000`` (a trailing ``/`` is
+            dropped).
+        connect_timeout: seconds to open a connection.
+        upstream_timeout: seconds without a byte of an answer (None: no limit).
+        on_resend: called for each admitted request sent a second time (see
+            :mod:`~kvgate_agent.sidecar.upstream`).
+
+    Raises:
+        ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float,
+        upstream_timeout: float | None,
+        on_resend: Callable[[], object] | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        #: Admitted requests' kept-alive connections (usable at once; closed by :meth:`close`).
+        self.pool = UpstreamPool(
+            self.url,
+            connect_timeout=connect_timeout,
+            read_timeout=upstream_timeout,
+            on_resend=on_resend,
+        )
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout, sock_read=upstream_timeout
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._probe: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        """Open the two aiohttp clients (on the running event loop; again: nothing)."""
+        if self._session is not None:
+            return
+        self._session = aiohttp.ClientSession(
+            timeout=self._timeout,
+            auto_decompress=False,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            skip_auto_headers=_SKIP_HEADERS,
+        )
+        self._probe = aiohttp.ClientSession(
+            timeout=self._timeout,
+            auto_decompress=False,
+            connector=aiohttp.TCPConnector(force_close=True),
+            skip_auto_headers=_SKIP_HEADERS,
+        )
+
+    async def close(self) -> None:
+        """Close every connection: the pool's (idle or busy) and both clients'."""
+        self.pool.close()
+        for s in (self._session, self._probe):
+            if s is not None:
+                await s.close()
+
+    def opened_session(self) -> aiohttp.ClientSession | None:
+        """The kept-alive client once :meth:`open` ran, else None."""
+        return self._session
+
+    def session(self) -> aiohttp.ClientSession:
+        """The kept-alive client (pass-through, ``/tokenize``, the fallback pool).
+
+        Raises:
+            RuntimeError: before :meth:`open` (the sidecar opens it when it starts serving).
+        """
+        if self._session is None:
+            raise RuntimeError("the model server's connections are not open yet")
+        return self._session
+
+    def probe(self) -> aiohttp.ClientSession:
+        """The client whose connections close after each read (the probe, the load poll).
+
+        Raises:
+            RuntimeError: before :meth:`open`.
+        """
+        if self._probe is None:
+            raise RuntimeError("the model server's connections are not open yet")
+        return self._probe
