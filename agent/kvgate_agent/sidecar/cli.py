@@ -17,13 +17,11 @@ import signal
 import socket
 import sys
 
-from aiohttp import web
-
-from kvgate_agent.admission import Reason
 from kvgate_agent.args import add_flags, add_log_level, configure_logging, from_args
 from kvgate_agent.contract.policy import PolicyError, RateLimitPolicy, load_policy
 from kvgate_agent.sidecar.agent_link import gpu_uuids_from_env, sidecar_metrics_url
 from kvgate_agent.sidecar.app import Sidecar
+from kvgate_agent.sidecar.server import SidecarServer
 from kvgate_agent.sidecar.settings import (
     AgentSettings,
     SidecarSettings,
@@ -76,28 +74,8 @@ async def run_sidecar(
     ``settings.drain_seconds`` (a second signal cuts that short), end what is left (streams
     with a terminal ``shutting_down`` error event, unanswered requests with 503; every
     reservation is released on that path too) and return 0."""
-    sidecar = Sidecar(settings)
-    runner = sidecar.runner(
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=1.0,
-        max_field_size=65536,
-        max_line_size=65536,
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, listen[0], listen[1], backlog=1024)
-    admin_runner: web.AppRunner | None = None
-    try:
-        await site.start()
-        if admin is not None:
-            admin_runner = sidecar.runner(admin=True, access_log=None, shutdown_timeout=1.0)
-            await admin_runner.setup()
-            await web.TCPSite(admin_runner, admin[0], admin[1]).start()
-    except BaseException:  # a port taken: close what started (the upstream session) first
-        if admin_runner is not None:
-            await admin_runner.cleanup()
-        await runner.cleanup()
-        raise
+    server = SidecarServer(Sidecar(settings))
+    await server.start(listen, admin)
     stop = asyncio.Event()
     hurry = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -116,24 +94,7 @@ async def run_sidecar(
         flush=True,
     )
     await stop.wait()
-    log.info("shutting down: draining up to %.0fs", settings.drain_seconds)
-    sidecar.draining = True
-    sidecar.admission.reject_waiting(Reason.DRAINING, 503, 1.0, "the sidecar is shutting down")
-    await site.stop()  # stop accepting new connections
-    idle = asyncio.ensure_future(sidecar.admission.wait_idle(settings.drain_seconds))
-    cut = asyncio.ensure_future(hurry.wait())
-    await asyncio.wait({idle, cut}, return_when=asyncio.FIRST_COMPLETED)
-    cut.cancel()
-    if not idle.done() or not idle.result():
-        idle.cancel()
-        log.warning(
-            "stopping with %d requests in flight (drain deadline or second signal)",
-            sidecar.admission.stats().in_flight,
-        )
-        await sidecar.forwarder.end_all(grace=1.0)  # streams end with an error event
-    await runner.cleanup()  # cancels what is still running: their reservations are released
-    if admin_runner is not None:
-        await admin_runner.cleanup()
+    await server.drain(settings.drain_seconds, hurry)
     return 0
 
 

@@ -1,0 +1,91 @@
+"""Serving one :class:`~kvgate_agent.sidecar.app.Sidecar`: its listeners, and the graceful
+shutdown that drains it.
+
+:class:`SidecarServer` starts the proxy's listener (and the admin one), and on shutdown refuses
+new work (waiting requests get 503 with Retry-After, the listener closes), lets in-flight
+requests finish for up to ``drain_seconds`` (or until told to hurry), ends what is left (streams
+with a terminal ``shutting_down`` error event, unanswered requests with 503) and closes
+everything; every reservation is released on each of those paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from kvgate_agent.admission import Reason
+from kvgate_agent.sidecar.app import Sidecar
+
+log = logging.getLogger("kvgate")
+
+#: The proxy listener's limits, as the sidecar has always run it: a request line and each
+#: header field up to 64 KiB (aiohttp's default is 8,190 bytes), an accept backlog of 1,024.
+MAX_FIELD_BYTES = 65536
+BACKLOG = 1024
+
+
+class SidecarServer:
+    """The listeners of one sidecar and its drain (see the module docstring)."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+        self._runner = sidecar.runner(
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
+            max_field_size=MAX_FIELD_BYTES,
+            max_line_size=MAX_FIELD_BYTES,
+        )
+        self._site: web.TCPSite | None = None
+        self._admin_runner: web.AppRunner | None = None
+
+    async def start(self, listen: tuple[str, int], admin: tuple[str, int] | None) -> None:
+        """Listen on ``listen`` (and serve ``/metrics``, ``/healthz``, ``/readyz`` on ``admin``).
+
+        Raises:
+            OSError: a port is taken; what had started is closed first.
+        """
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, listen[0], listen[1], backlog=BACKLOG)
+        try:
+            await site.start()
+            if admin is not None:
+                self._admin_runner = self.sidecar.runner(
+                    admin=True, access_log=None, shutdown_timeout=1.0
+                )
+                await self._admin_runner.setup()
+                await web.TCPSite(self._admin_runner, admin[0], admin[1]).start()
+        except BaseException:  # a port taken: close what started (the upstream session) first
+            await self._close_runners()
+            raise
+        self._site = site
+
+    async def drain(self, drain_seconds: float, hurry: asyncio.Event) -> None:
+        """Shut down gracefully: refuse new work, let in-flight requests finish for up to
+        ``drain_seconds`` (``hurry`` set cuts that short), end what is left, close
+        everything."""
+        sc = self.sidecar
+        log.info("shutting down: draining up to %.0fs", drain_seconds)
+        sc.draining = True
+        sc.admission.reject_waiting(Reason.DRAINING, 503, 1.0, "the sidecar is shutting down")
+        if self._site is not None:
+            await self._site.stop()  # stop accepting new connections
+        idle = asyncio.ensure_future(sc.admission.wait_idle(drain_seconds))
+        cut = asyncio.ensure_future(hurry.wait())
+        await asyncio.wait({idle, cut}, return_when=asyncio.FIRST_COMPLETED)
+        cut.cancel()
+        if not idle.done() or not idle.result():
+            idle.cancel()
+            log.warning(
+                "stopping with %d requests in flight (drain deadline or second signal)",
+                sc.admission.stats().in_flight,
+            )
+            await sc.forwarder.end_all(grace=1.0)  # streams end with an error event
+        await self._close_runners()  # cancels what is still running: reservations released
+
+    async def _close_runners(self) -> None:
+        await self._runner.cleanup()
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
