@@ -311,8 +311,8 @@ async def test_a_request_let_out_of_the_queue_is_not_sent_on_the_connection_llam
     g = await gauges(client, url)
     assert sum(v for k, v in g.items() if k.startswith("kvgate_upstream_errors_total")) == 0
     assert g["kvgate_in_flight_requests"] == 0 and g["kvgate_kv_reserved_tokens"] == 0
-    assert g["kvgate_upstream_resends_total"] == sc.forwarder.pool.stale_retries
-    print(f"stale keep-alive connections met and resent: {sc.forwarder.pool.stale_retries}")
+    assert g["kvgate_upstream_resends_total"] == sc.model_server.pool.stale_retries
+    print(f"stale keep-alive connections met and resent: {sc.model_server.pool.stale_retries}")
 
 
 async def test_no_more_requests_reach_llama_than_it_has_slots_the_rest_wait_in_order(
