@@ -63,9 +63,16 @@ class ModelServer:
         )
         self._session: aiohttp.ClientSession | None = None
         self._probe: aiohttp.ClientSession | None = None
+        self._closed = False
 
     async def open(self) -> None:
-        """Open the two aiohttp clients (on the running event loop; again: nothing)."""
+        """Open the two aiohttp clients (on the running event loop; again: nothing).
+
+        Raises:
+            RuntimeError: after :meth:`close` (one open and one close per sidecar's life).
+        """
+        if self._closed:
+            raise RuntimeError("the model server's connections were closed for good")
         if self._session is not None:
             return
         self._session = aiohttp.ClientSession(
@@ -83,8 +90,10 @@ class ModelServer:
 
     async def close(self) -> None:
         """Close every connection: the pool's (idle or busy) and both clients'."""
+        self._closed = True
         self.pool.close()
-        for s in (self._session, self._probe):
+        sessions, self._session, self._probe = (self._session, self._probe), None, None
+        for s in sessions:
             if s is not None:
                 await s.close()
 
