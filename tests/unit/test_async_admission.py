@@ -24,15 +24,11 @@ from kvgate_agent.admission import (
 )
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_bench.toolkit import FakeClock
+from tests.conftest import policy_doc
 
 
 def config(spec: dict[str, Any]) -> AdmissionConfig:
-    doc = {
-        "apiVersion": "kvgate.io/v1alpha1",
-        "kind": "RateLimitPolicy",
-        "metadata": {"name": "t"},
-        "spec": {"tenants": {"defaultMaxTokens": 16}, **spec},
-    }
+    doc = policy_doc({"tenants": {"defaultMaxTokens": 16}, **spec})
     return AdmissionConfig.from_policy(parse_policy(doc).spec)
 
 
