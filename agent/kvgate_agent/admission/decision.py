@@ -82,6 +82,11 @@ class AdmissionRequest:
         prompt_tokens_min: the lowest the prompt's count can be, tokens, when ``prompt_tokens``
             is a cautious estimate (None: exact): a request that would never fit at the
             estimate is decided on this count instead, never refused on a guess.
+        weight: the tenant's fair-share weight (> 0; its class's ``weight``, 1 by default): the
+            fair queue serves backlogged tenants in proportion to their weights.
+        ttft_slo_seconds: this request's time-to-first-token SLO, seconds, from its tenant
+            class; None: the policy's rule (``slo.ttftSeconds`` for priority >=
+            ``slo.minPriority``); ``math.inf``: none (a batch class: never shed for its wait).
     """
 
     tenant: str
@@ -94,6 +99,8 @@ class AdmissionRequest:
     model_rewritable: bool = True
     degraded: bool = False
     prompt_tokens_min: int | None = None
+    weight: float = 1.0
+    ttft_slo_seconds: float | None = None
 
 
 @dataclass(slots=True, eq=False)
