@@ -391,7 +391,7 @@ async def test_client_gone_closes_upstream_at_once_and_releases_everything(
     assert (await gauges(client, url))["kvgate_client_disconnects_total"] == 1
     # Charged only for what was produced (what the model server sent, however long that took
     # on a busy machine): the 5000 burst is nearly whole again.
-    (level,) = [lvl for _, unit, _, lvl, _ in c.bucket_levels() if unit == "cost"]
+    (level,) = [lvl for _, unit, _, lvl, _ in c.tenant_stats().bucket_levels if unit == "cost"]
     produced = upstream.events_sent
     assert phase == "mid_stream" or produced == 0
     assert level >= 5000 - sc.counter.count(CHAT).tokens - produced - 1

@@ -372,7 +372,12 @@ def test_policy_defaults_spelled_out() -> None:
     assert spec["tenants"] == {"header": "x-kvgate-tenant", "defaultMaxTokens": 1024}
     assert spec["overload"] == {"actions": ["Queue", "Reject"]}
     assert spec["failureMode"] == "FailOpen"
-    assert spec["queue"] == {"maxLength": 100, "maxWaitSeconds": 30, "order": "FIFO"}
+    assert spec["queue"] == {
+        "maxLength": 100,
+        "maxWaitSeconds": 30,
+        "order": "FIFO",
+        "fairness": {"promptTokenWeight": 1, "outputTokenWeight": 2},
+    }
     assert spec["cost"] == {"perRequest": 0, "promptTokenWeight": 1, "outputTokenWeight": 1}
     assert spec["priority"] == {"header": "x-kvgate-priority", "forwardTo": "None"}
     assert spec["rateLimits"] == [

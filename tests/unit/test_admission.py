@@ -244,12 +244,16 @@ def test_settlement_refunds_unused_and_charges_excess() -> None:
     d = c.submit(req(prompt=100, max_tokens=400))  # reserves 500
     assert d.ticket is not None
     c.release(d.ticket, completion_tokens=50)  # used 150: refund 350
-    level = next(lvl for name, unit, key, lvl, cap in c.bucket_levels() if unit == "cost")
+    level = next(
+        lvl for name, unit, key, lvl, cap in c.tenant_stats().bucket_levels if unit == "cost"
+    )
     assert level == pytest.approx(850, abs=0.01)
     d = c.submit(req(prompt=100, max_tokens=100))  # reserves 200
     assert d.ticket is not None
     c.release(d.ticket, prompt_tokens=300, completion_tokens=100)  # server said 300 prompt
-    level = next(lvl for name, unit, key, lvl, cap in c.bucket_levels() if unit == "cost")
+    level = next(
+        lvl for name, unit, key, lvl, cap in c.tenant_stats().bucket_levels if unit == "cost"
+    )
     assert level == pytest.approx(450, abs=0.01)
 
 
@@ -487,7 +491,9 @@ def test_next_wake_never_asks_for_a_pump_in_the_past_behind_a_shared_blocker() -
     assert vip is not None
     clock.advance(10)
     c.pump()
-    assert c.take_resolved() == []  # vip is ahead and blocked by the shared KV pool
+    # vip is ahead and blocked by the shared KV pool; A fits now and goes past it, one of the
+    # bounded backfills (the queue is work-conserving).
+    assert [w.request.tenant for w in c.take_resolved()] == ["a"] and vip.skips == 1
     wake = c.next_wake()
     assert wake is not None and wake > clock.now  # the deadlines, not a time already past
     clock.advance(1)
@@ -496,7 +502,7 @@ def test_next_wake_never_asks_for_a_pump_in_the_past_behind_a_shared_blocker() -
     assert wake is not None and wake > clock.now
     c.release(held, completion_tokens=300)
     c.pump()
-    assert {w.request.tenant for w in c.take_resolved()} == {"vip", "a"}
+    assert [w.request.tenant for w in c.take_resolved()] == ["vip"]
     assert c.stats().queue_length == 0 and c.next_wake() is None
 
 
@@ -761,7 +767,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert c.stats().in_flight == len(self.tickets) <= 4
         assert c.stats().kv_reserved_tokens == sum(t.kv_tokens for t in self.tickets) <= 2048
         assert c.stats().queue_length == len(self.waiters) <= 5
-        for *_, level, cap in c.bucket_levels():
+        for *_, level, cap in c.tenant_stats().bucket_levels:
             assert -1e-9 <= level <= cap + 1e-9
 
     def teardown(self) -> None:
@@ -826,7 +832,9 @@ def test_reconfigure_keeps_buckets_carries_the_level_over_and_clamps_it() -> Non
     assert bucket.capacity == 300 and bucket.level == pytest.approx(200)  # carried over
     c.reconfigure(config_of({"rateLimits": [{**limit, "tokensPerMinute": 60, "burstTokens": 50}]}))
     assert bucket.level == pytest.approx(50) and bucket.rate == pytest.approx(1.0)  # clamped
-    assert [(n, lvl) for n, _, k, lvl, _ in c.bucket_levels() if k == "a"] == [("t", 50)]
+    assert [(n, lvl) for n, _, k, lvl, _ in c.tenant_stats().bucket_levels if k == "a"] == [
+        ("t", 50)
+    ]
     clock.advance(10)  # refills at the new rate
     assert bucket.refill(clock()) == pytest.approx(50)
     c.release(t, completion_tokens=0)  # refund of 100 into the retuned bucket, clamped
@@ -842,7 +850,9 @@ def test_reconfigure_adds_fresh_limits_and_drops_removed_ones() -> None:
     assert t is not None
     assert c.submit(req("a")).reason is Reason.RATE_LIMIT_REQUESTS
     c.reconfigure(config_of({"rateLimits": [new], **reject}))
-    assert {n for n, *_ in c.bucket_levels()} == set()  # nothing touched the new limit yet
+    assert {
+        n for n, *_ in c.tenant_stats().bucket_levels
+    } == set()  # nothing touched the new limit yet
     assert c.submit(req("a")).ticket is not None  # "old" is gone; "new" starts full (2)
     assert c.submit(req("a")).ticket is not None
     assert c.submit(req("a")).reason is Reason.RATE_LIMIT_REQUESTS

@@ -233,6 +233,14 @@ class PredictedAdmissionMachine(RuleBasedStateMachine):
         if not any(t.kv_reserved_at_admission < t.kv_max for t in live):
             assert c.stats().kv_headroom_tokens == 0
 
+    @invariant()
+    def fair_counters_never_decrease(self) -> None:
+        seen: dict[str, float] = getattr(self, "_counters", {})
+        for tenant, counter, _ in self.c.tenant_stats().fair_shares:
+            assert counter >= seen.get(tenant, 0.0) - 1e-9, tenant
+            seen[tenant] = counter
+        self._counters = seen
+
     def teardown(self) -> None:
         c = self.c
         # Every waiter expires (maxWait 3 s): refused, or admitted degraded.

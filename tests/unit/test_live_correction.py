@@ -281,8 +281,10 @@ def test_below_min_priority_never_slo_shed() -> None:
         d = c.submit(req(max_tokens=10, priority=0))
         assert d.outcome is Outcome.QUEUED and d.waiter is not None, d
         assert d.waiter.deadline - d.waiter.enqueued_at == pytest.approx(30.0)  # maxWait
-    # The SLO request behind them still is.
-    assert c.submit(req(max_tokens=10, priority=1)).reason is Reason.SLO
+    # An SLO request still is, once enough of its own band waits ahead of it (bands are
+    # served strictly by priority, so the 20 below do not count against it).
+    reasons = [c.submit(req(max_tokens=10, priority=1)).reason for _ in range(30)]
+    assert Reason.SLO in reasons and reasons[0] is Reason.OK
 
 
 def test_wait_budget_shrinks_with_observed_prefill() -> None:

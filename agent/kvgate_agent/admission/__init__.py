@@ -2,12 +2,14 @@
 
 Public API: :class:`AsyncAdmission` (the one API the sidecar drives: every call that may let a
 waiter in wakes the queue itself), :class:`AdmissionController` (the pure decisions, driven
-directly on a virtual clock by the benchmark), :class:`AdmissionStats` (a read-only snapshot),
-:class:`AdmissionConfig` (resolved thresholds), and the decision types.
+directly on a virtual clock by the benchmark), :class:`AdmissionStats` and
+:class:`TenantStats` (read-only snapshots), :class:`AdmissionConfig` (resolved thresholds), and
+the decision types.
 Inside: :mod:`.bucket` (token buckets), :mod:`.limits` (what is counted and reserved),
-:mod:`.holds` (stops on all admission), :mod:`.retry` (Retry-After), :mod:`.queue` (the wait
-queue), :mod:`.overload` (Degrade, Queue, Reject), :mod:`.controller` (composes them),
-:mod:`.async_admission` (the asyncio side).
+:mod:`.fairness` (the tenants' fair-share counters), :mod:`.holds` (stops on all admission),
+:mod:`.retry` (Retry-After), :mod:`.fair_order` (who waits in which order), :mod:`.queue`
+(the wait queue), :mod:`.overload` (Degrade, Queue, Reject), :mod:`.controller` (composes
+them), :mod:`.async_admission` (the asyncio side).
 """
 
 from kvgate_agent.admission.async_admission import AsyncAdmission
@@ -25,7 +27,7 @@ from kvgate_agent.admission.decision import (
 from kvgate_agent.admission.holds import Hold
 from kvgate_agent.admission.limits import round_up
 from kvgate_agent.admission.retry import retry_after_seconds
-from kvgate_agent.admission.stats import AdmissionStats
+from kvgate_agent.admission.stats import AdmissionStats, TenantStats
 
 __all__ = [
     "AdmissionConfig",
@@ -39,6 +41,7 @@ __all__ = [
     "LimitThreshold",
     "Outcome",
     "Reason",
+    "TenantStats",
     "Ticket",
     "TokenBucket",
     "Waiter",

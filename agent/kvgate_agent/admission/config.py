@@ -49,7 +49,9 @@ class AdmissionConfig:
     ``slo_min_priority`` (:mod:`.slo`), None = not served. ``fallback_pool_model``: the model
     of the other pool (``overload.degrade.fallback``) a request this pod cannot take may be
     sent to; its upstream URL stays with the sidecar (the core does no I/O).
-    ``fleet_share``: this pod's fraction (0, 1] of the policy's pods, as the operator split
+    ``fair_prompt_weight``/``fair_output_weight``: the fair queue's charge per prompt and per
+    output token (``queue.fairness``, :mod:`.fairness`). ``fleet_share``: this pod's fraction
+    (0, 1] of the policy's pods, as the operator split
     ``per: Global`` budgets (``globalShare`` of its thresholds; 1 standalone): the local share of
     a shared limit while the store is down before any peer count was seen.
     """
@@ -77,6 +79,8 @@ class AdmissionConfig:
     tpot_slo_seconds: float | None = None
     slo_min_priority: int = 0
     fleet_share: float = 1.0
+    fair_prompt_weight: float = 1.0
+    fair_output_weight: float = 2.0
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         """Cost units: perRequest + prompt × promptTokenWeight + output × outputTokenWeight."""
@@ -146,6 +150,8 @@ class AdmissionConfig:
             queue_max_length=spec.queue.max_length,
             queue_max_wait_seconds=spec.queue.max_wait_seconds,
             queue_order=spec.queue.order,
+            fair_prompt_weight=spec.queue.fairness.prompt_token_weight,
+            fair_output_weight=spec.queue.fairness.output_token_weight,
             actions=actions,
             min_max_tokens=None if degrade is None else degrade.min_max_tokens,
             fallback_model=None if degrade is None else degrade.fallback_model,

@@ -30,11 +30,18 @@ from kvgate_agent.admission.decision import (
 )
 from kvgate_agent.admission.holds import Hold, Holds
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S, Blocker, Limits
-from kvgate_agent.admission.overload import Enqueue, Resources, act, exceeds_capacity
+from kvgate_agent.admission.overload import (
+    Enqueue,
+    Resources,
+    act,
+    evicted,
+    exceeds_capacity,
+    refused_by_count,
+)
 from kvgate_agent.admission.queue import WaitQueue
 from kvgate_agent.admission.retry import DecodeSpeed
 from kvgate_agent.admission.slo import SloState
-from kvgate_agent.admission.stats import AdmissionStats
+from kvgate_agent.admission.stats import AdmissionStats, TenantStats
 from kvgate_agent.contract.policy import OverloadAction
 
 Clock = Callable[[], float]
@@ -43,7 +50,6 @@ Clock = Callable[[], float]
 _ADMITTED = Outcome.ADMITTED
 _OK = Reason.OK
 _DEGRADE = OverloadAction.DEGRADE.value
-_QUEUE = OverloadAction.QUEUE.value
 _REJECT = OverloadAction.REJECT.value
 
 
@@ -134,14 +140,11 @@ class AdmissionController:
         samples yet)."""
         return self._limits.predictor.predict(tenant, model, max_tokens)
 
-    def bucket_levels(self) -> list[tuple[str, str, str, float, float]]:
-        """(limit name, unit, key, level, capacity) for every bucket held in memory now.
-        ``unit`` is ``requests`` or ``cost``; ``key`` is the tenant, or "" for pod-wide buckets."""
-        return self._limits.bucket_levels(self.clock())
-
-    def tenants_tracked(self) -> int:
-        """Number of tenant buckets held in memory (bounded by ``max_tenants`` per limit)."""
-        return self._limits.tenants_tracked()
+    def tenant_stats(self) -> TenantStats:
+        """The per-tenant state now (see :class:`TenantStats`)."""
+        limits = self._limits
+        fair = [(t, a.counter, a.attained) for t, a in limits.fair.accounts()]
+        return TenantStats(limits.bucket_levels(self.clock()), limits.tenants_tracked(), fair)
 
     def set_kv_capacity(self, tokens: int | None) -> None:
         """Enforce a new KV capacity (tokens; None = not enforced), e.g. the engine's own report.
@@ -233,12 +236,7 @@ class AdmissionController:
         "maybe admitted" (never a promise)."""
         if self.active_hold() is not None:
             return True
-        cfg = self._limits.config
-        queue = _QUEUE in cfg.actions and req.priority >= 0
-        if queue or cfg.fallback_model or cfg.fallback_pool_model:
-            return False
-        b = self._limits.blocker(req, req.max_tokens, self.clock())
-        return b is not None and b.reason is Reason.RATE_LIMIT_REQUESTS
+        return refused_by_count(self._limits, req, self.clock())
 
     # ------------------------------------------------------------------ submit
 
@@ -288,11 +286,14 @@ class AdmissionController:
                 kv = limits.kv_tokens(req.prompt_tokens, max_fit, req.n)
                 cost = cfg.cost(req.prompt_tokens, req.n * max_fit)
         self._ceiling.tick(now)
+        q = self._queue
+        if q.blocked_head is not None:
+            self.pump()  # what was freed since the last pass goes to those who waited first
         found: list[BucketCharge] = []
         kv = limits.reservation(req, req.max_tokens)
         blocker = limits.blocker(req, req.max_tokens, now, found=found, kv=kv, cost=cost)
-        q = self._queue
-        if blocker is None and not (q and q.head_blocked_shared):
+        if blocker is None and q.may_backfill():
+            q.backfilled()  # (a no-op unless a head waits for a shared resource)
             ticket = limits.reserve(req, req.max_tokens, now, found=found, kv=kv)
             if clamped:
                 return Decision(
@@ -321,6 +322,8 @@ class AdmissionController:
         that is their answer."""
         d = act(self._r, req, blocker, actions, now, clamped, waited)
         if isinstance(d, Enqueue):
+            if d.evict is not None:
+                self._queue.evict(d.evict, evicted(self._r, d.evict, d.evict_reason, now))
             return self._enqueue(req, d.remaining, now, clamped, d.budget)
         return d
 
@@ -357,13 +360,13 @@ class AdmissionController:
         ones cannot overtake it; one blocked only by its own tenant's bucket is skipped."""
         q = self._queue
         if not q:
-            q.head_blocked_shared = False
+            q.blocked_head = None
             return
         now = self.clock()
         self._ceiling.tick(now)
         held = self._holds.active(now) if self._holds else None
         self._expire(now, held)
-        q.head_blocked_shared = False
+        q.blocked_head = None
         if held is None:
             q.admit_fitting(now)
 
@@ -444,12 +447,14 @@ class AdmissionController:
         if reached_upstream:
             prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
             limits.release(ticket, now, limits.config.cost(prompt, completion_tokens), 1.0)
+            limits.fair.settle(ticket, prompt, completion_tokens)
             if completion_tokens > 0:
                 self._speed.observe(now - ticket.admitted_at, completion_tokens)
                 limits.learn(ticket, completion_tokens)
             slo.observe_departure(now - ticket.admitted_at)
         else:
             limits.release(ticket, now, 0.0, 0.0)
+            limits.fair.settle(ticket, 0, 0)
         self._ceiling.tick(now)
         return True
 
@@ -472,6 +477,7 @@ class AdmissionController:
             self._slo.observe_gap(now - last, (generated - prev) / ticket.n)
         ticket.generated = generated
         ticket.last_token_at = now
+        self._limits.fair.observe_output(ticket, generated)
         if ticket.prompt_tokens + generated >= ticket.kv_tokens:
             self._limits.grow(ticket, generated)
         self._ceiling.tick(now)

@@ -113,7 +113,10 @@ class Ticket:
     prompt + n x max_tokens block-rounded (the reservation never grows past it).
     ``max_tokens``: output tokens admitted per choice; ``admitted_at``: clock seconds.
     ``generated``, ``last_token_at``: output tokens streamed so far (all choices) and when the
-    last of them passed (clock seconds; None before the first).
+    last of them passed (clock seconds; None before the first). ``weight``: the tenant's
+    fair-share weight; ``fair_charged``, ``fair_output``: what its tenant's fair-share counter
+    was charged for it so far (token-weighted units) and the output tokens that covers
+    (:mod:`.fairness`).
     """
 
     tenant: str
@@ -129,6 +132,9 @@ class Ticket:
     kv_reserved_at_admission: int = 0
     generated: int = 0
     last_token_at: float | None = None
+    weight: float = 1.0
+    fair_charged: float = 0.0
+    fair_output: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -142,8 +148,10 @@ class Waiter:
     kv_tokens: int
     remaining_actions: tuple[str, ...]
     clamped: bool = False
-    retry_at: float | None = None
     decision: Decision | None = None
+    #: Requests admitted past this one while it waited at the head for a shared resource
+    #: (the fair queue's bounded backfill).
+    skips: int = 0
 
 
 class Decision:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvgate_agent.admission.bucket import Bucket, BucketMap, SharedBucket
 from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
 from kvgate_agent.admission.decision import AdmissionRequest, BucketCharge, Reason, Ticket
+from kvgate_agent.admission.fairness import FairShare
 from kvgate_agent.admission.predictor import LengthPredictor
 from kvgate_agent.contract.policy import LimitScope, ReservationMode
 
@@ -198,6 +199,7 @@ class Limits:
         predicted_in_flight: tickets in flight whose reservation is below their worst case.
         engine_kv_used: KV tokens the engine reports in use (None: not known).
         engine_kv_until: clock time after which that report is too old to count.
+        fair: the tenants' fair-share counters, charged here at every reservation.
     """
 
     __slots__ = (
@@ -207,6 +209,7 @@ class Limits:
         "config",
         "engine_kv_until",
         "engine_kv_used",
+        "fair",
         "in_flight",
         "kv_reserved_tokens",
         "min_cost_capacity",
@@ -242,6 +245,7 @@ class Limits:
         self.predicted_in_flight = 0
         self.engine_kv_used: int | None = None
         self.engine_kv_until = 0.0
+        self.fair = FairShare(config.fair_prompt_weight, config.fair_output_weight, max_tenants)
 
     # ------------------------------------------------------------------ configuration
 
@@ -269,6 +273,7 @@ class Limits:
         self.min_cost_capacity = _min_cost_capacity(config)
         self.predictor.reset_quantile(config.reservation_quantile)
         self.predicted = config.reservation is ReservationMode.PREDICTED
+        self.fair.retune(config.fair_prompt_weight, config.fair_output_weight)
 
     def attach_store(self, now: float) -> None:
         """Hold every shared limit as slices of its fleet-wide budget from now on (the sidecar
@@ -419,19 +424,6 @@ class Limits:
                 cost_room = level if cost_room is None else min(cost_room, level)
         return self.max_tokens_within(req.prompt_tokens, req.n, kv_room, cost_room)
 
-    def exceeding_limit(self, req: AdmissionRequest) -> str:
-        """Name of the capacity ``req`` can never fit: ``kv``, a rate limit, or ``capacity``."""
-        cfg = self.config
-        kv = cfg.kv_capacity_tokens
-        if kv is not None and self.kv_tokens(req.prompt_tokens, req.max_tokens, req.n) > kv:
-            return "kv"
-        cost = cfg.cost(req.prompt_tokens, req.n * req.max_tokens)
-        for lim in self.rate_limits:
-            cap = lim.threshold.cost_capacity
-            if cap is not None and cost > cap:
-                return lim.threshold.name
-        return "capacity"
-
     # ------------------------------------------------------------------ checks and reservations
 
     def blocker(
@@ -519,6 +511,8 @@ class Limits:
             kv_max,
             kv,
         )
+        ticket.weight = req.weight
+        self.fair.admit(ticket)
         if kv < kv_max:
             self.predicted_in_flight += 1
         self.in_flight += 1

@@ -13,9 +13,10 @@ Invariant: pure and clock-injected, like the controller; a reservation is taken 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason
+from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason, Waiter
 from kvgate_agent.admission.limits import Blocker, Limits
 from kvgate_agent.admission.queue import WaitQueue
 from kvgate_agent.admission.retry import DecodeSpeed, refusal, wait_seconds
@@ -40,10 +41,14 @@ class Resources:
 class Enqueue:
     """The Queue action's answer: queue the request, with the actions after Queue for its
     timeout (``remaining``) and its TTFT SLO's wait budget, seconds (None: the policy's maximum
-    wait alone)."""
+    wait alone). ``evict``: a waiter of a tenant further above its fair share to refuse in its
+    place (reason ``evict_reason``: the queue is full, or the newcomer would wait past its SLO),
+    so such refusals fall on the tenant furthest above its share first."""
 
     remaining: tuple[str, ...]
     budget: float | None
+    evict: Waiter | None = None
+    evict_reason: Reason = Reason.QUEUE_FULL
 
 
 def exceeds_capacity(limits: Limits, req: AdmissionRequest, max_fit: int) -> Decision:
@@ -51,7 +56,7 @@ def exceeds_capacity(limits: Limits, req: AdmissionRequest, max_fit: int) -> Dec
     fix = f"lower max_tokens to at most {max_fit}" if max_fit >= 1 else "shorten the prompt"
     d = refusal(
         Reason.EXCEEDS_CAPACITY,
-        limits.exceeding_limit(req),
+        _exceeding_limit(limits, req),
         400,
         None,
         req.max_tokens,
@@ -62,6 +67,32 @@ def exceeds_capacity(limits: Limits, req: AdmissionRequest, max_fit: int) -> Dec
     )
     d.param = "max_tokens" if max_fit >= 1 else "prompt"
     return d
+
+
+def _exceeding_limit(limits: Limits, req: AdmissionRequest) -> str:
+    """Name of the capacity ``req`` can never fit: ``kv``, a rate limit, or ``capacity``."""
+    cfg = limits.config
+    kv = cfg.kv_capacity_tokens
+    if kv is not None and limits.kv_tokens(req.prompt_tokens, req.max_tokens, req.n) > kv:
+        return "kv"
+    cost = cfg.cost(req.prompt_tokens, req.n * req.max_tokens)
+    for lim in limits.rate_limits:
+        cap = lim.threshold.cost_capacity
+        if cap is not None and cost > cap:
+            return lim.threshold.name
+    return "capacity"
+
+
+def refused_by_count(limits: Limits, req: AdmissionRequest, now: float) -> bool:
+    """True when ``req``'s request-count rate limit refuses it now under a policy that has
+    neither Queue (for ``req``: a sheddable request is never queued) nor a fallback (model or
+    pool) to serve it otherwise: its prompt's size cannot change that."""
+    cfg = limits.config
+    queue = _QUEUE in cfg.actions and req.priority >= 0
+    if queue or cfg.fallback_model or cfg.fallback_pool_model:
+        return False
+    b = limits.blocker(req, req.max_tokens, now)
+    return b is not None and b.reason is Reason.RATE_LIMIT_REQUESTS
 
 
 def act(
@@ -86,38 +117,65 @@ def act(
         elif action == _QUEUE:
             if req.priority < 0 or waited > 0:  # sheddable, or already timed out once
                 continue
+            evict: Waiter | None = None
+            reason = Reason.QUEUE_FULL
             if len(r.queue) >= r.limits.config.queue_max_length:
-                queue_full = True
-                continue
+                evict = r.queue.over_share(req)
+                if evict is None:
+                    queue_full = True
+                    continue
             budget = _wait_budget(r, req)
             if budget is not None:
                 expected = _expected_wait(r, req, blocker, now)
                 if expected is not None and expected > budget * SHED_FACTOR:
-                    slo_wait = expected
-                    continue
-            return Enqueue(actions[i + 1 :], budget)
+                    # Refused for its SLO only when no other tenant is further above its share.
+                    if evict is None:
+                        evict, reason = r.queue.over_share(req), Reason.SLO
+                    if evict is None:
+                        slo_wait = expected
+                        continue
+            return Enqueue(actions[i + 1 :], budget, evict, reason)
         else:
             break
     return reject(r, req, blocker, now, waited, queue_full, slo_wait)
+
+
+def evicted(r: Resources, w: Waiter, reason: Reason, now: float) -> Decision:
+    """The refusal of waiter ``w``, evicted from the queue for a newcomer of a tenant under its
+    fair share (``reason``: ``queue_full`` or ``slo``), with an honest Retry-After: its
+    expected wait for an SLO eviction, the drain of the queue for a full one."""
+    req = w.request
+    slo_wait = _expected_wait(r, req, None, now) if reason is Reason.SLO else None
+    d = reject(r, req, None, now, 0.0, reason is Reason.QUEUE_FULL, slo_wait)
+    d.message = f"{d.message} (this tenant is furthest above its fair share)"
+    d.queue_seconds = now - w.enqueued_at
+    return d
 
 
 def _expected_wait(
     r: Resources, req: AdmissionRequest, blocker: Blocker | None, now: float
 ) -> float | None:
     """Seconds ``req`` would wait in the queue: its own bucket's refill time when only that
-    blocks it, else the drain time of the waiters ahead (:meth:`SloState.expected_wait`; under
-    Priority order only those of at least its priority are ahead; the engine's own waiting
+    blocks it, else the drain time of the waiters the fair order serves before it
+    (:meth:`WaitQueue.ahead_of`, :meth:`SloState.expected_wait`; the engine's own waiting
     requests are ahead of all)."""
     if blocker is not None and blocker.tenant_scoped and blocker.bucket is not None:
         return blocker.bucket.seconds_until(blocker.amount, now)
-    return r.slo.expected_wait(r.queue.ahead_of(req.priority), r.limits.in_flight, now)
+    return r.slo.expected_wait(r.queue.ahead_of(req), r.limits.in_flight, now)
 
 
 def _wait_budget(r: Resources, req: AdmissionRequest) -> float | None:
-    """Seconds ``req`` may wait under its TTFT SLO; None when no TTFT SLO applies to it."""
-    if req.priority < r.limits.config.slo_min_priority:
+    """Seconds ``req`` may wait under its TTFT SLO: its class's (``req.ttft_slo_seconds``;
+    infinite: none), else the policy's for priorities >= ``slo.minPriority``; None when no TTFT
+    SLO applies to it."""
+    ttft = req.ttft_slo_seconds
+    if ttft is None:
+        if req.priority < r.limits.config.slo_min_priority:
+            return None
+        return r.slo.wait_budget()
+    if math.isinf(ttft):
         return None
-    return r.slo.wait_budget()
+    return r.slo.wait_budget(ttft)
 
 
 def _degrade(

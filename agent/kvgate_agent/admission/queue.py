@@ -1,25 +1,45 @@
-"""The admission queue of one pod: who waits, in which order, and who may leave it now.
+"""The admission queue of one pod: who waits, and who may leave it now.
 
-:class:`WaitQueue` owns every waiter, the per-priority counts the SLO's expected wait reads,
-the ShortestFirst aging rate and the "a head waits for a shared resource" flag that stops a
-newcomer from overtaking it. It admits waiters that fit now through the :class:`.Limits` it is
-given (the check and the reservation in one call) and hands back the ones past their deadline
-for the controller's overload actions to decide; it never decides a refusal itself.
+:class:`WaitQueue` owns the waiters' lifecycle: their deadlines, the pass that admits those
+that fit now, and the decisions collected for the asyncio side. The order it serves them in is
+:class:`.fair_order.FairOrder`'s: priority bands strictly, then tenants by fair share (VTC),
+then each tenant's own order.
+
+Work-conserving: when the head the order chooses is blocked by a shared resource (KV, the
+concurrency cap, a pod-wide bucket), the next heads that fit are admitted past it, at most
+:data:`MAX_SKIPS` times per blocked head, so a large request is not starved by small ones
+(bounded backfill: a queue that only blocks on its head idles the server while anything else
+would fit; Kubernetes API Priority and Fairness and the VTC artifact block on the head).
+
+It admits through the :class:`.Limits` it is given (the check and the reservation in one
+call) and hands back the ones past their deadline for the controller's overload actions to
+decide; it never decides a refusal itself.
 
 Invariant: pure and clock-injected like the controller (times are passed in, seconds); a
 waiter leaves the queue exactly once, with its ``decision`` set, collected by
-:meth:`WaitQueue.take_resolved`.
+:meth:`WaitQueue.take_resolved`. Each admission from the queue costs O(log n); a pass that
+finds nothing to admit looks at no more than :data:`MAX_SCAN` heads after the first blocked
+one.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Collection
 
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason, Waiter
+from kvgate_agent.admission.fair_order import Entry, FairOrder
 from kvgate_agent.admission.limits import Blocker, Limits
 from kvgate_agent.admission.retry import refusal
-from kvgate_agent.contract.policy import QueueOrder
+
+#: Requests admitted past a head blocked by a shared resource before the queue holds still
+#: for it (the backfill bound).
+MAX_SKIPS = 8
+#: Heads looked at after the first blocked one in one pass (bounds a pass's work when many
+#: tenants wait and nothing fits).
+MAX_SCAN = 32
 
 
 class WaitQueue:
@@ -27,37 +47,57 @@ class WaitQueue:
 
     Args:
         limits: the pod's counted and reserved resources; read for every admission from the
-            queue and reserved from in the same call.
+            queue and reserved from in the same call. Its ``fair`` counters order the tenants.
+
+    Attributes:
+        order: the waiters in service order (read only outside this class).
+        blocked_head: the waiter at the head blocked by a shared resource, or None (set by
+            :meth:`admit_fitting`).
     """
 
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
-        self._waiters: dict[int, Waiter] = {}
-        self._by_priority: dict[int, int] = {}
+        self.order = FairOrder(limits.fair, limits.config)
+        self._deadlines: list[tuple[float, int, Waiter]] = []
         self._seq = 0
         self._resolved: list[Waiter] = []
-        self._aging_rate = aging_rate(limits.config)
-        #: A waiter is blocked by a shared resource (the concurrency cap, KV, a pod-wide
-        #: bucket): a newcomer must not take that resource first. Set by :meth:`admit_fitting`.
-        self.head_blocked_shared = False
+        self.blocked_head: Waiter | None = None
 
     def __len__(self) -> int:
-        return len(self._waiters)
+        return len(self.order)
+
+    @property
+    def head_blocked_shared(self) -> bool:
+        """A waiter is blocked by a shared resource: a newcomer may take that resource first
+        only as a bounded backfill (:meth:`may_backfill`)."""
+        return self.blocked_head is not None
+
+    def may_backfill(self) -> bool:
+        """Whether a request that fits now may be admitted past the blocked head (its skips
+        are not used up); True when no head is blocked."""
+        b = self.blocked_head
+        return b is None or b.skips < MAX_SKIPS
+
+    def backfilled(self) -> None:
+        """A request that fits was admitted past the blocked head: one skip used."""
+        if self.blocked_head is not None:
+            self.blocked_head.skips += 1
 
     def retune(self, config: AdmissionConfig) -> None:
-        """New thresholds: the ShortestFirst aging rate follows the maximum wait."""
-        self._aging_rate = aging_rate(config)
+        """New thresholds: the order within tenants and the aging follow."""
+        self.order.retune(config)
 
     def waiters(self) -> Collection[Waiter]:
         """Every waiter, in arrival order (read only)."""
-        return self._waiters.values()
+        return self.order.waiters.values()
 
-    def ahead_of(self, priority: int) -> int:
-        """Waiters that would be served before a newcomer of ``priority``: under Priority order
-        those of at least its priority, else all. O(distinct priorities waiting)."""
-        if self._limits.config.queue_order is QueueOrder.PRIORITY:
-            return sum(n for p, n in self._by_priority.items() if p >= priority)
-        return len(self._waiters)
+    def ahead_of(self, req: AdmissionRequest) -> int:
+        """Waiters served before a newcomer ``req``: :meth:`.FairOrder.ahead_of`."""
+        return self.order.ahead_of(req)
+
+    def over_share(self, req: AdmissionRequest) -> Waiter | None:
+        """A waiter to refuse in ``req``'s place: :meth:`.FairOrder.over_share`."""
+        return self.order.over_share(req)
 
     # ------------------------------------------------------------------ in and out
 
@@ -81,21 +121,20 @@ class WaitQueue:
             remaining,
             clamped,
         )
-        self._waiters[w.seq] = w
-        by = self._by_priority
-        by[req.priority] = by.get(req.priority, 0) + 1
+        self.order.add(w)
+        heapq.heappush(self._deadlines, (deadline, w.seq, w))
         return w
 
     def remove(self, w: Waiter) -> None:
         """Take ``w`` out of the queue (its decision is the caller's: :meth:`resolve`)."""
-        del self._waiters[w.seq]
-        by = self._by_priority
-        p = w.request.priority
-        left = by[p] - 1
-        if left:
-            by[p] = left
-        else:
-            del by[p]
+        self.order.remove(w)
+        if w is self.blocked_head:
+            self.blocked_head = None
+
+    def evict(self, w: Waiter, decision: Decision) -> None:
+        """Take ``w`` out of the queue with ``decision`` (a refusal in a newcomer's place)."""
+        self.remove(w)
+        self.resolve(w, decision)
 
     def resolve(self, w: Waiter, decision: Decision) -> None:
         """``w`` left the queue with ``decision`` (already removed)."""
@@ -114,100 +153,131 @@ class WaitQueue:
 
     def cancel(self, w: Waiter) -> None:
         """Remove a waiter whose client went away (nothing when it already left)."""
-        if self._waiters.get(w.seq) is w:
+        if self.order.live(w):
             self.remove(w)
-            if not self._waiters:
-                self.head_blocked_shared = False
 
     def expired(self, now: float) -> list[Waiter]:
         """The waiters past their deadline, in arrival order, still queued: the caller removes
         and decides on each in turn (the ones after it still count as waiting meanwhile)."""
-        return [w for w in self._waiters.values() if now >= w.deadline]
+        out: list[Waiter] = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            w = heapq.heappop(heap)[2]
+            if self.order.live(w):
+                out.append(w)
+        out.sort(key=lambda w: w.seq)
+        return out
 
     def reject_all(
         self, now: float, reason: Reason, status: int, retry_after: float, message: str
     ) -> None:
         """Refuse every waiter with ``status`` and ``retry_after`` seconds (e.g. shutting down)."""
-        for w in list(self._waiters.values()):
+        for w in list(self.order.waiters.values()):
             self.remove(w)
             d = refusal(reason, "queue", status, retry_after, w.request.max_tokens, message)
             d.queue_seconds = now - w.enqueued_at
             self.resolve(w, d)
-        self.head_blocked_shared = False
+        self.blocked_head = None
 
-    # ------------------------------------------------------------------ order and admission
-
-    def ordered(self, now: float) -> list[Waiter]:
-        """The waiters in service order: arrival (FIFO), priority then arrival (Priority), or
-        reservation size less aging, then arrival (ShortestFirst)."""
-        waiters = list(self._waiters.values())
-        order = self._limits.config.queue_order
-        if order is QueueOrder.PRIORITY:
-            waiters.sort(key=lambda w: (-w.request.priority, w.seq))
-        elif order is QueueOrder.SHORTEST_FIRST:
-            rate = self._aging_rate
-            waiters.sort(key=lambda w: (w.kv_tokens - (now - w.enqueued_at) * rate, w.seq))
-        return waiters
+    # ------------------------------------------------------------------ admission
 
     def head_blocker(self, now: float) -> Blocker | None:
         """What blocks the first waiter (in service order) held by a shared resource; None when
         no waiter is."""
-        for w in self.ordered(now):
+        heads = [self.blocked_head] if self.blocked_head is not None else self.order.sorted()
+        for w in heads:
             b = self._limits.blocker(w.request, w.request.max_tokens, now)
             if b is not None and not b.tenant_scoped:
                 return b
         return None
 
     def admit_fitting(self, now: float) -> None:
-        """Admit the waiters that fit now, in service order, until one blocked by a shared
-        resource (the concurrency cap, KV, a pod-wide bucket): those behind it cannot overtake
-        it. One blocked only by its own tenant's bucket is skipped, its refill time noted for
-        :meth:`next_wake`."""
-        limits = self._limits
-        self.head_blocked_shared = False
-        waiters = iter(self.ordered(now))
-        for w in waiters:
+        """Admit the waiters that fit now, in the fair order. A head blocked only by its own
+        tenant's bucket is skipped (its refill time noted for :meth:`next_wake`); the first head
+        blocked by a shared resource becomes :attr:`blocked_head`, and heads after it that fit
+        are admitted past it while its skips last (:data:`MAX_SKIPS`)."""
+        self.blocked_head = None
+        scanned = [0]
+        for p in list(self.order.priorities):
+            examined: list[Entry] = []
+            stop = self._admit_band(p, now, examined, scanned)
+            for e in examined:
+                self.order.push(p, e[3], e[4])
+            if self.blocked_head is not None and (stop or not self.may_backfill()):
+                self._hold_behind(p)
+                return
+
+    def _admit_band(self, p: int, now: float, examined: list[Entry], scanned: list[int]) -> bool:
+        """The pass over band ``p``; True when the pass must stop here. Flows looked at and not
+        admitted from are left in ``examined`` for the caller to put back."""
+        order, limits = self.order, self._limits
+        while (e := order.pop(p)) is not None:
+            flow = e[4]
+            w = order.head(flow)
             b = limits.blocker(w.request, w.request.max_tokens, now)
             if b is None:
-                self.remove(w)
-                ticket = limits.reserve(w.request, w.request.max_tokens, now)
-                outcome = Outcome.DEGRADED if w.clamped else Outcome.QUEUED
-                reason = Reason.MAX_TOKENS_CLAMPED if w.clamped else Reason.OK
-                self.resolve(
-                    w,
-                    Decision(
-                        outcome,
-                        reason,
-                        ticket=ticket,
-                        max_tokens=w.request.max_tokens,
-                        queue_seconds=now - w.enqueued_at,
-                    ),
-                )
+                head = self.blocked_head
+                if head is not None:
+                    if head.skips >= MAX_SKIPS:
+                        examined.append(e)
+                        return True
+                    head.skips += 1
+                self._admit(w, now)
+                flow.retry_at = None
+                order.push(p, e[3], flow)
                 continue
-            w.retry_at = (
+            examined.append(e)
+            flow.retry_at = (
                 None if b.bucket is None else now + max(1e-3, b.bucket.seconds_until(b.amount, now))
             )
-            if not b.tenant_scoped:
-                self.head_blocked_shared = True
-                # Those behind it cannot go first, whatever their own bucket says: a release
-                # pumps again. A refill time left from an earlier pass would be in the past and
-                # make next_wake() ask for a pump at once, again and again.
-                for behind in waiters:
-                    behind.retry_at = None
-                break
+            if b.tenant_scoped:
+                continue
+            if self.blocked_head is None:
+                self.blocked_head = w
+                if w.skips >= MAX_SKIPS or b.reason is Reason.CONCURRENCY:
+                    return True
+                continue
+            flow.retry_at = None
+            scanned[0] += 1
+            if scanned[0] >= MAX_SCAN or b.reason is Reason.CONCURRENCY:
+                return True
+        return False
+
+    def _hold_behind(self, priority: int) -> None:
+        """A blocked head holds everyone from ``priority`` down: no refill wake-ups for them
+        but its own (a release pumps again; a refill time left from an earlier pass would be in
+        the past and make :meth:`next_wake` ask for a pump at once, again and again)."""
+        blocked = self.blocked_head
+        for flow in self.order.flows(below=priority):
+            if blocked is None or self.order.head(flow) is not blocked:
+                flow.retry_at = None
+
+    def _admit(self, w: Waiter, now: float) -> None:
+        ticket = self._limits.reserve(w.request, w.request.max_tokens, now)
+        self.remove(w)  # after the charge: the counter it leaves the backlog with counts it
+        outcome = Outcome.DEGRADED if w.clamped else Outcome.QUEUED
+        reason = Reason.MAX_TOKENS_CLAMPED if w.clamped else Reason.OK
+        self.resolve(
+            w,
+            Decision(
+                outcome,
+                reason,
+                ticket=ticket,
+                max_tokens=w.request.max_tokens,
+                queue_seconds=now - w.enqueued_at,
+            ),
+        )
 
     def next_wake(self) -> float | None:
-        """The earliest clock time a waiter needs looking at without a release: its deadline or
-        its bucket's refill; None when nobody waits."""
-        t: float | None = None
-        for w in self._waiters.values():
-            c = w.deadline if w.retry_at is None else min(w.deadline, w.retry_at)
-            t = c if t is None else min(t, c)
-        return t
-
-
-def aging_rate(config: AdmissionConfig) -> float:
-    """ShortestFirst aging, KV tokens per second: after half the maximum wait, a waiting
-    request outranks any new one."""
-    ref = config.max_model_len or config.kv_capacity_tokens or 8192
-    return ref / max(1e-3, config.queue_max_wait_seconds / 2)
+        """The earliest clock time a waiter needs looking at without a release: a deadline or
+        a bucket's refill; None when nobody waits."""
+        if not self.order:
+            return None
+        heap = self._deadlines
+        while heap and not self.order.live(heap[0][2]):
+            heapq.heappop(heap)
+        t = heap[0][0] if heap else math.inf
+        for flow in self.order.flows():
+            if flow.retry_at is not None and flow.retry_at < t:
+                t = flow.retry_at
+        return None if t == math.inf else t

@@ -198,9 +198,11 @@ class SloState:
             ahead += self.engine_waiting(now)
         return (ahead + 1) * self.service_s / in_flight
 
-    def wait_budget(self) -> float | None:
-        """Seconds a request under the TTFT SLO may wait in the queue: the SLO less the observed
-        prefill time, at least :data:`MIN_WAIT_SHARE` of the SLO; None without a TTFT SLO."""
-        if self.ttft_seconds is None:
+    def wait_budget(self, ttft_seconds: float | None = None) -> float | None:
+        """Seconds a request under a TTFT SLO (``ttft_seconds``, its class's; default the
+        policy's) may wait in the queue: the SLO less the observed prefill time, at least
+        :data:`MIN_WAIT_SHARE` of the SLO; None without a TTFT SLO."""
+        ttft = self.ttft_seconds if ttft_seconds is None else ttft_seconds
+        if ttft is None:
             return None
-        return max(MIN_WAIT_SHARE * self.ttft_seconds, self.ttft_seconds - self.prefill_s)
+        return max(MIN_WAIT_SHARE * ttft, ttft - self.prefill_s)

@@ -1,5 +1,6 @@
-"""A read-only snapshot of one pod's admission state (:meth:`AdmissionController.stats`): what
-the metrics, the node agent's sync report and the tests read, built at that moment."""
+"""Read-only snapshots of one pod's admission state (:meth:`AdmissionController.stats`) and of
+its tenants (:meth:`AdmissionController.tenant_stats`): what the metrics, the node agent's sync
+report and the tests read, built at that moment."""
 
 from __future__ import annotations
 
@@ -33,3 +34,22 @@ class AdmissionStats:
     inter_token_seconds: float | None
     """Smoothed time between streamed output tokens (the adaptive limit's input), seconds;
     None before the first gap."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    """A read-only snapshot of one pod's per-tenant state
+    (:meth:`AdmissionController.tenant_stats`), for metrics and tests.
+
+    Each field's docstring is under it.
+    """
+
+    bucket_levels: list[tuple[str, str, str, float, float]]
+    """(limit name, unit, key, level, capacity) for every bucket held in memory; ``unit`` is
+    ``requests`` or ``cost``, ``key`` the tenant or "" for pod-wide buckets."""
+    tenants_tracked: int
+    """Tenant buckets held in memory (bounded by ``max_tenants`` per limit)."""
+    fair_shares: list[tuple[str, float, float]]
+    """(tenant, virtual counter, attained service) of every fair-share account kept: the
+    counter in weighted charge units (the fair queue serves the smallest first), the service in
+    token-weighted units (``w_in x prompt + w_out x output``, settled to real usage)."""

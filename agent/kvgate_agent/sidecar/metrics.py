@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvgate_agent.admission import AdmissionStats, AsyncAdmission
+from kvgate_agent.admission import AdmissionStats, AsyncAdmission, TenantStats
 from kvgate_agent.contract.nodeadmission import PolicyRef
 from kvgate_agent.sidecar.agent_link import Mode, SyncResult, ThresholdsLink
 from kvgate_agent.sidecar.tenants import TenantLabels
@@ -104,7 +104,8 @@ class _AdmissionCollector(Collector):
             "Effective capacity of a rate-limit bucket",
             labels=["limit", "unit", "tenant"],
         )
-        for name, unit, key, lvl, cp in core.bucket_levels():
+        ts = core.tenant_stats()
+        for name, unit, key, lvl, cp in ts.bucket_levels:
             tenant = "" if key == "" else self.labels(key)
             if tenant == TenantLabels.OTHER:
                 continue
@@ -113,8 +114,9 @@ class _AdmissionCollector(Collector):
         yield level
         yield capacity
         yield GaugeMetricFamily(
-            "kvgate_tenants_tracked", "Tenant buckets held in memory", value=core.tenants_tracked()
+            "kvgate_tenants_tracked", "Tenant buckets held in memory", value=ts.tenants_tracked
         )
+        yield from self._fair_shares(ts)
         yield GaugeMetricFamily(
             "kvgate_seconds_per_output_token",
             "Observed decode time per output token (moving average), seconds",
@@ -125,6 +127,30 @@ class _AdmissionCollector(Collector):
             "1 when the last upstream exchange succeeded",
             value=1.0 if self.upstream_ok.value else 0.0,
         )
+
+    def _fair_shares(self, ts: TenantStats) -> Iterator[GaugeMetricFamily]:
+        """Each tenant's fair-queue counter and attained service (tenant label bounded, as the
+        buckets': tenants past the bound are not exported one by one)."""
+        counter = GaugeMetricFamily(
+            "kvgate_tenant_virtual_counter",
+            "The fair queue's virtual counter of a tenant: weighted service received "
+            "(charge units / class weight); the backlogged tenant with the smallest goes first",
+            labels=["tenant"],
+        )
+        attained = GaugeMetricFamily(
+            "kvgate_tenant_attained_service",
+            "Service a tenant received, token-weighted (prompt x promptTokenWeight + output x "
+            "outputTokenWeight of queue.fairness), settled to real usage",
+            labels=["tenant"],
+        )
+        for tenant, c, served in ts.fair_shares:
+            label = self.labels(tenant)
+            if label == TenantLabels.OTHER:
+                continue
+            counter.add_metric([label], c)
+            attained.add_metric([label], served)
+        yield counter
+        yield attained
 
     @staticmethod
     def _limits(c: AdmissionStats) -> Iterator[GaugeMetricFamily]:
