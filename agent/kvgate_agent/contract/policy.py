@@ -34,6 +34,9 @@ from pydantic.alias_generators import to_camel
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.api import RATE_LIMIT_POLICY_KIND as KIND
 from kvgate_agent.contract.base import ContractModel
+from kvgate_agent.contract.classes import MAX_PRIORITY as MAX_PRIORITY  # re-exported
+from kvgate_agent.contract.classes import MIN_PRIORITY as MIN_PRIORITY  # re-exported
+from kvgate_agent.contract.classes import TenantClassesSpec
 
 #: The manifest's ``apiVersion`` and ``kind`` as pydantic checks them: a ``Literal`` must spell
 #: its value, so it is checked against :mod:`kvgate_agent.contract.api` at import.
@@ -140,13 +143,14 @@ class ConcurrencySpec(ContractModel):
     max_requests: PositiveInt | None = None
 
 
-class TenantsSpec(ContractModel):
+class TenantsSpec(TenantClassesSpec):
     """How a request is attributed to a tenant.
 
     ``header``: the request header naming the tenant (missing = ``anonymous``). The special value
     ``authorization`` keys tenants by a SHA-256 hash of the bearer token, never the raw token.
     ``defaultMaxTokens`` is charged and sent upstream when a request omits max_tokens;
     ``maxTokensCap`` clamps any larger max_tokens before admission.
+    ``classes``, ``defaultClass``: each tenant's class (:class:`TenantClassesSpec`).
     """
 
     header: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9-]+$")] = "x-kvgate-tenant"
@@ -289,15 +293,14 @@ class PriorityTarget(StrEnum):
 class PrioritySpec(ContractModel):
     """Request priority header: an integer, higher = more important, negative = sheddable
     (never queued under overload). ``forwardTo``: the engine that also gets it in the body
-    (:class:`PriorityTarget`; default ``None``, nothing sent)."""
+    (:class:`PriorityTarget`; default ``None``, nothing sent). ``trusted`` (default false): the
+    header is set by a trusted gateway and taken as is; untrusted, it may only lower a request's
+    priority below its tenant class's (``tenants.classes[].priority``, 0 by default), never
+    raise it."""
 
     header: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9-]+$")] = "x-kvgate-priority"
     forward_to: PriorityTarget = PriorityTarget.NONE
-
-
-#: Priorities a request may carry (the sidecar refuses a priority header outside it with 400).
-MIN_PRIORITY = -1000
-MAX_PRIORITY = 1000
+    trusted: bool = False
 
 
 class SloSpec(ContractModel):
