@@ -286,6 +286,114 @@ INVALID = [
         "spec.priority.forwardTo",
         "Unsupported value",
     ),
+    bad(
+        "priority-trusted-type",
+        {"priority.trusted": "yes"},
+        "spec.priority.trusted",
+        "boolean",
+        standalone_too=False,  # pydantic reads "yes" as true
+    ),
+    # -- tenant classes
+    bad(
+        "class-names-unique",
+        {"tenants.classes": [{"name": "a"}, {"name": "b"}, {"name": "a"}]},
+        "spec.tenants.classes[2]",
+        "Duplicate value",
+    ),
+    bad(
+        "class-tenant-in-two-classes",
+        {
+            "tenants.classes": [
+                {"name": "a", "match": {"tenants": ["alice", "bob"]}},
+                {"name": "b", "match": {"tenants": ["bob"]}},
+            ]
+        },
+        "spec.tenants.classes",
+        "a tenant name may be claimed by one class only",
+    ),
+    bad(
+        "class-prefix-in-two-classes",
+        {
+            "tenants.classes": [
+                {"name": "a", "match": {"prefixes": ["t-"]}},
+                {"name": "b", "match": {"prefixes": ["u-", "t-"]}},
+            ]
+        },
+        "spec.tenants.classes",
+        "a tenant-name prefix may be claimed by one class only",
+    ),
+    bad(
+        "class-tenant-twice-in-one",
+        {"tenants.classes": [{"name": "a", "match": {"tenants": ["x", "x"]}}]},
+        "spec.tenants.classes[0].match.tenants[1]",
+        "Duplicate value",
+    ),
+    bad(
+        "class-weight-zero",
+        {"tenants.classes": [{"name": "a", "weight": 0}]},
+        "spec.tenants.classes[0].weight",
+        "greater than 0",
+    ),
+    bad(
+        "class-weight-max",
+        {"tenants.classes": [{"name": "a", "weight": 1001}]},
+        "spec.tenants.classes[0].weight",
+        "less than or equal to 1000",
+    ),
+    bad(
+        "class-priority-range",
+        {"tenants.classes": [{"name": "a", "priority": -1001}]},
+        "spec.tenants.classes[0].priority",
+        "greater than or equal to -1000",
+    ),
+    bad(
+        "class-name-pattern",
+        {"tenants.classes": [{"name": "Interactive"}]},
+        "spec.tenants.classes[0].name",
+        "should match",
+    ),
+    bad(
+        "class-name-missing",
+        {"tenants.classes": [{"weight": 2}]},
+        "spec.tenants.classes[0].name",
+        "Required value",
+    ),
+    bad(
+        "class-batch-and-slo",
+        {"tenants.classes": [{"name": "a", "batch": True, "slo": {"ttftSeconds": 1}}]},
+        "spec.tenants.classes[0].slo",
+        "a class is batch (no latency SLO) or has an slo, not both",
+    ),
+    bad(
+        "class-ttft-zero",
+        {"tenants.classes": [{"name": "a", "slo": {"ttftSeconds": 0}}]},
+        "spec.tenants.classes[0].slo.ttftSeconds",
+        "greater than 0",
+    ),
+    bad(
+        "class-tenant-whitespace",
+        {"tenants.classes": [{"name": "a", "match": {"tenants": ["x "]}}]},
+        "spec.tenants.classes[0].match.tenants[0]",
+        "should match",
+    ),
+    bad(
+        "class-too-many-tenants",
+        {"tenants.classes": [{"name": "a", "match": {"tenants": [f"t{i}" for i in range(33)]}}]},
+        "spec.tenants.classes[0].match.tenants",
+        "Too many",
+    ),
+    bad(
+        "too-many-classes",
+        {"tenants.classes": [{"name": f"c{i}"} for i in range(17)]},
+        "spec.tenants.classes",
+        "Too many",
+    ),
+    bad(
+        "default-class-undeclared",
+        {"tenants.classes": [{"name": "a"}], "tenants.defaultClass": "b"},
+        "spec.tenants.defaultClass",
+        "defaultClass must name a class in classes",
+    ),
     bad("actions-empty", {"overload.actions": []}, "spec.overload.actions", "at least 1 items"),
     bad(
         "action-enum",
@@ -539,6 +647,39 @@ VALID_EDGES = [
         {"overload.actions": ["Degrade", "Queue", "Reject"], "overload.degrade.minMaxTokens": 2048},
         id="all-actions",
     ),
+    pytest.param(
+        {
+            "tenants.classes": [
+                {"name": "a", "match": {"tenants": ["x"], "prefixes": ["x"]}, "weight": 1000},
+                {"name": "b", "match": {"prefixes": ["x-"]}, "weight": 0.001, "priority": 1000},
+                {"name": "default", "priority": -1000, "batch": False, "slo": {"tpotSeconds": 10}},
+            ],
+            "priority.trusted": True,
+        },
+        id="classes-edges-and-a-declared-default",
+    ),
+    pytest.param({"tenants.defaultClass": "default"}, id="the-implicit-default-class"),
+    pytest.param(
+        {"tenants.classes": [{"name": "b", "batch": True}], "tenants.defaultClass": "b"},
+        id="a-batch-default-class",
+    ),
+    # Every list at its bound, every string at its longest: the claims' CEL rules (quadratic in
+    # the names) stay within the API server's runtime cost budget.
+    pytest.param(
+        {
+            "tenants.classes": [
+                {
+                    "name": f"c{i}-" + "x" * 59,
+                    "match": {
+                        "tenants": [f"{i}-{j}-".ljust(128, "t") for j in range(32)],
+                        "prefixes": [f"{i}-{j}-".ljust(128, "p") for j in range(16)],
+                    },
+                }
+                for i in range(16)
+            ]
+        },
+        id="classes-at-every-bound",
+    ),
 ]
 
 
@@ -614,6 +755,18 @@ def test_kubectl_explain_shows_the_descriptions(kv: Any) -> None:
     assert "with GQA/MQA the KV heads, not the attention heads" in " ".join(out.split())
     out = kv.kubectl("explain", "nodeadmission.spec.pods.thresholds.globalShare").stdout
     assert "fraction (0, 1] of every per: Global budget" in " ".join(out.split())
+
+
+def test_kubectl_explain_shows_the_tenant_classes(kv: Any) -> None:
+    out = kv.kubectl("explain", "rlp.spec.tenants.classes").stdout
+    for field in ("batch", "match", "name", "priority", "slo", "weight"):
+        assert re.search(rf"^\s+{field}\s+<", out, re.MULTILINE), field
+    text = " ".join(out.split())
+    assert "A tenant belongs to the class listing its name in match.tenants" in text
+    text = " ".join(kv.kubectl("explain", "rlp.spec.priority.trusted").stdout.split())
+    assert "may only lower its request's priority below its tenant class's" in text
+    text = " ".join(kv.kubectl("explain", "rlp.spec.tenants.defaultClass").stdout.split())
+    assert "The class of tenants no class matches" in text
 
 
 def status_of(outcome: PolicyOutcome, now: str) -> dict[str, Any]:

@@ -100,6 +100,19 @@ def specs(edges: bool) -> st.SearchStrategy[dict[str, Any]]:
             "warmupSeconds": floats,
         },
     )
+    tenant = pick(st.sampled_from(["a", "b", "team-"]), st.sampled_from(["", " a", "x" * 129]))
+    tenant_class = st.fixed_dictionaries(
+        {"name": pick(st.sampled_from(["gold", "bulk", "default"]), st.sampled_from(["Gold"]))},
+        optional={
+            "match": optional(
+                {"tenants": st.lists(tenant, max_size=3), "prefixes": st.lists(tenant, max_size=2)}
+            ),
+            "weight": floats,
+            "priority": pick(st.integers(-1000, 1000), st.sampled_from([-1001, 5000])),
+            "slo": optional({"ttftSeconds": floats, "tpotSeconds": floats}),
+            "batch": st.booleans(),
+        },
+    )
     return st.fixed_dictionaries(
         {"selector": selector},
         optional={
@@ -130,6 +143,8 @@ def specs(edges: bool) -> st.SearchStrategy[dict[str, Any]]:
                     "header": enum(["x-tenant", "authorization"], ["bad header", ""]),
                     "defaultMaxTokens": ints,
                     "maxTokensCap": ints,
+                    "classes": st.lists(tenant_class, max_size=3),
+                    "defaultClass": enum(["gold", "default"], ["Gold"]),
                 }
             ),
             "rateLimits": st.lists(rate_limit, max_size=3),
@@ -147,6 +162,7 @@ def specs(edges: bool) -> st.SearchStrategy[dict[str, Any]]:
                 {
                     "header": enum(["x-prio"], ["x_prio"]),
                     "forwardTo": enum(["vLLM", "SGLang", "None"], ["vllm", "none"]),
+                    "trusted": st.booleans(),
                 }
             ),
             "overload": optional(

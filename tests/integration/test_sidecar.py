@@ -170,11 +170,13 @@ async def test_priority_reaches_the_engine_in_its_own_order(
     forward_to: str,
     sent: list[int] | None,
 ) -> None:
-    """``priority.forwardTo`` writes kvgate's priority (the policy's header) into the forwarded
-    body in the engine's order (vLLM lower first: negated; SGLang higher first: as is), in place
-    of the client's own body ``priority``, which never reaches the engine."""
+    """``priority.forwardTo`` writes kvgate's priority (the policy's header, set by a trusted
+    gateway) into the forwarded body in the engine's order (vLLM lower first: negated; SGLang
+    higher first: as is), in place of the client's own body ``priority``, which never reaches
+    the engine."""
     url, _ = await sidecar_factory(
-        upstream.url, {"priority": {"header": "x-prio", "forwardTo": forward_to}}
+        upstream.url,
+        {"priority": {"header": "x-prio", "forwardTo": forward_to, "trusted": True}},
     )
     for header in ("5", None, "-3"):
         headers = {} if header is None else {"x-prio": header}

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from kvgate_agent.contract.api import GROUP as API_GROUP
 from kvgate_agent.contract.api import RATE_LIMIT_POLICY_KIND as KIND
+from kvgate_agent.contract.classes import TenantClassSpec
 from kvgate_agent.contract.nodeadmission import (
     Condition,
     GpuStatus,
@@ -332,6 +333,12 @@ POD = {
 DEFAULT_CASES = [
     (RateLimitPolicySpec, RLP_SPEC, {}),
     (RateLimitSpec, sub(RLP_SPEC, "rateLimits", "[]"), {"name": "a", "tokensPerMinute": 1}),
+    (TenantClassSpec, sub(RLP_SPEC, "tenants", "classes", "[]"), {"name": "a"}),
+    (
+        TenantClassSpec,
+        sub(RLP_SPEC, "tenants", "classes", "[]"),
+        {"name": "b", "match": {"prefixes": ["b-"]}, "slo": {"ttftSeconds": 1}},
+    ),
     (
         LabelSelectorRequirement,
         sub(RLP_SPEC, "selector", "matchExpressions", "[]"),
@@ -379,7 +386,11 @@ def test_policy_defaults_spelled_out() -> None:
         "fairness": {"promptTokenWeight": 1, "outputTokenWeight": 2},
     }
     assert spec["cost"] == {"perRequest": 0, "promptTokenWeight": 1, "outputTokenWeight": 1}
-    assert spec["priority"] == {"header": "x-kvgate-priority", "forwardTo": "None"}
+    assert spec["priority"] == {
+        "header": "x-kvgate-priority",
+        "forwardTo": "None",
+        "trusted": False,
+    }
     assert spec["rateLimits"] == [
         {"name": "a", "per": "Tenant", "warmupSeconds": 0, "shared": False}
     ]
@@ -465,9 +476,13 @@ def test_thresholds_repeat_the_policy_spec_schemas() -> None:
     for key, schema in policy.items():
         assert thresholds[key] == schema, f"thresholds.{key} differs from spec.{key}"
     # Object-level rules: the policy's, except the burstTokens floor (a per: Global burst split
-    # across pods may legitimately fall below it).
+    # across pods may legitimately fall below it) and the classes' claims (quadratic in the
+    # classes' names: times the 256 pods of a NodeAdmission past the API server's CEL cost
+    # budget; the operator writes only policies the model validated, claims included).
     policy_rules = [
-        r for r in RLP_SPEC["x-kubernetes-validations"] if r["fieldPath"] != ".rateLimits"
+        r
+        for r in RLP_SPEC["x-kubernetes-validations"]
+        if r["fieldPath"] not in (".rateLimits", ".tenants.classes")
     ]
     assert THRESHOLDS["x-kubernetes-validations"] == policy_rules
 
@@ -497,6 +512,10 @@ def test_cel_rules_have_messages() -> None:
         "defaultMaxTokens must not exceed maxTokensCap",
         "tenants.maxTokensCap must be below model.maxModelLen",
         "overload.degrade.minMaxTokens must not exceed tenants.maxTokensCap",
+        "a tenant name may be claimed by one class only (tenants.classes[].match.tenants)",
+        "a tenant-name prefix may be claimed by one class only (tenants.classes[].match.prefixes)",
+        "a class is batch (no latency SLO) or has an slo, not both",
+        "defaultClass must name a class in classes (or be default, the implicit class)",
     } <= messages
     assert any(m.startswith("rateLimits[].burstTokens must be at least") for m in messages)
 

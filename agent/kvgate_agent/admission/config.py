@@ -19,6 +19,16 @@ from kvgate_agent.contract.policy import (
 )
 
 
+def tightest_tpot_seconds(spec: RateLimitPolicySpec) -> float | None:
+    """The time-per-output-token target, seconds, the pod's adaptive concurrency limit steers
+    by: the smallest of the policy's ``slo.tpotSeconds`` and its tenant classes'
+    ``tenants.classes[].slo.tpotSeconds`` (one limit serves every class, so the strictest wins;
+    a batch class states none). None when none is stated."""
+    targets = [c.slo.tpot_seconds for c in spec.tenants.classes if c.slo is not None]
+    stated = [t for t in (spec.slo.tpot_seconds, *targets) if t is not None]
+    return min(stated, default=None)
+
+
 @dataclass(frozen=True, slots=True)
 class LimitThreshold:
     """One rate limit after resolution.
@@ -46,7 +56,9 @@ class AdmissionConfig:
     ``max_concurrency`` None means no concurrency cap. ``reservation`` and
     ``reservation_quantile``: how KV reservations are sized (:mod:`.predictor`);
     ``ttft_slo_seconds``/``tpot_slo_seconds``: the latency SLOs of requests with priority >=
-    ``slo_min_priority`` (:mod:`.slo`), None = not served. ``fallback_pool_model``: the model
+    ``slo_min_priority`` (:mod:`.slo`), None = not served; ``tpot_slo_seconds`` drives the
+    pod's one adaptive concurrency limit, so it is the tightest target any class states
+    (:func:`tightest_tpot_seconds`). ``fallback_pool_model``: the model
     of the other pool (``overload.degrade.fallback``) a request this pod cannot take may be
     sent to; its upstream URL stays with the sidecar (the core does no I/O).
     ``fair_prompt_weight``/``fair_output_weight``: the fair queue's charge per prompt and per
@@ -162,7 +174,7 @@ class AdmissionConfig:
             reservation=spec.capacity.reservation,
             reservation_quantile=spec.capacity.reservation_quantile,
             ttft_slo_seconds=spec.slo.ttft_seconds,
-            tpot_slo_seconds=spec.slo.tpot_seconds,
+            tpot_slo_seconds=tightest_tpot_seconds(spec),
             slo_min_priority=spec.slo.min_priority,
             # the operator's thresholds (PodThresholds) carry the split it made
             fleet_share=float(getattr(spec, "global_share", global_share)),

@@ -34,6 +34,12 @@ from pydantic.alias_generators import to_camel
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.api import RATE_LIMIT_POLICY_KIND as KIND
 from kvgate_agent.contract.base import ContractModel
+from kvgate_agent.contract.classes import MAX_PRIORITY as MAX_PRIORITY  # re-exported
+from kvgate_agent.contract.classes import MIN_PRIORITY as MIN_PRIORITY  # re-exported
+from kvgate_agent.contract.classes import TenantClassesSpec
+from kvgate_agent.contract.queue import FairnessSpec as FairnessSpec  # re-exported
+from kvgate_agent.contract.queue import QueueOrder as QueueOrder  # re-exported
+from kvgate_agent.contract.queue import QueueSpec
 
 #: The manifest's ``apiVersion`` and ``kind`` as pydantic checks them: a ``Literal`` must spell
 #: its value, so it is checked against :mod:`kvgate_agent.contract.api` at import.
@@ -140,13 +146,14 @@ class ConcurrencySpec(ContractModel):
     max_requests: PositiveInt | None = None
 
 
-class TenantsSpec(ContractModel):
+class TenantsSpec(TenantClassesSpec):
     """How a request is attributed to a tenant.
 
     ``header``: the request header naming the tenant (missing = ``anonymous``). The special value
     ``authorization`` keys tenants by a SHA-256 hash of the bearer token, never the raw token.
     ``defaultMaxTokens`` is charged and sent upstream when a request omits max_tokens;
     ``maxTokensCap`` clamps any larger max_tokens before admission.
+    ``classes``, ``defaultClass``: each tenant's class (:class:`TenantClassesSpec`).
     """
 
     header: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9-]+$")] = "x-kvgate-tenant"
@@ -250,36 +257,6 @@ class CostSpec(ContractModel):
         )
 
 
-class QueueOrder(StrEnum):
-    """Order in which waiting requests are admitted."""
-
-    FIFO = "FIFO"
-    PRIORITY = "Priority"
-    SHORTEST_FIRST = "ShortestFirst"
-
-
-class FairnessSpec(ContractModel):
-    """What the fair queue charges a tenant per prompt and per output token, divided by its
-    class's ``weight``. Defaults 1 and 2, VTC's (Sheng et al., "Fairness in Serving Large
-    Language Models", OSDI 2024, https://www.usenix.org/conference/osdi24/presentation/sheng)."""
-
-    prompt_token_weight: Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False)] = 1.0
-    output_token_weight: Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False)] = 2.0
-
-
-class QueueSpec(ContractModel):
-    """Bounded wait queue for requests that do not fit now.
-
-    Waiting requests leave it by priority first (higher first), then fairly between tenants
-    (the backlogged tenant that received the least service, weighted, goes first: ``fairness``),
-    then within one tenant in ``order``."""
-
-    max_length: NonNegativeInt = 100
-    max_wait_seconds: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] = 30.0
-    order: QueueOrder = QueueOrder.FIFO
-    fairness: FairnessSpec = Field(default_factory=FairnessSpec)
-
-
 class PriorityTarget(StrEnum):
     """The engine a request's priority is written into the forwarded body for (its own
     ``priority`` field), so the engine's queue and preemption order follow kvgate's.
@@ -303,15 +280,14 @@ class PriorityTarget(StrEnum):
 class PrioritySpec(ContractModel):
     """Request priority header: an integer, higher = more important, negative = sheddable
     (never queued under overload). ``forwardTo``: the engine that also gets it in the body
-    (:class:`PriorityTarget`; default ``None``, nothing sent)."""
+    (:class:`PriorityTarget`; default ``None``, nothing sent). ``trusted`` (default false): the
+    header is set by a trusted gateway and taken as is; untrusted, it may only lower a request's
+    priority below its tenant class's (``tenants.classes[].priority``, 0 by default), never
+    raise it."""
 
     header: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9-]+$")] = "x-kvgate-priority"
     forward_to: PriorityTarget = PriorityTarget.NONE
-
-
-#: Priorities a request may carry (the sidecar refuses a priority header outside it with 400).
-MIN_PRIORITY = -1000
-MAX_PRIORITY = 1000
+    trusted: bool = False
 
 
 class SloSpec(ContractModel):

@@ -23,7 +23,6 @@ from yarl import URL
 from kvgate_agent.admission import (
     AdmissionConfig,
     AdmissionController,
-    AdmissionRequest,
     AsyncAdmission,
     Reason,
 )
@@ -50,7 +49,7 @@ from kvgate_agent.sidecar.request import ParsedRequest, canonical_path, is_json
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.store import SharedStore, register_metrics
-from kvgate_agent.sidecar.tenants import engine_priority, priority_of, tenant_of
+from kvgate_agent.sidecar.tenants import Identifier, Identity, engine_priority
 from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
 from kvgate_agent.sidecar.tokens import (
     PromptCount,
@@ -131,6 +130,7 @@ class Sidecar:
         )
         self.draining = False
         self.passthrough = Passthrough.of(settings.passthrough_paths)
+        self.identify = Identifier()  # each request's tenant, class and priority
         #: The leases of shared limits (None without a store: shared limits are per pod).
         self.store: SharedStore | None = None
         if settings.store is not None:
@@ -395,12 +395,11 @@ class Sidecar:
                 max_tokens_cap=spec.tenants.max_tokens_cap,
                 max_model_len=spec.model.max_model_len,
             )
-            tenant = tenant_of(request.headers, spec.tenants.header)
-            priority = priority_of(request.headers, spec.priority.header)
+            who = self.identify(request.headers, spec)  # tenant, class, priority
         except RequestError as exc:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.bad_request(exc)
-        prompt = await self._prompt(parsed, tenant, priority)
+        prompt = await self._prompt(parsed, who)
         max_tokens = parsed.max_tokens
         mml = spec.model.max_model_len or self.engine.max_model_len
         if mml is not None and (
@@ -410,11 +409,9 @@ class Sidecar:
             return responses.bad_request(RequestError(400, over, code="context_length_exceeded"))
         if parsed.max_tokens_defaulted and mml is not None:
             max_tokens = default_within_context(max_tokens, prompt, mml)
-        areq = AdmissionRequest(
-            tenant,
+        areq = who.admission_request(
             prompt.tokens,
             max_tokens,
-            priority,
             parsed.n,
             parsed.model,
             model_rewritable=parsed.model_field,
@@ -423,7 +420,7 @@ class Sidecar:
         )
         d = await self.admission.admit(areq)
         m = self.metrics
-        label = m.tenant_label(tenant)
+        label = m.tenant_label(who.tenant)
         if d.queue_seconds > 0:
             m.queue_wait.observe(d.queue_seconds)
         if d.reason is Reason.FALLBACK_POOL:
@@ -440,7 +437,7 @@ class Sidecar:
                 max_tokens=d.max_tokens,
                 model=d.model,
                 include_usage=parsed.stream,
-                priority=engine_priority(priority, spec.priority.forward_to),
+                priority=engine_priority(who.priority, spec.priority.forward_to),
             )
             or raw
         )
@@ -455,14 +452,14 @@ class Sidecar:
             started=started,
         )
 
-    async def _prompt(self, parsed: ParsedRequest, tenant: str, priority: int) -> PromptCount:
+    async def _prompt(self, parsed: ParsedRequest, who: Identity) -> PromptCount:
         """The prompt's count (tokens): the estimate, or with ``--tokenizer engine`` the
         engine's own, asked only when admission could take the request (not draining, no hold,
         not over its request-count rate limit with no way around)."""
         count_body = parsed.body if parsed.count_body is None else parsed.count_body
         prompt = self.counter.count(count_body)
         if self.engine_tokens is not None:
-            est = AdmissionRequest(tenant, prompt.tokens, parsed.max_tokens, priority, parsed.n)
+            est = who.admission_request(prompt.tokens, parsed.max_tokens, parsed.n)
             if not (self.draining or self.admission.refused_whatever_the_prompt(est)):
                 prompt = await self.engine_tokens.count(count_body, prompt)
         return prompt

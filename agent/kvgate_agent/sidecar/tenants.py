@@ -1,4 +1,5 @@
-"""Who a request belongs to (tenant) and how important it is (priority), from its headers.
+"""Who a request belongs to (tenant, its class) and how important it is (priority), from its
+headers under the policy enforced now.
 
 Pure header logic: the proxy passes a case-insensitive header mapping.
 """
@@ -7,8 +8,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from kvgate_agent.contract.policy import MAX_PRIORITY, MIN_PRIORITY, PriorityTarget
+from kvgate_agent.admission import AdmissionRequest
+from kvgate_agent.contract.policy import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    PriorityTarget,
+    RateLimitPolicySpec,
+    TenantsSpec,
+)
+from kvgate_agent.sidecar.classes import ClassResolver, TenantClass
 from kvgate_agent.sidecar.openai_errors import RequestError
 
 ANONYMOUS = "anonymous"
@@ -46,9 +56,9 @@ def tenant_of(headers: Mapping[str, str], header: str) -> str:
     return value
 
 
-def priority_of(headers: Mapping[str, str], header: str) -> int:
+def priority_of(headers: Mapping[str, str], header: str) -> int | None:
     """Priority from the policy's priority header: an integer, higher = more important, negative
-    = sheddable; 0 when absent.
+    = sheddable; None when absent or empty.
 
     Raises:
         RequestError: 400 when the header is not an integer in [MIN_PRIORITY, MAX_PRIORITY]
@@ -56,7 +66,7 @@ def priority_of(headers: Mapping[str, str], header: str) -> int:
     """
     value = headers.get(header)
     if value is None or value.strip() == "":
-        return 0
+        return None
     try:
         p = int(value.strip())
     except ValueError:
@@ -68,6 +78,82 @@ def priority_of(headers: Mapping[str, str], header: str) -> int:
             400, f"header {header} must be between {MIN_PRIORITY} and {MAX_PRIORITY}", param=header
         )
     return p
+
+
+def request_priority(header: int | None, class_priority: int, trusted: bool) -> int:
+    """A request's priority from its priority header's value (None: no header) and its tenant
+    class's priority (``tenants.classes[].priority``; 0 for the implicit default class).
+
+    ``trusted`` (``priority.trusted``: a gateway sets the header): the header's value as is.
+    Untrusted (the default): the header may only lower the class's priority (a client marking
+    itself sheddable with -1), never raise it above the class's.
+    """
+    if header is None:
+        return class_priority
+    return header if trusted else min(header, class_priority)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who sent a request and how it is served: ``tenant`` (its key, :func:`tenant_of`),
+    ``tenant_class`` (:class:`~kvgate_agent.sidecar.classes.TenantClass`) and ``priority``
+    (:func:`request_priority`)."""
+
+    tenant: str
+    tenant_class: TenantClass
+    priority: int
+
+    def admission_request(
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        n: int = 1,
+        model: str | None = None,
+        *,
+        model_rewritable: bool = True,
+        degraded: bool = False,
+        prompt_tokens_min: int | None = None,
+    ) -> AdmissionRequest:
+        """The :class:`AdmissionRequest` for this request (its fields' meaning and units are
+        there), with this identity's tenant and priority and its class's fair-share weight and
+        TTFT SLO."""
+        c = self.tenant_class
+        return AdmissionRequest(
+            self.tenant,
+            prompt_tokens,
+            max_tokens,
+            self.priority,
+            n,
+            model,
+            model_rewritable=model_rewritable,
+            degraded=degraded,
+            prompt_tokens_min=prompt_tokens_min,
+            weight=c.weight,
+            ttft_slo_seconds=c.ttft_slo_seconds,
+        )
+
+
+class Identifier:
+    """Names each request's :class:`Identity` under the policy enforced now. The class table
+    (:class:`~kvgate_agent.sidecar.classes.ClassResolver`) is built once per policy: again
+    only when the enforced ``spec.tenants`` is another object (new thresholds)."""
+
+    def __init__(self) -> None:
+        self._tenants: TenantsSpec | None = None
+        self._resolve = ClassResolver(TenantsSpec())
+
+    def __call__(self, headers: Mapping[str, str], spec: RateLimitPolicySpec) -> Identity:
+        """The request's identity.
+
+        Raises:
+            RequestError: 400, the priority header is not an integer in [-1000, 1000].
+        """
+        if spec.tenants is not self._tenants:
+            self._tenants, self._resolve = spec.tenants, ClassResolver(spec.tenants)
+        tenant = tenant_of(headers, spec.tenants.header)
+        cls = self._resolve(tenant)
+        header = priority_of(headers, spec.priority.header)
+        return Identity(tenant, cls, request_priority(header, cls.priority, spec.priority.trusted))
 
 
 def engine_priority(priority: int, target: PriorityTarget) -> int | None:

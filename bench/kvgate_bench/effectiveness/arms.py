@@ -438,6 +438,9 @@ class KvgateArm(KvgateMaxTokensArm):
             "tpotSeconds": TPOT_SLO_S,
             "minPriority": self.INTERACTIVE_PRIORITY,
         }
+        # The clients label their own tier with the priority header (over HTTP, in
+        # effectiveness.realtime): they stand for a gateway that sets it, so it is trusted.
+        spec["priority"] = {"trusted": True}
         if self.variant == "no-kv":
             del spec["capacity"]["kvCacheTokens"]
         elif self.variant == "no-degrade":
