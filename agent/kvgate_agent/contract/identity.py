@@ -1,0 +1,45 @@
+"""The policy's identity fields under ``tenants`` (:class:`UnknownKeys`, :class:`JwtSpec`): how
+the sidecar names a request's tenant from a credential it can check, an API key of its keys file
+or a verified JSON Web Token, rather than from a header the client sets.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import Field
+
+from kvgate_agent.contract.base import ContractModel
+
+
+class UnknownKeys(StrEnum):
+    """``tenants.unknownKeys``: with ``tenants.header: authorization``, what a request whose API
+    key is not in the sidecar's keys file (``--api-keys-file``), or that sends none, gets.
+
+    ``Refuse``: 401 with an OpenAI error, code ``invalid_api_key``, before admission and the model
+    server see it (without a keys file, every request). ``Pool`` (the default): all of them are
+    one tenant, ``unknown``, so a client making up keys never gets a fresh share per key; without
+    a keys file (and without ``jwt``), each key is its own tenant, as the engine checks keys.
+    With ``tenants.jwt``, a token not in the keys file must be a valid JWT: this does not apply.
+    """
+
+    REFUSE = "Refuse"
+    POOL = "Pool"
+
+
+class JwtSpec(ContractModel):
+    """``tenants.jwt``: the tenant is a claim of a verified JSON Web Token (RFC 7519,
+    https://www.rfc-editor.org/rfc/rfc7519) sent as the bearer token (``Authorization: Bearer
+    <JWT>``); needs ``tenants.header: authorization``.
+
+    The signature is checked against the keys of the sidecar's JWKS file (RFC 7517; flag
+    ``--jwks-file``, a Secret in a cluster), chosen by the token's ``kid``; ``iss`` must equal
+    ``issuer``, ``aud`` must contain ``audience``, and ``exp`` must be present and not past (30
+    seconds of leeway for clock skew). ``claim``: the claim naming the tenant (default ``sub``;
+    a string, values over 128 characters hashed, or an integer). Anything else gets 401.
+    """
+
+    issuer: Annotated[str, Field(min_length=1)]
+    audience: Annotated[str, Field(min_length=1)]
+    claim: Annotated[str, Field(min_length=1)] = "sub"
