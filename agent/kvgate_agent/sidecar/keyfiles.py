@@ -77,7 +77,7 @@ class ApiKey(BaseModel):
 
     sha256: Annotated[str, Field(pattern=r"^[0-9a-fA-F]{64}$")]
     tenant: Annotated[str, Field(min_length=1, max_length=MAX_TENANT_LEN)]
-    tenant_class: Annotated[str, Field(min_length=1, max_length=63, alias="class")] | None = None
+    tenant_class: Annotated[str | None, Field(min_length=1, max_length=63, alias="class")] = None
 
     @field_validator("tenant")
     @classmethod
