@@ -5,8 +5,11 @@ upstream that must never see a refused request."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvgate_bench.toolkit import wait_until_async
+from kvgate_bench.toolkit import free_port, wait_until_async
 from tests.conftest import SidecarFactory, gauges
 from tests.identity_keys import (
     AUDIENCE,
@@ -174,13 +177,21 @@ async def test_the_keys_file_is_reloaded_a_symlink_swap_too_and_a_broken_one_is_
 
 
 async def test_without_a_keys_file_each_key_is_its_own_tenant(
-    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Today's behaviour, kept: it trusts an engine that checks keys (vLLM --api-key)."""
-    url, _ = await sidecar_factory(upstream.url, KEYED)
+    """Today's behaviour, kept: it trusts an engine that checks keys (vLLM --api-key), and the
+    sidecar says so once at start."""
+    with caplog.at_level(logging.WARNING, logger="kvgate.identity"):
+        url, _ = await sidecar_factory(upstream.url, KEYED)
+        assert (await chat(client, url, "sk-0"))[0] == 200
+    said = [r.message for r in caplog.records if "vLLM --api-key" in r.message]
+    assert len(said) == 1
     assert await many(client, url, ["sk-1", "sk-2", "sk-1"]) == [200] * 3
     labels = tenant_labels(await gauges(client, url))
-    assert len(labels) == 2 and all(t.startswith("key-") for t in labels)
+    assert len(labels) == 3 and all(t.startswith("key-") for t in labels)  # sk-0, 1, 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,3 +263,33 @@ async def test_the_jwks_file_is_reloaded(
 
     await wait_until_async(accepted, 10, "the rotated key accepted")
     assert (await chat(client, url, signer.token()))[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+
+
+@pytest.mark.parametrize(
+    ("how", "names"),
+    [
+        ("--api-keys-file", "keys.yaml: keys[0].sha256"),
+        ("KVGATE_API_KEYS_FILE", "keys.yaml: keys[0].sha256"),
+        ("--jwks-file", "jwks.json: not JSON"),
+        ("KVGATE_JWKS_FILE", "jwks.json: not JSON"),
+    ],
+)
+def test_a_bad_file_at_start_exits_2_naming_it(tmp_path: Path, how: str, names: str) -> None:
+    (tmp_path / "keys.yaml").write_text("keys: [{sha256: x, tenant: a}]")
+    (tmp_path / "jwks.json").write_text("{")
+    (tmp_path / "policy.yaml").write_text(
+        "apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: x}\n"
+    )
+    path = str(tmp_path / ("keys.yaml" if "KEYS" in how.upper() else "jwks.json"))
+    args, env = ([how, path], {}) if how.startswith("--") else ([], {how: path})
+    r = subprocess.run(
+        [sys.executable, "-m", "kvgate_agent", "sidecar", "--policy", str(tmp_path / "policy.yaml"),
+         "--upstream", "http://127.0.0.1:1", "--listen", f"127.0.0.1:{free_port()}", *args],
+        capture_output=True, text=True, timeout=30, env={**os.environ, **env},
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert names in r.stderr and "Traceback" not in r.stderr
