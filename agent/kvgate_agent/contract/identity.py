@@ -1,6 +1,14 @@
 """The policy's identity fields under ``tenants`` (:class:`UnknownKeys`, :class:`JwtSpec`): how
-the sidecar names a request's tenant from a credential it can check, an API key of its keys file
-or a verified JSON Web Token, rather than from a header the client sets.
+the sidecar names a request's tenant from a credential it can check rather than a header the
+client sets.
+
+``tenants.header`` names the request header that names the tenant, taken as sent: it trusts
+whoever sets it (a gateway, which alone should reach the sidecar). Its special value
+``authorization`` names the tenant by the bearer token: the tenant of the token's entry in the
+sidecar's keys file (``--api-keys-file``, listed by SHA-256), else per ``unknownKeys``; or the
+claim of a verified JWT (``jwt``). With neither a keys file nor ``jwt`` (and ``unknownKeys:
+Pool``), each token is its own tenant, ``key-<SHA-256 of the token>`` (never the raw token),
+which trusts a model server that checks keys itself (vLLM ``--api-key``).
 """
 
 from __future__ import annotations
@@ -8,7 +16,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import AfterValidator, Field, ValidationInfo
 
 from kvgate_agent.contract.base import ContractModel
 
@@ -43,3 +51,15 @@ class JwtSpec(ContractModel):
     issuer: Annotated[str, Field(min_length=1)]
     audience: Annotated[str, Field(min_length=1)]
     claim: Annotated[str, Field(min_length=1)] = "sub"
+
+
+def _bearer_only(jwt: JwtSpec | None, info: ValidationInfo) -> JwtSpec | None:
+    header = info.data.get("header")
+    if jwt is not None and (not isinstance(header, str) or header.lower() != "authorization"):
+        raise ValueError("jwt needs header: authorization (the token is the bearer token)")
+    return jwt
+
+
+JwtField = Annotated[JwtSpec | None, AfterValidator(_bearer_only)]
+"""``tenants.jwt``'s type: :class:`JwtSpec` or None, only with ``tenants.header:
+authorization`` (checked against the header validated before it)."""

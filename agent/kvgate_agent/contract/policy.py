@@ -34,7 +34,7 @@ from pydantic.alias_generators import to_camel
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.api import RATE_LIMIT_POLICY_KIND as KIND
 from kvgate_agent.contract.base import ContractModel
-from kvgate_agent.contract.identity import JwtSpec, UnknownKeys
+from kvgate_agent.contract.identity import JwtField, UnknownKeys
 
 #: The manifest's ``apiVersion`` and ``kind`` as pydantic checks them: a ``Literal`` must spell
 #: its value, so it is checked against :mod:`kvgate_agent.contract.api` at import.
@@ -142,13 +142,8 @@ class ConcurrencySpec(ContractModel):
 
 
 class TenantsSpec(ContractModel):
-    """How a request is attributed to a tenant.
-
-    ``header``: the request header naming the tenant (missing = ``anonymous``), trusted as sent
-    (only a gateway may set it). ``authorization`` names the tenant by the bearer token: its
-    entry in the sidecar's keys file, else per ``unknownKeys`` (:class:`UnknownKeys`), or a
-    verified JWT's claim (``jwt``, :class:`JwtSpec`); with neither, ``key-<SHA-256 of the
-    token>`` (never the raw token), which trusts an engine that checks keys (vLLM ``--api-key``).
+    """How a request is attributed to a tenant: ``header`` names it, trusted as sent (missing =
+    ``anonymous``); ``authorization``: the bearer token's (:mod:`kvgate_agent.contract.identity`).
     ``defaultMaxTokens`` is charged and sent upstream when a request omits max_tokens;
     ``maxTokensCap`` clamps any larger max_tokens before admission.
     """
@@ -157,18 +152,12 @@ class TenantsSpec(ContractModel):
     default_max_tokens: PositiveInt = 1024
     max_tokens_cap: PositiveInt | None = None
     unknown_keys: UnknownKeys = UnknownKeys.POOL
-    jwt: JwtSpec | None = None
+    jwt: JwtField = None
 
     @model_validator(mode="after")
     def _cap_above_default(self) -> TenantsSpec:
         if self.max_tokens_cap is not None and self.default_max_tokens > self.max_tokens_cap:
             raise ValueError("defaultMaxTokens must not exceed maxTokensCap")
-        return self
-
-    @model_validator(mode="after")
-    def _jwt_from_authorization(self) -> TenantsSpec:
-        if self.jwt is not None and self.header.lower() != "authorization":
-            raise ValueError("jwt needs header: authorization (the token is the bearer token)")
         return self
 
 
