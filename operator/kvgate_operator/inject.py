@@ -534,9 +534,9 @@ def _rule_inject(
 ) -> Injection:
     """11. ``injected``: the marker annotation, the sidecar (an init container with
     ``restartPolicy: Always`` when ``config.native_sidecar``, else a plain container, appended
-    last) and the token volume. The patch is the single source of truth: the returned pod is
-    the patch applied."""
-    native = config.native_sidecar
+    last), the token volume and the Secret volumes of the store and the keys and JWKS files.
+    The patch is the single source of truth: the returned pod is the patch applied."""
+    native, files = config.native_sidecar, config.identity_files()
     container = sidecar_container(
         config, model_port=ports.model, sidecar_port=ports.sidecar, policy=policy
     )
@@ -547,6 +547,7 @@ def _rule_inject(
         _append_op(pod.spec, "volumes", token_volume(config)),
     ]
     ops += store_ops(config.store)
+    ops += [{"op": "add", "path": "/spec/volumes/-", "value": f.pod_volume()} for f in files]
     mode = "native sidecar (init container)" if native else "container"
     return Injection(
         "injected",

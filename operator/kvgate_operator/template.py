@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
+from kvgate_operator.inject_identity import SECRET_KEY_PATTERN, SecretFile, identity_files
 from kvgate_operator.inject_store import StoreInjection, store_env, store_mounts
 
 SIDECAR_NAME = "kvgate-sidecar"
@@ -91,6 +92,30 @@ class InjectionConfig(BaseModel):
     store: StoreInjection | None = None
     """The Redis of shared limits (:mod:`kvgate_operator.inject_store`); None: shared limits are per
     pod."""
+    api_keys_secret: str | None = None
+    """Secret (in the pod's namespace) holding the sidecar's API keys file under
+    :attr:`api_keys_key`, mounted read-only and passed as ``KVGATE_API_KEYS_FILE``
+    (:mod:`kvgate_operator.inject_identity`); None (or empty, as the chart says it): no keys
+    file."""
+    api_keys_key: str = Field("keys.yaml", pattern=SECRET_KEY_PATTERN)
+    """The keys file's key in :attr:`api_keys_secret`."""
+    jwks_secret: str | None = None
+    """Secret (in the pod's namespace) holding the JWKS verifying the policy's ``tenants.jwt``
+    tokens under :attr:`jwks_key`, passed as ``KVGATE_JWKS_FILE``; None: no JWKS file."""
+    jwks_key: str = Field("jwks.json", pattern=SECRET_KEY_PATTERN)
+    """The JWKS's key in :attr:`jwks_secret`."""
+
+    def identity_files(self) -> list[SecretFile]:
+        """The keys and JWKS files mounted from Secrets (see
+        :func:`~kvgate_operator.inject_identity.identity_files`)."""
+        return identity_files(
+            self.api_keys_secret, self.api_keys_key, self.jwks_secret, self.jwks_key
+        )
+
+    @field_validator("api_keys_secret", "jwks_secret")
+    @classmethod
+    def _no_secret(cls, v: str | None) -> str | None:
+        return v or None
 
     @field_validator("passthrough_paths")
     @classmethod
@@ -183,6 +208,9 @@ def sidecar_container(
     if config.store is not None:
         env += store_env(config.store)
         container["volumeMounts"] += store_mounts(config.store)
+    for f in config.identity_files():
+        env.append(f.env())
+        container["volumeMounts"].append(f.mount())
     if config.native_sidecar:
         container["restartPolicy"] = "Always"
     return container

@@ -498,6 +498,24 @@ INVALID = [
         "tenants.maxTokensCap must be below model.maxModelLen",
     ),
     bad(
+        "unknown-keys-enum",
+        {"tenants.unknownKeys": "Allow"},
+        "spec.tenants.unknownKeys",
+        "Unsupported value",
+    ),
+    bad(
+        "jwt-without-audience",
+        {"tenants.header": "authorization", "tenants.jwt": {"issuer": "https://idp.example"}},
+        "spec.tenants.jwt.audience",
+        "Required value",
+    ),
+    bad(
+        "jwt-needs-authorization",
+        {"tenants.jwt": {"issuer": "https://idp.example", "audience": "kvgate"}},
+        "spec.tenants.jwt",
+        "jwt needs header: authorization",
+    ),
+    bad(
         "degrade-floor-above-cap",
         {"overload.actions": ["Degrade"], "overload.degrade.minMaxTokens": 4096},
         "spec.overload.degrade.minMaxTokens",
@@ -588,6 +606,14 @@ def test_invalid_policy_is_refused_naming_the_field(
 VALID_EDGES = [
     pytest.param({}, id="base"),
     pytest.param({"rateLimits[0].burstTokens": 528}, id="burst-exactly-one-request"),
+    pytest.param(
+        {
+            "tenants.header": "Authorization",
+            "tenants.unknownKeys": "Refuse",
+            "tenants.jwt": {"issuer": "https://idp.example", "audience": "kvgate"},
+        },
+        id="jwt-with-authorization-any-case",
+    ),
     pytest.param(
         {
             "rateLimits[0].burstTokens": 200,
@@ -715,7 +741,11 @@ def test_defaults_are_filled_in(kv: Any, ns: str) -> None:
     assert apply(kv, policy(name, ns, spec)).returncode == 0
     stored = get(kv, "rlp", name, "-n", ns)["spec"]
     assert stored["model"] == {"blockSize": 16, "kvCacheDtype": "fp16"}
-    assert stored["tenants"] == {"header": "x-kvgate-tenant", "defaultMaxTokens": 1024}
+    assert stored["tenants"] == {
+        "header": "x-kvgate-tenant",
+        "defaultMaxTokens": 1024,
+        "unknownKeys": "Pool",
+    }
     assert stored["overload"] == {"actions": ["Queue", "Reject"]}
     assert stored["failureMode"] == "FailOpen"
     assert stored["capacity"] == {

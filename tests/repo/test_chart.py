@@ -69,6 +69,10 @@ INJECTION_KEYS = {
     "bodyTimeoutSeconds",
     "upstreamTimeoutSeconds",
     "logLevel",
+    "apiKeysSecret",
+    "apiKeysKey",
+    "jwksSecret",
+    "jwksKey",
 }
 SYSTEM_NAMESPACES = {"kube-system", "kube-public", "kube-node-lease"}
 
@@ -257,6 +261,8 @@ BAD_VALUES = {
     "token expiry below 10 minutes": ["--set", "injector.tokenExpirationSeconds=60"],
     "issuerRef without name": ["--set", "webhook.certManager.issuerRef.kind=ClusterIssuer"],
     "store url not redis": ["--set", "store.url=http://redis:6379"],
+    "keys file key a path": ["--set", "injector.apiKeysKey=../keys.yaml"],
+    "jwks key empty": ["--set", "injector.jwksKey="],
     # Cross-field checks (templates/validate.yaml).
     "cert-manager with caBundle": [
         "--set",
@@ -836,6 +842,9 @@ def test_injection_settings(docs: dict[str, Docs], scenario: str) -> None:
     # The operator's own model of these settings accepts them as rendered.
     cfg = InjectionConfig.model_validate(inj)
     assert cfg.own_namespace == NAMESPACE and cfg.agent_port == inj["agentPort"]
+    # The keys file's Secret only where the values name one; an empty name is none.
+    files = [f.variable for f in cfg.identity_files()]
+    assert files == (["KVGATE_API_KEYS_FILE"] if scenario == "plain-container" else [])
 
 
 def test_injection_tracks_values(helm: Helm) -> None:
@@ -854,6 +863,8 @@ def test_injection_tracks_values(helm: Helm) -> None:
             "injector.excludedNamespaces={monitoring,kube-system}",
             "--set",
             "injector.passthroughPaths={/v1/embeddings,/admin/*}",
+            "--set",
+            "injector.apiKeysSecret=keys,injector.jwksSecret=idp,injector.jwksKey=idp.json",
         )
     )
     assert r.returncode == 0, r.stderr
@@ -868,6 +879,8 @@ def test_injection_tracks_values(helm: Helm) -> None:
     assert tuple(inj[k] for k in timeouts) == (5, 0, 120)
     assert inj["excludedNamespaces"] == sorted(SYSTEM_NAMESPACES | {NAMESPACE, "monitoring"})
     assert inj["passthroughPaths"] == ["/v1/embeddings", "/admin/*"]
+    assert (inj["apiKeysSecret"], inj["apiKeysKey"]) == ("keys", "keys.yaml")
+    assert (inj["jwksSecret"], inj["jwksKey"]) == ("idp", "idp.json")
 
 
 # ----------------------------------------------------------------------------------------------

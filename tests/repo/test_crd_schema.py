@@ -376,7 +376,11 @@ def test_policy_defaults_spelled_out() -> None:
     """The defaults the issue names, read from the CRD the way the API server applies them."""
     spec = apiserver_default(RLP_SPEC, {"selector": {}, "rateLimits": [{"name": "a"}]})
     assert spec["model"] == {"blockSize": 16, "kvCacheDtype": "fp16"}
-    assert spec["tenants"] == {"header": "x-kvgate-tenant", "defaultMaxTokens": 1024}
+    assert spec["tenants"] == {
+        "header": "x-kvgate-tenant",
+        "defaultMaxTokens": 1024,
+        "unknownKeys": "Pool",
+    }
     assert spec["overload"] == {"actions": ["Queue", "Reject"]}
     assert spec["failureMode"] == "FailOpen"
     assert spec["queue"] == {
@@ -511,6 +515,7 @@ def test_cel_rules_have_messages() -> None:
         "numLayers, numKVHeads and headDim must be given together",
         "defaultMaxTokens must not exceed maxTokensCap",
         "tenants.maxTokensCap must be below model.maxModelLen",
+        "jwt needs header: authorization (the token is the bearer token)",
         "overload.degrade.minMaxTokens must not exceed tenants.maxTokensCap",
         "a tenant name may be claimed by one class only (tenants.classes[].match.tenants)",
         "a tenant-name prefix may be claimed by one class only (tenants.classes[].match.prefixes)",

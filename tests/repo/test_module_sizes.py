@@ -21,7 +21,7 @@ CLASSES_TO_SPLIT = {
     "agent/kvgate_agent/gpu/monitor.py:GpuMonitor": 331,
     "agent/kvgate_agent/admission/limits.py:Limits": 380,
     "agent/kvgate_agent/node/state.py:NodeState": 384,
-    "agent/kvgate_agent/sidecar/app.py:Sidecar": 405,
+    "agent/kvgate_agent/sidecar/app.py:Sidecar": 379,
     "agent/kvgate_agent/admission/controller.py:AdmissionController": 435,
     "agent/kvgate_agent/node/service.py:NodeAgent": 467,
     "operator/kvgate_operator/reconciler.py:Reconciler": 470,

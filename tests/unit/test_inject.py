@@ -213,9 +213,14 @@ def check_result(
         kept = [c for c in r.pod["spec"].get(k) or [] if c.get("name") != SIDECAR_NAME]
         assert kept == (pod_in["spec"].get(k) or [])
     vols = r.pod["spec"]["volumes"]
-    ours = 1 + len(store_volumes(config.store))  # the token's, then the store's Secrets
+    # the token's, then the store's Secrets, then the keys and JWKS files' Secrets
+    ours = 1 + len(store_volumes(config.store)) + len(config.identity_files())
     assert vols[:-ours] == (pod_in["spec"].get("volumes") or [])
     assert vols[-ours]["name"] == TOKEN_VOLUME
+    mounts = {m["name"]: m for m in sidecar["volumeMounts"]}
+    for f in config.identity_files():  # the whole directory, read-only: Secret updates arrive
+        assert mounts[f.volume] == {"name": f.volume, "mountPath": f.directory, "readOnly": True}
+        assert {"name": f.variable, "value": f"{f.directory}/{f.key}"} in sidecar["env"]
     assert restricted_violations(r.pod, sidecar) == []
     marker = json.loads(r.pod["metadata"]["annotations"][ANNOTATION_INJECTED])
     assert marker["native"] == config.native_sidecar

@@ -76,10 +76,18 @@ def test_the_template_sets_only_sidecar_variables_with_values_they_accept() -> N
             "tls": {"caSecret": "ca", "caKey": "ca.crt"},
         }
     )
-    config = chart_injection().model_copy(update={"store": store, "passthrough_paths": ["/x"]})
+    config = chart_injection().model_copy(
+        update={
+            "store": store,
+            "passthrough_paths": ["/x"],
+            "api_keys_secret": "keys",
+            "jwks_secret": "jwks",
+        }
+    )
     container = sidecar_container(config, model_port=8000, sidecar_port=8001, policy="p")
     flags = flags_by_env("sidecar")
     names = {e["name"] for e in container["env"]}
+    assert {"KVGATE_API_KEYS_FILE", "KVGATE_JWKS_FILE"} <= names
     assert names - TEMPLATE_ONLY <= set(flags), names - TEMPLATE_ONLY - set(flags)
     for name, text in literal_env(config).items():
         if name in flags and "$(" not in text:

@@ -308,7 +308,7 @@ def test_priority_header_absent_or_empty_is_none_and_bad_is_400() -> None:
 def test_identity_per_request_and_rebuilt_with_a_new_policy() -> None:
     identify = Identifier()
     spec = spec_of({"classes": CLASSES}, priority={"header": "x-p"})
-    who = identify({"x-kvgate-tenant": "team-x-boss", "x-p": "9"}, spec)
+    who = identify({"x-kvgate-tenant": "team-x-boss", "x-p": "9"}, spec, "team-x-boss")
     assert (who.tenant, who.tenant_class.name, who.priority) == ("team-x-boss", "exact", 5)
     req = who.admission_request(10, 20, 2, "m", degraded=True, prompt_tokens_min=8)
     assert (req.tenant, req.prompt_tokens, req.max_tokens, req.n, req.model) == (
@@ -320,20 +320,26 @@ def test_identity_per_request_and_rebuilt_with_a_new_policy() -> None:
     )
     assert (req.priority, req.weight, req.ttft_slo_seconds) == (5, 3.0, None)
     assert req.degraded and req.prompt_tokens_min == 8 and req.model_rewritable
-    batch = identify({"x-kvgate-tenant": "team-x-1"}, spec).admission_request(1, 1)
+    batch = identify({"x-kvgate-tenant": "team-x-1"}, spec, "team-x-1").admission_request(1, 1)
     assert (batch.weight, batch.ttft_slo_seconds, batch.priority) == (1.0, math.inf, 2)
     # New thresholds: the class table follows them.
     other = spec_of({"classes": [{"name": "vip", "match": {"tenants": ["team-x-boss"]}}]})
-    assert identify({"x-kvgate-tenant": "team-x-boss"}, other).tenant_class.name == "vip"
-    assert identify({"x-kvgate-tenant": "team-x-1"}, other).tenant_class is IMPLICIT_DEFAULT
+    assert (
+        identify({"x-kvgate-tenant": "team-x-boss"}, other, "team-x-boss").tenant_class.name
+        == "vip"
+    )
+    assert (
+        identify({"x-kvgate-tenant": "team-x-1"}, other, "team-x-1").tenant_class
+        is IMPLICIT_DEFAULT
+    )
     # The default policy: everyone in the implicit default class, the header untrusted.
-    anon = identify({"x-kvgate-priority": "4"}, spec_of({}))
+    anon = identify({"x-kvgate-priority": "4"}, spec_of({}), "anonymous")
     assert (anon.tenant, anon.tenant_class, anon.priority) == ("anonymous", IMPLICIT_DEFAULT, 0)
 
 
 def test_identifier_starts_with_no_classes() -> None:
     identify = Identifier()
-    who = identify({"x-kvgate-tenant": "a", "x-kvgate-priority": "-2"}, RateLimitPolicySpec())
+    who = identify({"x-kvgate-tenant": "a", "x-kvgate-priority": "-2"}, RateLimitPolicySpec(), "a")
     assert who.tenant_class is IMPLICIT_DEFAULT and who.priority == -2
     assert ClassResolver(TenantsSpec())("a") is IMPLICIT_DEFAULT
 

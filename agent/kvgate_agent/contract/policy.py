@@ -37,6 +37,7 @@ from kvgate_agent.contract.base import ContractModel
 from kvgate_agent.contract.classes import MAX_PRIORITY as MAX_PRIORITY  # re-exported
 from kvgate_agent.contract.classes import MIN_PRIORITY as MIN_PRIORITY  # re-exported
 from kvgate_agent.contract.classes import TenantClassesSpec
+from kvgate_agent.contract.identity import JwtField, UnknownKeys
 from kvgate_agent.contract.queue import FairnessSpec as FairnessSpec  # re-exported
 from kvgate_agent.contract.queue import QueueOrder as QueueOrder  # re-exported
 from kvgate_agent.contract.queue import QueueSpec
@@ -147,10 +148,8 @@ class ConcurrencySpec(ContractModel):
 
 
 class TenantsSpec(TenantClassesSpec):
-    """How a request is attributed to a tenant.
-
-    ``header``: the request header naming the tenant (missing = ``anonymous``). The special value
-    ``authorization`` keys tenants by a SHA-256 hash of the bearer token, never the raw token.
+    """How a request is attributed to a tenant: ``header`` names it, trusted as sent (missing =
+    ``anonymous``); ``authorization``: the bearer token's (:mod:`kvgate_agent.contract.identity`).
     ``defaultMaxTokens`` is charged and sent upstream when a request omits max_tokens;
     ``maxTokensCap`` clamps any larger max_tokens before admission.
     ``classes``, ``defaultClass``: each tenant's class (:class:`TenantClassesSpec`).
@@ -159,6 +158,8 @@ class TenantsSpec(TenantClassesSpec):
     header: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9-]+$")] = "x-kvgate-tenant"
     default_max_tokens: PositiveInt = 1024
     max_tokens_cap: PositiveInt | None = None
+    unknown_keys: UnknownKeys = UnknownKeys.POOL
+    jwt: JwtField = None
 
     @model_validator(mode="after")
     def _cap_above_default(self) -> TenantsSpec:

@@ -11,7 +11,6 @@ from a policy file (standalone) or from the node agent (:mod:`kvgate_agent.sidec
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +32,7 @@ from kvgate_agent.sidecar.agent_link import (
     Mode,
     ThresholdsLink,
 )
+from kvgate_agent.sidecar.body import read_body
 from kvgate_agent.sidecar.endpoints import (
     GENERATION_PATHS,
     SAFE_METHODS,
@@ -41,9 +41,10 @@ from kvgate_agent.sidecar.endpoints import (
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.fallback_pool import already_degraded, degrade_to_pool
 from kvgate_agent.sidecar.forward import Forwarder
+from kvgate_agent.sidecar.identity import INVALID_API_KEY, Authenticator
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.model_server import ModelServer
-from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
+from kvgate_agent.sidecar.openai_errors import RequestError
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import ParsedRequest, canonical_path, is_json
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
@@ -84,6 +85,9 @@ class Sidecar:
             AdmissionController(AdmissionConfig.from_policy(self._policy_spec), clock)
         )
         self.metrics = SidecarMetrics(self.admission, settings.tenant_label_limit)
+        #: Whose each request is: the keys and JWKS files (re-read while serving), the header.
+        s = settings
+        self.identity = Authenticator(s.api_keys_file, s.jwks_file, s.identity_poll_seconds)
         #: Every connection to the model server (opened at startup, closed at cleanup).
         self.model_server = ModelServer(
             settings.upstream,
@@ -229,6 +233,7 @@ class Sidecar:
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
+        self.identity.start(self.spec.tenants)
         await self.model_server.open()
         spec = self.spec
         await self.engine.start(
@@ -248,6 +253,7 @@ class Sidecar:
         if self.agent_link is not None:
             await self.agent_link.stop()
         await self.engine.stop()
+        await self.identity.stop()
         self.admission.close()
         if self.engine_tokens is not None:
             self.engine_tokens.close()
@@ -283,42 +289,6 @@ class Sidecar:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ------------------------------------------------------------------ admission path
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The request body (bytes). Raises :class:`RequestError` 413 above
-        ``max_body_bytes``, 408 when it takes longer than ``body_timeout`` seconds."""
-        content = request.content
-        if content.is_eof() and request.content_length is not None:
-            # The whole body came with the headers (a small request): no waiting, no deadline.
-            # The size checked is the decoded one, as below (a compressed body may grow).
-            limit = self.settings.max_body_bytes
-            data = content.read_nowait(-1)
-            if request.content_length > limit or len(data) > limit:
-                raise RequestError(
-                    413, f"request body exceeds {limit} bytes", code="body_too_large"
-                )
-            return data
-        try:
-            async with asyncio.timeout(self.settings.body_timeout_seconds or None):
-                return await self._read_body_unbounded(request)
-        except TimeoutError:
-            self.metrics.client_timeouts.labels("body").inc()
-            raise body_too_slow() from None
-
-    async def _read_body_unbounded(self, request: web.Request) -> bytes:
-        limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise RequestError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-        chunks = []
-        size = 0
-        async for chunk in request.content.iter_any():
-            size += len(chunk)
-            if size > limit:
-                raise RequestError(
-                    413, f"request body exceeds {limit} bytes", code="body_too_large"
-                )
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     @web.middleware
     async def _pathless(
@@ -386,16 +356,22 @@ class Sidecar:
             return early
         if self.draining:
             return responses.draining()
-        spec = self.spec
+        spec, st = self.spec, self.settings
         try:
-            raw = await self._read_body(request)
+            tenant = self.identity.tenant(request.headers, spec.tenants)
+        except RequestError as exc:  # 401: nothing read, admitted or forwarded
+            self.metrics.count_decision("rejected", INVALID_API_KEY, "")
+            return responses.unauthorized(exc)
+        try:
+            slow = self.metrics.client_timeouts.labels("body").inc
+            raw = await read_body(request, st.max_body_bytes, st.body_timeout_seconds, slow)
             parsed = GENERATION_PATHS[request.path].parse(
                 raw,
                 default_max_tokens=spec.tenants.default_max_tokens,
                 max_tokens_cap=spec.tenants.max_tokens_cap,
                 max_model_len=spec.model.max_model_len,
             )
-            who = self.identify(request.headers, spec)  # tenant, class, priority
+            who = self.identify(request.headers, spec, tenant)  # class, priority
         except RequestError as exc:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.bad_request(exc)

@@ -21,6 +21,7 @@ from kvgate_agent.args import add_flags, add_log_level, configure_logging, from_
 from kvgate_agent.contract.policy import PolicyError, RateLimitPolicy, load_policy
 from kvgate_agent.sidecar.agent_link import gpu_uuids_from_env, sidecar_metrics_url
 from kvgate_agent.sidecar.app import Sidecar
+from kvgate_agent.sidecar.keyfiles import KeyFileError
 from kvgate_agent.sidecar.server import SidecarServer
 from kvgate_agent.sidecar.settings import (
     AgentSettings,
@@ -150,6 +151,8 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         engine_tokenizer=args.tokenizer == ENGINE_TOKENIZER,
         passthrough_paths=passthrough,
         store=store_settings(args),
+        api_keys_file=args.api_keys_file or None,
+        jwks_file=args.jwks_file or None,
     )
     with contextlib.suppress(ImportError):
         import uvloop
@@ -166,3 +169,6 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     except TokenizerError as exc:
         print(f"kvgate-agent: {exc}", file=sys.stderr)
         return 1
+    except KeyFileError as exc:
+        print(f"kvgate-agent: {exc}", file=sys.stderr)
+        return 2

@@ -100,6 +100,20 @@ def bad_request(exc: RequestError) -> web.Response:
     return resp
 
 
+def unauthorized(exc: RequestError) -> web.Response:
+    """401 for a credential the sidecar refuses (:mod:`kvgate_agent.sidecar.identity`), with
+    ``WWW-Authenticate: Bearer`` (RFC 6750 §3); reason ``invalid_api_key``."""
+    return json_response(
+        401,
+        exc.body(),
+        {
+            "WWW-Authenticate": 'Bearer realm="kvgate"',
+            DECISION_HEADER: "rejected",
+            REASON_HEADER: "invalid_api_key",
+        },
+    )
+
+
 def draining() -> web.Response:
     """503 for a request while the sidecar shuts down (new, queued, or in flight and not yet
     answered at the drain deadline): ``code: draining``, as the queued refusal has it."""

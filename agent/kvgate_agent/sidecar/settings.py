@@ -354,6 +354,28 @@ class SidecarSettings:
     capacity is enforced; admission counts that figure where it exceeds kvgate's own
     reservations (0: never read)."""
 
+    api_keys_file: str | None = field(
+        default=None,
+        metadata=flag(
+            "YAML keys file, keys: [{sha256: <hex SHA-256 of an API key>, tenant: NAME}], "
+            "naming the tenant of each bearer token when the policy's tenants.header is "
+            "authorization (tenants.unknownKeys: what other keys get); re-read when it changes"
+        ),
+    )
+    """The keys file (:mod:`kvgate_agent.sidecar.keyfiles`; None: no keys file)."""
+
+    jwks_file: str | None = field(
+        default=None,
+        metadata=flag(
+            "JSON Web Key Set (RFC 7517) verifying the bearer tokens of the policy's "
+            "tenants.jwt; re-read when it changes"
+        ),
+    )
+    """The JWKS file (:mod:`kvgate_agent.sidecar.keyfiles`; None: no JWT is accepted)."""
+
+    identity_poll_seconds: float = 2.0
+    """How often the keys and JWKS files are checked for changes, seconds."""
+
     tenant_label_limit: int = 50
     """Distinct tenant label values in metrics before ``other``."""
 

@@ -22,6 +22,8 @@ from kvgate_agent.sidecar.classes import ClassResolver, TenantClass
 from kvgate_agent.sidecar.openai_errors import RequestError
 
 ANONYMOUS = "anonymous"
+#: The one tenant of every unknown or missing API key under ``tenants.unknownKeys: Pool``.
+UNKNOWN = "unknown"
 #: Tenant header values longer than this are hashed, so a huge header cannot bloat state.
 MAX_TENANT_LEN = 128
 
@@ -30,8 +32,27 @@ def _digest(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
+def bearer_token(value: str | None) -> str | None:
+    """The credential of an ``Authorization`` header value: the token of ``Bearer <token>``
+    (RFC 6750 §2.1; the scheme in any case), else the whole value; None when missing or
+    blank."""
+    if value is None or not value.strip():
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else value
+
+
+def tenant_name(value: str) -> str:
+    """``value`` as a tenant name: as is, or ``h-<first 16 hex digits of its SHA-256>`` when
+    longer than :data:`MAX_TENANT_LEN` or not printable."""
+    if len(value) > MAX_TENANT_LEN or not value.isprintable():
+        return "h-" + _digest(value)
+    return value
+
+
 def tenant_of(headers: Mapping[str, str], header: str) -> str:
-    """Tenant key for a request.
+    """Tenant key for a request, from its header as sent (a gateway's; see
+    :mod:`kvgate_agent.sidecar.identity` for keys and tokens the sidecar checks).
 
     Args:
         headers: request headers (case-insensitive mapping).
@@ -45,15 +66,12 @@ def tenant_of(headers: Mapping[str, str], header: str) -> str:
     if not value:
         return ANONYMOUS
     if header.lower() == "authorization":
-        scheme, _, token = value.partition(" ")
-        secret = token.strip() if scheme.lower() == "bearer" and token.strip() else value
-        return "key-" + _digest(secret)
+        token = bearer_token(value)
+        return "key-" + _digest(value if token is None else token)
     value = value.strip()
     if not value:
         return ANONYMOUS
-    if len(value) > MAX_TENANT_LEN or not value.isprintable():
-        return "h-" + _digest(value)
-    return value
+    return tenant_name(value)
 
 
 def priority_of(headers: Mapping[str, str], header: str) -> int | None:
@@ -142,15 +160,16 @@ class Identifier:
         self._tenants: TenantsSpec | None = None
         self._resolve = ClassResolver(TenantsSpec())
 
-    def __call__(self, headers: Mapping[str, str], spec: RateLimitPolicySpec) -> Identity:
-        """The request's identity.
+    def __call__(
+        self, headers: Mapping[str, str], spec: RateLimitPolicySpec, tenant: str
+    ) -> Identity:
+        """The identity of a request of ``tenant`` (named by :mod:`.identity`).
 
         Raises:
             RequestError: 400, the priority header is not an integer in [-1000, 1000].
         """
         if spec.tenants is not self._tenants:
             self._tenants, self._resolve = spec.tenants, ClassResolver(spec.tenants)
-        tenant = tenant_of(headers, spec.tenants.header)
         cls = self._resolve(tenant)
         header = priority_of(headers, spec.priority.header)
         return Identity(tenant, cls, request_priority(header, cls.priority, spec.priority.trusted))

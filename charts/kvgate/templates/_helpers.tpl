@@ -115,7 +115,11 @@ operator reads exactly these keys.
   "bodyTimeoutSeconds" $i.bodyTimeoutSeconds
   "upstreamTimeoutSeconds" $i.upstreamTimeoutSeconds
   "logLevel" $i.logLevel
-  "passthroughPaths" $i.passthroughPaths }}
+  "passthroughPaths" $i.passthroughPaths
+  "apiKeysSecret" $i.apiKeysSecret
+  "apiKeysKey" $i.apiKeysKey
+  "jwksSecret" $i.jwksSecret
+  "jwksKey" $i.jwksKey }}
 {{- with .Values.store }}
 {{- if .url }}
 {{- $s := dict "url" .url "passwordKey" .passwordKey "tls" (dict "caKey" .tls.caKey) }}

@@ -1,0 +1,49 @@
+"""The identity examples in examples/identity/ (kept out of examples/, which is applied whole
+with ``kubectl apply -f examples/`` and read as policies): each parses, the policies as
+RateLimitPolicies, the keys file as the sidecar reads it (its commented keys hash to its
+entries), and the NetworkPolicy opens only the injected sidecar's port (schema-free checks)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from kvgate_agent.contract.identity import UnknownKeys
+from kvgate_agent.contract.policy import load_policy
+from kvgate_agent.sidecar.keyfiles import key_digest, parse_api_keys
+from kvgate_operator.template import PORT_NAME
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "identity"
+
+
+def test_the_policies_parse() -> None:
+    keys = load_policy(EXAMPLES / "ratelimitpolicy-api-keys.yaml").spec.tenants
+    assert (keys.header, keys.unknown_keys) == ("authorization", UnknownKeys.REFUSE)
+    jwt = load_policy(EXAMPLES / "ratelimitpolicy-jwt.yaml").spec.tenants.jwt
+    assert jwt is not None and jwt.claim == "org"
+
+
+def test_the_keys_file_parses_and_its_keys_hash_to_its_entries() -> None:
+    path = EXAMPLES / "api-keys.yaml"
+    text = path.read_text()
+    keys = parse_api_keys(text.encode(), str(path))
+    named = re.findall(r'^\s*# "(sk-[\w-]+)"', text, flags=re.MULTILINE)
+    assert len(named) == len(keys) == 3
+    assert [keys[key_digest(k)].tenant for k in named] == ["team-a", "team-a", "batch-jobs"]
+    assert keys[key_digest("sk-batch-1")].tenant_class == "batch"
+
+
+def test_the_network_policy_admits_only_the_sidecar_port() -> None:
+    (doc,) = list(yaml.safe_load_all((EXAMPLES / "networkpolicy-gateway-only.yaml").read_text()))
+    assert (doc["apiVersion"], doc["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
+    spec = doc["spec"]
+    assert spec["podSelector"]["matchLabels"]
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"port": PORT_NAME, "protocol": "TCP"}]
+    peers = rule["from"]
+    assert peers and all(set(p) == {"namespaceSelector", "podSelector"} for p in peers)
+    assert all(p["namespaceSelector"]["matchLabels"] for p in peers)  # no namespace is "any"
+    assert "egress" not in spec
