@@ -23,6 +23,7 @@ from kvgate_agent.admission import (
 from kvgate_agent.admission.fairness import FairShare
 from kvgate_agent.admission.limits import Limits
 from kvgate_agent.admission.queue import MAX_SKIPS, WaitQueue
+from kvgate_agent.contract.policy import QueueOrder
 from kvgate_bench.toolkit import FakeClock
 
 
@@ -285,3 +286,43 @@ def test_backlogged_tenants_are_served_within_a_bound_and_counters_never_fall(
     assert c.stats().queue_length == 0
     c.release(held, completion_tokens=0)
     assert c.stats().in_flight == 0 and c.stats().kv_reserved_tokens == 0
+
+
+# ---------------------------------------------------------------------- slack and reserve
+
+
+def test_within_the_slack_the_shorter_head_goes_first_beyond_it_the_counter_decides() -> None:
+    c, _ = controller(queue_order=QueueOrder.SHORTEST_FIRST)
+    held = c.submit(req("x", prompt=100, max_tokens=100)).ticket
+    assert held is not None
+    c.submit(req("long", prompt=1000, max_tokens=100))
+    c.submit(req("short", prompt=10, max_tokens=10))
+    # Both at the floor: the short one first, though long came first.
+    assert drain(c, held, 2) == ["short", "long"]
+    # Short requests keep going first only while their tenant stays within the slack.
+    c2, _ = controller(queue_order=QueueOrder.SHORTEST_FIRST)
+    held2 = c2.submit(req("x", prompt=100, max_tokens=100)).ticket
+    assert held2 is not None
+    c2.submit(req("long", prompt=1000, max_tokens=100))
+    for _ in range(20):
+        c2.submit(req("short", prompt=10, max_tokens=10))
+    order = drain(c2, held2, 21)
+    assert order[0] == "short" and order.index("long") < 10, order
+
+
+def test_a_hog_leaves_the_reserve_to_tenants_under_their_share() -> None:
+    c, _ = controller(max_concurrency=10)
+    assert all(c.submit(req("hog")).ticket is not None for _ in range(6))  # alone: any amount
+    assert c.submit(req("q1")).ticket is not None
+    assert c.submit(req("q2")).ticket is not None  # 8 of 10 in flight, three tenants active
+    d = c.submit(req("hog"))  # 7 would be over twice its share (10 / 3): the reserve is theirs
+    assert d.ticket is None and d.waiter is not None
+    assert c.submit(req("q1")).ticket is not None
+    assert c.submit(req("q2")).ticket is not None
+    assert c.stats().in_flight == 10
+
+
+def test_a_lone_tenant_is_never_held_back_by_the_reserve() -> None:
+    c, _ = controller(max_concurrency=10, kv_capacity_tokens=1000, block_size=10)
+    got = [c.submit(req("only", prompt=40, max_tokens=10)).ticket for _ in range(10)]
+    assert all(t is not None for t in got) and c.stats().kv_reserved_tokens == 500

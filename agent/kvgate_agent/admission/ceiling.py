@@ -8,6 +8,7 @@ and only here, whenever one of the three moves.
 from __future__ import annotations
 
 from kvgate_agent.admission.config import AdmissionConfig
+from kvgate_agent.admission.fairness import PREFILL_SHARE
 from kvgate_agent.admission.limits import Limits
 from kvgate_agent.admission.slo import SloState
 
@@ -45,6 +46,8 @@ class ConcurrencyCeiling:
         slo.tick(now, self._limits.in_flight)
         if slo.limit != before:
             self._sync()
+        ttft = slo.ttft_seconds
+        self._limits.fair.congested = ttft is not None and slo.prefill_s > PREFILL_SHARE * ttft
 
     def _cap(self) -> int | None:
         """The policy's concurrency cap, lowered to the engine's own (None: neither)."""

@@ -28,6 +28,14 @@ from kvgate_agent.admission.decision import AdmissionRequest, Waiter
 from kvgate_agent.admission.fairness import FairShare
 from kvgate_agent.contract.policy import QueueOrder
 
+#: Tenants whose counters are within this many mean charges of the smallest are taken in the
+#: within-tenant order (shortest first) rather than strictly by counter: the bound on how far
+#: a tenant may fall behind another for the sake of serving short requests first. Chosen on
+#: the effectiveness benchmark, seed 1 (docs/benchmarks.md, issue 22).
+SLACK = 4.0
+#: Tenants looked at within the slack for one choice (bounds its cost).
+MAX_SLACK_SCAN = 16
+
 
 class Flow:
     """One tenant's waiters in one priority band: a heap of (key, seq, waiter)."""
@@ -104,7 +112,7 @@ class FairOrder:
         """``w`` starts waiting; its tenant joins the backlog."""
         req = w.request
         self.waiters[w.seq] = w
-        self._fair.join(req.tenant)
+        self._fair.join(req.tenant, req.weight)
         band = self._bands.get(req.priority)
         if band is None:
             band = self._bands[req.priority] = _Band()
@@ -138,8 +146,35 @@ class FairOrder:
     # ------------------------------------------------------------------ taking tenants in turn
 
     def pop(self, priority: int) -> Entry | None:
-        """The flow of the band ``priority`` whose tenant has the smallest counter, taken off
-        the band's heap (hand it back with :meth:`push`); None when the band has none left."""
+        """The next flow of the band ``priority``, taken off the band's heap (hand it back
+        with :meth:`push`); None when the band has none left. Of the tenants whose counters
+        are within :data:`SLACK` mean charges of the smallest, the one whose head comes first
+        in the within-tenant order (under ShortestFirst: the smallest request): fairness
+        within a bounded slack, the shortest-first order's goodput across tenants whose
+        service is about even. O((tenants in the slack + 1) x log tenants)."""
+        first = self._pop(priority)
+        if first is None or self._order is not QueueOrder.SHORTEST_FIRST:
+            return first
+        band = self._bands[priority]
+        bound = first[0] + SLACK * max(1.0, self._fair.mean_charge)
+        best, best_key = first, self._key(self.head(first[4]))
+        others: list[Entry] = []
+        while band.heap and band.heap[0][0] <= bound and len(others) < MAX_SLACK_SCAN:
+            e = self._pop(priority)
+            if e is None:
+                break
+            key = self._key(self.head(e[4]))
+            if key < best_key:
+                others.append(best)
+                best, best_key = e, key
+            else:
+                others.append(e)
+        for e in others:
+            heapq.heappush(band.heap, e)
+        return best
+
+    def _pop(self, priority: int) -> Entry | None:
+        """The flow of the band whose tenant has the smallest counter (see :meth:`pop`)."""
         band = self._bands.get(priority)
         if band is None:
             return None

@@ -26,6 +26,15 @@ How the counters move (the pitfalls of earlier attempts are cited):
   and a new tenant starts at ``F``, never at zero (a newcomer at zero outranks everyone until it
   catches up, as llm-d's least-attained-service policy does).
 
+**What a tenant holds.** A queue that is fair among waiters cannot take back what a tenant
+already holds: a tenant flooding an idle server fills its KV and its concurrency limit, and a
+quiet tenant's request then waits for a departure, past a TTFT budget of a few hundred
+milliseconds. So the last :data:`KV_RESERVE` of the KV capacity and of the concurrency limit
+are kept from a tenant holding more than :data:`HOG` times its fair share (capacity x its
+weight / the active tenants' weights), and while the engine's prefill is congested
+(:data:`PREFILL_SHARE`) such a tenant waits at any level. A tenant alone, or holding nothing,
+is never held back: the server stays work-conserving for whoever is there.
+
 Memory is bounded by ``max_tenants`` accounts: an account neither backlogged nor in flight whose
 counter is at or below ``F`` is equivalent to a new one and is forgotten first; past that, the
 idle accounts nearest to ``F`` go.
@@ -42,6 +51,24 @@ from kvgate_agent.admission.decision import Ticket
 
 #: Weight of each admission in :attr:`FairShare.mean_charge`.
 MEAN_ALPHA = 0.05
+#: Share of the KV capacity (and of the concurrency limit) a tenant above its fair share of it
+#: may not take: kept for the
+#: tenants under theirs, whose requests then find room at once instead of waiting for a
+#: departure (a queue that is fair only among waiters cannot take back what a tenant already
+#: holds). Work-conserving for a tenant alone (it is never above its share). Chosen on the
+#: effectiveness benchmark's ``isolation`` workload, seed 1 (docs/benchmarks.md, issue 22).
+KV_RESERVE = 0.2
+#: A tenant holding more than this many times its fair share is held back by the reserve
+#: (tenants about even with their shares are not: the reserve would idle capacity they share).
+HOG = 2.0
+#: A tenant holding more than this many times its fair share is held back by the reserve
+#: (tenants about even with their shares are not: the reserve would idle capacity they share).
+HOG = 2.0
+#: The engine's prefill is congested when the smoothed admission-to-first-token time exceeds
+#: this share of the TTFT SLO: then a tenant above its share of the concurrency limit is not
+#: admitted (its prefills would delay everyone's first token, the engine serves prefills in
+#: arrival order). Chosen with :data:`KV_RESERVE`.
+PREFILL_SHARE = 0.5
 
 
 class Account:
@@ -54,9 +81,11 @@ class Account:
             settled to real usage; the metric ``kvgate_tenant_attained_service``).
         queued: the tenant's requests waiting in the queue now.
         in_flight: its admitted requests not yet settled.
+        kv_tokens: the KV tokens those hold (as reserved at admission).
+        weight: its fair-share weight (its class's, as its last request said).
     """
 
-    __slots__ = ("attained", "counter", "credit", "in_flight", "queued")
+    __slots__ = ("attained", "counter", "credit", "in_flight", "kv_tokens", "queued", "weight")
 
     def __init__(self, counter: float) -> None:
         self.counter = counter
@@ -64,6 +93,13 @@ class Account:
         self.attained = 0.0
         self.queued = 0
         self.in_flight = 0
+        self.kv_tokens = 0
+        self.weight = 1.0
+
+    @property
+    def active(self) -> bool:
+        """The tenant has requests waiting or in flight."""
+        return bool(self.queued or self.in_flight)
 
 
 class FairShare:
@@ -80,6 +116,8 @@ class FairShare:
         "_backlogged",
         "_floor_heap",
         "_last_departed",
+        "active_weight",
+        "congested",
         "max_tenants",
         "mean_charge",
         "output_weight",
@@ -97,6 +135,11 @@ class FairShare:
         self._last_departed = 0.0
         #: Mean cost units charged per admission (weight 1), for queue-wait estimates.
         self.mean_charge = 0.0
+        #: Sum of the weights of the active tenants (requests waiting or in flight).
+        self.active_weight = 0.0
+        #: The engine's prefill is congested (:data:`PREFILL_SHARE`; set by the concurrency
+        #: ceiling): tenants above their share of the concurrency limit wait.
+        self.congested = False
 
     def retune(self, prompt_weight: float, output_weight: float) -> None:
         """New token weights for charges from now on (what is charged stays)."""
@@ -140,12 +183,15 @@ class FairShare:
 
     # ------------------------------------------------------------------ the backlog
 
-    def join(self, tenant: str) -> None:
+    def join(self, tenant: str, weight: float = 1.0) -> None:
         """One more of ``tenant``'s requests waits in the queue; on its first, the tenant is
         lifted to ``max(counter, floor)`` (a new tenant starts at the floor)."""
         a = self._accounts.get(tenant)
         if a is None:
             a = self._new(tenant)
+        if not a.active:
+            a.weight = weight
+            self.active_weight += weight
         if not a.queued:
             floor = self.floor()
             if a.counter < floor:
@@ -162,6 +208,8 @@ class FairShare:
         if not a.queued:
             self._backlogged -= 1
             self._last_departed = a.counter
+            if not a.in_flight:
+                self.active_weight -= a.weight
             self._prune()
 
     # ------------------------------------------------------------------ charges
@@ -176,7 +224,11 @@ class FairShare:
         raw = self.prompt_weight * ticket.prompt_tokens + self.output_weight * out
         ticket.fair_output = out
         ticket.fair_charged = raw
+        if not a.active:
+            a.weight = ticket.weight
+            self.active_weight += a.weight
         a.in_flight += 1
+        a.kv_tokens += ticket.kv_tokens
         self._charge(a, raw, ticket.weight)
         self.mean_charge += MEAN_ALPHA * (raw - self.mean_charge)
 
@@ -202,6 +254,9 @@ class FairShare:
         if a is None:
             return
         a.in_flight -= 1
+        a.kv_tokens -= ticket.kv_reserved_at_admission
+        if not a.active:
+            self.active_weight -= a.weight
         used = self.prompt_weight * prompt_tokens + self.output_weight * completion_tokens
         delta = used - ticket.fair_charged
         ticket.fair_charged = used
@@ -212,6 +267,32 @@ class FairShare:
             a.attained += delta
         if not a.queued and not a.in_flight:
             self._prune()
+
+    def kv_held_back(
+        self, tenant: str, weight: float, kv_tokens: int, used: int, kv_capacity: int
+    ) -> bool:
+        """Whether a request of ``tenant`` (of ``weight``) needing ``kv_tokens`` must leave the
+        reserve (:data:`KV_RESERVE`) to others: ``used`` (KV tokens in use with it) reaches into
+        the reserve and the tenant would hold more than :data:`HOG` times its fair share, its
+        share being ``kv_capacity x weight / (the active tenants' weights)``. A tenant alone, or
+        holding nothing, never is held back. O(1)."""
+        if used <= kv_capacity * (1.0 - KV_RESERVE):
+            return False
+        a = self._accounts.get(tenant)
+        if a is None or not a.in_flight:
+            return False
+        return (a.kv_tokens + kv_tokens) * self.active_weight > HOG * kv_capacity * weight
+
+    def slot_held_back(self, tenant: str, weight: float, in_flight: int, slots: int) -> bool:
+        """The same for one more request in flight of ``slots`` (the concurrency limit), with
+        ``in_flight`` now: held back in the reserve, or at any level while the engine's prefill
+        is :attr:`congested`."""
+        if not self.congested and in_flight + 1 <= slots * (1.0 - KV_RESERVE):
+            return False
+        a = self._accounts.get(tenant)
+        if a is None or not a.in_flight:
+            return False
+        return (a.in_flight + 1) * self.active_weight > HOG * slots * weight
 
     def _charge(self, a: Account, raw: float, weight: float) -> None:
         a.attained += raw

@@ -446,13 +446,20 @@ class Limits:
         """
         cfg = self.config
         limit = self.concurrency_limit
-        if limit is not None and self.in_flight >= limit:
-            return Blocker(Reason.CONCURRENCY, "concurrency")
-        if cfg.kv_capacity_tokens is not None:
+        if limit is not None:
+            if self.in_flight >= limit:
+                return Blocker(Reason.CONCURRENCY, "concurrency")
+            if self.fair.slot_held_back(req.tenant, req.weight, self.in_flight, limit):
+                return Blocker(Reason.CONCURRENCY, "concurrency", True)
+        cap = cfg.kv_capacity_tokens
+        if cap is not None:
             if kv is None:
                 kv = self.reservation(req, max_tokens)
-            if self.kv_in_use(now) + kv > cfg.kv_capacity_tokens:
+            used = self.kv_in_use(now) + kv
+            if used > cap:
                 return Blocker(Reason.KV_CAPACITY, "kv")
+            if self.fair.kv_held_back(req.tenant, req.weight, kv, used, cap):
+                return Blocker(Reason.KV_CAPACITY, "kv", True)
         if not with_buckets:
             return None
         tenant = req.tenant
