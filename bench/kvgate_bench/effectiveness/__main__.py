@@ -143,7 +143,7 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
     lines: list[str] = []
     heads: list[str] = []
     header = (
-        f"{'arm':<17} {'setting':<28} {'goodput':>8} {'int.gp':>8} {'thrpt':>8} {'SLO%':>5} "
+        f"{'arm':<21} {'setting':<28} {'goodput':>8} {'int.gp':>8} {'thrpt':>8} {'SLO%':>5} "
         f"{'TTFTp99':>8} {'TPOTp99':>8} {'pre/1k':>7} {'rej':>6} {'deg':>5} {'jain':>5} "
         f"{'KV%':>4} {'rejP%':>5} {'RAerr':>6} {'vs none':>7}"
     )
@@ -164,7 +164,7 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
             setting = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in rs[0]["params"].items()) or "-"  # fmt: skip
             cells = [
-                f"{arm:<17}",
+                f"{arm:<21}",
                 f"{setting:<28}",
                 f"{_fmt(gp[arm]):>8}",
                 f"{_fmt(igp[arm]):>8}",

@@ -48,6 +48,13 @@ workload and load, and the sweep with it):
     (seeded per request): a much worse predictor than the learned one.
 ``oracle``
     ``kvgate`` told each request's true output length (capped by its max_tokens).
+``flow-control``, ``vllm-queue-limit``, ``codel-gate``
+    llm-d's flow control (:mod:`.flow_control`), vLLM's own queue caps
+    (:mod:`.vllm_queue_limit`) and NVIDIA Dynamo's CoDel admission gate (:mod:`.codel_gate`),
+    each in its own module with its sources and sweep.
+``kvgate-slo-only``, ``kvgate-empty``, ``kvgate-classes``
+    kvgate with what a platform engineer knows on day one: a spec with only ``slo``, an empty
+    spec, and ``slo`` plus the workload's tenant classes (:mod:`.kvgate_defaults`).
 ``kvgate-no-kv``, ``kvgate-no-degrade``, ``kvgate-fifo``, ``kvgate-tenant-budgets``
     Ablations of ``kvgate``: no KV reservation (no ``capacity.kvCacheTokens``); no Degrade
     action; a FIFO queue instead of ShortestFirst; per-tenant token budgets of an equal share
@@ -73,6 +80,7 @@ from kvgate_agent.admission import (
     Ticket,
 )
 from kvgate_agent.contract.policy import RateLimitPolicySpec
+from kvgate_bench.effectiveness import codel_gate, flow_control, vllm_queue_limit
 from kvgate_bench.effectiveness.driver import Arm, Gate
 from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
 from kvgate_bench.effectiveness.workloads import BATCH, Request, Tenant
@@ -85,8 +93,14 @@ ARM_NAMES: tuple[str, ...] = (
     "concurrency-cap",
     "token-bucket",
     "saturation-shed",
+    "flow-control",
+    "vllm-queue-limit",
+    "codel-gate",
     "kvgate-maxtokens",
     "kvgate",
+    "kvgate-slo-only",
+    "kvgate-empty",
+    "kvgate-classes",
     "kvgate-noisy",
     "oracle",
 )
@@ -98,7 +112,14 @@ ABLATIONS: tuple[str, ...] = (
     "kvgate-tenant-budgets",
 )
 #: The baselines kvgate is compared with.
-BASELINES: tuple[str, ...] = ("concurrency-cap", "token-bucket", "saturation-shed")
+BASELINES: tuple[str, ...] = (
+    "concurrency-cap",
+    "token-bucket",
+    "saturation-shed",
+    "flow-control",
+    "vllm-queue-limit",
+    "codel-gate",
+)
 
 
 @dataclass(frozen=True)
@@ -327,7 +348,7 @@ class KvgateMaxTokensArm(Arm):
         self.ctx = ctx
         self.clock = FakeClock()
         self.spec = RateLimitPolicySpec.model_validate(self.policy())
-        self.controller = AdmissionController(AdmissionConfig.from_policy(self.spec), self.clock)
+        self.controller = AdmissionController(self.admission_config(), self.clock)
         self._tickets: dict[str, Ticket] = {}
         self._waiting: dict[int, Request] = {}
         self.max_kv_reserved = 0
@@ -351,6 +372,10 @@ class KvgateMaxTokensArm(Arm):
                 "degrade": {"minMaxTokens": 128},
             },
         }
+
+    def admission_config(self) -> AdmissionConfig:
+        """What the sidecar resolves ``spec`` to (the policy states its KV capacity)."""
+        return AdmissionConfig.from_policy(self.spec)
 
     def admission_request(self, req: Request) -> AdmissionRequest:
         """What the sidecar would hand the core for ``req``: the policy's default max_tokens
@@ -533,7 +558,28 @@ ARM_FACTORIES: dict[str, ArmFactory] = {
     "kvgate-no-degrade": lambda ctx, p: KvgateArm(ctx, "no-degrade"),
     "kvgate-fifo": lambda ctx, p: KvgateArm(ctx, "fifo"),
     "kvgate-tenant-budgets": lambda ctx, p: KvgateArm(ctx, "tenant-budgets"),
+    "flow-control": lambda ctx, p: flow_control.FlowControlArm(
+        float(p.get("ttl_s", 60.0)),
+        int(p.get("queue_threshold", 5)),
+        float(p.get("kv_threshold", 0.8)),
+    ),
+    "vllm-queue-limit": lambda ctx, p: vllm_queue_limit.VllmQueueLimitArm(
+        p.get("max_num_queued_reqs"), p.get("max_num_queued_tokens")
+    ),
+    "codel-gate": lambda ctx, p: codel_gate.CodelGateArm(
+        int(p.get("cap", 384)), float(p.get("target_s", 0.25)), p.get("interval_s")
+    ),
+    "kvgate-slo-only": lambda ctx, p: _defaults_arm(ctx, "slo-only"),
+    "kvgate-empty": lambda ctx, p: _defaults_arm(ctx, "empty"),
+    "kvgate-classes": lambda ctx, p: _defaults_arm(ctx, "classes"),
 }
+
+
+def _defaults_arm(ctx: ArmContext, mode: str) -> Arm:
+    # Imported here: kvgate_defaults builds on KvgateArm, defined above.
+    from kvgate_bench.effectiveness.kvgate_defaults import KvgateDefaultsArm
+
+    return KvgateDefaultsArm(ctx, mode)
 
 
 def make_arm(name: str, ctx: ArmContext, params: dict[str, Any]) -> Arm:
@@ -557,4 +603,11 @@ def candidates(name: str, tenants: dict[str, Tenant], short: bool) -> list[dict[
     if name == "saturation-shed":
         has_batch = any(t.tier == BATCH for t in tenants.values())
         return [{"shed": "all"}, {"shed": "sheddable"}] if has_batch else [{"shed": "all"}]
+    sweeps = {
+        "flow-control": flow_control.candidates,
+        "vllm-queue-limit": vllm_queue_limit.candidates,
+        "codel-gate": codel_gate.candidates,
+    }
+    if name in sweeps:
+        return sweeps[name](short)
     return [{}]
