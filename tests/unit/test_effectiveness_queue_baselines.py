@@ -128,17 +128,19 @@ def test_vllm_queue_limit_refuses_past_the_request_cap_at_once() -> None:
 
 
 def test_vllm_queue_limit_counts_prompt_tokens_until_the_first_token() -> None:
-    rs = [req("r0", prompt=600), req("r1", prompt=500), req("r2", prompt=500)]
+    rs = [req("r0", prompt=600), req("r1", prompt=500), req("r2", prompt=10), req("r3")]
     gate = OrderGate(rs)
     arm = VllmQueueLimitArm(None, 1000)
     arm.start(gate, 0.0)
     arm.on_arrival(rs[0], 0.0)
-    arm.on_arrival(rs[1], 0.0)  # 600 + 500 > 1000
-    assert gate.outcome("r1") == REJECTED and arm.prefill_tokens == 600
+    arm.on_arrival(rs[1], 0.0)  # 600 < 1000: admitted (the new prompt is not counted)
+    assert arm.prefill_tokens == 1100
+    arm.on_arrival(rs[2], 0.0)  # the backlog reached the cap: refused, however small
+    assert gate.outcome("r2") == REJECTED
     arm.on_tokens({"r0": 0}, 0.1)  # r0 left its prefill
-    assert arm.prefill_tokens == 0
-    arm.on_arrival(rs[2], 0.2)
-    assert gate.order == ["r0", "r2"]
+    assert arm.prefill_tokens == 500
+    arm.on_arrival(rs[3], 0.2)
+    assert gate.order == ["r0", "r1", "r3"]
 
 
 # --- codel-gate -----------------------------------------------------------------------------

@@ -123,9 +123,9 @@ class CodelGateArm(Arm):
 
 
 #: Swept caps (requests) and CoDel targets (seconds).
-SHORT_CAPS: tuple[int, ...] = (96, 192, 384)
+SHORT_CAPS: tuple[int, ...] = (64, 96, 128, 192, 384)
 SHORT_TARGETS: tuple[float, ...] = (0.1, 0.25, 1.0)
-FULL_CAPS: tuple[int, ...] = (32, 64, 96, 128, 192, 256, 384)
+FULL_CAPS: tuple[int, ...] = (32, 48, 64, 96, 128, 192, 256, 384)
 FULL_TARGETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1.0)
 
 

@@ -166,16 +166,22 @@ class FlowControlArm(Arm):
         self._dispatch(now)
 
 
-#: Swept TTLs (seconds) and (queue depth, KV usage) thresholds.
-SHORT_TTLS: tuple[float, ...] = (1.0, 10.0, 60.0)
-SHORT_THRESHOLDS: tuple[tuple[int, float], ...] = ((5, 0.8), (10, 0.9))
-FULL_TTLS: tuple[float, ...] = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+#: Swept TTLs (seconds) and (queue depth, KV usage) thresholds: the defaults (60 s; 5, 0.8) and
+#: tighter ones (on this engine the waiting queue stays empty until max_num_seqs are running, so
+#: only a lower KV threshold holds the batch back).
+SHORT_TTLS: tuple[float, ...] = (0.1, 0.25, 0.5, 60.0)
+SHORT_THRESHOLDS: tuple[tuple[int, float], ...] = ((5, 0.8), (3, 0.4), (3, 0.3), (3, 0.2))
+FULL_TTLS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 60.0)
 FULL_THRESHOLDS: tuple[tuple[int, float], ...] = (
-    (3, 0.7),
+    (2, 0.2),
+    (3, 0.2),
+    (3, 0.3),
+    (5, 0.3),
+    (3, 0.4),
+    (5, 0.5),
     (5, 0.8),
     (10, 0.8),
     (10, 0.9),
-    (20, 0.9),
 )
 
 

@@ -10,10 +10,12 @@ when one is exceeded (a client-visible refusal, no Retry-After):
   (no output token yet), "set to about target_TTFT x prefill_throughput".
 
 The arm keeps the two counters as the API server does (from what it dispatched, the first
-tokens streamed and the finishes) and refuses a request when the in-flight count is already at
-``max_num_queued_reqs`` or when the prefill backlog plus its prompt would exceed
-``max_num_queued_tokens``. Either cap may be None (unset, vLLM's default). Counts are requests,
-tokens are prompt tokens.
+tokens streamed and the finishes) and refuses a request when the in-flight count plus it would
+exceed ``max_num_queued_reqs`` or when the prefill backlog has already reached
+``max_num_queued_tokens`` (the new prompt is not added: vLLM's ``check_admission`` compares
+``get_num_queued_tokens() >= max_num_queued_tokens``, as its tests
+``tests/v1/engine/test_admission_control.py`` pin down). Either cap may be None (unset, vLLM's
+default). Counts are requests, tokens are prompt tokens.
 """
 
 from __future__ import annotations
@@ -49,14 +51,14 @@ class VllmQueueLimitArm(Arm):
         self.prefill_tokens = 0
         self._in_prefill: dict[str, int] = {}  # request id -> prompt tokens, until its 1st token
 
-    def admits(self, prompt_tokens: int) -> bool:
-        """Whether a request of ``prompt_tokens`` passes both caps now."""
-        if self.max_reqs is not None and self.in_flight >= self.max_reqs:
+    def admits(self) -> bool:
+        """Whether one more request passes both caps now."""
+        if self.max_reqs is not None and self.in_flight + 1 > self.max_reqs:
             return False
-        return self.max_tokens is None or self.prefill_tokens + prompt_tokens <= self.max_tokens
+        return self.max_tokens is None or self.prefill_tokens < self.max_tokens
 
     def on_arrival(self, req: Request, now: float) -> None:
-        if not self.admits(req.prompt_tokens):
+        if not self.admits():
             self.gate.reject(req, now, None)
             return
         self.in_flight += 1
@@ -83,10 +85,10 @@ class VllmQueueLimitArm(Arm):
 
 
 #: Swept settings: (max_num_queued_reqs, max_num_queued_tokens); both unset is ``none``.
-SHORT_REQS: tuple[int | None, ...] = (256, 384, None)
-SHORT_TOKENS: tuple[int | None, ...] = (8192, 16384, None)
-FULL_REQS: tuple[int | None, ...] = (128, 192, 256, 320, 384, 512, None)
-FULL_TOKENS: tuple[int | None, ...] = (4096, 8192, 16384, 32768, 65536, None)
+SHORT_REQS: tuple[int | None, ...] = (64, 96, 128, None)
+SHORT_TOKENS: tuple[int | None, ...] = (1024, 2048, 8192, None)
+FULL_REQS: tuple[int | None, ...] = (48, 64, 96, 128, 192, 256, 384, None)
+FULL_TOKENS: tuple[int | None, ...] = (512, 1024, 2048, 4096, 8192, 16384, None)
 
 
 def candidates(short: bool) -> list[dict[str, Any]]:
