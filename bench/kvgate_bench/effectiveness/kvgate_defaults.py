@@ -33,7 +33,8 @@ import math
 from typing import Any
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionRequest
-from kvgate_bench.effectiveness.arms import ArmContext, KvgateArm
+from kvgate_bench.effectiveness.context import ArmContext
+from kvgate_bench.effectiveness.kvgate_arms import KvgateArm
 from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
 from kvgate_bench.effectiveness.workloads import BATCH, Request
 
