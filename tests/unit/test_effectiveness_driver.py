@@ -111,6 +111,12 @@ ARM_PARAMS: list[tuple[str, dict[str, Any]]] = [
     ("kvgate-no-degrade", {}),
     ("kvgate-fifo", {}),
     ("kvgate-tenant-budgets", {}),
+    ("flow-control", {"ttl_s": 2.0, "queue_threshold": 5, "kv_threshold": 0.8}),
+    ("vllm-queue-limit", {"max_num_queued_reqs": 16, "max_num_queued_tokens": 8192}),
+    ("codel-gate", {"cap": 8, "target_s": 0.25}),
+    ("kvgate-slo-only", {}),
+    ("kvgate-empty", {}),
+    ("kvgate-classes", {}),
 ]
 
 

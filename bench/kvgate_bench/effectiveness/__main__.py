@@ -4,7 +4,7 @@ Usage::
 
     python -m kvgate_bench.effectiveness [--short] [--workloads W,...] [--loads 0.5,1,1.5,2,3]
         [--seeds N] [--seed S] [--json FILE] [--plots DIR] [--profile P] [--duration S]
-        [--jobs J] [--arms A,...] [--replays K] [--progress]
+        [--jobs J] [--arms A,...] [--replays K] [--noisy-load K,...] [--progress]
 
 Calibrates the ``none`` arm's goodput capacity per workload, runs every arm setting on the same
 seeded schedules, prints per workload and load each arm's best setting with its figures and
@@ -12,7 +12,11 @@ its goodput ratio to ``none`` measured in the same run, the headline ratios of `
 ``none``, the best baseline, the oracle and ``kvgate-maxtokens``), and the sweeps. ``--json``
 writes ``{"results": [...], "sweeps": [...], "calibration": {...}, "meta": {...}}``.
 ``--short`` (``conversation`` and ``multi-tenant`` at loads 1 and 2, one seed, 300 s schedules,
-fewer settings and replays) finishes within 5 minutes on 2 cores.
+fewer settings and replays) finishes within 5 minutes on 2 cores. The ``isolation`` workload
+runs at each ``--noisy-load`` (default 3; ``--loads`` does not shape it): its rows' ``load`` is
+the total offered, 0.6 + K, and they carry ``noisy_load`` and the isolation figures
+(``well_behaved_slo_attainment``, ``well_behaved_min_tenant_slo_attainment``,
+``noisy_goodput_tokens_per_s``), printed in a second table per point.
 
 Reject precision and the Retry-After error are measured by replaying up to ``--replays``
 (default 16; ``--short`` 3) sampled rejections of each reported row (see
@@ -70,6 +74,9 @@ RESULT_KEYS: tuple[str, ...] = (
     "kv_utilisation",
     "rejected",
     "degraded",
+    "well_behaved_slo_attainment",
+    "well_behaved_min_tenant_slo_attainment",
+    "noisy_goodput_tokens_per_s",
 )
 
 
@@ -105,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{SHORT_REPLAYS}; 0: none)",
     )
     p.add_argument(
+        "--noisy-load",
+        default="3",
+        help="comma-separated noisy offers of the isolation workload, x capacity (default 3)",
+    )
+    p.add_argument(
         "--progress", action="store_true", help="progress on stderr even when not a terminal"
     )
     return p.parse_args(argv)
@@ -131,7 +143,7 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
     lines: list[str] = []
     heads: list[str] = []
     header = (
-        f"{'arm':<17} {'setting':<28} {'goodput':>8} {'int.gp':>8} {'thrpt':>8} {'SLO%':>5} "
+        f"{'arm':<21} {'setting':<28} {'goodput':>8} {'int.gp':>8} {'thrpt':>8} {'SLO%':>5} "
         f"{'TTFTp99':>8} {'TPOTp99':>8} {'pre/1k':>7} {'rej':>6} {'deg':>5} {'jain':>5} "
         f"{'KV%':>4} {'rejP%':>5} {'RAerr':>6} {'vs none':>7}"
     )
@@ -152,7 +164,7 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
             setting = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in rs[0]["params"].items()) or "-"  # fmt: skip
             cells = [
-                f"{arm:<17}",
+                f"{arm:<21}",
                 f"{setting:<28}",
                 f"{_fmt(gp[arm]):>8}",
                 f"{_fmt(igp[arm]):>8}",
@@ -170,10 +182,30 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
                 f"{_ratio(gp[arm], gp.get('none')):>7}",
             ]
             lines.append(" ".join(cells))
+        if any(r.get("well_behaved_slo_attainment") is not None for r in at):
+            lines.extend(isolation_lines(at, arms))
         for k in ("kvgate", "kvgate-maxtokens"):
             if k in gp:
                 heads.append(_headline(w, load, k, gp, igp))
     return "\n".join(lines), heads
+
+
+def isolation_lines(at: list[dict[str, Any]], arms: list[str]) -> list[str]:
+    """The isolation figures of one point's rows (means over seeds), one line per arm."""
+    out = [
+        f"  {'arm':<22} {'goodput':>8} {'well-behaved SLO%':>18} {'worst tenant%':>14} "
+        f"{'noisy goodput':>14}"
+    ]
+    for arm in arms:
+        rs = [r for r in at if r["arm"] == arm]
+        if rs:
+            out.append(
+                f"  {arm:<22} {_fmt(_mean(rs, 'goodput_tokens_per_s')):>8} "
+                f"{_fmt(_mean(rs, 'well_behaved_slo_attainment'), '.1f', 100):>18} "
+                f"{_fmt(_mean(rs, 'well_behaved_min_tenant_slo_attainment'), '.1f', 100):>14} "
+                f"{_fmt(_mean(rs, 'noisy_goodput_tokens_per_s')):>14}"
+            )
+    return out
 
 
 def _headline(w: str, load: float, k: str, gp: dict[str, Any], igp: dict[str, Any]) -> str:
@@ -232,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     loads = [float(x) for x in args.loads.split(",")] if args.loads else (
         [1.0, 2.0] if short else [0.5, 1.0, 1.5, 2.0, 3.0]
     )  # fmt: skip
+    try:
+        noisy_loads = [float(x) for x in args.noisy_load.split(",")]
+    except ValueError:
+        noisy_loads = []
+    if not noisy_loads or any(k <= 0 for k in noisy_loads):
+        print(f"--noisy-load wants positive numbers, got {args.noisy_load!r}", file=sys.stderr)
+        return 2
     n_seeds = args.seeds if args.seeds is not None else (1 if short else 3)
     duration = args.duration if args.duration is not None else (300.0 if short else 600.0)
     arms = args.arms.split(",") if args.arms else list(ARM_NAMES)
@@ -257,7 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"effectiveness: profile {args.profile}, workloads {','.join(workloads)}, loads "
         f"{','.join(f'{x:g}' for x in loads)}, seeds {seeds}, {duration:g} s schedules, "
-        f"{args.jobs} process(es)",
+        f"{args.jobs} process(es)"
+        + (
+            f", noisy loads {','.join(f'{k:g}' for k in noisy_loads)}"
+            if "isolation" in workloads
+            else ""
+        ),
         flush=True,
     )
     if shown:
@@ -279,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{cal.load1_rate_rps:.2f} req/s",
             flush=True,
         )
-    tasks = build_tasks(workloads, loads, seeds, cals, args.profile, duration, short, arms)
+    tasks = build_tasks(
+        workloads, loads, seeds, cals, args.profile, duration, short, arms, noisy_loads
+    )
     if args.replays is None:
         args.replays = SHORT_REPLAYS if short else DEFAULT_REPLAYS
     tasks = [replace(t, replays=max(0, args.replays)) for t in tasks]

@@ -48,6 +48,13 @@ workload and load, and the sweep with it):
     (seeded per request): a much worse predictor than the learned one.
 ``oracle``
     ``kvgate`` told each request's true output length (capped by its max_tokens).
+``flow-control``, ``vllm-queue-limit``, ``codel-gate``
+    llm-d's flow control (:mod:`.flow_control`), vLLM's own queue caps
+    (:mod:`.vllm_queue_limit`) and NVIDIA Dynamo's CoDel admission gate (:mod:`.codel_gate`),
+    each in its own module with its sources and sweep.
+``kvgate-slo-only``, ``kvgate-empty``, ``kvgate-classes``
+    kvgate with what a platform engineer knows on day one: a spec with only ``slo``, an empty
+    spec, and ``slo`` plus the workload's tenant classes (:mod:`.kvgate_defaults`).
 ``kvgate-no-kv``, ``kvgate-no-degrade``, ``kvgate-fifo``, ``kvgate-tenant-budgets``
     Ablations of ``kvgate``: no KV reservation (no ``capacity.kvCacheTokens``); no Degrade
     action; a FIFO queue instead of ShortestFirst; per-tenant token budgets of an equal share
@@ -58,26 +65,19 @@ workload and load, and the sweep with it):
 from __future__ import annotations
 
 import math
-import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from kvgate_agent.admission import (
-    AdmissionConfig,
-    AdmissionController,
-    AdmissionRequest,
-    Decision,
-    Outcome,
-    Ticket,
-)
-from kvgate_agent.contract.policy import RateLimitPolicySpec
+from kvgate_bench.effectiveness import codel_gate, flow_control, vllm_queue_limit
+from kvgate_bench.effectiveness.context import ArmContext as ArmContext
 from kvgate_bench.effectiveness.driver import Arm, Gate
-from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
+from kvgate_bench.effectiveness.kvgate_arms import KvgateArm as KvgateArm
+from kvgate_bench.effectiveness.kvgate_arms import KvgateMaxTokensArm as KvgateMaxTokensArm
+from kvgate_bench.effectiveness.kvgate_arms import NoisyKvgateArm as NoisyKvgateArm
+from kvgate_bench.effectiveness.kvgate_arms import OracleArm as OracleArm
+from kvgate_bench.effectiveness.kvgate_defaults import KvgateDefaultsArm
 from kvgate_bench.effectiveness.workloads import BATCH, Request, Tenant
-from kvgate_bench.sim.engine import EngineConfig
-from kvgate_bench.toolkit import FakeClock
 
 #: Arms built now, in report order.
 ARM_NAMES: tuple[str, ...] = (
@@ -85,8 +85,14 @@ ARM_NAMES: tuple[str, ...] = (
     "concurrency-cap",
     "token-bucket",
     "saturation-shed",
+    "flow-control",
+    "vllm-queue-limit",
+    "codel-gate",
     "kvgate-maxtokens",
     "kvgate",
+    "kvgate-slo-only",
+    "kvgate-empty",
+    "kvgate-classes",
     "kvgate-noisy",
     "oracle",
 )
@@ -98,35 +104,14 @@ ABLATIONS: tuple[str, ...] = (
     "kvgate-tenant-budgets",
 )
 #: The baselines kvgate is compared with.
-BASELINES: tuple[str, ...] = ("concurrency-cap", "token-bucket", "saturation-shed")
-
-
-@dataclass(frozen=True)
-class ArmContext:
-    """What an arm may know about the deployment it guards (a platform team knows it too).
-
-    Attributes:
-        engine: the engine's configuration (KV pool = ``num_gpu_blocks x block_size`` tokens).
-        tenants: the workload's tenants by name (weights, tiers).
-        capacity_rps: the request rate at load 1 (the ``none`` arm's measured goodput
-            capacity), requests per second.
-        capacity_tokens_per_s: prompt + output tokens per second at load 1.
-    """
-
-    engine: EngineConfig
-    tenants: dict[str, Tenant]
-    capacity_rps: float
-    capacity_tokens_per_s: float
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """The engine's KV pool, tokens."""
-        return self.engine.num_gpu_blocks * self.engine.block_size
-
-    def share(self, tenant: str) -> float:
-        """``tenant``'s weighted share of the server (0..1)."""
-        total = sum(t.weight for t in self.tenants.values())
-        return self.tenants[tenant].weight / total
+BASELINES: tuple[str, ...] = (
+    "concurrency-cap",
+    "token-bucket",
+    "saturation-shed",
+    "flow-control",
+    "vllm-queue-limit",
+    "codel-gate",
+)
 
 
 class NoneArm(Arm):
@@ -311,213 +296,6 @@ class SaturationShedArm(Arm):
         self._next_scrape = now + self.scrape_s
 
 
-class KvgateMaxTokensArm(Arm):
-    """Today's kvgate: the real admission core on the virtual clock (see the module docstring).
-
-    ``max_kv_reserved`` records the largest KV reservation seen (tokens); after a run the
-    controller's ``in_flight``, ``kv_reserved_tokens`` and ``queue_length`` are back to 0.
-    """
-
-    name = "kvgate-maxtokens"
-    #: The policy's ``tenants.defaultMaxTokens`` (the CRD default), tokens.
-    DEFAULT_MAX_TOKENS = 1024
-
-    def __init__(self, ctx: ArmContext) -> None:
-        super().__init__()
-        self.ctx = ctx
-        self.clock = FakeClock()
-        self.spec = RateLimitPolicySpec.model_validate(self.policy())
-        self.controller = AdmissionController(AdmissionConfig.from_policy(self.spec), self.clock)
-        self._tickets: dict[str, Ticket] = {}
-        self._waiting: dict[int, Request] = {}
-        self.max_kv_reserved = 0
-        self.params = {}
-
-    def policy(self) -> dict[str, Any]:
-        """The RateLimitPolicy ``spec`` enforced (camelCase, as in a manifest)."""
-        ctx = self.ctx
-        per_tenant_tpm = max(1.0, 0.5 * ctx.capacity_tokens_per_s * 60.0)
-        return {
-            "model": {"blockSize": ctx.engine.block_size, "maxModelLen": ctx.engine.max_model_len},
-            "capacity": {"kvCacheTokens": ctx.kv_capacity_tokens},
-            "concurrency": {"maxRequests": ctx.engine.max_num_seqs},
-            "tenants": {"defaultMaxTokens": self.DEFAULT_MAX_TOKENS},
-            "rateLimits": [
-                {"name": "per-tenant", "per": "Tenant", "tokensPerMinute": per_tenant_tpm}
-            ],
-            "queue": {"maxLength": 100, "maxWaitSeconds": 10, "order": "ShortestFirst"},
-            "overload": {
-                "actions": ["Degrade", "Queue", "Reject"],
-                "degrade": {"minMaxTokens": 128},
-            },
-        }
-
-    def admission_request(self, req: Request) -> AdmissionRequest:
-        """What the sidecar would hand the core for ``req``: the policy's default max_tokens
-        (within the context, as ``default_within_context``) when the client set none."""
-        mt = req.max_tokens
-        if mt is None:
-            mml = self.ctx.engine.max_model_len
-            mt = min(self.spec.tenants.default_max_tokens, max(1, mml - req.prompt_tokens))
-        return AdmissionRequest(req.tenant, req.prompt_tokens, mt, 0)
-
-    def _apply(self, req: Request, d: Decision, now: float) -> None:
-        if d.ticket is not None:
-            self._tickets[req.rid] = d.ticket
-            degraded = d.outcome is Outcome.DEGRADED
-            self.gate.dispatch(req, now, d.max_tokens, degraded=degraded)
-            if self.gate.sequences.get(req.rid) is None:  # the engine refused it (400)
-                # As the sidecar settles a 4xx from upstream: nothing was served.
-                self.controller.release(
-                    self._tickets.pop(req.rid), completion_tokens=0, reached_upstream=False
-                )
-        elif d.waiter is not None:
-            self._waiting[d.waiter.seq] = req
-        else:
-            self.gate.reject(req, now, None if d.retry_after is None else float(d.retry_after))
-
-    def _settle(self, now: float) -> None:
-        ctl = self.controller
-        for w in ctl.take_resolved():
-            req = self._waiting.pop(w.seq)
-            if w.decision is not None:
-                self._apply(req, w.decision, now)
-        self.max_kv_reserved = max(self.max_kv_reserved, ctl.stats().kv_reserved_tokens)
-
-    def on_arrival(self, req: Request, now: float) -> None:
-        self.clock.now = now
-        self._apply(req, self.controller.submit(self.admission_request(req)), now)
-        self._settle(now)
-
-    def on_finish(self, req: Request, output_tokens: int, now: float) -> None:
-        self.clock.now = now
-        ticket = self._tickets.pop(req.rid)
-        self.controller.release(
-            ticket, completion_tokens=output_tokens, prompt_tokens=req.prompt_tokens
-        )
-        self.controller.pump()
-        self._settle(now)
-
-    def next_wake(self) -> float | None:
-        """The controller's :meth:`~AdmissionController.next_wake`, as the sidecar's timer
-        uses it."""
-        return self.controller.next_wake()
-
-    def on_wake(self, now: float) -> None:
-        self.clock.now = now
-        self.controller.pump()
-        self._settle(now)
-
-
-class KvgateArm(KvgateMaxTokensArm):
-    """kvgate's default policy: predicted reservations, live correction, SLO-driven concurrency
-    and shedding (see the module docstring). ``variant`` selects an ablation: ``no-kv``,
-    ``no-degrade`` or ``fifo``."""
-
-    name = "kvgate"
-    #: Priority interactive clients send (``slo.minPriority``); batch clients send 0.
-    INTERACTIVE_PRIORITY = 1
-
-    def __init__(self, ctx: ArmContext, variant: str | None = None) -> None:
-        if variant not in (None, "no-kv", "no-degrade", "fifo", "tenant-budgets"):
-            raise ValueError(f"unknown kvgate variant {variant!r}")
-        self.variant = variant
-        super().__init__(ctx)
-        if variant is not None:
-            self.name = f"kvgate-{variant}"
-
-    def policy(self) -> dict[str, Any]:
-        spec = super().policy()
-        spec["capacity"] = {
-            **spec["capacity"],
-            "reservation": "Predicted",
-            "reservationQuantile": 0.9,
-        }
-        spec["slo"] = {
-            "ttftSeconds": TTFT_SLO_S,
-            "tpotSeconds": TPOT_SLO_S,
-            "minPriority": self.INTERACTIVE_PRIORITY,
-        }
-        # The clients label their own tier with the priority header (over HTTP, in
-        # effectiveness.realtime): they stand for a gateway that sets it, so it is trusted.
-        spec["priority"] = {"trusted": True}
-        if self.variant == "no-kv":
-            del spec["capacity"]["kvCacheTokens"]
-        elif self.variant == "no-degrade":
-            spec["overload"] = {"actions": ["Queue", "Reject"]}
-        elif self.variant == "fifo":
-            spec["queue"] = {**spec["queue"], "order": "FIFO"}
-        elif self.variant == "tenant-budgets":
-            # Every tenant's tokensPerMinute = an equal share of the load-1 token capacity x
-            # 1.5 with a 10 s burst (the token-bucket baseline's best multi-tenant setting; the
-            # workloads' tenants all weigh 1), as kvgate's own per-tenant limit: charged prompt +
-            # max_tokens at admission and settled to the real usage at release.
-            ctx = self.ctx
-            tpm = 1.5 * ctx.capacity_tokens_per_s * 60.0 / max(1, len(ctx.tenants))
-            spec["rateLimits"] = [
-                {
-                    "name": "per-tenant",
-                    "per": "Tenant",
-                    "tokensPerMinute": tpm,
-                    "burstTokens": max(ctx.engine.max_model_len, round(tpm / 6)),
-                }
-            ]
-        return spec
-
-    def admission_request(self, req: Request) -> AdmissionRequest:
-        ar = super().admission_request(req)
-        ar.priority = 0 if req.tier == BATCH else self.INTERACTIVE_PRIORITY
-        ar.model = "model"
-        ar.predicted_output_tokens = self.predicted_output(req, ar.max_tokens)
-        return ar
-
-    def predicted_output(self, req: Request, max_tokens: int) -> int | None:
-        """The length to reserve for instead of the learned prediction (None: learned)."""
-        return None
-
-    #: How often the arm reads the engine's KV usage into the controller, seconds (the sidecar's
-    #: ``--engine-usage-seconds`` default).
-    ENGINE_USAGE_S = 1.0
-    _next_usage = 0.0
-
-    def on_tokens(self, new_tokens: dict[str, int], now: float) -> None:
-        self.clock.now = now
-        if now >= self._next_usage:
-            eng = self.gate.engine
-            self.controller.observe_engine_kv(math.ceil(eng.kv_usage * self.ctx.kv_capacity_tokens))
-            self._next_usage = now + self.ENGINE_USAGE_S
-        tickets = self._tickets
-        observe = self.controller.observe_tokens
-        for rid, index in new_tokens.items():
-            t = tickets.get(rid)
-            if t is not None:
-                observe(t, index + 1)
-
-
-class OracleArm(KvgateArm):
-    """``kvgate`` told each request's true output length, capped by its max_tokens."""
-
-    name = "oracle"
-
-    def predicted_output(self, req: Request, max_tokens: int) -> int | None:
-        return min(req.output_tokens, max_tokens)
-
-
-class NoisyKvgateArm(KvgateArm):
-    """``kvgate`` whose prediction is the true length x exp(N(0, ``sigma``)), seeded per
-    request id (the same request gets the same error in every run)."""
-
-    name = "kvgate-noisy"
-
-    def __init__(self, ctx: ArmContext, sigma: float = 1.0) -> None:
-        super().__init__(ctx)
-        self.sigma = sigma
-
-    def predicted_output(self, req: Request, max_tokens: int) -> int | None:
-        err = random.Random(f"noise:{req.rid}").gauss(0.0, self.sigma)
-        return max(1, min(max_tokens, round(req.output_tokens * math.exp(err))))
-
-
 ArmFactory = Callable[[ArmContext, dict[str, Any]], Arm]
 
 #: Arm name -> factory(context, params).
@@ -536,6 +314,20 @@ ARM_FACTORIES: dict[str, ArmFactory] = {
     "kvgate-no-degrade": lambda ctx, p: KvgateArm(ctx, "no-degrade"),
     "kvgate-fifo": lambda ctx, p: KvgateArm(ctx, "fifo"),
     "kvgate-tenant-budgets": lambda ctx, p: KvgateArm(ctx, "tenant-budgets"),
+    "flow-control": lambda ctx, p: flow_control.FlowControlArm(
+        float(p.get("ttl_s", 60.0)),
+        int(p.get("queue_threshold", 5)),
+        float(p.get("kv_threshold", 0.8)),
+    ),
+    "vllm-queue-limit": lambda ctx, p: vllm_queue_limit.VllmQueueLimitArm(
+        p.get("max_num_queued_reqs"), p.get("max_num_queued_tokens")
+    ),
+    "codel-gate": lambda ctx, p: codel_gate.CodelGateArm(
+        int(p.get("cap", 384)), float(p.get("target_s", 0.25)), p.get("interval_s")
+    ),
+    "kvgate-slo-only": lambda ctx, p: KvgateDefaultsArm(ctx, "slo-only"),
+    "kvgate-empty": lambda ctx, p: KvgateDefaultsArm(ctx, "empty"),
+    "kvgate-classes": lambda ctx, p: KvgateDefaultsArm(ctx, "classes"),
 }
 
 
@@ -560,4 +352,11 @@ def candidates(name: str, tenants: dict[str, Tenant], short: bool) -> list[dict[
     if name == "saturation-shed":
         has_batch = any(t.tier == BATCH for t in tenants.values())
         return [{"shed": "all"}, {"shed": "sheddable"}] if has_batch else [{"shed": "all"}]
+    sweeps = {
+        "flow-control": flow_control.candidates,
+        "vllm-queue-limit": vllm_queue_limit.candidates,
+        "codel-gate": codel_gate.candidates,
+    }
+    if name in sweeps:
+        return sweeps[name](short)
     return [{}]

@@ -22,6 +22,12 @@ Definitions (times in seconds, lengths in tokens):
   the engine's queue or its prefill) during at least half of the window, or one arriving in
   the window was refused. A tenant whose requests all start promptly is not backlogged: it got
   what it asked for, whatever its share.
+* **Isolation** (schedules with a tenant named ``noisy``; None otherwise): the *well-behaved*
+  tenants are all the others. ``well_behaved_slo_attainment`` = their requests that met their
+  SLO / their requests; ``well_behaved_min_tenant_slo_attainment`` = the lowest of the same
+  ratio per well-behaved tenant (tenants that sent nothing left out);
+  ``noisy_goodput_tokens_per_s`` = output tokens of ``noisy``'s requests that met their SLO /
+  the span.
 * **KV utilisation** = the time average of the engine's KV usage (used / total blocks, read
   after each step) over the span.
 
@@ -201,11 +207,47 @@ def _tier_stats(records: list[RequestRecord]) -> TierStats:
     )
 
 
+#: The tenant the isolation figures set apart from the well-behaved ones.
+NOISY_TENANT = "noisy"
+
+
+def isolation_figures(records: list[RequestRecord], span_s: float) -> dict[str, float | None]:
+    """``well_behaved_slo_attainment``, ``well_behaved_min_tenant_slo_attainment`` (0..1) and
+    ``noisy_goodput_tokens_per_s`` (output tokens/s over ``span_s`` seconds) of ``records``
+    (see the module docstring); all None when no record is the noisy tenant's."""
+    if not any(r.request.tenant == NOISY_TENANT for r in records):
+        return dict.fromkeys(
+            (
+                "well_behaved_slo_attainment",
+                "well_behaved_min_tenant_slo_attainment",
+                "noisy_goodput_tokens_per_s",
+            )
+        )
+    met: dict[str, list[int]] = {}  # tenant -> [met, requests]
+    noisy_tokens = 0
+    for r in records:
+        ok = met_slo(r)
+        if r.request.tenant == NOISY_TENANT:
+            noisy_tokens += r.output_tokens if ok else 0
+            continue
+        m = met.setdefault(r.request.tenant, [0, 0])
+        m[0] += ok
+        m[1] += 1
+    total = sum(m[1] for m in met.values())
+    return {
+        "well_behaved_slo_attainment": (sum(m[0] for m in met.values()) / total if total else None),
+        "well_behaved_min_tenant_slo_attainment": (
+            min(m[0] / m[1] for m in met.values()) if met else None
+        ),
+        "noisy_goodput_tokens_per_s": noisy_tokens / span_s,
+    }
+
+
 def summarize(run: RunResult) -> dict[str, Any]:
     """The figures of ``run`` as a JSON-ready dict: the keys of the issue's ``--json`` rows
     (less ``workload``, ``load``, ``arm`` and ``seed``, which the caller adds) plus ``params``,
     ``requests``, ``ttft_p50_s``, ``tpot_p50_s``, ``tiers`` (per-tier counts and
-    percentiles), ``span_s`` and ``cpu_s``."""
+    percentiles), ``span_s``, ``cpu_s`` and the isolation figures (:func:`isolation_figures`)."""
     sched = run.schedule
     records = run.records
     span = max(sched.duration_s, run.end_s)
@@ -241,6 +283,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "retry_after_abs_error_s": None,
         "retry_after_samples": 0,
         "retry_after_censored": 0,
+        **isolation_figures(records, span),
         "kv_utilisation": run.kv_busy_s / span,
         "rejected": sum(1 for r in records if r.outcome == REJECTED),
         "degraded": sum(1 for r in records if r.outcome == DEGRADED),

@@ -50,8 +50,11 @@ from kvgate_bench.effectiveness.replay import (
     sample_rejected,
 )
 from kvgate_bench.effectiveness.workloads import (
+    DEFAULT_NOISY_LOAD,
     Schedule,
+    calibration_workload,
     generate,
+    isolation_load,
     served_output_tokens,
     tenants_of,
 )
@@ -137,7 +140,9 @@ def _dummy() -> ArmContext:
 
 
 def calibrate(workload: str, prof: str, duration_s: float, seed: int) -> Calibration:
-    """Measure the ``none`` arm's goodput capacity (see the module docstring)."""
+    """Measure the ``none`` arm's goodput capacity (see the module docstring) on
+    ``calibration_workload(workload)`` (``isolation`` is measured as ``conversation``)."""
+    workload = calibration_workload(workload)
     probes: dict[float, float] = {}
 
     def g(rate: float) -> float:
@@ -179,13 +184,18 @@ def _calibrate_args(args: tuple[str, str, float, int]) -> Calibration:
 def calibrate_all(
     workloads: list[str], prof: str, duration_s: float, seed: int, jobs: int
 ) -> list[Calibration]:
-    """:func:`calibrate` each of ``workloads``, on up to ``jobs`` processes; in order."""
-    work = [(w, prof, duration_s, seed) for w in workloads]
+    """:func:`calibrate` each of ``workloads``, on up to ``jobs`` processes; in order (a
+    workload measured as another, :func:`calibration_workload`, shares its calibration)."""
+    unique = list(dict.fromkeys(calibration_workload(w) for w in workloads))
+    work = [(w, prof, duration_s, seed) for w in unique]
     if jobs <= 1 or len(work) == 1:
-        return [_calibrate_args(a) for a in work]
-    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-    with ctx.Pool(min(jobs, len(work))) as pool:
-        return pool.map(_calibrate_args, work)
+        found = [_calibrate_args(a) for a in work]
+    else:
+        ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+        with ctx.Pool(min(jobs, len(work))) as pool:
+            found = pool.map(_calibrate_args, work)
+    by_name = dict(zip(unique, found, strict=True))
+    return [by_name[calibration_workload(w)] for w in workloads]
 
 
 @dataclass(frozen=True)
@@ -202,6 +212,8 @@ class Task:
     calibration: Calibration
     #: Rejections sampled for the replays (0: none).
     replays: int = DEFAULT_REPLAYS
+    #: ``isolation``'s noisy offer, x capacity (``load`` is then ``isolation_load`` of it).
+    noisy_load: float = DEFAULT_NOISY_LOAD
 
 
 def arm_factory(task: Task) -> tuple[Schedule, Callable[[], Arm], StepTimeModel]:
@@ -210,7 +222,9 @@ def arm_factory(task: Task) -> tuple[Schedule, Callable[[], Arm], StepTimeModel]
     steptime = steptime_of(task.profile)
     cal = task.calibration
     ctx = cal.context(steptime, task.workload)
-    sched = generate(task.workload, cal.rate(task.load), task.duration_s, task.seed)
+    sched = generate(
+        task.workload, cal.rate(task.load), task.duration_s, task.seed, noisy_load=task.noisy_load
+    )
     return sched, lambda: make_arm(task.arm, ctx, dict(task.params)), steptime
 
 
@@ -225,7 +239,14 @@ def run_task(task: Task) -> dict[str, Any]:
     s}}``."""
     sched, make, steptime = arm_factory(task)
     run = simulate(sched, make(), steptime)
-    row = {"workload": task.workload, "load": task.load, "arm": task.arm, "seed": task.seed}
+    row: dict[str, Any] = {
+        "workload": task.workload,
+        "load": task.load,
+        "arm": task.arm,
+        "seed": task.seed,
+    }
+    if task.workload == "isolation":
+        row["noisy_load"] = task.noisy_load
     row.update(summarize(run))
     row["rate_rps"] = sched.rate_rps
     retry = sample_rejected(run.records, task.replays, task.seed, with_retry_after=True)
@@ -245,19 +266,29 @@ def build_tasks(
     duration_s: float,
     short: bool,
     arms: Iterable[str] = ARM_NAMES,
+    noisy_loads: Iterable[float] = (DEFAULT_NOISY_LOAD,),
 ) -> list[Task]:
-    """Every (workload, load, seed, arm, setting) run, the heaviest (highest load) first."""
+    """Every (workload, load, seed, arm, setting) run, the heaviest (highest load) first.
+    ``isolation`` runs at its ``noisy_loads`` (load ``isolation_load(K)``), not ``loads``."""
     tasks = []
     arm_list = list(arms)
     for w in workloads:
         tenants = {t.name: t for t in tenants_of(w)}
-        for load in loads:
+        points = (
+            [(isolation_load(k), k) for k in noisy_loads]
+            if w == "isolation"
+            else [(load, DEFAULT_NOISY_LOAD) for load in loads]
+        )
+        for load, noisy in points:
             for seed in seeds:
                 for arm in arm_list:
                     for p in candidates(arm, tenants, short):
                         params = tuple(sorted(p.items()))
+                        cal = calibrations[w]
                         tasks.append(
-                            Task(w, load, seed, arm, params, prof, duration_s, calibrations[w])
+                            Task(
+                                w, load, seed, arm, params, prof, duration_s, cal, noisy_load=noisy
+                            )
                         )
     tasks.sort(key=lambda t: -t.load)
     return tasks

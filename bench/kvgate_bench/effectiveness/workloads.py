@@ -18,6 +18,17 @@ Three workloads, each a list of :class:`Request` sorted by arrival time (seconds
     misbehaving ``interactive`` tenant ``noisy`` that sends 5x its share, every request with
     max_tokens 4096. Every tenant's weight (its entitled share) is 1; inter-arrival times are
     Gamma with a coefficient of variation of 2 (shape 1/4). Lengths from the conversation fits.
+``isolation``
+    Eight well-behaved ``interactive`` chat tenants ``chat-0`` .. ``chat-7`` offering
+    :data:`ISOLATION_WELL_BEHAVED_LOAD` (0.6) x the server's capacity together (each under its
+    fair share of 1/9), and one ``interactive`` tenant ``noisy`` offering ``noisy_load`` x
+    capacity (default :data:`DEFAULT_NOISY_LOAD`), every request of it with max_tokens 4096.
+    All weights 1, Poisson arrivals, the conversation fits. Its load is the total offered,
+    ``0.6 + noisy_load`` (:func:`isolation_load`); the rate given to :func:`generate` is split
+    in proportion to the tenants' demands (0.6 / 8 each and ``noisy_load``), so at the rate of
+    load ``0.6 + K`` each chat tenant sends 0.075 x and ``noisy`` K x the load-1 request rate.
+    Its capacity is the ``conversation`` workload's (:func:`calibration_workload`): the same
+    lengths on the same server.
 
 Clients' max_tokens are drawn uniformly from :data:`MAX_TOKENS_CHOICES` (``None``: unset, the
 server's default applies). Lengths are clipped to the model's context: a prompt to at most
@@ -37,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 #: Workload names, in report order.
-WORKLOADS: tuple[str, ...] = ("conversation", "code", "multi-tenant")
+WORKLOADS: tuple[str, ...] = ("conversation", "code", "multi-tenant", "isolation")
 #: What clients send as max_tokens (None: unset, the policy's or the engine's default).
 MAX_TOKENS_CHOICES: tuple[int | None, ...] = (None, 256, 512, 1024, 4096)
 #: Lognormal fits (mu, sigma of the natural log of tokens) of the Azure LLM inference trace 2023.
@@ -52,6 +63,11 @@ CODE_OFF_MEAN_S = 10.0
 MULTI_TENANT_CV = 2.0
 NOISY_DEMAND = 5.0
 NOISY_MAX_TOKENS = 4096
+#: ``isolation``: what the eight well-behaved tenants offer together, and the noisy tenant's
+#: default offer, both x the server's capacity.
+ISOLATION_WELL_BEHAVED_LOAD = 0.6
+ISOLATION_TENANTS = 8
+DEFAULT_NOISY_LOAD = 3.0
 #: Room kept for output when clipping a prompt to the context, tokens.
 PROMPT_HEADROOM = 256
 
@@ -115,8 +131,27 @@ class Schedule:
     requests: list[Request]
 
 
-def tenants_of(workload: str) -> list[Tenant]:
-    """The tenants of ``workload``. Raises ``ValueError`` for an unknown name."""
+def isolation_load(noisy_load: float) -> float:
+    """The total load of ``isolation`` with the noisy tenant at ``noisy_load`` x capacity:
+    ``0.6 + noisy_load`` (rounded to 1e-9, so that 0.6 + 3 reads 3.6)."""
+    return round(ISOLATION_WELL_BEHAVED_LOAD + noisy_load, 9)
+
+
+def calibration_workload(workload: str) -> str:
+    """The workload whose ``none`` capacity defines ``workload``'s load: ``isolation`` is
+    measured against ``conversation`` (same lengths), every other workload against itself."""
+    return "conversation" if workload == "isolation" else workload
+
+
+def tenants_of(workload: str, noisy_load: float = DEFAULT_NOISY_LOAD) -> list[Tenant]:
+    """The tenants of ``workload`` (``noisy_load``: ``isolation``'s noisy offer, x capacity).
+    Raises ``ValueError`` for an unknown name or a ``noisy_load`` <= 0."""
+    if workload == "isolation":
+        if noisy_load <= 0:
+            raise ValueError("noisy_load must be > 0")
+        each = ISOLATION_WELL_BEHAVED_LOAD / ISOLATION_TENANTS
+        chats = [Tenant(f"chat-{i}", INTERACTIVE, demand=each) for i in range(ISOLATION_TENANTS)]
+        return [*chats, Tenant("noisy", INTERACTIVE, demand=noisy_load)]
     if workload == "conversation":
         return [Tenant(f"chat-{i}", INTERACTIVE) for i in range(8)]
     if workload == "code":
@@ -181,17 +216,19 @@ def generate(
     seed: int,
     *,
     max_model_len: int = 8192,
+    noisy_load: float = DEFAULT_NOISY_LOAD,
 ) -> Schedule:
     """The seeded schedule of ``workload`` at ``rate_rps`` requests/s (all tenants together)
     over ``duration_s`` seconds.
 
     Each tenant draws from its own ``random.Random`` derived from (seed, workload, tenant), so
-    tenants do not perturb each other's draws. Raises ``ValueError`` for an unknown workload
-    or a rate or duration <= 0.
+    tenants do not perturb each other's draws. ``noisy_load`` shapes ``isolation`` only (its
+    ``rate_rps`` is that of load ``isolation_load(noisy_load)``). Raises ``ValueError`` for an
+    unknown workload or a rate, duration or ``noisy_load`` <= 0.
     """
     if rate_rps <= 0 or duration_s <= 0:
         raise ValueError("rate_rps and duration_s must be > 0")
-    tenants = tenants_of(workload)
+    tenants = tenants_of(workload, noisy_load)
     total_demand = sum(t.demand for t in tenants)
     if workload == "code":
         prompt_fit, output_fit = CODE_PROMPT, CODE_OUTPUT
@@ -203,7 +240,7 @@ def generate(
         rng = random.Random(f"{seed}/{workload}/{tenant.name}")
         rate = rate_rps * tenant.demand / total_demand
         times: list[float]
-        if workload == "conversation":
+        if workload in ("conversation", "isolation"):
             times = _poisson_times(rng, rate, 0.0, duration_s)
         elif workload == "code":
             times = _on_off_times(rng, rate, duration_s)
