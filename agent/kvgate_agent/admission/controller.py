@@ -360,13 +360,13 @@ class AdmissionController:
         ones cannot overtake it; one blocked only by its own tenant's bucket is skipped."""
         q = self._queue
         if not q:
-            q.blocked_head = None
+            q.unblock()
             return
         now = self.clock()
         self._ceiling.tick(now)
         held = self._holds.active(now) if self._holds else None
         self._expire(now, held)
-        q.blocked_head = None
+        q.unblock()
         if held is None:
             q.admit_fitting(now)
 

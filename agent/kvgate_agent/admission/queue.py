@@ -72,6 +72,10 @@ class WaitQueue:
         only as a bounded backfill (:meth:`may_backfill`)."""
         return self.blocked_head is not None
 
+    def unblock(self) -> None:
+        """Forget the blocked head (the next :meth:`admit_fitting` finds it again)."""
+        self.blocked_head = None
+
     def may_backfill(self) -> bool:
         """Whether a request that fits now may be admitted past the blocked head (its skips
         are not used up); True when no head is blocked."""
@@ -196,7 +200,8 @@ class WaitQueue:
         tenant's bucket is skipped (its refill time noted for :meth:`next_wake`); the first head
         blocked by a shared resource becomes :attr:`blocked_head`, and heads after it that fit
         are admitted past it while its skips last (:data:`MAX_SKIPS`)."""
-        self.blocked_head = None
+        self.unblock()  # (a method, not an assignment: mypy would narrow the attribute to
+        # None for the rest of this method, and mypyc check it so at run time)
         scanned = [0]
         for p in list(self.order.priorities):
             examined: list[Entry] = []
