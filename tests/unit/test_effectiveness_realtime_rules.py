@@ -22,6 +22,7 @@ from kvgate_bench.effectiveness.realtime import (
     sim_argv,
     sim_config,
     steptime_with_pool,
+    well_behaved_agree,
     write_word_tokenizer,
 )
 from kvgate_bench.effectiveness.workloads import Request, generate, tenants_of
@@ -103,3 +104,19 @@ def test_kept_up_reads_the_send_lags_p99_and_the_step_lag() -> None:
     assert run([0.005] * 100, 0.15, 0.0, scale=2.0).kept_up  # 75 ms of modelled time
     assert not run([0.005] * 100, 0.02, 0.01).kept_up  # kvgate-sim wrote lag off
     assert run([], 0.0, 0.0).send_lag_max_s == 0.0
+
+
+def test_well_behaved_attainment_agrees_within_ten_percent() -> None:
+    def row(x: float | None) -> dict[str, float | None]:
+        return {"well_behaved_slo_attainment": x}
+
+    assert well_behaved_agree(row(None), row(None))  # no noisy tenant: nothing to compare
+    assert well_behaved_agree(row(0.90), row(0.82)) and not well_behaved_agree(row(0.90), row(0.80))
+    assert not well_behaved_agree(row(0.9), row(None))
+
+
+def test_the_day_one_arms_have_no_real_time_counterpart() -> None:
+    ctx = ArmContext(engine_config(steptime_with_pool("h100-llama3-8b", None)), {}, 1.0, 1.0)
+    for arm in ("kvgate-slo-only", "kvgate-empty", "kvgate-classes"):
+        with pytest.raises(ValueError, match="no real-time counterpart"):
+            arm_policy(arm, ctx)

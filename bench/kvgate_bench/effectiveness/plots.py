@@ -2,6 +2,9 @@
 load, one figure per workload and metric, one line per arm (its reported best setting; the mean
 over seeds at each load). Rendered with matplotlib's non-interactive Agg backend (no display).
 
+Arms past the tenth reuse matplotlib's ten colours with another line style (dashed, then
+dotted), so that fifteen arms stay apart; the legend sits right of the axes.
+
 An arm missing at a load (not run there, or its figure None, e.g. no request served) has a gap
 in its line at that load; an arm with no value at all is left out of the figure.
 """
@@ -20,6 +23,9 @@ import matplotlib.pyplot as plt  # after the backend is chosen
 from matplotlib.ticker import FuncFormatter
 
 from kvgate_bench.effectiveness.arms import ARM_NAMES
+
+#: Line styles by tens of arms (matplotlib's default colour cycle has ten colours).
+LINE_STYLES: tuple[str, ...] = ("-", "--", ":")
 
 #: (result key, y-axis label, file stem, log scale) of each figure.
 FIGURES: tuple[tuple[str, str, str, bool], ...] = (
@@ -68,13 +74,14 @@ def write_plots(results: Sequence[dict[str, Any]], out: Path) -> list[Path]:
         for key, label, stem, log in FIGURES:
             fig, ax = plt.subplots(figsize=(6.4, 4.2))
             drawn = 0
-            for arm in arms:
+            for i, arm in enumerate(arms):
                 ys = series(at, w, arm, key, loads)
                 if log:
                     ys = [y if y > 0 else math.nan for y in ys]
                 if all(math.isnan(y) for y in ys):
                     continue
-                ax.plot(loads, ys, marker="o", label=arm)
+                style = LINE_STYLES[(i // 10) % len(LINE_STYLES)]
+                ax.plot(loads, ys, marker="o", linestyle=style, color=f"C{i % 10}", label=arm)
                 drawn += 1
             if log and drawn:
                 ax.set_yscale("log")
@@ -87,7 +94,7 @@ def write_plots(results: Sequence[dict[str, Any]], out: Path) -> list[Path]:
             ax.set_title(f"{w}: {label.split(' (')[0]}")
             ax.grid(True, alpha=0.3)
             if drawn:
-                ax.legend(fontsize="small")
+                ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
             path = out / f"effectiveness-{w}-{stem}.png"
             fig.savefig(path, dpi=100, bbox_inches="tight")
             plt.close(fig)

@@ -103,9 +103,18 @@ from kvgate_bench.effectiveness.driver import (
     engine_default_max_tokens,
     simulate,
 )
+from kvgate_bench.effectiveness.kvgate_defaults import KvgateDefaultsArm
 from kvgate_bench.effectiveness.metrics import summarize
 from kvgate_bench.effectiveness.runner import calibrate, mean_lengths
-from kvgate_bench.effectiveness.workloads import WORKLOADS, Request, Schedule, generate, tenants_of
+from kvgate_bench.effectiveness.workloads import (
+    DEFAULT_NOISY_LOAD,
+    WORKLOADS,
+    Request,
+    Schedule,
+    generate,
+    isolation_load,
+    tenants_of,
+)
 from kvgate_bench.sim.engine import EngineConfig, SimEngine
 from kvgate_bench.sim.lengths import OUTPUT_TOKENS_HEADER
 from kvgate_bench.sim.server import SIM_KEY, TENANT_HEADER, SimConfig, start_sim
@@ -181,10 +190,13 @@ def kvgate_arm(arm: str, ctx: ArmContext) -> KvgateMaxTokensArm | None:
         a = make_arm(arm, ctx, {})
     except KeyError:  # a baseline that needs its tuned parameters
         a = None
-    if not isinstance(a, KvgateMaxTokensArm) or isinstance(a, OracleArm | NoisyKvgateArm):
+    if not isinstance(a, KvgateMaxTokensArm) or isinstance(
+        a, OracleArm | NoisyKvgateArm | KvgateDefaultsArm
+    ):
         raise ValueError(
             f"arm {arm!r} has no real-time counterpart (none or a kvgate arm; the oracle's and "
-            "kvgate-noisy's lengths exist in the virtual-time process only)"
+            "kvgate-noisy's lengths exist in the virtual-time process only, and the day-one "
+            "arms' engine-read capacity and max_num_seqs are not in their manifest)"
         )
     return a
 
@@ -620,6 +632,16 @@ def preemptions_agree(virtual: int, real: int) -> bool:
     return abs(real - virtual) <= tol
 
 
+def well_behaved_agree(virtual: dict[str, Any], real: dict[str, Any]) -> bool:
+    """The well-behaved tenants' SLO attainment (``summarize``'s
+    ``well_behaved_slo_attainment``, 0..1) of the real run within :data:`GOODPUT_TOLERANCE` of
+    the virtual one, relative; True when the schedule has no noisy tenant (None)."""
+    v, r = virtual.get("well_behaved_slo_attainment"), real.get("well_behaved_slo_attainment")
+    if v is None or r is None:
+        return v is None and r is None
+    return bool(abs(float(r) - float(v)) <= GOODPUT_TOLERANCE * float(v))
+
+
 @dataclass(frozen=True)
 class Agreement:
     """Virtual- and real-time figures of one arm on one schedule (``summarize`` rows)."""
@@ -633,10 +655,13 @@ class Agreement:
 
     @property
     def agree(self) -> bool:
-        """Goodput within :data:`GOODPUT_TOLERANCE` and preemptions within
-        :func:`preemptions_agree`."""
-        return abs(self.goodput_ratio - 1.0) <= GOODPUT_TOLERANCE and preemptions_agree(
-            self.virtual_preemptions, self.real_preemptions
+        """Goodput within :data:`GOODPUT_TOLERANCE`, preemptions within
+        :func:`preemptions_agree` and, for a schedule with a noisy tenant, the well-behaved
+        tenants' SLO attainment within :func:`well_behaved_agree`."""
+        return (
+            abs(self.goodput_ratio - 1.0) <= GOODPUT_TOLERANCE
+            and preemptions_agree(self.virtual_preemptions, self.real_preemptions)
+            and well_behaved_agree(self.virtual, self.real)
         )
 
     @property
@@ -690,6 +715,11 @@ def _row(label: str, s: dict[str, Any], pre: int) -> str:
         f"{s['throughput_tokens_per_s']:8.1f}  SLO {s['slo_attainment']:.3f}  preemptions "
         f"{pre:4d}  rejected {s['rejected']:3d}  degraded {s['degraded']:3d}  TTFT p99 "
         f"{s['ttft_p99_s'] or 0:.3f} s  span {s['span_s']:.1f} s"
+        + (
+            ""
+            if s.get("well_behaved_slo_attainment") is None
+            else f"  well-behaved SLO {s['well_behaved_slo_attainment']:.3f}"
+        )
     )
 
 
@@ -704,6 +734,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--load", type=float, help="x the none arm's calibrated capacity (default 1)")
     g.add_argument("--rate", type=float, help="arrivals per second (instead of --load)")
     p.add_argument("--duration", type=float, default=60.0, help="schedule length, s")
+    p.add_argument(
+        "--noisy-load",
+        type=float,
+        default=DEFAULT_NOISY_LOAD,
+        help="isolation: the noisy tenant's offer, x capacity (its load is 0.6 + this)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--arm", default="none", help=f"none or a kvgate arm ({DEFAULT_KVGATE_ARM})")
     p.add_argument("--profile", default="h100-llama3-8b", choices=sorted(PROFILES))
@@ -740,9 +776,15 @@ async def _main(args: argparse.Namespace) -> int:
             print("--load calibrates on the profile's own pool: give --rate", file=sys.stderr)
             return 2
         cal = calibrate(args.workload, args.profile, args.duration, args.seed)
-        rate = cal.rate(1.0 if args.load is None else args.load)
+        load = 1.0 if args.load is None else args.load
+        if args.workload == "isolation":
+            if args.load is not None:
+                print("isolation: give --noisy-load (its load is 0.6 + it)", file=sys.stderr)
+                return 2
+            load = isolation_load(args.noisy_load)
+        rate = cal.rate(load)
         ctx = cal.context(steptime, args.workload)
-    sched = generate(args.workload, rate, args.duration, args.seed)
+    sched = generate(args.workload, rate, args.duration, args.seed, noisy_load=args.noisy_load)
     print(
         f"{args.workload} at {rate:.2f} req/s for {args.duration:g} s (seed {args.seed}): "
         f"{len(sched.requests)} requests, arm {args.arm}, {args.profile}, KV pool "
