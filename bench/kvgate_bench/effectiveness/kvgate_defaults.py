@@ -12,11 +12,10 @@ takes nothing from the benchmark's measured capacity, and clients that send no p
 ``kvgate-empty``
     An empty spec, ``RateLimitPolicySpec()``.
 ``kvgate-classes``
-    The future ``kvgate`` arm: the README's recommended policy (the ``slo`` stanza) plus the
-    workload's tenant classes, handed to the core per request as a tenant class would be:
-    ``AdmissionRequest.weight`` = the tenant's weight, ``ttft_slo_seconds`` 0.5 for the
-    interactive tier and ``math.inf`` (no TTFT SLO) for batch. Today's core reads neither
-    field; the arm is kept behind its own name until the fair queue that reads them lands.
+    The README's recommended policy (:func:`recommended_policy`: the ``slo`` stanza, a
+    ShortestFirst queue with Degrade before it, and the workload's tenant classes: interactive
+    with the SLO, batch with none), each request's weight, priority and TTFT SLO resolved from
+    its tenant's class by the sidecar's own :class:`~kvgate_agent.sidecar.classes.ClassResolver`.
 
 What the sidecar learns from the engine itself (and nothing else) completes the resolved
 configuration, as ``AdmissionConfig.from_policy(spec, kv_capacity_tokens=...)`` in
@@ -29,10 +28,10 @@ unset max_tokens becomes ``tenants.defaultMaxTokens`` (1024) within the engine's
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionRequest
+from kvgate_agent.sidecar.classes import ClassResolver
 from kvgate_bench.effectiveness.context import ArmContext
 from kvgate_bench.effectiveness.kvgate_arms import KvgateArm
 from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
@@ -50,13 +49,22 @@ class KvgateDefaultsArm(KvgateArm):
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         self.mode = mode
+        self._resolver: ClassResolver | None = None
         super().__init__(ctx)
         self.name = f"kvgate-{mode}"
 
     def policy(self) -> dict[str, Any]:
         if self.mode == "empty":
             return {}
-        return {"slo": {"ttftSeconds": TTFT_SLO_S, "tpotSeconds": TPOT_SLO_S}}
+        slo = {"ttftSeconds": TTFT_SLO_S, "tpotSeconds": TPOT_SLO_S}
+        if self.mode == "slo-only":
+            return {"slo": slo}
+        return recommended_policy(self.ctx)
+
+    def _classes(self) -> ClassResolver:
+        if self._resolver is None:
+            self._resolver = ClassResolver(self.spec.tenants)
+        return self._resolver
 
     def admission_config(self) -> AdmissionConfig:
         engine = self.ctx.engine
@@ -68,7 +76,41 @@ class KvgateDefaultsArm(KvgateArm):
     def admission_request(self, req: Request) -> AdmissionRequest:
         ar = super().admission_request(req)
         ar.priority = 0
-        if self.mode == "classes":
-            ar.weight = self.ctx.tenants[req.tenant].weight
-            ar.ttft_slo_seconds = math.inf if req.tier == BATCH else TTFT_SLO_S
+        if self.mode == "classes":  # as the sidecar resolves the tenant's class
+            cls = self._classes()(req.tenant)
+            ar.weight, ar.priority, ar.ttft_slo_seconds = (
+                cls.weight,
+                cls.priority,
+                cls.ttft_slo_seconds,
+            )
         return ar
+
+
+def recommended_policy(ctx: ArmContext) -> dict[str, Any]:
+    """The README's recommended RateLimitPolicy ``spec`` for a workload's tenants: the SLO,
+    a ShortestFirst queue of at most 10 s with Degrade (to 128 tokens) before it, and one tenant
+    class per tier, matched by tenant name: ``interactive`` (the TTFT and TPOT SLO) and, where
+    the workload has batch tenants, ``batch`` (no latency SLO); each tenant's weight its own
+    (classes per distinct weight). Nothing from the measured capacity."""
+    slo = {"ttftSeconds": TTFT_SLO_S, "tpotSeconds": TPOT_SLO_S}
+    classes: dict[tuple[str, float], list[str]] = {}
+    for t in ctx.tenants.values():
+        classes.setdefault((t.tier, t.weight), []).append(t.name)
+    specs: list[dict[str, Any]] = []
+    for (tier, weight), names in sorted(classes.items()):
+        c: dict[str, Any] = {
+            "name": f"{tier}-w{round(weight * 100)}",
+            "match": {"tenants": sorted(names)},
+            "weight": weight,
+        }
+        if tier == BATCH:
+            c["batch"] = True
+        else:
+            c["slo"] = slo
+        specs.append(c)
+    return {
+        "slo": slo,
+        "tenants": {"classes": specs},
+        "queue": {"order": "ShortestFirst", "maxWaitSeconds": 10},
+        "overload": {"actions": ["Degrade", "Queue", "Reject"], "degrade": {"minMaxTokens": 128}},
+    }
