@@ -279,8 +279,14 @@ class FairOrder:
         return float(w.seq)
 
 
+#: The context length aging assumes when the policy states none (``model.maxModelLen``),
+#: tokens. Not the KV pool: a pool of 500,000 tokens would age requests so fast that
+#: ShortestFirst became arrival order.
+DEFAULT_CONTEXT = 8192
+
+
 def aging_rate(config: AdmissionConfig) -> float:
     """ShortestFirst aging, KV tokens per second: after half the maximum wait, a waiting
-    request outranks any new one."""
-    ref = config.max_model_len or config.kv_capacity_tokens or 8192
+    request outranks any new one up to the context length."""
+    ref = config.max_model_len or DEFAULT_CONTEXT
     return ref / max(1e-3, config.queue_max_wait_seconds / 2)
