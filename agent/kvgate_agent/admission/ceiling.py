@@ -47,7 +47,8 @@ class ConcurrencyCeiling:
         if slo.limit != before:
             self._sync()
         ttft = slo.ttft_seconds
-        self._limits.fair.congested = ttft is not None and slo.prefill_s > PREFILL_SHARE * ttft
+        fair = self._limits.fair
+        fair.congested = ttft is not None and fair.prefill.delay(now) > PREFILL_SHARE * ttft
 
     def _cap(self) -> int | None:
         """The policy's concurrency cap, lowered to the engine's own (None: neither)."""

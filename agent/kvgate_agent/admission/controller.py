@@ -473,6 +473,7 @@ class AdmissionController:
         last = ticket.last_token_at
         if last is None:
             self._slo.observe_first_token(now - ticket.admitted_at)
+            self._limits.fair.prefill.prefilled(ticket)
         else:
             self._slo.observe_gap(now - last, (generated - prev) / ticket.n)
         ticket.generated = generated

@@ -116,7 +116,8 @@ class Ticket:
     last of them passed (clock seconds; None before the first). ``weight``: the tenant's
     fair-share weight; ``fair_charged``, ``fair_output``: what its tenant's fair-share counter
     was charged for it so far (token-weighted units) and the output tokens that covers
-    (:mod:`.fairness`).
+    (:mod:`.fairness`); ``prefill_pending``: its prompt counts in the engine's prefill backlog
+    (:mod:`.prefill`).
     """
 
     tenant: str
@@ -135,6 +136,7 @@ class Ticket:
     weight: float = 1.0
     fair_charged: float = 0.0
     fair_output: int = 0
+    prefill_pending: bool = False
 
 
 @dataclass(slots=True, eq=False)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import heapq
 
 from kvgate_agent.admission.decision import Ticket
+from kvgate_agent.admission.prefill import PrefillBacklog
 
 #: Weight of each admission in :attr:`FairShare.mean_charge`.
 MEAN_ALPHA = 0.05
@@ -64,10 +65,11 @@ HOG = 2.0
 #: A tenant holding more than this many times its fair share is held back by the reserve
 #: (tenants about even with their shares are not: the reserve would idle capacity they share).
 HOG = 2.0
-#: The engine's prefill is congested when the smoothed admission-to-first-token time exceeds
-#: this share of the TTFT SLO: then a tenant above its share of the concurrency limit is not
-#: admitted (its prefills would delay everyone's first token, the engine serves prefills in
-#: arrival order). Chosen with :data:`KV_RESERVE`.
+#: The engine's prefill is congested when a prompt admitted now would wait more than this
+#: share of the TTFT SLO behind the prompts admitted before it (:mod:`.prefill`): then a
+#: tenant above twice its share of the concurrency limit is not admitted (its prefills would
+#: delay everyone's first token; the engine serves prefills in arrival order). Chosen with
+#: :data:`KV_RESERVE`.
 PREFILL_SHARE = 0.5
 
 
@@ -121,6 +123,7 @@ class FairShare:
         "max_tenants",
         "mean_charge",
         "output_weight",
+        "prefill",
         "prompt_weight",
     )
 
@@ -140,6 +143,8 @@ class FairShare:
         #: The engine's prefill is congested (:data:`PREFILL_SHARE`; set by the concurrency
         #: ceiling): tenants above their share of the concurrency limit wait.
         self.congested = False
+        #: The prompt tokens admitted and not yet prefilled (charged here at every admission).
+        self.prefill = PrefillBacklog()
 
     def retune(self, prompt_weight: float, output_weight: float) -> None:
         """New token weights for charges from now on (what is charged stays)."""
@@ -229,6 +234,7 @@ class FairShare:
             self.active_weight += a.weight
         a.in_flight += 1
         a.kv_tokens += ticket.kv_tokens
+        self.prefill.admitted(ticket)
         self._charge(a, raw, ticket.weight)
         self.mean_charge += MEAN_ALPHA * (raw - self.mean_charge)
 
@@ -250,6 +256,7 @@ class FairShare:
         """``ticket``'s request ended having used ``prompt_tokens`` and ``completion_tokens``
         (both 0 when it never reached the model server): charge what it used beyond its charge,
         or credit what it was charged beyond its use."""
+        self.prefill.ended(ticket)
         a = self._accounts.get(ticket.tenant)
         if a is None:
             return
