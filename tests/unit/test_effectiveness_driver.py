@@ -116,7 +116,7 @@ ARM_PARAMS: list[tuple[str, dict[str, Any]]] = [
     ("codel-gate", {"cap": 8, "target_s": 0.25}),
     ("kvgate-slo-only", {}),
     ("kvgate-empty", {}),
-    ("kvgate-classes", {}),
+    ("kvgate-bench-policy", {}),
 ]
 
 

@@ -217,8 +217,9 @@ def test_kvgate_slo_only_and_classes() -> None:
     assert cfg.ttft_slo_seconds == 0.5 and cfg.tpot_slo_seconds == 0.05
     assert cfg.slo_min_priority == 0 and cfg.limits == ()
     assert slo.admission_request(req("x", "chat-a")).priority == 0
-    cls = make_arm("kvgate-classes", CTX, {})
-    assert isinstance(cls, KvgateDefaultsArm)
+    cls = make_arm("kvgate", CTX, {})  # the README's recommended policy and its classes
+    assert isinstance(cls, KvgateDefaultsArm) and cls.name == "kvgate"
+    assert [c.name for c in cls.spec.tenants.classes] == ["batch-w100", "interactive-w100"]
     batch = cls.admission_request(req("y", "batch", tier=BATCH))
     chat = cls.admission_request(req("z", "chat-a"))
     assert batch.ttft_slo_seconds == math.inf and chat.ttft_slo_seconds == 0.5

@@ -117,6 +117,6 @@ def test_well_behaved_attainment_agrees_within_ten_percent() -> None:
 
 def test_the_day_one_arms_have_no_real_time_counterpart() -> None:
     ctx = ArmContext(engine_config(steptime_with_pool("h100-llama3-8b", None)), {}, 1.0, 1.0)
-    for arm in ("kvgate-slo-only", "kvgate-empty", "kvgate-classes"):
+    for arm in ("kvgate-slo-only", "kvgate-empty", "kvgate"):
         with pytest.raises(ValueError, match="no real-time counterpart"):
             arm_policy(arm, ctx)

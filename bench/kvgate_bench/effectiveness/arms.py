@@ -92,7 +92,7 @@ ARM_NAMES: tuple[str, ...] = (
     "kvgate",
     "kvgate-slo-only",
     "kvgate-empty",
-    "kvgate-classes",
+    "kvgate-bench-policy",
     "kvgate-noisy",
     "oracle",
 )
@@ -307,7 +307,8 @@ ARM_FACTORIES: dict[str, ArmFactory] = {
     ),
     "saturation-shed": lambda ctx, p: SaturationShedArm(str(p.get("shed", "all"))),
     "kvgate-maxtokens": lambda ctx, p: KvgateMaxTokensArm(ctx),
-    "kvgate": lambda ctx, p: KvgateArm(ctx),
+    "kvgate": lambda ctx, p: KvgateDefaultsArm(ctx, "recommended"),
+    "kvgate-bench-policy": lambda ctx, p: KvgateArm(ctx),
     "kvgate-noisy": lambda ctx, p: NoisyKvgateArm(ctx),
     "oracle": lambda ctx, p: OracleArm(ctx),
     "kvgate-no-kv": lambda ctx, p: KvgateArm(ctx, "no-kv"),
@@ -327,7 +328,6 @@ ARM_FACTORIES: dict[str, ArmFactory] = {
     ),
     "kvgate-slo-only": lambda ctx, p: KvgateDefaultsArm(ctx, "slo-only"),
     "kvgate-empty": lambda ctx, p: KvgateDefaultsArm(ctx, "empty"),
-    "kvgate-classes": lambda ctx, p: KvgateDefaultsArm(ctx, "classes"),
 }
 
 

@@ -133,7 +133,7 @@ class KvgateArm(KvgateMaxTokensArm):
     and shedding (see the module docstring). ``variant`` selects an ablation: ``no-kv``,
     ``no-degrade`` or ``fifo``."""
 
-    name = "kvgate"
+    name = "kvgate-bench-policy"
     #: Priority interactive clients send (``slo.minPriority``); batch clients send 0.
     INTERACTIVE_PRIORITY = 1
 

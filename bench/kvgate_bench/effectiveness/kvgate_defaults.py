@@ -11,7 +11,7 @@ takes nothing from the benchmark's measured capacity, and clients that send no p
     budget, the batch tier's too).
 ``kvgate-empty``
     An empty spec, ``RateLimitPolicySpec()``.
-``kvgate-classes``
+``kvgate``
     The README's recommended policy (:func:`recommended_policy`: the ``slo`` stanza, a
     ShortestFirst queue with Degrade before it, and the workload's tenant classes: interactive
     with the SLO, batch with none), each request's weight, priority and TTFT SLO resolved from
@@ -38,11 +38,12 @@ from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
 from kvgate_bench.effectiveness.workloads import BATCH, Request
 
 #: The arms of this module, by mode.
-MODES: tuple[str, ...] = ("slo-only", "empty", "classes")
+MODES: tuple[str, ...] = ("slo-only", "empty", "recommended")
 
 
 class KvgateDefaultsArm(KvgateArm):
-    """kvgate with the spec of ``mode`` (``slo-only``, ``empty`` or ``classes``; see the module
+    """kvgate with the spec of ``mode`` (``slo-only``, ``empty`` or ``recommended``: the arm
+    ``kvgate``; see the module
     docstring), the engine's KV pool and max_num_seqs, and priority-0 clients."""
 
     def __init__(self, ctx: ArmContext, mode: str) -> None:
@@ -51,7 +52,7 @@ class KvgateDefaultsArm(KvgateArm):
         self.mode = mode
         self._resolver: ClassResolver | None = None
         super().__init__(ctx)
-        self.name = f"kvgate-{mode}"
+        self.name = "kvgate" if mode == "recommended" else f"kvgate-{mode}"
 
     def policy(self) -> dict[str, Any]:
         if self.mode == "empty":
@@ -76,7 +77,7 @@ class KvgateDefaultsArm(KvgateArm):
     def admission_request(self, req: Request) -> AdmissionRequest:
         ar = super().admission_request(req)
         ar.priority = 0
-        if self.mode == "classes":  # as the sidecar resolves the tenant's class
+        if self.mode == "recommended":  # as the sidecar resolves the tenant's class
             cls = self._classes()(req.tenant)
             ar.weight, ar.priority, ar.ttft_slo_seconds = (
                 cls.weight,

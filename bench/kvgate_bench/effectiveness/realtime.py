@@ -133,7 +133,7 @@ MODEL = "kvgate-sim-model"
 #: The sidecar's default priority header (``spec.priority.header``).
 PRIORITY_HEADER = "x-kvgate-priority"
 #: The arm that stands for kvgate in :func:`compare` and the test (switch when ``kvgate`` lands).
-DEFAULT_KVGATE_ARM = "kvgate"
+DEFAULT_KVGATE_ARM = "kvgate-bench-policy"
 
 
 def sim_config(profile_name: str, config: EngineConfig, time_scale: float = 1.0) -> SimConfig:
