@@ -754,7 +754,12 @@ def test_defaults_are_filled_in(kv: Any, ns: str) -> None:
         "reservationQuantile": 0.9,
     }
     assert stored["slo"] == {"minPriority": 0}
-    assert stored["queue"] == {"maxLength": 100, "maxWaitSeconds": 30, "order": "FIFO"}
+    assert stored["queue"] == {
+        "maxLength": 100,
+        "maxWaitSeconds": 30,
+        "order": "FIFO",
+        "fairness": {"promptTokenWeight": 1, "outputTokenWeight": 2},
+    }
     assert stored["cost"] == {"perRequest": 0, "promptTokenWeight": 1, "outputTokenWeight": 1}
     assert stored["rateLimits"] == [
         {"name": "a", "per": "Tenant", "requestsPerMinute": 60, "warmupSeconds": 0, "shared": False}
