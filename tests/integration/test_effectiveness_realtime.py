@@ -25,10 +25,10 @@ from kvgate_bench.effectiveness.realtime import (
     DEFAULT_KVGATE_ARM,
     GOODPUT_TOLERANCE,
     compare,
-    context_at,
     preemptions_agree,
     steptime_with_pool,
 )
+from kvgate_bench.effectiveness.realtime_plan import context_at
 from kvgate_bench.effectiveness.workloads import generate
 
 #: The kvgate arm compared (``kvgate-maxtokens`` until ``kvgate`` lands in arms.py).

@@ -99,13 +99,18 @@ from kvgate_bench.effectiveness.driver import (
     SERVED,
     RequestRecord,
     RunResult,
-    engine_config,
     engine_default_max_tokens,
     simulate,
 )
 from kvgate_bench.effectiveness.metrics import summarize
-from kvgate_bench.effectiveness.runner import calibrate, mean_lengths
-from kvgate_bench.effectiveness.workloads import WORKLOADS, Request, Schedule, generate, tenants_of
+from kvgate_bench.effectiveness.realtime_plan import (
+    ISOLATION,
+    isolation_agree,
+    isolation_ratios,
+    isolation_text,
+    plan,
+)
+from kvgate_bench.effectiveness.workloads import DEFAULT_NOISY_LOAD, WORKLOADS, Request, Schedule
 from kvgate_bench.sim.engine import EngineConfig, SimEngine
 from kvgate_bench.sim.lengths import OUTPUT_TOKENS_HEADER
 from kvgate_bench.sim.server import SIM_KEY, TENANT_HEADER, SimConfig, start_sim
@@ -593,19 +598,6 @@ def steptime_with_pool(profile_name: str, kv_capacity_tokens: int | None) -> Ste
     return st if kv_capacity_tokens is None else replace(st, kv_capacity_tokens=kv_capacity_tokens)
 
 
-def context_at(steptime: StepTimeModel, workload: str, rate_rps: float, seed: int) -> ArmContext:
-    """The arms' context for ``workload`` on ``steptime``'s engine with ``rate_rps`` requests/s
-    taken as load 1 (what :meth:`kvgate_bench.effectiveness.runner.Calibration.context` gives
-    for a calibrated rate)."""
-    _, mean_total = mean_lengths(workload, seed)
-    return ArmContext(
-        engine_config(steptime),
-        {t.name: t for t in tenants_of(workload)},
-        rate_rps,
-        rate_rps * mean_total,
-    )
-
-
 #: Relative tolerance of the virtual/real agreement on goodput and on preemptions.
 GOODPUT_TOLERANCE = 0.10
 #: Absolute tolerance on preemptions, counts: a request that joins the engine one step earlier
@@ -644,6 +636,12 @@ class Agreement:
         """Real-time goodput / virtual-time goodput (1.0 when both are 0)."""
         v, r = self.virtual["goodput_tokens_per_s"], self.real["goodput_tokens_per_s"]
         return 1.0 if v == r == 0 else (r / v if v else float("inf"))
+
+    @property
+    def isolation_ratios(self) -> dict[str, float | None]:
+        """Real / virtual goodput and well-behaved SLO attainment (all, worst tenant):
+        :func:`~kvgate_bench.effectiveness.realtime_plan.isolation_ratios`."""
+        return isolation_ratios(self.virtual, self.real)
 
 
 async def compare(
@@ -685,11 +683,13 @@ async def compare(
 
 
 def _row(label: str, s: dict[str, Any], pre: int) -> str:
+    iso = isolation_text(s)
     return (
         f"  {label:<8} goodput {s['goodput_tokens_per_s']:8.1f} tok/s  throughput "
         f"{s['throughput_tokens_per_s']:8.1f}  SLO {s['slo_attainment']:.3f}  preemptions "
         f"{pre:4d}  rejected {s['rejected']:3d}  degraded {s['degraded']:3d}  TTFT p99 "
         f"{s['ttft_p99_s'] or 0:.3f} s  span {s['span_s']:.1f} s"
+        + (f"\n{'':11}{iso}" if iso else "")
     )
 
 
@@ -703,6 +703,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--load", type=float, help="x the none arm's calibrated capacity (default 1)")
     g.add_argument("--rate", type=float, help="arrivals per second (instead of --load)")
+    p.add_argument(
+        "--noisy-load",
+        type=float,
+        help="isolation only: the noisy tenant's offer, x capacity (default 3; load 0.6 + K)",
+    )
     p.add_argument("--duration", type=float, default=60.0, help="schedule length, s")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--arm", default="none", help=f"none or a kvgate arm ({DEFAULT_KVGATE_ARM})")
@@ -732,19 +737,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def _main(args: argparse.Namespace) -> int:
     steptime = steptime_with_pool(args.profile, args.kv_capacity_tokens)
-    if args.rate is not None:
-        rate = args.rate
-        ctx = context_at(steptime, args.workload, rate, args.seed)
-    else:
-        if args.kv_capacity_tokens is not None:
-            print("--load calibrates on the profile's own pool: give --rate", file=sys.stderr)
-            return 2
-        cal = calibrate(args.workload, args.profile, args.duration, args.seed)
-        rate = cal.rate(1.0 if args.load is None else args.load)
-        ctx = cal.context(steptime, args.workload)
-    sched = generate(args.workload, rate, args.duration, args.seed)
+    if args.rate is None and args.kv_capacity_tokens is not None:
+        print("--load calibrates on the profile's own pool: give --rate", file=sys.stderr)
+        return 2
+    sched, ctx = plan(
+        args.workload,
+        args.profile,
+        steptime,
+        args.duration,
+        args.seed,
+        load=args.load,
+        rate=args.rate,
+        noisy_load=args.noisy_load,
+    )
+    rate = sched.rate_rps
+    noisy = (
+        f" (noisy load {DEFAULT_NOISY_LOAD if args.noisy_load is None else args.noisy_load:g})"
+        if args.workload == ISOLATION
+        else ""
+    )
     print(
-        f"{args.workload} at {rate:.2f} req/s for {args.duration:g} s (seed {args.seed}): "
+        f"{args.workload}{noisy} at {rate:.2f} req/s for {args.duration:g} s (seed {args.seed}): "
         f"{len(sched.requests)} requests, arm {args.arm}, {args.profile}, KV pool "
         f"{ctx.kv_capacity_tokens} tokens, time scale {args.time_scale:g}",
         flush=True,
@@ -770,6 +783,12 @@ async def _main(args: argparse.Namespace) -> int:
         f"(written off {run.late_s:.3f} s), "
         f"send lag p99 {run.send_lag_p99_s * 1000:.1f} ms, max {run.send_lag_max_s * 1000:.1f} ms"
     )
+    if args.workload == ISOLATION:
+        rs = a.isolation_ratios
+        print(
+            f"  isolation {'agrees' if isolation_agree(a.virtual, a.real) else 'DISAGREES'}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in rs.items() if v is not None)
+        )
     if not run.kept_up:
         print(
             "  the machine did not keep up (lags above): the real-time figures are not a fair "
@@ -781,7 +800,14 @@ async def _main(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "arm": args.arm,
+                    "workload": args.workload,
+                    "noisy_load": args.noisy_load,
                     "rate_rps": rate,
+                    "time_scale": run.time_scale,
+                    "kept_up": run.kept_up,
+                    "send_lag_p99_s": run.send_lag_p99_s,
+                    "sim_lag_max_s": run.sim_lag_max_s,
+                    "isolation_ratios": a.isolation_ratios,
                     "virtual": a.virtual,
                     "real": a.real,
                     "virtual_preemptions": a.virtual_preemptions,
