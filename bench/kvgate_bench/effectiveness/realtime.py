@@ -622,6 +622,8 @@ class Agreement:
     virtual_preemptions: int
     real_preemptions: int
     run: RealtimeRun
+    #: The virtual-time run (its per-request records), when kept.
+    virtual_run: RunResult | None = None
 
     @property
     def agree(self) -> bool:
@@ -679,6 +681,7 @@ async def compare(
         sum(r.preemptions for r in run_v.records),
         sum(r.preemptions for r in run_r.result.records),
         run_r,
+        run_v,
     )
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvgate_bench.effectiveness.context import ArmContext
-from kvgate_bench.effectiveness.driver import engine_config
+from kvgate_bench.effectiveness.driver import RequestRecord, engine_config
+from kvgate_bench.effectiveness.metrics import NOISY_TENANT, met_slo
 from kvgate_bench.effectiveness.runner import calibrate, mean_lengths
 from kvgate_bench.effectiveness.workloads import (
     DEFAULT_NOISY_LOAD,
@@ -139,3 +140,46 @@ def isolation_text(s: dict[str, Any]) -> str:
         f"{s['well_behaved_min_tenant_slo_attainment']:.3f}), noisy goodput "
         f"{s['noisy_goodput_tokens_per_s']:.1f} tok/s"
     )
+
+
+def tenant_slo(records: list[RequestRecord]) -> dict[str, tuple[int, int]]:
+    """Each well-behaved tenant's (requests that met their SLO, requests) in ``records`` (every
+    tenant but ``noisy``), by tenant name."""
+    out: dict[str, tuple[int, int]] = {}
+    for r in records:
+        if r.request.tenant != NOISY_TENANT:
+            met, n = out.get(r.request.tenant, (0, 0))
+            out[r.request.tenant] = (met + met_slo(r), n + 1)
+    return out
+
+
+#: Absolute tolerance on the well-behaved tenants' SLO-met count, requests: as for preemptions
+#: (``realtime.PREEMPTIONS_ABS_TOLERANCE``), a request that joins the engine one step earlier
+#: or later over HTTP can cross the 0.5 s TTFT line; on a short run 10 % is below one request.
+SLO_MET_ABS_TOLERANCE = 2
+
+
+def well_behaved_agree(
+    virtual: list[RequestRecord], real: list[RequestRecord], tolerance: float = ISOLATION_TOLERANCE
+) -> tuple[bool, str]:
+    """Whether the well-behaved tenants fared the same in two runs of one schedule, the rule
+    for short runs (tens of well-behaved requests), and why: all of them together met their SLO
+    on as many requests within ``max(tolerance x requests, 2)``, and the worst tenant's
+    attainment (0..1) is within ``max(tolerance, 1 / the fewest requests a well-behaved tenant
+    sent)`` (one request of the smallest tenant)."""
+    v, r = tenant_slo(virtual), tenant_slo(real)
+    if not v or v.keys() != r.keys():
+        return False, f"well-behaved tenants differ: {sorted(v)} vs {sorted(r)}"
+    n = sum(k for _, k in v.values())
+    met_v, met_r = sum(m for m, _ in v.values()), sum(m for m, _ in r.values())
+    fewest = min(k for _, k in v.values())
+    worst_v = min(m / k for m, k in v.values())
+    worst_r = min(m / k for m, k in r.values())
+    ok = abs(met_r - met_v) <= max(tolerance * n, SLO_MET_ABS_TOLERANCE) and abs(
+        worst_r - worst_v
+    ) <= max(tolerance, 1 / fewest)
+    why = (
+        f"well-behaved SLO met {met_v} virtual / {met_r} real of {n} requests; worst tenant "
+        f"{worst_v:.3f} / {worst_r:.3f} (fewest requests of a tenant {fewest})"
+    )
+    return ok, why
