@@ -82,9 +82,14 @@ ISO_KV_TOKENS, ISO_RATE_RPS, ISO_DURATION_S, NOISY_LOAD = 49_152, 16.0, 15.0, 3.
 
 async def test_isolation_agrees_in_real_time() -> None:
     """Issue 22: the isolation workload through the real sidecar agrees with virtual time on
-    goodput (10 %) and on the well-behaved tenants' SLO attainment, all of them and the worst
-    one (:func:`well_behaved_agree`: 10 % or two requests, one request of the smallest
-    tenant, on a run this short)."""
+    goodput (10 %) and on the well-behaved tenants' SLO attainment (:func:`well_behaved_agree`,
+    the rule for a run this short: their SLO-met count within 10 % or two requests, each
+    tenant's within 10 % or one request, which bounds the worst tenant's attainment too).
+
+    It fails on a mismatch: kvgate-sim on ``a100-llama3-8b`` instead (real / virtual goodput
+    0.29, the chat tenants' SLO met on 25 of 32 instead of 31), or clients that send no
+    ``x-kvgate-priority`` (the policy's ``slo.minPriority`` 1 then gives them no TTFT budget:
+    20 refusals instead of 91, goodput 0.24x)."""
     steptime = steptime_with_pool(PROFILE, ISO_KV_TOKENS)
     sched, ctx = plan(
         "isolation",

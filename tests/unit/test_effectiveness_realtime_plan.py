@@ -79,9 +79,15 @@ def test_well_behaved_agreement_allows_two_requests_or_one_of_the_smallest_tenan
     assert well_behaved_agree(records(base), records(one))[0]  # 1 of 14; worst 1.0 -> 0.75
     two = {"chat-0": [True] * 2 + [False] * 2, "chat-1": [True] * 10}
     ok, why = well_behaved_agree(records(base), records(two))
-    assert not ok and "worst tenant 1.000 / 0.500" in why  # two of the smallest tenant's four
+    assert not ok and "worst tenant 1.000 / 0.500; tenants that differ: chat-0 4/2 of 4" in why
     three = {"chat-0": [True] * 4, "chat-1": [True] * 7 + [False] * 3}
     assert not well_behaved_agree(records(base), records(three))[0]  # 3 > max(1.4, 2)
+    # Two tenants one request each the other way: the total and the worst within, each within.
+    swap = {"chat-0": [True] * 3 + [False], "chat-1": [True] * 9 + [False]}
+    assert well_behaved_agree(records(one), records(swap))[0]
+    # Two requests of one tenant of ten: 2 > max(1.0, 1) although the total (2) is within.
+    big = {"chat-0": [True] * 4, "chat-1": [True] * 8 + [False] * 2}
+    assert not well_behaved_agree(records(base), records(big))[0]
     assert not well_behaved_agree(records(base), records({"chat-0": [True] * 4}))[0]
 
 
