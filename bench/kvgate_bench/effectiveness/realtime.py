@@ -2,7 +2,9 @@
 
 The virtual-time driver (:mod:`kvgate_bench.effectiveness.driver`) runs the admission core and
 the engine model in one process on a virtual clock. This module runs the same
-:class:`~kvgate_bench.effectiveness.workloads.Schedule` the way a deployment would:
+:class:`~kvgate_bench.effectiveness.workloads.Schedule` the way a deployment would (the
+schedule and the arms' context built as the virtual-time runner builds them, ``isolation`` at
+``--noisy-load K`` included: :mod:`kvgate_bench.effectiveness.realtime_plan`):
 
 * **kvgate-sim** (:mod:`kvgate_bench.sim.server`) serves the engine model on the real clock,
   in a subprocess (``python -m kvgate_bench.sim.cli``: its step loop gets a CPU core of its
@@ -109,6 +111,7 @@ from kvgate_bench.effectiveness.realtime_plan import (
     isolation_ratios,
     isolation_text,
     plan,
+    tenant_slo,
 )
 from kvgate_bench.effectiveness.workloads import DEFAULT_NOISY_LOAD, WORKLOADS, Request, Schedule
 from kvgate_bench.sim.engine import EngineConfig, SimEngine
@@ -811,6 +814,10 @@ async def _main(args: argparse.Namespace) -> int:
                     "send_lag_p99_s": run.send_lag_p99_s,
                     "sim_lag_max_s": run.sim_lag_max_s,
                     "isolation_ratios": a.isolation_ratios,
+                    "tenant_slo": {  # well-behaved tenants: [met SLO, requests]
+                        "virtual": tenant_slo(a.virtual_run.records) if a.virtual_run else None,
+                        "real": tenant_slo(run.result.records),
+                    },
                     "virtual": a.virtual,
                     "real": a.real,
                     "virtual_preemptions": a.virtual_preemptions,
