@@ -115,8 +115,14 @@ def test_well_behaved_attainment_agrees_within_ten_percent() -> None:
     assert not well_behaved_agree(row(0.9), row(None))
 
 
-def test_the_day_one_arms_have_no_real_time_counterpart() -> None:
-    ctx = ArmContext(engine_config(steptime_with_pool("h100-llama3-8b", None)), {}, 1.0, 1.0)
+def test_the_day_one_arms_carry_what_the_engine_would_report() -> None:
+    engine = engine_config(steptime_with_pool("h100-llama3-8b", None))
+    ctx = ArmContext(engine, {}, 1.0, 1.0)
     for arm in ("kvgate-slo-only", "kvgate-empty", "kvgate"):
+        spec = arm_policy(arm, ctx)
+        assert spec is not None
+        assert spec["capacity"]["kvCacheTokens"] == engine.num_gpu_blocks * engine.block_size
+        assert spec["concurrency"] == {"maxRequests": engine.max_num_seqs}
+    for arm in ("oracle", "kvgate-noisy"):
         with pytest.raises(ValueError, match="no real-time counterpart"):
             arm_policy(arm, ctx)

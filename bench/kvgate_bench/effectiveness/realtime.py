@@ -2,7 +2,9 @@
 
 The virtual-time driver (:mod:`kvgate_bench.effectiveness.driver`) runs the admission core and
 the engine model in one process on a virtual clock. This module runs the same
-:class:`~kvgate_bench.effectiveness.workloads.Schedule` the way a deployment would:
+:class:`~kvgate_bench.effectiveness.workloads.Schedule` the way a deployment would (the
+schedule and the arms' context built as the virtual-time runner builds them, ``isolation`` at
+``--noisy-load K`` included: :mod:`kvgate_bench.effectiveness.realtime_plan`):
 
 * **kvgate-sim** (:mod:`kvgate_bench.sim.server`) serves the engine model on the real clock,
   in a subprocess (``python -m kvgate_bench.sim.cli``: its step loop gets a CPU core of its
@@ -99,22 +101,20 @@ from kvgate_bench.effectiveness.driver import (
     SERVED,
     RequestRecord,
     RunResult,
-    engine_config,
     engine_default_max_tokens,
     simulate,
 )
 from kvgate_bench.effectiveness.kvgate_defaults import KvgateDefaultsArm
 from kvgate_bench.effectiveness.metrics import summarize
-from kvgate_bench.effectiveness.runner import calibrate, mean_lengths
-from kvgate_bench.effectiveness.workloads import (
-    DEFAULT_NOISY_LOAD,
-    WORKLOADS,
-    Request,
-    Schedule,
-    generate,
-    isolation_load,
-    tenants_of,
+from kvgate_bench.effectiveness.realtime_plan import (
+    ISOLATION,
+    isolation_agree,
+    isolation_ratios,
+    isolation_text,
+    plan,
+    tenant_slo,
 )
+from kvgate_bench.effectiveness.workloads import DEFAULT_NOISY_LOAD, WORKLOADS, Request, Schedule
 from kvgate_bench.sim.engine import EngineConfig, SimEngine
 from kvgate_bench.sim.lengths import OUTPUT_TOKENS_HEADER
 from kvgate_bench.sim.server import SIM_KEY, TENANT_HEADER, SimConfig, start_sim
@@ -190,22 +190,32 @@ def kvgate_arm(arm: str, ctx: ArmContext) -> KvgateMaxTokensArm | None:
         a = make_arm(arm, ctx, {})
     except KeyError:  # a baseline that needs its tuned parameters
         a = None
-    if not isinstance(a, KvgateMaxTokensArm) or isinstance(
-        a, OracleArm | NoisyKvgateArm | KvgateDefaultsArm
-    ):
+    if not isinstance(a, KvgateMaxTokensArm) or isinstance(a, OracleArm | NoisyKvgateArm):
         raise ValueError(
             f"arm {arm!r} has no real-time counterpart (none or a kvgate arm; the oracle's and "
-            "kvgate-noisy's lengths exist in the virtual-time process only, and the day-one "
-            "arms' engine-read capacity and max_num_seqs are not in their manifest)"
+            "kvgate-noisy's lengths exist in the virtual-time process only)"
         )
     return a
 
 
 def arm_policy(arm: str, ctx: ArmContext) -> dict[str, Any] | None:
-    """The kvgate policy ``spec`` arm ``arm`` enforces; None for ``none``. Raises as
-    :func:`kvgate_arm`."""
+    """The kvgate policy ``spec`` arm ``arm`` enforces; None for ``none``. A day-one arm
+    (``kvgate``, ``kvgate-slo-only``, ``kvgate-empty``) has what its sidecar would read from the
+    engine (the KV pool, ``max_num_seqs``) written into its spec, as kvgate-sim does not report
+    them: ``capacity.kvCacheTokens`` and, unless the spec sets one, ``concurrency.maxRequests``.
+    Raises as :func:`kvgate_arm`."""
     a = kvgate_arm(arm, ctx)
-    return None if a is None else a.policy()
+    if a is None:
+        return None
+    spec = a.policy()
+    if isinstance(a, KvgateDefaultsArm):
+        cfg = a.controller.config
+        spec = {
+            **spec,
+            "capacity": {**spec.get("capacity", {}), "kvCacheTokens": cfg.kv_capacity_tokens},
+            "concurrency": {"maxRequests": cfg.max_concurrency, **spec.get("concurrency", {})},
+        }
+    return spec
 
 
 def write_word_tokenizer(path: Path) -> None:
@@ -605,19 +615,6 @@ def steptime_with_pool(profile_name: str, kv_capacity_tokens: int | None) -> Ste
     return st if kv_capacity_tokens is None else replace(st, kv_capacity_tokens=kv_capacity_tokens)
 
 
-def context_at(steptime: StepTimeModel, workload: str, rate_rps: float, seed: int) -> ArmContext:
-    """The arms' context for ``workload`` on ``steptime``'s engine with ``rate_rps`` requests/s
-    taken as load 1 (what :meth:`kvgate_bench.effectiveness.runner.Calibration.context` gives
-    for a calibrated rate)."""
-    _, mean_total = mean_lengths(workload, seed)
-    return ArmContext(
-        engine_config(steptime),
-        {t.name: t for t in tenants_of(workload)},
-        rate_rps,
-        rate_rps * mean_total,
-    )
-
-
 #: Relative tolerance of the virtual/real agreement on goodput and on preemptions.
 GOODPUT_TOLERANCE = 0.10
 #: Absolute tolerance on preemptions, counts: a request that joins the engine one step earlier
@@ -652,6 +649,8 @@ class Agreement:
     virtual_preemptions: int
     real_preemptions: int
     run: RealtimeRun
+    #: The virtual-time run (its per-request records), when kept.
+    virtual_run: RunResult | None = None
 
     @property
     def agree(self) -> bool:
@@ -669,6 +668,12 @@ class Agreement:
         """Real-time goodput / virtual-time goodput (1.0 when both are 0)."""
         v, r = self.virtual["goodput_tokens_per_s"], self.real["goodput_tokens_per_s"]
         return 1.0 if v == r == 0 else (r / v if v else float("inf"))
+
+    @property
+    def isolation_ratios(self) -> dict[str, float | None]:
+        """Real / virtual goodput and well-behaved SLO attainment (all, worst tenant):
+        :func:`~kvgate_bench.effectiveness.realtime_plan.isolation_ratios`."""
+        return isolation_ratios(self.virtual, self.real)
 
 
 async def compare(
@@ -706,20 +711,18 @@ async def compare(
         sum(r.preemptions for r in run_v.records),
         sum(r.preemptions for r in run_r.result.records),
         run_r,
+        run_v,
     )
 
 
 def _row(label: str, s: dict[str, Any], pre: int) -> str:
+    iso = isolation_text(s)
     return (
         f"  {label:<8} goodput {s['goodput_tokens_per_s']:8.1f} tok/s  throughput "
         f"{s['throughput_tokens_per_s']:8.1f}  SLO {s['slo_attainment']:.3f}  preemptions "
         f"{pre:4d}  rejected {s['rejected']:3d}  degraded {s['degraded']:3d}  TTFT p99 "
         f"{s['ttft_p99_s'] or 0:.3f} s  span {s['span_s']:.1f} s"
-        + (
-            ""
-            if s.get("well_behaved_slo_attainment") is None
-            else f"  well-behaved SLO {s['well_behaved_slo_attainment']:.3f}"
-        )
+        + (f"\n{'':11}{iso}" if iso else "")
     )
 
 
@@ -733,6 +736,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--load", type=float, help="x the none arm's calibrated capacity (default 1)")
     g.add_argument("--rate", type=float, help="arrivals per second (instead of --load)")
+    p.add_argument(
+        "--noisy-load",
+        type=float,
+        help="isolation only: the noisy tenant's offer, x capacity (default 3; load 0.6 + K)",
+    )
     p.add_argument("--duration", type=float, default=60.0, help="schedule length, s")
     p.add_argument(
         "--noisy-load",
@@ -768,25 +776,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def _main(args: argparse.Namespace) -> int:
     steptime = steptime_with_pool(args.profile, args.kv_capacity_tokens)
-    if args.rate is not None:
-        rate = args.rate
-        ctx = context_at(steptime, args.workload, rate, args.seed)
-    else:
-        if args.kv_capacity_tokens is not None:
-            print("--load calibrates on the profile's own pool: give --rate", file=sys.stderr)
-            return 2
-        cal = calibrate(args.workload, args.profile, args.duration, args.seed)
-        load = 1.0 if args.load is None else args.load
-        if args.workload == "isolation":
-            if args.load is not None:
-                print("isolation: give --noisy-load (its load is 0.6 + it)", file=sys.stderr)
-                return 2
-            load = isolation_load(args.noisy_load)
-        rate = cal.rate(load)
-        ctx = cal.context(steptime, args.workload)
-    sched = generate(args.workload, rate, args.duration, args.seed, noisy_load=args.noisy_load)
+    if args.rate is None and args.kv_capacity_tokens is not None:
+        print("--load calibrates on the profile's own pool: give --rate", file=sys.stderr)
+        return 2
+    sched, ctx = plan(
+        args.workload,
+        args.profile,
+        steptime,
+        args.duration,
+        args.seed,
+        load=args.load,
+        rate=args.rate,
+        noisy_load=args.noisy_load,
+    )
+    rate = sched.rate_rps
+    noisy = (
+        f" (noisy load {DEFAULT_NOISY_LOAD if args.noisy_load is None else args.noisy_load:g})"
+        if args.workload == ISOLATION
+        else ""
+    )
     print(
-        f"{args.workload} at {rate:.2f} req/s for {args.duration:g} s (seed {args.seed}): "
+        f"{args.workload}{noisy} at {rate:.2f} req/s for {args.duration:g} s (seed {args.seed}): "
         f"{len(sched.requests)} requests, arm {args.arm}, {args.profile}, KV pool "
         f"{ctx.kv_capacity_tokens} tokens, time scale {args.time_scale:g}",
         flush=True,
@@ -812,6 +822,12 @@ async def _main(args: argparse.Namespace) -> int:
         f"(written off {run.late_s:.3f} s), "
         f"send lag p99 {run.send_lag_p99_s * 1000:.1f} ms, max {run.send_lag_max_s * 1000:.1f} ms"
     )
+    if args.workload == ISOLATION:
+        rs = a.isolation_ratios
+        print(
+            f"  isolation {'agrees' if isolation_agree(a.virtual, a.real) else 'DISAGREES'}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in rs.items() if v is not None)
+        )
     if not run.kept_up:
         print(
             "  the machine did not keep up (lags above): the real-time figures are not a fair "
@@ -823,7 +839,18 @@ async def _main(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "arm": args.arm,
+                    "workload": args.workload,
+                    "noisy_load": args.noisy_load,
                     "rate_rps": rate,
+                    "time_scale": run.time_scale,
+                    "kept_up": run.kept_up,
+                    "send_lag_p99_s": run.send_lag_p99_s,
+                    "sim_lag_max_s": run.sim_lag_max_s,
+                    "isolation_ratios": a.isolation_ratios,
+                    "tenant_slo": {  # well-behaved tenants: [met SLO, requests]
+                        "virtual": tenant_slo(a.virtual_run.records) if a.virtual_run else None,
+                        "real": tenant_slo(run.result.records),
+                    },
                     "virtual": a.virtual,
                     "real": a.real,
                     "virtual_preemptions": a.virtual_preemptions,
