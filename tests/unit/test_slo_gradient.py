@@ -3,6 +3,9 @@ time (Gradient2 of https://github.com/Netflix/concurrency-limits), on a fake clo
 
 from __future__ import annotations
 
+import pytest
+
+from kvgate_agent.admission import slo
 from kvgate_agent.admission.slo import (
     FLOOR_DRIFT,
     GRADIENT_TOLERANCE,
@@ -40,23 +43,28 @@ def test_holds_at_the_cap_while_decoding_is_at_its_fastest() -> None:
     assert s.floor_s is not None and abs(s.floor_s - 0.010) < 1e-9
 
 
-def test_lowers_the_limit_when_the_inter_token_time_doubles_and_recovers() -> None:
+@pytest.mark.parametrize("tolerance", [1.25, GRADIENT_TOLERANCE])
+def test_lowers_the_limit_when_the_inter_token_time_doubles_and_recovers(
+    tolerance: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slo, "GRADIENT_TOLERANCE", tolerance)
     s = SloState(None, None, 200, 0.0)
     c = FakeClock(s)
     settle(c, 0.010)
-    # The engine slows to twice its fastest (above the tolerance): the limit falls, each
-    # interval by at most the smoothing x (1 - GRADIENT_MIN) share, never below MIN_LIMIT.
+    # The engine slows to twice what the tolerance allows: the limit falls, each interval by
+    # at most smoothing x (1 - GRADIENT_MIN) of itself, never below MIN_LIMIT.
     prev = s.limit
     for _ in range(60):
-        lim = c.interval(0.020)
+        lim = c.interval(0.010 * tolerance * 2)
         assert MIN_LIMIT <= lim <= prev
         prev = lim
     low = s.limit
     assert low < 100
     # Back to its fastest: once the smoothed inter-token time is within the tolerance again,
     # the limit grows (about smoothing x sqrt(limit) per interval) up to the cap, never above.
-    while s.gap_s is not None and s.gap_s > GRADIENT_TOLERANCE * 0.010:
+    for _ in range(40):
         c.interval(0.010)
+    assert s.gap_s is not None and s.gap_s < tolerance * 0.010
     prev = s.limit
     for _ in range(400):
         lim = c.interval(0.010)

@@ -14,8 +14,9 @@ the load.
 **Adaptive concurrency without a target** (no ``slo.tpotSeconds``): a gradient limit, after
 Gradient2 of Netflix's concurrency-limits
 (https://github.com/Netflix/concurrency-limits/blob/master/concurrency-limits-core/src/main/java/com/netflix/concurrency/limits/limit/Gradient2Limit.java),
-with the smoothed inter-token time ``gap_s`` as the short-term latency and the lowest smoothed
-inter-token time observed (:attr:`SloState.floor_s`) as the long-term one. Once per interval
+with the smoothed inter-token time ``gap_s`` as the short-term latency and the lowest
+inter-token time of one interval observed (:attr:`SloState.floor_s`, the mean over the interval's
+tokens) as the long-term one. Once per interval
 the limit is scaled by ``gradient = min(1, GRADIENT_TOLERANCE x floor_s / gap_s)`` (not below
 :data:`GRADIENT_MIN`), plus ``sqrt(limit)`` of headroom when the limit was reached, and moved
 :data:`GRADIENT_SMOOTHING` of the way there: the limit holds while decoding runs at most
@@ -71,17 +72,21 @@ SHED_FACTOR = 2.0
 SERVICE_ALPHA = 0.05
 #: Lowest adaptive limit, requests.
 MIN_LIMIT = 4
-#: Gradient limit (no TPOT target): the inter-token time tolerated, as a multiple of the
-#: lowest smoothed one observed, before the limit falls (Gradient2's ``rttTolerance``).
-GRADIENT_TOLERANCE = 1.5
+#: Gradient limit (no TPOT target): the smoothed inter-token time tolerated, as a multiple of
+#: the floor, before the limit falls (Gradient2's ``rttTolerance``). Chosen on the
+#: effectiveness benchmark, seed 1 (docs/benchmarks.md, "Issue 22: defaults"): 1.5 and 2 hold
+#: the limit too low (an empty policy's goodput at 2x load 0.49-0.74x the tuned concurrency
+#: cap's), 3 too high on ``conversation`` (0.19x); 2.5 gave 0.81x.
+GRADIENT_TOLERANCE = 2.5
 #: Gradient limit: the lowest factor one interval's gradient may scale the limit by.
 GRADIENT_MIN = 0.5
 #: Gradient limit: share of the way the limit moves to its new value per interval
 #: (Gradient2's ``smoothing``, 0.2).
 GRADIENT_SMOOTHING = 0.2
 #: Gradient limit: share of the distance to the smoothed inter-token time the floor rises by
-#: per interval while it is above the floor (0.0005: a time constant of 1,000 s at 0.5 s intervals).
-FLOOR_DRIFT = 0.0005
+#: per interval while above it (0.0002: a time constant of 2,500 intervals, about 21 minutes;
+#: 0.0005 cost ``conversation`` 5 % of its goodput at 2x on seed 1).
+FLOOR_DRIFT = 0.0002
 #: The wait budget is never below this share of the TTFT SLO (prefill estimates can be high).
 MIN_WAIT_SHARE = 0.2
 
@@ -101,8 +106,8 @@ class SloState:
         limit: the adaptive concurrency limit now, requests (AIMD on ``tpot_seconds`` when set,
             else the gradient limit).
         gap_s: smoothed inter-token time, seconds (None before any sample).
-        floor_s: the lowest ``gap_s`` observed, drifting up (the gradient limit's baseline),
-            seconds (None before any sample).
+        floor_s: the lowest one-interval mean inter-token time observed, drifting up towards
+            ``gap_s`` (the gradient limit's baseline), seconds (None before any sample).
         prefill_s: smoothed admission-to-first-token time, seconds (0 before any sample).
         service_s: smoothed admission-to-release time, seconds (None before any sample).
     """
@@ -197,7 +202,7 @@ class SloState:
             self.gap_s = gap
             floor = self.floor_s
             self.floor_s = (
-                gap if floor is None or gap < floor else floor + FLOOR_DRIFT * (gap - floor)
+                mean if floor is None or mean < floor else floor + FLOOR_DRIFT * (gap - floor)
             )
         self._gap_sum, self._gap_n = 0.0, 0.0
         reached, self._reached = self._reached or in_flight >= self.limit, False
