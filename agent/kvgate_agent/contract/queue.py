@@ -15,7 +15,7 @@ from kvgate_agent.contract.base import ContractModel
 #: ``queue.maxWaitSeconds`` is stated, seconds. An overloaded server whose admitted requests
 #: wait longer serves them past any interactive time-to-first-token: on the effectiveness
 #: benchmark (docs/benchmarks.md, "Issue 22: defaults"; bounds of 0.5, 0.75, 1 and 2 s tried on
-#: seed 1) an empty policy's goodput at 2x load is 0.86x the tuned concurrency cap's with
+#: seed 1) an empty policy's goodput at 2x load was 0.86x the tuned concurrency cap's with
 #: 0.5 s, 0.54x with 0.75 s and 0.35x with 1 s on the ``conversation`` workload.
 DEFAULT_WAIT_SECONDS = 0.5
 #: The longest a request under a TTFT SLO or of a ``batch`` class waits when
