@@ -385,7 +385,6 @@ def test_policy_defaults_spelled_out() -> None:
     assert spec["failureMode"] == "FailOpen"
     assert spec["queue"] == {
         "maxLength": 100,
-        "maxWaitSeconds": 30,
         "order": "FIFO",
         "fairness": {"promptTokenWeight": 1, "outputTokenWeight": 2},
     }

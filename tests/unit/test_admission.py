@@ -32,6 +32,9 @@ def make(spec: dict[str, Any], clock: FakeClock | None = None, **kw: Any) -> Adm
     # Small buckets below need a small default request (policy rule: burstTokens must admit
     # one default request); these tests always send max_tokens explicitly.
     spec = {"tenants": {"defaultMaxTokens": 16}, **spec}
+    # The queue's mechanics are tested under the 30 s bound stated explicitly (unset, a request
+    # under no TTFT SLO waits at most the default bound: test_default_wait_bound.py).
+    spec["queue"] = {"maxWaitSeconds": 30, **spec.get("queue", {})}
     doc = {
         "apiVersion": "kvgate.io/v1alpha1",
         "kind": "RateLimitPolicy",

@@ -28,7 +28,10 @@ from tests.conftest import policy_doc
 
 
 def config(spec: dict[str, Any]) -> AdmissionConfig:
-    doc = policy_doc({"tenants": {"defaultMaxTokens": 16}, **spec})
+    # The 30 s queue bound stated (unset, the default bound applies: test_default_wait_bound.py).
+    spec = {"tenants": {"defaultMaxTokens": 16}, **spec}
+    spec["queue"] = {"maxWaitSeconds": 30, **spec.get("queue", {})}
+    doc = policy_doc(spec)
     return AdmissionConfig.from_policy(parse_policy(doc).spec)
 
 

@@ -149,23 +149,15 @@ def test_wait_budget_none_without_ttft() -> None:
     assert s.wait_budget() is None
 
 
-def test_no_limit_when_tpot_none() -> None:
-    s = SloState(None, 1.0, 50, 0.0)
-    assert s.limit is None
-    d = Driver(s)
-    for _ in range(20):
-        assert d.interval(5.0, in_flight=1000, reached=True) is None
-    assert s.gap_s is not None  # still measured
-
-
-def test_retune_sets_clears_and_clamps_the_limit() -> None:
+def test_retune_keeps_and_clamps_the_limit() -> None:
     s = SloState(None, None, 50, 0.0)
+    assert s.limit == 50  # the gradient limit (no TPOT target) starts at the cap
     s.retune(0.05, None, 50)
     assert s.limit == 50
     s.retune(0.05, None, 20)
     assert s.limit == 20
     s.retune(None, None, 20)
-    assert s.limit is None
+    assert s.limit == 20
     s.retune(0.05, 1.0, None)
-    assert s.limit == SloState.DEFAULT_START
+    assert s.limit == 20
     assert s.ttft_seconds == 1.0

@@ -1,5 +1,6 @@
 """The concurrency limit one pod enforces now: the lowest of the policy's cap, the engine's own
-concurrency (llama.cpp's slots) and the SLO's adaptive limit (:mod:`.slo`).
+concurrency (llama.cpp's slots) and the adaptive limit (:mod:`.slo`: AIMD on the TPOT SLO, or
+the gradient limit when no TPOT SLO is stated), always in force.
 
 Invariant: :attr:`Limits.concurrency_limit` always holds that lowest figure: it is written here,
 and only here, whenever one of the three moves.
@@ -15,7 +16,7 @@ from kvgate_agent.admission.slo import SloState
 
 class ConcurrencyCeiling:
     """Keeps ``limits.concurrency_limit`` at the lowest of the policy's cap, the engine's slots
-    and ``slo``'s adaptive limit (requests; None: no limit of any kind)."""
+    and ``slo``'s adaptive limit (requests)."""
 
     __slots__ = ("_limits", "_slo", "engine_slots")
 
@@ -58,6 +59,4 @@ class ConcurrencyCeiling:
     def _sync(self) -> None:
         cap = self._cap()
         adaptive = self._slo.limit
-        self._limits.concurrency_limit = (
-            cap if adaptive is None else adaptive if cap is None else min(cap, adaptive)
-        )
+        self._limits.concurrency_limit = adaptive if cap is None else min(cap, adaptive)

@@ -17,6 +17,7 @@ from kvgate_agent.contract.policy import (
     RateLimitPolicySpec,
     ReservationMode,
 )
+from kvgate_agent.contract.queue import DEFAULT_WAIT_SECONDS, MAX_WAIT_CAP_SECONDS
 
 
 def tightest_tpot_seconds(spec: RateLimitPolicySpec) -> float | None:
@@ -62,7 +63,11 @@ class AdmissionConfig:
     of the other pool (``overload.degrade.fallback``) a request this pod cannot take may be
     sent to; its upstream URL stays with the sidecar (the core does no I/O).
     ``fair_prompt_weight``/``fair_output_weight``: the fair queue's charge per prompt and per
-    output token (``queue.fairness``, :mod:`.fairness`). ``fleet_share``: this pod's fraction
+    output token (``queue.fairness``, :mod:`.fairness`). ``default_wait_seconds``: the wait
+    budget, seconds, of a request under no TTFT SLO (``DEFAULT_WAIT_SECONDS`` of
+    :mod:`kvgate_agent.contract.queue` when the policy states neither ``slo.ttftSeconds`` nor
+    ``queue.maxWaitSeconds``, else None: no budget). ``queue_max_wait_seconds``: the policy's
+    ``queue.maxWaitSeconds``, 30 s when unset. ``fleet_share``: this pod's fraction
     (0, 1] of the policy's pods, as the operator split
     ``per: Global`` budgets (``globalShare`` of its thresholds; 1 standalone): the local share of
     a shared limit while the store is down before any peer count was seen.
@@ -93,6 +98,7 @@ class AdmissionConfig:
     fleet_share: float = 1.0
     fair_prompt_weight: float = 1.0
     fair_output_weight: float = 2.0
+    default_wait_seconds: float | None = None
 
     def cost(self, prompt_tokens: int, output_tokens: int) -> float:
         """Cost units: perRequest + prompt × promptTokenWeight + output × outputTokenWeight."""
@@ -147,6 +153,7 @@ class AdmissionConfig:
         if OverloadAction.REJECT not in actions:
             actions = (*actions, OverloadAction.REJECT)
         degrade = spec.overload.degrade
+        max_wait = spec.queue.max_wait_seconds
         return cls(
             limits=tuple(limits),
             cost_per_request=spec.cost.per_request,
@@ -160,7 +167,7 @@ class AdmissionConfig:
             bytes_per_token=spec.model.bytes_per_token,
             max_model_len=spec.model.max_model_len,
             queue_max_length=spec.queue.max_length,
-            queue_max_wait_seconds=spec.queue.max_wait_seconds,
+            queue_max_wait_seconds=MAX_WAIT_CAP_SECONDS if max_wait is None else max_wait,
             queue_order=spec.queue.order,
             fair_prompt_weight=spec.queue.fairness.prompt_token_weight,
             fair_output_weight=spec.queue.fairness.output_token_weight,
@@ -176,6 +183,9 @@ class AdmissionConfig:
             ttft_slo_seconds=spec.slo.ttft_seconds,
             tpot_slo_seconds=tightest_tpot_seconds(spec),
             slo_min_priority=spec.slo.min_priority,
+            default_wait_seconds=DEFAULT_WAIT_SECONDS
+            if max_wait is None and spec.slo.ttft_seconds is None
+            else None,
             # the operator's thresholds (PodThresholds) carry the split it made
             fleet_share=float(getattr(spec, "global_share", global_share)),
         )

@@ -143,8 +143,8 @@ class AdmissionController:
     def tenant_stats(self) -> TenantStats:
         """The per-tenant state now (see :class:`TenantStats`)."""
         limits = self._limits
-        fair = [(t, a.counter, a.attained) for t, a in limits.fair.accounts()]
-        return TenantStats(limits.bucket_levels(self.clock()), limits.tenants_tracked(), fair)
+        shares = limits.fair.shares()
+        return TenantStats(limits.bucket_levels(self.clock()), limits.tenants_tracked(), shares)
 
     def set_kv_capacity(self, tokens: int | None) -> None:
         """Enforce a new KV capacity (tokens; None = not enforced), e.g. the engine's own report.
@@ -473,7 +473,6 @@ class AdmissionController:
         last = ticket.last_token_at
         if last is None:
             self._slo.observe_first_token(now - ticket.admitted_at)
-            self._limits.fair.prefill.prefilled(ticket)
         else:
             self._slo.observe_gap(now - last, (generated - prev) / ticket.n)
         ticket.generated = generated

@@ -183,8 +183,12 @@ class FairShare:
         return self._accounts.get(tenant)
 
     def accounts(self) -> list[tuple[str, Account]]:
-        """Every account kept, (tenant, account) (read only; for metrics)."""
+        """Every account kept, (tenant, account) (read only)."""
         return list(self._accounts.items())
+
+    def shares(self) -> list[tuple[str, float, float]]:
+        """(tenant, counter, attained service) of every account kept (for metrics)."""
+        return [(t, a.counter, a.attained) for t, a in self._accounts.items()]
 
     # ------------------------------------------------------------------ the backlog
 
@@ -240,7 +244,9 @@ class FairShare:
 
     def observe_output(self, ticket: Ticket, generated: int) -> None:
         """``ticket``'s request has streamed ``generated`` output tokens (all choices): what
-        passed beyond the charged output is charged now. O(1)."""
+        passed beyond the charged output is charged now, and its prompt is prefilled. O(1)."""
+        if ticket.prefill_pending:
+            self.prefill.prefilled(ticket)
         extra = generated - ticket.fair_output
         if extra <= 0 or ticket.released:
             return

@@ -166,11 +166,15 @@ def _expected_wait(
 
 def _wait_budget(r: Resources, req: AdmissionRequest) -> float | None:
     """Seconds ``req`` may wait under its TTFT SLO: its class's (``req.ttft_slo_seconds``;
-    infinite: none), else the policy's for priorities >= ``slo.minPriority``; None when no TTFT
-    SLO applies to it."""
+    infinite: none), else the policy's for priorities >= ``slo.minPriority``; where the policy
+    states no TTFT SLO, the default wait bound (``AdmissionConfig.default_wait_seconds``); None
+    when no budget applies to it."""
     ttft = req.ttft_slo_seconds
     if ttft is None:
-        if req.priority < r.limits.config.slo_min_priority:
+        cfg = r.limits.config
+        if cfg.default_wait_seconds is not None:
+            return cfg.default_wait_seconds
+        if req.priority < cfg.slo_min_priority:
             return None
         return r.slo.wait_budget()
     if math.isinf(ttft):

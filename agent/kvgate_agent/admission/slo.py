@@ -11,6 +11,22 @@ Netflix's concurrency-limits (https://github.com/Netflix/concurrency-limits) wit
 the latency target, so the cap a platform team would otherwise hand-tune per workload follows
 the load.
 
+**Adaptive concurrency without a target** (no ``slo.tpotSeconds``): a gradient limit, after
+Gradient2 of Netflix's concurrency-limits
+(https://github.com/Netflix/concurrency-limits/blob/master/concurrency-limits-core/src/main/java/com/netflix/concurrency/limits/limit/Gradient2Limit.java),
+with the smoothed inter-token time ``gap_s`` as the short-term latency and the lowest
+inter-token time of one interval observed (:attr:`SloState.floor_s`, the mean over the interval's
+tokens) as the long-term one. Once per interval
+the limit is scaled by ``gradient = min(1, GRADIENT_TOLERANCE x floor_s / gap_s)`` (not below
+:data:`GRADIENT_MIN`), plus ``sqrt(limit)`` of headroom when the limit was reached, and moved
+:data:`GRADIENT_SMOOTHING` of the way there: the limit holds while decoding runs at most
+:data:`GRADIENT_TOLERANCE` times slower than at its fastest, falls while it is slower, and
+grows by about ``GRADIENT_SMOOTHING x sqrt(limit)`` per interval while the limit is what stops
+requests. The floor drifts up towards ``gap_s`` by :data:`FLOOR_DRIFT` per interval, so a
+floor seen once (an idle server, a since-replaced model) does not hold the limit down forever.
+As in Gradient2, the limit does not move while fewer than half of it are in flight
+(application-limited: the latency then says nothing about the limit).
+
 **Expected queue wait** (policy ``slo.ttftSeconds``): requests leave the queue as admitted ones
 finish. With ``N`` requests in flight that each hold their place for ``S`` seconds on average
 (admission to release, smoothed), the full server frees a place every ``S / N`` seconds
@@ -56,6 +72,21 @@ SHED_FACTOR = 2.0
 SERVICE_ALPHA = 0.05
 #: Lowest adaptive limit, requests.
 MIN_LIMIT = 4
+#: Gradient limit (no TPOT target): the smoothed inter-token time tolerated, as a multiple of
+#: the floor, before the limit falls (Gradient2's ``rttTolerance``). Chosen on the
+#: effectiveness benchmark, seed 1 (docs/benchmarks.md, "Issue 22: defaults"): 1.5 and 2 hold
+#: the limit too low (an empty policy's goodput at 2x load 0.49-0.74x the tuned concurrency
+#: cap's), 3 too high on ``conversation`` (0.19x); 2.5 gave 0.81x.
+GRADIENT_TOLERANCE = 2.5
+#: Gradient limit: the lowest factor one interval's gradient may scale the limit by.
+GRADIENT_MIN = 0.5
+#: Gradient limit: share of the way the limit moves to its new value per interval
+#: (Gradient2's ``smoothing``, 0.2).
+GRADIENT_SMOOTHING = 0.2
+#: Gradient limit: share of the distance to the smoothed inter-token time the floor rises by
+#: per interval while above it (0.0002: a time constant of 2,500 intervals, about 21 minutes;
+#: 0.0005 cost ``conversation`` 5 % of its goodput at 2x on seed 1).
+FLOOR_DRIFT = 0.0002
 #: The wait budget is never below this share of the TTFT SLO (prefill estimates can be high).
 MIN_WAIT_SHARE = 0.2
 
@@ -64,15 +95,19 @@ class SloState:
     """The measurements and the adaptive limit of one pod.
 
     Args:
-        tpot_seconds: target time per output token, seconds (None: no adaptive limit).
+        tpot_seconds: target time per output token, seconds (None: the gradient limit, which
+            needs no target).
         ttft_seconds: TTFT SLO, seconds (None: no shedding by expected wait).
         max_limit: the policy's concurrency cap (None: unbounded; the adaptive limit then starts
             at :data:`DEFAULT_START`).
         now: clock seconds at creation.
 
     Attributes:
-        limit: the adaptive concurrency limit now (None when ``tpot_seconds`` is None).
+        limit: the adaptive concurrency limit now, requests (AIMD on ``tpot_seconds`` when set,
+            else the gradient limit).
         gap_s: smoothed inter-token time, seconds (None before any sample).
+        floor_s: the lowest one-interval mean inter-token time observed, drifting up towards
+            ``gap_s`` (the gradient limit's baseline), seconds (None before any sample).
         prefill_s: smoothed admission-to-first-token time, seconds (0 before any sample).
         service_s: smoothed admission-to-release time, seconds (None before any sample).
     """
@@ -82,10 +117,12 @@ class SloState:
     __slots__ = (
         "_engine_waiting",
         "_engine_waiting_until",
+        "_estimate",
         "_gap_n",
         "_gap_sum",
         "_interval_end",
         "_reached",
+        "floor_s",
         "gap_s",
         "limit",
         "max_limit",
@@ -105,10 +142,10 @@ class SloState:
         self.tpot_seconds = tpot_seconds
         self.ttft_seconds = ttft_seconds
         self.max_limit = max_limit
-        self.limit: int | None = None
-        if tpot_seconds is not None:
-            self.limit = max_limit if max_limit is not None else self.DEFAULT_START
+        self.limit: int = max_limit if max_limit is not None else self.DEFAULT_START
+        self._estimate = float(self.limit)
         self.gap_s: float | None = None
+        self.floor_s: float | None = None
         self.prefill_s = 0.0
         self.service_s: float | None = None
         self._gap_sum = 0.0
@@ -121,14 +158,15 @@ class SloState:
     def retune(
         self, tpot_seconds: float | None, ttft_seconds: float | None, max_limit: int | None
     ) -> None:
-        """Take a changed policy's SLOs and cap; the measurements stay, the limit is clamped."""
+        """Take a changed policy's SLOs and cap; the measurements stay. The AIMD limit is
+        clamped to the new cap; the gradient limit (no TPOT target) starts from a changed cap,
+        as it falls again within a few intervals where the inter-token time says so."""
+        if tpot_seconds is None and max_limit is not None and max_limit != self.max_limit:
+            self.limit = max_limit
         self.tpot_seconds, self.ttft_seconds, self.max_limit = tpot_seconds, ttft_seconds, max_limit
-        if tpot_seconds is None:
-            self.limit = None
-        elif self.limit is None:
-            self.limit = max_limit if max_limit is not None else self.DEFAULT_START
-        elif max_limit is not None:
+        if max_limit is not None:
             self.limit = min(self.limit, max_limit)
+        self._estimate = float(self.limit)
 
     # ------------------------------------------------------------------ measurements
 
@@ -157,23 +195,43 @@ class SloState:
         if now < self._interval_end:
             return
         self._interval_end = now + INTERVAL_S
-        if self._gap_n:
+        sampled = self._gap_n > 0
+        if sampled:
             mean = self._gap_sum / self._gap_n
-            self.gap_s = (
-                mean if self.gap_s is None else self.gap_s + SMOOTHING * (mean - self.gap_s)
+            gap = mean if self.gap_s is None else self.gap_s + SMOOTHING * (mean - self.gap_s)
+            self.gap_s = gap
+            floor = self.floor_s
+            self.floor_s = (
+                mean if floor is None or mean < floor else floor + FLOOR_DRIFT * (gap - floor)
             )
         self._gap_sum, self._gap_n = 0.0, 0.0
-        reached, self._reached = (
-            self._reached or (self.limit is not None and in_flight >= self.limit),
-            False,
-        )
-        if self.limit is None or self.tpot_seconds is None or self.gap_s is None:
+        reached, self._reached = self._reached or in_flight >= self.limit, False
+        if self.gap_s is None:
             return
-        if self.gap_s > TARGET_FRACTION * self.tpot_seconds:
+        if self.tpot_seconds is None:
+            if sampled:
+                self._gradient(reached, in_flight)
+        elif self.gap_s > TARGET_FRACTION * self.tpot_seconds:
             self.limit = max(MIN_LIMIT, math.floor(self.limit * DECREASE))
         elif reached and self.gap_s < RAISE_FRACTION * self.tpot_seconds:
             up = self.limit + max(1, math.floor(self.limit * INCREASE))
             self.limit = up if self.max_limit is None else min(self.max_limit, up)
+        self._estimate = float(self.limit) if self.tpot_seconds is not None else self._estimate
+
+    def _gradient(self, reached: bool, in_flight: int) -> None:
+        """One interval of the gradient limit (no TPOT target; see the module docstring)."""
+        gap, floor, est = self.gap_s, self.floor_s, self._estimate
+        assert gap is not None and floor is not None
+        if not reached and in_flight < est / 2:
+            return  # application-limited: the latency says nothing about the limit
+        gradient = max(GRADIENT_MIN, min(1.0, GRADIENT_TOLERANCE * floor / gap)) if gap > 0 else 1.0
+        # Headroom only while decoding is within the tolerance (Gradient2 adds its queue size
+        # always; the limit here also waits for it to be reached).
+        target = est * gradient if gradient < 1 else est + (math.sqrt(est) if reached else 0.0)
+        est += GRADIENT_SMOOTHING * (target - est)
+        cap = math.inf if self.max_limit is None else self.max_limit
+        self._estimate = est = min(cap, max(float(MIN_LIMIT), est))
+        self.limit = max(MIN_LIMIT, math.floor(est))
 
     def observe_engine_waiting(self, waiting: int | None, until: float) -> None:
         """The engine reports ``waiting`` requests in its own queue (None: unknown); they count

@@ -304,7 +304,13 @@ class SloSpec(ContractModel):
     above it, and raises it by 5 % while below 0.85 x it and the limit was reached (adaptive
     concurrency in the style of Netflix's concurrency-limits,
     https://github.com/Netflix/concurrency-limits); never below 4 nor above
-    ``concurrency.maxRequests``. ``minPriority``: in [-1000, 1000], the priority header's range;
+    ``concurrency.maxRequests``. Unset, the concurrency limit follows a gradient on the
+    inter-token time instead (Gradient2, https://github.com/Netflix/concurrency-limits: it
+    falls while the smoothed inter-token time exceeds 2.5 x the lowest one seen;
+    :mod:`kvgate_agent.admission.slo`), and with ``ttftSeconds`` unset too a request waits at
+    most 0.5 s in the queue unless ``queue.maxWaitSeconds`` says otherwise
+    (:class:`~kvgate_agent.contract.queue.QueueSpec`). ``minPriority``: in [-1000, 1000], the
+    priority header's range;
     default 0. Negative priorities are sheddable and never queued, so they get no TTFT budget
     whatever ``minPriority`` says.
     """
