@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate_bench.effectiveness.driver import REJECTED, SERVED, RequestRecord
-from kvgate_bench.effectiveness.realtime import arm_policy, steptime_with_pool
+from kvgate_bench.effectiveness.realtime import arm_policy, parse_args, steptime_with_pool
 from kvgate_bench.effectiveness.realtime_plan import (
     isolation_agree,
     isolation_ratios,
@@ -99,3 +99,9 @@ def test_isolation_ratios() -> None:
     v["well_behaved_min_tenant_slo_attainment"] = r["well_behaved_min_tenant_slo_attainment"] = 0
     assert isolation_agree(v, r)
     assert ratio(0, 0) == 1.0 and ratio(0, 1) == float("inf") and ratio(None, 1) is None
+
+
+def test_the_command_line_takes_the_isolation_options() -> None:
+    args = parse_args(["--workload", "isolation", "--noisy-load", "3", "--arm", "kvgate"])
+    assert (args.workload, args.noisy_load, args.arm) == ("isolation", 3.0, "kvgate")
+    assert parse_args([]).noisy_load is None  # the workload's default (3) applies

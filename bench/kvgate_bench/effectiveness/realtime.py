@@ -742,12 +742,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="isolation only: the noisy tenant's offer, x capacity (default 3; load 0.6 + K)",
     )
     p.add_argument("--duration", type=float, default=60.0, help="schedule length, s")
-    p.add_argument(
-        "--noisy-load",
-        type=float,
-        default=DEFAULT_NOISY_LOAD,
-        help="isolation: the noisy tenant's offer, x capacity (its load is 0.6 + this)",
-    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--arm", default="none", help=f"none or a kvgate arm ({DEFAULT_KVGATE_ARM})")
     p.add_argument("--profile", default="h100-llama3-8b", choices=sorted(PROFILES))
