@@ -21,7 +21,7 @@ from kvgate_agent.node.auth import (
     review_from_status,
     token_expiry,
 )
-from kvgate_agent.node.service import metrics_url_allowed
+from kvgate_agent.node.scrape import metrics_url_allowed
 from kvgate_agent.node.state import (
     SAFETY_HYSTERESIS,
     EngineFacts,

@@ -1,9 +1,9 @@
 """What the node agent knows about its node (the NodeAdmission spec, NVML, sidecar reports,
 engine metrics), and the sync answers and ``NodeAdmission`` status computed from it.
 
-Invariant: pure (inputs are set by :mod:`kvgate_agent.node.service`), and unknown is never idle
-nor full: a missing engine figure or an unreadable GPU neither lowers a capacity nor closes the
-safety net.
+Invariant: pure (inputs are set by :mod:`kvgate_agent.node.service`, ``node.sync`` and
+``node.scrape``), and unknown is never idle nor full: a missing engine figure or an unreadable
+GPU neither lowers a capacity nor closes the safety net.
 """
 
 from __future__ import annotations
