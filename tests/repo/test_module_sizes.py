@@ -23,7 +23,6 @@ CLASSES_TO_SPLIT = {
     "agent/kvgate_agent/node/state.py:NodeState": 384,
     "agent/kvgate_agent/sidecar/app.py:Sidecar": 379,
     "agent/kvgate_agent/admission/controller.py:AdmissionController": 435,
-    "operator/kvgate_operator/reconciler.py:Reconciler": 470,
 }
 
 
