@@ -20,7 +20,6 @@ CLASSES_TO_SPLIT = {
     "agent/kvgate_agent/sidecar/sse.py:StreamAccountant": 308,
     "agent/kvgate_agent/gpu/monitor.py:GpuMonitor": 331,
     "agent/kvgate_agent/admission/limits.py:Limits": 380,
-    "agent/kvgate_agent/node/state.py:NodeState": 384,
     "agent/kvgate_agent/sidecar/app.py:Sidecar": 379,
     "agent/kvgate_agent/admission/controller.py:AdmissionController": 435,
 }

@@ -92,7 +92,7 @@ class _StateCollector(Collector):
             "1 while a pod's engine reports a KV capacity the agent ignores (see reason)",
             labels=["namespace", "pod", "reason"],
         )
-        for (ns, name), why in st.implausible.items():
+        for (ns, name), why in st.capacity.implausible.items():
             implausible.add_metric([ns, name, why], 1)
         yield implausible
         yield GaugeMetricFamily(
