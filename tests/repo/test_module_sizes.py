@@ -19,7 +19,6 @@ MAX_CLASS_LINES = 300
 CLASSES_TO_SPLIT = {
     "agent/kvgate_agent/sidecar/sse.py:StreamAccountant": 308,
     "agent/kvgate_agent/admission/limits.py:Limits": 380,
-    "agent/kvgate_agent/sidecar/app.py:Sidecar": 379,
     "agent/kvgate_agent/admission/controller.py:AdmissionController": 435,
 }
 
