@@ -23,7 +23,7 @@ from kubernetes.client.exceptions import ApiException
 from kvgate_bench.bench_operator_checks import Operator, strip_status
 from kvgate_bench.toolkit import poll_until
 from kvgate_operator.desired import compute
-from kvgate_operator.reconciler import Reconciler
+from kvgate_operator.reader import ClusterReader
 from kvgate_operator.settings import OperatorSettings
 from tests.conftest import REPO, k8s_bin_dir
 
@@ -130,7 +130,7 @@ def diff(a: Audited) -> list[str]:
     """What differs between the cluster and the from-scratch computation on one fresh read:
     NodeAdmissions (missing, extra, other spec) and policy statuses (timestamps aside)."""
     with a.api() as api:
-        observed = Reconciler(api, OperatorSettings()).read()
+        observed = ClusterReader(api, OperatorSettings()).read()
     want = compute(observed.snapshot)
     out = [
         f"node {n}"

@@ -189,12 +189,13 @@ def time_pass(cp: ControlPlane, repeat: int) -> PassTiming:
     """Read, compute and plan as the operator's pass does (no writes), best of ``repeat``."""
     from kvgate_operator.desired import compute
     from kvgate_operator.plan import plan
-    from kvgate_operator.reconciler import Reconciler, _now
+    from kvgate_operator.reader import ClusterReader
+    from kvgate_operator.reconciler import _now
     from kvgate_operator.settings import OperatorSettings
 
     best: PassTiming | None = None
     with cp.api_client() as api:
-        rec = Reconciler(api, OperatorSettings())
+        rec = ClusterReader(api, OperatorSettings())
         for _ in range(repeat):
             t0 = time.perf_counter()
             observed = rec.read()
@@ -217,11 +218,12 @@ def profile_pass(cp: ControlPlane, top: int = 18) -> str:
     """cProfile of one read + compute + plan, by own time."""
     from kvgate_operator.desired import compute
     from kvgate_operator.plan import plan
-    from kvgate_operator.reconciler import Reconciler, _now
+    from kvgate_operator.reader import ClusterReader
+    from kvgate_operator.reconciler import _now
     from kvgate_operator.settings import OperatorSettings
 
     with cp.api_client() as api:
-        rec = Reconciler(api, OperatorSettings())
+        rec = ClusterReader(api, OperatorSettings())
         prof = cProfile.Profile()
         prof.enable()
         observed = rec.read()
@@ -241,11 +243,11 @@ def expected_state(
     """From scratch: read the cluster, optionally edit the snapshot, compute. Returns
     ((node specs, statuses), the Desired)."""
     from kvgate_operator.desired import compute
-    from kvgate_operator.reconciler import Reconciler
+    from kvgate_operator.reader import ClusterReader
     from kvgate_operator.settings import OperatorSettings
 
     with cp.api_client() as api:
-        snap = Reconciler(api, OperatorSettings()).read().snapshot
+        snap = ClusterReader(api, OperatorSettings()).read().snapshot
     if change is not None:
         snap = change(snap)
     desired = compute(snap)

@@ -20,7 +20,7 @@ import yaml
 
 from kvgate_bench.toolkit import free_port, http_status, poll_until, wait_until
 from kvgate_operator.desired import compute
-from kvgate_operator.reconciler import Reconciler
+from kvgate_operator.reader import ClusterReader
 from kvgate_operator.settings import OperatorSettings
 from tests.conftest import policy_doc
 
@@ -111,7 +111,7 @@ def from_scratch(kube: Any) -> tuple[dict[str, Any], dict[Any, Any]]:
     """What the cluster should hold, computed from a fresh read: (node specs, policy statuses
     without timestamps)."""
     with kube.api_client() as api:
-        observed = Reconciler(api, OperatorSettings()).read()
+        observed = ClusterReader(api, OperatorSettings()).read()
     desired = compute(observed.snapshot)
     return desired.node_specs, {k: v.status() for k, v in desired.policies.items()}
 

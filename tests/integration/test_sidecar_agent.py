@@ -185,7 +185,7 @@ async def test_thresholds_from_the_agent_are_enforced_and_syncs_are_cheap(
 ) -> None:
     agent.set_thresholds({"concurrency": {"maxRequests": 1}, "overload": {"actions": ["Reject"]}})
     url, sc = await agent_sidecar(upstream.url, agent.url)
-    await until(lambda: sc.mode is Mode.LIVE)
+    await until(lambda: sc.policy.mode is Mode.LIVE)
     live_at = time.monotonic()
     upstream.hold = asyncio.Event()  # in flight until the checks below saw it so
     slow = asyncio.create_task(post(client, url, max_tokens=8))
@@ -228,7 +228,7 @@ async def test_a_change_propagates_and_in_flight_requests_finish(
     limits = {"overload": {"actions": ["Reject"]}, "tenants": {"defaultMaxTokens": 16}}
     agent.set_thresholds({**limits, "concurrency": {"maxRequests": 1}})
     url, sc = await agent_sidecar(upstream.url, agent.url)
-    await until(lambda: sc.mode is Mode.LIVE)
+    await until(lambda: sc.policy.mode is Mode.LIVE)
     upstream.tokens = 60
     upstream.token_delay = 0.1  # a 6 s stream (sped up below, once the change is checked)
     stream = await client.post(
@@ -268,14 +268,16 @@ async def test_agent_down_keeps_the_last_thresholds_for_the_ttl_then_fails_open(
         }
     )
     url, sc = await agent_sidecar(upstream.url, agent.url)
-    await until(lambda: sc.mode is Mode.LIVE)
+    await until(lambda: sc.policy.mode is Mode.LIVE)
     assert (await post(client, url))[0] == 200
     agent.fail_status = 503
-    await until(lambda: sc.mode is Mode.STALE)
+    await until(lambda: sc.policy.mode is Mode.STALE)
     status, headers, _ = await post(client, url)
     assert status == 429 and headers["x-kvgate-reason"] == "rate_limit_requests"
     assert headers["x-kvgate-thresholds"] == "stale"
-    await until(lambda: sc.link is not None and sc.link.mode() is Mode.FAIL_OPEN, TTL + 10)
+    await until(
+        lambda: sc.policy.link is not None and sc.policy.link.mode() is Mode.FAIL_OPEN, TTL + 10
+    )
     status, headers, _ = await post(client, url)  # local caps only: the rate limit is lifted
     assert status == 200 and headers["x-kvgate-thresholds"] == "fail_open"
     m = await gauges(client, url)
@@ -283,7 +285,7 @@ async def test_agent_down_keeps_the_last_thresholds_for_the_ttl_then_fails_open(
     assert m['kvgate_agent_sync_total{result="error"}'] >= 1
     assert m["kvgate_thresholds_age_seconds"] > TTL
     agent.fail_status = None  # back: the thresholds apply again
-    await until(lambda: sc.mode is Mode.LIVE)
+    await until(lambda: sc.policy.mode is Mode.LIVE)
     assert (await post(client, url))[0] == 200  # a fresh bucket after the lifted limit
     assert (await post(client, url))[0] == 429
 
@@ -293,11 +295,13 @@ async def test_agent_down_past_the_ttl_under_fail_closed_gives_503(
 ) -> None:
     agent.set_thresholds({"failureMode": "FailClosed"})
     url, sc = await agent_sidecar(upstream.url, agent.url)
-    await until(lambda: sc.mode is Mode.LIVE)
+    await until(lambda: sc.policy.mode is Mode.LIVE)
     agent.fail_status = 500
-    await until(lambda: sc.mode is Mode.STALE)
+    await until(lambda: sc.policy.mode is Mode.STALE)
     assert (await post(client, url))[0] == 200  # within the TTL
-    await until(lambda: sc.link is not None and sc.link.mode() is Mode.FAIL_CLOSED, TTL + 10)
+    await until(
+        lambda: sc.policy.link is not None and sc.policy.link.mode() is Mode.FAIL_CLOSED, TTL + 10
+    )
     n = len(upstream.bodies)
     async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
         assert r.status == 503
@@ -308,7 +312,7 @@ async def test_agent_down_past_the_ttl_under_fail_closed_gives_503(
         assert err["type"] == "service_unavailable" and err["code"] == "fail_closed"
     assert len(upstream.bodies) == n  # never reached the model server
     agent.fail_status = None
-    await until(lambda: sc.mode is Mode.LIVE)
+    await until(lambda: sc.policy.mode is Mode.LIVE)
     assert (await post(client, url))[0] == 200
 
 
@@ -316,7 +320,7 @@ async def test_gpu_safety_net_closed_gives_503_gpu_memory_low_until_it_reopens(
     upstream: Upstream, agent: FakeAgent, agent_sidecar: MakeSidecar, client: aiohttp.ClientSession
 ) -> None:
     url, sc = await agent_sidecar(upstream.url, agent.url)
-    await until(lambda: sc.mode is Mode.LIVE)
+    await until(lambda: sc.policy.mode is Mode.LIVE)
     agent.set_safety_net(
         {
             "open": False,
@@ -374,7 +378,7 @@ async def test_unmanaged_pod_enforces_no_limits(
 ) -> None:
     agent.set_thresholds(None)
     url, sc = await agent_sidecar(upstream.url, agent.url)
-    await until(lambda: sc.mode is Mode.UNMANAGED)
+    await until(lambda: sc.policy.mode is Mode.UNMANAGED)
     upstream.headers_delay = 0.2
     results = await asyncio.gather(*(post(client, url) for _ in range(5)))
     assert all(r[0] == 200 and r[1]["x-kvgate-thresholds"] == "unmanaged" for r in results)
@@ -391,14 +395,14 @@ async def test_a_policy_other_than_the_annotated_one_is_flagged(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="kvgate.sidecar")
     url, sc = await agent_sidecar(upstream.url, agent.url, expected_policy="pol")
-    await until(lambda: sc.mode is Mode.LIVE)
+    await until(lambda: sc.policy.mode is Mode.LIVE)
     assert (await gauges(client, url))["kvgate_policy_mismatch"] == 0
     agent.set_thresholds(None)  # no policy governs the pod any more
-    await until(lambda: sc.mode is Mode.UNMANAGED)
+    await until(lambda: sc.policy.mode is Mode.UNMANAGED)
     assert (await gauges(client, url))["kvgate_policy_mismatch"] == 1
     assert "annotated kvgate.io/policy=pol but is governed by no RateLimitPolicy" in caplog.text
     agent.set_thresholds({})
-    await until(lambda: sc.mode is Mode.LIVE)
+    await until(lambda: sc.policy.mode is Mode.LIVE)
     assert (await gauges(client, url))["kvgate_policy_mismatch"] == 0
 
 
@@ -407,7 +411,7 @@ async def test_wrong_pod_token_is_counted_and_enforcement_waits(
 ) -> None:
     url, sc = await agent_sidecar(upstream.url, agent.url, token_file="/nonexistent/token")
     await until(lambda: len(agent.auth) >= 2)
-    assert agent.auth[0] is None and sc.mode is Mode.WAITING
+    assert agent.auth[0] is None and sc.policy.mode is Mode.WAITING
     m = await gauges(client, url)
     assert m['kvgate_agent_sync_total{result="unauthorized"}'] >= 2
 

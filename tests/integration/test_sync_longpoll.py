@@ -70,7 +70,7 @@ class Served:
         if self.task.done():
             return
         self.server.should_exit = True
-        self.agent.release_syncs()
+        self.agent.syncs.release_all()
         await self.task
         await self.agent.stop()
 
@@ -134,23 +134,23 @@ async def test_a_change_reaches_a_held_sidecar_at_once_and_idle_syncs_are_rare(
 ) -> None:
     _, sc = sidecar
     agent = node.agent
-    await until(lambda: sc.mode is Mode.LIVE and len(agent.waiters) == 1)
+    await until(lambda: sc.policy.mode is Mode.LIVE and len(agent.syncs.waiters) == 1)
     n = syncs(agent)
     await asyncio.sleep(1.5)  # idle: polling every 0.2 s would be ~7 syncs
-    assert syncs(agent) == n and len(agent.waiters) == 1
+    assert syncs(agent) == n and len(agent.syncs.waiters) == 1
     assert agent.state.connected(agent.clock()) == 1
     for i, cap in enumerate((9, 10)):
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         agent.on_spec(spec(cap), None)  # what the NodeAdmission watch does
-        await until(lambda: sc.spec.tenants.max_tokens_cap == cap, 10.0)  # noqa: B023
+        await until(lambda: sc.policy.spec.tenants.max_tokens_cap == cap, 10.0)  # noqa: B023
         # Not the 25 s hold: a bound on time is the point, generous for a busy machine.
         assert loop.time() - t0 < 10.0
         assert waits(agent, "changed") == i + 1  # the held call was woken by the change
         # Held again, on the new ETag, before the next change (on a busy machine the sidecar's
         # next call can come after it, and is then answered at once, not woken).
-        await until(lambda: len(agent.waiters) == 1, 10.0)
-    assert sc.link is not None and sc.link.agent_holds
+        await until(lambda: len(agent.syncs.waiters) == 1, 10.0)
+    assert sc.policy.link is not None and sc.policy.link.agent_holds
 
 
 async def test_a_busy_sidecar_reports_without_waiting_out_the_hold(
@@ -158,7 +158,7 @@ async def test_a_busy_sidecar_reports_without_waiting_out_the_hold(
 ) -> None:
     url, sc = sidecar
     agent = node.agent
-    await until(lambda: sc.mode is Mode.LIVE and len(agent.waiters) == 1)
+    await until(lambda: sc.policy.mode is Mode.LIVE and len(agent.syncs.waiters) == 1)
     upstream.hold = asyncio.Event()  # one request in flight until the agent saw it
 
     def in_flight() -> int:
@@ -178,7 +178,7 @@ async def test_a_busy_sidecar_reports_without_waiting_out_the_hold(
     resp.release()
     await until(lambda: in_flight() == 0, 10.0)  # busy -> idle: the same
     # The abandoned held calls were cleaned up on the agent: one held call, for this pod.
-    await until(lambda: len(agent.waiters) == 1)
+    await until(lambda: len(agent.syncs.waiters) == 1)
     assert waits(agent, "disconnected") + waits(agent, "superseded") >= 1
 
 
@@ -192,18 +192,18 @@ async def test_a_client_that_goes_away_leaves_no_waiter(node: Served) -> None:
         held = {**headers, "If-None-Match": etag, "Prefer": "wait=20"}
         for _ in range(3):  # each time: held, then the client closes the connection
             call = asyncio.create_task(s.post(node.url + SYNC_PATH, data=report, headers=held))
-            await until(lambda: len(agent.waiters) == 1)
+            await until(lambda: len(agent.syncs.waiters) == 1)
             call.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await call
-            await until(lambda: len(agent.waiters) == 0)
+            await until(lambda: len(agent.syncs.waiters) == 0)
         assert waits(agent, "disconnected") == 3
         assert not agent.state.is_held((NS, POD))
         # A held call times out into a 304 that says it was held.
         short = {**held, "Prefer": "wait=0.3"}
         async with s.post(node.url + SYNC_PATH, data=report, headers=short) as r:
             assert r.status == 304 and r.headers["Preference-Applied"] == "wait=0.3"
-        assert waits(agent, "timeout") == 1 and len(agent.waiters) == 0
+        assert waits(agent, "timeout") == 1 and len(agent.syncs.waiters) == 0
         # Without a wait preference the answer comes at once, as before.
         plain = {**headers, "If-None-Match": etag}
         async with s.post(node.url + SYNC_PATH, data=report, headers=plain) as r:
@@ -215,16 +215,16 @@ async def test_agent_shutdown_answers_held_syncs_and_the_sidecar_goes_stale(
 ) -> None:
     _, sc = sidecar
     agent = node.agent
-    await until(lambda: sc.mode is Mode.LIVE and len(agent.waiters) == 1)
+    await until(lambda: sc.policy.mode is Mode.LIVE and len(agent.syncs.waiters) == 1)
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     await asyncio.wait_for(node.stop(), 20)  # the server does not wait out a 25 s hold
     # A bound on time is the point: at once, not the 25 s hold; generous for a busy machine.
     assert loop.time() - t0 < 15.0
-    assert waits(agent, "released") == 1 and len(agent.waiters) == 0
+    assert waits(agent, "released") == 1 and len(agent.syncs.waiters) == 0
     # The agent is gone: the next sync fails at once, the last thresholds stay (within the 30 s
     # TTL: a bound well under it, generous for a busy machine).
-    await until(lambda: sc.mode is Mode.STALE, 15.0)
+    await until(lambda: sc.policy.mode is Mode.STALE, 15.0)
 
 
 @pytest.mark.parametrize("wait", [1.0, 0.0])
@@ -269,7 +269,7 @@ async def test_a_held_sync_that_hangs_past_its_wait_is_a_failed_sync(
     runners: list[Any] = [runner]
     try:
         await serve_sidecar(sc, runners)
-        link = sc.link
+        link = sc.policy.link
         assert link is not None
         await until(lambda: link.counts[SyncResult.OK] >= 1)
         hang.set()

@@ -257,15 +257,15 @@ def agent_sidecar(clock: FakeClock, **agent: Any) -> Sidecar:
 
 def sync(sc: Sidecar, a: SyncAnswer | None, result: SyncResult = SyncResult.OK) -> None:
     """What AgentLink does after a call: record in the link, then tell the sidecar."""
-    assert sc.link is not None
+    assert sc.policy.link is not None
     if a is not None:
-        sc.link.record_answer(a)
+        sc.policy.link.record_answer(a)
     elif result is SyncResult.NOT_MODIFIED:
-        sc.link.record_not_modified()
+        sc.policy.link.record_not_modified()
     else:
-        sc.link.record_failure(result)
-    assert sc.thresholds is not None
-    sc.thresholds.on_sync(result, a)
+        sc.policy.link.record_failure(result)
+    assert sc.policy.thresholds is not None
+    sc.policy.thresholds.on_sync(result, a)
 
 
 def ask(sc: Sidecar, tenant: str = "a") -> Any:
@@ -289,22 +289,22 @@ def test_sidecar_needs_exactly_one_source_of_thresholds() -> None:
 async def test_sidecar_follows_the_modes_without_dropping_in_flight_work() -> None:
     clock = FakeClock(500.0)
     sc = agent_sidecar(clock)
-    sc.refresh_mode(force=True)
+    sc.policy.refresh_mode(force=True)
     early = ask(sc)
-    assert sc.mode is Mode.WAITING and early.ticket is not None  # FailOpen: no limits yet
+    assert sc.policy.mode is Mode.WAITING and early.ticket is not None  # FailOpen: no limits yet
     sync(sc, answer({**LIMITED, "concurrency": {"maxRequests": 3}}, ttl=5, interval=0.5))
-    # mypy keeps the narrowing of sc.mode across sync(), which changes it
-    assert sc.mode is Mode.LIVE and sc.admission.config.max_concurrency == 3  # type: ignore[comparison-overlap]
+    # mypy keeps the narrowing of sc.policy.mode across sync(), which changes it
+    assert sc.policy.mode is Mode.LIVE and sc.admission.config.max_concurrency == 3  # type: ignore[comparison-overlap]
     first = ask(sc)
     assert first.ticket is not None and sc.admission.stats().in_flight == 2  # the early one counts
     assert ask(sc).reason is Reason.RATE_LIMIT_REQUESTS  # burst of 1
     clock.advance(1)
     sync(sc, None, SyncResult.ERROR)
-    assert sc.current_mode() is Mode.STALE
+    assert sc.policy.current_mode() is Mode.STALE
     assert ask(sc).ticket is not None  # refilled: the last thresholds still apply
     assert ask(sc).reason is Reason.CONCURRENCY  # 3 in flight
     clock.advance(5)  # past the TTL: FailOpen keeps only the local caps
-    assert sc.current_mode() is Mode.FAIL_OPEN
+    assert sc.policy.current_mode() is Mode.FAIL_OPEN
     assert sc.admission.config.limits == () and sc.admission.config.max_concurrency == 3
     assert sc.admission.config.kv_capacity_tokens == 4096
     assert sc.admission.stats().in_flight == 3  # nothing in flight was dropped
@@ -312,38 +312,38 @@ async def test_sidecar_follows_the_modes_without_dropping_in_flight_work() -> No
     sc.admission.release(early.ticket, completion_tokens=1)
     assert sc.admission.stats().in_flight == 1 and sc.admission.stats().kv_reserved_tokens == 32
     sync(sc, None, SyncResult.NOT_MODIFIED)  # the agent is back
-    assert sc.mode is Mode.LIVE and len(sc.admission.config.limits) == 1
+    assert sc.policy.mode is Mode.LIVE and len(sc.admission.config.limits) == 1
 
 
 async def test_sidecar_fail_closed_holds_with_the_sync_interval_then_reopens() -> None:
     clock = FakeClock(500.0)
     sc = agent_sidecar(clock)
-    sc.refresh_mode(force=True)
+    sc.policy.refresh_mode(force=True)
     sync(sc, answer({**LIMITED, "failureMode": "FailClosed"}, ttl=5, interval=2.5))
     clock.advance(6)
     sync(sc, None, SyncResult.TIMEOUT)
-    assert sc.mode is Mode.FAIL_CLOSED
+    assert sc.policy.mode is Mode.FAIL_CLOSED
     d = ask(sc)
     assert (d.status, d.reason, d.retry_after) == (503, Reason.FAIL_CLOSED, 3)
     sync(sc, None, SyncResult.NOT_MODIFIED)
-    # mypy keeps the narrowing of sc.mode across sync(), which changes it
-    assert sc.mode is Mode.LIVE and ask(sc).ticket is not None  # type: ignore[comparison-overlap]
+    # mypy keeps the narrowing of sc.policy.mode across sync(), which changes it
+    assert sc.policy.mode is Mode.LIVE and ask(sc).ticket is not None  # type: ignore[comparison-overlap]
 
 
 async def test_sidecar_waiting_under_a_configured_fail_closed_answers_503() -> None:
     clock = FakeClock(500.0)
     sc = agent_sidecar(clock, failure_mode=FailureMode.FAIL_CLOSED)
-    sc.refresh_mode(force=True)
+    sc.policy.refresh_mode(force=True)
     assert ask(sc).reason is Reason.FAIL_CLOSED
     sync(sc, answer(managed=False))
-    assert sc.mode is Mode.UNMANAGED
+    assert sc.policy.mode is Mode.UNMANAGED
     assert ask(sc).ticket is not None and sc.admission.config.limits == ()
 
 
 async def test_sidecar_safety_net_holds_with_gpu_memory_low_and_reopens() -> None:
     clock = FakeClock(500.0)
     sc = agent_sidecar(clock)
-    sc.refresh_mode(force=True)
+    sc.policy.refresh_mode(force=True)
     closed = {
         "open": False,
         "reason": "free memory below the margin",
@@ -357,7 +357,7 @@ async def test_sidecar_safety_net_holds_with_gpu_memory_low_and_reopens() -> Non
     assert (d.status, d.reason, d.retry_after) == (503, Reason.GPU_MEMORY_LOW, 4)
     assert "GPU-1" in d.message
     sync(sc, None, SyncResult.ERROR)  # stale: the last safety-net state still applies
-    assert sc.mode is Mode.STALE and ask(sc).reason is Reason.GPU_MEMORY_LOW
+    assert sc.policy.mode is Mode.STALE and ask(sc).reason is Reason.GPU_MEMORY_LOW
     sync(sc, answer(LIMITED, etag="e2"))
     assert ask(sc).outcome is Outcome.ADMITTED
 
@@ -365,7 +365,7 @@ async def test_sidecar_safety_net_holds_with_gpu_memory_low_and_reopens() -> Non
 async def test_sidecar_does_not_split_global_limits_twice_and_prefers_its_engine_reading() -> None:
     clock = FakeClock(500.0)
     sc = agent_sidecar(clock)
-    sc.refresh_mode(force=True)
+    sc.policy.refresh_mode(force=True)
     thresholds = {
         "globalShare": 0.25,
         "kvCapacityTokens": 1000,
@@ -391,12 +391,12 @@ async def test_sync_report_reflects_the_admission_state() -> None:
         metrics_url="http://10.0.0.7:8080/metrics",
         gpu_uuids=("GPU-1",),
     )
-    sc.refresh_mode(force=True)
+    sc.policy.refresh_mode(force=True)
     sync(sc, answer(LIMITED))
     assert ask(sc).ticket is not None
     sc.metrics.count_decision("admitted", "ok", "a")
-    assert sc.thresholds is not None
-    r = sc.thresholds.sync_report()
+    assert sc.policy.thresholds is not None
+    r = sc.policy.thresholds.sync_report()
     assert (r.namespace, r.name, r.uid) == ("ns", "model-0", "u-1")
     assert r.in_flight == 1 and r.kv_reserved_tokens == 32 and r.kv_capacity_tokens == 4096
     assert r.decisions == {"admitted": 1} and r.thresholds_etag == "e1"

@@ -29,7 +29,7 @@ def test_bench_hotpath_bodies_and_chunks_are_what_they_claim() -> None:
     assert isinstance(sent, bytes) and json.loads(sent)["stream_options"] == {"include_usage": True}
     acct = StreamAccountant(True)
     assert acct.feed(bench_hotpath.VLLM_CHUNK) == bench_hotpath.VLLM_CHUNK
-    assert acct.content_deltas == 1
+    assert acct.openai.content_deltas == 1
 
 
 def test_bench_decision_reports_pure_submit(

@@ -21,14 +21,10 @@ from kvgate_agent.node.auth import (
     review_from_status,
     token_expiry,
 )
-from kvgate_agent.node.service import metrics_url_allowed
-from kvgate_agent.node.state import (
-    SAFETY_HYSTERESIS,
-    EngineFacts,
-    NodeState,
-    StatusGate,
-    attribute_gpus,
-)
+from kvgate_agent.node.podgpu import attribute_gpus
+from kvgate_agent.node.safety import SAFETY_HYSTERESIS
+from kvgate_agent.node.scrape import metrics_url_allowed
+from kvgate_agent.node.state import EngineFacts, NodeState, StatusGate
 from kvgate_bench.toolkit import FakeClock
 
 GiB = 1 << 30
@@ -398,9 +394,11 @@ def test_implausible_engine_capacity_is_ignored() -> None:
     for absurd in (16, 10**19, (80 * GiB) // 131072 + 1):  # < maxModelLen, huge, > GPU memory
         st.set_engine(key, EngineFacts(kv_capacity_tokens=absurd))
         assert st.kv_capacity(key) == 20000, absurd  # the policy's explicit value instead
-        assert key in st.implausible and st.status().pods[0].engine_kv_capacity_tokens is None
+        assert (
+            key in st.capacity.implausible and st.status().pods[0].engine_kv_capacity_tokens is None
+        )
     st.set_engine(key, EngineFacts(kv_capacity_tokens=100_000))
-    assert st.kv_capacity(key) == 100_000 and key not in st.implausible
+    assert st.kv_capacity(key) == 100_000 and key not in st.capacity.implausible
 
 
 def test_a_stopped_agent_says_so() -> None:
@@ -505,4 +503,4 @@ def test_an_unread_gpu_does_not_make_an_engine_capacity_implausible() -> None:
     st.set_gpus(snapshot(gpu("GPU-0", 40 * GiB), gpu("GPU-1", None, healthy=False)), {})
     one_gpu_plus = (80 * GiB) // 131072 + 1  # more than one GPU holds, within two
     st.set_engine(key, EngineFacts(kv_capacity_tokens=one_gpu_plus))
-    assert st.kv_capacity(key) == one_gpu_plus and key not in st.implausible
+    assert st.kv_capacity(key) == one_gpu_plus and key not in st.capacity.implausible

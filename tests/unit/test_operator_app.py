@@ -17,9 +17,11 @@ from kubernetes import client
 import kvgate_operator.handlers as handlers
 from kvgate_bench.toolkit import FakeClock, free_port
 from kvgate_operator.app import Operator
-from kvgate_operator.reconciler import NotLeader, PassStats, Reconciler
+from kvgate_operator.metrics import OperatorMetrics
+from kvgate_operator.reconciler import Reconciler
 from kvgate_operator.settings import OperatorSettings
 from kvgate_operator.triggers import Kind
+from kvgate_operator.writer import ClusterWriter, NotLeader, PassStats
 
 
 def settings(**over: Any) -> OperatorSettings:
@@ -222,8 +224,8 @@ def test_events_name_the_replica_that_reported_them() -> None:
             posted.append(body)
 
     op = Operator(settings(pod_name="kvgate-operator-7d9-x2"))
-    r = Reconciler(client.ApiClient(), op.settings, identity=op.identity)
-    r.core = Core()  # type: ignore[assignment]
-    r._event("ns", "policy", "uid", "Warning", "Reason", "message")
-    r._pod_event(MissedPod("ns", "pod", "uid", "pod label"))
+    w = ClusterWriter(client.ApiClient(), OperatorMetrics(), lambda: True, op.identity)
+    w.core = Core()  # type: ignore[assignment]
+    w._event("ns", "policy", "uid", "Warning", "Reason", "message")
+    w._pod_event(MissedPod("ns", "pod", "uid", "pod label"))
     assert [e.reporting_instance for e in posted] == ["kvgate-operator-7d9-x2"] * 2

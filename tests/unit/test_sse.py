@@ -60,7 +60,7 @@ def one_byte(data: bytes, strip: bool) -> tuple[StreamAccountant, bytes]:
 
 
 def summary(acc: StreamAccountant) -> tuple[Usage | None, int, bool, Any]:
-    return acc.usage, acc.content_deltas, acc.done, acc.error
+    return acc.openai.usage, acc.openai.content_deltas, acc.done, acc.openai.error
 
 
 # -- generated streams ---------------------------------------------------------------------------
@@ -141,10 +141,10 @@ def test_split_invariance(sc: tuple[Stream, list[int]], strip: bool) -> None:
     whole, whole_out = run(s.data, [], strip)
     split, split_out = run(s.data, cuts, strip)
     assert summary(split) == summary(whole)
-    assert split.usage == s.usage
-    assert split.content_deltas == s.deltas
+    assert split.openai.usage == s.usage
+    assert split.openai.content_deltas == s.deltas
     assert split.done
-    assert split.error is None
+    assert split.openai.error is None
     assert split.completion_tokens_estimate == (s.usage.completion_tokens if s.usage else s.deltas)
     expected = s.without_usage if strip else s.data
     assert split_out == whole_out == expected
@@ -154,7 +154,7 @@ def test_split_invariance(sc: tuple[Stream, list[int]], strip: bool) -> None:
 @given(streams(), st.booleans())
 def test_one_byte_feeds(s: Stream, strip: bool) -> None:
     acc, out = one_byte(s.data, strip)
-    assert (acc.usage, acc.content_deltas, acc.done) == (s.usage, s.deltas, True)
+    assert (acc.openai.usage, acc.openai.content_deltas, acc.done) == (s.usage, s.deltas, True)
     assert out == (s.without_usage if strip else s.data)
 
 
@@ -204,10 +204,10 @@ def test_event_cut_mid_json(strip: bool) -> None:
     acc = StreamAccountant(strip)
     out = acc.feed(e[:15])
     assert out == (e[:15] if not strip else b"")
-    assert acc.content_deltas == 0
+    assert acc.openai.content_deltas == 0
     out += acc.feed(e[15:])
     assert out == e
-    assert acc.content_deltas == 1
+    assert acc.openai.content_deltas == 1
 
 
 @pytest.mark.parametrize("strip", [False, True])
@@ -215,8 +215,8 @@ def test_utf8_char_split_across_feeds(strip: bool) -> None:
     e = ev(chat_chunk("😀中")) + ev(usage_chunk(3, 2)) + DONE
     k = e.index("😀".encode()) + 2  # inside the 4-byte emoji
     acc, out = run(e, [k, k + 1, k + 3], strip)
-    assert acc.content_deltas == 1
-    assert acc.usage == Usage(3, 2)
+    assert acc.openai.content_deltas == 1
+    assert acc.openai.usage == Usage(3, 2)
     assert out == (e if not strip else ev(chat_chunk("😀中")) + DONE)
 
 
@@ -224,9 +224,9 @@ def test_blank_line_split_between_feeds() -> None:
     e = ev(chat_chunk("x"))
     acc = StreamAccountant(True)
     assert acc.feed(e[:-1]) == b""  # "\n" of the blank line not yet seen
-    assert acc.content_deltas == 0
+    assert acc.openai.content_deltas == 0
     assert acc.feed(e[-1:]) == e
-    assert acc.content_deltas == 1
+    assert acc.openai.content_deltas == 1
 
 
 def test_crlf_and_cr_line_endings() -> None:
@@ -235,7 +235,11 @@ def test_crlf_and_cr_line_endings() -> None:
         data = ev(chat_chunk("a"), eol) + u + f"data: [DONE]{eol}{eol}".encode()
         for strip in (False, True):
             for acc, out in (run(data, [], strip), one_byte(data, strip)):
-                assert (acc.usage, acc.content_deltas, acc.done) == (Usage(5, 1), 1, True)
+                assert (acc.openai.usage, acc.openai.content_deltas, acc.done) == (
+                    Usage(5, 1),
+                    1,
+                    True,
+                )
                 assert out == (data if not strip else data.replace(u, b""))
 
 
@@ -245,7 +249,7 @@ def test_crlf_split_between_cr_and_lf_strips_exactly() -> None:
     cut = len(ev(chat_chunk("a"), "\r\n")) + len(u) - 1  # between the final CR and LF of u
     acc, out = run(data, [cut], True)
     assert out == data.replace(u, b"")
-    assert acc.usage == Usage(1, 1)
+    assert acc.openai.usage == Usage(1, 1)
 
 
 def test_bare_cr_event_completes_on_next_byte_or_finish() -> None:
@@ -253,7 +257,7 @@ def test_bare_cr_event_completes_on_next_byte_or_finish() -> None:
     acc = StreamAccountant(True)
     assert acc.feed(e) == b""  # the last CR could still be half of a CRLF
     assert acc.feed(b"d") == e
-    assert acc.content_deltas == 1
+    assert acc.openai.content_deltas == 1
     assert acc.finish() == b"d"
 
 
@@ -261,13 +265,13 @@ def test_mixed_line_endings() -> None:
     data = b'data: {"choices":[{"index":0,"text":"a"}]}\r\n\n' + b"data: [DONE]\n\r\n"
     for cuts in ([], list(range(1, len(data)))):
         acc, out = run(data, cuts, True)
-        assert (acc.content_deltas, acc.done, out) == (1, True, data)
+        assert (acc.openai.content_deltas, acc.done, out) == (1, True, data)
 
 
 def test_multiple_data_lines_are_joined_with_lf() -> None:
     data = b'data: {"choices":\ndata: [{"index":0,\ndata:"text":"a\\nb"}]}\n\n'
     acc, out = run(data, [], True)
-    assert acc.content_deltas == 1
+    assert acc.openai.content_deltas == 1
     assert out == data
 
 
@@ -276,7 +280,7 @@ def test_multiline_usage_event_is_stripped() -> None:
     u += b"\r\n\r\n"
     data = ev(chat_chunk("a")) + u + DONE
     for acc, out in (run(data, [], True), one_byte(data, True)):
-        assert acc.usage == Usage(7, 9)
+        assert acc.openai.usage == Usage(7, 9)
         assert out == ev(chat_chunk("a")) + DONE
 
 
@@ -284,16 +288,16 @@ def test_comments_and_other_fields_ignored_and_forwarded() -> None:
     data = b": ping\n\nevent: message\nid: 3\nretry: 10\n: note\n" + ev(chat_chunk("a")) + DONE
     for strip in (False, True):
         acc, out = run(data, [], strip)
-        assert (acc.content_deltas, acc.done, out) == (1, True, data)
+        assert (acc.openai.content_deltas, acc.done, out) == (1, True, data)
 
 
 def test_data_without_space_and_bare_data_field() -> None:
     data = b'data:{"choices":[{"index":0,"text":"a"}]}\n\ndata\n\ndata:[DONE]\n\n'
     acc, out = run(data, [], True)
-    assert (acc.content_deltas, acc.done, out) == (1, True, data)
+    assert (acc.openai.content_deltas, acc.done, out) == (1, True, data)
     # exactly one space is dropped: "data:  x" has value " x"
     acc, _ = run(b'data:  {"choices":[{"index":0,"text":"b"}]}\n\n', [], False)
-    assert acc.content_deltas == 1  # JSON tolerates the extra leading space
+    assert acc.openai.content_deltas == 1  # JSON tolerates the extra leading space
 
 
 @pytest.mark.parametrize("strip", [False, True])
@@ -310,7 +314,7 @@ def test_malformed_json_ignored_and_forwarded(strip: bool) -> None:
     ]
     data = b"".join(bad) + DONE
     acc, out = run(data, [], strip)
-    assert (acc.usage, acc.content_deltas, acc.done) == (None, 0, True)
+    assert (acc.openai.usage, acc.openai.content_deltas, acc.done) == (None, 0, True)
     # the last bad event has choices [] and a non-null usage: stripped although unusable
     assert out == (data if not strip else data.replace(bad[-1], b""))
 
@@ -325,8 +329,8 @@ def test_reasoning_and_tool_call_deltas_count() -> None:
         {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
     ]
     acc, _ = run(b"".join(ev(c) for c in chunks) + DONE, [], False)
-    assert acc.content_deltas == 4
-    assert acc.usage is None
+    assert acc.openai.content_deltas == 4
+    assert acc.openai.usage is None
     assert acc.completion_tokens_estimate == 4
 
 
@@ -335,7 +339,7 @@ def test_last_usage_wins_and_inline_usage_is_not_stripped() -> None:
     final = usage_chunk(4, 2)
     data = ev(inline) + ev(final) + DONE
     acc, out = run(data, [], True)
-    assert acc.usage == Usage(4, 2)
+    assert acc.openai.usage == Usage(4, 2)
     assert acc.completion_tokens_estimate == 2
     assert out == ev(inline) + DONE
     # "usage": null with empty choices is not the usage chunk
@@ -347,7 +351,7 @@ def test_mid_stream_error() -> None:
     err = {"error": {"message": "boom", "type": "BadRequestError", "code": 400}}
     data = ev(chat_chunk("a")) + ev(err) + DONE
     acc, out = run(data, [5, 50], True)
-    assert acc.error == err["error"]
+    assert acc.openai.error == err["error"]
     assert out == data
 
 
@@ -363,7 +367,7 @@ def test_finish_forwards_and_accounts_trailing_partial_event() -> None:
     # an unterminated usage event is accounted but forwarded as is
     tail = ev(usage_chunk(2, 3)).rstrip(b"\n")
     acc, out = run(ev(chat_chunk("a")) + tail, [], True)
-    assert acc.usage == Usage(2, 3)
+    assert acc.openai.usage == Usage(2, 3)
     assert out == ev(chat_chunk("a")) + tail
 
 
@@ -400,7 +404,7 @@ def test_parsing_cost_is_linear(monkeypatch: pytest.MonkeyPatch) -> None:
             # LF framing: the next search starts at the last byte held (a "\n\n" may begin there)
             assert eol == "\r\n" or acc._scan >= acc.pending_bytes - 1
         out += acc.finish()
-        assert acc.usage == Usage(1, 2)
+        assert acc.openai.usage == Usage(1, 2)
         assert out == ev(chat_chunk("x" * 20_000), eol) + f"data: [DONE]{eol}{eol}".encode()
         assert scanned <= len(big)
         assert (scanned > 0) == (eol == "\r\n")

@@ -12,11 +12,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 from kvgate_agent.gpu.backend import (
     GpuBackend,
@@ -25,15 +24,14 @@ from kvgate_agent.gpu.backend import (
     GpuLibraryMissing,
     GpuNotSupported,
     GpuTimeout,
-    GpuUnknownError,
     MemoryInfo,
     ProcessMemory,
 )
+from kvgate_agent.gpu.calls import BoundedCalls
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-T = TypeVar("T")
 
 _INIT_KEY = "__init__"
 _DEVICES_KEY = "__devices__"
@@ -115,8 +113,8 @@ class GpuMonitor:
     - Each GPU is read (memory, utilization, processes) as one task on a thread pool; all GPUs in
       parallel, waited on until ``call_timeout`` (real seconds). A read still running then marks
       that GPU unhealthy with reason ``"timeout"`` and is not started again for that GPU until the
-      hung call returns: a wedged driver call never piles up threads, and its late answer is
-      discarded (never served as fresh data).
+      hung call returns (:class:`~kvgate_agent.gpu.calls.BoundedCalls`): a wedged driver call
+      never piles up threads, and its late answer is discarded (never served as fresh data).
     - One GPU's error never hides the others; unhealthy GPUs are reported with their reason.
     - ``init()`` failures are retried with exponential backoff on the injected clock: ``poll()``
       calls ``init()`` again only once the backoff deadline has passed.
@@ -155,25 +153,19 @@ class GpuMonitor:
         init_backoff_max: float = 60.0,
         pid_max: int | None = None,
     ) -> None:
-        if call_timeout <= 0:
-            raise ValueError("call_timeout must be > 0")
+        self.calls = BoundedCalls(call_timeout, executor)
         self.pid_max = read_pid_max() if pid_max is None else pid_max
         self.backend = backend
         self.clock = clock
         self.call_timeout = call_timeout
         self.init_backoff = init_backoff
         self.init_backoff_max = init_backoff_max
-        self._owns_executor = executor is None
-        self._executor: Executor = executor or ThreadPoolExecutor(
-            max_workers=8, thread_name_prefix="kvgate-gpu"
-        )
         self._lock = threading.Lock()
         self._initialized = False
         self._init_failures = 0
         self._next_init_at = float("-inf")
         self._init_reason: str | None = None
         self._known: dict[str, GpuInfo] = {}
-        self._pending: dict[str, Future[Any]] = {}
         self._errors: Counter[str] = Counter()
         self._dropped: Counter[tuple[str, str]] = Counter()
         self._warned: set[tuple[str, str]] = set()
@@ -204,29 +196,28 @@ class GpuMonitor:
     def close(self) -> None:
         """Shut the backend down (bounded by ``call_timeout``) and the private pool."""
         with self._lock:
-            if self._initialized and not any(not f.done() for f in self._pending.values()):
+            if self._initialized and self.calls.idle():
                 try:
-                    self._wait(self._executor.submit(self.backend.shutdown), None)
+                    self.calls.call(self.backend.shutdown)
                 except GpuError as exc:
                     log.warning("GPU backend shutdown: %s", exc)
             self._initialized = False
-            if self._owns_executor:
-                self._executor.shutdown(wait=False, cancel_futures=True)
+            self.calls.shutdown()
 
     # -- init ------------------------------------------------------------------------------
 
     def _try_init(self, now: float) -> None:
-        pending = self._pending.get(_INIT_KEY)
+        pending = self.calls.late(_INIT_KEY)
         if pending is not None:
             if not pending.done():
                 self._init_failed(GpuTimeout("init() still blocked"), now)
                 return
-            del self._pending[_INIT_KEY]
+            self.calls.discard(_INIT_KEY)
             if pending.exception() is None:  # a timed-out init finished after all
                 self._init_succeeded()
                 return
         try:
-            self._run(_INIT_KEY, self.backend.init)
+            self.calls.run(_INIT_KEY, self.backend.init)
         except GpuError as exc:
             self._init_failed(exc, now)
             return
@@ -260,7 +251,7 @@ class GpuMonitor:
     def _poll_devices(self, now: float) -> GpuSnapshot:
         enum_error: GpuError | None = None
         try:
-            infos = self._run(_DEVICES_KEY, self.backend.devices)
+            infos = self.calls.run(_DEVICES_KEY, self.backend.devices)
         except GpuLibraryMissing as exc:  # driver unloaded under us: back to init
             self._init_failed(exc, now)
             return self._not_initialized(now)
@@ -283,7 +274,7 @@ class GpuMonitor:
         to_read = [i for i in self._known.values() if i.uuid not in missing]
         futures: dict[str, Future[_Reading] | None] = {}
         for info in to_read:
-            futures[info.uuid] = self._submit(info.uuid, self._reader(info.uuid))
+            futures[info.uuid] = self.calls.submit(info.uuid, self._reader(info.uuid))
         deadline = time.monotonic() + self.call_timeout
         statuses: list[GpuStatus] = []
         for info in self._known.values():
@@ -294,7 +285,7 @@ class GpuMonitor:
             try:
                 if fut is None:
                     raise GpuTimeout("previous call still blocked", uuid=info.uuid)
-                reading = self._wait(fut, deadline, key=info.uuid)
+                reading = self.calls.wait(fut, deadline, key=info.uuid)
             except GpuError as exc:
                 self._record(exc)
                 statuses.append(_unhealthy(info, _reason(exc)))
@@ -407,43 +398,10 @@ class GpuMonitor:
             reason = None
         return GpuSnapshot(gpus, ready, reason, dict(self._errors), now, dict(self._dropped))
 
-    # -- bounded calls ---------------------------------------------------------------------
+    # -- errors ----------------------------------------------------------------------------
 
     def _record(self, exc: GpuError) -> None:
         self._errors[exc.kind] += 1
-
-    def _submit(self, key: str, fn: Callable[[], T]) -> Future[T] | None:
-        """Start ``fn``, or return None when the previous call for ``key`` is still running."""
-        pending = self._pending.get(key)
-        if pending is not None:
-            if not pending.done():
-                return None
-            del self._pending[key]  # its late answer is stale: discard it
-        return self._executor.submit(fn)
-
-    def _run(self, key: str, fn: Callable[[], T]) -> T:
-        fut = self._submit(key, fn)
-        if fut is None:
-            raise GpuTimeout("previous call still blocked")
-        return self._wait(fut, time.monotonic() + self.call_timeout, key=key)
-
-    def _wait(self, fut: Future[T], deadline: float | None, key: str | None = None) -> T:
-        if deadline is None:
-            deadline = time.monotonic() + self.call_timeout
-        try:
-            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            if key is not None:
-                self._pending[key] = fut
-            raise GpuTimeout(f"no answer within {self.call_timeout:g}s", uuid=_uuid(key)) from None
-        except GpuError:
-            raise
-        except Exception as exc:  # a backend bug must not take the agent down
-            raise GpuUnknownError(f"{type(exc).__name__}: {exc}", uuid=_uuid(key)) from exc
-
-
-def _uuid(key: str | None) -> str | None:
-    return None if key is None or key.startswith("__") else key
 
 
 def _reason(exc: GpuError) -> str:

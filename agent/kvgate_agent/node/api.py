@@ -1,6 +1,7 @@
 """The node agent's HTTP API (FastAPI), for the sidecars of its node and for Prometheus.
 
-Routes only translate HTTP to :class:`~kvgate_agent.node.service.NodeAgent` calls:
+Routes only translate HTTP to calls of :class:`~kvgate_agent.node.service.NodeAgent` and its
+:class:`~kvgate_agent.node.sync.SyncHandler`:
 
 - ``POST /v1/sync``: a sidecar's report in, its thresholds out (see
   :mod:`kvgate_agent.contract.sync`; ``304`` when ``If-None-Match`` matches; held until the
@@ -60,7 +61,7 @@ def build_app(agent: NodeAgent) -> FastAPI:
                 return JSONResponse(too_large, status_code=413)
             chunks.append(chunk)
         body = b"".join(chunks)
-        result = await agent.sync(
+        result = await agent.syncs.handle(
             body,
             request.headers.get("authorization"),
             request.headers.get("if-none-match"),

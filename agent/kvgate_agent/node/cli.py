@@ -118,7 +118,7 @@ async def run_node(args: argparse.Namespace) -> int:
         {server_task, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED
     )
     server.should_exit = True
-    agent.release_syncs()  # held long polls answer now: the server need not wait them out
+    agent.syncs.release_all()  # held long polls answer now: the server need not wait them out
     try:
         await server_task
     except (Exception, SystemExit) as exc:  # uvicorn exits (sys.exit) when it cannot bind
@@ -126,7 +126,7 @@ async def run_node(args: argparse.Namespace) -> int:
     watch.stop()
     await agent.stop()
     if server.started:
-        await agent.write_final_status()  # Ready=False/AgentStopped: nobody reads stale figures
+        await agent.status.write_final()  # Ready=False/AgentStopped: nobody reads stale figures
     monitor.close()
     api_client.close()
     return 0 if server.started else 1

@@ -26,9 +26,24 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created serie
 SYNC_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+class HeldSyncs(Protocol):
+    """What the metrics read of the sync handler (:class:`~kvgate_agent.node.sync.SyncHandler`)."""
+
+    @property
+    def waiters(self) -> Sized: ...
+
+
+class EngineAges(Protocol):
+    """What the metrics read of the engine scraper
+    (:class:`~kvgate_agent.node.scrape.EngineScraper`)."""
+
+    def ages(self, now: float) -> Mapping[PodKey, float | None]: ...
+
+
 class AgentView(Protocol):
     """What the metrics read of the node agent at scrape time
-    (:class:`~kvgate_agent.node.service.NodeAgent` is one; this module does not import it)."""
+    (:class:`~kvgate_agent.node.service.NodeAgent` is one; this module imports none of the
+    modules that count on it)."""
 
     @property
     def state(self) -> NodeState: ...
@@ -37,11 +52,12 @@ class AgentView(Protocol):
     def auth(self) -> Authenticator: ...
 
     @property
-    def waiters(self) -> Sized: ...
+    def syncs(self) -> HeldSyncs: ...
+
+    @property
+    def scraper(self) -> EngineAges: ...
 
     def ready(self) -> tuple[bool, str]: ...
-
-    def engine_ages(self, now: float) -> Mapping[PodKey, float | None]: ...
 
 
 class _StateCollector(Collector):
@@ -76,13 +92,13 @@ class _StateCollector(Collector):
             "1 while a pod's engine reports a KV capacity the agent ignores (see reason)",
             labels=["namespace", "pod", "reason"],
         )
-        for (ns, name), why in st.implausible.items():
+        for (ns, name), why in st.capacity.implausible.items():
             implausible.add_metric([ns, name, why], 1)
         yield implausible
         yield GaugeMetricFamily(
             "kvgate_node_syncs_held",
             "Sidecar syncs held open now (long polls waiting for a change)",
-            value=len(a.waiters),
+            value=len(a.syncs.waiters),
         )
         yield GaugeMetricFamily(
             "kvgate_node_ready",
@@ -195,7 +211,7 @@ class _StateCollector(Collector):
         for (ns, name), (_, at) in st.reports().items():
             held = st.is_held((ns, name))  # a held sync is a sidecar heard from now
             age.add_metric(["sync", ns, name], 0.0 if held else max(0.0, now - at))
-        for (ns, name), engine_age in a.engine_ages(now).items():
+        for (ns, name), engine_age in a.scraper.ages(now).items():
             if engine_age is not None:
                 age.add_metric(["engine", ns, name], engine_age)
         return age

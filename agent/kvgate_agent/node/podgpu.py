@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -143,3 +144,22 @@ def gpus_for_pod(
         if seen:
             return seen, "nvml_processes"
     return node, "all_gpus"
+
+
+@dataclass(slots=True)
+class PodGpus:
+    """The GPUs attributed to a pod and how they were found."""
+
+    uuids: frozenset[str]
+    source: GpuSource
+
+
+def attribute_gpus(
+    pod_uid: str | None,
+    reported: Iterable[str],
+    by_pod: Mapping[str, set[str]],
+    node_gpus: Iterable[str],
+) -> PodGpus:
+    """The GPUs a pod uses (see :func:`gpus_for_pod`)."""
+    uuids, source = gpus_for_pod(pod_uid, reported, by_pod, node_gpus)
+    return PodGpus(frozenset(uuids), source)

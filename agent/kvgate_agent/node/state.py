@@ -1,16 +1,16 @@
 """What the node agent knows about its node (the NodeAdmission spec, NVML, sidecar reports,
 engine metrics), and the sync answers and ``NodeAdmission`` status computed from it.
 
-Invariant: pure (inputs are set by :mod:`kvgate_agent.node.service`), and unknown is never idle
-nor full: a missing engine figure or an unreadable GPU neither lowers a capacity nor closes the
-safety net.
+Invariant: pure (inputs are set by :mod:`kvgate_agent.node.service`, ``node.sync`` and
+``node.scrape``), and unknown is never idle nor full: a missing engine figure or an unreadable
+GPU neither lowers a capacity nor closes the safety net.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvgate_agent.contract.nodeadmission import (
@@ -21,14 +21,13 @@ from kvgate_agent.contract.nodeadmission import (
     PodAdmission,
     PodUsage,
 )
-from kvgate_agent.contract.sync import SafetyNet, SyncAnswer, SyncReport
+from kvgate_agent.contract.sync import SyncAnswer, SyncReport
 from kvgate_agent.gpu.monitor import GpuSnapshot
 from kvgate_agent.gpu.monitor import GpuStatus as GpuReading
-from kvgate_agent.node.podgpu import GpuSource, gpus_for_pod
-
-#: Reopen the safety net only once free memory is this fraction of the margin above it (a value
-#: hovering at the margin does not flap).
-SAFETY_HYSTERESIS = 0.1
+from kvgate_agent.node.capacity import KvCapacity, with_capacity
+from kvgate_agent.node.capacity import bytes_per_token as _bytes_per_token
+from kvgate_agent.node.podgpu import PodGpus, attribute_gpus
+from kvgate_agent.node.safety import SafetyNets
 
 PodKey = tuple[str, str]  # (namespace, name)
 
@@ -45,33 +44,6 @@ class EngineFacts:
 class _PodRecord:
     report: SyncReport
     at: float  # monotonic seconds of the last report
-
-
-@dataclass(slots=True)
-class _Safety:
-    open: bool = True
-    gpu_uuid: str | None = None
-    free_bytes: int | None = None
-    margin_bytes: int | None = None
-
-
-@dataclass(slots=True)
-class PodGpus:
-    """The GPUs attributed to a pod and how they were found."""
-
-    uuids: frozenset[str]
-    source: GpuSource
-
-
-def attribute_gpus(
-    pod_uid: str | None,
-    reported: Iterable[str],
-    by_pod: Mapping[str, set[str]],
-    node_gpus: Iterable[str],
-) -> PodGpus:
-    """The GPUs a pod uses (see :func:`kvgate_agent.node.podgpu.gpus_for_pod`)."""
-    uuids, source = gpus_for_pod(pod_uid, reported, by_pod, node_gpus)
-    return PodGpus(frozenset(uuids), source)
 
 
 class NodeState:
@@ -106,13 +78,15 @@ class NodeState:
         self._pods: dict[PodKey, PodAdmission] = {}
         self._reports: dict[PodKey, _PodRecord] = {}
         self._engine: dict[PodKey, EngineFacts] = {}
-        self._safety: dict[PodKey, _Safety] = {}
+        #: Each governed pod's GPU safety net.
+        self.safety = SafetyNets()
+        #: Each governed pod's KV capacity from its sources (and the engine figures ignored).
+        self.capacity = KvCapacity()
         self._answers: dict[PodKey, SyncAnswer] = {}
         self.stopped = False  # set on shutdown: the last status says so
         #: Bumped whenever a cached answer is dropped (an answer may have changed).
         self.version = 0
         self._held: dict[PodKey, int] = {}  # pods whose sync the agent holds now (long poll)
-        self.implausible: dict[PodKey, str] = {}  # engine capacities ignored, and why
 
     # ------------------------------------------------------------------ inputs
 
@@ -123,7 +97,7 @@ class NodeState:
         self.spec_known = True
         self.spec_read_at = now
         self._pods = {(p.namespace, p.name): p for p in (spec.pods if spec else [])}
-        self.implausible = {k: v for k, v in self.implausible.items() if k in self._pods}
+        self.capacity.keep(self._pods)
         self._refresh()
 
     def set_gpus(self, snapshot: GpuSnapshot, gpus_by_pod: Mapping[str, set[str]]) -> None:
@@ -192,7 +166,7 @@ class NodeState:
             del self._reports[k]
             self._engine.pop(k, None)
             self._answers.pop(k, None)
-            self.implausible.pop(k, None)
+            self.capacity.forget(k)
         if gone:
             self.version += 1
         return gone
@@ -212,7 +186,7 @@ class NodeState:
         return {k: (r.report, r.at) for k, r in self._reports.items()}
 
     def pod_gpus(self, key: PodKey) -> PodGpus:
-        """The GPUs attributed to a pod (see :func:`attribute_gpus`)."""
+        """The GPUs attributed to a pod (see :func:`~kvgate_agent.node.podgpu.attribute_gpus`)."""
         pod = self._pods.get(key)
         rec = self._reports.get(key)
         uid = pod.uid if pod is not None else (rec.report.uid if rec else None)
@@ -220,16 +194,9 @@ class NodeState:
         return attribute_gpus(uid, rec.report.gpu_uuids if rec else (), self.gpus_by_pod, node)
 
     def safety_open(self, key: PodKey) -> bool:
-        """Whether the GPU safety net lets the pod admit new requests.
-
-        vLLM preallocates its KV pool, so NVML "used" does not move with load: NVML is the
-        safety net, not the KV meter. The net closes while free memory on one of the pod's GPUs
-        is below the policy's ``capacity.safetyMarginBytes`` and reopens once it is back above
-        the margin by :data:`SAFETY_HYSTERESIS` of it. A GPU whose memory cannot be read does
-        not close it.
-        """
-        s = self._safety.get(key)
-        return s is None or s.open
+        """Whether the GPU safety net lets the pod admit new requests (see
+        :class:`~kvgate_agent.node.safety.SafetyNets`)."""
+        return self.safety.is_open(key)
 
     def answer(self, key: PodKey) -> SyncAnswer:
         """The answer for a pod's sidecar (cached until an input changes)."""
@@ -239,18 +206,7 @@ class NodeState:
         pod = self._pods.get(key)
         if pod is not None:
             pod = self._with_capacity(key, pod)
-        s = self._safety.get(key) or _Safety()
-        net = SafetyNet(
-            open=s.open,
-            reason=None
-            if s.open
-            else f"GPU {s.gpu_uuid} has {s.free_bytes} bytes free, below the safety margin "
-            f"of {s.margin_bytes} bytes",
-            gpu_uuid=None if s.open else s.gpu_uuid,
-            free_bytes=None if s.open else s.free_bytes,
-            margin_bytes=None if s.open else s.margin_bytes,
-            retry_after_seconds=max(1.0, self.sync_interval_seconds),
-        )
+        net = self.safety.answer(key, max(1.0, self.sync_interval_seconds))
         body = {
             "pod": None if pod is None else pod.model_dump(mode="json", by_alias=True),
             "safetyNet": net.model_dump(mode="json", by_alias=True),
@@ -269,19 +225,8 @@ class NodeState:
         return ans
 
     def kv_capacity(self, key: PodKey) -> int | None:
-        """The pod's KV capacity, tokens, from the best source:
-
-        1. the engine's own report (vLLM ``vllm:cache_config_info`` num_gpu_blocks ×
-           block_size) when the policy says ``capacity.fromEngineMetrics``; otherwise the
-           engine's report still overrides estimates, but not an explicit
-           ``capacity.kvCacheTokens``;
-        2. the explicit ``capacity.kvCacheTokens`` (already in the thresholds the operator
-           wrote);
-        3. an NVML estimate, when the policy gives ``gpuMemoryUtilization`` and the model shape:
-           ``(Σ total × gpuMemoryUtilization − weightsBytes − safetyMarginBytes × GPUs) /
-           bytesPerToken`` over the pod's GPUs, only when the agent knows which GPUs are the
-           pod's (or the node has one).
-        """
+        """The pod's KV capacity, tokens, from the best source (see
+        :func:`~kvgate_agent.node.capacity.with_capacity`); None for a pod not governed."""
         pod = self._pods.get(key)
         if pod is None:
             return None
@@ -343,7 +288,7 @@ class NodeState:
             ready = Condition(type="Ready", status="True", reason="SomeGpusUnhealthy", message=bad)
         else:
             ready = Condition(type="Ready", status="True", reason="Reporting")
-        closed = sorted(f"{k[0]}/{k[1]}" for k, s in self._safety.items() if not s.open)
+        closed = sorted(f"{k[0]}/{k[1]}" for k in self.safety.closed())
         low = Condition(
             type="GpuMemoryLow",
             status="True" if closed else "False",
@@ -355,107 +300,34 @@ class NodeState:
     # ------------------------------------------------------------------ internals
 
     def _with_capacity(self, key: PodKey, pod: PodAdmission) -> PodAdmission:
-        th = pod.thresholds
-        eng = self._engine.get(key)
-        cap = th.capacity
-        kv = th.kv_capacity_tokens if th.kv_capacity_tokens is not None else cap.kv_cache_tokens
-        engine_kv = self._plausible_engine_kv(key) if eng else None
-        if engine_kv is not None and (cap.from_engine_metrics or cap.kv_cache_tokens is None):
-            kv = engine_kv
-        elif kv is None:
-            kv = self._nvml_estimate(key, pod)
-        if kv == th.kv_capacity_tokens:
-            return pod
-        return pod.model_copy(
-            update={"thresholds": th.model_copy(update={"kv_capacity_tokens": kv})}
-        )
+        engine_kv = self._plausible_engine_kv(key) if self._engine.get(key) else None
+        return with_capacity(pod, engine_kv, self.gpus, self.pod_gpus(key))
 
     def _plausible_engine_kv(self, key: PodKey) -> int | None:
-        """The engine's reported KV capacity (tokens) if it is plausible, else None (recorded
-        in :attr:`implausible`). A value is implausible when it is below the policy's
-        ``model.maxModelLen`` (vLLM refuses to start unless its KV cache holds one sequence of
-        max_model_len), or when its bytes (× bytesPerToken) exceed the memory of the pod's
-        GPUs, or above 2^40 tokens. A wrong engine figure must neither switch KV protection
-        off nor refuse every request."""
+        """The pod's engine-reported KV capacity if plausible (see
+        :meth:`~kvgate_agent.node.capacity.KvCapacity.engine_kv`), else None."""
         eng = self._engine.get(key)
-        kv = eng.kv_capacity_tokens if eng else None
-        if kv is None:
-            self.implausible.pop(key, None)
-            return None
+        reported = eng.kv_capacity_tokens if eng else None
         pod = self._pods.get(key)
-        why: str | None = None
-        if kv > 1 << 40:
-            why = f"{kv} tokens is beyond any GPU"
-        elif pod is not None:
-            mml = pod.thresholds.model.max_model_len
-            bpt = self.bytes_per_token(key)
-            memory = self._gpu_memory(key)
-            if mml is not None and kv < mml:
-                why = f"{kv} tokens is below model.maxModelLen {mml}"
-            elif bpt is not None and memory is not None and kv * bpt > memory[0]:
-                why = f"{kv} tokens × {bpt} bytes exceeds the pod's GPU memory ({memory[0]} bytes)"
-        if why is None:
-            self.implausible.pop(key, None)
-            return kv
-        self.implausible[key] = why
-        return None
+        return self.capacity.engine_kv(key, pod, reported, self.gpus, self.pod_gpus(key))
 
     def bytes_per_token(self, key: PodKey) -> int | None:
         """KV bytes per token of a governed pod's model, from its thresholds."""
         pod = self._pods.get(key)
-        if pod is None:
-            return None
-        return pod.thresholds.bytes_per_token or pod.thresholds.model.bytes_per_token
-
-    def _gpu_memory(self, key: PodKey) -> tuple[int, int] | None:
-        """(total bytes, number of GPUs) of the pod's GPUs; None when any of them is unread."""
-        if self.gpus is None:
-            return None
-        read = [self.gpus.gpu(u) for u in self.pod_gpus(key).uuids]
-        totals = [g.total_bytes for g in read if g is not None and g.total_bytes is not None]
-        if not read or len(totals) != len(read):
-            return None
-        return sum(totals), len(totals)
-
-    def _nvml_estimate(self, key: PodKey, pod: PodAdmission) -> int | None:
-        th = pod.thresholds
-        util = th.capacity.gpu_memory_utilization
-        bpt = self.bytes_per_token(key)
-        attributed = self.pod_gpus(key)
-        if attributed.source == "all_gpus" and len(attributed.uuids) != 1:
-            return None  # which GPUs are the pod's is unknown: no estimate beats a wrong one
-        memory = self._gpu_memory(key)
-        if util is None or bpt is None or memory is None:
-            return None
-        total, gpus = memory
-        margin = (th.capacity.safety_margin_bytes or 0) * gpus
-        room = int(total * util) - (th.capacity.weights_bytes or 0) - margin
-        tokens = room // bpt
-        return tokens if tokens > 0 else None
+        return None if pod is None else _bytes_per_token(pod)
 
     def _refresh(self, only: PodKey | None = None) -> None:
         """Re-evaluate the safety net (all pods, or one) and drop cached answers."""
         self.version += 1
-        keys = [only] if only is not None else list(set(self._pods) | set(self._safety))
+        keys = [only] if only is not None else list(set(self._pods) | self.safety.pods())
         for key in keys:
             self._answers.pop(key, None)
             pod = self._pods.get(key)
             margin = pod.thresholds.capacity.safety_margin_bytes if pod else None
             if pod is None or margin is None or self.gpus is None:
-                self._safety.pop(key, None)
-                continue
-            prev = self._safety.get(key) or _Safety()
-            now = _Safety(margin_bytes=margin)
-            for uuid in sorted(self.pod_gpus(key).uuids):
-                g = self.gpus.gpu(uuid)
-                if g is None or g.free_bytes is None or not g.healthy:
-                    continue  # unknown is not "full"
-                reopen_at = margin + margin * SAFETY_HYSTERESIS
-                was_closed_here = not prev.open and prev.gpu_uuid == uuid
-                low = g.free_bytes < margin or (was_closed_here and g.free_bytes < reopen_at)
-                if low and (now.open or g.free_bytes < (now.free_bytes or 0)):
-                    now.open, now.gpu_uuid, now.free_bytes = False, uuid, g.free_bytes
-            self._safety[key] = now
+                self.safety.drop(key)
+            else:
+                self.safety.update(key, margin, self.gpus, self.pod_gpus(key).uuids)
         if only is None:
             self._answers.clear()
 

@@ -405,8 +405,8 @@ class Forwarder:
     # ------------------------------------------------------------------ pass-through
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """A request the routes let through (see ``Sidecar.other``): forwarded as is (the raw
-        path, not re-normalised), body streamed both ways. An absolute-form target
+        """A request the routes let through (see ``RequestPipeline.other``): forwarded as is
+        (the raw path, not re-normalised), body streamed both ways. An absolute-form target
         (``GET http://host/v1/models``, RFC 9112 §3.2.2) is sent as its path and query: the
         upstream is always the sidecar's own. The body must be complete within
         :attr:`body_timeout` seconds of the handler's start, else the upstream request is

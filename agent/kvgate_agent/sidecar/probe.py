@@ -67,6 +67,9 @@ class EngineProbe:
         usage_seconds: how often the KV tokens in use are read while a KV capacity is
             enforced (0: never).
         unknown_engine: set while :attr:`capacity_problem` is (``kvgate_engine_capacity_unknown``).
+        initial: the policy spec enforced at start (``spec()`` may not answer before the
+            probe's owner is built): the KV capacity is known from the start unless it asks
+            for the engine's.
     """
 
     def __init__(
@@ -78,6 +81,8 @@ class EngineProbe:
         poll_seconds: float,
         usage_seconds: float = 0.0,
         unknown_engine: Flag | None = None,
+        *,
+        initial: RateLimitPolicySpec,
     ) -> None:
         self.server = server
         self.admission = admission
@@ -89,7 +94,7 @@ class EngineProbe:
         self.engine_name: str | None = None
         self.capacity_problem: str | None = None
         self.unknown_engine = Flag(False) if unknown_engine is None else unknown_engine
-        self.capacity_known = not spec().capacity.from_engine_metrics
+        self.capacity_known = not initial.capacity.from_engine_metrics
         self._health: _HealthCheck | None = None
         self._no_props = False  # /props answered, but not as llama.cpp: not asked again
         self._task: asyncio.Task[None] | None = None

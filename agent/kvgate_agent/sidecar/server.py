@@ -68,7 +68,7 @@ class SidecarServer:
         everything."""
         sc = self.sidecar
         log.info("shutting down: draining up to %.0fs", drain_seconds)
-        sc.draining = True
+        sc.pipeline.draining = True
         sc.admission.reject_waiting(Reason.DRAINING, 503, 1.0, "the sidecar is shutting down")
         if self._site is not None:
             await self._site.stop()  # stop accepting new connections

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvgate_agent.sidecar.usage import EventReader, decode_json
 
-__all__ = ["StreamAccountant", "Usage"]
+__all__ = ["OpenAiEvents", "StreamAccountant", "Usage"]
 
 _EOL = re.compile(rb"\r\n|\r|\n")
 _CR = 0x0D
@@ -33,8 +33,70 @@ class Usage:
     completion_tokens: int
 
 
+class OpenAiEvents:
+    """What an OpenAI stream's JSON events say (chat or completions chunks, as vLLM sends them).
+
+    Holds :attr:`usage` (the last ``usage`` object with int ``prompt_tokens`` and
+    ``completion_tokens``, or None), :attr:`content_deltas` (events' choices carrying output,
+    counted once per choice per event) and :attr:`error` (the last top-level ``error`` object of
+    an event: vLLM's mid-stream errors; or None).
+
+    A chat choice carries output when its ``delta`` has a non-empty ``content``,
+    ``reasoning_content`` (or ``reasoning``) or ``tool_calls``; a completions choice when its
+    ``text`` is non-empty. vLLM emits about one such delta per generated token, so
+    :attr:`content_deltas` approximates output tokens.
+    """
+
+    __slots__ = ("content_deltas", "error", "usage")
+
+    def __init__(self) -> None:
+        self.usage: Usage | None = None
+        self.content_deltas = 0
+        self.error: dict[str, Any] | None = None
+
+    @property
+    def completion_tokens_estimate(self) -> int:
+        """Output tokens: ``usage.completion_tokens`` when reported, else
+        :attr:`content_deltas`."""
+        return self.usage.completion_tokens if self.usage is not None else self.content_deltas
+
+    def event(self, obj: dict[str, Any]) -> bool:
+        """Account one event's JSON object; return False when it is the usage chunk the proxy
+        asked for (``"choices": []`` with a ``usage``), True otherwise."""
+        err = obj.get("error")
+        if isinstance(err, dict):
+            self.error = err
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if type(pt) is int and type(ct) is int:
+                self.usage = Usage(pt, ct)
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            if not choices:
+                return usage is None
+            n = 0
+            for c in choices:
+                if not isinstance(c, dict):
+                    continue
+                delta = c.get("delta")
+                if isinstance(delta, dict):
+                    if (
+                        delta.get("content")
+                        or delta.get("reasoning_content")
+                        or delta.get("reasoning")
+                        or delta.get("tool_calls")
+                    ):
+                        n += 1
+                elif c.get("text"):
+                    n += 1
+            self.content_deltas += n
+        return True
+
+
 class StreamAccountant:
-    """Accounts one streaming response and optionally strips the proxy-requested usage chunk.
+    """Frames one streaming response into events, has each accounted (by :attr:`openai`, or
+    by another API's reader) and optionally strips the proxy-requested usage chunk.
 
     The upstream (vLLM) streams ``data: {json}`` events separated by blank lines and ends with
     ``data: [DONE]``. Lines end with CRLF, LF or CR; a blank line dispatches the event; lines
@@ -54,7 +116,7 @@ class StreamAccountant:
             API's :class:`~kvgate_agent.sidecar.usage.EventReader` (its
             :meth:`~kvgate_agent.sidecar.apis.base.Api.event_reader`), which accounts its JSON
             events; usage, output count and end of stream then come from it (``[DONE]`` still
-            counts as the end).
+            counts as the end). Without one, :attr:`openai` accounts the events.
 
     An event that ends with a bare CR is only known to be complete when the next byte arrives
     (it might be the LF of a CRLF) or at :meth:`finish`. Malformed JSON is ignored for
@@ -63,10 +125,8 @@ class StreamAccountant:
 
     __slots__ = (
         "_buf",
-        "_content_deltas",
         "_data",
         "_done",
-        "_error",
         "_ev",
         "_finished",
         "_lines",
@@ -74,7 +134,7 @@ class StreamAccountant:
         "_reader",
         "_scan",
         "_strip",
-        "_usage",
+        "openai",
     )
 
     def __init__(self, strip_usage_chunk: bool, reader: EventReader | None = None) -> None:
@@ -85,29 +145,13 @@ class StreamAccountant:
         self._pos = 0  # start of the current, unterminated line in _buf
         self._scan = 0  # where the search for the next line terminator resumes
         self._data: list[bytes] = []  # data-field values of the current event
-        self._usage: Usage | None = None
-        self._content_deltas = 0
+        #: What the events said (an OpenAI stream, read without another API's reader).
+        self.openai = OpenAiEvents()
         self._done = False
-        self._error: dict[str, Any] | None = None
         self._finished = False
         self._lines = False  # a CR was seen: frame line by line (_process) from then on
 
     # -- results ---------------------------------------------------------------------------------
-
-    @property
-    def usage(self) -> Usage | None:
-        """The last ``usage`` object with int ``prompt_tokens``/``completion_tokens``, or None."""
-        return self._usage
-
-    @property
-    def content_deltas(self) -> int:
-        """Events' choices carrying output, counted once per choice per event.
-
-        A chat choice counts when its ``delta`` has a non-empty ``content``, ``reasoning_content``
-        (or ``reasoning``) or ``tool_calls``; a completions choice when its ``text`` is non-empty.
-        vLLM emits about one such delta per generated token, so this approximates output tokens.
-        """
-        return self._content_deltas
 
     @property
     def done(self) -> bool:
@@ -119,12 +163,8 @@ class StreamAccountant:
         """Prompt tokens the stream reported, or None."""
         if self._reader is not None:
             return self._reader.prompt_tokens
-        return None if self._usage is None else self._usage.prompt_tokens
-
-    @property
-    def error(self) -> dict[str, Any] | None:
-        """The last top-level ``error`` object of an event (vLLM mid-stream errors), or None."""
-        return self._error
+        usage = self.openai.usage
+        return None if usage is None else usage.prompt_tokens
 
     @property
     def pending_bytes(self) -> int:
@@ -134,11 +174,11 @@ class StreamAccountant:
 
     @property
     def completion_tokens_estimate(self) -> int:
-        """Output tokens: ``usage.completion_tokens`` when reported, else :attr:`content_deltas`
-        (with a reader: what it reports or counts)."""
+        """Output tokens: what the stream reported, else counted (by the reader, or
+        :attr:`OpenAiEvents.completion_tokens_estimate`)."""
         if self._reader is not None:
             return self._reader.completion_tokens
-        return self._usage.completion_tokens if self._usage is not None else self._content_deltas
+        return self.openai.completion_tokens_estimate
 
     # -- feeding ---------------------------------------------------------------------------------
 
@@ -312,32 +352,4 @@ class StreamAccountant:
         if self._reader is not None:
             self._reader.event(obj)
             return True
-        err = obj.get("error")
-        if isinstance(err, dict):
-            self._error = err
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if type(pt) is int and type(ct) is int:
-                self._usage = Usage(pt, ct)
-        choices = obj.get("choices")
-        if isinstance(choices, list):
-            if not choices:
-                return usage is None
-            n = 0
-            for c in choices:
-                if not isinstance(c, dict):
-                    continue
-                delta = c.get("delta")
-                if isinstance(delta, dict):
-                    if (
-                        delta.get("content")
-                        or delta.get("reasoning_content")
-                        or delta.get("reasoning")
-                        or delta.get("tool_calls")
-                    ):
-                        n += 1
-                elif c.get("text"):
-                    n += 1
-            self._content_deltas += n
-        return True
+        return self.openai.event(obj)

@@ -1,0 +1,261 @@
+"""One request's path through the sidecar: a generation request is checked (method, media
+type, draining), its tenant named, its body read and parsed by its API, its prompt counted,
+then admitted (or queued, degraded or refused) and forwarded; any other path passes through or
+is refused.
+
+Invariant: every generation request reaches admission once, and the model server only when
+admitted (or degraded to the fallback pool); a refusal never reaches the model server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from yarl import URL
+
+from kvgate_agent.admission import AsyncAdmission, Reason
+from kvgate_agent.sidecar import responses
+from kvgate_agent.sidecar.body import read_body
+from kvgate_agent.sidecar.endpoints import GENERATION_PATHS, SAFE_METHODS, Passthrough
+from kvgate_agent.sidecar.enforced import EnforcedPolicy
+from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
+from kvgate_agent.sidecar.fallback_pool import already_degraded, degrade_to_pool
+from kvgate_agent.sidecar.forward import Forwarder
+from kvgate_agent.sidecar.identity import INVALID_API_KEY, Authenticator
+from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.model_server import ModelServer
+from kvgate_agent.sidecar.openai_errors import RequestError
+from kvgate_agent.sidecar.probe import EngineProbe
+from kvgate_agent.sidecar.request import ParsedRequest, canonical_path, is_json
+from kvgate_agent.sidecar.settings import SidecarSettings
+from kvgate_agent.sidecar.store import SharedStore
+from kvgate_agent.sidecar.tenants import Identifier, Identity, engine_priority
+from kvgate_agent.sidecar.tokens import (
+    PromptCount,
+    PromptCounter,
+    default_within_context,
+    optimistic_prompt_tokens,
+    prompt_over_context,
+)
+
+
+class RequestPipeline:
+    """The aiohttp handlers of the model server's paths: :meth:`completion` for the generation
+    paths (:data:`~kvgate_agent.sidecar.endpoints.GENERATION_PATHS`), :meth:`other` for the
+    rest, :meth:`pathless` (a middleware) for an absolute-form target without a path.
+
+    Holds :attr:`draining` (set on shutdown: new generation requests get 503), the pass-through
+    allowlist, the request classifier (:class:`~kvgate_agent.sidecar.tenants.Identifier`) and
+    the parts a request passes through, built by :class:`~kvgate_agent.sidecar.app.Sidecar`.
+
+    Args:
+        settings: the sidecar's settings (body limits and timeouts, the allowlist).
+        policy: the policy enforced now.
+        store: the leases of shared limits (None without a store).
+        admission: the admission core.
+        metrics: the sidecar's metrics.
+        identity: names each request's tenant from its credentials.
+        counter: counts prompts (estimates).
+        engine_tokens: the engine's own prompt counts (``--tokenizer engine``), or None.
+        engine: the engine probe (its context length).
+        model_server: the connections to the model server (the fallback pool's session).
+        forwarder: forwards admitted and passed-through requests.
+    """
+
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        policy: EnforcedPolicy,
+        store: SharedStore | None,
+        admission: AsyncAdmission,
+        metrics: SidecarMetrics,
+        identity: Authenticator,
+        counter: PromptCounter,
+        engine_tokens: EngineTokenizer | None,
+        engine: EngineProbe,
+        model_server: ModelServer,
+        forwarder: Forwarder,
+    ) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.store = store
+        self.admission = admission
+        self.metrics = metrics
+        self.identity = identity
+        self.counter = counter
+        self.engine_tokens = engine_tokens
+        self.engine = engine
+        self.model_server = model_server
+        self.forwarder = forwarder
+        self.draining = False
+        self.passthrough = Passthrough.of(settings.passthrough_paths)
+        self.identify = Identifier()  # each request's tenant, class and priority
+
+    def mode_header(self) -> str | None:
+        """``x-kvgate-thresholds``: the thresholds mode (agent mode) and, with a store, where
+        shared limits stand (``store=shared|local|closed``); None when neither applies."""
+        mode = self.policy.mode
+        parts = [] if mode is None else [mode.value]
+        if self.store is not None:
+            parts.append(f"store={self.store.book.state.value}")
+        return ", ".join(parts) or None
+
+    def generation_handler(self) -> Callable[[web.Request], Any]:
+        """The handler of the generation paths: :meth:`completion`, or standalone without a
+        store (no mode header to add) the request's path itself."""
+        wrap = self.policy.thresholds is not None or self.store is not None
+        return self.completion if wrap else self._completion
+
+    @web.middleware
+    async def pathless(
+        self, request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        """An absolute-form target without a path (``GET http://host HTTP/1.1``) is the root
+        (RFC 9112 §3.2.2): served by :meth:`other` as ``/`` (aiohttp's router matches no route
+        for an empty path, and would answer a plain-text 404)."""
+        rel = request.rel_url
+        if rel.raw_path == "":
+            root = URL.build(path="/", query_string=rel.raw_query_string, encoded=True)
+            return await self.other(request.clone(rel_url=root))
+        resp: web.StreamResponse = await handler(request)
+        return resp
+
+    async def other(self, request: web.Request) -> web.StreamResponse:
+        """Every path but the generation ones and the sidecar's own: GET, HEAD and OPTIONS pass
+        through; another method only to a path on the allowlist (404 otherwise). A path that
+        only normalises (dot segments, repeated slashes, escapes) to a generation or allowlisted
+        one is refused with 400: an upstream that normalises it would otherwise serve it
+        unchecked."""
+        raw = request.rel_url.raw_path  # an absolute-form target's raw_path is the whole URL
+        path = canonical_path(raw)
+        if path in GENERATION_PATHS:
+            return responses.non_canonical_path()
+        if request.method in SAFE_METHODS:
+            return await self.forwarder.passthrough(request)
+        if not self.passthrough.allows(path):
+            self.metrics.count_decision("rejected", "invalid_request", "")
+            return responses.not_allowed_path(request.method, path)
+        if raw != path:
+            return responses.non_canonical_path()
+        return await self.forwarder.passthrough(request)
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        """A generation path (:data:`GENERATION_PATHS`): validate, admit, forward. With a node
+        agent, every answer says the thresholds mode in ``x-kvgate-thresholds``."""
+        if self.policy.thresholds is None and self.store is None:
+            return await self._completion(request)
+        self.policy.refresh_mode()
+        resp = await self._completion(request)
+        value = self.mode_header()
+        if not resp.prepared and value is not None:  # streams got it with the admission headers
+            resp.headers[responses.THRESHOLDS_HEADER] = value
+        return resp
+
+    async def _not_a_generation(self, request: web.Request) -> web.StreamResponse | None:
+        """The answer to a request on a generation path that is not a JSON POST (OPTIONS, a CORS
+        preflight, passes through; another method gets 405; a body declared as anything but
+        JSON 415), or None for a JSON POST."""
+        if request.method != "POST":
+            if request.method == "OPTIONS":
+                return await self.forwarder.passthrough(request)
+            self.metrics.count_decision("rejected", "invalid_request", "")
+            return responses.method_not_allowed(request.method, request.path)
+        content_type = request.headers.get("Content-Type")
+        if content_type is not None and not is_json(content_type):
+            self.metrics.count_decision("rejected", "invalid_request", "")
+            return responses.unsupported_media_type(content_type)
+        return None
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        if (early := await self._not_a_generation(request)) is not None:
+            return early
+        if self.draining:
+            return responses.draining()
+        spec, st = self.policy.spec, self.settings
+        try:
+            tenant = self.identity.tenant(request.headers, spec.tenants)
+        except RequestError as exc:  # 401: nothing read, admitted or forwarded
+            self.metrics.count_decision("rejected", INVALID_API_KEY, "")
+            return responses.unauthorized(exc)
+        try:
+            slow = self.metrics.client_timeouts.labels("body").inc
+            raw = await read_body(request, st.max_body_bytes, st.body_timeout_seconds, slow)
+            parsed = GENERATION_PATHS[request.path].parse(
+                raw,
+                default_max_tokens=spec.tenants.default_max_tokens,
+                max_tokens_cap=spec.tenants.max_tokens_cap,
+                max_model_len=spec.model.max_model_len,
+            )
+            who = self.identify(request.headers, spec, tenant)  # class, priority
+        except RequestError as exc:
+            self.metrics.count_decision("rejected", "invalid_request", "")
+            return responses.bad_request(exc)
+        prompt = await self._prompt(parsed, who)
+        max_tokens = parsed.max_tokens
+        mml = spec.model.max_model_len or self.engine.max_model_len
+        if mml is not None and (
+            over := prompt_over_context(prompt, self.counter.bytes_per_token, mml)
+        ):
+            self.metrics.count_decision("rejected", "invalid_request", "")
+            return responses.bad_request(RequestError(400, over, code="context_length_exceeded"))
+        if parsed.max_tokens_defaulted and mml is not None:
+            max_tokens = default_within_context(max_tokens, prompt, mml)
+        areq = who.admission_request(
+            prompt.tokens,
+            max_tokens,
+            parsed.n,
+            parsed.model,
+            model_rewritable=parsed.model_field,
+            degraded=already_degraded(request.headers),
+            prompt_tokens_min=optimistic_prompt_tokens(prompt, self.counter.bytes_per_token),
+        )
+        d = await self.admission.admit(areq)
+        m = self.metrics
+        label = m.tenant_label(who.tenant)
+        if d.queue_seconds > 0:
+            m.queue_wait.observe(d.queue_seconds)
+        if d.reason is Reason.FALLBACK_POOL:
+            return await degrade_to_pool(
+                self.model_server.session(), request, self.policy.spec, parsed, raw, d,
+                self.mode_header(),
+                lambda x: m.count_decision(x.outcome.value, x.reason.value, label),
+            )  # fmt: skip
+        m.count_decision(d.outcome.value, d.reason.value, label)
+        if d.ticket is None:
+            return responses.refusal(d, parsed.api)
+        headers = responses.admitted_headers(d, self.mode_header(), parsed.max_tokens_clamped)
+        body = (
+            parsed.upstream_body(
+                max_tokens=d.max_tokens,
+                model=d.model,
+                include_usage=parsed.stream,
+                priority=engine_priority(who.priority, spec.priority.forward_to),
+            )
+            or raw
+        )
+        return await self.forwarder.admitted(
+            request,
+            body,
+            d.ticket,
+            parsed,
+            headers,
+            prompt=prompt,
+            tenant_label=label,
+            started=started,
+        )
+
+    async def _prompt(self, parsed: ParsedRequest, who: Identity) -> PromptCount:
+        """The prompt's count (tokens): the estimate, or with ``--tokenizer engine`` the
+        engine's own, asked only when admission could take the request (not draining, no hold,
+        not over its request-count rate limit with no way around)."""
+        count_body = parsed.body if parsed.count_body is None else parsed.count_body
+        prompt = self.counter.count(count_body)
+        if self.engine_tokens is not None:
+            est = who.admission_request(prompt.tokens, parsed.max_tokens, parsed.n)
+            if not (self.draining or self.admission.refused_whatever_the_prompt(est)):
+                prompt = await self.engine_tokens.count(count_body, prompt)
+        return prompt
