@@ -422,15 +422,24 @@ def test_install_inject_enforce_and_rbac(
     monitoring = chart_monitoring(cp, values)
     prom = start_prometheus(j, monitoring, [operator_pod, agent_pod])
 
-    # 6. Traffic: the example policy chat-small (20000 tokens per minute per tenant) governs it.
+    # 6. Traffic: the example policy chat-small (a selector and the SLO) governs it, and the
+    #    platform engineer adds a budget per tenant (20000 tokens per minute).
     def live() -> bool:
         return chat(url, 8)[1].get("x-kvgate-thresholds") == "live, store=shared"
 
     wait_until(live, 60, "the sidecar's thresholds from the agent\n" + j.logs(), interval=0.2)
-    status, headers, body = chat(url, 8)
+    status, _, body = chat(url, 8)
     assert status == 200, body
-    status, headers, body = chat(url, 30000)  # more than the tenant's whole bucket: never fits
-    assert status == 400 and headers["x-kvgate-reason"] == "exceeds_capacity", body
+    cp.kubectl("patch", "rlp", "chat-small", "-n", MODELS, "--type=json", "-p", json.dumps([
+        {"op": "add", "path": "/spec/rateLimits", "value": [
+            {"name": "per-tenant", "per": "Tenant", "tokensPerMinute": 20000}]},
+    ]))  # fmt: skip
+
+    def never_fits() -> bool:  # more than the tenant's whole bucket, once the budget applies
+        status, headers, _ = chat(url, 30000)
+        return status == 400 and headers.get("x-kvgate-reason") == "exceeds_capacity"
+
+    wait_until(never_fits, 60, "the per-tenant budget enforced\n" + j.logs(), interval=0.2)
     admitted = [chat(url, 4000, tenant="team-b")[0] for _ in range(6)]
     assert chat(url, 8)[0] == 200  # quick: the last decision just before traffic_end
     traffic_end = time.time()
