@@ -757,7 +757,7 @@ def test_defaults_are_filled_in(kv: Any, ns: str) -> None:
     assert stored["queue"] == {
         "maxLength": 100,
         "maxWaitSeconds": 30,
-        "order": "FIFO",
+        "order": "ShortestFirst",
         "fairness": {"promptTokenWeight": 1, "outputTokenWeight": 2},
     }
     assert stored["cost"] == {"perRequest": 0, "promptTokenWeight": 1, "outputTokenWeight": 1}

@@ -385,7 +385,7 @@ def test_policy_defaults_spelled_out() -> None:
     assert spec["failureMode"] == "FailOpen"
     assert spec["queue"] == {
         "maxLength": 100,
-        "order": "FIFO",
+        "order": "ShortestFirst",
         "fairness": {"promptTokenWeight": 1, "outputTokenWeight": 2},
     }
     assert spec["cost"] == {"perRequest": 0, "promptTokenWeight": 1, "outputTokenWeight": 1}

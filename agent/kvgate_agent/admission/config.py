@@ -84,7 +84,7 @@ class AdmissionConfig:
     max_model_len: int | None = None
     queue_max_length: int = 100
     queue_max_wait_seconds: float = 30.0
-    queue_order: QueueOrder = QueueOrder.FIFO
+    queue_order: QueueOrder = QueueOrder.SHORTEST_FIRST
     actions: tuple[OverloadAction, ...] = (OverloadAction.QUEUE, OverloadAction.REJECT)
     min_max_tokens: int | None = None
     fallback_model: str | None = None

@@ -360,15 +360,15 @@ class AdmissionController:
         ones cannot overtake it; one blocked only by its own tenant's bucket is skipped."""
         q = self._queue
         if not q:
-            q.unblock()
-            return
+            return  # (no blocked head either: it leaves with its waiter)
         now = self.clock()
         self._ceiling.tick(now)
         held = self._holds.active(now) if self._holds else None
         self._expire(now, held)
-        q.unblock()
         if held is None:
-            q.admit_fitting(now)
+            q.admit_fitting(now)  # (the head blocked at the last pass first)
+        else:
+            q.unblock()
 
     def _expire(self, now: float, held: Hold | None) -> None:
         """Decide on every waiter past its deadline: refused with ``held``'s 503 while a hold

@@ -200,8 +200,8 @@ class WaitQueue:
         tenant's bucket is skipped (its refill time noted for :meth:`next_wake`); the first head
         blocked by a shared resource becomes :attr:`blocked_head`, and heads after it that fit
         are admitted past it while its skips last (:data:`MAX_SKIPS`)."""
-        self.unblock()  # (a method, not an assignment: mypy would narrow the attribute to
-        # None for the rest of this method, and mypyc check it so at run time)
+        if self._head_first(now):
+            return
         scanned = [0]
         for p in list(self.order.priorities):
             examined: list[Entry] = []
@@ -211,6 +211,29 @@ class WaitQueue:
             if self.blocked_head is not None and (stop or not self.may_backfill()):
                 self._hold_behind(p)
                 return
+
+    def _head_first(self, now: float) -> bool:
+        """The head blocked at the last pass, when requests went past it, goes first: admitted
+        if it fits now; if a shared
+        resource still blocks it, it stays the blocked head (so what the pass admits past it
+        counts against its skips) and, its skips used up, holds the queue (True: the pass
+        stops). Whatever order the pass would take, a blocked head is never overtaken more than
+        :data:`MAX_SKIPS` times."""
+        prev = self.blocked_head
+        self.unblock()
+        if prev is None or not prev.skips or not self.order.live(prev):
+            return False  # (nobody went past it: the order decides afresh)
+        b = self._limits.blocker(prev.request, prev.request.max_tokens, now)
+        if b is None:
+            self._admit(prev, now)
+            return False
+        if b.tenant_scoped:
+            return False
+        self.blocked_head = prev
+        if prev.skips < MAX_SKIPS:
+            return False
+        self._hold_behind(prev.request.priority)
+        return True
 
     def _admit_band(self, p: int, now: float, examined: list[Entry], scanned: list[int]) -> bool:
         """The pass over band ``p``; True when the pass must stop here. Flows looked at and not
