@@ -756,7 +756,6 @@ def test_defaults_are_filled_in(kv: Any, ns: str) -> None:
     assert stored["slo"] == {"minPriority": 0}
     assert stored["queue"] == {
         "maxLength": 100,
-        "maxWaitSeconds": 30,
         "order": "ShortestFirst",
         "fairness": {"promptTokenWeight": 1, "outputTokenWeight": 2},
     }
