@@ -232,20 +232,25 @@ class FairOrder:
         band = self._bands.get(req.priority)
         if band is None:
             return n
-        fair = self._fair
-        unit = max(1.0, fair.mean_charge)
-        own = band.flows.get(req.tenant)
-        mine = 0 if own is None else own.count
-        finish = fair.counter(req.tenant) + (mine + 1) * unit / req.weight
-        n += mine
+        own, unit, finish = self._newcomer(band, req)
+        n += 0 if own is None else own.count
         for tenant, flow in band.flows.items():
             if flow is own:
                 continue
-            lead = finish - fair.counter(tenant)
+            lead = finish - self._fair.counter(tenant)
             if lead > 0:
                 weight = self.head(flow).request.weight
                 n += min(flow.count, math.ceil(lead * weight / unit))
         return n
+
+    def _newcomer(self, band: _Band, req: AdmissionRequest) -> tuple[Flow | None, float, float]:
+        """(``req``'s tenant's flow in ``band`` or None, the mean charge (>= 1), the virtual
+        finish of a newcomer ``req``: its tenant's counter plus its queued requests and itself
+        at the mean charge, divided by its weight)."""
+        unit = max(1.0, self._fair.mean_charge)
+        own = band.flows.get(req.tenant)
+        mine = 0 if own is None else own.count
+        return own, unit, self._fair.counter(req.tenant) + (mine + 1) * unit / req.weight
 
     def over_share(self, req: AdmissionRequest) -> Waiter | None:
         """The newest waiter of the tenant furthest above its share in ``req``'s band, when that
@@ -256,10 +261,7 @@ class FairOrder:
         if band is None:
             return None
         fair = self._fair
-        unit = max(1.0, fair.mean_charge)
-        own = band.flows.get(req.tenant)
-        mine = 0 if own is None else own.count
-        top = fair.counter(req.tenant) + (mine + 1) * unit / req.weight
+        own, unit, top = self._newcomer(band, req)
         worst: Flow | None = None
         for tenant, flow in band.flows.items():
             if flow is own:
