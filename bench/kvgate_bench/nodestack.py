@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from kvgate_agent.gpu.fake import write_scenario
+from kvgate_agent.gpu.fake_scenario import write_scenario
 from kvgate_bench.controlplane import ControlPlane
 from kvgate_bench.processes import agent_argv, sidecar_argv, sim_argv, spawn, start, stop
 from kvgate_bench.toolkit import free_port, parse_samples, sample_value
@@ -112,7 +112,7 @@ def metric_value(url: str, name: str, **labels: str) -> float | None:
 def fake_gpus(
     n: int = 1, free_bytes: int = 40 * GiB, total_bytes: int = 80 * GiB
 ) -> dict[str, Any]:
-    """A fake GPU scenario (see ``kvgate_agent.gpu.fake.FileFakeGpuBackend``) with ``n`` GPUs."""
+    """A fake GPU scenario (see ``kvgate_agent.gpu.fake_scenario``) with ``n`` GPUs."""
     return {
         "init_error": None,
         "gpus": [

@@ -33,7 +33,7 @@ import pytest
 import redis
 import yaml
 
-from kvgate_agent.gpu.fake import write_scenario
+from kvgate_agent.gpu.fake_scenario import write_scenario
 from kvgate_bench.controlplane import ControlPlane
 from kvgate_bench.nodestack import chat, fake_gpus, http_get
 from kvgate_bench.processes import kvgate_agent_argv, sim_argv, spawn, stop

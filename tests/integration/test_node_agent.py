@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvgate_agent.gpu.fake import write_scenario
+from kvgate_agent.gpu.fake_scenario import write_scenario
 from kvgate_bench.nodestack import (
     GiB,
     ModelPod,

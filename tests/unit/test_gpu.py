@@ -28,14 +28,8 @@ from kvgate_agent.gpu import (
     ProcessMemory,
     backend_from_spec,
 )
-from kvgate_agent.gpu.fake import (
-    FakeGpu,
-    FakeGpuBackend,
-    FileFakeGpuBackend,
-    GiB,
-    swapped_fields,
-    write_scenario,
-)
+from kvgate_agent.gpu.fake import FakeGpu, FakeGpuBackend, FileFakeGpuBackend, swapped_fields
+from kvgate_agent.gpu.fake_scenario import GiB, write_scenario
 from kvgate_agent.gpu.monitor import PID_MAX_LIMIT, read_pid_max
 from kvgate_agent.gpu.nvml import map_nvml_error
 from kvgate_bench.toolkit import FakeClock, poll_until
