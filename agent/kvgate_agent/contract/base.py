@@ -1,8 +1,11 @@
-"""The pydantic base of every contract document (RateLimitPolicy, NodeAdmission, sync)."""
+"""The pydantic base of every contract document (RateLimitPolicy, NodeAdmission, sync), and the
+bounded number types the policy's parts share."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 
@@ -24,3 +27,11 @@ class ContractModel(BaseModel):
         extra="forbid",
         frozen=True,
     )
+
+
+#: Numbers a policy field may hold: an int > 0 or >= 0, a finite float > 0 or >= 0 (NaN and
+#: infinities refused). Units are the field's own.
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]

@@ -5,6 +5,15 @@ The same document is applied with ``kubectl`` (the operator reads it from the AP
 from a file by the standalone sidecar. Field names are camelCase as in the manifest; Python
 attributes are snake_case. These names are kvgate's public API: keep them.
 
+The spec's parts each have a module: ``model``, ``capacity`` and ``concurrency`` in
+:mod:`~kvgate_agent.contract.capacity`; ``rateLimits`` and ``cost`` in
+:mod:`~kvgate_agent.contract.ratelimits`; ``queue`` in :mod:`~kvgate_agent.contract.queue`;
+``overload`` in :mod:`~kvgate_agent.contract.overload`; the tenants' classes and identity in
+:mod:`~kvgate_agent.contract.classes` and :mod:`~kvgate_agent.contract.identity`. This module
+holds the rest (``tenants``, ``priority``, ``slo``, ``failureMode``, ``selector``), the rules
+across parts, the whole manifest and its parsing; the names its importers use from the parts are
+re-exported here.
+
 Units: token counts are model tokens, byte counts are bytes, durations are seconds, rates are per
 minute as named (``requestsPerMinute``, ``tokensPerMinute``).
 
@@ -14,33 +23,32 @@ each offending field by its manifest path (``spec.rateLimits[0].burstTokens: ...
 
 from __future__ import annotations
 
-import math
 import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import (
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.api import RATE_LIMIT_POLICY_KIND as KIND
-from kvgate_agent.contract.base import ContractModel
+from kvgate_agent.contract.base import ContractModel, PositiveInt
+from kvgate_agent.contract.capacity import CapacitySpec, ConcurrencySpec, ModelSpec
+from kvgate_agent.contract.capacity import ReservationMode as ReservationMode  # re-exported
 from kvgate_agent.contract.classes import MAX_PRIORITY as MAX_PRIORITY  # re-exported
 from kvgate_agent.contract.classes import MIN_PRIORITY as MIN_PRIORITY  # re-exported
 from kvgate_agent.contract.classes import TenantClassesSpec
 from kvgate_agent.contract.identity import JwtField, UnknownKeys
+from kvgate_agent.contract.overload import OverloadAction as OverloadAction  # re-exported
+from kvgate_agent.contract.overload import OverloadSpec
 from kvgate_agent.contract.queue import FairnessSpec as FairnessSpec  # re-exported
 from kvgate_agent.contract.queue import QueueOrder as QueueOrder  # re-exported
 from kvgate_agent.contract.queue import QueueSpec
+from kvgate_agent.contract.ratelimits import CostSpec
+from kvgate_agent.contract.ratelimits import LimitScope as LimitScope  # re-exported
+from kvgate_agent.contract.ratelimits import RateLimitSpec as RateLimitSpec  # re-exported
 
 #: The manifest's ``apiVersion`` and ``kind`` as pydantic checks them: a ``Literal`` must spell
 #: its value, so it is checked against :mod:`kvgate_agent.contract.api` at import.
@@ -49,102 +57,9 @@ KindLiteral = Literal["RateLimitPolicy"]
 if get_args(ApiVersionLiteral) != (API_VERSION,) or get_args(KindLiteral) != (KIND,):
     raise ImportError("RateLimitPolicy literals disagree with kvgate_agent.contract.api")
 
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-
 
 class PolicyError(ValueError):
     """A policy document that cannot be used; the message names every bad field."""
-
-
-class KVCacheDtype(StrEnum):
-    """Element type of the KV cache. ``fp8`` is 1 byte per element
-    (vLLM ``--kv-cache-dtype fp8``)."""
-
-    FP32 = "fp32"
-    FP16 = "fp16"
-    BF16 = "bf16"
-    FP8 = "fp8"
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes per element."""
-        return {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}[self.value]
-
-
-class ModelSpec(ContractModel):
-    """Shape of the served model, for KV arithmetic.
-
-    Bytes per token = 2 (K and V) × numLayers × numKVHeads × headDim × dtype bytes
-    (the standard decoder KV layout; see vLLM's ``get_kv_cache_spec`` / the PagedAttention paper,
-    Kwon et al. 2023). ``numKVHeads`` is the number of key/value heads (GQA/MQA), not attention
-    heads. Models with compressed KV (MLA) or sliding-window layers need their own formula: give
-    ``capacity.kvCacheTokens`` directly instead of a shape for them.
-    """
-
-    num_layers: PositiveInt | None = Field(default=None, alias="numLayers")
-    num_kv_heads: PositiveInt | None = Field(default=None, alias="numKVHeads")
-    head_dim: PositiveInt | None = None
-    kv_cache_dtype: KVCacheDtype = KVCacheDtype.FP16
-    block_size: Annotated[int, Field(gt=0, le=4096)] = 16
-    max_model_len: PositiveInt | None = None
-
-    @model_validator(mode="after")
-    def _shape_complete(self) -> ModelSpec:
-        shape = (self.num_layers, self.num_kv_heads, self.head_dim)
-        if any(v is not None for v in shape) and any(v is None for v in shape):
-            raise ValueError("numLayers, numKVHeads and headDim must be given together")
-        return self
-
-    @property
-    def bytes_per_token(self) -> int | None:
-        """KV bytes one token holds, or None when the shape is not given."""
-        if self.num_layers is None or self.num_kv_heads is None or self.head_dim is None:
-            return None
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_cache_dtype.nbytes
-
-
-class ReservationMode(StrEnum):
-    """How much KV cache an admitted request reserves (see :class:`CapacitySpec`)."""
-
-    PREDICTED = "Predicted"
-    MAX_TOKENS = "MaxTokens"
-
-
-class CapacitySpec(ContractModel):
-    """Where the pod's KV capacity comes from, best source first, and how much of it a request
-    reserves.
-
-    ``fromEngineMetrics``: the engine's own report (vLLM ``vllm:cache_config_info``
-    num_gpu_blocks × block_size). ``kvCacheTokens``: an explicit capacity. The NVML estimate
-    (total × ``gpuMemoryUtilization`` − ``weightsBytes`` − ``safetyMarginBytes``) is computed by
-    the node agent.
-
-    ``reservation``: ``Predicted`` (default) reserves prompt + min(max_tokens, L) tokens rounded up
-    to whole KV blocks, where L is a decaying high quantile (``reservationQuantile``, a fraction in
-    [0.5, 0.999]) of the output lengths this pod's engine reported for the same tenant, model and
-    max_tokens band (all tenants' pooled while the tenant's has too few), learned online; max_tokens
-    until that band has enough samples. Sizing by predicted rather than maximum output length is
-    S3's idea (Jin et al., 2023, "S3: Increasing GPU Utilization during Generative Inference for
-    Higher Throughput", https://arxiv.org/abs/2306.06000). ``MaxTokens`` reserves prompt +
-    max_tokens: the worst case, never outgrown.
-    """
-
-    kv_cache_tokens: PositiveInt | None = None
-    from_engine_metrics: bool = False
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] | None = None
-    weights_bytes: NonNegativeInt | None = None
-    safety_margin_bytes: NonNegativeInt | None = None
-    reservation: ReservationMode = ReservationMode.PREDICTED
-    reservation_quantile: Annotated[float, Field(ge=0.5, le=0.999, allow_inf_nan=False)] = 0.9
-
-
-class ConcurrencySpec(ContractModel):
-    """Per-pod cap on requests in flight at the model server."""
-
-    max_requests: PositiveInt | None = None
 
 
 class TenantsSpec(TenantClassesSpec):
@@ -166,96 +81,6 @@ class TenantsSpec(TenantClassesSpec):
         if self.max_tokens_cap is not None and self.default_max_tokens > self.max_tokens_cap:
             raise ValueError("defaultMaxTokens must not exceed maxTokensCap")
         return self
-
-
-class LimitScope(StrEnum):
-    """Which requests share one bucket: one per tenant, one per pod, or one cluster-wide budget
-    split across the matched pods (standalone: the pod has the whole budget)."""
-
-    TENANT = "Tenant"
-    POD = "Pod"
-    GLOBAL = "Global"
-
-
-class RateLimitSpec(ContractModel):
-    """One token-bucket limit.
-
-    ``requestsPerMinute`` refills a request bucket of ``burstRequests`` (default: one minute's
-    worth); ``tokensPerMinute`` refills a cost bucket of ``burstTokens`` (default: one minute's
-    worth), where cost is defined by :class:`CostSpec`. ``warmupSeconds``: capacity ramps linearly
-    from a quarter to full over this time after the pod starts, so a fresh pod does not absorb a
-    full burst. ``shared``: one budget across every pod the policy governs (``per: Tenant`` or
-    ``per: Global``; refused with ``per: Pod``), held in the sidecars' store (``--store``, a
-    Redis) through leases; without a store, the limit falls back to the per-pod behaviour.
-    """
-
-    name: Annotated[
-        str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-    ]
-    per: LimitScope = LimitScope.TENANT
-    requests_per_minute: PositiveFloat | None = None
-    tokens_per_minute: PositiveFloat | None = None
-    burst_requests: PositiveInt | None = None
-    burst_tokens: PositiveInt | None = None
-    warmup_seconds: NonNegativeFloat = 0.0
-    shared: bool = False
-
-    @field_validator("shared")
-    @classmethod
-    def _shared_scope(cls, v: bool, info: ValidationInfo) -> bool:
-        if v and info.data.get("per") is LimitScope.POD:
-            raise ValueError("shared needs per Tenant or per Global (per: Pod is one pod's limit)")
-        return v
-
-    @model_validator(mode="after")
-    def _has_a_rate(self) -> RateLimitSpec:
-        if self.requests_per_minute is None and self.tokens_per_minute is None:
-            raise ValueError("a rate limit needs requestsPerMinute or tokensPerMinute")
-        if self.burst_requests is not None and self.requests_per_minute is None:
-            raise ValueError("burstRequests needs requestsPerMinute")
-        if self.burst_tokens is not None and self.tokens_per_minute is None:
-            raise ValueError("burstTokens needs tokensPerMinute")
-        return self
-
-    @property
-    def request_capacity(self) -> float | None:
-        """Request bucket capacity (requests), or None without a request rate."""
-        if self.requests_per_minute is None:
-            return None
-        if self.burst_requests is not None:
-            return float(self.burst_requests)
-        return max(1.0, float(math.ceil(self.requests_per_minute)))
-
-    @property
-    def token_capacity(self) -> float | None:
-        """Cost bucket capacity (cost units), or None without a token rate."""
-        if self.tokens_per_minute is None:
-            return None
-        if self.burst_tokens is not None:
-            return float(self.burst_tokens)
-        return max(1.0, float(math.ceil(self.tokens_per_minute)))
-
-
-class CostSpec(ContractModel):
-    """Cost of one request in bucket units.
-
-    cost = perRequest + prompt_tokens × promptTokenWeight + max_tokens × outputTokenWeight,
-    reserved at admission and settled to the tokens actually produced when the response ends.
-    Counting the prompt matters: a quota on output alone lets huge prompts through
-    (https://github.com/BerriAI/litellm/issues/17664).
-    """
-
-    per_request: NonNegativeFloat = 0.0
-    prompt_token_weight: NonNegativeFloat = 1.0
-    output_token_weight: NonNegativeFloat = 1.0
-
-    def of(self, prompt_tokens: int, output_tokens: int) -> float:
-        """Cost units of a request with these token counts."""
-        return (
-            self.per_request
-            + prompt_tokens * self.prompt_token_weight
-            + output_tokens * self.output_token_weight
-        )
 
 
 class PriorityTarget(StrEnum):
@@ -318,68 +143,6 @@ class SloSpec(ContractModel):
     ttft_seconds: Annotated[float, Field(gt=0, le=3600, allow_inf_nan=False)] | None = None
     tpot_seconds: Annotated[float, Field(gt=0, le=10, allow_inf_nan=False)] | None = None
     min_priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
-
-
-class OverloadAction(StrEnum):
-    """What to do with a request that does not fit now."""
-
-    DEGRADE = "Degrade"
-    QUEUE = "Queue"
-    REJECT = "Reject"
-
-
-#: An http(s) URL of a Service: scheme, host, optional port, no path, query or credentials.
-FALLBACK_UPSTREAM_PATTERN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?/?$"
-
-
-class FallbackPoolSpec(ContractModel):
-    """Another pool to send a request this pod cannot take: a Service serving a smaller or
-    quantized model, with its own kvgate sidecar and admission.
-
-    ``model``: the name the request's ``model`` is rewritten to; ``upstream``: the pool's base
-    URL (``http://NAME.NAMESPACE.svc:PORT``), the request's path kept; ``PORT`` must reach the
-    pool's kvgate sidecar (its ``kvgate-http`` port), not its engine, else the pool's requests
-    pass no admission.
-    """
-
-    model: Annotated[str, Field(min_length=1, max_length=256)]
-    upstream: Annotated[str, Field(max_length=512, pattern=FALLBACK_UPSTREAM_PATTERN)]
-
-
-class DegradeSpec(ContractModel):
-    """How to degrade: clamp max_tokens to what fits (not below ``minMaxTokens``), rewrite the
-    request's model to ``fallbackModel`` (same server), or send it to another pool
-    (``fallback``: a smaller model's Service)."""
-
-    min_max_tokens: PositiveInt | None = None
-    fallback_model: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    fallback: FallbackPoolSpec | None = None
-
-
-class OverloadSpec(ContractModel):
-    """Ordered overload actions, tried in turn (default: Queue, then Reject)."""
-
-    actions: Annotated[list[OverloadAction], Field(min_length=1, max_length=3)] = Field(
-        default_factory=lambda: [OverloadAction.QUEUE, OverloadAction.REJECT]
-    )
-    degrade: DegradeSpec | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> OverloadSpec:
-        if len(set(self.actions)) != len(self.actions):
-            raise ValueError("actions must not repeat")
-        if OverloadAction.DEGRADE in self.actions and (
-            self.degrade is None
-            or (
-                self.degrade.min_max_tokens is None
-                and self.degrade.fallback_model is None
-                and self.degrade.fallback is None
-            )
-        ):
-            raise ValueError(
-                "Degrade needs degrade.minMaxTokens, degrade.fallbackModel or degrade.fallback"
-            )
-        return self
 
 
 class FailureMode(StrEnum):
