@@ -26,7 +26,7 @@ from kvgate_agent.admission import (
 from kvgate_agent.admission.bucket import WARMUP_START_FRACTION
 from kvgate_agent.admission.lease import LEASE_SECONDS, MAX_LEASE_FRACTION
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_agent.sidecar.store import SharedStore, StoreSettings, key_prefix
+from kvgate_agent.sidecar.store import StoreLink, StoreSettings, key_prefix
 from kvgate_bench import fleet as fleet_bench
 from kvgate_bench.redisserver import RedisServer, make_tls
 from kvgate_bench.toolkit import wait_until_async
@@ -272,7 +272,7 @@ async def test_fail_closed_hold_lifts_when_the_shared_limit_goes(
     server = redis_server()
     spec = shared_spec(failure_mode="FailClosed")
     c = AdmissionController(AdmissionConfig.from_policy(parse_policy(policy_doc(spec)).spec))
-    store = SharedStore(
+    store = StoreLink(
         StoreSettings(url=server.url, member="a", timeout=0.3),
         AsyncAdmission(c),
         lambda: "default/test",

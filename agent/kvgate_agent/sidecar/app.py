@@ -32,7 +32,7 @@ from kvgate_agent.sidecar.pipeline import RequestPipeline
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
-from kvgate_agent.sidecar.store import SharedStore, register_metrics
+from kvgate_agent.sidecar.store import StoreLink, register_metrics
 from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
 from kvgate_agent.sidecar.tokens import PromptCounter
 
@@ -114,9 +114,9 @@ class Sidecar:
             body_timeout=settings.body_timeout_seconds,
         )
         #: The leases of shared limits (None without a store: shared limits are per pod).
-        self.store: SharedStore | None = None
+        self.store: StoreLink | None = None
         if settings.store is not None:
-            self.store = SharedStore(settings.store, self.admission, self.policy.name, clock)
+            self.store = StoreLink(settings.store, self.admission, self.policy.name, clock)
         register_metrics(self.metrics.registry, self.admission, self.store)
         self.pipeline = RequestPipeline(
             settings,

@@ -31,7 +31,7 @@ from kvgate_agent.sidecar.openai_errors import RequestError
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import ParsedRequest, canonical_path, is_json
 from kvgate_agent.sidecar.settings import SidecarSettings
-from kvgate_agent.sidecar.store import SharedStore
+from kvgate_agent.sidecar.store import StoreLink
 from kvgate_agent.sidecar.tenants import Identifier, Identity, engine_priority
 from kvgate_agent.sidecar.tokens import (
     PromptCount,
@@ -69,7 +69,7 @@ class RequestPipeline:
         self,
         settings: SidecarSettings,
         policy: EnforcedPolicy,
-        store: SharedStore | None,
+        store: StoreLink | None,
         admission: AsyncAdmission,
         metrics: SidecarMetrics,
         identity: Authenticator,

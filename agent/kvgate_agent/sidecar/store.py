@@ -1,6 +1,6 @@
 """The store of ``shared`` limits: a Redis (>= 6.2, or Valkey) holding one token bucket per key.
 
-The sidecar never calls the store on a request's path: :class:`SharedStore` runs a background
+The sidecar never calls the store on a request's path: :class:`StoreLink` runs a background
 loop that asks the pure :class:`~kvgate_agent.admission.lease.LeaseBook` every
 :data:`TICK_S` whether a sync is due, and sends each sync as ONE ``EVALSHA`` of :data:`LUA`,
 which registers this sidecar among the policy's peers and, for every slice in it, refills the
@@ -125,8 +125,9 @@ def key_prefix(policy: str) -> str:
     return "kvgate:{" + policy.replace("}", "_") + "}:"
 
 
-class SharedStore:
-    """The background link between one sidecar's leases and the store.
+class StoreLink:
+    """The background link between one sidecar's leases and the store (the store's counterpart
+    of :class:`~kvgate_agent.sidecar.agent_link.AgentLink`).
 
     Args:
         settings: the store.
@@ -273,7 +274,7 @@ class StoreCollector(Collector):
     units) and ``kvgate_shared_limits_local`` (shared limits enforced per pod for want of a
     store)."""
 
-    def __init__(self, admission: AsyncAdmission, store: SharedStore | None) -> None:
+    def __init__(self, admission: AsyncAdmission, store: StoreLink | None) -> None:
         self.admission = admission
         self.store = store
 
@@ -316,7 +317,7 @@ class StoreCollector(Collector):
 
 
 def register_metrics(
-    registry: CollectorRegistry, admission: AsyncAdmission, store: SharedStore | None
+    registry: CollectorRegistry, admission: AsyncAdmission, store: StoreLink | None
 ) -> None:
     """Add the store's metrics to the sidecar's ``registry``."""
     registry.register(StoreCollector(admission, store))
