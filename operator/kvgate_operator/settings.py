@@ -119,7 +119,7 @@ class OperatorSettings(BaseSettings):
     namespace (the request must answer well within the webhook's ``timeoutSeconds``)."""
     injection: InjectionConfig = Field(default_factory=InjectionConfig)
     """How the sidecar is injected, JSON with camelCase keys (the chart renders it;
-    :class:`~kvgate_operator.inject.InjectionConfig`). ``ownNamespace`` defaults to
+    :class:`~kvgate_operator.template.InjectionConfig`). ``ownNamespace`` defaults to
     ``pod_namespace``."""
 
     @model_validator(mode="after")
