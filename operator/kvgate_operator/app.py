@@ -24,8 +24,8 @@ import kopf
 from cryptography import x509
 from kubernetes import client
 
+from kvgate_operator.cert_objects import KubeCertObjects
 from kvgate_operator.certs import CertificateManager
-from kvgate_operator.certstore import KubeCertStore
 from kvgate_operator.kubeclient import default_api_client
 from kvgate_operator.leader import LeaderElector
 from kvgate_operator.metrics import OperatorMetrics
@@ -269,7 +269,7 @@ class Operator:
             log.info("webhook certificates from %s (reloaded when they change)", s.webhook_cert_dir)
             return self._server(s.webhook_cert_dir / "tls.crt", s.webhook_cert_dir / "tls.key")
         manager = CertificateManager(
-            KubeCertStore(self.api_client()),
+            KubeCertObjects(self.api_client()),
             namespace=s.pod_namespace,
             secret_name=s.webhook_secret_name,
             webhook_config_name=s.webhook_config_name,

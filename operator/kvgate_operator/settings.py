@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kvgate_operator.certs import (
+from kvgate_operator.cert_issue import (
     CA_LIFETIME,
     CA_RENEW_BEFORE,
     SERVING_LIFETIME,
@@ -107,7 +107,7 @@ class OperatorSettings(BaseSettings):
     webhook_ca_lifetime_seconds, webhook_ca_renew_before_seconds, webhook_serving_lifetime_seconds,
     webhook_serving_renew_before_seconds: the self-signed CA's and serving certificate's lifetimes
     and how long before their end they are renewed (default 365/90 and 90/30 days; see
-    :class:`~kvgate_operator.certs.Lifetimes` for the constraints)."""
+    :class:`~kvgate_operator.cert_issue.Lifetimes` for the constraints)."""
     webhook_ca_lifetime_seconds: float = Field(CA_LIFETIME.total_seconds(), gt=0)
     webhook_ca_renew_before_seconds: float = Field(CA_RENEW_BEFORE.total_seconds(), gt=0)
     webhook_serving_lifetime_seconds: float = Field(SERVING_LIFETIME.total_seconds(), gt=0)
@@ -119,7 +119,7 @@ class OperatorSettings(BaseSettings):
     namespace (the request must answer well within the webhook's ``timeoutSeconds``)."""
     injection: InjectionConfig = Field(default_factory=InjectionConfig)
     """How the sidecar is injected, JSON with camelCase keys (the chart renders it;
-    :class:`~kvgate_operator.inject.InjectionConfig`). ``ownNamespace`` defaults to
+    :class:`~kvgate_operator.template.InjectionConfig`). ``ownNamespace`` defaults to
     ``pod_namespace``."""
 
     @model_validator(mode="after")
@@ -165,7 +165,7 @@ class OperatorSettings(BaseSettings):
 
     @property
     def webhook_lifetimes(self) -> Lifetimes:
-        """The self-signed certificates' lifetimes (:class:`~kvgate_operator.certs.Lifetimes`).
+        """The self-signed certificates' lifetimes (:class:`~kvgate_operator.cert_issue.Lifetimes`).
 
         Raises:
             ValueError: inconsistent lifetimes and renewal margins.

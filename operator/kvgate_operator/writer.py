@@ -237,16 +237,41 @@ class ClusterWriter:
         )
 
     def _event(self, ns: str, name: str, uid: str, type_: str, reason: str, message: str) -> None:
-        now = dt.datetime.now(dt.UTC)
-        body = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{name}.", namespace=ns),
-            involved_object=client.V1ObjectReference(
+        """An Event on the RateLimitPolicy ``ns/name`` (named by the API server)."""
+        self._post_event(
+            ns,
+            client.V1ObjectMeta(generate_name=f"{name}.", namespace=ns),
+            client.V1ObjectReference(
                 api_version=f"{API_GROUP}/{VERSION}",
                 kind="RateLimitPolicy",
                 name=name,
                 namespace=ns,
                 uid=uid or None,
             ),
+            type_,
+            reason,
+            message,
+        )
+
+    def _post_event(
+        self,
+        namespace: str,
+        metadata: client.V1ObjectMeta,
+        involved_object: client.V1ObjectReference,
+        type_: str,
+        reason: str,
+        message: str,
+    ) -> None:
+        """Post one Event (``count`` 1, first and last seen now, reported by this replica) in
+        ``namespace``.
+
+        Raises:
+            ApiException: the API server refused it (409: ``metadata.name`` exists already).
+        """
+        now = dt.datetime.now(dt.UTC)
+        body = client.CoreV1Event(
+            metadata=metadata,
+            involved_object=involved_object,
             type=type_,
             reason=reason,
             message=message,
@@ -257,7 +282,7 @@ class ClusterWriter:
             reporting_component="kvgate.io/operator",
             reporting_instance=self.identity,
         )
-        self.core.create_namespaced_event(ns, body)
+        self.core.create_namespaced_event(namespace, body)
 
     def report_missed(self, missed: list[MissedPod]) -> int:
         """One ``InjectionMissed`` Warning Event per missed pod (by uid), the counter and the
@@ -283,21 +308,16 @@ class ClusterWriter:
         return posted
 
     def _pod_event(self, m: MissedPod) -> None:
+        """The ``InjectionMissed`` Warning Event on the pod (named by :func:`event_name`, so
+        posting it twice is a 409)."""
         self.guard()
-        now = dt.datetime.now(dt.UTC)
-        body = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(name=event_name(m), namespace=m.namespace),
-            involved_object=client.V1ObjectReference(
+        self._post_event(
+            m.namespace,
+            client.V1ObjectMeta(name=event_name(m), namespace=m.namespace),
+            client.V1ObjectReference(
                 api_version="v1", kind="Pod", name=m.name, namespace=m.namespace, uid=m.uid or None
             ),
-            type="Warning",
-            reason=EVENT_REASON,
-            message=m.message,
-            first_timestamp=now,
-            last_timestamp=now,
-            count=1,
-            source=client.V1EventSource(component="kvgate-operator"),
-            reporting_component="kvgate.io/operator",
-            reporting_instance=self.identity,
+            "Warning",
+            EVENT_REASON,
+            m.message,
         )
-        self.core.create_namespaced_event(m.namespace, body)

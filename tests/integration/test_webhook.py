@@ -42,7 +42,7 @@ from kvgate_bench.toolkit import (
     samples_by_labels,
     wait_until,
 )
-from kvgate_operator.certs import new_ca, new_serving_cert
+from kvgate_operator.cert_issue import new_ca, new_serving_cert
 from kvgate_operator.inject import ANNOTATION_INJECTED, inject
 from kvgate_operator.metrics import OperatorMetrics
 from kvgate_operator.template import SIDECAR_NAME, InjectionConfig

@@ -17,10 +17,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from kubernetes.client.exceptions import ApiException
 
 from kvgate_bench.toolkit import FakeUtcClock
-from kvgate_operator.certs import (
+from kvgate_operator.cert_issue import (
     CA_RENEW_BEFORE,
     SERVING_RENEW_BEFORE,
-    CertificateManager,
     Lifetimes,
     WebhookCerts,
     ca_bundle_patch,
@@ -28,6 +27,7 @@ from kvgate_operator.certs import (
     new_serving_cert,
     plan,
 )
+from kvgate_operator.certs import CertificateManager
 from kvgate_operator.pki import CertificateError, KeyPair, sans, signed_by, split_pem_certs
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
@@ -271,7 +271,7 @@ def test_secret_data_round_trips() -> None:
 # ------------------------------------------------------------------------------ the manager
 
 
-class FakeStore:
+class FakeCertObjects:
     """A Secret and a MutatingWebhookConfiguration in memory, with failure switches."""
 
     def __init__(self, webhooks: int = 2) -> None:
@@ -331,9 +331,11 @@ class FakeStore:
         return [w["clientConfig"].get("caBundle") for w in self.config["webhooks"]]
 
 
-def manager(store: FakeStore, clock: FakeUtcClock, namespace: str | None = "kvgate-system") -> Any:
+def manager(
+    objects: FakeCertObjects, clock: FakeUtcClock, namespace: str | None = "kvgate-system"
+) -> Any:
     return CertificateManager(
-        store,
+        objects,
         namespace=namespace,
         secret_name="kvgate-webhook-tls",
         webhook_config_name="kvgate-sidecar-injector",
@@ -344,43 +346,43 @@ def manager(store: FakeStore, clock: FakeUtcClock, namespace: str | None = "kvga
 
 
 def test_first_start_creates_and_stores_then_a_restart_reuses_the_same_ca() -> None:
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    m1 = manager(store, clock)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    m1 = manager(objects, clock)
     assert m1.ensure() == ["created"] and m1.persistent
-    assert store.secret is not None and store.secret_writes == 1
+    assert objects.secret is not None and objects.secret_writes == 1
     assert m1.sync_ca_bundle() is True
-    bundle = store.bundles()
+    bundle = objects.bundles()
     assert bundle[0] == bundle[1] == base64.b64encode(m1.certs.ca_bundle(T0)).decode()
     # Restart: same CA and serving certificate, nothing written, nothing patched.
     clock.now = T0 + days(3)
-    m2 = manager(store, clock)
+    m2 = manager(objects, clock)
     assert m2.ensure() == []
     assert m2.certs == m1.certs
     assert m2.sync_ca_bundle() is False
-    assert store.secret_writes == 1 and len(store.patches) == 1
+    assert objects.secret_writes == 1 and len(objects.patches) == 1
 
 
 def test_ca_bundle_is_patched_only_where_it_differs() -> None:
-    store, clock = FakeStore(webhooks=3), FakeUtcClock(T0)
-    m = manager(store, clock)
+    objects, clock = FakeCertObjects(webhooks=3), FakeUtcClock(T0)
+    m = manager(objects, clock)
     m.ensure()
     want = base64.b64encode(m.certs.ca_bundle(T0)).decode()
-    assert store.config is not None
-    store.config["webhooks"][1]["clientConfig"]["caBundle"] = want
+    assert objects.config is not None
+    objects.config["webhooks"][1]["clientConfig"]["caBundle"] = want
     assert m.sync_ca_bundle() is True
-    paths = [op["path"] for op in store.patches[0]]
+    paths = [op["path"] for op in objects.patches[0]]
     assert paths == [
         "/webhooks/0/name",
         "/webhooks/0/clientConfig/caBundle",
         "/webhooks/2/name",
         "/webhooks/2/clientConfig/caBundle",
     ]
-    assert store.bundles() == [want] * 3
-    assert m.sync_ca_bundle() is False and len(store.patches) == 1
+    assert objects.bundles() == [want] * 3
+    assert m.sync_ca_bundle() is False and len(objects.patches) == 1
     # A Helm upgrade resets one: only that one is patched back.
-    store.config["webhooks"][2]["clientConfig"]["caBundle"] = ""
+    objects.config["webhooks"][2]["clientConfig"]["caBundle"] = ""
     assert m.sync_ca_bundle() is True
-    assert [op["path"] for op in store.patches[1]] == [
+    assert [op["path"] for op in objects.patches[1]] == [
         "/webhooks/2/name",
         "/webhooks/2/clientConfig/caBundle",
     ]
@@ -399,16 +401,16 @@ def test_ca_bundle_patch_adds_a_missing_client_config() -> None:
 
 
 def test_missing_configuration_is_not_an_error() -> None:
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    store.config = None
-    m = manager(store, clock)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    objects.config = None
+    m = manager(objects, clock)
     m.ensure()
     assert m.sync_ca_bundle() is False
 
 
 def test_rotation_stores_and_patches_the_bundle_before_serving_the_new_ca() -> None:
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    m = manager(store, clock)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    m = manager(objects, clock)
     m.ensure()
     m.sync_ca_bundle()
     first_ca = m.certs.ca
@@ -417,41 +419,41 @@ def test_rotation_stores_and_patches_the_bundle_before_serving_the_new_ca() -> N
     for _ in range(540):
         clock.now += days(1)
         m.check()
-        bundle = x509.load_pem_x509_certificates(base64.b64decode(store.bundles()[0] or ""))
+        bundle = x509.load_pem_x509_certificates(base64.b64decode(objects.bundles()[0] or ""))
         if not any(signed_by(m.certs.serving.cert, c) for c in bundle):
             served_by_untrusted += 1
     assert served_by_untrusted == 0
     assert m.certs.ca != first_ca
-    stored = WebhookCerts.from_secret_data(store.secret or {})
+    stored = WebhookCerts.from_secret_data(objects.secret or {})
     assert stored == m.certs
     # The bundle was patched exactly at CA rotations and expiries, never otherwise.
-    assert 1 < len(store.patches) <= 5
+    assert 1 < len(objects.patches) <= 5
 
 
 def test_forbidden_secret_falls_back_to_memory_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    store.secret_error = 403
-    m = manager(store, clock)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    objects.secret_error = 403
+    m = manager(objects, clock)
     assert m.ensure() == ["created"]
-    assert not m.persistent and store.secret_writes == 0 and store.secret_reads == 1
+    assert not m.persistent and objects.secret_writes == 0 and objects.secret_reads == 1
     assert "keeping them in memory" in caplog.text
     assert m.sync_ca_bundle() is True  # the caBundle still gets our CA
     # Access granted later: the next check stores ours.
-    store.secret_error = None
+    objects.secret_error = None
     clock.now += days(1)
     m.check()
-    assert m.persistent and store.secret is not None
-    assert WebhookCerts.from_secret_data(store.secret) == m.certs
+    assert m.persistent and objects.secret is not None
+    assert WebhookCerts.from_secret_data(objects.secret) == m.certs
 
 
 def test_transient_errors_at_start_are_retried_before_giving_up_on_the_secret() -> None:
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    existing = manager(store, clock)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    existing = manager(objects, clock)
     existing.ensure()
     calls = {"n": 0}
-    real = store.read_secret
+    real = objects.read_secret
 
     def flaky(namespace: str, name: str) -> Any:
         calls["n"] += 1
@@ -459,44 +461,44 @@ def test_transient_errors_at_start_are_retried_before_giving_up_on_the_secret() 
             raise ApiException(status=503, reason="Unavailable")
         return real(namespace, name)
 
-    store.read_secret = flaky  # type: ignore[method-assign]
-    m = manager(store, clock)
+    objects.read_secret = flaky  # type: ignore[method-assign]
+    m = manager(objects, clock)
     assert m.ensure() == [] and m.certs == existing.certs and m.persistent
 
 
 def test_write_forbidden_keeps_memory_certificates(caplog: pytest.LogCaptureFixture) -> None:
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    store.write_error = 403
-    m = manager(store, clock)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    objects.write_error = 403
+    m = manager(objects, clock)
     assert m.ensure() == ["created"]
-    assert not m.persistent and store.secret is None
+    assert not m.persistent and objects.secret is None
     assert "cannot write" in caplog.text
 
 
 def test_unusable_secret_is_replaced(caplog: pytest.LogCaptureFixture) -> None:
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    store.secret = {"tls.crt": b"garbage", "tls.key": b"x", "ca.crt": b"y", "ca.key": b"z"}
-    m = manager(store, clock)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    objects.secret = {"tls.crt": b"garbage", "tls.key": b"x", "ca.crt": b"y", "ca.key": b"z"}
+    m = manager(objects, clock)
     assert m.ensure() == ["created"]
     assert "unusable" in caplog.text
-    assert WebhookCerts.from_secret_data(store.secret or {}) == m.certs
+    assert WebhookCerts.from_secret_data(objects.secret or {}) == m.certs
 
 
 def test_no_namespace_means_memory_only() -> None:
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    m = manager(store, clock, namespace=None)
-    assert m.ensure() == ["created"] and not m.persistent and store.secret_reads == 0
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    m = manager(objects, clock, namespace=None)
+    assert m.ensure() == ["created"] and not m.persistent and objects.secret_reads == 0
     clock.now += days(70)
-    assert m.check() == ["serving_rotated"] and store.secret_reads == 0
+    assert m.check() == ["serving_rotated"] and objects.secret_reads == 0
 
 
 def test_conflict_on_create_adopts_the_stored_certificates() -> None:
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    other = manager(store, clock)
-    m = manager(store, clock)
-    store.secret_error = None
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    other = manager(objects, clock)
+    m = manager(objects, clock)
+    objects.secret_error = None
     # m reads "absent", then other creates, then m's create conflicts.
-    real = store.read_secret
+    real = objects.read_secret
     first = {"done": False}
 
     def racing(namespace: str, name: str) -> Any:
@@ -507,14 +509,14 @@ def test_conflict_on_create_adopts_the_stored_certificates() -> None:
             return got
         return real(namespace, name)
 
-    store.read_secret = racing  # type: ignore[method-assign]
+    objects.read_secret = racing  # type: ignore[method-assign]
     m.ensure()
-    assert m.certs == other.certs and store.secret_writes == 1
+    assert m.certs == other.certs and objects.secret_writes == 1
 
 
 def test_write_files_are_private_and_complete(tmp_path: Path) -> None:
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    m = manager(store, clock)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    m = manager(objects, clock)
     m.ensure()
     cert, key = m.write_files(tmp_path / "tls")
     assert cert.read_bytes() == m.certs.serving.cert_pem
@@ -526,19 +528,19 @@ def test_write_files_are_private_and_complete(tmp_path: Path) -> None:
 def test_a_follower_serves_the_leaders_certificates_and_writes_nothing() -> None:
     """Leader election: a follower reads the Secret only (never writes it nor the caBundle),
     serves in-memory certificates until the leader stored some, then adopts each rotation."""
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    follower = manager(store, clock)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    follower = manager(objects, clock)
     assert follower.follow() == [] and follower.certs is None  # no Secret yet
     follower.provisional()
     assert follower.certs is not None and not follower.persistent
-    leader = manager(store, clock)
+    leader = manager(objects, clock)
     assert leader.ensure() == ["created"]
     assert follower.follow() == ["adopted_stored"] and follower.certs == leader.certs
     assert follower.follow() == []  # unchanged
     clock.now = T0 + days(61)  # the serving certificate is due: the leader renews it
     assert leader.check() == ["serving_rotated"]
     assert follower.follow() == ["adopted_stored"] and follower.certs == leader.certs
-    assert store.secret_writes == 2 and len(store.patches) == 0  # all by the leader
+    assert objects.secret_writes == 2 and len(objects.patches) == 0  # all by the leader
 
 
 def test_a_follower_keeps_its_certificates_when_the_api_server_does_not_answer() -> None:
@@ -546,8 +548,8 @@ def test_a_follower_keeps_its_certificates_when_the_api_server_does_not_answer()
     ``follow``: they keep the current certificates, as an error answer does."""
     from urllib3.exceptions import MaxRetryError, ReadTimeoutError
 
-    store, clock = FakeStore(), FakeUtcClock(T0)
-    leader, follower = manager(store, clock), manager(store, clock)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    leader, follower = manager(objects, clock), manager(objects, clock)
     leader.ensure()
     assert follower.follow() == ["adopted_stored"]
     kept = follower.certs
@@ -560,26 +562,26 @@ def test_a_follower_keeps_its_certificates_when_the_api_server_does_not_answer()
         def fail(namespace: str, name: str, exc: Exception = exc) -> None:
             raise exc
 
-        store.read_secret = fail  # type: ignore[method-assign]
+        objects.read_secret = fail  # type: ignore[method-assign]
         assert follower.follow() == [] and follower.certs is kept
 
 
 def test_no_api_server_at_start_leaves_in_memory_certificates_not_a_crash(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The real store against a port where nothing listens (connections refused: urllib3's
+    """The real KubeCertObjects against a port where nothing listens (connections refused: urllib3's
     MaxRetryError): the leader's start retries, then serves in-memory certificates; the
     caBundle sync and a follower's refresh log and return."""
     from kubernetes import client
 
-    from kvgate_operator.certstore import KubeCertStore
+    from kvgate_operator.cert_objects import KubeCertObjects
 
     api = client.ApiClient(client.Configuration(host="https://127.0.0.1:1"))
-    store = KubeCertStore(api, timeout=2)
+    objects = KubeCertObjects(api, timeout=2)
     with pytest.raises(ApiException) as no_answer:
-        store.read_secret("kvgate-system", "kvgate-webhook-tls")
+        objects.read_secret("kvgate-system", "kvgate-webhook-tls")
     assert no_answer.value.status == 0
-    m = manager(store, FakeUtcClock(T0))  # type: ignore[arg-type]
+    m = manager(objects, FakeUtcClock(T0))  # type: ignore[arg-type]
     assert m.ensure(start_retries=1) == ["created"]
     assert m.certs is not None and not m.persistent
     assert not m.sync_ca_bundle()

@@ -1,5 +1,6 @@
-"""Where the webhook's certificates live: the TLS Secret and the MutatingWebhookConfiguration,
-behind the small :class:`CertStore` protocol (unit tests pass a fake).
+"""The Kubernetes objects of the webhook's certificates: the TLS Secret they are kept in and the
+MutatingWebhookConfiguration whose ``caBundle`` trusts them, behind the small
+:class:`CertObjects` protocol (unit tests pass a fake).
 
 Invariant: a replaced Secret keeps the type it was read or created with (a Secret's type is
 immutable).
@@ -16,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 
-class CertStore(Protocol):
+class CertObjects(Protocol):
     """Where certificates live and where the ``caBundle`` goes. Methods raise the kubernetes
     client's ``ApiException`` on API errors (status 0: no answer at all)."""
 
@@ -50,9 +51,9 @@ def _answered() -> Iterator[None]:
         raise ApiException(status=0, reason=f"no answer from the API server: {exc}") from exc
 
 
-class KubeCertStore:
-    """:class:`CertStore` through the kubernetes client (``api``: a ``kubernetes.client.ApiClient``;
-    ``timeout``: seconds per request)."""
+class KubeCertObjects:
+    """:class:`CertObjects` through the kubernetes client (``api``: a
+    ``kubernetes.client.ApiClient``; ``timeout``: seconds per request)."""
 
     def __init__(self, api: Any, timeout: float = 10.0) -> None:
         from kubernetes import client
