@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_agent.sidecar import forward
+from kvgate_agent.sidecar import relay
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.slowclients import KEEPALIVE_TIMEOUT_S
 from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
@@ -455,7 +455,7 @@ async def test_upstream_faults_map_to_a_clear_answer_and_free_everything(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setattr(forward, "MAX_UPSTREAM_BODY_BYTES", 4 * 1024 * 1024)  # 64 MiB by default
+    monkeypatch.setattr(relay, "MAX_UPSTREAM_BODY_BYTES", 4 * 1024 * 1024)  # 64 MiB by default
     upstream = f"http://127.0.0.1:{free_port()}" if fault == "refused" else faulty.url
     url, sc = await start(
         upstream,

@@ -27,8 +27,9 @@ from kvgate_agent.gpu.monitor import GpuMonitor
 from kvgate_agent.node.api import build_app
 from kvgate_agent.node.auth import Authenticator, PodIdentity, Review
 from kvgate_agent.node.service import NodeAgent, NodeSettings
-from kvgate_agent.sidecar.agent_link import AgentSettings, Mode
+from kvgate_agent.sidecar.agent_link import AgentSettings
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.sync_state import Mode
 from kvgate_bench.toolkit import free_port, wait_until_async
 from tests.conftest import serve_sidecar
 from tests.upstream import CHAT, Upstream
@@ -150,7 +151,7 @@ async def test_a_change_reaches_a_held_sidecar_at_once_and_idle_syncs_are_rare(
         # Held again, on the new ETag, before the next change (on a busy machine the sidecar's
         # next call can come after it, and is then answered at once, not woken).
         await until(lambda: len(agent.syncs.waiters) == 1, 10.0)
-    assert sc.policy.link is not None and sc.policy.link.agent_holds
+    assert sc.policy.sync_state is not None and sc.policy.sync_state.agent_holds
 
 
 async def test_a_busy_sidecar_reports_without_waiting_out_the_hold(
@@ -236,7 +237,7 @@ async def test_a_held_sync_that_hangs_past_its_wait_is_a_failed_sync(
     from aiohttp import web
 
     from kvgate_agent.contract.sync import SyncAnswer
-    from kvgate_agent.sidecar.agent_link import SyncResult
+    from kvgate_agent.sidecar.sync_state import SyncResult
 
     calls: list[str | None] = []
     hang = asyncio.Event()
@@ -269,7 +270,7 @@ async def test_a_held_sync_that_hangs_past_its_wait_is_a_failed_sync(
     runners: list[Any] = [runner]
     try:
         await serve_sidecar(sc, runners)
-        link = sc.policy.link
+        link = sc.policy.sync_state
         assert link is not None
         await until(lambda: link.counts[SyncResult.OK] >= 1)
         hang.set()

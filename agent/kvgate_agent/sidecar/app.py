@@ -6,7 +6,8 @@ Every generation API of the supported engines goes through admission (the table 
 mutating request is refused with 404 unless its path is on the pass-through allowlist; GET, HEAD
 and OPTIONS pass through untouched. The sidecar's own endpoints are ``/healthz``, ``/readyz`` and
 ``/kvgate/metrics`` on the same port, and ``/metrics`` on the optional admin port. Thresholds come
-from a policy file (standalone) or from the node agent (:mod:`kvgate_agent.sidecar.thresholds`).
+from a policy file (standalone) or from the node agent
+(:mod:`kvgate_agent.sidecar.agent_enforcement`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.policy import FailureMode
+from kvgate_agent.sidecar.agent_enforcement import NO_LIMITS, AgentEnforcement
 from kvgate_agent.sidecar.agent_link import AgentLink
 from kvgate_agent.sidecar.endpoints import GENERATION_PATHS
 from kvgate_agent.sidecar.enforced import EnforcedPolicy
@@ -33,7 +35,6 @@ from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.store import StoreLink, register_metrics
-from kvgate_agent.sidecar.thresholds import NO_LIMITS, AgentThresholds
 from kvgate_agent.sidecar.tokens import PromptCounter
 
 
@@ -84,15 +85,15 @@ class Sidecar:
             self.metrics.engine_unknown,
             initial=initial,
         )
-        thresholds: AgentThresholds | None = None
+        enforcement: AgentEnforcement | None = None
         #: Agent mode only: the link syncing with the node agent.
         self.agent_link: AgentLink | None = None
         if settings.agent is not None:
-            t = AgentThresholds(settings.agent, clock, self.admission, self.metrics, self.engine)
-            thresholds = t
-            self.agent_link = AgentLink(settings.agent, t.link, t.sync_report, t.on_sync)
-            self.metrics.attach_link(t.link, t.refresh, lambda: t.policy_ref)
-        self.policy = EnforcedPolicy(settings.policy, thresholds)
+            e = AgentEnforcement(settings.agent, clock, self.admission, self.metrics, self.engine)
+            enforcement = e
+            self.agent_link = AgentLink(settings.agent, e.state, e.sync_report, e.on_sync)
+            self.metrics.attach_sync(e.state, e.enforced_mode, lambda: e.policy_ref)
+        self.policy = EnforcedPolicy(settings.policy, enforcement)
         self.counter = PromptCounter(settings.tokenizer_file)
         self.engine_tokens = (
             EngineTokenizer(
@@ -183,10 +184,10 @@ class Sidecar:
         await self.engine.start(
             poll=spec.capacity.from_engine_metrics
             or spec.model.max_model_len is None
-            or self.policy.thresholds is not None,  # they may ask for the engine's capacity later
+            or self.policy.enforcement is not None,  # they may ask for the engine's capacity later
         )
-        if self.agent_link is not None:
-            self.policy.refresh_mode(force=True)
+        if self.policy.enforcement is not None and self.agent_link is not None:
+            self.policy.enforcement.start()  # the mode from now on, pushed as it changes
             await self.agent_link.start()
         if self.store is not None:
             await self.store.start()
@@ -196,6 +197,8 @@ class Sidecar:
             await self.store.stop()  # hands the leases back
         if self.agent_link is not None:
             await self.agent_link.stop()
+        if self.policy.enforcement is not None:
+            self.policy.enforcement.stop()
         await self.engine.stop()
         await self.identity.stop()
         self.admission.close()
@@ -216,10 +219,9 @@ class Sidecar:
         body: ``ok, but the engine's KV capacity is not known: ...``)."""
         if self.pipeline.draining:
             return web.Response(status=503, text="draining")
-        if self.policy.thresholds is not None:
-            self.policy.refresh_mode()
-            if not self.policy.thresholds.link.ready():
-                return web.Response(status=503, text="waiting for thresholds from the node agent")
+        enforcement = self.policy.enforcement
+        if enforcement is not None and not enforcement.state.ready():
+            return web.Response(status=503, text="waiting for thresholds from the node agent")
         if not self.capacity_known and self.policy.spec.failure_mode is FailureMode.FAIL_CLOSED:
             return web.Response(status=503, text="waiting for the engine's KV capacity")
         if not await self.engine.healthy():

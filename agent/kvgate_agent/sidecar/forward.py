@@ -1,5 +1,6 @@
-"""Forwarding to the model server: the admitted request (with its stream relayed and its usage
-read), and pass-through for every other path.
+"""Forwarding to the model server: the admitted request (its trip upstream, its failures, the
+reservation settled; the answer relayed by :mod:`kvgate_agent.sidecar.relay`), and pass-through
+for every other path.
 
 Invariant: an admitted request releases exactly what it reserved on every path (success,
 upstream error, timeout, client disconnect before or during the stream, cancellation): the
@@ -17,8 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +32,16 @@ from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.model_server import ModelServer
 from kvgate_agent.sidecar.openai_errors import body_too_slow
+from kvgate_agent.sidecar.relay import (
+    ClientGone,
+    Exchange,
+    read_capped,
+    relay_stream,
+    to_client,
+)
 from kvgate_agent.sidecar.request import ParsedRequest
-from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
-from kvgate_agent.sidecar.upstream import UpstreamConnectError, UpstreamResponse
+from kvgate_agent.sidecar.upstream import UpstreamConnectError
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -55,37 +61,6 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
-
-
-#: Bytes one SSE event of a relayed stream may reach before the stream counts as malformed
-#: (held while incomplete; a model server streams one small event per token).
-MAX_EVENT_BYTES = 1024 * 1024
-
-
-#: Bytes a non-streamed answer of the model server to an admitted request may reach (it is held
-#: whole, to read its usage): far above any real completion body; a larger one is cut with 502
-#: ``upstream_error``.
-MAX_UPSTREAM_BODY_BYTES = 64 * 1024 * 1024
-
-
-class MalformedStream(aiohttp.ClientPayloadError):
-    """The model server's event stream cannot be SSE (an event over :data:`MAX_EVENT_BYTES`),
-    or its non-streamed answer is over :data:`MAX_UPSTREAM_BODY_BYTES`."""
-
-
-async def _read_capped(resp: UpstreamResponse) -> bytes:
-    """``resp``'s whole body (bytes), at most :data:`MAX_UPSTREAM_BODY_BYTES`.
-
-    Raises:
-        MalformedStream: the body (or its declared ``Content-Length``) is larger.
-    """
-    cap = MAX_UPSTREAM_BODY_BYTES
-    if resp.content_length is not None and resp.content_length > cap:
-        raise MalformedStream(f"an upstream answer of {resp.content_length} bytes, over {cap}")
-    data = await resp.read_all(cap)
-    if data is None:
-        raise MalformedStream(f"an upstream answer over {cap} bytes")
-    return data
 
 
 def forward_headers(headers: Any) -> CIMultiDict[str]:
@@ -140,46 +115,12 @@ class _BodyDeadline:
             yield chunk
 
 
-class _ClientGone(Exception):
-    """The client closed its connection while the sidecar was writing to it."""
-
-
-async def _to_client(write: Awaitable[object]) -> None:
-    """Await a write to the client; a closed client connection becomes :class:`_ClientGone`
-    (so it is never mistaken for an upstream failure)."""
-    try:
-        await write
-    except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError included
-        raise _ClientGone() from exc
-
-
 def _is_error_object(data: bytes) -> bool:
     """``data`` is an OpenAI-style error body (``{"error": {...}}``)."""
     try:
         return isinstance(json.loads(data).get("error"), dict)
     except (ValueError, AttributeError):
         return False
-
-
-@dataclass(slots=True)
-class _Exchange:
-    """One admitted request's trip upstream, settled when it ends.
-
-    ``completion_tokens``/``prompt_tokens``: what to charge (tokens; prompt None = as reserved);
-    ``reached``: the engine did GPU work for it; ``clean``: the upstream response was read to its
-    end, so its connection may be reused.
-    """
-
-    ticket: Ticket
-    parsed: ParsedRequest
-    headers: dict[str, str]
-    started: float  # time.perf_counter() at arrival, seconds
-    completion_tokens: int = 0
-    prompt_tokens: int | None = None
-    reached: bool = False
-    clean: bool = False
-    resp: UpstreamResponse | None = None
-    out: web.StreamResponse | None = None
 
 
 class Forwarder:
@@ -232,7 +173,7 @@ class Forwarder:
         ``headers`` added; then release ``ticket`` with what the engine reported (without a
         report, what was reserved). ``started`` is ``time.perf_counter()`` at arrival (seconds).
         Upstream failures become 502/504 (mid-stream: an in-band error event)."""
-        ex = _Exchange(ticket, parsed, headers, started)
+        ex = Exchange(ticket, parsed, headers, started)
         m = self.metrics
         task = asyncio.current_task()
         if task is not None:
@@ -244,7 +185,7 @@ class Forwarder:
                 return await self._shutting_down(ex)
             m.client_disconnects.inc()
             raise
-        except _ClientGone:
+        except ClientGone:
             m.client_disconnects.inc()
             assert ex.out is not None
             return ex.out  # nobody to answer; the finally below releases everything
@@ -255,7 +196,7 @@ class Forwarder:
                 self._running.discard(task)
             self._settle(ex, tenant_label, prompt)
 
-    async def _shutting_down(self, ex: _Exchange) -> web.StreamResponse:
+    async def _shutting_down(self, ex: Exchange) -> web.StreamResponse:
         """End ``ex`` because the sidecar stops (see :meth:`end_all`)."""
         out = ex.out
         if out is None:
@@ -266,7 +207,7 @@ class Forwarder:
         return out
 
     async def _exchange(
-        self, request: web.Request, body: bytes, ex: _Exchange
+        self, request: web.Request, body: bytes, ex: Exchange
     ) -> web.StreamResponse:
         m = self.metrics
         fwd = admitted_request_headers(request.headers)
@@ -291,8 +232,10 @@ class Forwarder:
         if resp.status >= 500:
             m.upstream_errors.labels("status_5xx").inc()
         if ex.parsed.stream and resp.status == 200 and resp.content_type == "text/event-stream":
-            return await self._relay_stream(request, resp, out_headers, ex)
-        data = await _read_capped(resp)
+            ttft = self.metrics.ttft.observe
+            observe = self.admission.observe_tokens
+            return await relay_stream(request, resp, out_headers, ex, observe, ttft)
+        data = await read_capped(resp)
         ex.clean = True
         if resp.status == 200:
             ex.prompt_tokens, reported = ex.parsed.api.body_usage(data)
@@ -308,61 +251,8 @@ class Forwarder:
             return responses.upstream_error_status(resp.status, {**kept, **ex.headers})
         return web.Response(status=resp.status, body=data, headers=out_headers)
 
-    async def _relay_stream(
-        self,
-        request: web.Request,
-        resp: UpstreamResponse,
-        out_headers: CIMultiDict[str],
-        ex: _Exchange,
-    ) -> web.StreamResponse:
-        """Relay an SSE stream, counting its completion tokens and reading its final usage
-        (the usage chunk is dropped unless the client asked for it).
-
-        As events pass, the controller is told the output tokens generated so far (all
-        choices; :attr:`StreamAccountant.completion_tokens_estimate`) whenever that count
-        grows: at most once per upstream read, so at most once per SSE event, and never a
-        smaller count than the last one (the exact total is settled at release)."""
-        acct = StreamAccountant(ex.parsed.usage_injected, ex.parsed.api.event_reader())
-        ex.out = out = web.StreamResponse(status=resp.status, headers=out_headers)
-        await _to_client(out.prepare(request))
-        first = True
-        observe = self.admission.observe_tokens
-        ticket = ex.ticket
-        told = 0  # output tokens last reported to the controller
-        write = out.write
-        try:
-            while chunk := await resp.read_any():
-                piece = acct.feed(chunk)
-                if acct.pending_bytes > MAX_EVENT_BYTES:
-                    raise MalformedStream(f"an event stream event over {MAX_EVENT_BYTES} bytes")
-                generated = acct.completion_tokens_estimate
-                if generated > told:
-                    told = generated
-                    observe(ticket, generated)
-                if piece:
-                    try:  # _to_client, inlined: once per event
-                        await write(piece)
-                    except ConnectionResetError as exc:
-                        raise _ClientGone() from exc
-                    if first:
-                        self.metrics.ttft.observe(time.perf_counter() - ex.started)
-                        first = False
-            tail = acct.finish()
-            generated = acct.completion_tokens_estimate
-            if generated > told:  # a last event without its blank line
-                observe(ticket, generated)
-            if tail:
-                await _to_client(out.write(tail))
-            ex.clean = acct.done
-        finally:
-            ex.completion_tokens = acct.completion_tokens_estimate
-            if acct.prompt_tokens is not None:
-                ex.prompt_tokens = acct.prompt_tokens
-        await _to_client(out.write_eof())
-        return out
-
     async def _failed(
-        self, ex: _Exchange, exc: TimeoutError | aiohttp.ClientError
+        self, ex: Exchange, exc: TimeoutError | aiohttp.ClientError
     ) -> web.StreamResponse:
         """The model server failed (or timed out) after the connection was made."""
         m = self.metrics
@@ -379,7 +269,7 @@ class Forwarder:
             await out.write_eof()
         return out
 
-    def _settle(self, ex: _Exchange, tenant_label: str, prompt: PromptCount) -> None:
+    def _settle(self, ex: Exchange, tenant_label: str, prompt: PromptCount) -> None:
         """Close or release the upstream response, release the ticket, count the tokens and
         calibrate the prompt estimate with the reported usage."""
         if ex.resp is not None:
@@ -444,13 +334,13 @@ class Forwarder:
             out = web.StreamResponse(status=resp.status, headers=out_headers)
             if resp.content_length is not None:
                 out.content_length = resp.content_length
-            await _to_client(out.prepare(request))
+            await to_client(out.prepare(request))
             async for chunk in resp.content.iter_any():
-                await _to_client(out.write(chunk))
-            await _to_client(out.write_eof())
+                await to_client(out.write(chunk))
+            await to_client(out.write_eof())
             clean = True
             return out
-        except _ClientGone:
+        except ClientGone:
             self.metrics.client_disconnects.inc()
             return out
         except (TimeoutError, aiohttp.ClientError) as exc:

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvgate_agent.admission import AdmissionStats, AsyncAdmission, TenantStats
 from kvgate_agent.contract.nodeadmission import PolicyRef
-from kvgate_agent.sidecar.agent_link import Mode, SyncResult, ThresholdsLink
+from kvgate_agent.sidecar.sync_state import Mode, SyncResult, SyncState
 from kvgate_agent.sidecar.tenants import TenantLabels
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created series only add noise to every counter
@@ -177,16 +177,16 @@ class _AdmissionCollector(Collector):
             )
 
 
-class _LinkCollector(Collector):
-    """The thresholds' state, read at scrape time."""
+class _SyncCollector(Collector):
+    """The sync's state and the mode enforced, read at scrape time."""
 
     def __init__(
         self,
-        link: ThresholdsLink,
+        state: SyncState,
         mode: Callable[[], Mode],
         policy: Callable[[], PolicyRef | None],
     ) -> None:
-        self.link = link
+        self.state = state
         self.mode = mode
         self.policy = policy
 
@@ -200,7 +200,7 @@ class _LinkCollector(Collector):
         for m in Mode:
             g.add_metric([m.value], 1.0 if m is now else 0.0)
         yield g
-        age = self.link.age_seconds()
+        age = self.state.age_seconds()
         if age is not None:
             yield GaugeMetricFamily(
                 "kvgate_thresholds_age_seconds",
@@ -210,7 +210,7 @@ class _LinkCollector(Collector):
         yield GaugeMetricFamily(
             "kvgate_thresholds_ttl_seconds",
             "How long thresholds stay enforced without a successful sync, seconds",
-            value=self.link.ttl_seconds,
+            value=self.state.ttl_seconds,
         )
         ref = self.policy()
         if ref is not None:
@@ -256,7 +256,7 @@ class SidecarMetrics:
             (``kvgate_policy_mismatch``).
         engine_unknown: the engine's KV capacity is asked for but unreadable although it
             answers (``kvgate_engine_capacity_unknown``).
-        agent_sync: ``kvgate_agent_sync_total{result}``, once :meth:`attach_link` was called.
+        agent_sync: ``kvgate_agent_sync_total{result}``, once :meth:`attach_sync` was called.
     """
 
     def __init__(self, admission: AsyncAdmission, tenant_label_limit: int = 50) -> None:
@@ -338,16 +338,17 @@ class SidecarMetrics:
         """Export ``--tokenizer engine``'s tallies by source (read at scrape time)."""
         self.registry.register(_PromptCountCollector(answered))
 
-    def attach_link(
+    def attach_sync(
         self,
-        link: ThresholdsLink,
+        state: SyncState,
         mode: Callable[[], Mode],
         policy: Callable[[], PolicyRef | None],
     ) -> None:
-        """Export the node-agent link: ``kvgate_agent_sync_total{result}`` (every result
-        pre-set to 0), and at scrape time ``kvgate_thresholds_mode{mode}`` (1 for the mode
-        ``mode()`` returns), ``kvgate_thresholds_age_seconds`` (since the last successful
-        sync), ``kvgate_thresholds_ttl_seconds`` and
+        """Export the sync with the node agent: ``kvgate_agent_sync_total{result}`` (every
+        result pre-set to 0), and at scrape time ``kvgate_thresholds_mode{mode}`` (1 for the
+        mode ``mode()`` returns: the one enforced, read, never changed, by the scrape),
+        ``kvgate_thresholds_age_seconds`` (since the last successful sync),
+        ``kvgate_thresholds_ttl_seconds`` and
         ``kvgate_policy_generation{namespace, name}`` (from ``policy()``)."""
         self.agent_sync = Counter(
             "kvgate_agent_sync",
@@ -357,4 +358,4 @@ class SidecarMetrics:
         )
         for r in SyncResult:
             self.agent_sync.labels(r.value)
-        self.registry.register(_LinkCollector(link, mode, policy))
+        self.registry.register(_SyncCollector(state, mode, policy))

@@ -106,7 +106,7 @@ class RequestPipeline:
     def generation_handler(self) -> Callable[[web.Request], Any]:
         """The handler of the generation paths: :meth:`completion`, or standalone without a
         store (no mode header to add) the request's path itself."""
-        wrap = self.policy.thresholds is not None or self.store is not None
+        wrap = self.policy.enforcement is not None or self.store is not None
         return self.completion if wrap else self._completion
 
     @web.middleware
@@ -145,9 +145,8 @@ class RequestPipeline:
     async def completion(self, request: web.Request) -> web.StreamResponse:
         """A generation path (:data:`GENERATION_PATHS`): validate, admit, forward. With a node
         agent, every answer says the thresholds mode in ``x-kvgate-thresholds``."""
-        if self.policy.thresholds is None and self.store is None:
+        if self.policy.enforcement is None and self.store is None:
             return await self._completion(request)
-        self.policy.refresh_mode()
         resp = await self._completion(request)
         value = self.mode_header()
         if not resp.prepared and value is not None:  # streams got it with the admission headers

@@ -24,7 +24,7 @@ from kvgate_agent.sidecar.openai_errors import (
 )
 
 JSON = "application/json"
-#: Response header naming the thresholds mode (see ``agent_link.Mode``) when a node agent is used.
+#: Response header naming the thresholds mode (see ``sync_state.Mode``) when a node agent is used.
 THRESHOLDS_HEADER = "x-kvgate-thresholds"
 DECISION_HEADER = "x-kvgate-decision"
 REASON_HEADER = "x-kvgate-reason"

@@ -138,7 +138,7 @@ class AgentSettings:
     )
     """Seconds the agent may hold a sync until the answer changes (long poll, ``Prefer:
     wait``); capped so a held call ends well within the TTL (see
-    :meth:`~kvgate_agent.sidecar.agent_link.ThresholdsLink.wait_seconds`); 0 = plain polling
+    :meth:`~kvgate_agent.sidecar.sync_state.SyncState.wait_seconds`); 0 = plain polling
     every sync interval."""
 
     metrics_url: str | None = None

@@ -19,7 +19,7 @@ takes nothing from the benchmark's measured capacity, and clients that send no p
 
 What the sidecar learns from the engine itself (and nothing else) completes the resolved
 configuration, as ``AdmissionConfig.from_policy(spec, kv_capacity_tokens=...)`` in
-``kvgate_agent.sidecar.thresholds`` does: the engine's KV pool (``num_gpu_blocks x
+``kvgate_agent.sidecar.agent_enforcement`` does: the engine's KV pool (``num_gpu_blocks x
 block_size`` tokens, vLLM's ``vllm:cache_config_info``) and, where the spec sets no
 ``concurrency.maxRequests``, the engine's ``max_num_seqs`` as the concurrency cap; a client's
 unset max_tokens becomes ``tenants.defaultMaxTokens`` (1024) within the engine's context.

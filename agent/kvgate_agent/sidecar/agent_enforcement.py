@@ -1,12 +1,18 @@
 """Agent mode: enforce what the node agent answers (thresholds, the GPU safety net,
 ``failureMode`` past the TTL) and build the report the sidecar syncs with.
 
+The mode is pushed, not pulled: :class:`AgentEnforcement` applies it after each sync outcome
+(:meth:`AgentEnforcement.on_sync`) and, while started, when time alone changes it (a timer on
+the event loop at :meth:`SyncState.next_change_at`, re-armed after each application). A request
+reads what is enforced; nothing on the request path or at a scrape changes the mode.
+
 Invariant: new thresholds take effect without dropping in-flight work
 (``AdmissionController.reconfigure``), and are only re-applied when they or the mode changed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -14,9 +20,10 @@ from kvgate_agent.admission import AdmissionConfig, AsyncAdmission, Reason
 from kvgate_agent.contract.nodeadmission import PodThresholds, PolicyRef
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED, SafetyNet, SyncAnswer, SyncReport
-from kvgate_agent.sidecar.agent_link import AgentSettings, Mode, SyncResult, ThresholdsLink
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.probe import EngineProbe
+from kvgate_agent.sidecar.settings import AgentSettings
+from kvgate_agent.sidecar.sync_state import Mode, SyncResult, SyncState
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -26,17 +33,26 @@ NO_LIMITS = RateLimitPolicySpec()
 #: Hold keys on admission (see ``AsyncAdmission.hold``).
 HOLD_THRESHOLDS = "thresholds"
 HOLD_GPU_MEMORY = "gpu_memory"
+#: Least delay of the mode timer (seconds): a timer that fires a hair before the TTL's end (the
+#: mode not yet changed) waits this long again rather than spin.
+MIN_TIMER_SECONDS = 0.001
 
 
-class AgentThresholds:
-    """The thresholds' side of one agent-mode sidecar.
+class AgentEnforcement:
+    """What one agent-mode sidecar enforces: the node agent's answer in the mode the sync's
+    state implies, applied to the admission.
+
+    :meth:`start` (on the sidecar's loop, at startup) applies the mode and keeps it current
+    until :meth:`stop`; :meth:`on_sync` takes each sync outcome. ``clock`` (monotonic seconds)
+    must advance with the loop's ``time()``: a deadline of the clock becomes a delay on the loop.
 
     Attributes:
-        link: the thresholds' state (last answer, its age, the mode it implies).
+        state: the sync's state (last answer, its age, the mode it implies).
         mode: the mode last enforced (None before the first :meth:`refresh`).
         spec: the policy spec enforced now (:data:`NO_LIMITS` until thresholds arrive).
         safety_net: the GPU safety net of the last answer.
         policy_ref: the policy governing this pod in the last answer, if any.
+        listeners: called with each new mode once it is enforced (diagnostics, tests).
     """
 
     def __init__(
@@ -51,7 +67,7 @@ class AgentThresholds:
         self.admission = admission
         self.metrics = metrics
         self.probe = probe
-        self.link = ThresholdsLink(
+        self.state = SyncState(
             clock,
             failure_mode=settings.failure_mode,
             ttl_override=settings.ttl_override,
@@ -63,12 +79,63 @@ class AgentThresholds:
         self.policy_ref: PolicyRef | None = None
         self._mismatch_seen: tuple[bool, str | None] = (False, None)
         self._applied: tuple[PodThresholds | None, bool] | None = None
+        self.listeners: list[Callable[[Mode], object]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None  # the clock's deadline the timer is armed for
+
+    # ------------------------------------------------------------------ pushing the mode
+
+    def start(self) -> None:
+        """Enforce the mode now and keep it current from now on (a timer on the running loop
+        for each deadline of :meth:`SyncState.next_change_at`). Call on the sidecar's loop."""
+        self._loop = asyncio.get_running_loop()
+        self.refresh(force=True)
+
+    def stop(self) -> None:
+        """Cancel the timer: the mode changes no more by time alone."""
+        self._loop = None
+        self._disarm()
+
+    def _arm(self) -> None:
+        """Set the timer for the next change time alone brings (none: no timer); a timer
+        already set for that deadline stays."""
+        loop = self._loop
+        at = None if loop is None else self.state.next_change_at()
+        if at is None or loop is None:
+            self._disarm()
+            return
+        if self._timer is not None and at == self._timer_at:
+            return
+        self._disarm()
+        delay = max(at - self.state.clock(), MIN_TIMER_SECONDS)  # the clock's seconds to the loop's
+        self._timer = loop.call_later(delay, self._on_timer)
+        self._timer_at = at
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._timer_at = None
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        try:
+            self.refresh()
+        except Exception:  # a bug must not pass silently on the loop; the next sync re-arms
+            log.exception("applying the mode at the end of the TTL failed")
+
+    def enforced_mode(self) -> Mode:
+        """The mode enforced now; before :meth:`start`, the one the sync's state implies (what
+        will be enforced). Reads only: the scrape reports the mode, it never changes it."""
+        return self.state.mode() if self.mode is None else self.mode
+
+    # ------------------------------------------------------------------ applying
 
     def refresh(self, *, force: bool = False) -> Mode:
-        """Bring enforcement in line with the link's :class:`Mode` now (time alone moves
-        ``stale`` to ``fail_open``/``fail_closed``, so this runs on every admission-controlled
-        request, after every sync and at every scrape; it only acts when the mode changed, or
-        when ``force`` is set after a new answer). Returns the mode.
+        """Bring enforcement in line with the state's :class:`Mode` now, and re-arm the timer
+        for the next change time alone brings. Runs after every sync outcome, at that timer
+        and at :meth:`start`; it only acts when the mode changed, or when ``force`` is set
+        after a new answer. Returns the mode.
 
         Per mode: ``live``/``stale`` enforce the last thresholds in full, with a
         ``gpu_memory_low`` hold while the safety net is closed; ``fail_open`` enforces the last
@@ -77,41 +144,49 @@ class AgentThresholds:
         Retry-After = the sync interval); ``waiting`` enforces no limits, or holds under a
         configured FailClosed; ``unmanaged`` enforces no limits.
         """
-        link = self.link
-        mode = link.mode()
-        if mode is self.mode and not force:
-            return mode
-        if mode is not self.mode:
+        mode = self.state.mode()
+        changed = mode is not self.mode
+        if changed or force:
+            self._enforce(mode, changed=changed)
+        self._arm()
+        if changed:
+            for listener in self.listeners:
+                listener(mode)
+        return mode
+
+    def _enforce(self, mode: Mode, *, changed: bool) -> None:
+        """Apply ``mode``: the thresholds (or none), the fail-closed hold, the safety net."""
+        state = self.state
+        if changed:
             self._log_change(mode)
         self.mode = mode
         if mode in (Mode.WAITING, Mode.UNMANAGED):
             self.apply(None)
         else:
-            self.apply(link.thresholds, local_caps_only=mode is Mode.FAIL_OPEN)
+            self.apply(state.thresholds, local_caps_only=mode is Mode.FAIL_OPEN)
         a = self.admission
         if mode is Mode.FAIL_CLOSED or (
-            mode is Mode.WAITING and link.failure_mode is FailureMode.FAIL_CLOSED
+            mode is Mode.WAITING and state.failure_mode is FailureMode.FAIL_CLOSED
         ):
             a.hold(
                 Reason.FAIL_CLOSED,
                 key=HOLD_THRESHOLDS,
-                retry_after=link.sync_interval_seconds,
+                retry_after=state.sync_interval_seconds,
                 message="no current admission thresholds from the node agent and failureMode "
                 "is FailClosed",
             )
         else:
             a.lift(HOLD_THRESHOLDS)
         self._apply_safety_net(mode)
-        return mode
 
     def _log_change(self, mode: Mode) -> None:
-        age = self.link.age_seconds()
+        age = self.state.age_seconds()
         (log.info if mode in (Mode.LIVE, Mode.UNMANAGED, Mode.WAITING) else log.warning)(
             "thresholds: %s -> %s (last successful sync: %s, TTL %.1fs)",
             "none" if self.mode is None else self.mode.value,
             mode.value,
             "never" if age is None else f"{age:.1f}s ago",
-            self.link.ttl_seconds,
+            self.state.ttl_seconds,
         )
 
     def _apply_safety_net(self, mode: Mode) -> None:
@@ -190,7 +265,7 @@ class AgentThresholds:
         a = self.settings
         c = self.admission.stats()
         cap = c.kv_capacity_tokens
-        answer = self.link.answer
+        answer = self.state.answer
         return SyncReport(
             namespace=a.pod_namespace,
             name=a.pod_name,
