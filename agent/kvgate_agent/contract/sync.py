@@ -42,6 +42,9 @@ from kvgate_agent.contract.nodeadmission import PodAdmission
 TOKEN_AUDIENCE = "kvgate-agent"
 #: Path of the sync endpoint on the node agent.
 SYNC_PATH = "/v1/sync"
+#: How often a sidecar syncs until an answer gives its own interval, seconds; also an answer's
+#: default ``syncIntervalSeconds``.
+DEFAULT_SYNC_INTERVAL_SECONDS = 1.0
 
 #: Request header asking the agent to hold the sync (RFC 7240 ``Prefer: wait=N``)...
 PREFER_HEADER = "Prefer"
@@ -152,11 +155,12 @@ class SyncAnswer(ContractModel):
     pod: PodAdmission | None = None
     safety_net: SafetyNet = Field(default_factory=SafetyNet)
     ttl_seconds: Annotated[float, Field(gt=0)] = 30.0
-    sync_interval_seconds: Annotated[float, Field(gt=0)] = 1.0
+    sync_interval_seconds: Annotated[float, Field(gt=0)] = DEFAULT_SYNC_INTERVAL_SECONDS
 
 
 __all__ = [
     "APPLIED_HEADER",
+    "DEFAULT_SYNC_INTERVAL_SECONDS",
     "MAX_WAIT_SECONDS",
     "PREFER_HEADER",
     "SYNC_PATH",

@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 
 from kvgate_agent.args import flag, hostport, hostport_text, non_negative_seconds, positive, url
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy
-from kvgate_agent.contract.sync import MAX_WAIT_SECONDS
+from kvgate_agent.contract.sync import DEFAULT_SYNC_INTERVAL_SECONDS, MAX_WAIT_SECONDS
 from kvgate_agent.sidecar.endpoints import Passthrough
 from kvgate_agent.sidecar.engine_tokens import DEFAULT_TIMEOUT_SECONDS
 
-#: Sync interval used until an answer gives one (seconds).
-DEFAULT_SYNC_INTERVAL_SECONDS = 1.0
 #: Bound on one sync call, seconds (connect + answer).
 DEFAULT_SYNC_TIMEOUT_SECONDS = 2.0
 

@@ -15,8 +15,7 @@ from enum import StrEnum
 
 from kvgate_agent.contract.nodeadmission import PodThresholds
 from kvgate_agent.contract.policy import FailureMode
-from kvgate_agent.contract.sync import SyncAnswer
-from kvgate_agent.sidecar.settings import DEFAULT_SYNC_INTERVAL_SECONDS
+from kvgate_agent.contract.sync import DEFAULT_SYNC_INTERVAL_SECONDS, SyncAnswer
 
 Clock = Callable[[], float]
 
