@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import jsonpatch
 
+from kvgate_operator.inject_router import engine_type_ops
 from kvgate_operator.inject_store import store_ops
 from kvgate_operator.template import (
     PORT_NAME,
@@ -534,7 +535,7 @@ def _rule_inject(
 ) -> Injection:
     """11. ``injected``: the marker annotation, the sidecar (an init container with
     ``restartPolicy: Always`` when ``config.native_sidecar``, else a plain container, appended
-    last), the token volume and the Secret volumes of the store and the keys and JWKS files.
+    last), the token volume, the Secret volumes (store, keys, JWKS) and the EPP engine-type label.
     The patch is the single source of truth: the returned pod is the patch applied."""
     native, files = config.native_sidecar, config.identity_files()
     container = sidecar_container(
@@ -548,6 +549,7 @@ def _rule_inject(
     ]
     ops += store_ops(config.store)
     ops += [{"op": "add", "path": "/spec/volumes/-", "value": f.pod_volume()} for f in files]
+    ops += engine_type_ops(pod.meta.get("labels"), config.epp_engine_type)
     mode = "native sidecar (init container)" if native else "container"
     return Injection(
         "injected",
