@@ -373,8 +373,8 @@ def _rule_inject(
 ) -> Injection:
     """11. ``injected``: the marker annotation, the sidecar (an init container with
     ``restartPolicy: Always`` when ``config.native_sidecar``, else a plain container, appended
-    last), the token volume and the Secret volumes of the store and the keys and JWKS files
-    (:func:`~kvgate_operator.inject_patch.injection_ops`). The patch is the single source of
+    last), the token volume, the Secret volumes (store, keys, JWKS) and the EPP engine-type
+    label (:func:`~kvgate_operator.inject_patch.injection_ops`). The patch is the single source of
     truth: the returned pod is the patch applied."""
     ops = injection_ops(
         pod, config, model_port=ports.model, sidecar_port=ports.sidecar, policy=policy

@@ -15,6 +15,7 @@ from typing import Any
 import jsonpatch
 
 from kvgate_operator.inject_pod import ANNOTATION_INJECTED, PodView
+from kvgate_operator.inject_router import engine_type_ops
 from kvgate_operator.inject_store import store_ops
 from kvgate_operator.template import (
     InjectionConfig,
@@ -91,7 +92,8 @@ def injection_ops(
     :func:`~kvgate_operator.inject_pod.shape_error` is None), in order: the marker annotation,
     the sidecar (an init container with ``restartPolicy: Always`` when
     ``config.native_sidecar``, else a plain container, appended last), the token volume, then
-    the Secret volumes of the store and of the keys and JWKS files.
+    the Secret volumes of the store and of the keys and JWKS files, then the EPP engine-type
+    label (:func:`~kvgate_operator.inject_router.engine_type_ops`).
 
     Args:
         pod: the request's pod.
@@ -112,4 +114,5 @@ def injection_ops(
     ]
     ops += store_ops(config.store)
     ops += [{"op": "add", "path": "/spec/volumes/-", "value": f.pod_volume()} for f in files]
+    ops += engine_type_ops(pod.meta.get("labels"), config.epp_engine_type)
     return ops

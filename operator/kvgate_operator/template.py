@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 from kvgate_operator.inject_identity import SECRET_KEY_PATTERN, SecretFile, identity_files
+from kvgate_operator.inject_router import LABEL_VALUE_PATTERN
 from kvgate_operator.inject_store import StoreInjection, store_env, store_mounts
 
 SIDECAR_NAME = "kvgate-sidecar"
@@ -104,6 +105,10 @@ class InjectionConfig(BaseModel):
     tokens under :attr:`jwks_key`, passed as ``KVGATE_JWKS_FILE``; None: no JWKS file."""
     jwks_key: str = Field("jwks.json", pattern=SECRET_KEY_PATTERN)
     """The JWKS's key in :attr:`jwks_secret`."""
+    epp_engine_type: Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)] | None = None
+    """The value of the pod label ``llm-d.ai/engine-type`` set on injected pods, naming the
+    endpoint picker's ``engineConfigs`` entry that reads kvgate's router gauges
+    (:mod:`kvgate_operator.inject_router`); None (or empty, as the chart says it): no label."""
 
     def identity_files(self) -> list[SecretFile]:
         """The keys and JWKS files mounted from Secrets (see
@@ -112,7 +117,7 @@ class InjectionConfig(BaseModel):
             self.api_keys_secret, self.api_keys_key, self.jwks_secret, self.jwks_key
         )
 
-    @field_validator("api_keys_secret", "jwks_secret")
+    @field_validator("api_keys_secret", "jwks_secret", "epp_engine_type")
     @classmethod
     def _no_secret(cls, v: str | None) -> str | None:
         return v or None

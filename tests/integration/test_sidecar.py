@@ -74,8 +74,12 @@ async def test_other_paths_pass_through_untouched(
         got = await r.json()
         assert r.headers["x-kvgate-decision"] == "passthrough"
     assert got == {"path": "/tokenize", "method": "POST", "body": "raw \ufffd bytes"}
-    async with client.get(url + "/metrics") as r:  # the engine's own metrics, not ours
-        assert (await r.json())["path"] == "/metrics"
+    async with client.get(url + "/metrics") as r:  # the engine's own, with the router gauges
+        body = await r.text()
+        assert r.headers["x-kvgate-decision"] == "passthrough"
+    echo, _, gauges_text = body.partition("\n")
+    assert json.loads(echo)["path"] == "/metrics"
+    assert gauges_text.startswith("# HELP kvgate_queue_depth ")
 
 
 async def test_stream_accounting_survives_one_byte_writes_and_strips_injected_usage(

@@ -73,6 +73,7 @@ INJECTION_KEYS = {
     "apiKeysKey",
     "jwksSecret",
     "jwksKey",
+    "eppEngineType",
 }
 SYSTEM_NAMESPACES = {"kube-system", "kube-public", "kube-node-lease"}
 
@@ -865,6 +866,8 @@ def test_injection_tracks_values(helm: Helm) -> None:
             "injector.passthroughPaths={/v1/embeddings,/admin/*}",
             "--set",
             "injector.apiKeysSecret=keys,injector.jwksSecret=idp,injector.jwksKey=idp.json",
+            "--set",
+            "injector.eppEngineType=kvgate",
         )
     )
     assert r.returncode == 0, r.stderr
@@ -881,6 +884,7 @@ def test_injection_tracks_values(helm: Helm) -> None:
     assert inj["passthroughPaths"] == ["/v1/embeddings", "/admin/*"]
     assert (inj["apiKeysSecret"], inj["apiKeysKey"]) == ("keys", "keys.yaml")
     assert (inj["jwksSecret"], inj["jwksKey"]) == ("idp", "idp.json")
+    assert InjectionConfig.model_validate(inj).epp_engine_type == "kvgate"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from kvgate_operator.inject import (
     apply_patch,
     inject,
 )
+from kvgate_operator.inject_router import ENGINE_TYPE_LABEL
 from kvgate_operator.inject_store import ANNOTATION_STORE, STORE_KIND, store_volumes
 from kvgate_operator.template import (
     SIDECAR_NAME,
@@ -237,7 +238,10 @@ def check_result(
         assert after.pop(ANNOTATION_STORE) == STORE_KIND
         before.pop(ANNOTATION_STORE, None)
     assert after == before
-    assert r.pod["metadata"].get("labels") == (pod_in.get("metadata") or {}).get("labels")
+    labels_in = (pod_in.get("metadata") or {}).get("labels")
+    if config.epp_engine_type is not None:  # the endpoint picker's engine type, set or replaced
+        labels_in = {**(labels_in or {}), ENGINE_TYPE_LABEL: config.epp_engine_type}
+    assert r.pod["metadata"].get("labels") == labels_in
     # Injecting again changes nothing.
     again = inject(r.pod, namespace=namespace, namespace_opt_in=opt_in, config=config)
     assert (again.action, again.reason, again.patch) == ("already_injected", "already_injected", [])
@@ -715,3 +719,17 @@ def test_store_settings_need_a_redis_url_and_add_only_what_is_set() -> None:
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["KVGATE_STORE_URL"] == "redis://redis:6379/0"
     assert "KVGATE_STORE_PASSWORD_FILE" not in env and "KVGATE_STORE_CA_FILE" not in env
+
+
+def test_the_epp_engine_type_label_on_a_pod_without_labels_or_metadata() -> None:
+    cfg = CFG.model_copy(update={"epp_engine_type": "kvgate"})
+    bare = vllm_pod()
+    bare["metadata"].pop("generateName")
+    for pod in (vllm_pod(), {"spec": bare["spec"]}):
+        r = inject(pod, namespace="m", namespace_opt_in=True, config=cfg)
+        assert r.action == "injected"
+        assert r.pod["metadata"]["labels"] == {ENGINE_TYPE_LABEL: "kvgate"}
+        check_result(pod, r, namespace="m", opt_in=True, config=cfg)
+    assert InjectionConfig.model_validate({"eppEngineType": ""}).epp_engine_type is None
+    with pytest.raises(ValueError):
+        InjectionConfig.model_validate({"eppEngineType": "-kvgate"})

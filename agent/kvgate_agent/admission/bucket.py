@@ -191,6 +191,8 @@ class SharedBucket(Bucket):
         mark: ``level`` right after the last sync (the demand since is ``mark - level``).
         demand: smoothed demand, units per second.
         shared_level: the shared bucket's level at the last sync (units; 0 before one).
+        synced: a sync with the store has answered for this slice (``shared_level`` is the
+            store's figure, not the initial 0).
         need: the largest amount (units) a request blocked by this slice asked of it since the
             slice last held that much: the next lease asks for at least that (a request costing
             more than a usual slice must still be admitted at some point).
@@ -198,7 +200,7 @@ class SharedBucket(Bucket):
             book).
     """
 
-    __slots__ = ("debt", "demand", "mark", "need", "shared_level", "sync_at")
+    __slots__ = ("debt", "demand", "mark", "need", "shared_level", "sync_at", "synced")
 
     def __init__(self, capacity: float, rate: float, now: float, level: float = 0.0) -> None:
         if capacity <= 0 or rate <= 0 or not math.isfinite(capacity) or not math.isfinite(rate):
@@ -216,6 +218,7 @@ class SharedBucket(Bucket):
         self.shared_level = 0.0
         self.need = 0.0
         self.sync_at = now
+        self.synced = False
 
     def capacity_at(self, now: float) -> float:
         """The shared bucket's capacity (a slice does not warm up)."""
@@ -253,6 +256,13 @@ class SharedBucket(Bucket):
             self.need = max(self.need, amount)
             wait = max(wait, self.sync_at - now, SHORT_SLICE_WAIT_S)
         return wait
+
+    def fleet_lacks(self, amount: float) -> bool:
+        """True when the whole fleet-wide budget, as of the last sync, cannot cover ``amount``
+        units either (this slice's level plus the shared bucket's): every replica would refuse
+        the request alike. False before any sync (unknown: another replica's slice may hold
+        it) and when only this slice is short (the next sync may top it up)."""
+        return self.synced and amount > max(0.0, self.level) + max(0.0, self.shared_level)
 
     def forgettable(self, now: float) -> bool:
         """True when the slice holds and owes nothing of the shared budget."""

@@ -178,6 +178,12 @@ class Decision:
         refusal: for a request sent to the fallback pool (reason ``fallback_pool``: no ticket,
             nothing reserved here, ``model`` the pool's), this pod's own refusal, answered
             when the pool refuses too or cannot be reached.
+        fleet_wide: a refusal whose own blocker is this pod's slice of a fleet-wide budget
+            (a ``shared`` limit, ``per: Tenant`` or ``per: Global``, held through the store)
+            that the whole budget, as of the last sync, could not cover either: every replica
+            draws on the same budget and would refuse it alike,
+            so the sidecar marks it ``x-envoy-ratelimited`` and proxies do not retry it
+            elsewhere. False for every other refusal ("this replica is full").
 
     A plain class with class-level defaults rather than a dataclass: it is built on every
     request, and only the fields a decision needs are set (a 16-field dataclass ``__init__``
@@ -199,6 +205,7 @@ class Decision:
     bucket_window: float | None = None
     unit: str | None = None
     refusal: Decision | None = None
+    fleet_wide: bool = False
 
     def __init__(
         self,

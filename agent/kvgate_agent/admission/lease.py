@@ -266,6 +266,7 @@ class LeaseBook:
             b.level += g.granted
             b.mark += g.granted
             b.shared_level = g.shared_level
+            b.synced = True
             if b.level >= b.need:
                 b.need = 0.0
             if g.granted + 1e-9 < op.want:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvgate_agent.admission.bucket import SharedBucket
 from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason, Waiter
 from kvgate_agent.admission.limits import Blocker, Limits
 from kvgate_agent.admission.queue import WaitQueue
@@ -272,7 +273,10 @@ def reject(
 ) -> Decision:
     """The 429 for ``req``, its Retry-After from the blocking resource's refill or drain time
     (or the expected queue wait, when that is what refused it) and, for a rate limit, the
-    refusing bucket's state for the RateLimit headers."""
+    refusing bucket's state for the RateLimit headers. ``fleet_wide`` is set when ``blocker``
+    (the request's own, not the queue head's) is a slice of a fleet-wide budget that the whole
+    budget could not cover either (:meth:`SharedBucket.fleet_lacks`)."""
+    own = blocker is not None
     if blocker is None:
         blocker = r.queue.head_blocker(now) or Blocker(Reason.QUEUE_FULL, "queue")
     if slo_wait is not None:
@@ -300,6 +304,9 @@ def reject(
         )
     d = refusal(reason, blocker.limit, 429, wait, req.max_tokens, message)
     d.queue_seconds = waited
+    # The request's own budget is fleet-wide and spent: another replica would refuse it alike.
+    b = blocker.bucket
+    d.fleet_wide = own and isinstance(b, SharedBucket) and b.fleet_lacks(blocker.amount)
     if blocker.bucket is not None and blocker.threshold is not None:
         t = blocker.threshold
         cost_unit = blocker.reason is Reason.RATE_LIMIT_TOKENS

@@ -137,6 +137,11 @@ _CORE: dict[Engine, tuple[str, ...]] = {
 }
 
 
+CORE_METRICS: frozenset[str] = frozenset(name for names in _CORE.values() for name in names)
+"""Every engine's core metric names (running, waiting, usage): a text holding only their lines
+parses to the same ``running``, ``waiting`` and ``kv_usage`` as the whole exposition."""
+
+
 def _detect(series: Mapping[str, object]) -> Engine | None:
     def best(score: Callable[[Engine], int]) -> Engine | None:
         scores = {e: score(e) for e in ENGINES}

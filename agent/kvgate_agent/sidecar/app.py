@@ -5,9 +5,10 @@ Every generation API of the supported engines goes through admission (the table 
 :mod:`kvgate_agent.sidecar.endpoints`); another method on one of those paths gets 405. Any other
 mutating request is refused with 404 unless its path is on the pass-through allowlist; GET, HEAD
 and OPTIONS pass through untouched. The sidecar's own endpoints are ``/healthz``, ``/readyz`` and
-``/kvgate/metrics`` on the same port, and ``/metrics`` on the optional admin port. Thresholds come
-from a policy file (standalone) or from the node agent
-(:mod:`kvgate_agent.sidecar.agent_enforcement`).
+``/kvgate/metrics`` on the same port, and ``/metrics`` on the optional admin port; the same port's
+``GET /metrics`` is the model server's own with kvgate's router gauges appended
+(:mod:`kvgate_agent.sidecar.router_metrics`). Thresholds come from a policy file (standalone) or
+from the node agent (:mod:`kvgate_agent.sidecar.agent_enforcement`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.model_server import ModelServer
 from kvgate_agent.sidecar.pipeline import RequestPipeline
 from kvgate_agent.sidecar.probe import EngineProbe
+from kvgate_agent.sidecar.router_metrics import RouterMetrics
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.store import StoreLink, register_metrics
@@ -149,6 +151,8 @@ class Sidecar:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/kvgate/metrics", self.metrics_endpoint)
+        # The engine's metrics, with the router gauges appended.
+        app.router.add_get("/metrics", RouterMetrics(self.model_server, self.admission).handle)
         handler = self.pipeline.generation_handler()
         for path in GENERATION_PATHS:
             app.router.add_route("*", path, handler)

@@ -28,6 +28,10 @@ JSON = "application/json"
 THRESHOLDS_HEADER = "x-kvgate-thresholds"
 DECISION_HEADER = "x-kvgate-decision"
 REASON_HEADER = "x-kvgate-reason"
+#: On a refusal by a fleet-wide budget (``Decision.fleet_wide``): Envoy does not retry a
+#: response carrying it (unless its retry policy says otherwise), and another replica would
+#: refuse the same; never on "this replica is full", which a proxy should retry elsewhere.
+ENVOY_RATELIMITED_HEADER = "x-envoy-ratelimited"
 
 
 def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -41,8 +45,11 @@ def refusal(d: Decision, api: Api = CHAT) -> web.Response:
     when a bucket refused, and an OpenAI error body (a 400 names the offending field as the
     ``api`` calls it, :attr:`~kvgate_agent.sidecar.apis.base.Api.prompt_param` and
     :attr:`~kvgate_agent.sidecar.apis.base.Api.limit_param`: ``prompt`` is ``messages`` for
-    chat, ``max_tokens`` is ``parameters.max_new_tokens`` for TGI...)."""
+    chat, ``max_tokens`` is ``parameters.max_new_tokens`` for TGI...); ``x-envoy-ratelimited:
+    true`` when a fleet-wide budget refused it (``d.fleet_wide``), never otherwise."""
     headers = {DECISION_HEADER: d.outcome.value, REASON_HEADER: d.reason.value}
+    if d.fleet_wide:
+        headers[ENVOY_RATELIMITED_HEADER] = "true"
     if d.retry_after is not None:
         headers["Retry-After"] = str(d.retry_after)
     if d.bucket_capacity is not None and d.bucket_window is not None:

@@ -119,7 +119,8 @@ operator reads exactly these keys.
   "apiKeysSecret" $i.apiKeysSecret
   "apiKeysKey" $i.apiKeysKey
   "jwksSecret" $i.jwksSecret
-  "jwksKey" $i.jwksKey }}
+  "jwksKey" $i.jwksKey
+  "eppEngineType" $i.eppEngineType }}
 {{- with .Values.store }}
 {{- if .url }}
 {{- $s := dict "url" .url "passwordKey" .passwordKey "tls" (dict "caKey" .tls.caKey) }}
