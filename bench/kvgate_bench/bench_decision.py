@@ -51,7 +51,7 @@ from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.apis.openai import CHAT
 from kvgate_agent.sidecar.tokens import PromptCounter
 from kvgate_bench import compiled
-from kvgate_bench.toolkit import percentile
+from kvgate_bench.kit.toolkit import percentile
 
 #: Target for one admission decision (``submit`` as shipped, compiled), microseconds at p50
 #: less the timer's own cost (issue 12).
@@ -192,7 +192,7 @@ def measure(ops: Sequence[Op], iterations: int, warmup: int, rounds: int = 10) -
 
 
 def _pct(values: Sequence[float], q: float) -> float:
-    """:func:`~kvgate_bench.toolkit.percentile` of a list known not to be empty."""
+    """:func:`~kvgate_bench.kit.toolkit.percentile` of a list known not to be empty."""
     got = percentile(values, q)
     assert got is not None
     return got

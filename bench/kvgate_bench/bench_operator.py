@@ -1,6 +1,6 @@
 """``python -m kvgate_bench.bench_operator``: the operator at scale against a real API server.
 
-Starts a local control plane (:class:`kvgate_bench.controlplane.ControlPlane`: kube-apiserver +
+Starts a local control plane (:class:`kvgate_bench.kit.controlplane.ControlPlane`: kube-apiserver +
 etcd, no kubelet), applies the CRDs and creates ``--nodes`` Node objects, namespaces,
 ``--policies`` RateLimitPolicies and ``--pods`` Pods bound to the nodes (``spec.nodeName``).
 Policies select ~``pods/policies`` pods each; half carry a ``per: Global`` limit (split across
@@ -80,8 +80,8 @@ from kvgate_bench.bench_operator_cluster import (
     read_counters,
     write_diff,
 )
-from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.toolkit import (
+from kvgate_bench.kit.controlplane import ControlPlane
+from kvgate_bench.kit.toolkit import (
     cpu_seconds,
     machine,
     memory_kib,

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_agent.contract.api import GROUP, VERSION
-from kvgate_bench import processes
 from kvgate_bench.bench_operator_cluster import Http, Specs, Statuses
-from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.toolkit import free_port
+from kvgate_bench.kit import processes
+from kvgate_bench.kit.controlplane import ControlPlane
+from kvgate_bench.kit.toolkit import free_port
 
 # ----------------------------------------------------------------------------------------------
 # Desired vs observed

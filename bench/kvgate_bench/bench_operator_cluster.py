@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_agent.contract.api import GROUP, VERSION
-from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.toolkit import (
+from kvgate_bench.kit.controlplane import ControlPlane
+from kvgate_bench.kit.toolkit import (
     cpu_seconds,
     fetch_text,
     find_k8s_bin,
@@ -38,7 +38,7 @@ Statuses = dict[Key, Any]
 
 
 def k8s_bin_dir(explicit: str | None) -> Path:
-    """kube-apiserver + etcd: ``--bin-dir``, else :func:`~kvgate_bench.toolkit.find_k8s_bin`.
+    """kube-apiserver + etcd: ``--bin-dir``, else :func:`~kvgate_bench.kit.toolkit.find_k8s_bin`.
 
     Raises:
         SystemExit: none found, or a named directory lacks them.

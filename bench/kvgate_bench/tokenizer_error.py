@@ -37,8 +37,8 @@ import aiohttp
 
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.tokens import PromptCounter
-from kvgate_bench.processes import stop
-from kvgate_bench.toolkit import free_port, percentile, wait_http, wait_until
+from kvgate_bench.kit.processes import stop
+from kvgate_bench.kit.toolkit import free_port, percentile, wait_http, wait_until
 
 #: Text of each kind, one line per snippet; prompts are drawn from these.
 SNIPPETS: dict[str, list[str]] = {

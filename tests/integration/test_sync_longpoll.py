@@ -29,7 +29,7 @@ from kvgate_agent.node.auth import Authenticator, PodIdentity, Review
 from kvgate_agent.node.service import NodeAgent, NodeSettings
 from kvgate_agent.sidecar.agent_link import AgentSettings, Mode
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_bench.toolkit import free_port, wait_until_async
+from kvgate_bench.kit.toolkit import free_port, wait_until_async
 from tests.conftest import serve_sidecar
 from tests.upstream import CHAT, Upstream
 

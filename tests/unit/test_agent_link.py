@@ -21,7 +21,7 @@ from kvgate_agent.sidecar.agent_link import (
     sidecar_metrics_url,
 )
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 
 def answer(

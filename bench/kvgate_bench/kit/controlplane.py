@@ -50,8 +50,8 @@ from typing import Any
 
 import yaml
 
-from kvgate_bench.processes import stop
-from kvgate_bench.toolkit import free_port
+from kvgate_bench.kit.processes import stop
+from kvgate_bench.kit.toolkit import free_port
 from kvgate_operator import pki
 
 ADMIN_USER = "kvgate-admin"

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate_bench.toolkit import free_port, wait_port, wait_until
+from kvgate_bench.kit.toolkit import free_port, wait_port, wait_until
 
 __all__ = [
     "Proc",
