@@ -44,7 +44,7 @@ from typing import Any
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_bench.kit.controlplane import ControlPlane
 from kvgate_bench.kit.nodestack import NodeStack, clamped_to, metric_value
-from kvgate_bench.kit.toolkit import cpu_seconds, find_k8s_bin, memory_kib, percentile, wait_until
+from kvgate_bench.kit.toolkit import cpu_seconds, find_k8s_bin, percentile_of, rss_mib, wait_until
 
 NS = "bench"
 #: The agent's production timings (``kvgate-agent node`` defaults, seconds).
@@ -74,18 +74,6 @@ def cap_policy(cap: int) -> dict[str, Any]:
             "model": {"maxModelLen": 4096},
         },
     }
-
-
-def rss_mib(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) of process ``pid`` in MiB."""
-    return memory_kib(pid, "VmRSS") / 1024, memory_kib(pid, "VmHWM") / 1024
-
-
-def pct(values: list[float], q: float) -> float:
-    """:func:`~kvgate_bench.kit.toolkit.percentile` of a list known not to be empty."""
-    got = percentile(values, q)
-    assert got is not None
-    return got
 
 
 def agent_metric(stack: NodeStack, name: str, **labels: str) -> float:
@@ -130,13 +118,13 @@ def propagation(
     return {
         g: {
             "changes": changes,
-            "p50_all": pct(per_change[g], 50),
-            "p99_all": pct(per_change[g], 99),
+            "p50_all": percentile_of(per_change[g], 50),
+            "p99_all": percentile_of(per_change[g], 99),
             "max_all": max(per_change[g]),
-            "p50_sidecar": pct(per_sidecar[g], 50),
-            "p99_sidecar": pct(per_sidecar[g], 99),
-            "kubectl_p50": pct(apply_only, 50),
-            "kubectl_p99": pct(apply_only, 99),
+            "p50_sidecar": percentile_of(per_sidecar[g], 50),
+            "p99_sidecar": percentile_of(per_sidecar[g], 99),
+            "kubectl_p50": percentile_of(apply_only, 50),
+            "kubectl_p99": percentile_of(apply_only, 99),
         }
         for g in groups
     }

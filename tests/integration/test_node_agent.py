@@ -534,6 +534,6 @@ def test_oversized_reports_and_metrics_pages_cannot_hurt_the_agent(stack: NodeSt
     finally:
         server.shutdown()
     assert stack.agent is not None
-    from kvgate_bench.bench_node import rss_mib
+    from kvgate_bench.kit.toolkit import rss_mib
 
     assert rss_mib(stack.agent.pid)[1] < 300  # peak RSS, MiB: nothing was buffered
