@@ -1,6 +1,6 @@
 """Shared fixtures: the sidecar in-process or as a real process, the llm-d inference simulator and
 llama.cpp's llama-server as real processes, the local control plane. Clocks, waiting, ports and
-Prometheus reading are in :mod:`kvgate_bench.toolkit`."""
+Prometheus reading are in :mod:`kvgate_bench.kit.toolkit`."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_bench.llamaserver import llama_args, wait_loaded
-from kvgate_bench.processes import Proc, start_sidecar
-from kvgate_bench.processes import start as start_process
-from kvgate_bench.redisserver import RedisServer, find_redis_server
-from kvgate_bench.sim.server import SimConfig, start_sim
-from kvgate_bench.toolkit import (
+from kvgate_bench.kit.llamaserver import llama_args, wait_loaded
+from kvgate_bench.kit.processes import Proc, start_sidecar
+from kvgate_bench.kit.processes import start as start_process
+from kvgate_bench.kit.redisserver import RedisServer, find_redis_server
+from kvgate_bench.kit.toolkit import (
     find_k8s_bin,
     free_port,
     parse_samples,
     series,
 )
+from kvgate_bench.sim.server import SimConfig, start_sim
 from tests.upstream import Upstream, serve_handler
 
 REPO = Path(__file__).resolve().parent.parent
@@ -262,11 +262,11 @@ def crds(kube: Any) -> Any:
 @pytest.fixture(scope="session")
 def kube() -> Iterator[Any]:
     """A real kube-apiserver + etcd for the whole session (a
-    ``kvgate_bench.controlplane.ControlPlane``; a few
+    ``kvgate_bench.kit.controlplane.ControlPlane``; a few
     seconds to start). Shared by all tests: use unique names, do not rely on deletion finishing.
     Without the binaries, tests using it fail loudly (build them with scripts/build-k8s, which
     scripts/test runs), unless KVGATE_ALLOW_SKIP_K8S=1, then they skip."""
-    from kvgate_bench.controlplane import ControlPlane
+    from kvgate_bench.kit.controlplane import ControlPlane
 
     bin_dir = k8s_bin_dir()
     if bin_dir is None:
@@ -301,8 +301,9 @@ async def sim() -> AsyncIterator[Callable[..., Awaitable[str]]]:
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     """Start real ``redis-server`` processes on loopback ports in the test's temp dir:
-    ``server = start(password=None, tls=None)`` (a :class:`~kvgate_bench.redisserver.RedisServer`,
-    which can be killed and restarted); stopped at teardown. Without the binary (scripts/
+    ``server = start(password=None, tls=None)`` (a
+    :class:`~kvgate_bench.kit.redisserver.RedisServer`, which can be killed and restarted); stopped
+    at teardown. Without the binary (scripts/
     install-redis, which scripts/test runs, or KVGATE_REDIS_SERVER), tests using it fail loudly,
     unless KVGATE_ALLOW_SKIP_REDIS=1, then they skip."""
     binary = find_redis_server()

@@ -20,8 +20,9 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from kvgate_bench.bench_operator_checks import Operator, strip_status
-from kvgate_bench.toolkit import poll_until
+from kvgate_bench.kit.controlplane import strip_status
+from kvgate_bench.kit.processes import Operator
+from kvgate_bench.kit.toolkit import poll_until
 from kvgate_operator.desired import compute
 from kvgate_operator.reader import ClusterReader
 from kvgate_operator.settings import OperatorSettings
@@ -110,7 +111,7 @@ def writers(events: list[dict[str, Any]], *, leases: bool) -> dict[str, int]:
 @contextlib.contextmanager
 def audited_control_plane(d: Path) -> Iterator[Audited]:
     """A control plane (CRDs applied) whose API server audits every write into ``d``."""
-    from kvgate_bench.controlplane import ControlPlane
+    from kvgate_bench.kit.controlplane import ControlPlane
 
     bin_dir = k8s_bin_dir()
     if bin_dir is None:

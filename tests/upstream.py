@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvgate_bench.toolkit import free_port
+from kvgate_bench.kit.toolkit import free_port
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
 

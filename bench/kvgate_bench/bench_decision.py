@@ -51,7 +51,7 @@ from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.apis.openai import CHAT
 from kvgate_agent.sidecar.tokens import PromptCounter
 from kvgate_bench import compiled
-from kvgate_bench.toolkit import percentile
+from kvgate_bench.kit.toolkit import percentile_of
 
 #: Target for one admission decision (``submit`` as shipped, compiled), microseconds at p50
 #: less the timer's own cost (issue 12).
@@ -182,20 +182,13 @@ def measure(ops: Sequence[Op], iterations: int, warmup: int, rounds: int = 10) -
     return [
         Timing(
             op.name,
-            _pct(op.samples, 50),
-            _pct(op.samples, 99),
-            _pct(op.loop_means, 50),
+            percentile_of(op.samples, 50),
+            percentile_of(op.samples, 99),
+            percentile_of(op.loop_means, 50),
             len(op.samples),
         )
         for op in ops
     ]
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    """:func:`~kvgate_bench.toolkit.percentile` of a list known not to be empty."""
-    got = percentile(values, q)
-    assert got is not None
-    return got
 
 
 def build_controller() -> tuple[AdmissionController, list[AdmissionRequest]]:
@@ -240,7 +233,7 @@ def submit_only(iterations: int) -> tuple[float, float]:
                 samples.append(t1 - t0)
     finally:
         gc.enable()
-    return _pct(samples, 50) / 1000, _pct(samples, 99) / 1000
+    return percentile_of(samples, 50) / 1000, percentile_of(samples, 99) / 1000
 
 
 def operations() -> list[Op]:

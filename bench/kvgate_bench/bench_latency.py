@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate_agent.contract.api import API_VERSION
-from kvgate_bench.processes import Proc, sidecar_argv, start, stop_all
-from kvgate_bench.toolkit import free_port, percentile
+from kvgate_bench.kit.processes import Proc, sidecar_argv, start, stop_all
+from kvgate_bench.kit.toolkit import free_port, percentile
 
 TARGET_ADDED_P50_MS = 0.35
 TARGET_ADDED_P99_MS = 1.0

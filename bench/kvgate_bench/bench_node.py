@@ -2,7 +2,7 @@
 
 On the local control plane (kube-apiserver + etcd, no kubelet) it runs, as local processes, the
 operator, one node agent (fake GPU backend) and ``kvgate-sim`` behind real sidecars in agent mode
-(:class:`kvgate_bench.nodestack.NodeStack`), with production timings: sidecars long-poll
+(:class:`kvgate_bench.kit.nodestack.NodeStack`), with production timings: sidecars long-poll
 (``--sync-wait`` 25 s: the agent holds each sync until the pod's answer changes), report at most
 every ``--sync-interval`` seconds (1), the TTL is 30 s, the operator debounces 0.05 s, and the
 agent polls the GPUs every 2 s, scrapes each engine every 5 s and writes its status at most every
@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_agent.contract.api import API_VERSION
-from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.nodestack import NodeStack, clamped_to, metric_value
-from kvgate_bench.toolkit import cpu_seconds, find_k8s_bin, memory_kib, percentile, wait_until
+from kvgate_bench.kit.controlplane import ControlPlane
+from kvgate_bench.kit.nodestack import NodeStack, clamped_to, metric_value
+from kvgate_bench.kit.toolkit import cpu_seconds, find_k8s_bin, percentile_of, rss_mib, wait_until
 
 NS = "bench"
 #: The agent's production timings (``kvgate-agent node`` defaults, seconds).
@@ -74,18 +74,6 @@ def cap_policy(cap: int) -> dict[str, Any]:
             "model": {"maxModelLen": 4096},
         },
     }
-
-
-def rss_mib(pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) of process ``pid`` in MiB."""
-    return memory_kib(pid, "VmRSS") / 1024, memory_kib(pid, "VmHWM") / 1024
-
-
-def pct(values: list[float], q: float) -> float:
-    """:func:`~kvgate_bench.toolkit.percentile` of a list known not to be empty."""
-    got = percentile(values, q)
-    assert got is not None
-    return got
 
 
 def agent_metric(stack: NodeStack, name: str, **labels: str) -> float:
@@ -130,13 +118,13 @@ def propagation(
     return {
         g: {
             "changes": changes,
-            "p50_all": pct(per_change[g], 50),
-            "p99_all": pct(per_change[g], 99),
+            "p50_all": percentile_of(per_change[g], 50),
+            "p99_all": percentile_of(per_change[g], 99),
             "max_all": max(per_change[g]),
-            "p50_sidecar": pct(per_sidecar[g], 50),
-            "p99_sidecar": pct(per_sidecar[g], 99),
-            "kubectl_p50": pct(apply_only, 50),
-            "kubectl_p99": pct(apply_only, 99),
+            "p50_sidecar": percentile_of(per_sidecar[g], 50),
+            "p99_sidecar": percentile_of(per_sidecar[g], 99),
+            "kubectl_p50": percentile_of(apply_only, 50),
+            "kubectl_p99": percentile_of(apply_only, 99),
         }
         for g in groups
     }

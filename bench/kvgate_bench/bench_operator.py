@@ -1,6 +1,6 @@
 """``python -m kvgate_bench.bench_operator``: the operator at scale against a real API server.
 
-Starts a local control plane (:class:`kvgate_bench.controlplane.ControlPlane`: kube-apiserver +
+Starts a local control plane (:class:`kvgate_bench.kit.controlplane.ControlPlane`: kube-apiserver +
 etcd, no kubelet), applies the CRDs and creates ``--nodes`` Node objects, namespaces,
 ``--policies`` RateLimitPolicies and ``--pods`` Pods bound to the nodes (``spec.nodeName``).
 Policies select ~``pods/policies`` pods each; half carry a ``per: Global`` limit (split across
@@ -54,38 +54,32 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvgate_agent.contract.api import GROUP, VERSION
-from kvgate_bench.bench_operator_checks import (
-    Operator,
-    PassTiming,
-    expected_state,
-    node_admission_versions,
-    profile_pass,
-    time_pass,
-    wait_converged,
-)
 from kvgate_bench.bench_operator_cluster import (
     REPO,
     Counters,
     Http,
     Key,
     Layout,
+    PassTiming,
     Specs,
     Statuses,
     Writes,
     build_objects,
     create_all,
+    expected_state,
     k8s_bin_dir,
     latencies,
+    node_admission_versions,
     node_name,
+    profile_pass,
     read_counters,
+    time_pass,
+    wait_converged,
     write_diff,
 )
-from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.toolkit import (
-    cpu_seconds,
-    machine,
-    memory_kib,
-)
+from kvgate_bench.kit.controlplane import ControlPlane
+from kvgate_bench.kit.processes import Operator
+from kvgate_bench.kit.toolkit import cpu_seconds, machine, memory_kib
 
 # ----------------------------------------------------------------------------------------------
 # The run
@@ -504,34 +498,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nodes", type=int, default=100)
-    p.add_argument("--pods", type=int, default=2000)
-    p.add_argument("--policies", type=int, default=200)
-    p.add_argument("--bin-dir", help="directory with kube-apiserver and etcd")
-    p.add_argument("--debounce", type=float, default=0.1, help="operator debounce (s)")
-    p.add_argument("--resync", type=float, default=5.0, help="operator resync period (s)")
-    p.add_argument("--noop-periods", type=int, default=3, help="resync periods watched idle")
-    p.add_argument("--timeout", type=float, default=180.0, help="convergence timeout (s)")
-    p.add_argument("--poll", type=float, default=0.5, help="convergence poll interval (s)")
-    p.add_argument("--workers", type=int, default=8, help="client threads creating objects")
-    p.add_argument(
+    add = p.add_argument
+    add("--nodes", type=int, default=100)
+    add("--pods", type=int, default=2000)
+    add("--policies", type=int, default=200)
+    add("--bin-dir", help="directory with kube-apiserver and etcd")
+    add("--debounce", type=float, default=0.1, help="operator debounce (s)")
+    add("--resync", type=float, default=5.0, help="operator resync period (s)")
+    add("--noop-periods", type=int, default=3, help="resync periods watched idle")
+    add("--timeout", type=float, default=180.0, help="convergence timeout (s)")
+    add("--poll", type=float, default=0.5, help="convergence poll interval (s)")
+    add("--workers", type=int, default=8, help="client threads creating objects")
+    add(
         "--heartbeat-rate",
         type=float,
         default=10.0,
         help="NodeAdmission status patches per second in the heartbeat phase",
     )
-    p.add_argument(
-        "--heartbeat-seconds", type=float, default=15.0, help="heartbeat phase length (0: skip)"
-    )
-    p.add_argument(
+    add("--heartbeat-seconds", type=float, default=15.0, help="heartbeat phase length (0: skip)")
+    add(
         "--no-phase-timing",
         dest="phase_timing",
         action="store_false",
         help="skip timing read/compute/plan in this process",
     )
-    p.add_argument("--profile", action="store_true", help="cProfile one pass at the end")
-    p.add_argument("--operator-log", help="keep the operator's log here")
-    p.add_argument("--check", action="store_true", help="exit 1 if a target is missed")
+    add("--profile", action="store_true", help="cProfile one pass at the end")
+    add("--operator-log", help="keep the operator's log here")
+    add("--check", action="store_true", help="exit 1 if a target is missed")
     args = p.parse_args(argv)
     if min(args.nodes, args.pods, args.policies) < 1:
         p.error("--nodes, --pods and --policies must be positive")

@@ -1,26 +1,32 @@
 """The synthetic cluster for ``bench_operator``: the API client, the API server's and the operator's
-counters, and the objects (nodes, pods, namespaces, policies) the benchmark creates."""
+counters, the objects (nodes, pods, namespaces, policies) the benchmark creates, the check of the
+cluster against the from-scratch desired state, and one pass run in this process, timed and
+profiled."""
 
 from __future__ import annotations
 
+import cProfile
 import http.client
+import io
 import json
+import pstats
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvgate_agent.contract.api import GROUP, VERSION
-from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.toolkit import (
+from kvgate_bench.kit.controlplane import ControlPlane, strip_status
+from kvgate_bench.kit.toolkit import (
     cpu_seconds,
     fetch_text,
     find_k8s_bin,
     parse_samples,
+    sample_sum,
     samples_by_labels,
 )
 
@@ -38,7 +44,7 @@ Statuses = dict[Key, Any]
 
 
 def k8s_bin_dir(explicit: str | None) -> Path:
-    """kube-apiserver + etcd: ``--bin-dir``, else :func:`~kvgate_bench.toolkit.find_k8s_bin`.
+    """kube-apiserver + etcd: ``--bin-dir``, else :func:`~kvgate_bench.kit.toolkit.find_k8s_bin`.
 
     Raises:
         SystemExit: none found, or a named directory lacks them.
@@ -115,11 +121,6 @@ class Http:
 # Metrics and process accounting
 
 
-def parse_prometheus(text: str, names: Iterable[str]) -> dict[tuple[str, tuple[Any, ...]], float]:
-    """The samples of the metrics ``names``: {(name, sorted label pairs): value}."""
-    return samples_by_labels(parse_samples(text, names))
-
-
 @dataclass
 class Counters:
     """One reading of the API server's request counters and the processes' CPU.
@@ -140,14 +141,16 @@ class Counters:
 
 def read_counters(cp: ControlPlane, operator_pid: int | None) -> Counters:
     """``apiserver_request_total`` by labels, API server / etcd / operator CPU seconds."""
-    api = parse_prometheus(
-        fetch_text(cp.url + "/metrics", 30, cp.ssl_context()),
-        (
-            "apiserver_request_total",
-            "process_cpu_seconds_total",
-            "apiserver_request_duration_seconds_sum",
-            "apiserver_request_duration_seconds_count",
-        ),
+    api = samples_by_labels(
+        parse_samples(
+            fetch_text(cp.url + "/metrics", 30, cp.ssl_context()),
+            (
+                "apiserver_request_total",
+                "process_cpu_seconds_total",
+                "apiserver_request_duration_seconds_sum",
+                "apiserver_request_duration_seconds_count",
+            ),
+        )
     )
     durations: dict[tuple[str, str, str], tuple[float, float]] = {}
     for (name, labels), value in api.items():
@@ -159,15 +162,13 @@ def read_counters(cp: ControlPlane, operator_pid: int | None) -> Counters:
                 durations[k] = (total + value, count)
             else:
                 durations[k] = (total, count + value)
-    etcd = parse_prometheus(
-        fetch_text(cp.etcd_url + "/metrics", 30), ("process_cpu_seconds_total",)
-    )
+    etcd = parse_samples(fetch_text(cp.etcd_url + "/metrics", 30), ("process_cpu_seconds_total",))
     reqs = {k: v for k, v in api.items() if k[0] == "apiserver_request_total"}
     return Counters(
         reqs,
         durations,
         sum(v for k, v in api.items() if k[0] == "process_cpu_seconds_total"),
-        sum(etcd.values()),
+        sample_sum(etcd, "process_cpu_seconds_total"),
         cpu_seconds(operator_pid) if operator_pid else 0.0,
         cpu_seconds(operator_pid, operator_pid) if operator_pid else 0.0,
         time.monotonic(),
@@ -395,3 +396,136 @@ def create_all(http: Http, items: Sequence[tuple[str, dict[str, Any]]], workers:
     with ThreadPoolExecutor(workers) as pool:
         for batch in (first, rest):
             list(pool.map(post, batch))
+
+
+# ----------------------------------------------------------------------------------------------
+# Desired vs observed
+
+
+def policy_statuses(http: Http) -> Statuses:
+    """Every policy's status without condition times."""
+    return {
+        (p["metadata"]["namespace"], p["metadata"]["name"]): strip_status(p.get("status"))
+        for p in http.list(f"/apis/{GROUP}/{VERSION}/ratelimitpolicies")
+    }
+
+
+def node_specs(http: Http) -> Specs:
+    """Every NodeAdmission's spec by name."""
+    return {
+        n["metadata"]["name"]: n.get("spec")
+        for n in http.list(f"/apis/{GROUP}/{VERSION}/nodeadmissions")
+    }
+
+
+def node_admission_versions(http: Http) -> dict[str, str]:
+    return {
+        n["metadata"]["name"]: n["metadata"]["resourceVersion"]
+        for n in http.list(f"/apis/{GROUP}/{VERSION}/nodeadmissions")
+    }
+
+
+def differences(want: tuple[Specs, Statuses], got: tuple[Specs, Statuses]) -> str:
+    specs = {n for n in want[0].keys() | got[0].keys() if want[0].get(n) != got[0].get(n)}
+    stats = {k for k in want[1].keys() | got[1].keys() if want[1].get(k) != got[1].get(k)}
+    return (
+        f"{len(specs)} NodeAdmission spec(s) differ (e.g. {sorted(specs)[:3]}), "
+        f"{len(stats)} policy status(es) differ (e.g. {sorted(stats)[:3]})"
+    )
+
+
+def wait_converged(
+    http: Http, want: tuple[Specs, Statuses], timeout: float, poll: float
+) -> tuple[float | None, int, str]:
+    """Poll until the cluster equals ``want``. Returns (monotonic time of the first equal
+    reading, or None on timeout; policy LISTs made; what differed last).
+
+    To load the API server less, each poll LISTs the policies first and the NodeAdmissions
+    (~25 KB each at 20 pods per node) only once every status is right: a pass writes the specs
+    before the statuses."""
+    deadline = time.monotonic() + timeout
+    polls = 0
+    got: tuple[Specs, Statuses] = ({}, {})
+    while time.monotonic() < deadline:
+        t = time.monotonic()
+        got = (got[0], policy_statuses(http))
+        polls += 1
+        if got[1] == want[1]:
+            got = (node_specs(http), got[1])
+            if got[0] == want[0]:
+                return time.monotonic(), polls, ""
+        time.sleep(max(0.0, poll - (time.monotonic() - t)))
+    if not got[0]:
+        got = (node_specs(http), got[1])
+    return None, polls, differences(want, got)
+
+
+def expected_state(
+    cp: ControlPlane, change: Callable[[Any], Any] | None = None
+) -> tuple[tuple[Specs, Statuses], Any]:
+    """From scratch: read the cluster, optionally edit the snapshot, compute. Returns
+    ((node specs, statuses), the Desired)."""
+    from kvgate_operator.desired import compute
+    from kvgate_operator.reader import ClusterReader
+    from kvgate_operator.settings import OperatorSettings
+
+    with cp.api_client() as api:
+        snap = ClusterReader(api, OperatorSettings()).read().snapshot
+    if change is not None:
+        snap = change(snap)
+    desired = compute(snap)
+    statuses = {k: strip_status(v.status()) for k, v in desired.policies.items()}
+    return (desired.node_specs, statuses), (desired, snap)
+
+
+# ----------------------------------------------------------------------------------------------
+# One pass in this process (phase timing and profile)
+
+
+@dataclass
+class PassTiming:
+    """One pass's read, compute and plan, seconds; the writes it plans."""
+
+    read: float
+    compute: float
+    plan: float
+    planned_writes: int
+
+
+def time_pass(cp: ControlPlane, repeat: int, prof: cProfile.Profile | None = None) -> PassTiming:
+    """Read, compute and plan as the operator's pass does (no writes), best of ``repeat``;
+    under ``prof`` when given."""
+    from kvgate_operator.desired import compute
+    from kvgate_operator.plan import plan
+    from kvgate_operator.reader import ClusterReader
+    from kvgate_operator.reconciler import _now
+    from kvgate_operator.settings import OperatorSettings
+
+    timings = []
+    with cp.api_client() as api:
+        rec = ClusterReader(api, OperatorSettings())
+        for _ in range(repeat):
+            if prof is not None:
+                prof.enable()
+            t0 = time.perf_counter()
+            observed = rec.read()
+            t1 = time.perf_counter()
+            desired = compute(observed.snapshot)
+            t2 = time.perf_counter()
+            todo = plan(desired, observed.node_specs, observed.policy_status, _now())
+            t3 = time.perf_counter()
+            if prof is not None:
+                prof.disable()
+            timings.append(PassTiming(t1 - t0, t2 - t1, t3 - t2, len(todo)))
+    return min(timings, key=lambda p: p.read + p.compute + p.plan)
+
+
+def profile_pass(cp: ControlPlane, top: int = 18) -> str:
+    """cProfile of one read + compute + plan, by own time, then cumulative."""
+    prof = cProfile.Profile()
+    time_pass(cp, 1, prof)
+    out = io.StringIO()
+    st = pstats.Stats(prof, stream=out)
+    st.sort_stats("tottime").print_stats(top)
+    st.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()

@@ -120,7 +120,7 @@ def decision_trace(seed: int = 7, steps: int = 3000) -> list[list[object]]:
     from kvgate_agent.admission.decision import Ticket, Waiter
     from kvgate_agent.contract.policy import parse_policy
     from kvgate_bench.bench_decision import POLICY
-    from kvgate_bench.toolkit import FakeClock
+    from kvgate_bench.kit.toolkit import FakeClock
 
     policy = json.loads(json.dumps(POLICY))
     spec = policy["spec"]

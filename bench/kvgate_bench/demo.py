@@ -474,7 +474,6 @@ def takeaway(report: DemoReport) -> list[str]:
             f"(max_tokens clamped), {lo.queued} queued, {rejected} rejected {how}; {price}."
         )
     return lines
-    return lines
 
 
 def format_report(report: DemoReport) -> str:

@@ -41,7 +41,7 @@ from kvgate_agent.admission.lease import MAX_LEASE_FRACTION
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.store import StoreLink, StoreSettings
-from kvgate_bench.redisserver import RedisServer, find_redis_server
+from kvgate_bench.kit.redisserver import RedisServer, find_redis_server
 
 
 def policy(per: str, rpm: float, burst: int, shared: bool = True) -> Any:

@@ -7,7 +7,7 @@ received, the sidecar's ``x-kvgate-*`` headers and ``Retry-After``. Refused requ
 retried: the point is to count what the server did with the offered load.
 
 The summaries at the bottom (:func:`summarize`) are pure; their percentiles are
-:func:`kvgate_bench.toolkit.percentile`.
+:func:`kvgate_bench.kit.toolkit.percentile`.
 
 Units: times are seconds (floats, ``time.perf_counter``), token counts are model tokens.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvgate_bench.toolkit import percentile
+from kvgate_bench.kit.toolkit import percentile
 
 __all__ = [
     "LoadRun",

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from kvgate_bench.kit.toolkit import free_port, machine
 from kvgate_bench.peers_arms import (
     CHAT_PATH,
     PASSTHROUGH_PATH,
@@ -67,7 +68,6 @@ from kvgate_bench.peers_load import (
     stream_rows,
     wrk_command,
 )
-from kvgate_bench.toolkit import free_port, machine
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "benchmarks.md"

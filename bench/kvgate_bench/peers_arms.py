@@ -53,9 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgate_agent.contract.api import API_VERSION
-from kvgate_bench import processes
+from kvgate_bench.kit import processes
+from kvgate_bench.kit.toolkit import cpu_seconds, free_port
 from kvgate_bench.peers_load import MODEL, TENANT
-from kvgate_bench.toolkit import cpu_seconds, free_port
 
 #: LiteLLM's proxy extra pulls the server (FastAPI, uvicorn, ...); pinned so reruns compare alike.
 LITELLM_SPEC = os.environ.get("KVGATE_LITELLM_SPEC", "litellm[proxy]==1.108.0")

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate_bench.toolkit import memory_kib
+from kvgate_bench.kit.toolkit import memory_kib
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 TENANT = "bench"

@@ -33,8 +33,8 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from kvgate_bench.processes import start_sidecar
-from kvgate_bench.toolkit import free_port, memory_kib, parse_samples, series
+from kvgate_bench.kit.processes import start_sidecar
+from kvgate_bench.kit.toolkit import free_port, memory_kib, parse_samples, series
 
 #: The outcome of request ``i`` is ``MIX[i % len(MIX)]``.
 MIX = (

@@ -23,11 +23,9 @@ import argparse
 import asyncio
 import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +35,8 @@ import aiohttp
 
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.tokens import PromptCounter
-from kvgate_bench.processes import stop
-from kvgate_bench.toolkit import free_port, percentile, wait_http, wait_until
+from kvgate_bench.kit.processes import Proc, start
+from kvgate_bench.kit.toolkit import free_port, percentile
 
 #: Text of each kind, one line per snippet; prompts are drawn from these.
 SNIPPETS: dict[str, list[str]] = {
@@ -278,41 +276,23 @@ def report(rows: Sequence[Row], mismatches: int, checked: int, dialect: str | No
     return "\n".join(lines)
 
 
-def wait_ready(url: str, timeout: float = 120.0) -> None:
-    """Wait until ``url``'s ``/health`` answers 200 (llama-server answers 503 while it loads
-    the model).
+def _start_llama(binary: str, model: str, log: Path) -> Proc:
+    """``binary`` serving ``model`` on a free loopback port, once ``/health`` answers 200
+    (llama-server answers 503 while it loads the model).
 
     Raises:
-        TimeoutError: not ready within ``timeout`` seconds.
+        RuntimeError: it exited, or was not ready within 240 s.
     """
-
-    def ready() -> bool:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:  # HTTPError (503) included
-            return False
-
-    wait_until(ready, timeout, f"{url}/health answering 200")
-
-
-def _start_llama(binary: str, model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    fh = log.open("wb")
-    proc = subprocess.Popen(
+    return start(
         [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "8192"],
-        stdout=fh,
-        stderr=subprocess.STDOUT,
+        log,
+        url=f"http://127.0.0.1:{port}",
+        ready="/health",
+        status=200,
+        timeout=240.0,
+        what="llama-server",
     )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health", timeout=120.0, proc=proc)
-        wait_ready(url)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc, url
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -336,18 +316,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.llama_server is not None and args.model is None
     ):
         ap.error("give --url, or --llama-server with --model")
-    proc: subprocess.Popen[bytes] | None = None
+    proc: Proc | None = None
     url = args.url
     try:
         if args.llama_server is not None:
             log = Path(tempfile.mkdtemp(prefix="kvgate-llama-")) / "llama-server.log"
-            proc, url = _start_llama(args.llama_server, args.model, log)
+            proc = _start_llama(args.llama_server, args.model, log)
+            url = proc.url
         prompts = make_prompts(args.prompts, args.seed)
         rows, mismatches, dialect = asyncio.run(
             measure(url.rstrip("/"), prompts, args.check_usage, args.served_model)
         )
     finally:
-        stop(proc)
+        if proc is not None:
+            proc.stop()
     checked = min(args.check_usage, len(rows))
     if args.json:
         out: dict[str, Any] = {w: summarise(rows, w) for w in ("initial", "calibrated")}

@@ -1,4 +1,4 @@
-"""Smoke tests of the local control plane (``kvgate_bench.controlplane.ControlPlane``, the
+"""Smoke tests of the local control plane (``kvgate_bench.kit.controlplane.ControlPlane``, the
 session fixture
 ``kube``): the real kube-apiserver at the pinned version, with RBAC, PodSecurity admission,
 bare pods and nodes, and CRDs. There is no kubelet, scheduler or controller-manager."""
@@ -16,7 +16,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from kvgate_bench.controlplane import ControlPlane
+from kvgate_bench.kit.controlplane import ControlPlane
 
 pytestmark = pytest.mark.k8s
 

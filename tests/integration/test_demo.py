@@ -11,6 +11,7 @@ import yaml
 
 from kvgate_agent.contract.policy import RateLimitPolicy, parse_policy
 from kvgate_bench import demo
+from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.loadgen import (
     RequestResult,
     chat_body,
@@ -19,7 +20,6 @@ from kvgate_bench.loadgen import (
     summarize_one,
 )
 from kvgate_bench.sim.server import count_chat_prompt_tokens
-from kvgate_bench.toolkit import percentile
 
 # ---------------------------------------------------------------------- loadgen (pure)
 

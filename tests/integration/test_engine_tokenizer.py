@@ -19,8 +19,8 @@ from kvgate_agent.admission import Reason
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.tokens import PromptCounter
 from kvgate_bench import tokenizer_error
-from kvgate_bench.processes import Proc
-from kvgate_bench.toolkit import free_port, wait_until_async
+from kvgate_bench.kit.processes import Proc
+from kvgate_bench.kit.toolkit import free_port, wait_until_async
 from tests.conftest import SidecarFactory, gauges
 from tests.upstream import Upstream, serve_handler
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import aiohttp
 
-from kvgate_bench.processes import Proc
-from kvgate_bench.toolkit import free_port, wait_until_async
+from kvgate_bench.kit.processes import Proc
+from kvgate_bench.kit.toolkit import free_port, wait_until_async
 from tests.conftest import SidecarFactory, gauges
 
 SLOW = ("--time-to-first-token", "1500ms", "--inter-token-latency", "1ms")

@@ -34,10 +34,10 @@ import redis
 import yaml
 
 from kvgate_agent.gpu.fake_scenario import write_scenario
-from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.nodestack import chat, fake_gpus, http_get
-from kvgate_bench.processes import kvgate_agent_argv, sim_argv, spawn, stop
-from kvgate_bench.promserver import (
+from kvgate_bench.kit.controlplane import ControlPlane
+from kvgate_bench.kit.nodestack import chat, fake_gpus, http_get
+from kvgate_bench.kit.processes import kvgate_agent_argv, sim_argv, spawn, stop
+from kvgate_bench.kit.promserver import (
     PrometheusServer,
     comparison_operand,
     grafana_value,
@@ -48,8 +48,8 @@ from kvgate_bench.promserver import (
     service_targets,
     substitute,
 )
-from kvgate_bench.redisserver import RedisServer
-from kvgate_bench.toolkit import free_port, wait_until
+from kvgate_bench.kit.redisserver import RedisServer
+from kvgate_bench.kit.toolkit import free_port, wait_until
 from tests.conftest import REPO
 
 CHART = REPO / "charts" / "kvgate"
@@ -171,7 +171,7 @@ def start_prometheus(
 def check_expr(prom: PrometheusServer, expr: str, at: float, where: str) -> list[dict[str, Any]]:
     """Evaluate ``expr`` at ``at`` (Unix seconds; an error fails) and return its series. If it
     returns none (a condition that is false, as it should be after normal traffic), the operand
-    of its comparison must (see :func:`~kvgate_bench.promserver.comparison_operand`)."""
+    of its comparison must (see :func:`~kvgate_bench.kit.promserver.comparison_operand`)."""
     got = prom.query(expr, at)
     if not got:
         inner = comparison_operand(expr)

@@ -30,9 +30,9 @@ import aiohttp
 import openai
 import pytest
 
-from kvgate_bench.llamaserver import LLAMA_MODEL
-from kvgate_bench.processes import Proc
-from kvgate_bench.toolkit import parse_samples, sample_sum, wait_until_async
+from kvgate_bench.kit.llamaserver import LLAMA_MODEL
+from kvgate_bench.kit.processes import Proc
+from kvgate_bench.kit.toolkit import parse_samples, sample_sum, wait_until_async
 from tests.conftest import SidecarFactory, gauges
 
 pytestmark = pytest.mark.llama

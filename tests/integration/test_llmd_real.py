@@ -30,8 +30,8 @@ from typing import Any
 import openai
 import pytest
 
-from kvgate_bench.processes import Proc
-from kvgate_bench.toolkit import Sample, parse_samples, poll_until, sample_sum
+from kvgate_bench.kit.processes import Proc
+from kvgate_bench.kit.toolkit import Sample, parse_samples, poll_until, sample_sum
 
 pytestmark = pytest.mark.llmd
 

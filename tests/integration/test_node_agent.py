@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvgate_agent.gpu.fake_scenario import write_scenario
-from kvgate_bench.nodestack import (
+from kvgate_bench.kit.nodestack import (
     GiB,
     ModelPod,
     NodeStack,
@@ -31,7 +31,7 @@ from kvgate_bench.nodestack import (
     metric_value,
     thresholds_are,
 )
-from kvgate_bench.toolkit import wait_until
+from kvgate_bench.kit.toolkit import wait_until
 from tests.conftest import policy_doc
 
 
@@ -440,7 +440,7 @@ def test_deleted_node_admission_keeps_thresholds_for_the_ttl(stack: NodeStack) -
     stack.apply(capped(ns, 8))
     wait_until(lambda: clamped_to(mp.url) == 8, 30, "the policy")
     # The operator down (nobody recreates it), then the object deleted by hand.
-    from kvgate_bench.nodestack import stop_process
+    from kvgate_bench.kit.nodestack import stop_process
 
     stop_process(stack.operator)
     # Timed from before the delete: the TTL starts when the agent sees it, which may be well
@@ -534,6 +534,6 @@ def test_oversized_reports_and_metrics_pages_cannot_hurt_the_agent(stack: NodeSt
     finally:
         server.shutdown()
     assert stack.agent is not None
-    from kvgate_bench.bench_node import rss_mib
+    from kvgate_bench.kit.toolkit import rss_mib
 
     assert rss_mib(stack.agent.pid)[1] < 300  # peak RSS, MiB: nothing was buffered

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvgate_bench.toolkit import free_port, http_status, poll_until, wait_until
+from kvgate_bench.kit.toolkit import free_port, http_status, poll_until, wait_until
 from kvgate_operator.desired import compute
 from kvgate_operator.reader import ClusterReader
 from kvgate_operator.settings import OperatorSettings

@@ -26,7 +26,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from kvgate_bench.toolkit import wait_until
+from kvgate_bench.kit.toolkit import wait_until
 from tests.operator_cluster import (
     GROUP,
     VERSION,

@@ -20,7 +20,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from kvgate_bench.toolkit import free_port, http_status, parse_samples, series, wait_until
+from kvgate_bench.kit.toolkit import free_port, http_status, parse_samples, series, wait_until
 from tests.operator_cluster import (
     Audited,
     Replica,

@@ -1,7 +1,7 @@
 """The API server cut off from the operator and the node agent, for real, by a TCP proxy.
 
 The operator (``python -m kvgate_operator``) and the node agent (``kvgate-agent node``) reach
-the real kube-apiserver only through a :class:`~kvgate_bench.faultproxy.ThreadedFaultProxy`
+the real kube-apiserver only through a :class:`~kvgate_bench.kit.faultproxy.ThreadedFaultProxy`
 (their kubeconfig names the proxy); the test itself talks to the API server directly. Each
 outage:
 
@@ -44,9 +44,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kvgate_bench.faultproxy import Mode, ThreadedFaultProxy
-from kvgate_bench.nodestack import NodeStack, http_get
-from kvgate_bench.toolkit import free_port, parse_samples, series, wait_until
+from kvgate_bench.kit.faultproxy import Mode, ThreadedFaultProxy
+from kvgate_bench.kit.nodestack import NodeStack, http_get
+from kvgate_bench.kit.toolkit import free_port, parse_samples, series, wait_until
 from tests.conftest import policy_doc
 
 LONG = os.environ.get("KVGATE_SOAK") == "long"

@@ -33,7 +33,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from kvgate_agent.contract.policy import PolicyError, parse_policy
-from kvgate_bench.toolkit import wait_until
+from kvgate_bench.kit.toolkit import wait_until
 from tests.integration.test_operator import Operator, entries, namespace, node, pod
 
 GROUP, VERSION, PLURAL = "kvgate.io", "v1alpha1", "ratelimitpolicies"

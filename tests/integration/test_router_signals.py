@@ -15,9 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate_agent.sidecar.store import StoreSettings
-from kvgate_bench.processes import Proc
-from kvgate_bench.redisserver import RedisServer
-from kvgate_bench.toolkit import wait_until_async
+from kvgate_bench.kit.processes import Proc
+from kvgate_bench.kit.redisserver import RedisServer
+from kvgate_bench.kit.toolkit import wait_until_async
 from tests.conftest import SidecarFactory
 from tests.upstream import CHAT
 

@@ -43,9 +43,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from kvgate_agent.node.kube import StatusWriter
-from kvgate_bench.controlplane import ControlPlane, KubectlError
-from kvgate_bench.nodestack import NodeStack, metric_value
-from kvgate_bench.toolkit import wait_until
+from kvgate_bench.kit.controlplane import ControlPlane, KubectlError
+from kvgate_bench.kit.nodestack import NodeStack, metric_value
+from kvgate_bench.kit.toolkit import wait_until
 from kvgate_operator.inject import inject
 from kvgate_operator.template import InjectionConfig
 from tests.conftest import REPO, policy_doc

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from kvgate_bench.sim.server import SimConfig, start_sim
-from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import SidecarFactory, gauges
 from tests.upstream import CHAT, Upstream
 

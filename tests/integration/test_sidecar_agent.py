@@ -28,7 +28,7 @@ from kvgate_agent.contract.sync import SYNC_PATH, SyncAnswer, SyncReport
 from kvgate_agent.sidecar.agent_link import AgentSettings
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.sync_state import Mode
-from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
+from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import gauges, serve_sidecar
 from tests.upstream import CHAT, Upstream
 

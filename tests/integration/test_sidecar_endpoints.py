@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvgate_bench.toolkit import wait_until_async
+from kvgate_bench.kit.toolkit import wait_until_async
 from tests.conftest import SidecarFactory, gauges
 from tests.upstream import serve_handler
 

@@ -25,7 +25,7 @@ from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar import relay
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.slowclients import KEEPALIVE_TIMEOUT_S
-from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
+from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import gauges, policy_doc
 from tests.upstream import CHAT, Faulty, serve_faulty
 

@@ -36,7 +36,7 @@ from prometheus_client import generate_latest
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.endpoints import GENERATION_PATHS
-from kvgate_bench.toolkit import free_port, parse_samples, series
+from kvgate_bench.kit.toolkit import free_port, parse_samples, series
 from tests.conftest import policy_doc
 
 EXAMPLES = int(os.environ.get("KVGATE_FUZZ_EXAMPLES", "2200"))

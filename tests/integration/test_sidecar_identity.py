@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvgate_bench.toolkit import free_port, wait_until_async
+from kvgate_bench.kit.toolkit import free_port, wait_until_async
 from tests.conftest import SidecarFactory, gauges
 from tests.identity_keys import (
     AUDIENCE,

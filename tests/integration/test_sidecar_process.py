@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from kvgate_bench.soak import MIX, report, soak
-from kvgate_bench.toolkit import free_port, poll_until_async, wait_until_async
 from tests.upstream import CHAT, Upstream, serve_faulty
 
 MINIMAL_POLICY = "apiVersion: kvgate.io/v1alpha1\nkind: RateLimitPolicy\nmetadata: {name: x}\n"

@@ -14,9 +14,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvgate_bench.kit.toolkit import wait_until_async
 from kvgate_bench.sim.engine import StepResult
 from kvgate_bench.sim.server import MAX_LAG_S, SIM_KEY, SimConfig, start_sim
-from kvgate_bench.toolkit import wait_until_async
 
 MODEL = "kvgate-sim-model"
 Factory = Callable[..., Awaitable[str]]

@@ -28,8 +28,8 @@ from kvgate_agent.admission.lease import LEASE_SECONDS, MAX_LEASE_FRACTION
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.store import StoreLink, StoreSettings, key_prefix
 from kvgate_bench import fleet as fleet_bench
-from kvgate_bench.redisserver import RedisServer, make_tls
-from kvgate_bench.toolkit import wait_until_async
+from kvgate_bench.kit.redisserver import RedisServer, make_tls
+from kvgate_bench.kit.toolkit import wait_until_async
 from tests.conftest import SidecarFactory, gauges, policy_doc
 from tests.upstream import CHAT
 

@@ -30,7 +30,7 @@ from kvgate_agent.node.service import NodeAgent, NodeSettings
 from kvgate_agent.sidecar.agent_link import AgentSettings
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.sync_state import Mode
-from kvgate_bench.toolkit import free_port, wait_until_async
+from kvgate_bench.kit.toolkit import free_port, wait_until_async
 from tests.conftest import serve_sidecar
 from tests.upstream import CHAT, Upstream
 

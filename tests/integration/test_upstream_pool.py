@@ -16,7 +16,7 @@ from kvgate_agent.sidecar.upstream import (
     UpstreamConnectError,
     UpstreamPool,
 )
-from kvgate_bench.toolkit import free_port
+from kvgate_bench.kit.toolkit import free_port
 
 #: What one connection of the test server does: read requests from the reader, write answers.
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

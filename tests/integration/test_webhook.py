@@ -34,7 +34,7 @@ import yaml
 from cryptography import x509
 from kopf._cogs.structs import bodies
 
-from kvgate_bench.toolkit import (
+from kvgate_bench.kit.toolkit import (
     fetch_text,
     free_port,
     parse_samples,

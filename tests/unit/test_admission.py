@@ -25,7 +25,7 @@ from kvgate_agent.admission import (
 )
 from kvgate_agent.admission.bucket import WARMUP_START_FRACTION
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 
 def make(spec: dict[str, Any], clock: FakeClock | None = None, **kw: Any) -> AdmissionController:

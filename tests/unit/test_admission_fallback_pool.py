@@ -16,7 +16,7 @@ from kvgate_agent.admission import (
     Reason,
 )
 from kvgate_agent.contract.policy import PolicyError, parse_policy
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 POOL = {"model": "small-q4", "upstream": "http://small.models.svc:8000"}
 

@@ -23,7 +23,7 @@ from kvgate_agent.admission import (
 )
 from kvgate_agent.admission.predictor import MIN_SAMPLES
 from kvgate_agent.contract.policy import LimitScope, OverloadAction, ReservationMode
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 CAPACITY = 6144
 BLOCK = 16

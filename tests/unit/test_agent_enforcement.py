@@ -17,7 +17,7 @@ from kvgate_agent.contract.sync import SyncAnswer
 from kvgate_agent.sidecar.agent_link import AgentSettings
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.sync_state import Mode, SyncResult
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 
 def answer(

@@ -18,7 +18,7 @@ from kvgate_agent.gpu.monitor import GpuMonitor
 from kvgate_agent.node import kube
 from kvgate_agent.node.auth import Authenticator
 from kvgate_agent.node.service import NodeAgent, NodeSettings
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 from kvgate_operator.kubeclient import POOL_IDLE_SECONDS, BoundedApiClient, default_api_client
 from kvgate_operator.settings import OperatorSettings
 

@@ -23,7 +23,7 @@ from kvgate_agent.admission import (
     Reason,
 )
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 from tests.conftest import policy_doc
 
 

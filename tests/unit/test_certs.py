@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from kubernetes.client.exceptions import ApiException
 
-from kvgate_bench.toolkit import FakeUtcClock
+from kvgate_bench.kit.toolkit import FakeUtcClock
 from kvgate_operator.cert_issue import (
     CA_RENEW_BEFORE,
     SERVING_RENEW_BEFORE,

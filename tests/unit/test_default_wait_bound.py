@@ -14,7 +14,7 @@ from kvgate_agent.admission import AdmissionConfig, AdmissionController, Admissi
 from kvgate_agent.admission.decision import Reason
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.contract.queue import DEFAULT_WAIT_SECONDS, MAX_WAIT_CAP_SECONDS
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 
 def config(spec: dict[str, Any]) -> AdmissionConfig:

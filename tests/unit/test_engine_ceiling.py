@@ -10,7 +10,7 @@ import pytest
 from kvgate_agent.admission import AdmissionController, Outcome, Reason
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
 from kvgate_agent.admission.slo import SloState
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 from tests.unit.test_admission import make, req
 
 

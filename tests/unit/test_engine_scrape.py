@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvgate_agent.engines.scrape import EngineSample, parse_engine_metrics
 from kvgate_agent.node.engine import EngineView
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -24,7 +24,7 @@ from kvgate_agent.admission.fairness import FairShare
 from kvgate_agent.admission.limits import Limits
 from kvgate_agent.admission.queue import MAX_SKIPS, WaitQueue
 from kvgate_agent.contract.policy import QueueOrder
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 
 def ticket(tenant: str, prompt: int, out: int, weight: float = 1.0) -> Ticket:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvgate_bench.faultproxy import FaultProxy, Mode, ThreadedFaultProxy
+from kvgate_bench.kit.faultproxy import FaultProxy, Mode, ThreadedFaultProxy
 
 #: Seconds of silence that show nothing was forwarded.
 SILENCE_S = 0.2

@@ -32,7 +32,7 @@ from kvgate_agent.gpu.fake import FakeGpu, FakeGpuBackend, FileFakeGpuBackend, s
 from kvgate_agent.gpu.fake_scenario import GiB, write_scenario
 from kvgate_agent.gpu.monitor import PID_MAX_LIMIT, read_pid_max
 from kvgate_agent.gpu.nvml import map_nvml_error
-from kvgate_bench.toolkit import FakeClock, poll_until
+from kvgate_bench.kit.toolkit import FakeClock, poll_until
 
 
 def two_gpus_one_mig() -> list[FakeGpu]:

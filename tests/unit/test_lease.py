@@ -23,7 +23,7 @@ from kvgate_agent.admission.lease import (
 )
 from kvgate_agent.contract.nodeadmission import PodThresholds
 from kvgate_agent.contract.policy import PolicyError, parse_policy
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 
 class ModelStore:

@@ -23,7 +23,7 @@ from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
 from kvgate_agent.admission.predictor import BIN_RATIO, MIN_SAMPLES
 from kvgate_agent.admission.slo import INTERVAL_S, SHED_FACTOR
 from kvgate_agent.contract.policy import LimitScope, OverloadAction, QueueOrder, ReservationMode
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 BLOCK = 16
 PROMPT = 50

@@ -25,7 +25,7 @@ from kvgate_agent.node.podgpu import attribute_gpus
 from kvgate_agent.node.safety import SAFETY_HYSTERESIS
 from kvgate_agent.node.scrape import metrics_url_allowed
 from kvgate_agent.node.state import EngineFacts, NodeState, StatusGate
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 GiB = 1 << 30
 

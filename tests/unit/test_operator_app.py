@@ -15,7 +15,7 @@ import pytest
 from kubernetes import client
 
 import kvgate_operator.handlers as handlers
-from kvgate_bench.toolkit import FakeClock, free_port
+from kvgate_bench.kit.toolkit import FakeClock, free_port
 from kvgate_operator.app import Operator
 from kvgate_operator.metrics import OperatorMetrics
 from kvgate_operator.reconciler import Reconciler

@@ -1,4 +1,4 @@
-"""The pure parts of kvgate_bench.promserver: monitors to scrape configs, endpoint discovery,
+"""The pure parts of kvgate_bench.kit.promserver: monitors to scrape configs, endpoint discovery,
 Grafana's variable substitution and the operand of an alert's comparison. (The server itself
 runs in tests/integration/test_journey.py.)"""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvgate_bench.promserver import (
+from kvgate_bench.kit.promserver import (
     comparison_operand,
     grafana_value,
     monitor_scrape_configs,

@@ -30,7 +30,7 @@ from kvgate_agent.sidecar.router_signals import (
     router_gauges,
     with_gauges,
 )
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 from tests.unit.test_engine_scrape import vllm_text
 
 

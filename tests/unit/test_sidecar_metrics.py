@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.metrics import UPSTREAM_ERROR_KINDS, SidecarMetrics
-from kvgate_bench.toolkit import FakeClock, parse_samples, sample_value
+from kvgate_bench.kit.toolkit import FakeClock, parse_samples, sample_value
 from tests.conftest import REPO, policy_doc
 
 

@@ -16,7 +16,7 @@ from kvgate_agent.sidecar.sync_state import (
     SyncState,
     broken_hold_credit,
 )
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 
 def answer(

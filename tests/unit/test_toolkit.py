@@ -8,7 +8,7 @@ import platform
 
 import pytest
 
-from kvgate_bench.toolkit import (
+from kvgate_bench.kit.toolkit import (
     FakeClock,
     FakeUtcClock,
     machine,

@@ -75,8 +75,8 @@ from kvgate_bench.effectiveness.workloads import (
     generate,
     tenants_of,
 )
+from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.sim.steptime import PROFILES, StepTimeModel, profile
-from kvgate_bench.toolkit import percentile
 
 #: Width of the setup text, characters.
 WIDTH = 100

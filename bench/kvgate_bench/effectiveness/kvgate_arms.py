@@ -23,7 +23,7 @@ from kvgate_bench.effectiveness.context import ArmContext
 from kvgate_bench.effectiveness.driver import Arm
 from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
 from kvgate_bench.effectiveness.workloads import BATCH, Request
-from kvgate_bench.toolkit import FakeClock
+from kvgate_bench.kit.toolkit import FakeClock
 
 
 class KvgateMaxTokensArm(Arm):

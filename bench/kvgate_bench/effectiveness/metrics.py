@@ -73,7 +73,7 @@ from typing import Any
 
 from kvgate_bench.effectiveness.driver import DEGRADED, REJECTED, RequestRecord, RunResult
 from kvgate_bench.effectiveness.workloads import BATCH, INTERACTIVE, Tenant
-from kvgate_bench.toolkit import percentile
+from kvgate_bench.kit.toolkit import percentile
 
 TTFT_SLO_S = 0.5
 TPOT_SLO_S = 0.050

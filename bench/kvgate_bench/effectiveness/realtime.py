@@ -86,7 +86,6 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_bench import processes
 from kvgate_bench.effectiveness.arms import (
     ArmContext,
     KvgateMaxTokensArm,
@@ -115,11 +114,12 @@ from kvgate_bench.effectiveness.realtime_plan import (
     tenant_slo,
 )
 from kvgate_bench.effectiveness.workloads import DEFAULT_NOISY_LOAD, WORKLOADS, Request, Schedule
+from kvgate_bench.kit import processes
+from kvgate_bench.kit.toolkit import free_port, percentile
 from kvgate_bench.sim.engine import EngineConfig, SimEngine
 from kvgate_bench.sim.lengths import OUTPUT_TOKENS_HEADER
 from kvgate_bench.sim.server import SIM_KEY, TENANT_HEADER, SimConfig, start_sim
 from kvgate_bench.sim.steptime import PROFILES, StepTimeModel, profile
-from kvgate_bench.toolkit import free_port, percentile
 
 #: Interval of the KV-usage samples, modelled seconds.
 KV_SAMPLE_S = 0.1

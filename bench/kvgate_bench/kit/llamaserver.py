@@ -1,7 +1,7 @@
 """llama.cpp's real ``llama-server`` (built by ``scripts/build-llama``) on a loopback port: the one
 set of flags the tests and the smoke check start it with, and the smoke check itself.
 
-``python -m kvgate_bench.llamaserver SERVER MODEL`` starts it, waits for ``/health`` 200 (the
+``python -m kvgate_bench.kit.llamaserver SERVER MODEL`` starts it, waits for ``/health`` 200 (the
 model loaded), asks for one token and stops it; it exits 1 with what the server printed when any
 step fails, so the test command stops on a broken build in seconds rather than at every
 real-engine test's set-up. A server killed by a signal is named (``SIGSEGV``, ``SIGILL``: a
@@ -20,8 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from kvgate_bench.processes import stop
-from kvgate_bench.toolkit import free_port
+from kvgate_bench.kit.processes import stop
+from kvgate_bench.kit.toolkit import free_port
 
 __all__ = ["LLAMA_MODEL", "LlamaServerError", "llama_args", "smoke", "wait_loaded"]
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     """``SERVER MODEL [LOG]``: the smoke check; 0 when one token came back, else 1."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (2, 3):
-        print("usage: python -m kvgate_bench.llamaserver SERVER MODEL [LOG]", file=sys.stderr)
+        print("usage: python -m kvgate_bench.kit.llamaserver SERVER MODEL [LOG]", file=sys.stderr)
         return 2
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvgate-llama-") as tmp:

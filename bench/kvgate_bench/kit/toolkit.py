@@ -41,9 +41,11 @@ __all__ = [
     "memory_kib",
     "parse_samples",
     "percentile",
+    "percentile_of",
     "poll_until",
     "poll_until_async",
     "proc_usage",
+    "rss_mib",
     "sample_sum",
     "sample_value",
     "samples_by_labels",
@@ -323,6 +325,11 @@ def memory_kib(pid: int, field: str) -> int:
     return 0
 
 
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of process ``pid``, MiB (0 when gone)."""
+    return memory_kib(pid, "VmRSS") / 1024, memory_kib(pid, "VmHWM") / 1024
+
+
 def proc_usage(pid: int) -> ProcUsage:
     """CPU time and memory of process ``pid`` now."""
     return ProcUsage(
@@ -370,6 +377,18 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def percentile_of(values: Iterable[float], q: float) -> float:
+    """:func:`percentile` of values known not to be empty.
+
+    Raises:
+        ValueError: no values, or ``q`` outside [0, 100].
+    """
+    got = percentile(values, q)
+    if got is None:
+        raise ValueError("percentile of no values")
+    return got
 
 
 # ----------------------------------------------------------------------------------- binaries

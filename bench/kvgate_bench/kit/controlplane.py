@@ -43,15 +43,15 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import yaml
 
-from kvgate_bench.processes import stop
-from kvgate_bench.toolkit import free_port
+from kvgate_bench.kit.processes import stop
+from kvgate_bench.kit.toolkit import free_port
 from kvgate_operator import pki
 
 ADMIN_USER = "kvgate-admin"
@@ -571,6 +571,18 @@ class ControlPlane:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"CRD {name} not established within {timeout}s ({last})")
             time.sleep(0.05)
+
+
+def strip_status(st: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A RateLimitPolicy status without its conditions' ``lastTransitionTime`` (as the operator
+    compares them), ``conflicts`` defaulting to ``[]``."""
+    out = dict(st or {})
+    out["conditions"] = [
+        {k: v for k, v in c.items() if k != "lastTransitionTime"}
+        for c in out.get("conditions") or []
+    ]
+    out.setdefault("conflicts", [])
+    return out
 
 
 class _PortRace(Exception):

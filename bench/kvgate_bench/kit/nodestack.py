@@ -1,6 +1,6 @@
 """One GPU node's worth of kvgate as local processes, on the local control plane.
 
-:class:`NodeStack` starts, against a running :class:`~kvgate_bench.controlplane.ControlPlane`:
+:class:`NodeStack` starts, against a running :class:`~kvgate_bench.kit.controlplane.ControlPlane`:
 the operator (``python -m kvgate_operator``), a node agent (``kvgate-agent node`` with the fake
 GPU backend driven by a scenario file), ``kvgate-sim`` model servers, and one sidecar per model
 pod (``kvgate-agent sidecar`` in agent mode). Each model pod is a real Pod object bound to the
@@ -30,11 +30,11 @@ from typing import Any
 import yaml
 
 from kvgate_agent.gpu.fake_scenario import write_scenario
-from kvgate_bench.controlplane import ControlPlane
-from kvgate_bench.processes import agent_argv, sidecar_argv, sim_argv, spawn, start, stop
-from kvgate_bench.toolkit import free_port, parse_samples, sample_value
+from kvgate_bench.kit.controlplane import ControlPlane
+from kvgate_bench.kit.processes import agent_argv, sidecar_argv, sim_argv, spawn, start, stop
+from kvgate_bench.kit.toolkit import free_port, parse_samples, sample_value
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 GiB = 1 << 30
 
 
@@ -42,7 +42,7 @@ def stop_process(
     proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeout: float = 15
 ) -> None:
     """Send ``sig`` and reap; SIGKILL if it lingers past ``timeout`` seconds
-    (:func:`kvgate_bench.processes.stop`)."""
+    (:func:`kvgate_bench.kit.processes.stop`)."""
     stop(proc, timeout, sig)
 
 
@@ -92,7 +92,7 @@ def clamped_to(url: str) -> int | None:
 
 
 def clamps_to(url: str, cap: int) -> Callable[[], bool]:
-    """A condition for :func:`~kvgate_bench.toolkit.wait_until`: the sidecar at ``url`` clamps
+    """A condition for :func:`~kvgate_bench.kit.toolkit.wait_until`: the sidecar at ``url`` clamps
     to ``cap`` tokens (:func:`clamped_to`)."""
     return lambda: clamped_to(url) == cap
 
@@ -388,7 +388,7 @@ class NodeStack:
     def _start(
         self, args: list[str], log: Path, env: dict[str, str] | None, url: str, ready: str
     ) -> subprocess.Popen[bytes]:
-        """:func:`kvgate_bench.processes.start` (log appended, a session of its own), ready once
+        """:func:`kvgate_bench.kit.processes.start` (log appended, a session of its own), ready once
         ``url + ready`` answers 200 within 30 s; else RuntimeError with every log's tail."""
         try:
             return start(

@@ -36,8 +36,8 @@ from typing import Any
 
 import yaml
 
-from kvgate_bench.processes import stop
-from kvgate_bench.toolkit import free_port, wait_until
+from kvgate_bench.kit.processes import stop
+from kvgate_bench.kit.toolkit import free_port, wait_until
 
 ENV = "KVGATE_PROMETHEUS"
 _OPERATOR_LABELS = {  # target label <- discovery label, as the Prometheus Operator relabels

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate_bench.processes import stop
-from kvgate_bench.toolkit import free_port, wait_port
+from kvgate_bench.kit.processes import stop
+from kvgate_bench.kit.toolkit import free_port, wait_port
 from kvgate_operator.pki import issue, new_ca
 
 
