@@ -15,9 +15,9 @@ from kvgate_agent.admission import (
     AdmissionConfig,
     AdmissionController,
     AdmissionRequest,
-    LimitThreshold,
     Outcome,
     Reason,
+    ResolvedLimit,
     Ticket,
     Waiter,
 )
@@ -35,7 +35,7 @@ SLO_MIN_PRIORITY = 1
 def config(actions: tuple[OverloadAction, ...], **kw: Any) -> AdmissionConfig:
     cfg = AdmissionConfig(
         limits=(
-            LimitThreshold(
+            ResolvedLimit(
                 name="t",
                 per=LimitScope.TENANT,
                 request_rate=5.0,

@@ -12,9 +12,9 @@ from kvgate_agent.admission import (
     AdmissionController,
     AdmissionRequest,
     Decision,
-    LimitThreshold,
     Outcome,
     Reason,
+    ResolvedLimit,
     Ticket,
     retry_after_seconds,
     round_up,
@@ -314,7 +314,7 @@ def test_no_slo_no_shedding() -> None:
 
 
 def test_slo_shedding_ignores_departures_for_a_tenant_rate_limit() -> None:
-    limit = LimitThreshold(
+    limit = ResolvedLimit(
         name="t",
         per=LimitScope.TENANT,
         request_rate=2.0,  # one request per 0.5 s

@@ -14,7 +14,7 @@ them), :mod:`.async_admission` (the asyncio side).
 
 from kvgate_agent.admission.async_admission import AsyncAdmission
 from kvgate_agent.admission.bucket import BucketMap, TokenBucket
-from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
+from kvgate_agent.admission.config import AdmissionConfig, ResolvedLimit
 from kvgate_agent.admission.controller import AdmissionController
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
@@ -38,9 +38,9 @@ __all__ = [
     "BucketMap",
     "Decision",
     "Hold",
-    "LimitThreshold",
     "Outcome",
     "Reason",
+    "ResolvedLimit",
     "TenantStats",
     "Ticket",
     "TokenBucket",

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from kvgate_agent.admission.bucket import Bucket, BucketMap, SharedBucket
-from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
+from kvgate_agent.admission.config import AdmissionConfig, ResolvedLimit
 from kvgate_agent.admission.decision import AdmissionRequest, BucketCharge, Reason, Ticket
 from kvgate_agent.admission.fairness import FairShare
 from kvgate_agent.admission.predictor import LengthPredictor
@@ -52,7 +52,7 @@ class Blocker:
         tenant_scoped: only this tenant's own bucket blocks (others need not wait behind it).
         bucket: the blocking bucket, for rate limits.
         amount: units the request needs from ``bucket``.
-        threshold: the blocking rate limit, for rate limits.
+        resolved: the blocking rate limit, for rate limits.
     """
 
     reason: Reason
@@ -60,7 +60,7 @@ class Blocker:
     tenant_scoped: bool = False
     bucket: Bucket | None = None
     amount: float = 0.0
-    threshold: LimitThreshold | None = None
+    resolved: ResolvedLimit | None = None
 
 
 class RateLimitBuckets:
@@ -70,30 +70,30 @@ class RateLimitBuckets:
     count that unit.
     """
 
-    __slots__ = ("cost", "is_tenant", "max_keys", "requests", "shared", "threshold")
+    __slots__ = ("cost", "is_tenant", "max_keys", "requests", "resolved", "shared")
 
     def __init__(
-        self, threshold: LimitThreshold, now: float, max_tenants: int, shared: bool = False
+        self, resolved: ResolvedLimit, now: float, max_tenants: int, shared: bool = False
     ) -> None:
-        self.threshold = threshold
-        self.is_tenant = threshold.per is LimitScope.TENANT
+        self.resolved = resolved
+        self.is_tenant = resolved.per is LimitScope.TENANT
         #: The buckets are slices of a fleet-wide budget (a shared limit with a store attached).
         self.shared = shared
         self.max_keys = max_tenants if self.is_tenant else 1
         self.requests = _retune(
             None,
-            threshold.request_capacity,
-            threshold.request_rate,
-            threshold.warmup_seconds,
+            resolved.request_capacity,
+            resolved.request_rate,
+            resolved.warmup_seconds,
             now,
             now,
             self.max_keys,
         )
         self.cost = _retune(
             None,
-            threshold.cost_capacity,
-            threshold.cost_rate,
-            threshold.warmup_seconds,
+            resolved.cost_capacity,
+            resolved.cost_rate,
+            resolved.warmup_seconds,
             now,
             now,
             self.max_keys,
@@ -107,25 +107,25 @@ class RateLimitBuckets:
         """The bucket key for ``tenant``: the tenant itself, or "" for a pod-wide limit."""
         return tenant if self.is_tenant else ""
 
-    def update(self, threshold: LimitThreshold, now: float, warmup_start: float) -> None:
+    def update(self, resolved: ResolvedLimit, now: float, warmup_start: float) -> None:
         """Take new numbers for the same limit (same name and scope) in place: the bucket maps
         and every bucket in them keep their identity (tickets hold references to them), their
         level carried over and clamped to the new capacity. A unit the limit no longer counts
         drops its map; a unit it newly counts starts a fresh one."""
         self.requests = _retune(
             self.requests,
-            threshold.request_capacity,
-            threshold.request_rate,
-            threshold.warmup_seconds,
+            resolved.request_capacity,
+            resolved.request_rate,
+            resolved.warmup_seconds,
             now,
             warmup_start,
             self.max_keys,
         )
         self.cost = _retune(
             self.cost,
-            threshold.cost_capacity,
-            threshold.cost_rate,
-            threshold.warmup_seconds,
+            resolved.cost_capacity,
+            resolved.cost_rate,
+            resolved.warmup_seconds,
             now,
             warmup_start,
             self.max_keys,
@@ -134,7 +134,7 @@ class RateLimitBuckets:
             for bmap in (self.requests, self.cost):
                 if bmap is not None and bmap.first_slice is None:
                     bmap.first_slice = 0.0
-        self.threshold = threshold
+        self.resolved = resolved
 
 
 def _retune(
@@ -174,7 +174,7 @@ def _slices(lim: RateLimitBuckets) -> list[tuple[str, SharedBucket]]:
             continue
         for key, b in bmap.items():
             if isinstance(b, SharedBucket) and not b.forgettable(0.0):
-                out.append((f"{lim.threshold.name}:{unit}:{key}", b))
+                out.append((f"{lim.resolved.name}:{unit}:{key}", b))
     return out
 
 
@@ -254,7 +254,7 @@ class Limits:
         unchanged keeps its buckets (see :meth:`RateLimitBuckets.update`); new limits start with
         fresh (full) buckets; removed ones are dropped (tickets still holding their buckets
         release into them harmlessly). Reservations and tickets stay."""
-        old = {(lim.threshold.name, lim.threshold.per, lim.shared): lim for lim in self.rate_limits}
+        old = {(lim.resolved.name, lim.resolved.per, lim.shared): lim for lim in self.rate_limits}
         limits: list[RateLimitBuckets] = []
         for t in config.limits:
             shared = t.shared and self.store_attached
@@ -289,7 +289,7 @@ class Limits:
             if lim.shared:
                 for unit, bmap in (("requests", lim.requests), ("cost", lim.cost)):
                     if bmap is not None:
-                        out.append((lim.threshold.name, unit, bmap))
+                        out.append((lim.resolved.name, unit, bmap))
         return out
 
     def set_kv_capacity(self, tokens: int | None) -> None:
@@ -307,7 +307,7 @@ class Limits:
                 if bmap is None:
                     continue
                 for key, b in bmap.items():
-                    out.append((lim.threshold.name, unit, key, b.peek(now), b.capacity_at(now)))
+                    out.append((lim.resolved.name, unit, key, b.peek(now), b.capacity_at(now)))
         return out
 
     def tenants_tracked(self) -> int:
@@ -406,7 +406,7 @@ class Limits:
         """Largest max_tokens that could ever be admitted (full capacities); None = unbounded."""
         cost_room: float | None = None
         for lim in self.rate_limits:
-            cap = lim.threshold.cost_capacity
+            cap = lim.resolved.cost_capacity
             if lim.cost is not None and cap is not None:
                 cost_room = cap if cost_room is None else min(cost_room, cap)
         return self.max_tokens_within(
@@ -468,7 +468,7 @@ class Limits:
             if lim.requests is not None:
                 b = lim.requests.get(key, now)
                 if b.refill(now) < 1.0:
-                    t = lim.threshold
+                    t = lim.resolved
                     return Blocker(Reason.RATE_LIMIT_REQUESTS, t.name, lim.is_tenant, b, 1.0, t)
                 if found is not None:
                     found.append((b, 1.0, False))
@@ -477,7 +477,7 @@ class Limits:
                     cost = cfg.cost(req.prompt_tokens, req.n * max_tokens)
                 b = lim.cost.get(key, now)
                 if b.refill(now) < cost:
-                    t = lim.threshold
+                    t = lim.resolved
                     return Blocker(Reason.RATE_LIMIT_TOKENS, t.name, lim.is_tenant, b, cost, t)
                 if found is not None:
                     found.append((b, cost, True))

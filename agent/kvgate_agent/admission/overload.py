@@ -77,9 +77,9 @@ def _exceeding_limit(limits: Limits, req: AdmissionRequest) -> str:
         return "kv"
     cost = cfg.cost(req.prompt_tokens, req.n * req.max_tokens)
     for lim in limits.rate_limits:
-        cap = lim.threshold.cost_capacity
+        cap = lim.resolved.cost_capacity
         if cap is not None and cost > cap:
-            return lim.threshold.name
+            return lim.resolved.name
     return "capacity"
 
 
@@ -300,8 +300,8 @@ def reject(
         )
     d = refusal(reason, blocker.limit, 429, wait, req.max_tokens, message)
     d.queue_seconds = waited
-    if blocker.bucket is not None and blocker.threshold is not None:
-        t = blocker.threshold
+    if blocker.bucket is not None and blocker.resolved is not None:
+        t = blocker.resolved
         cost_unit = blocker.reason is Reason.RATE_LIMIT_TOKENS
         d.bucket_remaining = blocker.bucket.refill(now)
         d.bucket_capacity = blocker.bucket.capacity
