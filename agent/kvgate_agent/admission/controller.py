@@ -21,6 +21,7 @@ from kvgate_agent.admission.ceiling import ConcurrencyCeiling
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
+    Blocker,
     BucketCharge,
     Decision,
     Outcome,
@@ -28,8 +29,9 @@ from kvgate_agent.admission.decision import (
     Ticket,
     Waiter,
 )
+from kvgate_agent.admission.fair_reserve import what_blocks
 from kvgate_agent.admission.holds import Hold, Holds
-from kvgate_agent.admission.limits import ENGINE_KV_TTL_S, Blocker, Limits
+from kvgate_agent.admission.limits import ENGINE_KV_TTL_S, Limits
 from kvgate_agent.admission.overload import (
     Enqueue,
     Resources,
@@ -142,9 +144,8 @@ class AdmissionController:
 
     def tenant_stats(self) -> TenantStats:
         """The per-tenant state now (see :class:`TenantStats`)."""
-        limits = self._limits
-        shares = limits.fair.shares()
-        return TenantStats(limits.bucket_levels(self.clock()), limits.tenants_tracked(), shares)
+        rates, shares = self._limits.rates, self._limits.fair.shares()
+        return TenantStats(rates.bucket_levels(self.clock()), rates.tenants_tracked(), shares)
 
     def set_kv_capacity(self, tokens: int | None) -> None:
         """Enforce a new KV capacity (tokens; None = not enforced), e.g. the engine's own report.
@@ -171,16 +172,16 @@ class AdmissionController:
         """Hold shared limits as slices of fleet-wide budgets (see
         :class:`~kvgate_agent.admission.lease.LeaseBook`), from now on and across
         :meth:`reconfigure`."""
-        self._limits.attach_store(self.clock())
+        self._limits.rates.attach_store(self.clock())
 
     def shared_maps(self) -> list[tuple[str, str, BucketMap]]:
         """(limit, unit, bucket map) of the limits held as fleet-wide slices."""
-        return self._limits.shared_maps()
+        return self._limits.rates.shared_maps()
 
     def take_retired_slices(self) -> list[tuple[str, SharedBucket]]:
         """(``limit:unit:tenant``, slice) of shared limits removed since the last call, still
         holding or owing units (for a final hand-back to the store)."""
-        out, self._limits.retired = self._limits.retired, []
+        out, self._limits.rates.retired = self._limits.rates.retired, []
         return out
 
     # ------------------------------------------------------------------ holds
@@ -291,7 +292,7 @@ class AdmissionController:
             self.pump()  # what was freed since the last pass goes to those who waited first
         found: list[BucketCharge] = []
         kv = limits.reservation(req, req.max_tokens)
-        blocker = limits.blocker(req, req.max_tokens, now, found=found, kv=kv, cost=cost)
+        blocker = what_blocks(limits, req, req.max_tokens, now, found=found, kv=kv, cost=cost)
         if blocker is None and q.may_backfill():
             q.backfilled()  # (a no-op unless a head waits for a shared resource)
             ticket = limits.reserve(req, req.max_tokens, now, found=found, kv=kv)
@@ -385,7 +386,7 @@ class AdmissionController:
                 d.queue_seconds = waited
                 q.resolve(w, d)
                 continue
-            blocker = self._limits.blocker(w.request, w.request.max_tokens, now)
+            blocker = what_blocks(self._limits, w.request, w.request.max_tokens, now)
             actions = w.remaining_actions
             if _DEGRADE in actions_cfg and _DEGRADE not in actions:
                 actions = (_DEGRADE, *actions)

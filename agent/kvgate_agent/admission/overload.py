@@ -8,7 +8,7 @@ is refused with that wait as its Retry-After (:mod:`.slo`). Queue itself is not 
 :func:`act` answers :class:`Enqueue` and the controller queues the request.
 
 Invariant: pure and clock-injected, like the controller; a reservation is taken only after
-:meth:`~kvgate_agent.admission.limits.Limits.blocker` found that it fits, in the same call.
+:func:`~kvgate_agent.admission.fair_reserve.what_blocks` found that it fits, in the same call.
 """
 
 from __future__ import annotations
@@ -16,8 +16,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason, Waiter
-from kvgate_agent.admission.limits import Blocker, Limits
+from kvgate_agent.admission.decision import (
+    AdmissionRequest,
+    Blocker,
+    Decision,
+    Outcome,
+    Reason,
+    Waiter,
+)
+from kvgate_agent.admission.fair_reserve import what_blocks
+from kvgate_agent.admission.limits import Limits
 from kvgate_agent.admission.queue import WaitQueue
 from kvgate_agent.admission.retry import DecodeSpeed, refusal, wait_seconds
 from kvgate_agent.admission.slo import SHED_FACTOR, SloState
@@ -76,7 +84,7 @@ def _exceeding_limit(limits: Limits, req: AdmissionRequest) -> str:
     if kv is not None and limits.kv_tokens(req.prompt_tokens, req.max_tokens, req.n) > kv:
         return "kv"
     cost = cfg.cost(req.prompt_tokens, req.n * req.max_tokens)
-    for lim in limits.rate_limits:
+    for lim in limits.rates.limits:
         cap = lim.resolved.cost_capacity
         if cap is not None and cost > cap:
             return lim.resolved.name
@@ -91,7 +99,7 @@ def refused_by_count(limits: Limits, req: AdmissionRequest, now: float) -> bool:
     queue = _QUEUE in cfg.actions and req.priority >= 0
     if queue or cfg.fallback_model or cfg.fallback_pool_model:
         return False
-    b = limits.blocker(req, req.max_tokens, now)
+    b = what_blocks(limits, req, req.max_tokens, now)
     return b is not None and b.reason is Reason.RATE_LIMIT_REQUESTS
 
 
@@ -227,7 +235,7 @@ def _degrade_here(
         if (
             m is not None
             and cfg.min_max_tokens <= m < req.max_tokens
-            and limits.blocker(req, m, now) is None
+            and what_blocks(limits, req, m, now) is None
         ):
             req.max_tokens = m
             ticket = limits.reserve(req, m, now)
@@ -246,7 +254,7 @@ def _degrade_here(
         and req.model_rewritable
         and req.model != cfg.fallback_model
         and blocker.reason in (Reason.RATE_LIMIT_REQUESTS, Reason.RATE_LIMIT_TOKENS)
-        and limits.blocker(req, req.max_tokens, now, with_buckets=False) is None
+        and what_blocks(limits, req, req.max_tokens, now, with_buckets=False) is None
     ):
         ticket = limits.reserve(req, req.max_tokens, now, with_buckets=False)
         return Decision(

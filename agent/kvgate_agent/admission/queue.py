@@ -29,9 +29,17 @@ import math
 from collections.abc import Collection
 
 from kvgate_agent.admission.config import AdmissionConfig
-from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason, Waiter
+from kvgate_agent.admission.decision import (
+    AdmissionRequest,
+    Blocker,
+    Decision,
+    Outcome,
+    Reason,
+    Waiter,
+)
 from kvgate_agent.admission.fair_order import Entry, FairOrder
-from kvgate_agent.admission.limits import Blocker, Limits
+from kvgate_agent.admission.fair_reserve import what_blocks
+from kvgate_agent.admission.limits import Limits
 from kvgate_agent.admission.retry import refusal
 
 #: Requests admitted past a head blocked by a shared resource before the queue holds still
@@ -190,7 +198,7 @@ class WaitQueue:
         no waiter is."""
         heads = [self.blocked_head] if self.blocked_head is not None else self.order.sorted()
         for w in heads:
-            b = self._limits.blocker(w.request, w.request.max_tokens, now)
+            b = what_blocks(self._limits, w.request, w.request.max_tokens, now)
             if b is not None and not b.tenant_scoped:
                 return b
         return None
@@ -223,7 +231,7 @@ class WaitQueue:
         self.unblock()
         if prev is None or not prev.skips or not self.order.live(prev):
             return False  # (nobody went past it: the order decides afresh)
-        b = self._limits.blocker(prev.request, prev.request.max_tokens, now)
+        b = what_blocks(self._limits, prev.request, prev.request.max_tokens, now)
         if b is None:
             self._admit(prev, now)
             return False
@@ -242,7 +250,7 @@ class WaitQueue:
         while (e := order.pop(p)) is not None:
             flow = e[4]
             w = order.head(flow)
-            b = limits.blocker(w.request, w.request.max_tokens, now)
+            b = what_blocks(limits, w.request, w.request.max_tokens, now)
             if b is None:
                 head = self.blocked_head
                 if head is not None:
