@@ -11,9 +11,10 @@ concurrency cap, a pod-wide bucket), the next heads that fit are admitted past i
 (bounded backfill: a queue that only blocks on its head idles the server while anything else
 would fit; Kubernetes API Priority and Fairness and the VTC artifact block on the head).
 
-It admits through the :class:`.Limits` it is given (the check and the reservation in one
-call) and hands back the ones past their deadline for the controller's overload actions to
-decide; it never decides a refusal itself.
+It admits through the :class:`.Limits` it is given (the check,
+:func:`.fair_reserve.what_blocks`, and the reservation in one call) and hands back the ones past
+their deadline for the overload actions to decide (:mod:`.waiting`); it never decides a refusal
+itself.
 
 Invariant: pure and clock-injected like the controller (times are passed in, seconds); a
 waiter leaves the queue exactly once, with its ``decision`` set, collected by
