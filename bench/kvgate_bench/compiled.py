@@ -166,7 +166,7 @@ def decision_trace(seed: int = 7, steps: int = 3000) -> list[list[object]]:
             ctl.release(t, completion_tokens=rnd.randrange(0, 600), prompt_tokens=None)
             row(i, "release", None)
         elif pick < 0.9 and tickets:
-            ctl.observe_tokens(rnd.choice(tickets), rnd.randrange(0, 800))
+            ctl.live.observe_tokens(rnd.choice(tickets), rnd.randrange(0, 800))
             row(i, "observe", None)
         else:
             ctl.pump()

@@ -120,7 +120,7 @@ async def test_an_unreadable_engine_counts_as_unknown_and_is_logged_once(
     controller = AdmissionController(
         AdmissionConfig(kv_capacity_tokens=POOL, actions=(OverloadAction.REJECT,))
     )
-    controller.observe_engine_kv(POOL)  # the engine was full at the last read
+    controller.live.observe_engine_kv(POOL)  # the engine was full at the last read
     request = AdmissionRequest("t", 10, 100)
     assert controller.submit(request).outcome is Outcome.REJECTED
     poll = EngineLoadPoll(f"http://127.0.0.1:{free_port()}", AsyncAdmission(controller), 0.01)

@@ -899,13 +899,13 @@ def test_gpu_memory_hold_refuses_new_work_with_503_until_lifted() -> None:
     c = make({"concurrency": {"maxRequests": 4}}, clock)
     t = c.submit(req("a")).ticket
     assert t is not None
-    c.hold(Reason.GPU_MEMORY_LOW, retry_after=2.5, message="GPU memory low")
+    c.holds.hold(Reason.GPU_MEMORY_LOW, retry_after=2.5, message="GPU memory low")
     assert c.active_hold() is not None
     d = c.submit(req("b"))
     assert d.outcome is Outcome.REJECTED and d.reason is Reason.GPU_MEMORY_LOW
     assert d.status == 503 and d.retry_after == 3 and d.message == "GPU memory low"
     assert c.release(t, completion_tokens=1)  # in-flight work finishes normally
-    assert c.lift(Reason.GPU_MEMORY_LOW) and not c.lift(Reason.GPU_MEMORY_LOW)
+    assert c.holds.lift(Reason.GPU_MEMORY_LOW) and not c.holds.lift(Reason.GPU_MEMORY_LOW)
     assert c.active_hold() is None and c.submit(req("b")).ticket is not None
 
 
@@ -923,14 +923,14 @@ def test_pump_admits_nobody_while_held_and_waiters_time_out_with_the_hold() -> N
     w1 = c.submit(req("b")).waiter
     w2 = c.submit(req("c")).waiter
     assert t is not None and w1 is not None and w2 is not None
-    c.hold(Reason.GPU_MEMORY_LOW, retry_after=1, message="low")
+    c.holds.hold(Reason.GPU_MEMORY_LOW, retry_after=1, message="low")
     c.release(t, completion_tokens=1)
     c.pump()
     assert c.stats().queue_length == 2 and c.take_resolved() == []  # room, but held
-    c.lift(Reason.GPU_MEMORY_LOW)
+    c.holds.lift(Reason.GPU_MEMORY_LOW)
     c.pump()
     assert w1.decision is not None and w1.decision.outcome is Outcome.QUEUED
-    c.hold(Reason.GPU_MEMORY_LOW, retry_after=1, message="low")
+    c.holds.hold(Reason.GPU_MEMORY_LOW, retry_after=1, message="low")
     clock.advance(11)  # w2's deadline passes while held: refused with the hold, never degraded
     c.pump()
     assert w2.decision is not None and w2.decision.status == 503
@@ -947,9 +947,9 @@ def test_refused_whatever_the_prompt_only_when_no_count_could_change_it() -> Non
     assert c.submit(req("a")).ticket is not None
     assert c.refused_whatever_the_prompt(req("a", prompt=1))  # out of requests: 429 anyway
     assert not c.refused_whatever_the_prompt(req("b"))
-    c.hold(Reason.FAIL_CLOSED, retry_after=1, message="stale")
+    c.holds.hold(Reason.FAIL_CLOSED, retry_after=1, message="stale")
     assert c.refused_whatever_the_prompt(req("b"))
-    c.lift(Reason.FAIL_CLOSED)
+    c.holds.lift(Reason.FAIL_CLOSED)
     # Queue (for a request that may queue) or a fallback model could still serve tenant a.
     queue = make({"rateLimits": [rpm]}, clock)
     assert queue.submit(req("a")).ticket is not None
@@ -969,19 +969,19 @@ def test_refused_whatever_the_prompt_only_when_no_count_could_change_it() -> Non
 def test_holds_with_keys_do_not_lift_each_other_and_the_longest_wait_answers() -> None:
     clock = FakeClock(1000.0)
     c = make({}, clock)
-    c.hold(Reason.FAIL_CLOSED, retry_after=1, message="stale", key="thresholds")
-    c.hold(Reason.FAIL_CLOSED, retry_after=5, message="no capacity", key="engine", until=1005)
-    c.hold(Reason.GPU_MEMORY_LOW, retry_after=2, message="low")
+    c.holds.hold(Reason.FAIL_CLOSED, retry_after=1, message="stale", key="thresholds")
+    c.holds.hold(Reason.FAIL_CLOSED, retry_after=5, message="no capacity", key="engine", until=1005)
+    c.holds.hold(Reason.GPU_MEMORY_LOW, retry_after=2, message="low")
     d = c.submit(req())
     assert (d.reason, d.retry_after, d.message) == (Reason.FAIL_CLOSED, 5, "no capacity")
     clock.advance(5)  # the timed hold ended by itself
     d = c.submit(req())
     assert (d.reason, d.retry_after) == (Reason.GPU_MEMORY_LOW, 2)
-    c.lift(Reason.GPU_MEMORY_LOW)
+    c.holds.lift(Reason.GPU_MEMORY_LOW)
     assert c.submit(req()).reason is Reason.FAIL_CLOSED
-    assert c.lift("thresholds") and c.submit(req()).ticket is not None
+    assert c.holds.lift("thresholds") and c.submit(req()).ticket is not None
     with pytest.raises(ValueError):
-        c.hold(Reason.FAIL_CLOSED, retry_after=0, message="x")
+        c.holds.hold(Reason.FAIL_CLOSED, retry_after=0, message="x")
 
 
 def test_a_timed_fail_closed_hold_wakes_waiters_when_it_ends() -> None:
@@ -990,7 +990,7 @@ def test_a_timed_fail_closed_hold_wakes_waiters_when_it_ends() -> None:
     t = c.submit(req("a")).ticket
     w = c.submit(req("b")).waiter
     assert t is not None and w is not None
-    c.hold(Reason.FAIL_CLOSED, retry_after=2, message="stale", key="stale", until=clock() + 2)
+    c.holds.hold(Reason.FAIL_CLOSED, retry_after=2, message="stale", key="stale", until=clock() + 2)
     hold = c.active_hold()
     assert hold is not None and hold.until == 1002
     d = c.submit(req("c"))
@@ -1002,7 +1002,7 @@ def test_a_timed_fail_closed_hold_wakes_waiters_when_it_ends() -> None:
     clock.advance(2)
     c.pump()
     assert w.decision is not None and w.decision.ticket is not None
-    c.lift("stale")
+    c.holds.lift("stale")
     assert c.active_hold() is None
 
 
@@ -1038,9 +1038,9 @@ class ReconfiguringMachine(AdmissionMachine):
     @rule(on=st.booleans())
     def gpu_memory(self, on: bool) -> None:
         if on:
-            self.c.hold(Reason.GPU_MEMORY_LOW, retry_after=1, message="low")
+            self.c.holds.hold(Reason.GPU_MEMORY_LOW, retry_after=1, message="low")
         else:
-            self.c.lift(Reason.GPU_MEMORY_LOW)
+            self.c.holds.lift(Reason.GPU_MEMORY_LOW)
             self.c.pump()
             self._collect()
 
@@ -1062,7 +1062,7 @@ class ReconfiguringMachine(AdmissionMachine):
         self._collect()
 
     def teardown(self) -> None:
-        self.c.lift(Reason.GPU_MEMORY_LOW)
+        self.c.holds.lift(Reason.GPU_MEMORY_LOW)
         super().teardown()
 
 

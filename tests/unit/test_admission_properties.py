@@ -15,9 +15,9 @@ from kvgate_agent.admission import (
     AdmissionConfig,
     AdmissionController,
     AdmissionRequest,
-    LimitThreshold,
     Outcome,
     Reason,
+    ResolvedLimit,
     Ticket,
     Waiter,
 )
@@ -35,7 +35,7 @@ SLO_MIN_PRIORITY = 1
 def config(actions: tuple[OverloadAction, ...], **kw: Any) -> AdmissionConfig:
     cfg = AdmissionConfig(
         limits=(
-            LimitThreshold(
+            ResolvedLimit(
                 name="t",
                 per=LimitScope.TENANT,
                 request_rate=5.0,
@@ -141,7 +141,7 @@ class PredictedAdmissionMachine(RuleBasedStateMachine):
     def observe_tokens(self, i: int, delta: int, dt: float) -> None:
         t = self.tickets[i % len(self.tickets)]
         self.clock.advance(dt)
-        self.c.observe_tokens(t, min(t.n * t.max_tokens, t.generated + delta))
+        self.c.live.observe_tokens(t, min(t.n * t.max_tokens, t.generated + delta))
         self._collect()
 
     @precondition(lambda self: self.tickets)
@@ -149,7 +149,7 @@ class PredictedAdmissionMachine(RuleBasedStateMachine):
     def stream_all(self, delta: int, dt: float) -> None:
         self.clock.advance(dt)
         for t in list(self.tickets):
-            self.c.observe_tokens(t, min(t.n * t.max_tokens, t.generated + delta))
+            self.c.live.observe_tokens(t, min(t.n * t.max_tokens, t.generated + delta))
         self._collect()
 
     @precondition(lambda self: self.tickets)
@@ -158,7 +158,7 @@ class PredictedAdmissionMachine(RuleBasedStateMachine):
         t = self.tickets.pop(i % len(self.tickets))
         used = min(t.n * t.max_tokens, t.generated + extra)
         assert self.c.release(t, completion_tokens=used, reached_upstream=reached)
-        self.c.observe_tokens(t, used + 10)  # after release: a no-op
+        self.c.live.observe_tokens(t, used + 10)  # after release: a no-op
         self.c.pump()
         self._collect()
 
@@ -210,7 +210,7 @@ class PredictedAdmissionMachine(RuleBasedStateMachine):
 
     @rule(used=st.one_of(st.none(), st.integers(0, 2 * CAPACITY)))
     def engine_kv(self, used: int | None) -> None:
-        self.c.observe_engine_kv(used)
+        self.c.live.observe_engine_kv(used)
 
     # ------------------------------------------------------------------ invariants
 

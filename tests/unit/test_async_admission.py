@@ -109,7 +109,7 @@ async def test_a_hold_lifted_while_a_request_waits_admits_it() -> None:
 
 async def test_a_larger_kv_capacity_lets_a_waiter_in_at_once() -> None:
     spec = {**QUEUE, "capacity": {"kvCacheTokens": 64}}
-    core_alone_leaves_it_waiting(spec, lambda c: c.set_kv_capacity(4096), size=20)
+    core_alone_leaves_it_waiting(spec, lambda c: c.live.set_kv_capacity(4096), size=20)
     a = AsyncAdmission(AdmissionController(config(spec), FakeClock(1000.0)))
     assert (await a.admit(AdmissionRequest("a", 10, 10))).ticket is not None
     task = await queued_behind(a, 20, 20)
@@ -133,7 +133,7 @@ async def test_the_engine_freeing_kv_lets_a_waiter_in_at_once() -> None:
     spec = {**QUEUE, "capacity": {"kvCacheTokens": 4096}}
 
     def engine_full_then_free(c: AdmissionController) -> None:
-        c.observe_engine_kv(0)
+        c.live.observe_engine_kv(0)
 
     core_alone_leaves_it_waiting_on_engine(spec, engine_full_then_free)
     a = AsyncAdmission(AdmissionController(config(spec), FakeClock(1000.0)))
@@ -148,7 +148,7 @@ def core_alone_leaves_it_waiting_on_engine(
     spec: dict[str, Any], change: Callable[[AdmissionController], None]
 ) -> None:
     c = AdmissionController(config(spec), FakeClock(1000.0))
-    c.observe_engine_kv(4096)
+    c.live.observe_engine_kv(4096)
     w = c.submit(AdmissionRequest("w", 10, 10)).waiter
     assert w is not None
     change(c)

@@ -224,12 +224,12 @@ def test_kvgate_arm_never_asks_to_be_woken_in_the_past() -> None:
         AdmissionConfig,
         AdmissionController,
         AdmissionRequest,
-        LimitThreshold,
+        ResolvedLimit,
     )
     from kvgate_agent.contract.policy import LimitScope, QueueOrder
 
     arm = KvgateMaxTokensArm(context("multi-tenant"))
-    per_tenant = LimitThreshold("t", LimitScope.TENANT, None, None, 10.0, 1000.0, 0.0)
+    per_tenant = ResolvedLimit("t", LimitScope.TENANT, None, None, 10.0, 1000.0, 0.0)
     cfg = AdmissionConfig(
         limits=(per_tenant,),
         cost_per_request=500.0,

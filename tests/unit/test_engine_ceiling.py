@@ -37,7 +37,7 @@ def test_the_engines_slots_cap_the_concurrency_limit(
     spec: dict[str, Any], slots: int, limit: int
 ) -> None:
     c = make(spec)
-    c.set_engine_concurrency(slots)
+    c.live.set_engine_concurrency(slots)
     assert c.stats().engine_concurrency == slots and c.stats().concurrency_limit == limit
 
 
@@ -45,7 +45,7 @@ def test_requests_above_the_slots_wait_in_kvgates_queue_in_order() -> None:
     clock = FakeClock(1000.0)
     c = make({"capacity": {"kvCacheTokens": 4096}, "slo": {"tpotSeconds": 0.2}}, clock)
     assert c.stats().concurrency_limit == SloState.DEFAULT_START  # 64 before the engine is read
-    c.set_engine_concurrency(4)
+    c.live.set_engine_concurrency(4)
     held = _admit(c, 4)
     waiters = [c.submit(req(f"w{i}")).waiter for i in range(4)]
     assert (
@@ -69,14 +69,14 @@ def test_requests_above_the_slots_wait_in_kvgates_queue_in_order() -> None:
 def test_the_adaptive_limit_stays_under_the_slots_and_the_policy_cap_returns_without_them() -> None:
     clock = FakeClock(1000.0)
     c = make({"slo": {"tpotSeconds": 0.2}, "concurrency": {"maxRequests": 16}}, clock)
-    c.set_engine_concurrency(4)
+    c.live.set_engine_concurrency(4)
     tickets = _admit(c, 4)
     for _ in range(40):  # fast tokens, the limit reached: the limit would rise
         clock.advance(0.25)
         for t in tickets:
-            c.observe_tokens(t, t.generated + 5)
+            c.live.observe_tokens(t, t.generated + 5)
         assert c.stats().concurrency_limit == 4
-    c.set_engine_concurrency(None)  # an engine that states no limit: the policy's cap again
+    c.live.set_engine_concurrency(None)  # an engine that states no limit: the policy's cap again
     limit = c.stats().concurrency_limit
     assert limit is not None and 4 <= limit <= 16
 
@@ -105,7 +105,7 @@ def test_a_request_is_shed_when_the_engines_own_queue_makes_its_wait_hopeless() 
     held += _admit(c, 1)
     # One place frees every 0.5 s: one waiting ahead is a 1 s wait, within 2 x the budget.
     assert c.submit(req("a")).waiter is not None
-    c.observe_engine_waiting(6, running=2)  # six more queued: (1 + 6 + 1) x 0.5 = 4 s
+    c.live.observe_engine_waiting(6, running=2)  # six more queued: (1 + 6 + 1) x 0.5 = 4 s
     d = c.submit(req("b"))
     assert d.outcome is Outcome.REJECTED and d.reason is Reason.SLO
     assert d.retry_after is not None and d.retry_after >= 4.0
@@ -121,10 +121,10 @@ def test_kvgates_own_requests_waiting_in_the_engine_are_not_counted_twice() -> N
     clock.advance(3.0)
     c.release(held[0], completion_tokens=5)  # service time 3 s
     held[0] = _admit(c, 1)[0]
-    c.observe_engine_waiting(12, running=4)  # all twelve are kvgate's: nothing more ahead
+    c.live.observe_engine_waiting(12, running=4)  # all twelve are kvgate's: nothing more ahead
     assert c.slo.engine_waiting(clock()) == 0
     assert c.submit(req("new")).waiter is not None  # (0 + 1) x 3 / 16 s: queued, not shed
-    c.observe_engine_waiting(15, running=4)  # three more than kvgate's own: sent around it
+    c.live.observe_engine_waiting(15, running=4)  # three more than kvgate's own: sent around it
     assert c.slo.engine_waiting(clock()) == 3
-    c.observe_engine_waiting(5, running=None)  # running unknown: all in flight may be waiting
+    c.live.observe_engine_waiting(5, running=None)  # running unknown: all in flight may be waiting
     assert c.slo.engine_waiting(clock()) == 0

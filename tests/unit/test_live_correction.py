@@ -12,9 +12,9 @@ from kvgate_agent.admission import (
     AdmissionController,
     AdmissionRequest,
     Decision,
-    LimitThreshold,
     Outcome,
     Reason,
+    ResolvedLimit,
     Ticket,
     retry_after_seconds,
     round_up,
@@ -103,7 +103,7 @@ def test_max_tokens_mode_keeps_the_worst_case() -> None:
     assert t.kv_tokens == round_up(PROMPT + 4096, BLOCK) == t.kv_max
     o = admitted(c.submit(req(predicted_output_tokens=10)))  # the override is ignored too
     assert o.kv_tokens == round_up(PROMPT + 4096, BLOCK)
-    c.observe_tokens(t, 500)
+    c.live.observe_tokens(t, 500)
     assert t.kv_tokens == t.kv_max  # nothing to grow
     assert c.stats().kv_headroom_tokens == 0
 
@@ -136,7 +136,7 @@ def test_observe_tokens_grows_block_by_block_up_to_the_worst_case() -> None:
     prev = base
     for g in range(1, 4300):
         clock.advance(0.001)
-        c.observe_tokens(t, g)
+        c.live.observe_tokens(t, g)
         kv = t.kv_tokens
         assert kv % BLOCK == 0
         assert prev <= kv <= kv_max
@@ -155,11 +155,11 @@ def test_observe_tokens_grows_block_by_block_up_to_the_worst_case() -> None:
 def test_observe_tokens_ignores_counts_that_do_not_increase() -> None:
     c, _clock = make()
     t = admitted(c.submit(req(predicted_output_tokens=10)))
-    c.observe_tokens(t, 200)
+    c.live.observe_tokens(t, 200)
     kv = t.kv_tokens
     assert kv == round_up(PROMPT + 201, BLOCK)
-    c.observe_tokens(t, 150)
-    c.observe_tokens(t, 200)
+    c.live.observe_tokens(t, 150)
+    c.live.observe_tokens(t, 200)
     assert t.kv_tokens == kv and t.generated == 200
     assert c.stats().kv_reserved_tokens == kv
 
@@ -167,12 +167,12 @@ def test_observe_tokens_ignores_counts_that_do_not_increase() -> None:
 def test_observe_tokens_after_release_is_a_no_op() -> None:
     c, clock = make()
     t = admitted(c.submit(req(predicted_output_tokens=10)))
-    c.observe_tokens(t, 5)
+    c.live.observe_tokens(t, 5)
     assert c.release(t, completion_tokens=5)
     assert c.stats().kv_reserved_tokens == 0
     kv = t.kv_tokens
     clock.advance(1.0)
-    c.observe_tokens(t, 3000)
+    c.live.observe_tokens(t, 3000)
     assert c.stats().kv_reserved_tokens == 0 and c.stats().in_flight == 0
     assert t.kv_tokens == kv and t.generated == 5
     assert not c.release(t, completion_tokens=3000)
@@ -184,8 +184,8 @@ def test_two_tickets_grow_independently_and_release_to_zero() -> None:
     b = admitted(c.submit(req(predicted_output_tokens=10, n=2)))
     for g in range(1, 600):
         clock.advance(0.001)
-        c.observe_tokens(a, g)
-        c.observe_tokens(b, 2 * g)
+        c.live.observe_tokens(a, g)
+        c.live.observe_tokens(b, 2 * g)
         assert c.stats().kv_reserved_tokens == a.kv_tokens + b.kv_tokens
     assert a.kv_tokens <= a.kv_max and b.kv_tokens <= b.kv_max
     c.release(a, completion_tokens=599)
@@ -198,7 +198,7 @@ def test_headroom_kept_for_predicted_reservations_after_overruns() -> None:
     c, _clock = make()
     for _ in range(10):  # predicted 10, produced 500: each grew
         t = admitted(c.submit(req(predicted_output_tokens=10)))
-        c.observe_tokens(t, 500)
+        c.live.observe_tokens(t, 500)
         c.release(t, completion_tokens=500)
     assert c.stats().kv_headroom_tokens == 0  # nothing predicted in flight
     t = admitted(c.submit(req(predicted_output_tokens=10)))
@@ -212,13 +212,13 @@ def test_headroom_kept_for_predicted_reservations_after_overruns() -> None:
 
 def test_observe_engine_kv_blocks_admission() -> None:
     c, _ = make(kv_capacity_tokens=10_000, actions=(OverloadAction.REJECT,))
-    c.observe_engine_kv(9_990)
+    c.live.observe_engine_kv(9_990)
     d = c.submit(req(max_tokens=100))
     assert d.outcome is Outcome.REJECTED and d.reason is Reason.KV_CAPACITY
     assert d.status == 429 and d.retry_after is not None and d.retry_after >= 1
-    c.observe_engine_kv(100)  # the engine's figure counts only where it is the larger
+    c.live.observe_engine_kv(100)  # the engine's figure counts only where it is the larger
     admitted(c.submit(req(max_tokens=100)))
-    c.observe_engine_kv(None)
+    c.live.observe_engine_kv(None)
     admitted(c.submit(req(max_tokens=100)))
 
 
@@ -291,7 +291,7 @@ def test_wait_budget_shrinks_with_observed_prefill() -> None:
     c, clock = make(ttft_slo_seconds=2.0, max_concurrency=1)
     t = admitted(c.submit(req(max_tokens=10)))
     clock.advance(1.0)
-    c.observe_tokens(t, 1)  # first token 1 s after admission: smoothed prefill 0.1 s
+    c.live.observe_tokens(t, 1)  # first token 1 s after admission: smoothed prefill 0.1 s
     assert c.slo.prefill_s == pytest.approx(0.1)
     d = c.submit(req(max_tokens=10))
     assert d.outcome is Outcome.QUEUED and d.waiter is not None
@@ -314,7 +314,7 @@ def test_no_slo_no_shedding() -> None:
 
 
 def test_slo_shedding_ignores_departures_for_a_tenant_rate_limit() -> None:
-    limit = LimitThreshold(
+    limit = ResolvedLimit(
         name="t",
         per=LimitScope.TENANT,
         request_rate=2.0,  # one request per 0.5 s
@@ -370,7 +370,7 @@ def stream_one_interval(
     for _ in range(steps):
         clock.advance(gap_s)
         for t in tickets:
-            c.observe_tokens(t, t.generated + 1)
+            c.live.observe_tokens(t, t.generated + 1)
 
 
 def test_streamed_gaps_over_target_lower_the_limit_and_under_it_raise_it() -> None:
@@ -378,7 +378,7 @@ def test_streamed_gaps_over_target_lower_the_limit_and_under_it_raise_it() -> No
     assert c.stats().concurrency_limit == 64
     tickets = [admitted(c.submit(req(max_tokens=4096))) for _ in range(8)]
     for t in tickets:
-        c.observe_tokens(t, 1)  # first tokens: no gap yet
+        c.live.observe_tokens(t, 1)  # first tokens: no gap yet
     for _ in range(20):  # 80 ms between tokens, over the 50 ms target
         stream_one_interval(c, clock, tickets, 0.08)
     low = c.stats().concurrency_limit
@@ -418,7 +418,7 @@ def test_non_streamed_responses_do_not_move_the_limit() -> None:
 
 def test_an_engine_report_stops_counting_after_its_ttl() -> None:
     c, clock = make(kv_capacity_tokens=10_000, max_concurrency=None)
-    c.observe_engine_kv(9_990)
+    c.live.observe_engine_kv(9_990)
     assert c.submit(req(max_tokens=100, priority=-1)).limit == "kv"  # sheddable: not queued
     clock.advance(ENGINE_KV_TTL_S + 0.1)  # no newer report: the old one no longer counts
     admitted(c.submit(req(max_tokens=100)))

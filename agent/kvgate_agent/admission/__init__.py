@@ -5,16 +5,19 @@ waiter in wakes the queue itself), :class:`AdmissionController` (the pure decisi
 directly on a virtual clock by the benchmark), :class:`AdmissionStats` and
 :class:`TenantStats` (read-only snapshots), :class:`AdmissionConfig` (resolved thresholds), and
 the decision types.
-Inside: :mod:`.bucket` (token buckets), :mod:`.limits` (what is counted and reserved),
-:mod:`.fairness` (the tenants' fair-share counters), :mod:`.holds` (stops on all admission),
+Inside: :mod:`.bucket` (token buckets), :mod:`.rate_limits` (the rate limits' buckets),
+:mod:`.limits` (what is counted and reserved), :mod:`.fairness` (the tenants' fair-share
+counters), :mod:`.fair_reserve` (the fair reserve, and ``what_blocks``: the one check),
+:mod:`.holds` (stops on all admission), :mod:`.live` (tokens streamed, the engine's reports),
 :mod:`.retry` (Retry-After), :mod:`.fair_order` (who waits in which order), :mod:`.queue`
-(the wait queue), :mod:`.overload` (Degrade, Queue, Reject), :mod:`.controller` (composes
-them), :mod:`.async_admission` (the asyncio side).
+(the wait queue), :mod:`.waiting` (queueing, expiring and pumping it), :mod:`.overload`
+(Degrade, Queue, Reject), :mod:`.controller` (composes them), :mod:`.async_admission` (the
+asyncio side).
 """
 
 from kvgate_agent.admission.async_admission import AsyncAdmission
 from kvgate_agent.admission.bucket import BucketMap, TokenBucket
-from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
+from kvgate_agent.admission.config import AdmissionConfig, ResolvedLimit
 from kvgate_agent.admission.controller import AdmissionController
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
@@ -38,9 +41,9 @@ __all__ = [
     "BucketMap",
     "Decision",
     "Hold",
-    "LimitThreshold",
     "Outcome",
     "Reason",
+    "ResolvedLimit",
     "TenantStats",
     "Ticket",
     "TokenBucket",

@@ -37,9 +37,9 @@ class AsyncAdmission:
         #: The controller's clock (monotonic seconds).
         self.clock: Callable[[], float] = controller.clock
         #: ``ticket``'s request has produced this many output tokens so far (all choices), as
-        #: its stream passes (:meth:`AdmissionController.observe_tokens`). Called per streamed
+        #: its stream passes (:meth:`LiveCorrection.observe_tokens`). Called per streamed
         #: event, so bound once; it never wakes the queue (a growing stream frees nothing).
-        self.observe_tokens = controller.observe_tokens
+        self.observe_tokens = controller.live.observe_tokens
         self._futures: dict[int, asyncio.Future[Decision]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -129,38 +129,39 @@ class AsyncAdmission:
         key: str | None = None,
         until: float | None = None,
     ) -> None:
-        """Refuse every new request until lifted (:meth:`AdmissionController.hold`; raises
-        ``ValueError`` if ``retry_after`` ≤ 0); the queue's timer follows the hold's end."""
-        self.core.hold(reason, retry_after=retry_after, message=message, key=key, until=until)
+        """Refuse every new request until lifted (:meth:`Holds.hold`; raises ``ValueError`` if
+        ``retry_after`` ≤ 0); the queue's timer follows the hold's end."""
+        self.core.holds.hold(reason, retry_after=retry_after, message=message, key=key, until=until)
         self._wake()
 
     def lift(self, key: str | Reason) -> bool:
-        """End the hold named ``key`` (:meth:`AdmissionController.lift`); returns whether one
-        was active, and lets waiters in at once when it was."""
-        lifted = self.core.lift(key)
+        """End the hold named ``key`` (:meth:`Holds.lift`); returns whether one was active, and
+        lets waiters in at once when it was."""
+        lifted = self.core.holds.lift(key)
         if lifted:
             self._wake()
         return lifted
 
     def set_kv_capacity(self, tokens: int | None) -> None:
         """Enforce a new KV capacity, tokens (None: not enforced); waiters are re-examined."""
-        self.core.set_kv_capacity(tokens)
+        self.core.live.set_kv_capacity(tokens)
         self._wake()
 
     def set_engine_concurrency(self, slots: int | None) -> None:
         """The engine serves at most ``slots`` requests at once
-        (:meth:`AdmissionController.set_engine_concurrency`); waiters are re-examined."""
-        self.core.set_engine_concurrency(slots)
+        (:meth:`LiveCorrection.set_engine_concurrency`); waiters are re-examined."""
+        self.core.live.set_engine_concurrency(slots)
         self._wake()
 
     def observe_engine_usage(
         self, kv_used_tokens: int | None, waiting: int | None, running: int | None
     ) -> None:
         """The engine's own report: KV tokens in use, requests waiting in its queue and running
-        in its batch (None: unknown); see :meth:`AdmissionController.observe_engine_kv` and
-        :meth:`~AdmissionController.observe_engine_waiting`. Waiters are re-examined."""
-        self.core.observe_engine_kv(kv_used_tokens)
-        self.core.observe_engine_waiting(waiting, running)
+        in its batch (None: unknown); see :meth:`LiveCorrection.observe_engine_kv` and
+        :meth:`~LiveCorrection.observe_engine_waiting`. Waiters are re-examined."""
+        live = self.core.live
+        live.observe_engine_kv(kv_used_tokens)
+        live.observe_engine_waiting(waiting, running)
         self._wake()
 
     def slices_granted(self) -> None:

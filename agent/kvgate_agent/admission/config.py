@@ -31,7 +31,7 @@ def tightest_tpot_seconds(spec: RateLimitPolicySpec) -> float | None:
 
 
 @dataclass(frozen=True, slots=True)
-class LimitThreshold:
+class ResolvedLimit:
     """One rate limit after resolution.
 
     ``request_rate``/``cost_rate`` are units per second; capacities are units. Either pair may be
@@ -73,7 +73,7 @@ class AdmissionConfig:
     a shared limit while the store is down before any peer count was seen.
     """
 
-    limits: tuple[LimitThreshold, ...] = ()
+    limits: tuple[ResolvedLimit, ...] = ()
     cost_per_request: float = 0.0
     prompt_token_weight: float = 1.0
     output_token_weight: float = 1.0
@@ -134,7 +134,7 @@ class AdmissionConfig:
             share = global_share if rl.per is LimitScope.GLOBAL else 1.0
             req_cap, cost_cap = rl.request_capacity, rl.token_capacity
             limits.append(
-                LimitThreshold(
+                ResolvedLimit(
                     name=rl.name,
                     per=rl.per,
                     request_rate=None

@@ -1,10 +1,12 @@
 """The admission controller of one pod: admit each request now, queue it, degrade it or refuse it.
 
-It composes the limit bookkeeping (:mod:`.limits`), the holds (:mod:`.holds`), the wait queue
-(:mod:`.queue`), the concurrency ceiling (:mod:`.ceiling`) and the policy's overload actions
-(:mod:`.overload`: Degrade, Queue, Reject, in the policy's order, with Retry-After from
-:mod:`.retry`). A request that can never fit is refused with 400 at once, never told to retry
-(https://github.com/bucket4j/bucket4j/issues/220).
+It composes the limit bookkeeping (:mod:`.limits`, asked what stops a request through
+:func:`.fair_reserve.what_blocks`), the holds (:mod:`.holds`, public as :attr:`holds`), the wait
+queue (:mod:`.queue`) and its driving (:mod:`.waiting`), the concurrency ceiling
+(:mod:`.ceiling`), the live corrections (:mod:`.live`, public as :attr:`live`) and the policy's
+overload actions (:mod:`.overload`: Degrade, Queue, Reject, in the policy's order, with
+Retry-After from :mod:`.retry`). A request that can never fit is refused with 400 at once, never
+told to retry (https://github.com/bucket4j/bucket4j/issues/220).
 
 Invariant: pure and clock-injected (no I/O, no asyncio); every public method runs to completion
 without yielding, so a check and its reservation are atomic on one event loop. The asyncio side
@@ -28,13 +30,12 @@ from kvgate_agent.admission.decision import (
     Ticket,
     Waiter,
 )
+from kvgate_agent.admission.fair_reserve import what_blocks
 from kvgate_agent.admission.holds import Hold, Holds
-from kvgate_agent.admission.limits import ENGINE_KV_TTL_S, Blocker, Limits
+from kvgate_agent.admission.limits import Limits
+from kvgate_agent.admission.live import LiveCorrection
 from kvgate_agent.admission.overload import (
-    Enqueue,
     Resources,
-    act,
-    evicted,
     exceeds_capacity,
     refused_by_count,
 )
@@ -42,6 +43,7 @@ from kvgate_agent.admission.queue import WaitQueue
 from kvgate_agent.admission.retry import DecodeSpeed
 from kvgate_agent.admission.slo import SloState
 from kvgate_agent.admission.stats import AdmissionStats, TenantStats
+from kvgate_agent.admission.waiting import Waiting
 from kvgate_agent.contract.policy import OverloadAction
 
 Clock = Callable[[], float]
@@ -50,7 +52,6 @@ Clock = Callable[[], float]
 _ADMITTED = Outcome.ADMITTED
 _OK = Reason.OK
 _DEGRADE = OverloadAction.DEGRADE.value
-_REJECT = OverloadAction.REJECT.value
 
 
 class AdmissionController:
@@ -74,7 +75,8 @@ class AdmissionController:
         self.clock = clock
         self.started_at = clock()
         self._limits = Limits(config, self.started_at, max_tenants)
-        self._holds = Holds()
+        #: The holds: stops on every new admission (:meth:`Holds.hold`, :meth:`Holds.lift`).
+        self.holds = Holds()
         self._speed = DecodeSpeed()
         self._queue = WaitQueue(self._limits)
         self._slo = SloState(
@@ -84,7 +86,11 @@ class AdmissionController:
             self.started_at,
         )
         self._ceiling = ConcurrencyCeiling(self._limits, self._slo)
-        self._r = Resources(self._limits, self._queue, self._slo, self._speed)
+        #: What the streams and the engine report while requests run (:mod:`.live`).
+        self.live = LiveCorrection(self._limits, self._slo, self._ceiling, clock)
+        r = Resources(self._limits, self._queue, self._slo, self._speed)
+        #: The queue side: queueing, the passes over the queue, the next wake (:mod:`.waiting`).
+        self._waiting = Waiting(r, self.holds, self._ceiling, clock)
 
     # ------------------------------------------------------------------ observation
 
@@ -113,20 +119,6 @@ class AdmissionController:
         """Nothing in flight and nobody waiting."""
         return self._limits.in_flight == 0 and not self._queue
 
-    def set_engine_concurrency(self, slots: int | None) -> None:
-        """The engine serves at most ``slots`` requests at once (llama.cpp's ``total_slots``;
-        None: no such limit): see :meth:`ConcurrencyCeiling.set_engine_slots`."""
-        self._ceiling.set_engine_slots(slots)
-
-    def observe_engine_waiting(self, waiting: int | None, running: int | None = None) -> None:
-        """The engine reports ``waiting`` requests in its own queue, ``running`` in its batch
-        (None: unknown). kvgate's own requests not running may be among the waiting (a cap above
-        vLLM's ``max_num_seqs``), so only ``waiting - (in_flight - running)`` count ahead of a
-        newcomer, for :data:`~kvgate_agent.admission.limits.ENGINE_KV_TTL_S` seconds."""
-        ours = max(0, self._limits.in_flight - (running or 0))
-        others = None if waiting is None else max(0, waiting - ours)
-        self._slo.observe_engine_waiting(others, self.clock() + ENGINE_KV_TTL_S)
-
     @property
     def slo(self) -> SloState:
         """The SLO measurements (inter-token time, departure rate, prefill time) and the
@@ -142,14 +134,8 @@ class AdmissionController:
 
     def tenant_stats(self) -> TenantStats:
         """The per-tenant state now (see :class:`TenantStats`)."""
-        limits = self._limits
-        shares = limits.fair.shares()
-        return TenantStats(limits.bucket_levels(self.clock()), limits.tenants_tracked(), shares)
-
-    def set_kv_capacity(self, tokens: int | None) -> None:
-        """Enforce a new KV capacity (tokens; None = not enforced), e.g. the engine's own report.
-        Reservations already held stay; waiters are re-examined on the next pump."""
-        self._limits.set_kv_capacity(tokens)
+        rates, shares = self._limits.rates, self._limits.fair.shares()
+        return TenantStats(rates.bucket_levels(self.clock()), rates.tenants_tracked(), shares)
 
     def reconfigure(self, config: AdmissionConfig) -> None:
         """Enforce new thresholds from now on without dropping in-flight work.
@@ -171,61 +157,25 @@ class AdmissionController:
         """Hold shared limits as slices of fleet-wide budgets (see
         :class:`~kvgate_agent.admission.lease.LeaseBook`), from now on and across
         :meth:`reconfigure`."""
-        self._limits.attach_store(self.clock())
+        self._limits.rates.attach_store(self.clock())
 
     def shared_maps(self) -> list[tuple[str, str, BucketMap]]:
         """(limit, unit, bucket map) of the limits held as fleet-wide slices."""
-        return self._limits.shared_maps()
+        return self._limits.rates.shared_maps()
 
     def take_retired_slices(self) -> list[tuple[str, SharedBucket]]:
         """(``limit:unit:tenant``, slice) of shared limits removed since the last call, still
         holding or owing units (for a final hand-back to the store)."""
-        out, self._limits.retired = self._limits.retired, []
+        out, self._limits.rates.retired = self._limits.rates.retired, []
         return out
-
-    # ------------------------------------------------------------------ holds
-
-    def hold(
-        self,
-        reason: Reason,
-        *,
-        retry_after: float,
-        message: str,
-        key: str | None = None,
-        until: float | None = None,
-    ) -> None:
-        """Refuse every new request with 503 and a Retry-After until lifted (or until clock
-        time ``until``, when given): e.g. ``Reason.FAIL_CLOSED`` (stale thresholds or unknown
-        KV capacity under FailClosed) or ``Reason.GPU_MEMORY_LOW`` (the GPU safety net closed).
-
-        Args:
-            reason: the refusal reason reported.
-            retry_after: seconds a refused client should wait (> 0); with ``until`` the
-                remaining time is used instead.
-            message: the explanation for error bodies.
-            key: names this hold for :meth:`lift` (default: the reason's value), so holds from
-                different sources do not lift each other.
-            until: clock time at which the hold ends by itself; None = until lifted.
-
-        While any hold is active, :meth:`pump` admits nobody from the queue: waiters stay until
-        their deadline (then they are refused with the hold's 503) or until every hold is lifted.
-        In-flight requests are not touched. Raises ``ValueError`` if ``retry_after`` ≤ 0.
-        """
-        name = key if key is not None else reason.value
-        self._holds.put(name, Hold(reason, retry_after, message, until))
-
-    def lift(self, key: str | Reason) -> bool:
-        """End the hold named ``key`` (a key given to :meth:`hold`, or the reason it defaulted
-        to). Returns whether one was active. Waiters are admitted on the next :meth:`pump`."""
-        return self._holds.lift(key.value if isinstance(key, Reason) else key)
 
     def active_hold(self) -> Hold | None:
         """The hold that decides now: of all active holds, the one with the longest remaining
         wait (no request is admitted before every hold ends); None when admission is open.
         Holds past their ``until`` are forgotten."""
-        if not self._holds:
+        if not self.holds:
             return None
-        return self._holds.active(self.clock())
+        return self.holds.active(self.clock())
 
     def refused_whatever_the_prompt(self, req: AdmissionRequest) -> bool:
         """True when :meth:`submit` would refuse ``req`` now for a reason its prompt's size
@@ -262,8 +212,8 @@ class AdmissionController:
         now = self.clock()
         limits = self._limits
         cfg = limits.config
-        if self._holds:
-            h = self._holds.active(now)
+        if self.holds:
+            h = self.holds.active(now)
             if h is not None:
                 return h.refusal(now, req.max_tokens)
         clamped = False
@@ -288,10 +238,10 @@ class AdmissionController:
         self._ceiling.tick(now)
         q = self._queue
         if q.blocked_head is not None:
-            self.pump()  # what was freed since the last pass goes to those who waited first
+            self._waiting.pump()  # what was freed since the last pass goes to who waited first
         found: list[BucketCharge] = []
         kv = limits.reservation(req, req.max_tokens)
-        blocker = limits.blocker(req, req.max_tokens, now, found=found, kv=kv, cost=cost)
+        blocker = what_blocks(limits, req, req.max_tokens, now, found=found, kv=kv, cost=cost)
         if blocker is None and q.may_backfill():
             q.backfilled()  # (a no-op unless a head waits for a shared resource)
             ticket = limits.reserve(req, req.max_tokens, now, found=found, kv=kv)
@@ -305,91 +255,18 @@ class AdmissionController:
             return Decision(_ADMITTED, _OK, ticket, req.max_tokens)
         if blocker is not None and blocker.reason is Reason.CONCURRENCY:
             self._slo.reached()
-        return self._act(req, blocker, cfg.actions, now, clamped, 0.0)
+        return self._waiting.act(req, blocker, cfg.actions, now, clamped, 0.0)
 
     # ------------------------------------------------------------------ queue
-
-    def _act(
-        self,
-        req: AdmissionRequest,
-        blocker: Blocker | None,
-        actions: tuple[str, ...],
-        now: float,
-        clamped: bool,
-        waited: float,
-    ) -> Decision:
-        """The overload actions' decision for ``req`` (:func:`.overload.act`), queueing it when
-        that is their answer."""
-        d = act(self._r, req, blocker, actions, now, clamped, waited)
-        if isinstance(d, Enqueue):
-            if d.evict is not None:
-                self._queue.evict(d.evict, evicted(self._r, d.evict, d.evict_reason, now))
-            return self._enqueue(req, d.remaining, now, clamped, d.budget)
-        return d
-
-    def _enqueue(
-        self,
-        req: AdmissionRequest,
-        remaining: tuple[str, ...],
-        now: float,
-        clamped: bool,
-        budget: float | None,
-    ) -> Decision:
-        """Queue ``req`` until the policy's maximum wait, or its SLO's wait ``budget`` (seconds)
-        when that is shorter."""
-        max_wait = self._limits.config.queue_max_wait_seconds
-        deadline = now + (max_wait if budget is None else min(max_wait, budget))
-        w = self._queue.add(req, now, deadline, remaining or (_REJECT,), clamped)
-        self.pump()
-        if w.decision is not None:  # admitted at once: the caller gets it directly
-            self._queue.unresolve(w)
-            if w.decision.outcome is Outcome.QUEUED:
-                w.decision.outcome = Outcome.ADMITTED  # it never waited
-            return w.decision
-        return Decision(Outcome.QUEUED, Reason.OK, waiter=w, max_tokens=req.max_tokens)
 
     def take_resolved(self) -> list[Waiter]:
         """Waiters that left the queue (``decision`` set) since the last call, in order."""
         return self._queue.take_resolved()
 
     def pump(self) -> None:
-        """Move waiters out of the queue: expire those past their deadline (their remaining
-        overload actions decide), admit those that fit now in queue order. Waiters whose
-        ``decision`` got set are collected for :meth:`take_resolved`. A waiter blocked by a
-        shared resource (the concurrency cap, KV, a pod-wide bucket) stops the scan so later
-        ones cannot overtake it; one blocked only by its own tenant's bucket is skipped."""
-        q = self._queue
-        if not q:
-            return  # (no blocked head either: it leaves with its waiter)
-        now = self.clock()
-        self._ceiling.tick(now)
-        held = self._holds.active(now) if self._holds else None
-        self._expire(now, held)
-        if held is None:
-            q.admit_fitting(now)  # (the head blocked at the last pass first)
-        else:
-            q.unblock()
-
-    def _expire(self, now: float, held: Hold | None) -> None:
-        """Decide on every waiter past its deadline: refused with ``held``'s 503 while a hold
-        is active (no admission of any kind, not even degraded), else by its remaining overload
-        actions (Degrade first, if the policy has it: having waited its turn, it may)."""
-        q = self._queue
-        actions_cfg = self._limits.config.actions
-        for w in q.expired(now):
-            q.remove(w)
-            waited = now - w.enqueued_at
-            if held is not None:
-                d = held.refusal(now, w.request.max_tokens)
-                d.message = f"timed out after {waited:.1f}s in the admission queue: {d.message}"
-                d.queue_seconds = waited
-                q.resolve(w, d)
-                continue
-            blocker = self._limits.blocker(w.request, w.request.max_tokens, now)
-            actions = w.remaining_actions
-            if _DEGRADE in actions_cfg and _DEGRADE not in actions:
-                actions = (_DEGRADE, *actions)
-            q.resolve(w, self._act(w.request, blocker, actions, now, w.clamped, max(waited, 1e-9)))
+        """Move waiters out of the queue now (see :meth:`Waiting.pump`); their decisions are
+        collected for :meth:`take_resolved`."""
+        self._waiting.pump()
 
     def reject_waiting(self, reason: Reason, status: int, retry_after: float, message: str) -> None:
         """Refuse everybody still waiting (e.g. shutting down): each waiter's decision becomes
@@ -403,15 +280,9 @@ class AdmissionController:
         self._queue.cancel(waiter)
 
     def next_wake(self) -> float | None:
-        """Clock time at which :meth:`pump` should next run even if nothing is released: the
-        earliest queue deadline or bucket refill a waiter needs, or the end of a hold that ends
-        by itself (it lets waiters in); None when nobody waits."""
-        t = self._queue.next_wake()
-        if t is not None:
-            end = self._holds.next_end()
-            if end is not None:
-                t = min(t, end)
-        return t
+        """Clock time at which :meth:`pump` should next run even if nothing is released (see
+        :meth:`Waiting.next_wake`); None when nobody waits."""
+        return self._waiting.next_wake()
 
     # ------------------------------------------------------------------ release
 
@@ -457,34 +328,3 @@ class AdmissionController:
             limits.fair.settle(ticket, 0, 0)
         self._ceiling.tick(now)
         return True
-
-    # ------------------------------------------------------------------ live correction
-
-    def observe_tokens(self, ticket: Ticket, generated: int) -> None:
-        """``ticket``'s request has produced ``generated`` output tokens so far (all choices), as
-        its stream passes. Measures the time to first token and between tokens (the adaptive
-        limit's input, :mod:`.slo`) and grows a predicted reservation block by block once the
-        sequence outgrows it (never past prompt + n x max_tokens). O(1); a no-op after release
-        or when ``generated`` did not increase."""
-        prev = ticket.generated
-        if ticket.released or generated <= prev:
-            return
-        now = self.clock()
-        last = ticket.last_token_at
-        if last is None:
-            self._slo.observe_first_token(now - ticket.admitted_at)
-        else:
-            self._slo.observe_gap(now - last, (generated - prev) / ticket.n)
-        ticket.generated = generated
-        ticket.last_token_at = now
-        self._limits.fair.observe_output(ticket, generated)
-        if ticket.prompt_tokens + generated >= ticket.kv_tokens:
-            self._limits.grow(ticket, generated)
-        self._ceiling.tick(now)
-
-    def observe_engine_kv(self, used_tokens: int | None) -> None:
-        """The engine reports ``used_tokens`` KV tokens in use (None: unknown). Where that is
-        more than kvgate has reserved (plus headroom), admission counts the engine's figure,
-        for :data:`~kvgate_agent.admission.limits.ENGINE_KV_TTL_S` seconds from now."""
-        self._limits.engine_kv_used = used_tokens
-        self._limits.engine_kv_until = self.clock() + ENGINE_KV_TTL_S

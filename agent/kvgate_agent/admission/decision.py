@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any, TypeAlias
 
 from kvgate_agent.admission.bucket import Bucket
+from kvgate_agent.admission.config import ResolvedLimit
 
 #: One bucket reservation held by a ticket: (bucket, units reserved, is the cost bucket). A
 #: plain tuple, not a NamedTuple: one is built per bucket on every admission.
@@ -59,6 +60,27 @@ class Reason(StrEnum):
     FAIL_CLOSED = "fail_closed"
     GPU_MEMORY_LOW = "gpu_memory_low"
     DRAINING = "draining"
+
+
+@dataclass(slots=True)
+class Blocker:
+    """What stops a request now.
+
+    Attributes:
+        reason: the refusal reason it would give.
+        limit: the rate limit's name, or ``concurrency`` / ``kv`` / ``queue``.
+        tenant_scoped: only this tenant's own bucket blocks (others need not wait behind it).
+        bucket: the blocking bucket, for rate limits.
+        amount: units the request needs from ``bucket``.
+        resolved: the blocking rate limit, for rate limits.
+    """
+
+    reason: Reason
+    limit: str
+    tenant_scoped: bool = False
+    bucket: Bucket | None = None
+    amount: float = 0.0
+    resolved: ResolvedLimit | None = None
 
 
 @dataclass(slots=True)

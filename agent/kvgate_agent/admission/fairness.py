@@ -26,14 +26,10 @@ How the counters move (the pitfalls of earlier attempts are cited):
   and a new tenant starts at ``F``, never at zero (a newcomer at zero outranks everyone until it
   catches up, as llm-d's least-attained-service policy does).
 
-**What a tenant holds.** A queue that is fair among waiters cannot take back what a tenant
-already holds: a tenant flooding an idle server fills its KV and its concurrency limit, and a
-quiet tenant's request then waits for a departure, past a TTFT budget of a few hundred
-milliseconds. So the last :data:`KV_RESERVE` of the KV capacity and of the concurrency limit
-are kept from a tenant holding more than :data:`HOG` times its fair share (capacity x its
-weight / the active tenants' weights), and while the engine's prefill is congested
-(:data:`PREFILL_SHARE`) such a tenant waits at any level. A tenant alone, or holding nothing,
-is never held back: the server stays work-conserving for whoever is there.
+**What a tenant holds.** A queue fair among waiters cannot take back what a tenant already
+holds: the accounts here also count each tenant's requests in flight and the KV they hold, and
+:mod:`.fair_reserve` keeps the last of the KV capacity and of the concurrency limit from a
+tenant holding far more than its fair share.
 
 Memory is bounded by ``max_tenants`` accounts: an account neither backlogged nor in flight whose
 counter is at or below ``F`` is equivalent to a new one and is forgotten first; past that, the
@@ -52,25 +48,6 @@ from kvgate_agent.admission.prefill import PrefillBacklog
 
 #: Weight of each admission in :attr:`FairShare.mean_charge`.
 MEAN_ALPHA = 0.05
-#: Share of the KV capacity (and of the concurrency limit) a tenant above its fair share of it
-#: may not take: kept for the
-#: tenants under theirs, whose requests then find room at once instead of waiting for a
-#: departure (a queue that is fair only among waiters cannot take back what a tenant already
-#: holds). Work-conserving for a tenant alone (it is never above its share). Chosen on the
-#: effectiveness benchmark's ``isolation`` workload, seed 1 (docs/benchmarks.md, issue 22).
-KV_RESERVE = 0.2
-#: A tenant holding more than this many times its fair share is held back by the reserve
-#: (tenants about even with their shares are not: the reserve would idle capacity they share).
-HOG = 2.0
-#: A tenant holding more than this many times its fair share is held back by the reserve
-#: (tenants about even with their shares are not: the reserve would idle capacity they share).
-HOG = 2.0
-#: The engine's prefill is congested when a prompt admitted now would wait more than this
-#: share of the TTFT SLO behind the prompts admitted before it (:mod:`.prefill`): then a
-#: tenant above twice its share of the concurrency limit is not admitted (its prefills would
-#: delay everyone's first token; the engine serves prefills in arrival order). Chosen with
-#: :data:`KV_RESERVE`.
-PREFILL_SHARE = 0.5
 
 
 class Account:
@@ -140,8 +117,8 @@ class FairShare:
         self.mean_charge = 0.0
         #: Sum of the weights of the active tenants (requests waiting or in flight).
         self.active_weight = 0.0
-        #: The engine's prefill is congested (:data:`PREFILL_SHARE`; set by the concurrency
-        #: ceiling): tenants above their share of the concurrency limit wait.
+        #: The engine's prefill is congested (``fair_reserve.PREFILL_SHARE``; set by the
+        #: concurrency ceiling): tenants above their share of the concurrency limit wait.
         self.congested = False
         #: The prompt tokens admitted and not yet prefilled (charged here at every admission).
         self.prefill = PrefillBacklog()
@@ -280,32 +257,6 @@ class FairShare:
             a.attained += delta
         if not a.queued and not a.in_flight:
             self._prune()
-
-    def kv_held_back(
-        self, tenant: str, weight: float, kv_tokens: int, used: int, kv_capacity: int
-    ) -> bool:
-        """Whether a request of ``tenant`` (of ``weight``) needing ``kv_tokens`` must leave the
-        reserve (:data:`KV_RESERVE`) to others: ``used`` (KV tokens in use with it) reaches into
-        the reserve and the tenant would hold more than :data:`HOG` times its fair share, its
-        share being ``kv_capacity x weight / (the active tenants' weights)``. A tenant alone, or
-        holding nothing, never is held back. O(1)."""
-        if used <= kv_capacity * (1.0 - KV_RESERVE):
-            return False
-        a = self._accounts.get(tenant)
-        if a is None or not a.in_flight:
-            return False
-        return (a.kv_tokens + kv_tokens) * self.active_weight > HOG * kv_capacity * weight
-
-    def slot_held_back(self, tenant: str, weight: float, in_flight: int, slots: int) -> bool:
-        """The same for one more request in flight of ``slots`` (the concurrency limit), with
-        ``in_flight`` now: held back in the reserve, or at any level while the engine's prefill
-        is :attr:`congested`."""
-        if not self.congested and in_flight + 1 <= slots * (1.0 - KV_RESERVE):
-            return False
-        a = self._accounts.get(tenant)
-        if a is None or not a.in_flight:
-            return False
-        return (a.in_flight + 1) * self.active_weight > HOG * slots * weight
 
     def _charge(self, a: Account, raw: float, weight: float) -> None:
         a.attained += raw

@@ -15,7 +15,7 @@ from kvgate_agent.admission.retry import refusal
 
 @dataclass(slots=True)
 class Hold:
-    """A stop on every new admission (see :meth:`AdmissionController.hold`).
+    """A stop on every new admission (see :meth:`Holds.hold`).
 
     Attributes:
         reason: the refusal reason (``fail_closed``, ``gpu_memory_low``).
@@ -51,19 +51,47 @@ class Holds:
     def __bool__(self) -> bool:
         return bool(self._holds)
 
-    def put(self, key: str, hold: Hold) -> None:
-        """Start (or replace) the hold named ``key``.
+    def hold(
+        self,
+        reason: Reason,
+        *,
+        retry_after: float,
+        message: str,
+        key: str | None = None,
+        until: float | None = None,
+    ) -> None:
+        """Refuse every new request with 503 and a Retry-After until lifted (or until clock
+        time ``until``, when given): e.g. ``Reason.FAIL_CLOSED`` (stale thresholds or unknown
+        KV capacity under FailClosed) or ``Reason.GPU_MEMORY_LOW`` (the GPU safety net closed).
+
+        Args:
+            reason: the refusal reason reported.
+            retry_after: seconds a refused client should wait (> 0); with ``until`` the
+                remaining time is used instead.
+            message: the explanation for error bodies.
+            key: names this hold for :meth:`lift` (default: the reason's value), so holds from
+                different sources do not lift each other. A hold of the same key is replaced.
+            until: clock time at which the hold ends by itself; None = until lifted.
+
+        While any hold is active, the controller's ``pump`` admits nobody from the queue:
+        waiters stay until their deadline (then they are refused with the hold's 503) or until
+        every hold is lifted. In-flight requests are not touched.
 
         Raises:
-            ValueError: ``hold.retry_after`` ≤ 0 seconds.
+            ValueError: ``retry_after`` ≤ 0 seconds.
         """
-        if not hold.retry_after > 0:
-            raise ValueError(f"retry_after must be > 0 seconds, got {hold.retry_after}")
-        self._holds[key] = hold
+        if not retry_after > 0:
+            raise ValueError(f"retry_after must be > 0 seconds, got {retry_after}")
+        self._holds[key if key is not None else reason.value] = Hold(
+            reason, retry_after, message, until
+        )
 
-    def lift(self, key: str) -> bool:
-        """End the hold named ``key``; returns whether one was active."""
-        return self._holds.pop(key, None) is not None
+    def lift(self, key: str | Reason) -> bool:
+        """End the hold named ``key`` (a key given to :meth:`hold`, or the reason it defaulted
+        to); returns whether one was active. Waiters are admitted on the controller's next
+        ``pump``."""
+        name = key.value if isinstance(key, Reason) else key
+        return self._holds.pop(name, None) is not None
 
     def active(self, now: float) -> Hold | None:
         """The hold that decides at ``now``: the one with the longest remaining wait; None when

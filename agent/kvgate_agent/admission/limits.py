@@ -1,8 +1,10 @@
-"""The limit bookkeeping of one pod: rate-limit buckets, the concurrency count, the KV reservation.
+"""The limit bookkeeping of one pod: the concurrency count, the KV reservation, and the
+rate limits' buckets (built and rebuilt by :mod:`.rate_limits`).
 
-Invariant: a reservation is taken only right after :meth:`Limits.blocker` found that it fits, in
-the same call (only live correction, :meth:`Limits.grow`, extends one unconditionally: its
-sequence runs already), and given back exactly once by :meth:`Limits.release`; so ``in_flight`` and
+Invariant: a reservation is taken only right after
+:func:`~kvgate_agent.admission.fair_reserve.what_blocks` found that it fits, in the same call
+(only live correction, :meth:`Limits.grow`, extends one unconditionally: its sequence runs
+already), and given back exactly once by :meth:`Limits.release`; so ``in_flight`` and
 ``kv_reserved_tokens`` are always the sums over the live tickets, and no bucket goes below 0.
 
 KV reservation = prompt + n × min(max_tokens, L) rounded up to the block size (vLLM allocates KV
@@ -17,14 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
-from kvgate_agent.admission.bucket import Bucket, BucketMap, SharedBucket
-from kvgate_agent.admission.config import AdmissionConfig, LimitThreshold
-from kvgate_agent.admission.decision import AdmissionRequest, BucketCharge, Reason, Ticket
+from kvgate_agent.admission.config import AdmissionConfig
+from kvgate_agent.admission.decision import AdmissionRequest, BucketCharge, Ticket
 from kvgate_agent.admission.fairness import FairShare
 from kvgate_agent.admission.predictor import LengthPredictor
-from kvgate_agent.contract.policy import LimitScope, ReservationMode
+from kvgate_agent.admission.rate_limits import RateLimits
+from kvgate_agent.contract.policy import ReservationMode
 
 #: Weight of each settled request in the mean overrun (tokens a reservation grew by).
 OVERRUN_ALPHA = 0.05
@@ -42,145 +43,10 @@ def round_up(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size) * block_size
 
 
-@dataclass(slots=True)
-class Blocker:
-    """What stops a request now.
-
-    Attributes:
-        reason: the refusal reason it would give.
-        limit: the rate limit's name, or ``concurrency`` / ``kv`` / ``queue``.
-        tenant_scoped: only this tenant's own bucket blocks (others need not wait behind it).
-        bucket: the blocking bucket, for rate limits.
-        amount: units the request needs from ``bucket``.
-        threshold: the blocking rate limit, for rate limits.
-    """
-
-    reason: Reason
-    limit: str
-    tenant_scoped: bool = False
-    bucket: Bucket | None = None
-    amount: float = 0.0
-    threshold: LimitThreshold | None = None
-
-
-class RateLimitBuckets:
-    """The buckets of one rate limit: one per tenant (``per: Tenant``) or one for the pod.
-
-    ``requests`` counts requests, ``cost`` cost units; either is None when the limit does not
-    count that unit.
-    """
-
-    __slots__ = ("cost", "is_tenant", "max_keys", "requests", "shared", "threshold")
-
-    def __init__(
-        self, threshold: LimitThreshold, now: float, max_tenants: int, shared: bool = False
-    ) -> None:
-        self.threshold = threshold
-        self.is_tenant = threshold.per is LimitScope.TENANT
-        #: The buckets are slices of a fleet-wide budget (a shared limit with a store attached).
-        self.shared = shared
-        self.max_keys = max_tenants if self.is_tenant else 1
-        self.requests = _retune(
-            None,
-            threshold.request_capacity,
-            threshold.request_rate,
-            threshold.warmup_seconds,
-            now,
-            now,
-            self.max_keys,
-        )
-        self.cost = _retune(
-            None,
-            threshold.cost_capacity,
-            threshold.cost_rate,
-            threshold.warmup_seconds,
-            now,
-            now,
-            self.max_keys,
-        )
-        if shared:
-            for bmap in (self.requests, self.cost):
-                if bmap is not None:
-                    bmap.first_slice = 0.0  # the lease book sizes first slices from its peers
-
-    def key(self, tenant: str) -> str:
-        """The bucket key for ``tenant``: the tenant itself, or "" for a pod-wide limit."""
-        return tenant if self.is_tenant else ""
-
-    def update(self, threshold: LimitThreshold, now: float, warmup_start: float) -> None:
-        """Take new numbers for the same limit (same name and scope) in place: the bucket maps
-        and every bucket in them keep their identity (tickets hold references to them), their
-        level carried over and clamped to the new capacity. A unit the limit no longer counts
-        drops its map; a unit it newly counts starts a fresh one."""
-        self.requests = _retune(
-            self.requests,
-            threshold.request_capacity,
-            threshold.request_rate,
-            threshold.warmup_seconds,
-            now,
-            warmup_start,
-            self.max_keys,
-        )
-        self.cost = _retune(
-            self.cost,
-            threshold.cost_capacity,
-            threshold.cost_rate,
-            threshold.warmup_seconds,
-            now,
-            warmup_start,
-            self.max_keys,
-        )
-        if self.shared:
-            for bmap in (self.requests, self.cost):
-                if bmap is not None and bmap.first_slice is None:
-                    bmap.first_slice = 0.0
-        self.threshold = threshold
-
-
-def _retune(
-    bmap: BucketMap | None,
-    capacity: float | None,
-    rate: float | None,
-    warmup_seconds: float,
-    now: float,
-    warmup_start: float,
-    max_keys: int,
-) -> BucketMap | None:
-    """``bmap`` with a new capacity and rate (units, units per second), updated in place; a new
-    map when there was none; None when the unit is no longer limited. Each existing bucket is
-    first refilled at its old rate up to ``now``, then takes the new numbers with its level
-    clamped to the new (effective) capacity. A bucket's warm-up ramp stays as it was created
-    (a changed ``warmupSeconds`` applies to buckets created afterwards)."""
-    if capacity is None or rate is None:
-        return None
-    if bmap is None:
-        return BucketMap(capacity, rate, warmup_start, warmup_seconds, max_keys)
-    bmap.capacity = capacity
-    bmap.rate = rate
-    bmap.warmup_seconds = warmup_seconds
-    for _, b in bmap.items():
-        b.refill(now)
-        b.capacity = capacity
-        b.rate = rate
-        b.level = min(b.level, b.capacity_at(now))
-    return bmap
-
-
-def _slices(lim: RateLimitBuckets) -> list[tuple[str, SharedBucket]]:
-    """(``limit:unit:tenant``, slice) of the slices of ``lim`` holding or owing units."""
-    out = []
-    for unit, bmap in (("requests", lim.requests), ("cost", lim.cost)):
-        if bmap is None:
-            continue
-        for key, b in bmap.items():
-            if isinstance(b, SharedBucket) and not b.forgettable(0.0):
-                out.append((f"{lim.threshold.name}:{unit}:{key}", b))
-    return out
-
-
 class Limits:
     """Everything one pod's admission counts against: the rate limits' buckets, requests in
-    flight (concurrency) and KV tokens reserved, with the live tickets.
+    flight (concurrency) and KV tokens reserved, with the live tickets. What stops a request
+    is asked of :func:`~kvgate_agent.admission.fair_reserve.what_blocks`.
 
     Args:
         config: resolved thresholds.
@@ -189,6 +55,7 @@ class Limits:
 
     Attributes:
         config: the thresholds enforced now.
+        rates: the rate limits' buckets (:mod:`.rate_limits`).
         in_flight: admitted requests not yet released.
         kv_reserved_tokens: KV tokens reserved by them (block-rounded).
         tickets: the live tickets by ``id``.
@@ -203,8 +70,6 @@ class Limits:
     """
 
     __slots__ = (
-        "_max_tenants",
-        "_started_at",
         "concurrency_limit",
         "config",
         "engine_kv_until",
@@ -212,27 +77,17 @@ class Limits:
         "fair",
         "in_flight",
         "kv_reserved_tokens",
-        "min_cost_capacity",
         "overrun_mean",
         "predicted",
         "predicted_in_flight",
         "predictor",
-        "rate_limits",
-        "retired",
-        "store_attached",
+        "rates",
         "tickets",
     )
 
     def __init__(self, config: AdmissionConfig, started_at: float, max_tenants: int) -> None:
-        self._started_at = started_at
-        self._max_tenants = max_tenants
         self.config = config
-        #: Shared limits hold slices of fleet-wide buckets (:meth:`attach_store`).
-        self.store_attached = False
-        #: (``limit:unit:tenant``, slice) of removed shared limits, for a final hand-back.
-        self.retired: list[tuple[str, SharedBucket]] = []
-        self.rate_limits = [RateLimitBuckets(t, started_at, max_tenants) for t in config.limits]
-        self.min_cost_capacity = _min_cost_capacity(config)
+        self.rates = RateLimits(config.limits, started_at, max_tenants)
         self.in_flight = 0
         self.kv_reserved_tokens = 0
         self.tickets: dict[int, Ticket] = {}
@@ -250,74 +105,17 @@ class Limits:
     # ------------------------------------------------------------------ configuration
 
     def reconfigure(self, config: AdmissionConfig, now: float) -> None:
-        """Count against ``config`` from now on. A rate limit whose name and ``per`` scope are
-        unchanged keeps its buckets (see :meth:`RateLimitBuckets.update`); new limits start with
-        fresh (full) buckets; removed ones are dropped (tickets still holding their buckets
-        release into them harmlessly). Reservations and tickets stay."""
-        old = {(lim.threshold.name, lim.threshold.per, lim.shared): lim for lim in self.rate_limits}
-        limits: list[RateLimitBuckets] = []
-        for t in config.limits:
-            shared = t.shared and self.store_attached
-            lim = old.get((t.name, t.per, shared))
-            if lim is None:
-                lim = RateLimitBuckets(t, self._started_at, self._max_tenants, shared)
-            else:
-                lim.update(t, now, self._started_at)
-            limits.append(lim)
-        kept = {id(lim) for lim in limits}
-        for lim in self.rate_limits:
-            if lim.shared and id(lim) not in kept:
-                self.retired += _slices(lim)
-        self.rate_limits = limits
+        """Count against ``config`` from now on: the rate limits' buckets are rebuilt in place
+        (:meth:`RateLimits.reconfigure`); reservations and tickets stay."""
+        self.rates.reconfigure(config.limits, now)
         self.config = config
-        self.min_cost_capacity = _min_cost_capacity(config)
         self.predictor.reset_quantile(config.reservation_quantile)
         self.predicted = config.reservation is ReservationMode.PREDICTED
         self.fair.retune(config.fair_prompt_weight, config.fair_output_weight)
 
-    def attach_store(self, now: float) -> None:
-        """Hold every shared limit as slices of its fleet-wide budget from now on (the sidecar
-        has a store): such limits start with fresh, empty slice buckets."""
-        self.store_attached = True
-        self.reconfigure(self.config, now)
-
-    def shared_maps(self) -> list[tuple[str, str, BucketMap]]:
-        """(limit name, unit, bucket map) of every limit held as fleet-wide slices; ``unit`` is
-        ``requests`` or ``cost``."""
-        out = []
-        for lim in self.rate_limits:
-            if lim.shared:
-                for unit, bmap in (("requests", lim.requests), ("cost", lim.cost)):
-                    if bmap is not None:
-                        out.append((lim.threshold.name, unit, bmap))
-        return out
-
     def set_kv_capacity(self, tokens: int | None) -> None:
         """Enforce a new KV capacity (tokens; None = not enforced); reservations held stay."""
         self.config = dataclasses.replace(self.config, kv_capacity_tokens=tokens)
-
-    # ------------------------------------------------------------------ observation
-
-    def bucket_levels(self, now: float) -> list[tuple[str, str, str, float, float]]:
-        """(limit name, unit, key, level, capacity) for every bucket held in memory now.
-        ``unit`` is ``requests`` or ``cost``; ``key`` is the tenant, or "" for pod-wide buckets."""
-        out = []
-        for lim in self.rate_limits:
-            for unit, bmap in (("requests", lim.requests), ("cost", lim.cost)):
-                if bmap is None:
-                    continue
-                for key, b in bmap.items():
-                    out.append((lim.threshold.name, unit, key, b.peek(now), b.capacity_at(now)))
-        return out
-
-    def tenants_tracked(self) -> int:
-        """Number of tenant buckets held in memory (bounded by ``max_tenants`` per limit)."""
-        return sum(
-            len(m)
-            for lim in self.rate_limits
-            for m in (lim.requests, lim.cost)
-            if m is not None and lim.is_tenant
-        )
 
     # ------------------------------------------------------------------ arithmetic
 
@@ -376,7 +174,7 @@ class Limits:
     def fits_ever(self, kv: int, cost: float) -> bool:
         """Whether a reservation of ``kv`` tokens and ``cost`` units fits the full capacities."""
         cfg = self.config
-        cap = self.min_cost_capacity
+        cap = self.rates.min_cost_capacity
         return (cfg.kv_capacity_tokens is None or kv <= cfg.kv_capacity_tokens) and (
             cap is None or cost <= cap
         )
@@ -404,84 +202,18 @@ class Limits:
 
     def max_fit_ever(self, req: AdmissionRequest) -> int | None:
         """Largest max_tokens that could ever be admitted (full capacities); None = unbounded."""
-        cost_room: float | None = None
-        for lim in self.rate_limits:
-            cap = lim.threshold.cost_capacity
-            if lim.cost is not None and cap is not None:
-                cost_room = cap if cost_room is None else min(cost_room, cap)
         return self.max_tokens_within(
-            req.prompt_tokens, req.n, self.config.kv_capacity_tokens, cost_room
+            req.prompt_tokens, req.n, self.config.kv_capacity_tokens, self.rates.cost_capacity()
         )
 
     def max_fit_now(self, req: AdmissionRequest, now: float) -> int | None:
         """Largest max_tokens that fits the KV room and every cost bucket's level now."""
         kv = self.config.kv_capacity_tokens
         kv_room = None if kv is None else kv - self.kv_in_use(now)
-        cost_room: float | None = None
-        for lim in self.rate_limits:
-            if lim.cost is not None:
-                level = lim.cost.get(lim.key(req.tenant), now).refill(now)
-                cost_room = level if cost_room is None else min(cost_room, level)
+        cost_room = self.rates.cost_room(req.tenant, now)
         return self.max_tokens_within(req.prompt_tokens, req.n, kv_room, cost_room)
 
-    # ------------------------------------------------------------------ checks and reservations
-
-    def blocker(
-        self,
-        req: AdmissionRequest,
-        max_tokens: int,
-        now: float,
-        with_buckets: bool = True,
-        found: list[BucketCharge] | None = None,
-        kv: int | None = None,
-        cost: float | None = None,
-    ) -> Blocker | None:
-        """What stops ``req`` with ``max_tokens`` now, or None if it fits.
-
-        Args:
-            with_buckets: False checks only the GPU protections (concurrency, KV).
-            found: when given, the buckets checked are appended to it, so the reservation that
-                follows in the same call needs no second lookup.
-            kv, cost: the request's KV tokens and cost units, when the caller has them already.
-        """
-        cfg = self.config
-        limit = self.concurrency_limit
-        if limit is not None:
-            if self.in_flight >= limit:
-                return Blocker(Reason.CONCURRENCY, "concurrency")
-            if self.fair.slot_held_back(req.tenant, req.weight, self.in_flight, limit):
-                return Blocker(Reason.CONCURRENCY, "concurrency", True)
-        cap = cfg.kv_capacity_tokens
-        if cap is not None:
-            if kv is None:
-                kv = self.reservation(req, max_tokens)
-            used = self.kv_in_use(now) + kv
-            if used > cap:
-                return Blocker(Reason.KV_CAPACITY, "kv")
-            if self.fair.kv_held_back(req.tenant, req.weight, kv, used, cap):
-                return Blocker(Reason.KV_CAPACITY, "kv", True)
-        if not with_buckets:
-            return None
-        tenant = req.tenant
-        for lim in self.rate_limits:
-            key = tenant if lim.is_tenant else ""
-            if lim.requests is not None:
-                b = lim.requests.get(key, now)
-                if b.refill(now) < 1.0:
-                    t = lim.threshold
-                    return Blocker(Reason.RATE_LIMIT_REQUESTS, t.name, lim.is_tenant, b, 1.0, t)
-                if found is not None:
-                    found.append((b, 1.0, False))
-            if lim.cost is not None:
-                if cost is None:
-                    cost = cfg.cost(req.prompt_tokens, req.n * max_tokens)
-                b = lim.cost.get(key, now)
-                if b.refill(now) < cost:
-                    t = lim.threshold
-                    return Blocker(Reason.RATE_LIMIT_TOKENS, t.name, lim.is_tenant, b, cost, t)
-                if found is not None:
-                    found.append((b, cost, True))
-        return None
+    # ------------------------------------------------------------------ reservations
 
     def reserve(
         self,
@@ -492,15 +224,16 @@ class Limits:
         found: list[BucketCharge] | None = None,
         kv: int | None = None,
     ) -> Ticket:
-        """Take the reservations for ``req``; only after :meth:`blocker` said it fits, in the
-        same call (so every bucket holds at least what is taken). ``found`` and ``kv`` as that
-        call left them, when the caller has them."""
+        """Take the reservations for ``req``; only after
+        :func:`~kvgate_agent.admission.fair_reserve.what_blocks` said it fits, in the same call
+        (so every bucket holds at least what is taken). ``found`` and ``kv`` as that call left
+        them, when the caller has them."""
         if kv is None:
             kv = self.reservation(req, max_tokens)
         if found is None:
             found = []
             if with_buckets:
-                self.blocker(req, max_tokens, now, found=found)
+                self.rates.blocker(req, max_tokens, now, self.config, found)
         for b, amount, _ in found:
             b.level -= amount
             b.pins += 1
@@ -558,8 +291,3 @@ class Limits:
                 round_up(ticket.prompt_tokens + completion_tokens, self.config.block_size),
             )
             self.overrun_mean += OVERRUN_ALPHA * (max(0, final - base) - self.overrun_mean)
-
-
-def _min_cost_capacity(config: AdmissionConfig) -> float | None:
-    caps = [t.cost_capacity for t in config.limits if t.cost_capacity is not None]
-    return min(caps) if caps else None

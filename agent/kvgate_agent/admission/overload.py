@@ -8,7 +8,7 @@ is refused with that wait as its Retry-After (:mod:`.slo`). Queue itself is not 
 :func:`act` answers :class:`Enqueue` and the controller queues the request.
 
 Invariant: pure and clock-injected, like the controller; a reservation is taken only after
-:meth:`~kvgate_agent.admission.limits.Limits.blocker` found that it fits, in the same call.
+:func:`~kvgate_agent.admission.fair_reserve.what_blocks` found that it fits, in the same call.
 """
 
 from __future__ import annotations
@@ -17,8 +17,16 @@ import math
 from dataclasses import dataclass
 
 from kvgate_agent.admission.bucket import SharedBucket
-from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason, Waiter
-from kvgate_agent.admission.limits import Blocker, Limits
+from kvgate_agent.admission.decision import (
+    AdmissionRequest,
+    Blocker,
+    Decision,
+    Outcome,
+    Reason,
+    Waiter,
+)
+from kvgate_agent.admission.fair_reserve import what_blocks
+from kvgate_agent.admission.limits import Limits
 from kvgate_agent.admission.queue import WaitQueue
 from kvgate_agent.admission.retry import DecodeSpeed, refusal, wait_seconds
 from kvgate_agent.admission.slo import SHED_FACTOR, SloState
@@ -77,10 +85,10 @@ def _exceeding_limit(limits: Limits, req: AdmissionRequest) -> str:
     if kv is not None and limits.kv_tokens(req.prompt_tokens, req.max_tokens, req.n) > kv:
         return "kv"
     cost = cfg.cost(req.prompt_tokens, req.n * req.max_tokens)
-    for lim in limits.rate_limits:
-        cap = lim.threshold.cost_capacity
+    for lim in limits.rates.limits:
+        cap = lim.resolved.cost_capacity
         if cap is not None and cost > cap:
-            return lim.threshold.name
+            return lim.resolved.name
     return "capacity"
 
 
@@ -92,7 +100,7 @@ def refused_by_count(limits: Limits, req: AdmissionRequest, now: float) -> bool:
     queue = _QUEUE in cfg.actions and req.priority >= 0
     if queue or cfg.fallback_model or cfg.fallback_pool_model:
         return False
-    b = limits.blocker(req, req.max_tokens, now)
+    b = what_blocks(limits, req, req.max_tokens, now)
     return b is not None and b.reason is Reason.RATE_LIMIT_REQUESTS
 
 
@@ -228,7 +236,7 @@ def _degrade_here(
         if (
             m is not None
             and cfg.min_max_tokens <= m < req.max_tokens
-            and limits.blocker(req, m, now) is None
+            and what_blocks(limits, req, m, now) is None
         ):
             req.max_tokens = m
             ticket = limits.reserve(req, m, now)
@@ -247,7 +255,7 @@ def _degrade_here(
         and req.model_rewritable
         and req.model != cfg.fallback_model
         and blocker.reason in (Reason.RATE_LIMIT_REQUESTS, Reason.RATE_LIMIT_TOKENS)
-        and limits.blocker(req, req.max_tokens, now, with_buckets=False) is None
+        and what_blocks(limits, req, req.max_tokens, now, with_buckets=False) is None
     ):
         ticket = limits.reserve(req, req.max_tokens, now, with_buckets=False)
         return Decision(
@@ -307,8 +315,8 @@ def reject(
     # The request's own budget is fleet-wide and spent: another replica would refuse it alike.
     b = blocker.bucket
     d.fleet_wide = own and isinstance(b, SharedBucket) and b.fleet_lacks(blocker.amount)
-    if blocker.bucket is not None and blocker.threshold is not None:
-        t = blocker.threshold
+    if blocker.bucket is not None and blocker.resolved is not None:
+        t = blocker.resolved
         cost_unit = blocker.reason is Reason.RATE_LIMIT_TOKENS
         d.bucket_remaining = blocker.bucket.refill(now)
         d.bucket_capacity = blocker.bucket.capacity

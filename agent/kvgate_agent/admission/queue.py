@@ -11,9 +11,10 @@ concurrency cap, a pod-wide bucket), the next heads that fit are admitted past i
 (bounded backfill: a queue that only blocks on its head idles the server while anything else
 would fit; Kubernetes API Priority and Fairness and the VTC artifact block on the head).
 
-It admits through the :class:`.Limits` it is given (the check and the reservation in one
-call) and hands back the ones past their deadline for the controller's overload actions to
-decide; it never decides a refusal itself.
+It admits through the :class:`.Limits` it is given (the check,
+:func:`.fair_reserve.what_blocks`, and the reservation in one call) and hands back the ones past
+their deadline for the overload actions to decide (:mod:`.waiting`); it never decides a refusal
+itself.
 
 Invariant: pure and clock-injected like the controller (times are passed in, seconds); a
 waiter leaves the queue exactly once, with its ``decision`` set, collected by
@@ -29,9 +30,17 @@ import math
 from collections.abc import Collection
 
 from kvgate_agent.admission.config import AdmissionConfig
-from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason, Waiter
+from kvgate_agent.admission.decision import (
+    AdmissionRequest,
+    Blocker,
+    Decision,
+    Outcome,
+    Reason,
+    Waiter,
+)
 from kvgate_agent.admission.fair_order import Entry, FairOrder
-from kvgate_agent.admission.limits import Blocker, Limits
+from kvgate_agent.admission.fair_reserve import what_blocks
+from kvgate_agent.admission.limits import Limits
 from kvgate_agent.admission.retry import refusal
 
 #: Requests admitted past a head blocked by a shared resource before the queue holds still
@@ -190,7 +199,7 @@ class WaitQueue:
         no waiter is."""
         heads = [self.blocked_head] if self.blocked_head is not None else self.order.sorted()
         for w in heads:
-            b = self._limits.blocker(w.request, w.request.max_tokens, now)
+            b = what_blocks(self._limits, w.request, w.request.max_tokens, now)
             if b is not None and not b.tenant_scoped:
                 return b
         return None
@@ -223,7 +232,7 @@ class WaitQueue:
         self.unblock()
         if prev is None or not prev.skips or not self.order.live(prev):
             return False  # (nobody went past it: the order decides afresh)
-        b = self._limits.blocker(prev.request, prev.request.max_tokens, now)
+        b = what_blocks(self._limits, prev.request, prev.request.max_tokens, now)
         if b is None:
             self._admit(prev, now)
             return False
@@ -242,7 +251,7 @@ class WaitQueue:
         while (e := order.pop(p)) is not None:
             flow = e[4]
             w = order.head(flow)
-            b = limits.blocker(w.request, w.request.max_tokens, now)
+            b = what_blocks(limits, w.request, w.request.max_tokens, now)
             if b is None:
                 head = self.blocked_head
                 if head is not None:

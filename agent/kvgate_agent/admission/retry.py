@@ -11,8 +11,15 @@ import math
 from collections.abc import Collection
 
 from kvgate_agent.admission.bucket import Bucket
-from kvgate_agent.admission.decision import AdmissionRequest, Decision, Outcome, Reason, Waiter
-from kvgate_agent.admission.limits import Blocker, Limits
+from kvgate_agent.admission.decision import (
+    AdmissionRequest,
+    Blocker,
+    Decision,
+    Outcome,
+    Reason,
+    Waiter,
+)
+from kvgate_agent.admission.limits import Limits
 
 #: Initial decode time per output token before any request has finished, seconds. 20 ms is a
 #: typical inter-token latency of a loaded vLLM server (vLLM benchmarks report ITL of 10–50 ms);

@@ -3,9 +3,9 @@ requests waiting in the engine's own queue.
 
 Requests can reach the engine around kvgate (another client, a second sidecar, a restart with
 requests still running): the engine's own figure is then larger than kvgate's reservations,
-and admission counts it (``AdmissionController.observe_engine_kv``); the requests it holds in
+and admission counts it (``LiveCorrection.observe_engine_kv``); the requests it holds in
 its own queue are ahead of every newcomer in the expected wait
-(``AdmissionController.observe_engine_waiting``). Each figure counts for
+(``LiveCorrection.observe_engine_waiting``). Each figure counts for
 ``kvgate_agent.admission.limits.ENGINE_KV_TTL_S`` seconds, so a stalled poll never holds
 admission. Read only while a KV capacity or a TTFT SLO is enforced: without either, neither
 figure decides anything.

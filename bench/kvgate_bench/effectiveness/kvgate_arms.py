@@ -203,10 +203,12 @@ class KvgateArm(KvgateMaxTokensArm):
         self.clock.now = now
         if now >= self._next_usage:
             eng = self.gate.engine
-            self.controller.observe_engine_kv(math.ceil(eng.kv_usage * self.ctx.kv_capacity_tokens))
+            self.controller.live.observe_engine_kv(
+                math.ceil(eng.kv_usage * self.ctx.kv_capacity_tokens)
+            )
             self._next_usage = now + self.ENGINE_USAGE_S
         tickets = self._tickets
-        observe = self.controller.observe_tokens
+        observe = self.controller.live.observe_tokens
         for rid, index in new_tokens.items():
             t = tickets.get(rid)
             if t is not None:
