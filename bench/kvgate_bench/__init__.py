@@ -1,1 +1,1 @@
-"""kvgate's simulator (a vLLM-compatible model server), demo and benchmarks."""
+"""kvgate's simulator (a vLLM-compatible model server), demos and benchmarks."""

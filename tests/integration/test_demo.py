@@ -10,15 +10,15 @@ import pytest
 import yaml
 
 from kvgate_agent.contract.policy import RateLimitPolicy, parse_policy
-from kvgate_bench import demo
-from kvgate_bench.kit.toolkit import percentile
-from kvgate_bench.loadgen import (
+from kvgate_bench.demo import http as demo
+from kvgate_bench.demo.loadgen import (
     RequestResult,
     chat_body,
     prompt_text,
     summarize,
     summarize_one,
 )
+from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.sim.server import count_chat_prompt_tokens
 
 # ---------------------------------------------------------------------- loadgen (pure)

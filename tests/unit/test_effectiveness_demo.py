@@ -1,4 +1,4 @@
-"""The virtual-time demo (``python -m kvgate_bench.effectiveness.demo``): its tables hold the
+"""The virtual-time demo (``python -m kvgate_bench.demo.virtual``): its tables hold the
 three arms and every tenant, its takeaway's ratios agree with the goodputs it printed, and it
 reports where kvgate does worse.
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvgate_bench.effectiveness import demo
+from kvgate_bench.demo import virtual as demo
 from kvgate_bench.effectiveness.arms import candidates
 from kvgate_bench.effectiveness.runner import Calibration
 from kvgate_bench.effectiveness.workloads import tenants_of

@@ -1,7 +1,7 @@
-"""A progress display on stderr for the effectiveness benchmark and its demo.
+"""A progress display on stderr for the effectiveness benchmark and the virtual-time demo.
 
-Shared by ``python -m kvgate_bench.effectiveness`` and ``python -m
-kvgate_bench.effectiveness.demo``. Times are seconds on an injected monotonic clock.
+Shared by ``python -m kvgate_bench.effectiveness`` and ``python -m kvgate_bench.demo.virtual``.
+Times are seconds on an injected monotonic clock.
 """
 
 from __future__ import annotations
