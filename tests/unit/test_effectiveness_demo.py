@@ -147,3 +147,23 @@ def test_takeaway_says_where_kvgate_does_worse() -> None:
     best = figures("kvgate", 700.0, 0, 0.3)
     lines = demo.takeaway([none, cap, best])
     assert "kvgate does no worse than none or the tuned cap on any figure above." in lines
+
+
+def test_the_kvgate_arm_is_described_from_its_own_policy() -> None:
+    """The setup text names what the ``kvgate`` arm enforces (the recommended policy, read
+    through the contract with its defaults), not a fixed sentence that can drift from it."""
+    from kvgate_bench.demo.virtual_report import describe_policy
+    from kvgate_bench.effectiveness.arms import ArmContext, make_arm
+    from kvgate_bench.sim.engine import EngineConfig
+
+    ctx = ArmContext(
+        EngineConfig(num_gpu_blocks=1000),
+        {t.name: t for t in tenants_of("multi-tenant")},
+        4.0,
+        5600,
+    )
+    text = describe_policy(make_arm("kvgate", ctx, {}))
+    assert "Predicted (prompt + the 0.9 quantile" in text
+    assert "ShortestFirst fair queue of 100, waits up to 10 s" in text
+    assert "Degrade to 128 tokens" in text and "no rate limit" in text
+    assert "interactive-w100 (weight 1, the SLO)" in text

@@ -12,6 +12,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_bench.demo.common import figure, row
 from kvgate_bench.effectiveness.arms import ArmContext, KvgateMaxTokensArm, make_arm
 from kvgate_bench.effectiveness.metrics import BATCH_SLO_S, TPOT_SLO_S, TTFT_SLO_S
@@ -184,10 +185,7 @@ def setup_text(
             extra += f", always max_tokens {NOISY_MAX_TOKENS}"
         tenants.append(f"{t.name} ({t.tier}{extra})")
     mts = "/".join("unset" if m is None else str(m) for m in MAX_TOKENS_CHOICES)
-    kv = make_arm("kvgate", ctx, {})
-    pol = kv.policy() if isinstance(kv, KvgateMaxTokensArm) else {}
-    cap_pol, queue = pol.get("capacity", {}), pol.get("queue", {})
-    degrade = pol.get("overload", {}).get("degrade", {})
+    kvgate_policy = describe_policy(make_arm("kvgate", ctx, {}))
     rate = sched.rate_rps
     paragraphs = [
         f"kvgate demo, in virtual time: the {args.workload} workload, one seeded "
@@ -216,18 +214,36 @@ def setup_text(
         "arms    none: the engine alone. concurrency-cap*: at most `cap` requests in the "
         f"engine, a FIFO queue with a timeout in front; all {n_caps} settings swept on this "
         "very schedule and the best goodput kept: a generous tuning (an operator tunes on "
-        "yesterday's traffic). kvgate: the admission core on its one default policy, not "
-        f"tuned to this workload (reservation {cap_pol.get('reservation', 'MaxTokens')} at "
-        f"the {cap_pol.get('reservationQuantile', '-')} quantile of learned output lengths, "
-        f"grown as tokens stream; a {queue.get('order')} queue of {queue.get('maxLength')} "
-        f"for {queue.get('maxWaitSeconds')} s; Degrade to {degrade.get('minMaxTokens')} "
-        "tokens; concurrency and shedding driven by the SLOs above, which its policy states "
-        "as slo.ttftSeconds / tpotSeconds, interactive clients sending priority 1; a per-tenant "
-        "token budget of half the server's measured capacity).",
+        "yesterday's traffic). kvgate: " + kvgate_policy,
     ]
     return "\n".join(
         textwrap.fill(x, WIDTH, subsequent_indent=" " * (8 if i else 0), break_on_hyphens=False)
         for i, x in enumerate(paragraphs)
+    )
+
+
+def describe_policy(arm: object) -> str:
+    """What the ``kvgate`` arm enforces, read from its policy as the sidecar would resolve it
+    (the contract's defaults filled in), so the text cannot drift from the arm."""
+    raw = arm.policy() if isinstance(arm, KvgateMaxTokensArm) else {}
+    spec = RateLimitPolicySpec.model_validate(raw)
+    cap, queue, over = spec.capacity, spec.queue, spec.overload
+    classes = ", ".join(
+        f"{c.name} (weight {c.weight:g}, {'batch' if c.batch else 'the SLO'})"
+        for c in spec.tenants.classes
+    )
+    rates = f"{len(spec.rate_limits)} rate limit(s)" if spec.rate_limits else "no rate limit"
+    actions = ", ".join(a.value for a in over.actions)
+    degrade = "" if over.degrade is None else f" (Degrade to {over.degrade.min_max_tokens} tokens)"
+    wait = "unbounded" if queue.max_wait_seconds is None else f"{queue.max_wait_seconds:g} s"
+    return (
+        "the README's recommended policy, not tuned to this workload: the SLOs above as "
+        f"slo.ttftSeconds / tpotSeconds; tenant classes {classes or 'none'}; KV reservation "
+        f"{cap.reservation.value} (prompt + the {cap.reservation_quantile:g} quantile of learned "
+        f"output lengths, grown as tokens stream); overload actions {actions}{degrade}; a "
+        f"{queue.order.value} fair queue of "
+        f"{queue.max_length}, waits up to {wait}; concurrency and shedding "
+        f"driven by the SLOs; {rates}."
     )
 
 
