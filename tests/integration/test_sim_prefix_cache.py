@@ -36,8 +36,9 @@ async def usage_of(http: aiohttp.ClientSession, base: str, body: dict[str, Any])
 
 
 async def test_a_repeated_prompt_reports_its_cached_tokens(sim: Factory) -> None:
-    base = await sim(prompt_tokens_details=True)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": WORDS}], "max_tokens": 2}
+    base = await sim(prompt_tokens_details=True, prefix_caching=True)
+    messages = [{"role": "user", "content": WORDS}]
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 2}
     async with aiohttp.ClientSession() as http:
         first = await usage_of(http, base, body)
         assert first["prompt_tokens"] == 46
@@ -52,7 +53,7 @@ async def test_a_repeated_prompt_reports_its_cached_tokens(sim: Factory) -> None
         turn2 = {
             **body,
             "messages": [
-                *body["messages"],
+                *messages,
                 {"role": "assistant", "content": "the quick"},
                 {"role": "user", "content": WORDS},
             ],
@@ -67,7 +68,7 @@ async def test_a_repeated_prompt_reports_its_cached_tokens(sim: Factory) -> None
 
 
 async def test_the_cache_off_reuses_nothing(sim: Factory) -> None:
-    base = await sim(prompt_tokens_details=True, prefix_caching=False)
+    base = await sim(prompt_tokens_details=True)  # the cache is off by default
     body = {"model": MODEL, "prompt": WORDS, "max_tokens": 1}
     async with aiohttp.ClientSession() as http:
         for _ in range(2):
@@ -76,9 +77,10 @@ async def test_the_cache_off_reuses_nothing(sim: Factory) -> None:
 
 
 def test_the_flags_and_the_token_stand_ins() -> None:
-    on = config_from_args(build_parser().parse_args(["--enable-prompt-tokens-details"]))
+    flags = ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    on = config_from_args(build_parser().parse_args(flags))
     assert on.prefix_caching and on.prompt_tokens_details
-    off = config_from_args(build_parser().parse_args(["--no-enable-prefix-caching"]))
+    off = config_from_args(build_parser().parse_args([]))
     assert not off.prefix_caching and not off.prompt_tokens_details
     messages: list[Any] = [
         {"role": "system", "content": "be brief"},

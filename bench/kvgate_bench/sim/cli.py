@@ -76,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="reuse the KV blocks of prompts' leading tokens already cached, as vLLM does "
-        "(default on; --no-enable-prefix-caching turns it off)",
+        "(default off: load generators' prompts of one repeated token would all share them)",
     )
     p.add_argument(
         "--enable-prompt-tokens-details",

@@ -80,8 +80,10 @@ class SimConfig:
             ``time_scale x`` later and divides what it measures by it (see
             :mod:`kvgate_bench.effectiveness.realtime`).
         prefix_caching: reuse the KV blocks of prompts' leading tokens already cached
-            (vLLM's default; ``--no-enable-prefix-caching`` turns it off;
-            :mod:`kvgate_bench.sim.prompt_keys` gives a prompt's tokens).
+            (``--enable-prefix-caching``; :mod:`kvgate_bench.sim.prompt_keys` gives a
+            prompt's tokens). Off by default, unlike vLLM: the harnesses that drive
+            kvgate-sim stand for distinct prompts with one repeated token or word, which
+            would all share their blocks and be prefilled once.
         prompt_tokens_details: add ``usage.prompt_tokens_details.cached_tokens``
             (the prompt tokens found cached) to responses, streamed usage included, as
             vLLM's ``--enable-prompt-tokens-details`` does.
@@ -100,7 +102,7 @@ class SimConfig:
     output_lengths: str = "max"
     output_seed: int = 0
     time_scale: float = 1.0
-    prefix_caching: bool = True
+    prefix_caching: bool = False
     prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
