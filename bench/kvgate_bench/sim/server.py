@@ -79,11 +79,13 @@ class SimConfig:
             proxy on a small machine keep up; the client then sends its arrivals
             ``time_scale x`` later and divides what it measures by it (see
             :mod:`kvgate_bench.effectiveness.realtime`).
-        prefix_caching: reuse the KV blocks of prompts' leading tokens already cached
-            (``--enable-prefix-caching``; :mod:`kvgate_bench.sim.prompt_keys` gives a
-            prompt's tokens). Off by default, unlike vLLM: the harnesses that drive
-            kvgate-sim stand for distinct prompts with one repeated token or word, which
-            would all share their blocks and be prefilled once.
+        prefix_caching: key the engine's prefix cache with the prompts' tokens
+            (``--enable-prefix-caching``; :mod:`kvgate_bench.sim.prompt_keys`), so that
+            prompts reuse the KV blocks of leading tokens already cached. Off by default,
+            unlike vLLM: every prompt is then content of its own, never a hit (the
+            engine's configuration is the same either way), because the harnesses that
+            drive kvgate-sim stand for distinct prompts with one repeated token or word,
+            which would all share their blocks and be prefilled once.
         prompt_tokens_details: add ``usage.prompt_tokens_details.cached_tokens``
             (the prompt tokens found cached) to responses, streamed usage included, as
             vLLM's ``--enable-prompt-tokens-details`` does.
@@ -144,7 +146,6 @@ class SimConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens or default_batched,
             chunked_prefill=chunked,
-            prefix_caching=self.prefix_caching,
         )
 
     def output_length_source(self) -> OutputLengths:
@@ -462,7 +463,8 @@ class SimServer:
             self.engine.cancel(rid)
 
     def _keys(self, body: dict[str, Any], chat: bool) -> BlockKeys | None:
-        """The prompt's full blocks of tokens, for the prefix cache (None when it is off)."""
+        """The prompt's full blocks of tokens, for the prefix cache (None when
+        ``prefix_caching`` is off: content of its own)."""
         if not self.config.prefix_caching:
             return None
         if chat:
