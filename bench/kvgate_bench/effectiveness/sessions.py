@@ -28,8 +28,8 @@ blocks are those of the previous turn's prompt and answer: with the engine's pre
 * **Rate.** ``rate_rps`` counts turns: sessions start at ``rate_rps / MEAN_TURNS`` per second
   (the context cut and the closed loop make the turns sent a little fewer).
 
-With every answer served whole and nothing evicted, this conversation structure makes about
-57 % of the prompt tokens reusable (:func:`planned_reuse_share`; whole blocks only); Mooncake
+With every answer served whole and nothing evicted, this conversation structure makes 55-57 %
+of the prompt tokens reusable (:func:`planned_reuse_share`; whole blocks only); Mooncake
 reports 40 % for its chat traffic (Qin et al. 2024, https://arxiv.org/abs/2407.00079,
 Table 2). What the engine actually reuses (evictions, refusals) is measured per run as
 ``prefix_reuse_share`` (:mod:`kvgate_bench.effectiveness.metrics`).
