@@ -14,7 +14,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvgate_bench.sim.prefix_cache import BlockKeys, BlockPool, extend_chain
+from kvgate_bench.sim.prefix_cache import (
+    BlockKeys,
+    BlockPool,
+    admit_on_hit,
+    cache_hit,
+    register_blocks,
+)
 from kvgate_bench.sim.steptime import StepTimeModel, constant_profile
 
 
@@ -392,40 +398,6 @@ class SimEngine:
             self.pool.take(need)
         return True
 
-    def _cache_hit(self, seq: Sequence) -> list[int]:
-        """The cached leading blocks of a waiting ``seq`` (at most ``num_tokens - 1`` tokens'
-        worth), as hashes; empty without a cache or content keys."""
-        if not self.pool.enabled or seq.block_keys is None:
-            return []
-        chain = extend_chain(
-            seq.chain, seq.block_keys, (seq.num_tokens - 1) // self.config.block_size
-        )
-        return chain[: self.pool.lookup(chain)]
-
-    def _admit_hit(self, seq: Sequence, hit: list[int], num_new: int, reserve: int) -> bool:
-        """Admit ``seq`` on the cached blocks ``hit`` plus ``num_new`` tokens to compute, if
-        the blocks it takes (new ones, and cached ones nobody referenced) fit above ``reserve``."""
-        hit_tokens = len(hit) * self.config.block_size
-        need = cdiv(hit_tokens + num_new, self.config.block_size) - len(hit)
-        if need + self.pool.evictable(hit) > self.free_blocks - reserve:
-            return False
-        self.pool.acquire(hit)
-        seq.held = list(hit)
-        seq.blocks = len(hit)
-        seq.registered = len(hit)
-        seq.num_computed = hit_tokens
-        return self._allocate(seq, hit_tokens + num_new, reserve)
-
-    def _register(self, seq: Sequence) -> None:
-        """Offer ``seq``'s newly computed full blocks to the prefix cache."""
-        if not self.pool.enabled or seq.block_keys is None:
-            return
-        chain = extend_chain(seq.chain, seq.block_keys, seq.num_computed // self.config.block_size)
-        for j in range(seq.registered, len(chain)):
-            if self.pool.register(chain[j]):
-                seq.held.append(chain[j])
-        seq.registered = max(seq.registered, len(chain))
-
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)
         seq.num_computed = 0
@@ -473,7 +445,7 @@ class SimEngine:
         # 2. WAITING requests, FIFO, only if nothing was preempted this step.
         while not result.preempted and self.waiting:
             seq = self.waiting[0]
-            hit = self._cache_hit(seq)
+            hit = cache_hit(self.pool, seq, cfg.block_size)
             num_new = seq.num_tokens - seq.num_computed - len(hit) * cfg.block_size
             if len(self.running) >= cfg.max_num_seqs:
                 break
@@ -484,7 +456,7 @@ class SimEngine:
             elif num_new > budget:
                 break
             if hit:
-                if not self._admit_hit(seq, hit, num_new, cfg.watermark_blocks):
+                if not admit_on_hit(self.pool, seq, hit, num_new, cfg):
                     break
                 result.cached_tokens += seq.num_computed
             elif not self._allocate(seq, seq.num_computed + num_new, reserve=cfg.watermark_blocks):
@@ -508,7 +480,7 @@ class SimEngine:
             else:
                 result.prefill_tokens += num_new
             seq.num_computed += num_new
-            self._register(seq)
+            register_blocks(self.pool, seq, cfg.block_size)
             if seq.num_computed < seq.num_tokens:
                 continue  # a partial prefill chunk: no token yet
             result.new_tokens[seq.request_id] = seq.generated

@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 #: A sequence's content, block by block: block index (0-based) -> content key, or ``None`` for
 #: content no other sequence shares (not cached, and the chain of hashes stops there).
@@ -186,3 +187,71 @@ class BlockPool:
                 del self._refs[h]
                 self._lru[h] = None
                 self.used -= 1
+
+
+class CachedSequence(Protocol):
+    """What the cache reads and writes of an engine's sequence
+    (:class:`kvgate_bench.sim.engine.Sequence`): its content keys, the hashes of its leading
+    full blocks so far (``chain``), those of the cached blocks it references (``held``), how
+    many of its blocks were offered to the cache (``registered``), the blocks it holds in all
+    (``blocks``) and its tokens with KV (``num_computed``) out of ``num_tokens``."""
+
+    block_keys: BlockKeys | None
+    chain: list[int]
+    held: list[int]
+    registered: int
+    blocks: int
+    num_computed: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class _Reserve(Protocol):
+    """The engine configuration's block size and watermark, in tokens and blocks."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def watermark_blocks(self) -> int: ...
+
+
+def cache_hit(pool: BlockPool, seq: CachedSequence, block_size: int) -> list[int]:
+    """The cached leading blocks of a waiting ``seq`` (at most ``num_tokens - 1`` tokens'
+    worth: one is always computed), as hashes; empty without a cache or content keys."""
+    if not pool.enabled or seq.block_keys is None:
+        return []
+    chain = extend_chain(seq.chain, seq.block_keys, (seq.num_tokens - 1) // block_size)
+    return chain[: pool.lookup(chain)]
+
+
+def admit_on_hit(
+    pool: BlockPool, seq: CachedSequence, hit: list[int], num_new: int, config: _Reserve
+) -> bool:
+    """Admit a waiting ``seq`` on its cached blocks ``hit`` plus ``num_new`` tokens to compute,
+    if the blocks it takes (new ones, and cached ones nobody referenced) fit above the
+    ``config``'s watermark; False (nothing changed) otherwise. Its computed tokens start at the
+    hit's."""
+    hit_tokens = len(hit) * config.block_size
+    need = -(-(hit_tokens + num_new) // config.block_size) - len(hit)
+    if need + pool.evictable(hit) > pool.free - config.watermark_blocks:
+        return False
+    pool.acquire(hit)
+    pool.take(need)
+    seq.held = list(hit)
+    seq.blocks = len(hit) + need
+    seq.registered = len(hit)
+    seq.num_computed = hit_tokens
+    return True
+
+
+def register_blocks(pool: BlockPool, seq: CachedSequence, block_size: int) -> None:
+    """Offer ``seq``'s newly computed full blocks to the cache (those it keeps are ``held``)."""
+    if not pool.enabled or seq.block_keys is None:
+        return
+    chain = extend_chain(seq.chain, seq.block_keys, seq.num_computed // block_size)
+    for j in range(seq.registered, len(chain)):
+        if pool.register(chain[j]):
+            seq.held.append(chain[j])
+    seq.registered = max(seq.registered, len(chain))
