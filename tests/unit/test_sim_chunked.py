@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 from kvgate_bench.sim.engine import EngineConfig, SimEngine, StepResult, cdiv
 
 
-def chunked(blocks: int = 256, block_size: int = 4, budget: int = 64, **kw: int) -> SimEngine:
+def chunked(blocks: int = 256, block_size: int = 4, budget: int = 64, **kw: Any) -> SimEngine:
     kw.setdefault("max_model_len", 512)
     return SimEngine(
         EngineConfig(num_gpu_blocks=blocks, block_size=block_size, watermark=0,

@@ -18,6 +18,7 @@ from kvgate_bench.effectiveness.arms import ArmContext, KvgateMaxTokensArm, make
 from kvgate_bench.effectiveness.metrics import BATCH_SLO_S, TPOT_SLO_S, TTFT_SLO_S
 from kvgate_bench.effectiveness.metrics import ratio_text as _ratio
 from kvgate_bench.effectiveness.runner import Calibration
+from kvgate_bench.effectiveness.sessions import THINK_MEAN_S
 from kvgate_bench.effectiveness.workloads import (
     CODE_OFF_MEAN_S,
     CODE_ON_MEAN_S,
@@ -39,6 +40,10 @@ ARRIVALS: dict[str, str] = {
         f"{(CODE_ON_MEAN_S + CODE_OFF_MEAN_S) / CODE_ON_MEAN_S:g}x the mean rate while ON)"
     ),
     "multi-tenant": f"Gamma inter-arrival times, coefficient of variation {MULTI_TENANT_CV:g}",
+    "multi-turn": (
+        "sessions starting at Poisson times, each turn resending the conversation after the "
+        f"previous answer plus a think time ({THINK_MEAN_S:g} s on average)"
+    ),
 }
 
 

@@ -3,6 +3,7 @@ it (no admission, a tuned concurrency cap, per-tenant token buckets, llm-d's sat
 shedding, today's kvgate), and goodput against SLOs. Run ``python -m kvgate_bench.effectiveness``
 (see :mod:`kvgate_bench.effectiveness.__main__`).
 
-Modules: :mod:`.workloads` (schedules), :mod:`.driver` (the virtual-time loop and the arm
+Modules: :mod:`.workloads` (schedules; :mod:`.sessions`: the ``multi-turn`` workload's
+sessions), :mod:`.driver` (the virtual-time loop and the arm
 interface), :mod:`.arms`, :mod:`.metrics`, :mod:`.runner` (calibration, sweeps, tuning).
 """

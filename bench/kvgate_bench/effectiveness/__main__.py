@@ -184,6 +184,8 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
             lines.append(" ".join(cells))
         if any(r.get("well_behaved_slo_attainment") is not None for r in at):
             lines.extend(isolation_lines(at, arms))
+        if any(r.get("prefix_reuse_share") is not None for r in at):
+            lines.append(reuse_line(at, arms))
         for k in ("kvgate", "kvgate-maxtokens"):
             if k in gp:
                 heads.append(_headline(w, load, k, gp, igp))
@@ -206,6 +208,17 @@ def isolation_lines(at: list[dict[str, Any]], arms: list[str]) -> list[str]:
                 f"{_fmt(_mean(rs, 'noisy_goodput_tokens_per_s')):>14}"
             )
     return out
+
+
+def reuse_line(at: list[dict[str, Any]], arms: list[str]) -> str:
+    """The prefix reuse share of one point's rows per arm (cached / served prompt tokens, %,
+    means over seeds)."""
+    shares = [
+        f"{arm} {_fmt(_mean(rs, 'prefix_reuse_share'), '.1f', 100)}%"
+        for arm in arms
+        if (rs := [r for r in at if r["arm"] == arm])
+    ]
+    return "  prefix reuse share (cached / served prompt tokens): " + ", ".join(shares)
 
 
 def _headline(w: str, load: float, k: str, gp: dict[str, Any], igp: dict[str, Any]) -> str:

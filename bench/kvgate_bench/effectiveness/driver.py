@@ -14,6 +14,14 @@ dispatch joins the engine's waiting queue and is scheduled from the next step on
 up new requests only between steps). The step's outcome (first tokens, finishes, preemptions)
 is applied at its end, ``t + duration``, and finished requests are reported to the arm then.
 
+Sessions (``Schedule.sessions``, the ``multi-turn`` workload): when a session's turn finishes,
+its next turn (:func:`kvgate_bench.effectiveness.sessions.next_turn`) joins the arrivals at its
+own time and gets a record of its own; :attr:`RunResult.records` then holds every turn sent, in
+arrival order. A turn goes to the engine with its session's content keys
+(:class:`kvgate_bench.sim.prefix_cache.SessionKeys`), so its leading blocks are found in the
+engine's prefix cache while they stay there; a request of another workload describes no content
+and is never found there.
+
 Every request ends ``served``, ``degraded`` (served with max_tokens lowered by the arm) or
 ``rejected``; :func:`simulate` raises if one is left pending.
 
@@ -42,8 +50,10 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvgate_bench.effectiveness.sessions import next_turn
 from kvgate_bench.effectiveness.workloads import Request, Schedule
 from kvgate_bench.sim.engine import EngineConfig, RequestRejected, Sequence, SimEngine
+from kvgate_bench.sim.prefix_cache import SessionKeys
 from kvgate_bench.sim.steptime import StepTimeModel
 
 SERVED = "served"
@@ -91,6 +101,7 @@ class RequestRecord:
         max_tokens_sent: the max_tokens the engine got (after the arm's default or clamp).
         preemptions: times the engine preempted it.
         retry_after_s: the Retry-After a rejection suggested, seconds, when it gave one.
+        cached_tokens: prompt tokens the engine found in its prefix cache (not prefilled).
     """
 
     request: Request
@@ -102,6 +113,7 @@ class RequestRecord:
     max_tokens_sent: int | None = None
     preemptions: int = 0
     retry_after_s: float | None = None
+    cached_tokens: int = 0
 
     @property
     def truncated_by_arm(self) -> bool:
@@ -145,8 +157,11 @@ class Gate:
         rec.max_tokens_sent = mt
         if self._on_decided is not None:
             self._on_decided(req, True, now)
+        keys = SessionKeys(req.session) if req.session is not None else None
         try:
-            seq = self.engine.submit(req.rid, req.prompt_tokens, mt, req.tenant, req.output_tokens)
+            seq = self.engine.submit(
+                req.rid, req.prompt_tokens, mt, req.tenant, req.output_tokens, keys
+            )
         except RequestRejected:
             rec.outcome = REJECTED
             rec.finished_at = now
@@ -226,7 +241,8 @@ class RunResult:
     Attributes:
         schedule: the schedule run.
         arm: the arm's name; ``params`` its parameters.
-        records: one per request, in schedule order.
+        records: one per request, in schedule order (with sessions: every turn sent, in
+            arrival order).
         end_s: virtual time when the last request finished (or the last event).
         kv_busy_s: integral of the engine's KV usage (0..1) over virtual time, seconds.
         steps: engine steps taken.
@@ -355,7 +371,10 @@ def simulate(
     gate = Gate(engine, records, pr.decided if pr is not None else None)
     forced = force_dispatch
     extra = pr.heap if pr is not None else []
-    watch = [records[rid] for rid in forced] if stop_when_known else []
+    watch = list(forced) if stop_when_known else []
+    turns: list[tuple[float, int, Request]] = []  # sessions' next turns: (arrival, order, turn)
+    later: list[Request] = []  # the turns released, in arrival order
+    made = 0  # turns made so far (the heap's tie-break)
     stopped = False
     arm.start(gate, 0.0)
     arrivals = schedule.requests
@@ -368,7 +387,8 @@ def simulate(
     inf = math.inf
     while True:
         if stop_when_known and (
-            all(r.finished_at is not None for r in watch) and (pr is None or not pr.open)
+            all(rid in records and records[rid].finished_at is not None for rid in watch)
+            and (pr is None or not pr.open)
         ):
             stopped = True
             break
@@ -381,6 +401,8 @@ def simulate(
             na = arrivals[i].arrival_s if i < n else inf
             if extra and extra[0][0] < na:
                 na = extra[0][0]
+            if turns and turns[0][0] < na:
+                na = turns[0][0]
             w = arm.next_wake()
             nw = inf if w is None else max(w, wake_floor)
             t1 = max(t, min(na, nw))
@@ -394,12 +416,19 @@ def simulate(
             probe = bool(extra) and extra[0][0] < na
             if probe:
                 na = extra[0][0]
+            turn = bool(turns) and turns[0][0] < na
+            if turn:
+                na = turns[0][0]
             w = arm.next_wake()
             nw = inf if w is None else max(w, wake_floor, t)
             if na <= nw:
                 if na > t1:
                     break
-                if probe and pr is not None:
+                if turn:
+                    req = heapq.heappop(turns)[2]
+                    records[req.rid] = RequestRecord(req)
+                    later.append(req)
+                elif probe and pr is not None:
                     req = pr.pop()
                 else:
                     req = arrivals[i]
@@ -429,19 +458,28 @@ def simulate(
             seq = gate.sequences.pop(rid)
             rec.finished_at = t
             rec.output_tokens = seq.generated
+            rec.cached_tokens = seq.cached_tokens
             if rec.outcome == PENDING:
                 rec.outcome = SERVED
+            if rec.request.session is not None:
+                nxt = next_turn(schedule, rec.request, seq.generated, t)
+                if nxt is not None:
+                    made += 1
+                    heapq.heappush(turns, (nxt.arrival_s, made, nxt))
             if not (forced and rid in forced):
                 arm.on_finish(rec.request, seq.generated, t)
     left = [r.request.rid for r in records.values() if r.outcome == PENDING]
     if left and not stopped:
         raise RuntimeError(f"{len(left)} requests never ended, e.g. {left[:3]}")
     end = max([t] + [r.finished_at for r in records.values() if r.finished_at is not None])
+    sent = schedule.requests
+    if later:
+        sent = sorted([*sent, *later], key=lambda r: r.arrival_s)
     return RunResult(
         schedule,
         arm.name,
         dict(arm.params),
-        [records[r.rid] for r in schedule.requests],
+        [records[r.rid] for r in sent],
         end,
         kv_busy,
         steps,

@@ -28,6 +28,9 @@ Definitions (times in seconds, lengths in tokens):
   ratio per well-behaved tenant (tenants that sent nothing left out);
   ``noisy_goodput_tokens_per_s`` = output tokens of ``noisy``'s requests that met their SLO /
   the span.
+* **Prefix reuse share** (schedules with sessions, ``multi-turn``, only: the key is absent
+  otherwise) = prompt tokens the engine found in its prefix cache / prompt tokens of the
+  requests served (degraded ones included), over the run.
 * **KV utilisation** = the time average of the engine's KV usage (used / total blocks, read
   after each step) over the span.
 
@@ -243,11 +246,20 @@ def isolation_figures(records: list[RequestRecord], span_s: float) -> dict[str, 
     }
 
 
+def prefix_reuse_share(records: list[RequestRecord]) -> float | None:
+    """Cached prompt tokens / prompt tokens of the served (and degraded) ``records``, in 0..1;
+    None when none was served."""
+    served = [r for r in records if r.outcome != REJECTED and r.finished_at is not None]
+    prompts = sum(r.request.prompt_tokens for r in served)
+    return sum(r.cached_tokens for r in served) / prompts if prompts else None
+
+
 def summarize(run: RunResult) -> dict[str, Any]:
     """The figures of ``run`` as a JSON-ready dict: the keys of the issue's ``--json`` rows
     (less ``workload``, ``load``, ``arm`` and ``seed``, which the caller adds) plus ``params``,
     ``requests``, ``ttft_p50_s``, ``tpot_p50_s``, ``tiers`` (per-tier counts and
-    percentiles), ``span_s``, ``cpu_s`` and the isolation figures (:func:`isolation_figures`)."""
+    percentiles), ``span_s``, ``cpu_s``, the isolation figures (:func:`isolation_figures`) and,
+    for a schedule with sessions, ``prefix_reuse_share`` (:func:`prefix_reuse_share`)."""
     sched = run.schedule
     records = run.records
     span = max(sched.duration_s, run.end_s)
@@ -264,6 +276,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         if recs:
             tiers[tier] = _tier_stats(recs)
     headline = tiers.get(INTERACTIVE) or _tier_stats(records)
+    reuse = {} if sched.sessions is None else {"prefix_reuse_share": prefix_reuse_share(records)}
     return {
         "params": dict(run.params),
         "requests": n,
@@ -300,6 +313,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         },
         "span_s": span,
         "cpu_s": run.cpu_s,
+        **reuse,
     }
 
 

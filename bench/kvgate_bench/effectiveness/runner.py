@@ -49,6 +49,7 @@ from kvgate_bench.effectiveness.replay import (
     retry_after_error,
     sample_rejected,
 )
+from kvgate_bench.effectiveness.sessions import planned_turns
 from kvgate_bench.effectiveness.workloads import (
     DEFAULT_NOISY_LOAD,
     Schedule,
@@ -107,6 +108,11 @@ class Calibration:
 def mean_lengths(workload: str, seed: int) -> tuple[float, float]:
     """(E[out], E[prompt + out]) of ``workload``'s requests served to the end, tokens."""
     sched = generate(workload, 100.0, MEAN_SAMPLE / 100.0, seed + 7919)
+    if sched.sessions is not None:  # every turn, each answer served whole
+        turns = planned_turns(sched, engine_default_max_tokens)
+        outs = [answered for _, answered in turns]
+        totals = [o + r.prompt_tokens for r, o in turns]
+        return sum(outs) / len(outs), sum(totals) / len(totals)
     outs = [served_output_tokens(r, engine_default_max_tokens) for r in sched.requests]
     totals = [o + r.prompt_tokens for o, r in zip(outs, sched.requests, strict=True)]
     return sum(outs) / len(outs), sum(totals) / len(totals)

@@ -29,6 +29,11 @@ Three workloads, each a list of :class:`Request` sorted by arrival time (seconds
     load ``0.6 + K`` each chat tenant sends 0.075 x and ``noisy`` K x the load-1 request rate.
     Its capacity is the ``conversation`` workload's (:func:`calibration_workload`): the same
     lengths on the same server.
+``multi-turn``
+    Eight ``interactive`` chat tenants whose sessions resend the growing conversation each
+    turn, in a closed loop (the next turn after the answer plus a think time): see
+    :mod:`kvgate_bench.effectiveness.sessions`. Its ``requests`` are the sessions' first turns;
+    the later ones are made as the run goes (``Schedule.sessions``).
 
 Clients' max_tokens are drawn uniformly from :data:`MAX_TOKENS_CHOICES` (``None``: unset, the
 server's default applies). Lengths are clipped to the model's context: a prompt to at most
@@ -45,10 +50,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 #: Workload names, in report order.
-WORKLOADS: tuple[str, ...] = ("conversation", "code", "multi-tenant", "isolation")
+WORKLOADS: tuple[str, ...] = ("conversation", "code", "multi-tenant", "isolation", "multi-turn")
 #: What clients send as max_tokens (None: unset, the policy's or the engine's default).
 MAX_TOKENS_CHOICES: tuple[int | None, ...] = (None, 256, 512, 1024, 4096)
 #: Lognormal fits (mu, sigma of the natural log of tokens) of the Azure LLM inference trace 2023.
@@ -105,6 +110,9 @@ class Request:
         max_tokens: the client's max_tokens, or None when unset.
         output_tokens: the model's true output length (EOS included), tokens (>= 1); the
             engine stops at ``min(output_tokens, max_tokens)``.
+        session: the conversation whose turn this is (``multi-turn``), or None: a prompt of
+            its own (never found in the prefix cache).
+        turn: the turn's index in its session, from 0.
     """
 
     rid: str
@@ -114,13 +122,52 @@ class Request:
     prompt_tokens: int
     max_tokens: int | None
     output_tokens: int
+    session: str | None = None
+    turn: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TurnPlan:
+    """One planned turn of a session (tokens, seconds).
+
+    Attributes:
+        message_tokens: the new user message (turn 0: the whole first prompt).
+        output_tokens: the model's true answer length.
+        max_tokens: the client's max_tokens, or None when unset.
+        think_s: the user's think time after this turn's answer, before the next turn.
+    """
+
+    message_tokens: int
+    output_tokens: int
+    max_tokens: int | None
+    think_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPlan:
+    """A session's tenant, tier and planned turns; ``session`` names it (and its first turn)."""
+
+    session: str
+    tenant: str
+    tier: str
+    turns: tuple[TurnPlan, ...]
+
+
+@dataclass(frozen=True)
+class Sessions:
+    """A schedule's sessions: ``plans`` by session name; ``max_model_len`` (tokens) bounds a
+    conversation."""
+
+    plans: dict[str, SessionPlan]
+    max_model_len: int
 
 
 @dataclass(frozen=True)
 class Schedule:
     """A workload's requests over ``duration_s`` seconds at ``rate_rps`` requests per second.
 
-    ``requests`` are sorted by ``arrival_s``; ``tenants`` maps name -> :class:`Tenant`.
+    ``requests`` are sorted by ``arrival_s``; ``tenants`` maps name -> :class:`Tenant`;
+    ``sessions``: the sessions whose later turns the run makes (``multi-turn``), or None.
     """
 
     workload: str
@@ -129,6 +176,7 @@ class Schedule:
     seed: int
     tenants: dict[str, Tenant]
     requests: list[Request]
+    sessions: Sessions | None = field(default=None)
 
 
 def isolation_load(noisy_load: float) -> float:
@@ -152,7 +200,7 @@ def tenants_of(workload: str, noisy_load: float = DEFAULT_NOISY_LOAD) -> list[Te
         each = ISOLATION_WELL_BEHAVED_LOAD / ISOLATION_TENANTS
         chats = [Tenant(f"chat-{i}", INTERACTIVE, demand=each) for i in range(ISOLATION_TENANTS)]
         return [*chats, Tenant("noisy", INTERACTIVE, demand=noisy_load)]
-    if workload == "conversation":
+    if workload in ("conversation", "multi-turn"):
         return [Tenant(f"chat-{i}", INTERACTIVE) for i in range(8)]
     if workload == "code":
         return [Tenant(f"code-{i}", INTERACTIVE) for i in range(4)]
@@ -228,6 +276,10 @@ def generate(
     """
     if rate_rps <= 0 or duration_s <= 0:
         raise ValueError("rate_rps and duration_s must be > 0")
+    if workload == "multi-turn":
+        from kvgate_bench.effectiveness.sessions import generate_multi_turn
+
+        return generate_multi_turn(rate_rps, duration_s, seed, max_model_len)
     tenants = tenants_of(workload, noisy_load)
     total_demand = sum(t.demand for t in tenants)
     if workload == "code":

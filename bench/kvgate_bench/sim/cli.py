@@ -73,6 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
         "duration (> 1 runs slower than the modelled GPU, for load generators on small "
         "machines; default 1)",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="reuse the KV blocks of prompts' leading tokens already cached, as vLLM does "
+        "(default off: load generators' prompts of one repeated token would all share them)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens, as vLLM's flag of that name",
+    )
     return p
 
 
@@ -92,6 +104,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         output_lengths=args.output_lengths,
         output_seed=args.output_seed,
         time_scale=args.time_scale,
+        prefix_caching=args.enable_prefix_caching,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

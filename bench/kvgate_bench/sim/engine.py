@@ -14,6 +14,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvgate_bench.sim.prefix_cache import (
+    BlockKeys,
+    BlockPool,
+    admit_on_hit,
+    cache_hit,
+    register_blocks,
+)
 from kvgate_bench.sim.steptime import StepTimeModel, constant_profile
 
 
@@ -52,6 +59,9 @@ class EngineConfig:
             decoding), as vLLM's block manager watermark (0.01).
         chunked_prefill: chunk prefills under the token budget (vLLM V1) or
             prefill whole prompts (kvgate-sim before profiles).
+        prefix_caching: keep the KV blocks of known prefixes for reuse
+            (:mod:`kvgate_bench.sim.prefix_cache`; vLLM V1's default, on); off,
+            or for requests that describe no content, nothing is ever reused.
 
     Raises ``ValueError`` on construction for sizes below their minimum.
     """
@@ -63,6 +73,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     watermark: float = 0.01
     chunked_prefill: bool = False
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1 or self.block_size < 1 or self.max_num_seqs < 1:
@@ -95,6 +106,14 @@ class Sequence:
     admission): the sequence decodes once ``num_computed`` reaches it.
     ``output_tokens`` is the model's true output length (EOS included), or
     ``None`` to run to ``max_tokens``. All counts are tokens.
+
+    Prefix caching: ``block_keys`` says what the sequence's tokens are, block by
+    block (``None``: its own content, never reused); ``cached_tokens`` is how many
+    prompt tokens were found cached at its first admission (vLLM's
+    ``usage.prompt_tokens_details.cached_tokens``); ``held`` are the hashes of the
+    cached blocks it references (the rest of its ``blocks`` are its own),
+    ``chain`` the hashes of its leading full blocks computed so far, and
+    ``registered`` how many of its blocks were offered to the cache.
     """
 
     request_id: str
@@ -108,6 +127,11 @@ class Sequence:
     blocks: int = 0
     num_preemptions: int = 0
     prefill_len: int = 0
+    block_keys: BlockKeys | None = None
+    cached_tokens: int = 0
+    held: list[int] = field(default_factory=list)
+    chain: list[int] = field(default_factory=list)
+    registered: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +172,8 @@ class StepResult:
             prompt + generated for resumed requests).
         decode_tokens: tokens decoded this step (one per decoding request).
         decode_seqs: ``D``, sequences that decoded this step.
+        cached_tokens: tokens of the admitted requests found in the prefix
+            cache (not prefilled, not in ``prefill_tokens``).
         context_tokens: ``K``, the decoding sequences' total context (prompt +
             tokens generated before this step, each), tokens.
         duration_s: the modelled duration of the step,
@@ -163,6 +189,7 @@ class StepResult:
     decode_tokens: int = 0
     decode_seqs: int = 0
     context_tokens: int = 0
+    cached_tokens: int = 0
     duration_s: float = 0.0
 
 
@@ -199,8 +226,17 @@ class SimEngine:
       ``check_stop`` tests the length cap before EOS), ``stop`` when the model's true length
       (EOS) came first.
 
-    Simplifications: no prefix caching, no stop strings, no ``long_prefill_token_threshold``,
-    no speculative decoding.
+    * Prefix caching (``EngineConfig.prefix_caching``, on as in vLLM V1): a request admitted
+      from WAITING first looks up the longest run of its leading full blocks already cached
+      (at most ``num_tokens - 1`` tokens: one is always computed), references them, and
+      prefills only the rest: the hit costs no token budget and no step time. Blocks fill and
+      join the cache as they are computed; a finished, preempted or cancelled request's cached
+      blocks stay cached until an allocation evicts them, least recently used first
+      (:class:`kvgate_bench.sim.prefix_cache.BlockPool`). ``used_blocks`` counts a block
+      shared by several requests once; ``used + cached + empty`` is always the pool.
+
+    Simplifications: no stop strings, no ``long_prefill_token_threshold``, no speculative
+    decoding.
     """
 
     def __init__(self, config: EngineConfig, steptime: StepTimeModel | None = None) -> None:
@@ -210,7 +246,7 @@ class SimEngine:
         self.waiting: deque[Sequence] = deque()
         self._by_id: dict[str, Sequence] = {}
         self._arrivals = 0
-        self.used_blocks = 0
+        self.pool = BlockPool(config.num_gpu_blocks, config.prefix_caching)
         self.preemptions_total = 0
         self.preemptions_by_tenant: dict[str, int] = {}
         self.finished_total = 0
@@ -229,8 +265,18 @@ class SimEngine:
         return len(self.waiting)
 
     @property
+    def used_blocks(self) -> int:
+        """KV blocks referenced by running requests (a shared cached block once)."""
+        return self.pool.used
+
+    @property
+    def cached_blocks(self) -> int:
+        """KV blocks holding a cached prefix nobody references (free, evictable)."""
+        return self.pool.cached
+
+    @property
     def free_blocks(self) -> int:
-        """Unallocated KV blocks."""
+        """Unallocated KV blocks (cached ones included: evicted when needed)."""
         return self.config.num_gpu_blocks - self.used_blocks
 
     @property
@@ -294,12 +340,14 @@ class SimEngine:
         max_tokens: int,
         tenant: str = "",
         output_tokens: int | None = None,
+        block_keys: BlockKeys | None = None,
     ) -> Sequence:
         """Queue a request (tokens) at the back of waiting; it is admitted by step().
 
         ``output_tokens`` is the model's true output length (EOS included;
         ``None``: run to ``max_tokens``); the request produces
-        ``min(output_tokens, max_tokens)`` tokens. Raises
+        ``min(output_tokens, max_tokens)`` tokens. ``block_keys``: its content,
+        block by block, for the prefix cache (``None``: never reused). Raises
         :class:`RequestRejected` (see :meth:`check`), or ``ValueError`` for a
         duplicate live id or ``output_tokens < 1``.
         """
@@ -309,6 +357,7 @@ class SimEngine:
             raise ValueError(f"output_tokens must be >= 1, got {output_tokens}")
         self.check(prompt_tokens, max_tokens)
         seq = Sequence(request_id, prompt_tokens, max_tokens, tenant, self._arrivals, output_tokens)
+        seq.block_keys = block_keys
         self._arrivals += 1
         self._by_id[request_id] = seq
         self.waiting.append(seq)
@@ -334,8 +383,10 @@ class SimEngine:
     # -- scheduling -----------------------------------------------------------
 
     def _free(self, seq: Sequence) -> None:
-        self.used_blocks -= seq.blocks
+        self.pool.release(seq.held, seq.blocks - len(seq.held))
         seq.blocks = 0
+        seq.held = []
+        seq.registered = 0
 
     def _allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
         """Grow ``seq`` to hold ``num_tokens`` KV slots, keeping ``reserve`` free."""
@@ -344,7 +395,7 @@ class SimEngine:
             return False
         if need > 0:
             seq.blocks += need
-            self.used_blocks += need
+            self.pool.take(need)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -394,7 +445,8 @@ class SimEngine:
         # 2. WAITING requests, FIFO, only if nothing was preempted this step.
         while not result.preempted and self.waiting:
             seq = self.waiting[0]
-            num_new = seq.num_tokens - seq.num_computed
+            hit = cache_hit(self.pool, seq, cfg.block_size)
+            num_new = seq.num_tokens - seq.num_computed - len(hit) * cfg.block_size
             if len(self.running) >= cfg.max_num_seqs:
                 break
             if chunked:
@@ -403,8 +455,14 @@ class SimEngine:
                 num_new = min(num_new, budget)
             elif num_new > budget:
                 break
-            if not self._allocate(seq, seq.num_computed + num_new, reserve=cfg.watermark_blocks):
+            if hit:
+                if not admit_on_hit(self.pool, seq, hit, num_new, cfg):
+                    break
+                result.cached_tokens += seq.num_computed
+            elif not self._allocate(seq, seq.num_computed + num_new, reserve=cfg.watermark_blocks):
                 break
+            if seq.num_preemptions == 0:
+                seq.cached_tokens = min(seq.num_computed, seq.prompt_tokens)
             self.waiting.popleft()
             seq.prefill_len = seq.num_tokens
             self.running.append(seq)
@@ -422,6 +480,7 @@ class SimEngine:
             else:
                 result.prefill_tokens += num_new
             seq.num_computed += num_new
+            register_blocks(self.pool, seq, cfg.block_size)
             if seq.num_computed < seq.num_tokens:
                 continue  # a partial prefill chunk: no token yet
             result.new_tokens[seq.request_id] = seq.generated

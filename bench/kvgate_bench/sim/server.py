@@ -28,8 +28,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
-from kvgate_bench.sim.engine import EngineConfig, RequestRejected, SimEngine, StepResult
+from kvgate_bench.sim.engine import EngineConfig, RequestRejected, Sequence, SimEngine, StepResult
 from kvgate_bench.sim.lengths import OUTPUT_TOKENS_HEADER, OutputLengths, parse_output_tokens
+from kvgate_bench.sim.prefix_cache import BlockKeys, token_block_keys
+from kvgate_bench.sim.prompt_keys import chat_prompt_tokens, completion_prompt_tokens
 from kvgate_bench.sim.steptime import StepTimeModel, constant_profile
 from kvgate_bench.sim.steptime import profile as steptime_profile
 
@@ -77,6 +79,16 @@ class SimConfig:
             proxy on a small machine keep up; the client then sends its arrivals
             ``time_scale x`` later and divides what it measures by it (see
             :mod:`kvgate_bench.effectiveness.realtime`).
+        prefix_caching: key the engine's prefix cache with the prompts' tokens
+            (``--enable-prefix-caching``; :mod:`kvgate_bench.sim.prompt_keys`), so that
+            prompts reuse the KV blocks of leading tokens already cached. Off by default,
+            unlike vLLM: every prompt is then content of its own, never a hit (the
+            engine's configuration is the same either way), because the harnesses that
+            drive kvgate-sim stand for distinct prompts with one repeated token or word,
+            which would all share their blocks and be prefilled once.
+        prompt_tokens_details: add ``usage.prompt_tokens_details.cached_tokens``
+            (the prompt tokens found cached) to responses, streamed usage included, as
+            vLLM's ``--enable-prompt-tokens-details`` does.
     """
 
     model: str = "kvgate-sim-model"
@@ -92,6 +104,8 @@ class SimConfig:
     output_lengths: str = "max"
     output_seed: int = 0
     time_scale: float = 1.0
+    prefix_caching: bool = False
+    prompt_tokens_details: bool = False
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
@@ -424,7 +438,9 @@ class SimServer:
             self.engine.check(prompt_tokens, max_tokens)
             if output_tokens is None:
                 output_tokens = self.lengths.draw()  # drawn only for requests the engine takes
-            seq = self.engine.submit(rid, prompt_tokens, max_tokens, tenant, output_tokens)
+            seq = self.engine.submit(
+                rid, prompt_tokens, max_tokens, tenant, output_tokens, self._keys(body, chat)
+            )
         except RequestRejected as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
         self.requests_total.labels(tenant=tenant).inc()
@@ -432,7 +448,8 @@ class SimServer:
         self._queues[rid] = queue
         self._wake.set()
         self.active_requests += 1
-        reply = _Reply(rid, str(body["model"]), chat, prompt_tokens, seq.finish_reason)
+        details = seq if self.config.prompt_tokens_details else None
+        reply = _Reply(rid, str(body["model"]), chat, prompt_tokens, seq.finish_reason, seq=details)
         try:
             if body.get("stream"):
                 opts = body.get("stream_options") or {}
@@ -444,6 +461,17 @@ class SimServer:
             self.active_requests -= 1
             del self._queues[rid]
             self.engine.cancel(rid)
+
+    def _keys(self, body: dict[str, Any], chat: bool) -> BlockKeys | None:
+        """The prompt's full blocks of tokens, for the prefix cache (None when
+        ``prefix_caching`` is off: content of its own)."""
+        if not self.config.prefix_caching:
+            return None
+        if chat:
+            tokens = chat_prompt_tokens(body["messages"])
+        else:
+            tokens = completion_prompt_tokens(body["prompt"])
+        return token_block_keys(tokens, self.config.block_size)
 
     async def _collect(
         self, reply: _Reply, queue: asyncio.Queue[int | None], target: int
@@ -525,6 +553,7 @@ class SimServer:
                 "running": eng.num_running,
                 "waiting": eng.num_waiting,
                 "used_blocks": eng.used_blocks,
+                "cached_blocks": eng.cached_blocks,
                 "num_gpu_blocks": eng.config.num_gpu_blocks,
                 "profile": self.config.profile,
                 "kv_usage": eng.kv_usage,
@@ -560,16 +589,21 @@ class _Reply:
     prompt_tokens: int
     finish_reason: str = "length"
     created: int = field(default_factory=lambda: int(time.time()))
+    #: The request in the engine, when the usage carries ``prompt_tokens_details``.
+    seq: Sequence | None = None
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
 
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
-        return {
+    def _usage(self, completion_tokens: int) -> dict[str, Any]:
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": self.prompt_tokens + completion_tokens,
         }
+        if self.seq is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.seq.cached_tokens}
+        return usage
 
     @property
     def _chunk_object(self) -> str:
