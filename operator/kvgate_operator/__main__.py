@@ -12,24 +12,35 @@ import logging
 import sys
 
 import kopf
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from kvgate_operator import handlers
 from kvgate_operator.settings import OperatorSettings
+
+
+def default_text(field: FieldInfo) -> str:
+    """A setting's default as ``--help`` prints it: ``(required)``, ``(unset)`` for None, a
+    model (``injection``) as its JSON with the variable's camelCase keys, else the value's
+    ``repr``."""
+    if field.is_required():
+        return "(required)"
+    value = field.get_default(call_default_factory=True, validated_data={})
+    if value is None:
+        return "(unset)"
+    if isinstance(value, BaseModel):
+        return value.model_dump_json(by_alias=True)
+    return repr(value)
 
 
 def settings_help() -> str:
     """One line per setting: its environment variable and default (from
     :class:`~kvgate_operator.settings.OperatorSettings`)."""
     prefix = OperatorSettings.model_config.get("env_prefix", "")
-    lines = []
-    for name, field in OperatorSettings.model_fields.items():
-        default = (
-            "(required)"
-            if field.is_required()
-            else repr(field.get_default(call_default_factory=False))
-        )
-        lines.append(f"  {prefix}{name.upper()}  default {default}")
-    return "\n".join(lines)
+    return "\n".join(
+        f"  {prefix}{name.upper()}  default {default_text(field)}"
+        for name, field in OperatorSettings.model_fields.items()
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,10 +85,10 @@ class OperatorSettings(BaseSettings):
     """The address the webhook's HTTPS server listens on."""
     webhook_port: int = Field(9443, ge=1, le=65535)
     """The webhook's HTTPS port (the chart's Service maps 443 to it)."""
-    webhook_host: str | None = None
+    webhook_host: str | None = "localhost,127.0.0.1"
     """The host name(s) the API server calls the webhook by, comma-separated: the SANs of the self-
     signed serving certificate (e.g. ``kvgate-webhook.kvgate-system.svc``; ``127.0.0.1`` for a local
-    run). Default ``localhost,127.0.0.1``."""
+    run). Empty (or None): ``localhost,127.0.0.1`` too."""
     webhook_config_name: str | None = None
     """The MutatingWebhookConfiguration whose ``caBundle`` the operator keeps equal to its self-
     signed CA (None: it patches nothing)."""

@@ -177,6 +177,27 @@ async def test_an_unknown_engine_is_reported_never_silently_blind(
         assert r.status == 200
 
 
+async def test_an_unknown_engine_under_an_explicit_capacity_is_no_warning(
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``capacity.kvCacheTokens`` is in force (FailOpen) while the engine's figure is unknown:
+    said at info, with the figure enforced; no warning that it admits without one."""
+    spec = {"capacity": {"fromEngineMetrics": True, "kvCacheTokens": 50000}}
+    with caplog.at_level(logging.INFO, logger="kvgate.sidecar"):
+        url, sc = await sidecar_factory(upstream.url, spec)
+        await wait_until_async(lambda: upstream.paths.count("/metrics") >= 2, 10.0, "re-reads")
+    said = [r for r in caplog.records if "KV capacity is not known" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO], [r.getMessage() for r in said]
+    assert "enforcing capacity.kvCacheTokens, 50000 tokens" in said[0].getMessage()
+    assert sc.admission.stats().kv_capacity_tokens == 50000
+    g = await gauges(client, url)
+    assert g["kvgate_kv_capacity_tokens"] == 50000
+    assert g["kvgate_engine_capacity_unknown"] == 1  # still reported: the engine's is unknown
+
+
 async def test_a_prompt_with_no_room_in_the_engines_context_never_reaches_it(
     sim: Callable[..., Awaitable[str]],
     sidecar_factory: SidecarFactory,

@@ -16,7 +16,9 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
+from kvgate_agent.sidecar.keyfiles import key_digest
 from kvgate_bench.kit.toolkit import free_port, wait_until_async
 from tests.conftest import SidecarFactory, gauges
 from tests.identity_keys import (
@@ -174,6 +176,59 @@ async def test_the_keys_file_is_reloaded_a_symlink_swap_too_and_a_broken_one_is_
     assert (await chat(client, url, "sk-b"))[0] == 401
     g = await gauges(client, url)
     assert {"team-a", "team-b", "team-c"} <= tenant_labels(g)
+
+
+async def test_a_keys_class_decides_the_requests_class_over_the_match_rules(
+    tmp_path: Path,
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The keys file's ``class``: ``sk-batch-1``'s class ``batch`` (sheddable, matched by no
+    rule) gets 429 ``sheddable`` while one request holds the one slot; a key naming a class the
+    policy does not declare falls back to the match rules, with one warning per load."""
+    keys = tmp_path / "keys.yaml"
+    entries = [
+        ("sk-team-a", "team-a", None),
+        ("sk-batch-1", "batch-jobs", "batch"),
+        ("sk-ghost", "ghosts", "ghost"),  # no such class: the default class, priority 0
+    ]
+    keys.write_text(
+        yaml.safe_dump(
+            {
+                "keys": [
+                    {"sha256": key_digest(k), "tenant": t, **({"class": c} if c else {})}
+                    for k, t, c in entries
+                ]
+            }
+        )
+    )
+    spec = {
+        "tenants": {
+            "header": "authorization",
+            "classes": [{"name": "batch", "priority": -1, "batch": True}],
+        },
+        "concurrency": {"maxRequests": 1},
+    }
+    with caplog.at_level(logging.WARNING, logger="kvgate.identity"):
+        url, sc = await sidecar_factory(upstream.url, spec, api_keys_file=str(keys))
+        upstream.hold = asyncio.Event()  # the one slot held until the refusals were seen
+        held = asyncio.create_task(chat(client, url, "sk-team-a"))
+        try:
+            await wait_until_async(lambda: sc.admission.stats().in_flight == 1, 10, "in flight")
+            status, (body, headers) = await chat(client, url, "sk-batch-1")
+            assert status == 429, body
+            assert headers["x-kvgate-reason"] == "sheddable"
+            ghost = asyncio.create_task(chat(client, url, "sk-ghost"))  # queued, not shed
+            await wait_until_async(lambda: sc.admission.stats().queue_length == 1, 10, "queued")
+        finally:
+            upstream.hold.set()
+        assert (await held)[0] == 200
+        assert (await ghost)[0] == 200
+    said = [r.message for r in caplog.records if "'ghost'" in r.message]
+    assert len(said) == 1 and str(keys) in said[0]
+    assert not [r for r in caplog.records if "'batch'" in r.message]
 
 
 async def test_without_a_keys_file_each_key_is_its_own_tenant(

@@ -12,6 +12,7 @@ import yaml
 
 from kvgate_agent.contract.identity import UnknownKeys
 from kvgate_agent.contract.policy import load_policy
+from kvgate_agent.sidecar.classes import class_names
 from kvgate_agent.sidecar.keyfiles import key_digest, parse_api_keys
 from kvgate_operator.template import PORT_NAME
 
@@ -33,6 +34,18 @@ def test_the_keys_file_parses_and_its_keys_hash_to_its_entries() -> None:
     assert len(named) == len(keys) == 3
     assert [keys[key_digest(k)].tenant for k in named] == ["team-a", "team-a", "batch-jobs"]
     assert keys[key_digest("sk-batch-1")].tenant_class == "batch"
+
+
+def test_each_class_of_the_keys_file_is_declared_by_the_paired_policy() -> None:
+    """A key's ``class`` names a class of the policy it is used with; an undeclared one would
+    be ignored (with a warning) and its requests take the match rules' class."""
+    path = EXAMPLES / "api-keys.yaml"
+    keys = parse_api_keys(path.read_bytes(), str(path))
+    tenants = load_policy(EXAMPLES / "ratelimitpolicy-api-keys.yaml").spec.tenants
+    named = {k.tenant_class for k in keys.values() if k.tenant_class is not None}
+    assert named and named <= class_names(tenants)
+    batch = next(c for c in tenants.classes if c.name == "batch")
+    assert batch.priority < 0 and batch.batch  # sheddable, as the comments say
 
 
 def test_the_network_policy_admits_only_the_sidecar_port() -> None:

@@ -244,6 +244,36 @@ def test_without_files_authorization_hashes_each_key_and_warns_once(
         identity.tenant(bearer("sk-1"), tenants(unknownKeys="Refuse"))
 
 
+def test_a_keys_class_is_given_and_an_undeclared_one_warned_of_once_per_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "keys.yaml"
+
+    def write(cls: str) -> None:
+        entries = [{"sha256": DIGEST_A, "tenant": "team-a", "class": cls}]
+        path.write_text(json.dumps({"keys": entries}))
+
+    write("ghost")
+    identity = Authenticator(api_keys_file=str(path))
+    spec = tenants(classes=[{"name": "batch", "priority": -1, "batch": True}])
+    with caplog.at_level(logging.WARNING, logger="kvgate.identity"):
+        assert identity.credential(bearer(KEY_A), spec) == ("team-a", "ghost")
+        assert identity.credential(bearer(KEY_A), spec) == ("team-a", "ghost")
+        assert identity.credential(bearer("sk-other"), spec) == ("unknown", None)
+        assert len([r for r in caplog.records if "'ghost'" in r.message]) == 1
+        write("ghost")  # a new load of the file: said again, once
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+        assert identity.api_keys is not None and identity.api_keys.poll()
+        identity.credential(bearer(KEY_A), spec)
+        identity.credential(bearer(KEY_A), spec)
+        assert len([r for r in caplog.records if "'ghost'" in r.message]) == 2
+        write("batch")  # declared: nothing to say
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+        assert identity.api_keys.poll()
+        assert identity.credential(bearer(KEY_A), spec) == ("team-a", "batch")
+    assert len(caplog.records) == 2
+
+
 def test_the_header_mode_ignores_the_keys_file(keyed: Authenticator) -> None:
     spec = TenantsSpec()
     assert keyed.tenant(CIMultiDict({"x-kvgate-tenant": "gw-set"}), spec) == "gw-set"

@@ -121,6 +121,10 @@ def test_operator_help_lists_the_settings_and_does_not_start(
     out = capsys.readouterr().out
     assert "KVGATE_OPERATOR_RESYNC_SECONDS  default 300.0" in out
     assert "KVGATE_OPERATOR_LEADER_ELECTION_LEASE_DURATION  default 15.0" in out
+    # The real defaults: no pydantic placeholder, the certificate's names as the README says.
+    assert "PydanticUndefined" not in out and "default None" not in out
+    assert "KVGATE_OPERATOR_WEBHOOK_HOST  default 'localhost,127.0.0.1'" in out
+    assert 'KVGATE_OPERATOR_INJECTION  default {"sidecarImage":' in out
     with pytest.raises(SystemExit) as bad:
         main(["--resync", "5"])  # settings are environment variables only
     assert bad.value.code == 2

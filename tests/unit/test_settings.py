@@ -19,6 +19,7 @@ from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.node.settings import NodeSettings
 from kvgate_agent.sidecar.cli import agent_settings, store_settings
 from kvgate_agent.sidecar.settings import AgentSettings, SidecarSettings, StoreSettings
+from kvgate_operator.settings import OperatorSettings
 from tests.conftest import REPO
 
 SIDECAR_CLASSES: tuple[type[Any], ...] = (SidecarSettings, AgentSettings, StoreSettings)
@@ -209,3 +210,64 @@ def test_the_readme_tells_the_sidecar_flags() -> None:
 
 def test_the_readme_tells_the_node_flags() -> None:
     check_readme("node", readme_flags("## The node agent", "## Security"))
+
+
+# ----------------------------------------------------------------------------------------------
+# The operator's README table
+
+
+def readme_operator_rows() -> list[tuple[list[str], str]]:
+    """``(variables, default column)`` of each row of the README's operator table (under "High
+    availability"), abbreviations (``..._X``, ``_X``) expanded to the one variable ending so."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("### High availability")
+    section = text[start : text.index("\n## ", start)]
+    every = [f"KVGATE_OPERATOR_{name.upper()}" for name in OperatorSettings.model_fields]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`KVGATE_OPERATOR_"):
+            continue
+        names = []
+        for name in re.findall(r"`([A-Z_.]+)`", cells[0]):
+            if name.startswith("KVGATE_"):
+                names.append(name)
+                continue
+            (full,) = [v for v in every if v.endswith("_" + name.lstrip("._"))]
+            names.append(full)
+        rows.append((names, cells[1]))
+    return rows
+
+
+def readme_default(text: str, days: bool) -> Any:
+    """A default column's entry as a value: a number (days in seconds), a bool, a string in
+    backticks; None for a description such as ``(unset)``."""
+    text = text.strip()
+    if text in ("true", "false"):
+        return text == "true"
+    if text.startswith("`"):
+        return text.strip("`")
+    try:
+        return float(text) * (86400 if days else 1)
+    except ValueError:
+        return None
+
+
+def test_the_readme_tells_every_operator_variable_and_its_default() -> None:
+    os_defaults = {
+        f"KVGATE_OPERATOR_{name.upper()}": field.get_default(call_default_factory=False)
+        for name, field in OperatorSettings.model_fields.items()
+    }
+    rows = readme_operator_rows()
+    listed = [v for names, _ in rows for v in names]
+    assert len(listed) == len(set(listed)), "a variable is in two rows"
+    assert set(listed) == set(os_defaults), "the README's operator table and the settings differ"
+    for names, column in rows:
+        days = column.endswith(" days")
+        parts = column.removesuffix(" days").split(", ")
+        if len(parts) != len(names):
+            continue
+        for name, part in zip(names, parts, strict=True):
+            want = readme_default(part, days)
+            if want is not None:
+                assert os_defaults[name] == want, (name, part)

@@ -47,7 +47,8 @@ class ClassResolver:
     longest first: O(len(name)) lookups at most); else the default class (``defaultClass``, or
     the class named ``default``, implicit when not declared). Answers are cached per tenant;
     the cache holds at most ``cache_size`` tenants and starts over when full, so endless
-    tenant names cannot grow it.
+    tenant names cannot grow it. :meth:`named` answers a class by its name instead (an API
+    key's ``class``, which takes precedence over the match rules).
     """
 
     def __init__(self, tenants: TenantClassesSpec, cache_size: int = 4096) -> None:
@@ -58,11 +59,17 @@ class ClassResolver:
             *declared.values(),
             *(() if self.default.name in declared else (self.default,)),
         )
+        self._by_name = {c.name: c for c in self.classes}
         self._names = {t: declared[c.name] for c in tenants.classes for t in c.match.tenants}
         self._prefixes = {p: declared[c.name] for c in tenants.classes for p in c.match.prefixes}
         self._lengths = sorted({len(p) for p in self._prefixes}, reverse=True)
         self._cache: dict[str, TenantClass] = {}
         self._cache_size = cache_size
+
+    def named(self, name: str) -> TenantClass | None:
+        """The class called ``name`` (a declared class, or the default class by its name); None
+        when the policy declares no class of that name."""
+        return self._by_name.get(name)
 
     def __call__(self, tenant: str) -> TenantClass:
         """The class of ``tenant`` (any string; never raises)."""
@@ -80,3 +87,9 @@ class ClassResolver:
             self._cache.clear()
         self._cache[tenant] = found
         return found
+
+
+def class_names(tenants: TenantClassesSpec) -> frozenset[str]:
+    """The names a request's class may be given by under ``tenants``: the declared classes'
+    and the default class's (``defaultClass``, else ``default``, implicit when undeclared)."""
+    return frozenset({c.name for c in tenants.classes} | {tenants.default_class or DEFAULT_CLASS})

@@ -3,7 +3,9 @@ the keys file, or a claim of a verified JWT, else the policy's tenant header as 
 
 With ``tenants.header: authorization`` (see :class:`~kvgate_agent.contract.policy.TenantsSpec`):
 
-1. a bearer token whose SHA-256 is in the keys file (``--api-keys-file``) is that entry's tenant;
+1. a bearer token whose SHA-256 is in the keys file (``--api-keys-file``) is that entry's tenant,
+   and the entry's ``class``, when the policy declares it, is the request's class (over the
+   classes' match rules; an undeclared one is logged once per load of the file and ignored);
 2. else, with ``tenants.jwt``, the token must be a JWT (RFC 7519,
    https://www.rfc-editor.org/rfc/rfc7519) signed by a key of the JWKS file (``--jwks-file``)
    with an accepted algorithm, of the policy's issuer and audience, with an ``exp`` not past
@@ -32,6 +34,7 @@ import jwt
 
 from kvgate_agent.contract.identity import JwtSpec, UnknownKeys
 from kvgate_agent.contract.policy import TenantsSpec
+from kvgate_agent.sidecar.classes import class_names
 from kvgate_agent.sidecar.keyfiles import (
     ALGORITHMS,
     ApiKeys,
@@ -130,7 +133,9 @@ class Authenticator:
         self.poll_seconds = poll_seconds
         self._task: asyncio.Task[None] | None = None
         self._checked: TenantsSpec | None = None
+        self._checked_loads = 0
         self._said: set[str] = set()
+        self._undeclared: set[tuple[int, str]] = set()  # (keys file load, class) warned of
 
     def tenant(self, headers: Mapping[str, str], spec: TenantsSpec) -> str:
         """The tenant of a request with ``headers`` under the policy's ``spec``.
@@ -138,28 +143,44 @@ class Authenticator:
         Raises:
             RequestError: 401 (code ``invalid_api_key``) for a credential that is refused.
         """
-        if spec is not self._checked:
+        return self.credential(headers, spec)[0]
+
+    def credential(self, headers: Mapping[str, str], spec: TenantsSpec) -> tuple[str, str | None]:
+        """The tenant of a request with ``headers`` under the policy's ``spec`` (as
+        :meth:`tenant`) and the ``class`` of its API key's entry in the keys file: None when
+        the tenant is not a key's of the file or the entry names no class. The name is the
+        file's as is; :class:`~kvgate_agent.sidecar.tenants.Identifier` ignores one the policy
+        does not declare (warned of here, once per load of the file and class name).
+
+        Raises:
+            RequestError: 401 (code ``invalid_api_key``) for a credential that is refused.
+        """
+        if spec is not self._checked or (
+            self.api_keys is not None and self.api_keys.loads != self._checked_loads
+        ):
             self.warn(spec)
         if spec.header.lower() != "authorization" or (
             self.api_keys is None and spec.jwt is None and spec.unknown_keys is UnknownKeys.POOL
         ):
-            return tenant_of(headers, spec.header)
+            return tenant_of(headers, spec.header), None
         token = bearer_token(headers.get(spec.header))
         if token is not None and self.api_keys is not None:
             found = self.api_keys.value.get(key_digest(token))
             if found is not None:
-                return found.tenant
+                return found.tenant, found.tenant_class
         if spec.jwt is not None:
             if token is None:
                 raise unauthorized("no bearer token: send Authorization: Bearer <JWT>")
-            return verify_jwt(token, spec.jwt, {} if self.jwks is None else self.jwks.value)
+            jwks = {} if self.jwks is None else self.jwks.value
+            return verify_jwt(token, spec.jwt, jwks), None
         if spec.unknown_keys is UnknownKeys.REFUSE:
             raise unauthorized("no API key given" if token is None else "unknown API key")
-        return UNKNOWN
+        return UNKNOWN, None
 
     def warn(self, spec: TenantsSpec) -> None:
         """Log, once each, what about ``spec`` and the files given is weaker than it looks."""
         self._checked = spec
+        self._checked_loads = 0 if self.api_keys is None else self.api_keys.loads
         by_key = spec.header.lower() == "authorization"
         if by_key and self.api_keys is None and spec.jwt is None:
             self._say(
@@ -179,6 +200,23 @@ class Authenticator:
                 f"tenants.header is {spec.header}, not authorization: the keys and JWKS files "
                 "are not used (the header is trusted as sent)"
             )
+        if by_key and self.api_keys is not None:
+            self._undeclared_classes(self.api_keys, spec)
+
+    def _undeclared_classes(self, keys: WatchedFile[ApiKeys], spec: TenantsSpec) -> None:
+        """Warn of each ``class`` of the keys file that ``spec`` does not declare, once per
+        (load of the file, class name)."""
+        loads = keys.loads
+        named = {k.tenant_class for k in keys.value.values() if k.tenant_class is not None}
+        for name in sorted(named - class_names(spec)):
+            if (loads, name) not in self._undeclared:
+                self._undeclared.add((loads, name))
+                log.warning(
+                    "%s: class %r names no class of the policy's tenants.classes: its keys' "
+                    "requests get the class of the match rules (else the default class)",
+                    keys.path,
+                    name,
+                )
 
     def _say(self, message: str) -> None:
         if message not in self._said:

@@ -6,10 +6,13 @@ Keys file (YAML, or JSON)::
     keys:
       - sha256: 3a6eb0790f39ac87c94f3856b2dd2c5d110e6811602261a9a923d3bb23adc8b7  # hex SHA-256
         tenant: team-a                                                             # of the key
-        class: interactive   # optional: the tenant's class
+        class: interactive   # optional: the class of this key's requests
 
 The file holds digests, never keys: ``printf %s "$KEY" | sha256sum`` gives one. Each key names
 its tenant (at most 128 printable characters; ``unknown`` and ``anonymous`` are kvgate's own).
+A ``class`` names one of the policy's ``tenants.classes[].name`` (or its default class): the
+class of the key's requests, over the classes' match rules; a name the policy does not declare
+is ignored (:mod:`kvgate_agent.sidecar.identity` warns once per load of the file).
 
 JWKS file: a JSON Web Key Set (RFC 7517 §5, https://www.rfc-editor.org/rfc/rfc7517), as an
 issuer publishes it at its ``jwks_uri``: ``{"keys": [{"kty", "kid", ...}, ...]}``. Every key
@@ -71,7 +74,8 @@ def key_digest(key: str) -> str:
 
 class ApiKey(BaseModel):
     """One entry of the keys file: the key's SHA-256 (64 hex digits, either case), its tenant,
-    and optionally the tenant's class (``class`` in the file)."""
+    and optionally the class of its requests (``class`` in the file: a class name of the
+    policy's ``tenants.classes``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -215,6 +219,9 @@ class WatchedFile(Generic[T]):
     following symlinks: a file rewritten in place and the atomic swap Kubernetes does for Secret
     and ConfigMap volumes (the ``..data`` symlink moved to a new directory) both change it.
 
+    ``value``: the contents last taken; ``loads``: how many times contents were taken (1 after
+    construction, one more per reload).
+
     Raises:
         KeyFileError: at construction, when the file cannot be read or parsed.
     """
@@ -228,6 +235,7 @@ class WatchedFile(Generic[T]):
         except OSError as exc:
             raise KeyFileError(f"{path}: cannot read: {exc.strerror or exc}") from None
         self._failed = False
+        self.loads = 1
 
     def _signature(self) -> tuple[int, int, int, int]:
         st = os.stat(self.path)
@@ -258,6 +266,7 @@ class WatchedFile(Generic[T]):
             self._failed = True
             return False
         self.value = value
+        self.loads += 1
         self._failed = False
         log.info("%s: reloaded", self.path)
         return True

@@ -176,7 +176,7 @@ class RequestPipeline:
             return responses.draining()
         spec, st = self.policy.spec, self.settings
         try:
-            tenant = self.identity.tenant(request.headers, spec.tenants)
+            tenant, key_class = self.identity.credential(request.headers, spec.tenants)
         except RequestError as exc:  # 401: nothing read, admitted or forwarded
             self.metrics.count_decision("rejected", INVALID_API_KEY, "")
             return responses.unauthorized(exc)
@@ -189,7 +189,7 @@ class RequestPipeline:
                 max_tokens_cap=spec.tenants.max_tokens_cap,
                 max_model_len=spec.model.max_model_len,
             )
-            who = self.identify(request.headers, spec, tenant)  # class, priority
+            who = self.identify(request.headers, spec, tenant, key_class)  # class, priority
         except RequestError as exc:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.bad_request(exc)

@@ -255,10 +255,15 @@ class EngineProbe:
     def _unknown(self, why: str) -> None:
         """The engine answers but reports no KV capacity kvgate can read: logged once (again
         only when the reason changes), ``kvgate_engine_capacity_unknown`` 1 and the reason in
-        ``/readyz`` until it does."""
+        ``/readyz`` until it does. A warning when admission enforces no KV capacity at all;
+        at info when it enforces one (the policy's ``capacity.kvCacheTokens``)."""
         problem = f"the engine's KV capacity is not known: {why}"
         if problem != self.capacity_problem:
-            log.warning("%s; admitting without it (give capacity.kvCacheTokens)", problem)
+            enforced = self.admission.stats().kv_capacity_tokens
+            if enforced is None:
+                log.warning("%s; admitting without it (give capacity.kvCacheTokens)", problem)
+            else:
+                log.info("%s; enforcing capacity.kvCacheTokens, %d tokens", problem, enforced)
         self.capacity_problem = problem
         self.unknown_engine.value = True
 

@@ -161,16 +161,25 @@ class Identifier:
         self._resolve = ClassResolver(TenantsSpec())
 
     def __call__(
-        self, headers: Mapping[str, str], spec: RateLimitPolicySpec, tenant: str
+        self,
+        headers: Mapping[str, str],
+        spec: RateLimitPolicySpec,
+        tenant: str,
+        key_class: str | None = None,
     ) -> Identity:
-        """The identity of a request of ``tenant`` (named by :mod:`.identity`).
+        """The identity of a request of ``tenant`` (named by :mod:`.identity`). ``key_class``:
+        the ``class`` of the request's API key in the keys file, None for none; a class the
+        policy declares decides the request's class over the match rules, another name is
+        ignored (the match rules and the default class decide; :mod:`.identity` warns).
 
         Raises:
             RequestError: 400, the priority header is not an integer in [-1000, 1000].
         """
         if spec.tenants is not self._tenants:
             self._tenants, self._resolve = spec.tenants, ClassResolver(spec.tenants)
-        cls = self._resolve(tenant)
+        cls = None if key_class is None else self._resolve.named(key_class)
+        if cls is None:
+            cls = self._resolve(tenant)
         header = priority_of(headers, spec.priority.header)
         return Identity(tenant, cls, request_priority(header, cls.priority, spec.priority.trusted))
 
