@@ -3,12 +3,9 @@ sleeping."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from kvgate_agent.contract.policy import FailureMode
-from kvgate_agent.contract.sync import SyncAnswer
 from kvgate_agent.sidecar.sync_state import (
     MIN_SYNC_GAP_SECONDS,
     Mode,
@@ -17,37 +14,7 @@ from kvgate_agent.sidecar.sync_state import (
     broken_hold_credit,
 )
 from kvgate_bench.kit.toolkit import FakeClock
-
-
-def answer(
-    thresholds: dict[str, Any] | None = None,
-    *,
-    managed: bool = True,
-    etag: str = "e1",
-    ttl: float = 10.0,
-    interval: float = 1.0,
-    safety_net: dict[str, Any] | None = None,
-    generation: int = 3,
-) -> SyncAnswer:
-    pod = None
-    if managed:
-        pod = {
-            "namespace": "ns",
-            "name": "model-0",
-            "uid": "u-1",
-            "policy": {"namespace": "ns", "name": "pol", "generation": generation},
-            "thresholds": thresholds or {},
-        }
-    return SyncAnswer.model_validate(
-        {
-            "etag": etag,
-            "pod": pod,
-            "safetyNet": safety_net or {"open": True},
-            "ttlSeconds": ttl,
-            "syncIntervalSeconds": interval,
-        }
-    )
-
+from tests.sync_answers import answer
 
 # ---------------------------------------------------------------- SyncState
 
