@@ -1,0 +1,79 @@
+"""The sidecar's documented client interface (README's "What a client sees" and its counting of
+refusals before admission; docs/routers.md's refusal table), checked over real HTTP on
+loopback: what external checks rely on is what the sidecar does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from tests.conftest import SidecarFactory, gauges
+from tests.upstream import CHAT, Upstream
+
+INVALID = 'kvgate_admission_decisions_total{outcome="rejected",reason="invalid_request",tenant=""}'
+
+
+async def raw_exchange(url: str, request: bytes) -> tuple[bytes, bytes]:
+    """Send ``request`` exactly as given (no client normalisation) on a new connection;
+    the response's (head, body), read until the sidecar closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    writer.write(request)
+    await writer.drain()
+    got = b""
+    try:
+        while chunk := await asyncio.wait_for(reader.read(65536), 10):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    writer.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    return head, body
+
+
+def post(target: str, body: bytes, extra: bytes = b"") -> bytes:
+    """A POST of ``body`` to ``target`` (sent as given), ``Connection: close``."""
+    return (
+        b"POST " + target.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\n"
+        + extra
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
+
+
+def header(head: bytes, name: str) -> str | None:
+    """The value of header ``name`` (any case) in a response head, or None."""
+    for line in head.split(b"\r\n")[1:]:
+        key, _, value = line.partition(b":")
+        if key.strip().lower() == name.encode():
+            return value.strip().decode()
+    return None
+
+
+RAW = json.dumps(CHAT).encode()
+#: Requests refused with 400 before admission: README says each counts in
+#: ``reason="invalid_request"`` and carries ``x-kvgate-decision``.
+EARLY_400S = {
+    "repeated slash": post("/v1//chat/completions", RAW),
+    "escaped dot segment": post("/v1/%2e%2e/chat/completions", RAW),
+    "dot segment to an allowlisted path": post("/v1/../tokenize", RAW),
+    "GET of a non-canonical generation path": b"GET /v1//completions HTTP/1.1\r\nHost: x\r\n"
+    b"Connection: close\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("name", list(EARLY_400S))
+async def test_every_400_before_admission_is_counted_and_carries_the_decision(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession, name: str
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {})
+    before = (await gauges(client, url)).get(INVALID, 0.0)
+    head, _ = await raw_exchange(url, EARLY_400S[name])
+    assert head.startswith(b"HTTP/1.") and head.split(b" ", 2)[1] == b"400", head
+    assert header(head, "x-kvgate-decision") == "rejected", head
+    assert header(head, "x-kvgate-reason") == "invalid_request", head
+    assert (await gauges(client, url))[INVALID] == before + 1
+    assert upstream.bodies == []
