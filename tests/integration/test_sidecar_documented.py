@@ -62,6 +62,13 @@ EARLY_400S = {
     "dot segment to an allowlisted path": post("/v1/../tokenize", RAW),
     "GET of a non-canonical generation path": b"GET /v1//completions HTTP/1.1\r\nHost: x\r\n"
     b"Connection: close\r\n\r\n",
+    # Refused by aiohttp's HTTP parser before any handler runs (``code: malformed_http``).
+    "Content-Length with Transfer-Encoding": post(
+        "/v1/chat/completions",
+        b"%x\r\n%s\r\n0\r\n\r\n" % (len(RAW), RAW),
+        b"Transfer-Encoding: chunked\r\n",
+    ),
+    "broken header line": post("/v1/chat/completions", RAW, b"Bad Header\r\n"),
 }
 
 
@@ -76,4 +83,17 @@ async def test_every_400_before_admission_is_counted_and_carries_the_decision(
     assert header(head, "x-kvgate-decision") == "rejected", head
     assert header(head, "x-kvgate-reason") == "invalid_request", head
     assert (await gauges(client, url))[INVALID] == before + 1
+    assert upstream.bodies == []
+
+
+async def test_a_header_deadline_408_carries_the_decision(
+    upstream: Upstream, sidecar_factory: SidecarFactory
+) -> None:
+    """README: every response to a client request carries ``x-kvgate-decision``; the 408 of a
+    request whose headers came too slowly too (docs/routers.md: ``invalid_request``)."""
+    url, _ = await sidecar_factory(upstream.url, {}, header_timeout_seconds=0.3)
+    head, _ = await raw_exchange(url, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), head
+    assert header(head, "x-kvgate-decision") == "rejected", head
+    assert header(head, "x-kvgate-reason") == "invalid_request", head
     assert upstream.bodies == []
