@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import pytest
 
-from tests.conftest import SidecarFactory, gauges
+from kvgate_bench.kit.toolkit import free_port
+from tests.conftest import REPO, SidecarFactory, gauges
 from tests.upstream import CHAT, Upstream
 
 INVALID = 'kvgate_admission_decisions_total{outcome="rejected",reason="invalid_request",tenant=""}'
@@ -97,3 +99,43 @@ async def test_a_header_deadline_408_carries_the_decision(
     assert header(head, "x-kvgate-decision") == "rejected", head
     assert header(head, "x-kvgate-reason") == "invalid_request", head
     assert upstream.bodies == []
+
+
+def refusal_table() -> dict[str, set[str]]:
+    """docs/routers.md's refusal table: each ``x-kvgate-reason`` -> the ``x-kvgate-decision``
+    values its row documents."""
+    text = (REPO / "docs" / "routers.md").read_text()
+    section = text.split("## Refusal semantics", 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    columns = [c.strip() for c in rows[0].strip("|").split("|")]
+    decision = columns.index("`x-kvgate-decision`")
+    out: dict[str, set[str]] = {}
+    for row in rows[2:]:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        reasons = re.findall(r"`([a-z_]+)`", cells[0].split("(", 1)[0])
+        values = set(re.findall(r"`([a-z_]+)`", cells[decision]))
+        for reason in reasons:
+            out.setdefault(reason, set()).update(values)
+    return out
+
+
+async def test_refusals_carry_the_decision_docs_routers_md_documents(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    """A model server's failure comes after admission: its answer keeps admission's decision
+    (``admitted``), so a router tells it from a load refusal; kvgate's own refusals say
+    ``rejected``. Each as docs/routers.md's table says."""
+    table = refusal_table()
+    dead, _ = await sidecar_factory(f"http://127.0.0.1:{free_port()}", {})
+    live, _ = await sidecar_factory(upstream.url, {"capacity": {"kvCacheTokens": 64}})
+    cases = [  # (base URL, path, expected status, expected reason)
+        (dead, "/v1/chat/completions", 502, "upstream_unreachable"),
+        (live, "/v1/chat/completions", 400, "exceeds_capacity"),  # max_tokens 1000 > 64
+        (live, "/not/a/generation/path", 404, "unknown_endpoint"),
+    ]
+    for url, path, status, reason in cases:
+        async with client.post(url + path, json={**CHAT, "max_tokens": 1000}) as r:
+            assert (r.status, r.headers.get("x-kvgate-reason")) == (status, reason)
+            assert r.headers["x-kvgate-decision"] in table[reason], (reason, table[reason])
+    assert table["upstream_unreachable"] == {"admitted", "queued", "degraded"}
+    assert table["exceeds_capacity"] == table["unknown_endpoint"] == {"rejected"}
