@@ -163,15 +163,21 @@ class Sidecar:
 
     def runner(self, *, admin: bool = False, **kwargs: Any) -> GuardedAppRunner:
         """The runner serving :meth:`build_app` (:meth:`build_admin_app` with ``admin``) with
-        the header deadline (``settings.header_timeout_seconds``); ``kwargs`` go to
+        the header deadline (``settings.header_timeout_seconds``); on the clients' port a
+        request aiohttp's parser refuses counts as ``invalid_request``; ``kwargs`` go to
         ``web.AppRunner``."""
         timeouts = self.metrics.client_timeouts.labels("headers")
         return GuardedAppRunner(
             self.build_admin_app() if admin else self.build_app(),
             header_timeout=self.settings.header_timeout_seconds,
             on_timeout=timeouts.inc,
+            on_malformed=None if admin else self._count_malformed,
             **kwargs,
         )
+
+    def _count_malformed(self) -> None:
+        """A request refused by aiohttp's HTTP parser: a refusal before admission."""
+        self.metrics.count_decision("rejected", "invalid_request", "")
 
     def build_admin_app(self) -> web.Application:
         """Admin port: ``/metrics``, ``/healthz``, ``/readyz``."""

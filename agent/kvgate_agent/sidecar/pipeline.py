@@ -132,15 +132,21 @@ class RequestPipeline:
         raw = request.rel_url.raw_path  # an absolute-form target's raw_path is the whole URL
         path = canonical_path(raw)
         if path in GENERATION_PATHS:
-            return responses.non_canonical_path()
+            return self._refused_early(responses.non_canonical_path())
         if request.method in SAFE_METHODS:
             return await self.forwarder.passthrough(request)
         if not self.passthrough.allows(path):
-            self.metrics.count_decision("rejected", "invalid_request", "")
-            return responses.not_allowed_path(request.method, path)
+            return self._refused_early(responses.not_allowed_path(request.method, path))
         if raw != path:
-            return responses.non_canonical_path()
+            return self._refused_early(responses.non_canonical_path())
         return await self.forwarder.passthrough(request)
+
+    def _refused_early(self, resp: web.Response) -> web.Response:
+        """``resp`` (a 4xx refusal before admission), counted in
+        ``kvgate_admission_decisions_total{outcome="rejected",reason="invalid_request"}`` with
+        an empty tenant."""
+        self.metrics.count_decision("rejected", "invalid_request", "")
+        return resp
 
     async def completion(self, request: web.Request) -> web.StreamResponse:
         """A generation path (:data:`GENERATION_PATHS`): validate, admit, forward. With a node

@@ -178,6 +178,23 @@ def unsupported_media_type(content_type: str) -> web.Response:
     )
 
 
+#: The headers of a client's request refused before admission for its own fault.
+REFUSED_INVALID = {DECISION_HEADER: "rejected", REASON_HEADER: "invalid_request"}
+
+
+def malformed_http(status: int, message: str, *, client: bool) -> web.Response:
+    """``status`` (the 4xx aiohttp's HTTP parser chose, 400 for a broken request line or
+    header, ``Content-Length`` with ``Transfer-Encoding``) for a request the parser refused
+    before any handler ran: ``code: malformed_http``, with ``message`` (the parser's reason).
+    ``client``: on the port serving clients, so it carries :data:`REFUSED_INVALID` (not on the
+    admin port, whose answers carry no ``x-kvgate-*``)."""
+    return json_response(
+        status,
+        error_body(message, INVALID_REQUEST_ERROR, None, "malformed_http"),
+        REFUSED_INVALID if client else None,
+    )
+
+
 def not_allowed_path(method: str, path: str) -> web.Response:
     """404 for a mutating request on a path that is neither a generation API kvgate admits nor on
     its pass-through allowlist; never forwarded (``--passthrough-path`` adds paths)."""

@@ -17,7 +17,10 @@ the handler reading it (see ``SidecarSettings.body_timeout_seconds``).
 A request the parser refuses before any handler runs (a malformed request line or header,
 ``Content-Length`` together with ``Transfer-Encoding``: request smuggling, RFC 9112 §6.3) gets
 its 4xx with an OpenAI error body (``code: malformed_http``) instead of aiohttp's plain text, and
-the connection is closed; it never reaches the model server.
+the connection is closed; it never reaches the model server. On the port serving clients that
+answer, and the 408 of a header deadline, carry ``x-kvgate-decision: rejected`` and
+``x-kvgate-reason: invalid_request`` as kvgate's other refusals do, and a malformed request
+counts as one (``on_malformed``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
-from kvgate_agent.sidecar.openai_errors import error_body
+from kvgate_agent.sidecar import responses
 
 __all__ = ["KEEPALIVE_TIMEOUT_S", "GuardedAppRunner", "HeaderDeadlineHandler", "track_requests"]
 
@@ -41,9 +44,16 @@ __all__ = ["KEEPALIVE_TIMEOUT_S", "GuardedAppRunner", "HeaderDeadlineHandler", "
 #: ``keepalive_timeout`` default, https://nginx.org/en/docs/http/ngx_http_core_module.html#keepalive_timeout
 KEEPALIVE_TIMEOUT_S = 75.0
 
-#: What a connection that ran out of time gets before it is closed (RFC 9110 §15.5.9).
+#: What a connection that ran out of time gets before it is closed (RFC 9110 §15.5.9), on
+#: the admin port.
 _TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+)
+#: The same on the port serving clients, with kvgate's refusal headers.
+_CLIENT_TIMEOUT_RESPONSE = _TIMEOUT_RESPONSE.replace(
+    b"Content-Length",
+    b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in responses.REFUSED_INVALID.items())
+    + b"Content-Length",
 )
 
 
@@ -59,7 +69,9 @@ class HeaderDeadlineHandler(RequestHandler):
     connection is closed, after a bare 408 if part of a request had come (a connection that
     sent nothing is closed silently, as Go's ``ReadHeaderTimeout`` does: an unasked 408 could
     be read as the answer to a request sent just then), and ``on_timeout`` (a metric's
-    ``inc``) is called.
+    ``inc``) is called. ``on_malformed`` is called for each request the parser refuses (a
+    4xx, :meth:`handle_error`); None on a port not serving clients (the admin port): its
+    answers then carry no ``x-kvgate-*`` header.
     """
 
     __slots__ = (
@@ -67,6 +79,7 @@ class HeaderDeadlineHandler(RequestHandler):
         "_header_timer",
         "_in_request",
         "_last",
+        "_on_malformed",
         "_on_timeout",
         "_partial",
         "_tail",
@@ -78,11 +91,13 @@ class HeaderDeadlineHandler(RequestHandler):
         *,
         header_timeout: float,
         on_timeout: Callable[[], None],
+        on_malformed: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, **kwargs)
         self._header_timeout = header_timeout
         self._on_timeout = on_timeout
+        self._on_malformed = on_malformed
         self._header_timer: asyncio.TimerHandle | None = None
         self._in_request = False
         self._partial = False  # bytes of the awaited request have come
@@ -152,19 +167,19 @@ class HeaderDeadlineHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        """aiohttp's answer when its parser refuses a request (4xx): an OpenAI error body, and
-        the connection closed. Other statuses (a handler's crash, 500) keep aiohttp's answer."""
+        """aiohttp's answer when its parser refuses a request (4xx): an OpenAI error body
+        (:func:`responses.malformed_http`), ``on_malformed`` called, and the connection
+        closed. Other statuses (a handler's crash, 500) keep aiohttp's answer."""
         if not 400 <= status < 500:
             return super().handle_error(request, status, exc, message)
         self.logger.debug("malformed HTTP request from %s: %s", request.remote, exc)
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already sent: the connection is broken")
         text = message or HTTPStatus(status).phrase
-        resp = web.Response(
-            status=status,
-            body=error_body(text, "invalid_request_error", None, "malformed_http"),
-            content_type="application/json",
-        )
+        client = self._on_malformed is not None
+        resp = responses.malformed_http(status, text, client=client)
+        if self._on_malformed is not None:
+            self._on_malformed()
         resp.force_close()
         return resp
 
@@ -187,7 +202,8 @@ class HeaderDeadlineHandler(RequestHandler):
         if headers:
             self._on_timeout()
             if self._partial and transport is not None and not transport.is_closing():
-                transport.write(_TIMEOUT_RESPONSE)
+                client = self._on_malformed is not None
+                transport.write(_CLIENT_TIMEOUT_RESPONSE if client else _TIMEOUT_RESPONSE)
         self.force_close()
 
 
@@ -225,6 +241,7 @@ class _GuardedServer(web.Server):
         inner: web.Server,
         header_timeout: float,
         on_timeout: Callable[[], None],
+        on_malformed: Callable[[], None] | None,
     ) -> None:
         super().__init__(
             inner.request_handler,
@@ -235,12 +252,14 @@ class _GuardedServer(web.Server):
         )
         self.header_timeout = header_timeout
         self.on_timeout = on_timeout
+        self.on_malformed = on_malformed
 
     def __call__(self) -> RequestHandler:
         return HeaderDeadlineHandler(
             self,
             header_timeout=self.header_timeout,
             on_timeout=self.on_timeout,
+            on_malformed=self.on_malformed,
             loop=self._loop,
             **self._kwargs,
         )
@@ -249,9 +268,11 @@ class _GuardedServer(web.Server):
 class GuardedAppRunner(web.AppRunner):
     """``web.AppRunner`` whose connections must send their request headers within
     ``header_timeout`` seconds (0: no limit); ``on_timeout`` is called for each connection
-    closed for it. The application must use :func:`track_requests` as a middleware."""
+    closed for it, ``on_malformed`` for each request aiohttp's parser refuses (None: a port
+    not serving clients, whose answers carry no ``x-kvgate-*`` header). The application must
+    use :func:`track_requests` as a middleware."""
 
-    __slots__ = ("_header_timeout", "_on_timeout")
+    __slots__ = ("_header_timeout", "_on_malformed", "_on_timeout")
 
     def __init__(
         self,
@@ -259,16 +280,18 @@ class GuardedAppRunner(web.AppRunner):
         *,
         header_timeout: float,
         on_timeout: Callable[[], None] = lambda: None,
+        on_malformed: Callable[[], None] | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("keepalive_timeout", KEEPALIVE_TIMEOUT_S)
         super().__init__(app, **kwargs)
         self._header_timeout = header_timeout
         self._on_timeout = on_timeout
+        self._on_malformed = on_malformed
 
     async def _make_server(self) -> web.Server:
         inner = await super()._make_server()
-        return _GuardedServer(inner, self._header_timeout, self._on_timeout)
+        return _GuardedServer(inner, self._header_timeout, self._on_timeout, self._on_malformed)
 
 
 @web.middleware
