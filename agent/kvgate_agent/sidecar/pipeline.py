@@ -251,17 +251,18 @@ class RequestPipeline:
         self, spec: RateLimitPolicySpec, parsed: ParsedRequest, prompt: PromptCount
     ) -> tuple[int, int]:
         """(max_tokens to send, output tokens per choice to reserve KV for) within the context
-        per request (``model.maxModelLen``, else the engine's): a defaulted max_tokens is
-        lowered to fit it (:func:`default_within_context`) and the reservation never holds more
-        than the context leaves after the prompt (:func:`output_within_context`); a client's
-        own max_tokens goes to the engine as sent, which cuts it (llama.cpp) or refuses it
-        (vLLM) as it would without kvgate.
+        per request (the smaller of ``model.maxModelLen`` and the engine's: the probe's
+        :meth:`~EngineProbe.context_tokens`): a defaulted max_tokens is lowered to fit it
+        (:func:`default_within_context`) and the reservation never holds more than the context
+        leaves after the prompt (:func:`output_within_context`); a client's own max_tokens goes
+        to the engine as sent, which cuts it (llama.cpp) or refuses it (vLLM) as it would
+        without kvgate.
 
         Raises:
             RequestError: 400 ``context_length_exceeded``, the prompt leaves no room for output.
         """
         max_tokens = parsed.max_tokens
-        context = spec.model.max_model_len or self.engine.max_model_len
+        context = self.engine.context_tokens(spec)
         if context is None:
             return max_tokens, max_tokens
         if over := prompt_over_context(prompt, self.counter.bytes_per_token, context):
