@@ -175,6 +175,56 @@ async def test_a_prompt_over_the_slot_is_refused_with_400_before_the_engine(
     assert await engine_metric(client, engine.url, "llamacpp:prompt_tokens_total") == before
 
 
+async def _open(
+    own: aiohttp.ClientSession, url: str, max_tokens: int
+) -> tuple[aiohttp.ClientResponse, dict[str, float]]:
+    """A completion streamed through the sidecar, its first event read (it runs in its slot):
+    (the response, still open; the sidecar's gauges then)."""
+    body = {
+        "model": LLAMA_MODEL,
+        "prompt": "Count from one to a thousand: one, two,",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    resp = await own.post(url + "/v1/completions", json=body, headers={"x-kvgate-tenant": TENANT})
+    assert resp.status == 200, await resp.read()
+    assert resp.headers["x-kvgate-decision"] == "admitted"
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            break
+    return resp, await gauges(own, url)
+
+
+async def _released(own: aiohttp.ClientSession, url: str) -> bool:
+    """The sidecar holds no request and no KV reservation."""
+    g = await gauges(own, url)
+    return g["kvgate_in_flight_requests"] == 0 and g["kvgate_kv_reserved_tokens"] == 0
+
+
+async def test_a_request_reserves_no_more_than_its_slot_holds(
+    engine: Proc, sidecar: Callable[..., Any], client: aiohttp.ClientSession
+) -> None:
+    # llama.cpp cuts an answer at its slot's end (finish_reason "length"): a max_tokens past it
+    # reserves the slot's tokens, not the whole pool, and the other slot takes a second request.
+    url, _ = await sidecar({**LEARN, "overload": {"actions": ["Reject"]}})
+    async with aiohttp.ClientSession() as own:
+        # Below the pool (1024) but twice the slot (512): it reserved ~97 % of the pool, so the
+        # second request was refused (429, "the KV cache is fully reserved") with a slot free.
+        first, g = await _open(own, url, CTX - 64)
+        assert 0 < g["kvgate_kv_reserved_tokens"] <= SLOT_TOKENS, g
+        second, g = await _open(own, url, SLOT_TOKENS // 2)
+        assert g["kvgate_in_flight_requests"] == 2 and g["kvgate_kv_reserved_tokens"] <= CTX
+        first.close()
+        second.close()
+        await wait_until_async(lambda: _released(own, url), 10.0, "both requests released")
+        # Above the whole pool: it was a 400 exceeds_capacity ("lower max_tokens to at most
+        # ~1000", where one request holds at most 512); the engine cuts it at the slot's end.
+        third, g = await _open(own, url, 2 * CTX)
+        assert 0 < g["kvgate_kv_reserved_tokens"] <= SLOT_TOKENS, g
+        third.close()
+
+
 async def test_tenant_limit_with_retry_after_honoured_by_the_client(
     sidecar: Callable[..., Any], client: aiohttp.ClientSession
 ) -> None:

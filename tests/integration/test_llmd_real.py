@@ -625,3 +625,41 @@ def test_malformed_input_never_reaches_the_model_server(
     assert status == 200 and headers["x-kvgate-decision"] == "admitted"
     sim_quiesced(sim, 1)
     assert http_requests_logged(sim) == 1
+
+
+# ------------------------------------------------------------------ 7: the engine's context
+
+
+def test_the_engines_smaller_context_wins_over_the_policys_max_model_len(
+    llmd_sim: Start, sidecar_process: Start
+) -> None:
+    # The policy says 8192 tokens, the engine serves 4096: a prompt of about 5000 tokens gets
+    # kvgate's own 400 before the engine, as it does when the policy states no maxModelLen.
+    sim = llmd_sim("--mode", "echo", "--log-http", "--max-model-len", "4096")
+    spec = {"model": {"maxModelLen": 8192}, "capacity": {"kvCacheTokens": 100000}}
+    sidecar = sidecar_process(sim.url, spec)
+    long_prompt = "hello " * 5000
+    bodies: dict[str, dict[str, Any]] = {
+        "/v1/completions": {"prompt": long_prompt},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": long_prompt}]},
+    }
+    for path, fields in bodies.items():
+        body = json.dumps({"model": MODEL, "max_tokens": 4, **fields}).encode()
+        status, headers, data = post(sidecar.url, path, body)
+        assert status == 400 and headers["x-kvgate-decision"] == "rejected", (path, data)
+        err = assert_openai_error(data, 400)
+        assert err["code"] == "context_length_exceeded", err
+        assert "context length of 4096 tokens" in err["message"], err
+    assert http_requests_logged(sim) == 0
+    # Said once, at startup: the policy states more than the engine has.
+    log = sidecar.log.read_text()
+    assert log.count("above the engine's context of 4096 tokens") == 1, log
+
+    # A max_tokens over the engine's context (below the policy's) is still the engine's to
+    # answer, as without kvgate: vLLM refuses prompt + max_tokens > max_model_len with 400.
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 6000}).encode()
+    status, headers, data = post(sidecar.url, "/v1/completions", body)
+    assert status == 400 and headers["x-kvgate-decision"] == "admitted", data
+    (logged,) = logged_request_bodies(sim)
+    assert logged["max_tokens"] == 6000  # forwarded as sent
+    assert sidecar_gauges(sidecar)["kv_reserved"] == 0

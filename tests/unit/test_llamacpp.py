@@ -12,7 +12,7 @@ import pytest
 
 from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
 from kvgate_agent.engines.scrape import parse_engine_metrics
-from kvgate_agent.sidecar.probe import _context_of
+from kvgate_agent.sidecar.engine_context import context_of as _context_of
 from kvgate_agent.sidecar.tokens import PromptCount, prompt_over_context
 
 

@@ -193,7 +193,7 @@ class Sidecar:
         await self.model_server.open()
         await self.engine.start(
             poll=spec.capacity.from_engine_metrics
-            or spec.model.max_model_len is None
+            or self.engine.max_model_len is None  # read until known: it bounds the policy's
             or self.policy.enforcement is not None,  # they may ask for the engine's capacity later
         )
         if self.policy.enforcement is not None and self.agent_link is not None:

@@ -17,6 +17,7 @@ from aiohttp import web
 from yarl import URL
 
 from kvgate_agent.admission import AsyncAdmission, Reason
+from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.body import read_body
 from kvgate_agent.sidecar.endpoints import GENERATION_PATHS, SAFE_METHODS, Passthrough
@@ -38,6 +39,7 @@ from kvgate_agent.sidecar.tokens import (
     PromptCounter,
     default_within_context,
     optimistic_prompt_tokens,
+    output_within_context,
     prompt_over_context,
 )
 
@@ -200,18 +202,14 @@ class RequestPipeline:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.bad_request(exc)
         prompt = await self._prompt(parsed, who)
-        max_tokens = parsed.max_tokens
-        mml = spec.model.max_model_len or self.engine.max_model_len
-        if mml is not None and (
-            over := prompt_over_context(prompt, self.counter.bytes_per_token, mml)
-        ):
+        try:
+            max_tokens, reserved = self._output_tokens(spec, parsed, prompt)
+        except RequestError as exc:
             self.metrics.count_decision("rejected", "invalid_request", "")
-            return responses.bad_request(RequestError(400, over, code="context_length_exceeded"))
-        if parsed.max_tokens_defaulted and mml is not None:
-            max_tokens = default_within_context(max_tokens, prompt, mml)
+            return responses.bad_request(exc)
         areq = who.admission_request(
             prompt.tokens,
-            max_tokens,
+            reserved,
             parsed.n,
             parsed.model,
             model_rewritable=parsed.model_field,
@@ -219,6 +217,8 @@ class RequestPipeline:
             prompt_tokens_min=optimistic_prompt_tokens(prompt, self.counter.bytes_per_token),
         )
         d = await self.admission.admit(areq)
+        if d.max_tokens >= reserved:  # admitted as asked: the engine is sent what it would be
+            d.max_tokens = max_tokens
         m = self.metrics
         label = m.tenant_label(who.tenant)
         if d.queue_seconds > 0:
@@ -252,6 +252,30 @@ class RequestPipeline:
             tenant_label=label,
             started=started,
         )
+
+    def _output_tokens(
+        self, spec: RateLimitPolicySpec, parsed: ParsedRequest, prompt: PromptCount
+    ) -> tuple[int, int]:
+        """(max_tokens to send, output tokens per choice to reserve KV for) within the context
+        per request (the smaller of ``model.maxModelLen`` and the engine's: the probe's
+        :meth:`~EngineProbe.context_tokens`): a defaulted max_tokens is lowered to fit it
+        (:func:`default_within_context`) and the reservation never holds more than the context
+        leaves after the prompt (:func:`output_within_context`); a client's own max_tokens goes
+        to the engine as sent, which cuts it (llama.cpp) or refuses it (vLLM) as it would
+        without kvgate.
+
+        Raises:
+            RequestError: 400 ``context_length_exceeded``, the prompt leaves no room for output.
+        """
+        max_tokens = parsed.max_tokens
+        context = self.engine.context_tokens(spec)
+        if context is None:
+            return max_tokens, max_tokens
+        if over := prompt_over_context(prompt, self.counter.bytes_per_token, context):
+            raise RequestError(400, over, code="context_length_exceeded")
+        if parsed.max_tokens_defaulted:
+            max_tokens = default_within_context(max_tokens, prompt, context)
+        return max_tokens, output_within_context(max_tokens, prompt.tokens, context)
 
     async def _prompt(self, parsed: ParsedRequest, who: Identity) -> PromptCount:
         """The prompt's count (tokens): the estimate, or with ``--tokenizer engine`` the

@@ -26,6 +26,7 @@ from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED
 from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
 from kvgate_agent.engines.scrape import KV_CAPACITY, parse_engine_metrics
+from kvgate_agent.sidecar.engine_context import EngineContext, models_context
 from kvgate_agent.sidecar.engine_load import EngineLoadPoll
 from kvgate_agent.sidecar.metrics import Flag
 from kvgate_agent.sidecar.model_server import ModelServer
@@ -52,8 +53,9 @@ class EngineProbe:
 
     Attributes:
         kv_tokens: KV capacity the engine reported (tokens), once read.
-        max_model_len: context length from ``/v1/models`` (tokens), or llama.cpp's slot
-            context (``/props``), once read: the most one request's prompt + output may hold.
+        context: the engine's context per request (``/v1/models``, or llama.cpp's slot context
+            from ``/props``), once read, and with the policy's ``model.maxModelLen`` the context
+            per request (:meth:`context_tokens`).
         engine_name: the engine whose KV capacity was read (``vllm``, ``llamacpp``, ...).
         capacity_problem: why the engine's KV capacity is not known although it answers
             (an unknown engine), None otherwise; shown by ``/readyz``.
@@ -90,7 +92,7 @@ class EngineProbe:
         self.upstream_ok = upstream_ok
         self.poll_seconds = poll_seconds
         self.kv_tokens: int | None = None
-        self.max_model_len: int | None = None
+        self.context = EngineContext()
         self.engine_name: str | None = None
         self.capacity_problem: str | None = None
         self.unknown_engine = Flag(False) if unknown_engine is None else unknown_engine
@@ -109,6 +111,7 @@ class EngineProbe:
         regardless: a capacity may be enforced later (new thresholds). The model server's
         connections must be open (:meth:`ModelServer.open`)."""
         self._wake = asyncio.Event()
+        await self.refresh_max_model_len()
         if self.spec().capacity.from_engine_metrics:
             await self.refresh_capacity()
         else:
@@ -142,7 +145,7 @@ class EngineProbe:
         explicit ``kvCacheTokens`` (or no KV cap), FailClosed answers 503 until it is read."""
         tokens = await self.read_capacity()
         spec = self.spec()
-        mml = spec.model.max_model_len
+        mml = self.context_tokens(spec)
         if tokens is not None and (tokens > MAX_REPORTED or (mml is not None and tokens < mml)):
             # vLLM refuses to start unless its KV cache holds one max_model_len sequence; a
             # figure below that (or absurdly large) is a broken report: never enforce it.
@@ -170,8 +173,8 @@ class EngineProbe:
     async def read_capacity(self) -> int | None:
         """The KV capacity (tokens) the engine reports: vLLM, SGLang and trtllm-serve in
         ``/metrics`` (:func:`parse_engine_metrics`), llama.cpp in ``/props`` and ``/slots``
-        (:func:`parse_props`: slots × slot context; the slot context also becomes
-        :attr:`max_model_len`, the per-request limit). None when unreadable (the engine does not
+        (:func:`parse_props`: slots × slot context; the slot context is also the engine's
+        context per request, :attr:`context`). None when unreadable (the engine does not
         answer: logged) or not reported (an unknown engine: :meth:`_unknown`)."""
         got = await self._get("/metrics")
         if got is None:
@@ -184,7 +187,7 @@ class EngineProbe:
         layout = await self._slot_layout()
         if isinstance(layout, SlotLayout):
             self._recognised("llamacpp")
-            self.max_model_len = layout.slot_tokens
+            self.context.learn(layout.slot_tokens, self.spec().model.max_model_len)
             self._engine_slots(layout)
             return layout.kv_capacity_tokens
         if sample is None:
@@ -267,11 +270,24 @@ class EngineProbe:
         self.capacity_problem = problem
         self.unknown_engine.value = True
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine's context per request, tokens (:attr:`context`), None until read."""
+        return self.context.tokens
+
+    def context_tokens(self, spec: RateLimitPolicySpec) -> int | None:
+        """The context per request under ``spec``, tokens: the smaller of its
+        ``model.maxModelLen`` and the engine's (:meth:`EngineContext.per_request`); None when
+        neither is known."""
+        return self.context.per_request(spec.model.max_model_len)
+
     async def refresh_max_model_len(self) -> None:
         """Learn the engine's context length from ``GET /v1/models`` (vLLM reports
-        ``max_model_len`` per model) when the policy gives no ``model.maxModelLen``: a defaulted
-        max_tokens is then kept within it, as the engine's own default would be. llama.cpp
-        reports its slot's context as ``meta.n_ctx``."""
+        ``max_model_len`` per model; llama.cpp its slot's context as ``meta.n_ctx``), once, at
+        start and then in the poll until read: it bounds each request with the policy's
+        ``model.maxModelLen`` (:meth:`context_tokens`). Logged at debug when unreadable."""
+        if self.context.tokens is not None:
+            return
         try:
             async with self.server.probe().get(
                 self.server.url + "/v1/models", timeout=PROBE_TIMEOUT
@@ -280,18 +296,15 @@ class EngineProbe:
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             log.debug("cannot read /v1/models: %s", exc)
             return
-        lens: list[int] = [
-            n for m in (data or {}).get("data") or [] if (n := _context_of(m)) is not None
-        ]
-        if lens and min(lens) > 0:
-            self.max_model_len = min(lens)
+        if (tokens := models_context(data)) is not None:
+            self.context.learn(tokens, self.spec().model.max_model_len)
 
     async def _poll(self) -> None:
         """Every second while something is unknown, else every ``poll_seconds`` (or when new
-        thresholds wake it): the context length until read, the KV capacity when asked for."""
+        thresholds wake it): the engine's context length until read, the KV capacity when
+        asked for."""
         while True:
-            if self.spec().model.max_model_len is None and self.max_model_len is None:
-                await self.refresh_max_model_len()
+            await self.refresh_max_model_len()
             unknown = not self.capacity_known or (
                 self.spec().model.max_model_len is None and self.max_model_len is None
             )
@@ -322,14 +335,3 @@ class EngineProbe:
         self._health = _HealthCheck(now, ok)
         self.upstream_ok.value = ok
         return ok
-
-
-def _context_of(model: object) -> int | None:
-    """One ``/v1/models`` entry's context length (tokens): vLLM's ``max_model_len``, else
-    llama.cpp's ``meta.n_ctx`` (the slot's context); None when neither is a whole number."""
-    if not isinstance(model, dict):
-        return None
-    n = model.get("max_model_len")
-    if n is None and isinstance(meta := model.get("meta"), dict):
-        n = meta.get("n_ctx")
-    return n if type(n) is int else None

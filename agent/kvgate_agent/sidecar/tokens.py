@@ -292,6 +292,16 @@ def default_within_context(default: int, prompt: PromptCount, max_model_len: int
     return default
 
 
+def output_within_context(max_tokens: int, prompt_tokens: int, context: int) -> int:
+    """Output tokens per choice to reserve KV for: ``max_tokens``, at most what ``context`` (the
+    most one sequence, prompt + output, holds: tokens) leaves after ``prompt_tokens``, at least
+    1. No engine runs a sequence past its context: llama.cpp cuts the answer at its slot's end
+    (``finish_reason`` ``length``), vLLM refuses prompt + max_tokens > max_model_len with 400;
+    so a request's reservation never exceeds its context, whatever max_tokens it sent.
+    """
+    return max(1, min(max_tokens, context - prompt_tokens))
+
+
 def prompt_over_context(prompt: PromptCount, bytes_per_token: float, context: int) -> str | None:
     """Why a prompt can never be served within ``context`` tokens (the engine's
     ``max_model_len``, llama.cpp's slot context), or None when it may fit. A prompt needs room
