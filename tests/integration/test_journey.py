@@ -380,8 +380,12 @@ def test_install_inject_enforce_and_rbac(
     wait_until(lambda: http_get(agent_url + "/readyz")[0] == 200, 60, "agent\n" + j.logs())
 
     # 5. The model server and the injected sidecar, with the webhook's command and environment.
+    #    A 32k context: the request below that asks more than a tenant's whole budget must fit
+    #    the engine's context, since a reservation is bounded by the context (a larger
+    #    max_tokens is the engine's to refuse or cut).
     j.spawn(
-        sim_argv("--port", str(model_port), "--model", "sim", "--decode-ms", "1"),
+        sim_argv("--port", str(model_port), "--model", "sim", "--decode-ms", "1",
+                 "--max-model-len", "32768"),
         dict(os.environ), "sim.log",
     )  # fmt: skip
     env = resolve_env(
@@ -430,16 +434,23 @@ def test_install_inject_enforce_and_rbac(
     wait_until(live, 60, "the sidecar's thresholds from the agent\n" + j.logs(), interval=0.2)
     status, _, body = chat(url, 8)
     assert status == 200, body
+    generation = get(cp, "rlp", "chat-small", "-n", MODELS)["metadata"]["generation"]
     cp.kubectl("patch", "rlp", "chat-small", "-n", MODELS, "--type=json", "-p", json.dumps([
         {"op": "add", "path": "/spec/rateLimits", "value": [
             {"name": "per-tenant", "per": "Tenant", "tokensPerMinute": 20000}]},
     ]))  # fmt: skip
 
-    def never_fits() -> bool:  # more than the tenant's whole bucket, once the budget applies
-        status, headers, _ = chat(url, 30000)
-        return status == 400 and headers.get("x-kvgate-reason") == "exceeds_capacity"
+    def budget_applied() -> bool:  # the sidecar enforces the patched generation
+        _, text = http_get(url + "/kvgate/metrics")
+        return any(
+            ln.startswith("kvgate_policy_generation{") and float(ln.split()[-1]) > generation
+            for ln in text.splitlines()
+        )
 
-    wait_until(never_fits, 60, "the per-tenant budget enforced\n" + j.logs(), interval=0.2)
+    wait_until(budget_applied, 60, "the per-tenant budget enforced\n" + j.logs(), interval=0.2)
+    # More than the tenant's whole bucket (within the engine's context): never fits.
+    status, headers, _ = chat(url, 30000)
+    assert status == 400 and headers.get("x-kvgate-reason") == "exceeds_capacity", headers
     admitted = [chat(url, 4000, tenant="team-b")[0] for _ in range(6)]
     assert chat(url, 8)[0] == 200  # quick: the last decision just before traffic_end
     traffic_end = time.time()
