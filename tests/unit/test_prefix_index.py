@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate_agent.admission import AdmissionController, AdmissionRequest
+from kvgate_agent.admission import AdmissionController, AdmissionRequest, AsyncAdmission
 from kvgate_agent.admission.prefix_index import TRUST_ALPHA, TRUST_START, PrefixIndex
 from tests.unit.test_admission import make
 
@@ -93,3 +93,18 @@ def test_without_block_hashes_nothing_changes() -> None:
     c = make(SPEC)
     d = c.submit(AdmissionRequest("a", 160, 32, cached_prefix_tokens=96))
     assert d.ticket is not None and d.ticket.kv_tokens == 96
+
+
+async def test_the_sidecars_api_settles_with_the_engines_cached_tokens() -> None:
+    a = AsyncAdmission(make(SPEC))
+    blocks = list(range(10))
+    first = (await a.admit(AdmissionRequest("a", 160, 32, prefix_blocks=blocks))).ticket
+    second = (await a.admit(AdmissionRequest("a", 160, 32, prefix_blocks=blocks))).ticket
+    assert first is not None and second is not None and second.prefix_run == 144
+    a.release(second, completion_tokens=32, cached_tokens=144)
+    a.release(first, completion_tokens=32)
+    assert second.fair_charged == 16 * a.core.config.fair_prompt_weight + 32 * (
+        a.core.config.fair_output_weight
+    )
+    assert a.stats().kv_reserved_tokens == 0
+    a.close()
