@@ -130,6 +130,9 @@ def decision_trace(seed: int = 7, steps: int = 3000) -> list[list[object]]:
     clock = FakeClock(1000.0)
     ctl = AdmissionController(AdmissionConfig.from_policy(parse_policy(policy).spec), clock)
     rnd = random.Random(seed)
+    # The prompts' block hashes (prefix-aware reservations) and the engine's cached tokens,
+    # drawn apart so that the rest of the trace is the same with or without them.
+    prefixes = random.Random(seed + 1)
     tickets: list[Ticket] = []
     waiters: list[Waiter] = []
     rows: list[list[object]] = []
@@ -155,6 +158,9 @@ def decision_trace(seed: int = 7, steps: int = 3000) -> list[list[object]]:
                 rnd.randrange(3),
                 rnd.choice((1, 1, 2)),
             )
+            if prefixes.random() < 0.5:
+                conv = prefixes.randrange(6) * 100_000
+                req.prefix_blocks = list(range(conv, conv + req.prompt_tokens // 16))
             d = ctl.submit(req)
             row(i, "submit", d)
             if d.ticket is not None:
@@ -163,7 +169,13 @@ def decision_trace(seed: int = 7, steps: int = 3000) -> list[list[object]]:
                 waiters.append(d.waiter)
         elif pick < 0.8 and tickets:
             t = tickets.pop(rnd.randrange(len(tickets)))
-            ctl.release(t, completion_tokens=rnd.randrange(0, 600), prompt_tokens=None)
+            cached = prefixes.choice((None, 0, t.prefix_run, t.prompt_tokens))
+            ctl.release(
+                t,
+                completion_tokens=rnd.randrange(0, 600),
+                prompt_tokens=None,
+                cached_tokens=cached,
+            )
             row(i, "release", None)
         elif pick < 0.9 and tickets:
             ctl.live.observe_tokens(rnd.choice(tickets), rnd.randrange(0, 800))

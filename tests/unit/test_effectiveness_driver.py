@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from kvgate_agent.admission.prefix_index import TRUST_START
 from kvgate_bench.effectiveness.arms import (
     ABLATIONS,
     ARM_NAMES,
@@ -28,6 +29,7 @@ from kvgate_bench.effectiveness.driver import (
 )
 from kvgate_bench.effectiveness.workloads import BATCH, Request, Schedule, generate, tenants_of
 from kvgate_bench.sim.engine import EngineConfig
+from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
 from kvgate_bench.sim.steptime import profile
 
 STEPTIME = profile("h100-llama3-8b")
@@ -117,6 +119,7 @@ ARM_PARAMS: list[tuple[str, dict[str, Any]]] = [
     ("kvgate-slo-only", {}),
     ("kvgate-empty", {}),
     ("kvgate-bench-policy", {}),
+    ("kvgate-prefix-blind", {}),
 ]
 
 
@@ -263,3 +266,31 @@ def test_steptime_of_replaces_the_kv_pool() -> None:
     for bad in ("h100-llama3-8b@0", "h100-llama3-8b@x", "h100-llama3-8b@-5"):
         with pytest.raises(ValueError, match="positive"):
             steptime_of(bad)
+
+
+def test_kvgate_is_prefix_aware_on_multi_turn_and_leaks_nothing() -> None:
+    """``kvgate`` names a multi-turn prompt's blocks as the engine does and settles with the
+    engine's cached tokens (which move the index's trust); its prefix-blind ablation passes
+    none; both give every reservation back."""
+    sched = schedule("multi-turn", rate=6.0, secs=120.0)
+    ctx = context("multi-turn")
+    aware = make_arm("kvgate", ctx, {})
+    blind = make_arm("kvgate-prefix-blind", ctx, {})
+    assert isinstance(aware, KvgateMaxTokensArm) and isinstance(blind, KvgateMaxTokensArm)
+    later = next(r for r in sched.requests if r.session is not None)
+    blocks = aware.admission_request(later).prefix_blocks
+    bs = SMALL.block_size
+    assert blocks == extend_chain([], SessionKeys(later.session or ""), later.prompt_tokens // bs)
+    assert blind.admission_request(later).prefix_blocks is None
+    runs = {a.name: simulate(sched, a, STEPTIME, SMALL) for a in (aware, blind)}
+    for arm in (aware, blind):
+        run = runs[arm.name]
+        assert len(run.records) > len(sched.requests)  # later turns were sent
+        assert not run.engine.has_work and run.engine.used_blocks == 0
+        st = arm.controller.stats()
+        assert st.in_flight == 0 and st.kv_reserved_tokens == 0 and st.queue_length == 0
+    cached = sum(r.cached_tokens for r in runs["kvgate"].records)
+    assert cached > 0
+    prefixes = aware.controller._limits.prefixes
+    assert len(prefixes) > 0 and prefixes.trust != TRUST_START  # confirmed by the engine
+    assert len(blind.controller._limits.prefixes) == 0

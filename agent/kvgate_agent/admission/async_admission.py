@@ -95,13 +95,16 @@ class AsyncAdmission:
         completion_tokens: int,
         prompt_tokens: int | None = None,
         reached_upstream: bool = True,
+        cached_tokens: int | None = None,
     ) -> None:
-        """Release ``ticket`` (see :meth:`AdmissionController.release`) and wake waiters."""
+        """Release ``ticket`` (see :meth:`AdmissionController.release`: ``cached_tokens`` are
+        the prompt tokens the engine reported found in its prefix cache) and wake waiters."""
         if self.core.release(
             ticket,
             completion_tokens=completion_tokens,
             prompt_tokens=prompt_tokens,
             reached_upstream=reached_upstream,
+            cached_tokens=cached_tokens,
         ):
             self._wake()
 

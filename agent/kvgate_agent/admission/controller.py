@@ -217,6 +217,8 @@ class AdmissionController:
             if h is not None:
                 return h.refusal(now, req.max_tokens)
         clamped = False
+        if req.prefix_blocks is not None:
+            limits.expect_prefix(req)
         kv = limits.kv_tokens(req.prompt_tokens, req.max_tokens, req.n)
         cost = cfg.cost(req.prompt_tokens, req.n * req.max_tokens)
         if not limits.fits_ever(kv, cost):
@@ -293,6 +295,7 @@ class AdmissionController:
         completion_tokens: int,
         prompt_tokens: int | None = None,
         reached_upstream: bool = True,
+        cached_tokens: int | None = None,
     ) -> bool:
         """Release everything ``ticket`` holds and settle its buckets to real usage.
 
@@ -301,6 +304,10 @@ class AdmissionController:
             prompt_tokens: prompt tokens the server reported, if it did (else the estimate).
             reached_upstream: False when the request never reached the model server: then no
                 request and no prompt tokens are charged.
+            cached_tokens: prompt tokens the server reported found in its prefix cache, if it
+                did (else the cached prefix expected at admission, 0 without one): the
+                fair-share counter is charged the rest of the prompt, and the report confirms
+                the prefix index (:mod:`.prefix_index`).
 
         The cost bucket is refunded what was reserved but not used, or charged the excess (never
         below 0). A request that reached upstream and produced output also teaches the length
@@ -318,10 +325,11 @@ class AdmissionController:
         if reached_upstream:
             prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
             limits.release(ticket, now, limits.config.cost(prompt, completion_tokens), 1.0)
-            limits.fair.settle(ticket, prompt, completion_tokens)
+            cached = limits.settle_prefix(ticket, cached_tokens)
+            limits.fair.settle(ticket, prompt - cached, completion_tokens)
             if completion_tokens > 0:
                 self._speed.observe(now - ticket.admitted_at, completion_tokens)
-                limits.learn(ticket, completion_tokens)
+                limits.learn(ticket, completion_tokens, cached)
             slo.observe_departure(now - ticket.admitted_at)
         else:
             limits.release(ticket, now, 0.0, 0.0)

@@ -109,6 +109,16 @@ class AdmissionRequest:
         ttft_slo_seconds: this request's time-to-first-token SLO, seconds, from its tenant
             class; None: the policy's rule (``slo.ttftSeconds`` for priority >=
             ``slo.minPriority``); ``math.inf``: none (a batch class: never shed for its wait).
+        prefix_blocks: the chained hashes of the prompt's leading full KV blocks (block ``i``:
+            tokens ``[i*B, (i+1)*B)``, ``B`` the policy's block size), as the engine's prefix
+            cache names them (:mod:`.prefix_index`); None: unknown, the whole prompt is
+            reserved and charged as uncached.
+        cached_prefix_tokens: prompt tokens expected in the engine's prefix cache, reserved and
+            charged as not newly allocated (:mod:`.prefix_index`): set by
+            :meth:`~kvgate_agent.admission.controller.AdmissionController.submit` from
+            ``prefix_blocks`` when given, else the caller's own figure (0: none).
+        prefix_run: tokens of the prompt's leading blocks the prefix index holds (set by
+            ``submit`` with ``cached_prefix_tokens``; the engine's report confirms it).
     """
 
     tenant: str
@@ -123,6 +133,9 @@ class AdmissionRequest:
     prompt_tokens_min: int | None = None
     weight: float = 1.0
     ttft_slo_seconds: float | None = None
+    prefix_blocks: list[int] | None = None
+    cached_prefix_tokens: int = 0
+    prefix_run: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -139,7 +152,9 @@ class Ticket:
     fair-share weight; ``fair_charged``, ``fair_output``: what its tenant's fair-share counter
     was charged for it so far (token-weighted units) and the output tokens that covers
     (:mod:`.fairness`); ``prefill_pending``: its prompt counts in the engine's prefill backlog
-    (:mod:`.prefill`).
+    (:mod:`.prefill`). ``cached_tokens``: prompt tokens expected in the engine's prefix cache
+    at admission (not reserved, not charged: :mod:`.prefix_index`); ``prefix_run``: the prefix
+    index's run for the prompt, tokens (what the engine's report confirms).
     """
 
     tenant: str
@@ -159,6 +174,13 @@ class Ticket:
     fair_charged: float = 0.0
     fair_output: int = 0
     prefill_pending: bool = False
+    cached_tokens: int = 0
+    prefix_run: int = 0
+
+    @property
+    def uncached_prompt_tokens(self) -> int:
+        """Prompt tokens the engine computes and allocates anew: prompt less ``cached_tokens``."""
+        return self.prompt_tokens - self.cached_tokens
 
 
 @dataclass(slots=True, eq=False)

@@ -201,13 +201,15 @@ class FairShare:
     # ------------------------------------------------------------------ charges
 
     def admit(self, ticket: Ticket) -> None:
-        """Charge ``ticket``'s tenant at admission: its prompt and its reserved output
-        (``kv_tokens - prompt_tokens``, at most ``n x max_tokens``). Sets ``ticket.fair_*``."""
+        """Charge ``ticket``'s tenant at admission: its uncached prompt (the prompt less the
+        cached prefix expected, ``ticket.cached_tokens``: :mod:`.prefix_index`) and its reserved
+        output (``kv_tokens`` less that, at most ``n x max_tokens``). Sets ``ticket.fair_*``."""
         a = self._accounts.get(ticket.tenant)
         if a is None:
             a = self._new(ticket.tenant)
-        out = max(0, min(ticket.n * ticket.max_tokens, ticket.kv_tokens - ticket.prompt_tokens))
-        raw = self.prompt_weight * ticket.prompt_tokens + self.output_weight * out
+        prompt = ticket.uncached_prompt_tokens
+        out = max(0, min(ticket.n * ticket.max_tokens, ticket.kv_tokens - prompt))
+        raw = self.prompt_weight * prompt + self.output_weight * out
         ticket.fair_output = out
         ticket.fair_charged = raw
         if not a.active:
@@ -236,8 +238,9 @@ class FairShare:
         self._charge(a, raw, ticket.weight)
 
     def settle(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int) -> None:
-        """``ticket``'s request ended having used ``prompt_tokens`` and ``completion_tokens``
-        (both 0 when it never reached the model server): charge what it used beyond its charge,
+        """``ticket``'s request ended having used ``prompt_tokens`` (uncached: the engine's
+        cached prefix is not charged) and ``completion_tokens`` (both 0 when it never reached
+        the model server): charge what it used beyond its charge,
         or credit what it was charged beyond its use."""
         self.prefill.ended(ticket)
         a = self._accounts.get(ticket.tenant)

@@ -13,6 +13,19 @@ the predicted output length (:mod:`.predictor`; max_tokens under ``reservation: 
 before enough samples). A reservation below the worst case grows block by block as its tokens
 stream (:meth:`Limits.grow`); admission keeps :attr:`Limits.headroom` free for that growth, and
 where the engine reports more KV in use than is reserved, the engine's figure counts.
+
+A request whose prompt's leading blocks the engine is expected to hold in its prefix cache
+(``AdmissionRequest.cached_prefix_tokens``, from :mod:`.prefix_index`) reserves only the rest:
+prompt − cached prefix + the output. vLLM's automatic prefix caching
+(https://docs.vllm.ai/en/latest/design/prefix_caching.html) gives a hit the cached blocks
+themselves (their reference count goes up) rather than new ones, and does not prefill them.
+The limit of that reasoning: a cached block no running request references sits in vLLM's free
+block queue (it counts as free in ``kv_cache_usage_perc``), and a hit takes it out of that queue,
+so it is not newly allocated but it does leave the free pool while the request runs; the saving
+is exact for a prefix that running requests share, and otherwise it stands on the engine's
+reported KV use (which counts here where it exceeds the reservations) and the live growth of
+the reservation. At release the fair-share counter and the learned overrun settle against the
+engine's reported cached tokens, which also confirm the index (:meth:`Limits.settle_prefix`).
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import AdmissionRequest, BucketCharge, Ticket
 from kvgate_agent.admission.fairness import FairShare
 from kvgate_agent.admission.predictor import LengthPredictor
+from kvgate_agent.admission.prefix_index import PrefixIndex
 from kvgate_agent.admission.rate_limits import RateLimits
 from kvgate_agent.contract.policy import ReservationMode
 
@@ -67,6 +81,8 @@ class Limits:
         engine_kv_used: KV tokens the engine reports in use (None: not known).
         engine_kv_until: clock time after which that report is too old to count.
         fair: the tenants' fair-share counters, charged here at every reservation.
+        prefixes: the recently admitted prompts' block hashes and the engine's confirmation
+            (:mod:`.prefix_index`).
     """
 
     __slots__ = (
@@ -81,6 +97,7 @@ class Limits:
         "predicted",
         "predicted_in_flight",
         "predictor",
+        "prefixes",
         "rates",
         "tickets",
     )
@@ -101,6 +118,7 @@ class Limits:
         self.engine_kv_used: int | None = None
         self.engine_kv_until = 0.0
         self.fair = FairShare(config.fair_prompt_weight, config.fair_output_weight, max_tenants)
+        self.prefixes = PrefixIndex()
 
     # ------------------------------------------------------------------ configuration
 
@@ -124,9 +142,10 @@ class Limits:
         return round_up(prompt + n * max_tokens, self.config.block_size)
 
     def reservation(self, req: AdmissionRequest, max_tokens: int) -> int:
-        """KV tokens reserved for ``req`` admitted with ``max_tokens``: prompt + n x min(max_tokens,
-        L), block-rounded, L the predicted output per choice (``req.predicted_output_tokens``
-        when set, else the predictor's; max_tokens when neither, or under ``MaxTokens``)."""
+        """KV tokens reserved for ``req`` admitted with ``max_tokens``: prompt − its expected
+        cached prefix (``req.cached_prefix_tokens``) + n x min(max_tokens, L), block-rounded, L
+        the predicted output per choice (``req.predicted_output_tokens`` when set, else the
+        predictor's; max_tokens when neither, or under ``MaxTokens``)."""
         out = max_tokens
         if self.predicted:
             p = req.predicted_output_tokens
@@ -134,7 +153,8 @@ class Limits:
                 p = self.predictor.predict(req.tenant, req.model, max_tokens)
             if p is not None and p < max_tokens:
                 out = max(1, p)
-        return round_up(req.prompt_tokens + req.n * out, self.config.block_size)
+        prompt = req.prompt_tokens - req.cached_prefix_tokens
+        return round_up(prompt + req.n * out, self.config.block_size)
 
     @property
     def headroom(self) -> int:
@@ -162,7 +182,8 @@ class Limits:
         tokens added (0 if it already held them). Taken unconditionally: the sequence runs
         already (the headroom is what keeps this inside the pool)."""
         need = min(
-            ticket.kv_max, round_up(ticket.prompt_tokens + tokens + 1, self.config.block_size)
+            ticket.kv_max,
+            round_up(ticket.uncached_prompt_tokens + tokens + 1, self.config.block_size),
         )
         extra = need - ticket.kv_tokens
         if extra <= 0:
@@ -237,7 +258,8 @@ class Limits:
         for b, amount, _ in found:
             b.level -= amount
             b.pins += 1
-        kv_max = self.kv_tokens(req.prompt_tokens, max_tokens, req.n)
+        cached = req.cached_prefix_tokens
+        kv_max = self.kv_tokens(req.prompt_tokens - cached, max_tokens, req.n)
         ticket = Ticket(
             req.tenant,
             req.prompt_tokens,
@@ -252,6 +274,12 @@ class Limits:
             kv,
         )
         ticket.weight = req.weight
+        if req.prefix_blocks is not None:
+            ticket.cached_tokens = cached
+            ticket.prefix_run = req.prefix_run
+            self.prefixes.remember(req.prefix_blocks)
+        elif cached:
+            ticket.cached_tokens = cached
         self.fair.admit(ticket)
         if kv < kv_max:
             self.predicted_in_flight += 1
@@ -278,9 +306,10 @@ class Limits:
             self.predicted_in_flight -= 1
         del self.tickets[id(ticket)]
 
-    def learn(self, ticket: Ticket, completion_tokens: int) -> None:
-        """Learn from a settled ticket whose request produced ``completion_tokens`` (all choices):
-        the length predictor's sample, and how far a predicted reservation had to grow."""
+    def learn(self, ticket: Ticket, completion_tokens: int, cached_tokens: int = 0) -> None:
+        """Learn from a settled ticket whose request produced ``completion_tokens`` (all choices)
+        with ``cached_tokens`` of its prompt found in the engine's prefix cache: the length
+        predictor's sample, and how far a predicted reservation had to grow."""
         self.predictor.observe(
             ticket.tenant, ticket.model, ticket.max_tokens, completion_tokens // max(1, ticket.n)
         )
@@ -288,6 +317,30 @@ class Limits:
         if base < ticket.kv_max:
             final = min(
                 ticket.kv_max,
-                round_up(ticket.prompt_tokens + completion_tokens, self.config.block_size),
+                round_up(
+                    ticket.prompt_tokens - cached_tokens + completion_tokens,
+                    self.config.block_size,
+                ),
             )
             self.overrun_mean += OVERRUN_ALPHA * (max(0, final - base) - self.overrun_mean)
+
+    def expect_prefix(self, req: AdmissionRequest) -> None:
+        """Set ``req.prefix_run`` and ``req.cached_prefix_tokens`` from its ``prefix_blocks``
+        (:class:`~kvgate_agent.admission.prefix_index.PrefixIndex`); a no-op without them."""
+        blocks = req.prefix_blocks
+        if blocks is None:
+            return
+        bs = self.config.block_size
+        run = self.prefixes.run(blocks, req.prompt_tokens, bs)
+        req.prefix_run = run
+        req.cached_prefix_tokens = self.prefixes.expect(run, bs)
+
+    def settle_prefix(self, ticket: Ticket, cached_tokens: int | None) -> int:
+        """The cached prompt tokens ``ticket`` settles with: the engine's report
+        (``cached_tokens``, within the prompt; it confirms the prefix index's run), else the
+        expectation it was admitted on."""
+        if cached_tokens is None:
+            return ticket.cached_tokens
+        cached = min(max(0, cached_tokens), ticket.prompt_tokens)
+        self.prefixes.confirm(ticket.prefix_run, cached)
+        return cached

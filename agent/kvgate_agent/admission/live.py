@@ -61,7 +61,7 @@ class LiveCorrection:
         ticket.generated = generated
         ticket.last_token_at = now
         self._limits.fair.observe_output(ticket, generated)
-        if ticket.prompt_tokens + generated >= ticket.kv_tokens:
+        if ticket.uncached_prompt_tokens + generated >= ticket.kv_tokens:
             self._limits.grow(ticket, generated)
         self._ceiling.tick(now)
 

@@ -50,21 +50,21 @@ class PrefillBacklog:
     def admitted(self, ticket: Ticket) -> None:
         """``ticket``'s prompt waits for its prefill from now (its ``admitted_at``)."""
         ticket.prefill_pending = True
-        self.pending += ticket.prompt_tokens
+        self.pending += ticket.uncached_prompt_tokens
         self._entries.append(ticket)
 
     def prefilled(self, ticket: Ticket) -> None:
         """``ticket``'s first token streamed (its prompt is prefilled)."""
         if ticket.prefill_pending:
             ticket.prefill_pending = False
-            self.pending -= ticket.prompt_tokens
-            self._done += ticket.prompt_tokens
+            self.pending -= ticket.uncached_prompt_tokens
+            self._done += ticket.uncached_prompt_tokens
 
     def ended(self, ticket: Ticket) -> None:
         """``ticket`` was released, prefilled or not (not counted as prefill done)."""
         if ticket.prefill_pending:
             ticket.prefill_pending = False
-            self.pending -= ticket.prompt_tokens
+            self.pending -= ticket.uncached_prompt_tokens
 
     def delay(self, now: float) -> float:
         """Seconds a prompt admitted now would wait for those ahead of it: ``pending /

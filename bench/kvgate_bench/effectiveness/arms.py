@@ -60,6 +60,9 @@ workload and load, and the sweep with it):
     action; a FIFO queue instead of ShortestFirst; per-tenant token budgets of an equal share
     of the capacity x 1.5 (what a platform team that knows its tenants would set; the default
     policy's per-tenant limit is half the server).
+``kvgate-prefix-blind``
+    ``kvgate`` without the prompts' block hashes (the prefix-aware ablation: whole prompts
+    reserved and charged, :mod:`.kvgate_defaults`).
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ ABLATIONS: tuple[str, ...] = (
     "kvgate-no-degrade",
     "kvgate-fifo",
     "kvgate-tenant-budgets",
+    "kvgate-prefix-blind",
 )
 #: The baselines kvgate is compared with.
 BASELINES: tuple[str, ...] = (
@@ -327,6 +331,7 @@ ARM_FACTORIES: dict[str, ArmFactory] = {
         int(p.get("cap", 384)), float(p.get("target_s", 0.25)), p.get("interval_s")
     ),
     "kvgate-slo-only": lambda ctx, p: KvgateDefaultsArm(ctx, "slo-only"),
+    "kvgate-prefix-blind": lambda ctx, p: KvgateDefaultsArm(ctx, "prefix-blind"),
     "kvgate-empty": lambda ctx, p: KvgateDefaultsArm(ctx, "empty"),
 }
 

@@ -170,6 +170,11 @@ class Gate:
         if degraded:
             rec.outcome = DEGRADED
 
+    def cached_tokens(self, rid: str) -> int:
+        """Prompt tokens the engine reported found in its prefix cache for the request ``rid``
+        (vLLM's ``usage.prompt_tokens_details.cached_tokens``); 0 before it ran."""
+        return self._records[rid].cached_tokens
+
     def reject(self, req: Request, now: float, retry_after_s: float | None = None) -> None:
         """Refuse ``req`` at ``now`` (a 429 or 503, ``retry_after_s`` seconds suggested)."""
         rec = self._records[req.rid]

@@ -24,6 +24,7 @@ from kvgate_bench.effectiveness.driver import Arm
 from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
 from kvgate_bench.effectiveness.workloads import BATCH, Request
 from kvgate_bench.kit.toolkit import FakeClock
+from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
 
 
 class KvgateMaxTokensArm(Arm):
@@ -36,6 +37,10 @@ class KvgateMaxTokensArm(Arm):
     name = "kvgate-maxtokens"
     #: The policy's ``tenants.defaultMaxTokens`` (the CRD default), tokens.
     DEFAULT_MAX_TOKENS = 1024
+    #: Prefix-aware: each request carries its prompt's block hashes (:meth:`prefix_blocks`)
+    #: and settles with the engine's reported cached tokens. Off: whole prompts reserved and
+    #: charged, nothing told of the engine's prefix cache.
+    prefix_aware = False
 
     def __init__(self, ctx: ArmContext) -> None:
         super().__init__()
@@ -78,7 +83,20 @@ class KvgateMaxTokensArm(Arm):
         if mt is None:
             mml = self.ctx.engine.max_model_len
             mt = min(self.spec.tenants.default_max_tokens, max(1, mml - req.prompt_tokens))
-        return AdmissionRequest(req.tenant, req.prompt_tokens, mt, 0)
+        ar = AdmissionRequest(req.tenant, req.prompt_tokens, mt, 0)
+        if self.prefix_aware:
+            ar.prefix_blocks = self.prefix_blocks(req)
+        return ar
+
+    def prefix_blocks(self, req: Request) -> list[int] | None:
+        """The chained hashes of ``req``'s prompt's full blocks, as the engine names them
+        (:func:`~kvgate_bench.sim.prefix_cache.extend_chain` over the session's
+        :class:`~kvgate_bench.sim.prefix_cache.SessionKeys`); None for a request without
+        content keys (never a hit)."""
+        if req.session is None:
+            return None
+        bs = self.ctx.engine.block_size
+        return extend_chain([], SessionKeys(req.session), req.prompt_tokens // bs)
 
     def _apply(self, req: Request, d: Decision, now: float) -> None:
         if d.ticket is not None:
@@ -111,8 +129,12 @@ class KvgateMaxTokensArm(Arm):
     def on_finish(self, req: Request, output_tokens: int, now: float) -> None:
         self.clock.now = now
         ticket = self._tickets.pop(req.rid)
+        cached = self.gate.cached_tokens(req.rid) if self.prefix_aware else None
         self.controller.release(
-            ticket, completion_tokens=output_tokens, prompt_tokens=req.prompt_tokens
+            ticket,
+            completion_tokens=output_tokens,
+            prompt_tokens=req.prompt_tokens,
+            cached_tokens=cached,
         )
         self.controller.pump()
         self._settle(now)

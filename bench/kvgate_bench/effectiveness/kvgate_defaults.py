@@ -16,6 +16,10 @@ takes nothing from the benchmark's measured capacity, and clients that send no p
     ShortestFirst queue with Degrade before it, and the workload's tenant classes: interactive
     with the SLO, batch with none), each request's weight, priority and TTFT SLO resolved from
     its tenant's class by the sidecar's own :class:`~kvgate_agent.sidecar.classes.ClassResolver`.
+    Prefix-aware: a request with content keys (``multi-turn``) carries its prompt's block hashes
+    and settles with the engine's reported cached tokens (``AdmissionRequest.prefix_blocks``).
+``kvgate-prefix-blind``
+    ``kvgate`` without the block hashes (the ablation): whole prompts reserved and charged.
 
 What the sidecar learns from the engine itself (and nothing else) completes the resolved
 configuration, as ``AdmissionConfig.from_policy(spec, kv_capacity_tokens=...)`` in
@@ -38,12 +42,12 @@ from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
 from kvgate_bench.effectiveness.workloads import BATCH, Request
 
 #: The arms of this module, by mode.
-MODES: tuple[str, ...] = ("slo-only", "empty", "recommended")
+MODES: tuple[str, ...] = ("slo-only", "empty", "recommended", "prefix-blind")
 
 
 class KvgateDefaultsArm(KvgateArm):
-    """kvgate with the spec of ``mode`` (``slo-only``, ``empty`` or ``recommended``: the arm
-    ``kvgate``; see the module
+    """kvgate with the spec of ``mode`` (``slo-only``, ``empty``, ``recommended``: the arm
+    ``kvgate``, or ``prefix-blind``; see the module
     docstring), the engine's KV pool and max_num_seqs, and priority-0 clients."""
 
     def __init__(self, ctx: ArmContext, mode: str) -> None:
@@ -53,6 +57,7 @@ class KvgateDefaultsArm(KvgateArm):
         self._resolver: ClassResolver | None = None
         super().__init__(ctx)
         self.name = "kvgate" if mode == "recommended" else f"kvgate-{mode}"
+        self.prefix_aware = mode == "recommended"
 
     def policy(self) -> dict[str, Any]:
         if self.mode == "empty":
@@ -60,7 +65,7 @@ class KvgateDefaultsArm(KvgateArm):
         slo = {"ttftSeconds": TTFT_SLO_S, "tpotSeconds": TPOT_SLO_S}
         if self.mode == "slo-only":
             return {"slo": slo}
-        return recommended_policy(self.ctx)
+        return recommended_policy(self.ctx)  # recommended, prefix-blind
 
     def _classes(self) -> ClassResolver:
         if self._resolver is None:
@@ -77,7 +82,7 @@ class KvgateDefaultsArm(KvgateArm):
     def admission_request(self, req: Request) -> AdmissionRequest:
         ar = super().admission_request(req)
         ar.priority = 0
-        if self.mode == "recommended":  # as the sidecar resolves the tenant's class
+        if self.mode in ("recommended", "prefix-blind"):  # as the sidecar resolves the class
             cls = self._classes()(req.tenant)
             ar.weight, ar.priority, ar.ttft_slo_seconds = (
                 cls.weight,
