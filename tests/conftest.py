@@ -4,6 +4,7 @@ Prometheus reading are in :mod:`kvgate_bench.kit.toolkit`."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -68,6 +69,23 @@ async def gauges(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     """The sidecar's ``/kvgate/metrics`` as {series with labels: value} (:func:`series`)."""
     async with session.get(url + "/kvgate/metrics") as r:
         return series(parse_samples(await r.text()))
+
+
+async def raw_exchange(url: str, request: bytes) -> tuple[bytes, bytes]:
+    """Send ``request`` exactly as given (no client normalisation) on a new connection;
+    the response's (head, body), read until the sidecar closes the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    writer.write(request)
+    await writer.drain()
+    got = b""
+    try:
+        while chunk := await asyncio.wait_for(reader.read(65536), 10):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    writer.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    return head, body
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ loopback: what external checks rely on is what the sidecar does."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 
@@ -12,27 +11,10 @@ import aiohttp
 import pytest
 
 from kvgate_bench.kit.toolkit import free_port
-from tests.conftest import REPO, SidecarFactory, gauges
+from tests.conftest import REPO, SidecarFactory, gauges, raw_exchange
 from tests.upstream import CHAT, Upstream
 
 INVALID = 'kvgate_admission_decisions_total{outcome="rejected",reason="invalid_request",tenant=""}'
-
-
-async def raw_exchange(url: str, request: bytes) -> tuple[bytes, bytes]:
-    """Send ``request`` exactly as given (no client normalisation) on a new connection;
-    the response's (head, body), read until the sidecar closes the connection."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
-    writer.write(request)
-    await writer.drain()
-    got = b""
-    try:
-        while chunk := await asyncio.wait_for(reader.read(65536), 10):
-            got += chunk
-    except ConnectionResetError:
-        pass
-    writer.close()
-    head, _, body = got.partition(b"\r\n\r\n")
-    return head, body
 
 
 def post(target: str, body: bytes, extra: bytes = b"") -> bytes:

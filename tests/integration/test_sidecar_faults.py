@@ -26,7 +26,7 @@ from kvgate_agent.sidecar import relay
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.slowclients import KEEPALIVE_TIMEOUT_S
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
-from tests.conftest import gauges, policy_doc
+from tests.conftest import gauges, policy_doc, raw_exchange
 from tests.upstream import CHAT, Faulty, serve_faulty
 
 ABORTS = int(os.environ.get("KVGATE_FAULTS_ABORTS", "1000"))
@@ -376,7 +376,6 @@ async def test_malformed_http_gets_an_openai_error_and_never_reaches_the_model(
     with an OpenAI error body and a closed connection; idle kept-alive connections are bounded
     (75 s, not aiohttp's 3630 s)."""
     url, sc = await start(faulty.url, {})
-    port = int(url.rsplit(":", 1)[1])
     raw = json.dumps(CHAT).encode()
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     cases = {
@@ -387,18 +386,10 @@ async def test_malformed_http_gets_an_openai_error_and_never_reaches_the_model(
         "chunk size": head + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n%s\r\n0\r\n\r\n" % raw,
     }
     for name, payload in cases.items():
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(payload)
-        got = b""
-        try:
-            while chunk := await asyncio.wait_for(reader.read(65536), 10):
-                got += chunk
-        except ConnectionResetError:
-            pass
-        writer.close()
-        status, _, rest = got.partition(b"\r\n")
+        got, raw_body = await raw_exchange(url, payload)
+        status = got.partition(b"\r\n")[0]
         assert status.startswith(b"HTTP/1.") and b" 400 " in status, (name, got[:200])
-        body = json.loads(rest.partition(b"\r\n\r\n")[2])
+        body = json.loads(raw_body)
         assert body["error"]["code"] == "malformed_http", (name, body)
         assert body["error"]["type"] == "invalid_request_error"
     assert faulty.reached == 0
