@@ -74,6 +74,11 @@ class Bucket(ABC):
         """True when the bucket's state carries nothing a new one would not (it may be
         evicted)."""
 
+    def fleet_lacks(self, amount: float) -> bool:
+        """True when a fleet-wide budget this bucket is a slice of cannot cover ``amount`` units
+        on any replica either; always False for a bucket of this pod's own."""
+        return False
+
     def take(self, amount: float, now: float) -> bool:
         """Take ``amount`` units if the bucket holds them; returns whether it did."""
         if self.refill(now) >= amount:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvgate_agent.admission.bucket import SharedBucket
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
     Blocker,
@@ -314,7 +313,7 @@ def reject(
     d.queue_seconds = waited
     # The request's own budget is fleet-wide and spent: another replica would refuse it alike.
     b = blocker.bucket
-    d.fleet_wide = own and isinstance(b, SharedBucket) and b.fleet_lacks(blocker.amount)
+    d.fleet_wide = own and b is not None and b.fleet_lacks(blocker.amount)
     if blocker.bucket is not None and blocker.resolved is not None:
         t = blocker.resolved
         cost_unit = blocker.reason is Reason.RATE_LIMIT_TOKENS
