@@ -306,6 +306,12 @@ class WebhookOperator:
             "KVGATE_OPERATOR_WEBHOOK_SELF_SIGNED": "true",
             "KVGATE_OPERATOR_WEBHOOK_CERT_SYNC_SECONDS": "1",
             "KVGATE_OPERATOR_INJECTION": json.dumps({"sidecarImage": IMAGE}),
+            # Every operator here shares one Lease: a predecessor killed at stop (not released)
+            # holds it for a lease duration, so keep that short (the default's 15 s more than
+            # once outlasted a wait for the next operator to lead on a busy CI machine).
+            "KVGATE_OPERATOR_LEADER_ELECTION_LEASE_DURATION": "6",
+            "KVGATE_OPERATOR_LEADER_ELECTION_RENEW_DEADLINE": "4",
+            "KVGATE_OPERATOR_LEADER_ELECTION_RETRY_PERIOD": "1",
             **self.extra_env,
         }
         fh = self.log.open("ab")
@@ -322,6 +328,15 @@ class WebhookOperator:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+    def wait(self, cond: Callable[[], Any], timeout: float, what: str) -> Any:
+        """:func:`wait_for`, with this operator's health and the tail of its log in the error."""
+        try:
+            return wait_for(cond, timeout, what)
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"{exc}; health {self.health()}; operator log:\n{self.log.read_text()[-4000:]}"
+            ) from exc
 
     def health(self) -> dict[str, Any]:
         try:
@@ -879,7 +894,7 @@ def served_cert(port: int) -> tuple[int, bytes]:
     return cert.serial_number, aki.key_identifier or b""
 
 
-@pytest.mark.timeout(600 if os.environ.get("KVGATE_SOAK") == "long" else 180)
+@pytest.mark.timeout(600 if os.environ.get("KVGATE_SOAK") == "long" else 300)
 def test_certificate_rotation_under_load_fails_no_admission(
     crds: Any, webhook: WebhookOperator, tmp_path: Path
 ) -> None:
@@ -915,10 +930,11 @@ def test_certificate_rotation_under_load_fails_no_admission(
         wait_for(lambda: effective(kube, ns), 30, "the rotating operator's webhook")
         # It rotates only once it leads (a follower adopts the Secret): on a busy machine the
         # lease can take longer to come than the 20 s of creates, so wait for its first rotation.
-        wait_for(
+        op.wait(lambda: op.metric("kvgate_operator_leader") == 1, 90, "the rotating operator to lead")
+        op.wait(
             lambda: op.metric("kvgate_webhook_certificate_reloads_total") >= 1,
-            60,
-            "the rotating operator leading and renewing its certificate",
+            30,
+            "the rotating operator, leading, to renew its certificate",
         )
         failures: list[str] = []
         uninjected: list[str] = []
