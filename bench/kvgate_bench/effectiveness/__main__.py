@@ -5,6 +5,8 @@ Usage::
     python -m kvgate_bench.effectiveness [--short] [--workloads W,...] [--loads 0.5,1,1.5,2,3]
         [--seeds N] [--seed S] [--json FILE] [--plots DIR] [--profile P] [--duration S]
         [--jobs J] [--arms A,...] [--replays K] [--noisy-load K,...] [--progress]
+    python -m kvgate_bench.effectiveness --replicas N[,N...] [--routers random,least-request,epp]
+        [--arms none,concurrency-cap,kvgate,flow-control] [--loads ...] [--seeds N] [--json F]
 
 Calibrates the ``none`` arm's goodput capacity per workload, runs every arm setting on the same
 seeded schedules, prints per workload and load each arm's best setting with its figures and
@@ -21,7 +23,9 @@ the total offered, 0.6 + K, and they carry ``noisy_load`` and the isolation figu
 Reject precision and the Retry-After error are measured by replaying up to ``--replays``
 (default 16; ``--short`` 3) sampled rejections of each reported row (see
 :mod:`kvgate_bench.effectiveness.metrics`); their CPU time is printed apart from the runs'.
-``--plots DIR`` writes the PNGs of :mod:`kvgate_bench.effectiveness.plots`. A progress line
+With ``--replicas`` it runs the pool instead (several replicas behind a router; see
+:mod:`kvgate_bench.effectiveness.pool_report`). ``--plots DIR`` writes the PNGs of
+:mod:`kvgate_bench.effectiveness.plots`. A progress line
 (phase, done / total, elapsed, ETA) goes to stderr when it is a terminal or with
 ``--progress``; stdout carries the report only.
 """
@@ -118,6 +122,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--progress", action="store_true", help="progress on stderr even when not a terminal"
+    )
+    p.add_argument(
+        "--replicas",
+        help="pool mode: comma-separated replica counts (e.g. 2,4,8) behind each router",
+    )
+    p.add_argument(
+        "--routers",
+        help="pool mode: comma-separated, from random,least-request,epp (default: all)",
     )
     return p.parse_args(argv)
 
@@ -268,6 +280,15 @@ def sweep_table(sweeps: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replicas is not None or args.routers is not None:
+        if args.replicas is None:
+            print("--routers needs --replicas", file=sys.stderr)
+            return 2
+        from kvgate_bench.effectiveness.pool_report import run_pool_mode
+
+        show = Progress(sys.stderr, live=sys.stderr.isatty())
+        shown = args.progress or sys.stderr.isatty()
+        return run_pool_mode(args, show.phase("pool runs") if shown else None)
     started = time.monotonic()
     short = args.short
     workloads = (

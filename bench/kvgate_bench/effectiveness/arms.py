@@ -169,6 +169,9 @@ class ConcurrencyCapArm(Arm):
         self.in_flight -= 1
         self._drain(now)
 
+    def queued(self) -> int:
+        return len(self._queue)
+
     def next_wake(self) -> float | None:
         return self._queue[0][1] if self._queue else None  # FIFO: deadlines are in order
 

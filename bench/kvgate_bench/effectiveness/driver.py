@@ -232,6 +232,16 @@ class Arm(ABC):
     def on_wake(self, now: float) -> None:  # noqa: B027
         """The timer asked for by :meth:`next_wake` fired at ``now``."""
 
+    def queued(self) -> int:
+        """Requests the arm holds, neither dispatched nor refused (0 for an arm that holds
+        none): the pool benchmark's "room" test reads it."""
+        return 0
+
+    def router_gauges(self) -> tuple[float, float] | None:
+        """What the arm's sidecar would expose to a router as (queue depth, KV fraction), or
+        None when it exposes nothing (the router reads the engine's own gauges)."""
+        return None
+
     def label(self) -> str:
         """``name`` and its parameters, for tables."""
         if not self.params:

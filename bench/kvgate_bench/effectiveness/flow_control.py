@@ -146,10 +146,13 @@ class FlowControlArm(Arm):
             self._since_scrape += 1
             self.gate.dispatch(req, now)
 
+    def busy(self) -> bool:
+        """Whether the detector keeps scraping: requests queued here or the engine at work."""
+        return bool(self._queued) or self.gate.engine.has_work
+
     def next_wake(self) -> float | None:
         # Scrape while there is something to dispatch or the engine is busy; the next TTL.
-        busy = bool(self._queued) or self.gate.engine.has_work
-        scrape = self._next_scrape if busy else math.inf
+        scrape = self._next_scrape if self.busy() else math.inf
         while self._expiry and self._expiry[0][1].rid not in self._queued:
             self._expiry.popleft()
         ttl = self._expiry[0][0] if self._expiry else math.inf

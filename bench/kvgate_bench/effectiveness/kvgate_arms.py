@@ -139,6 +139,16 @@ class KvgateMaxTokensArm(Arm):
         self.controller.pump()
         self._settle(now)
 
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def router_gauges(self) -> tuple[float, float] | None:
+        """The sidecar's ``kvgate_queue_depth`` (kvgate's queue plus the engine's waiting
+        requests) and ``kvgate_kv_reserved_fraction`` (reserved KV / capacity)."""
+        st = self.controller.stats()
+        kv = st.kv_reserved_tokens / st.kv_capacity_tokens if st.kv_capacity_tokens else 0.0
+        return float(st.queue_length + self.gate.engine.num_waiting), kv
+
     def next_wake(self) -> float | None:
         """The controller's :meth:`~AdmissionController.next_wake`, as the sidecar's timer
         uses it."""

@@ -1,0 +1,240 @@
+"""The pool mode of ``python -m kvgate_bench.effectiveness``: ``--replicas N[,N...]`` with
+``--routers random,least-request,epp``.
+
+Calibrates one pod (the single-pod calibration: a pool of ``N`` is offered ``load x N x`` one
+pod's load-1 rate), runs every router x arm pair of :mod:`.pool_runner` on the same seeded
+schedules, keeps each tuned arm's best setting (mean goodput over seeds), and prints per
+(workload, load, replicas) a table of the pairs and the headline ratios, all measured in the
+same run:
+
+* ``epp`` + per-pod ``kvgate`` (the EPP reading kvgate's gauges) against ``epp`` +
+  ``flow-control`` (llm-d's flow control, tuned) and against the best other pair;
+* per router, ``kvgate`` against ``none`` behind the same router, and the share of requests
+  finally refused while another replica had room (``refused_while_room``).
+
+``--json`` writes ``{"results": [...], "sweeps": [...], "calibration": {...}, "meta": {...}}``
+with rows keyed as the single-pod rows plus ``replicas``, ``router``, ``refused_while_room``,
+``retries`` and ``per_replica_requests``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvgate_bench.effectiveness.metrics import ratio_text
+from kvgate_bench.effectiveness.pool_runner import (
+    POOL_ARMS,
+    build_pool_tasks,
+    pairs,
+    pick_best_pool,
+    run_pool_all,
+)
+from kvgate_bench.effectiveness.routers import ROUTER_NAMES
+from kvgate_bench.effectiveness.runner import Calibration, calibrate_all, calibration_json
+
+#: Loads of a pool run when ``--loads`` is not given (the issue's: 0.8 for the refusal target,
+#: 1.5, 2 and 3 for the EPP target).
+POOL_LOADS: tuple[float, ...] = (0.8, 1.5, 2.0, 3.0)
+#: The workload of a pool run when ``--workloads`` is not given.
+POOL_WORKLOAD = "conversation"
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
+    xs = [float(r[key]) for r in rows if r.get(key) is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _f(v: float | None, spec: str = ".0f", scale: float = 1.0) -> str:
+    return "-" if v is None else format(v * scale, spec)
+
+
+def parse_list(text: str | None, what: str, cast: Callable[[str], Any], allowed: Any = None) -> Any:
+    """A comma-separated option as a list; raises ``ValueError`` naming ``what`` on a bad item."""
+    if not text:
+        return None
+    out = []
+    for item in text.split(","):
+        try:
+            v = cast(item.strip())
+        except ValueError:
+            raise ValueError(f"{what}: {item!r} is not valid") from None
+        if allowed is not None and v not in allowed:
+            raise ValueError(f"{what}: {item!r}; choose from {','.join(map(str, allowed))}")
+        out.append(v)
+    return out
+
+
+def pool_table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """The printed tables (means over seeds; one per workload, load, replicas) and headlines."""
+    lines: list[str] = []
+    heads: list[str] = []
+    header = (
+        f"{'router':<14} {'arm':<16} {'setting':<34} {'goodput':>8} {'SLO%':>5} {'TTFTp99':>8} "
+        f"{'pre/1k':>6} {'refused':>7} {'rwr%':>6} {'retries':>7} {'vs none':>7}"
+    )
+    points = sorted({(r["workload"], r["load"], r["replicas"]) for r in rows})
+    for w, load, n in points:
+        at = [r for r in rows if (r["workload"], r["load"], r["replicas"]) == (w, load, n)]
+        lines.append(f"\n{w}, {n} replicas, load {load:g} (x {n} pods' capacity; means over seeds)")
+        lines.append(header)
+        lines.append("-" * len(header))
+        gp: dict[tuple[str, str], float | None] = {}
+        for router, arm in pairs(ROUTER_NAMES, POOL_ARMS):
+            rs = [r for r in at if r["router"] == router and r["arm"] == arm]
+            if not rs:
+                continue
+            gp[router, arm] = _mean(rs, "goodput_tokens_per_s")
+            requests = _mean(rs, "requests") or 1.0
+            rwr = _mean(rs, "refused_while_room")
+            setting = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in rs[0]["params"].items()) or "-"  # fmt: skip
+            lines.append(
+                f"{router:<14} {arm:<16} {setting:<34} {_f(gp[router, arm]):>8} "
+                f"{_f(_mean(rs, 'slo_attainment'), '.1f', 100):>5} "
+                f"{_f(_mean(rs, 'ttft_p99_s'), '.2f'):>7}s "
+                f"{_f(_mean(rs, 'preemptions_per_1k'), '.1f'):>6} "
+                f"{_f(_mean(rs, 'rejected')):>7} "
+                f"{_f(None if rwr is None else rwr / requests, '.2f', 100):>6} "
+                f"{_f(_mean(rs, 'retries')):>7} "
+                f"{ratio_text(gp[router, arm], gp.get((router, 'none'))):>7}"
+            )
+        heads.extend(_headlines(w, load, n, gp, at))
+    return "\n".join(lines), heads
+
+
+def _headlines(
+    w: str,
+    load: float,
+    n: int,
+    gp: dict[tuple[str, str], float | None],
+    at: list[dict[str, Any]],
+) -> list[str]:
+    out: list[str] = []
+    mine = gp.get(("epp", "kvgate"))
+    if mine is not None:
+        msg = f"{w} {n}x load {load:g}: epp+kvgate goodput {_f(mine)}"
+        fc = gp.get(("epp", "flow-control"))
+        if fc is not None:
+            msg += f" = {ratio_text(mine, fc)} epp+flow-control ({_f(fc)})"
+        others = {k: v for k, v in gp.items() if k != ("epp", "kvgate") and v is not None}
+        if others:
+            best = max(others, key=lambda k: others[k] or 0.0)
+            msg += f", {ratio_text(mine, others[best])} the best other pair ({'+'.join(best)} "
+            msg += f"{_f(others[best])})"
+        out.append(msg)
+    for router in ROUTER_NAMES:
+        k, none = gp.get((router, "kvgate")), gp.get((router, "none"))
+        if k is None:
+            continue
+        rs = [r for r in at if r["router"] == router and r["arm"] == "kvgate"]
+        rwr = sum(int(r["refused_while_room"]) for r in rs)
+        requests = sum(int(r["requests"]) for r in rs)
+        out.append(
+            f"{w} {n}x load {load:g}: {router}+kvgate = {ratio_text(k, none)} {router}+none; "
+            f"refused while another replica had room: {rwr} of {requests} requests "
+            f"({100 * rwr / max(1, requests):.2f} %)"
+        )
+    return out
+
+
+def sweeps_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every setting's mean goodput per point (the tuned arms' sweeps)."""
+    acc: dict[tuple[Any, ...], list[float]] = {}
+    for r in rows:
+        key = (r["workload"], r["load"], r["replicas"], r["router"], r["arm"])
+        acc.setdefault((*key, json.dumps(r["params"], sort_keys=True)), []).append(
+            float(r["goodput_tokens_per_s"])
+        )
+    return [
+        {
+            "workload": k[0],
+            "load": k[1],
+            "replicas": k[2],
+            "router": k[3],
+            "arm": k[4],
+            "params": json.loads(k[5]),
+            "goodput_tokens_per_s": sum(v) / len(v),
+        }
+        for k, v in sorted(acc.items())
+    ]
+
+
+def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
+    """The pool mode of ``main`` (see the module docstring); returns the exit status (2 on a
+    bad option)."""
+    started = time.monotonic()
+    try:
+        replicas = parse_list(args.replicas, "--replicas", int)
+        routers = parse_list(args.routers, "--routers", str, ROUTER_NAMES) or list(ROUTER_NAMES)
+        arms = parse_list(args.arms, "--arms", str, POOL_ARMS) or list(POOL_ARMS)
+        loads = parse_list(args.loads, "--loads", float) or list(POOL_LOADS)
+        workloads = parse_list(args.workloads, "--workloads", str) or [POOL_WORKLOAD]
+    except ValueError as exc:
+        print(exc)
+        return 2
+    if any(n < 1 for n in replicas) or any(x <= 0 for x in loads):
+        print("--replicas and --loads want positive numbers")
+        return 2
+    if "none" not in arms:
+        arms.insert(0, "none")
+    short = bool(args.short)
+    n_seeds = args.seeds if args.seeds is not None else (1 if short else 2)
+    duration = args.duration if args.duration is not None else (120.0 if short else 300.0)
+    seeds = list(range(args.seed, args.seed + n_seeds))
+    print(
+        f"effectiveness (pool): profile {args.profile}, workloads {','.join(workloads)}, "
+        f"replicas {','.join(map(str, replicas))}, routers {','.join(routers)}, loads "
+        f"{','.join(f'{x:g}' for x in loads)}, seeds {seeds}, {duration:g} s schedules, "
+        f"{args.jobs} process(es)",
+        flush=True,
+    )
+    try:
+        found = calibrate_all(workloads, args.profile, duration, args.seed, args.jobs)
+    except ValueError as exc:  # an unknown workload or profile
+        print(exc)
+        return 2
+    cals: dict[str, Calibration] = dict(zip(workloads, found, strict=True))
+    for w, cal in cals.items():
+        print(
+            f"calibration {w} (one pod): goodput capacity {cal.capacity_goodput_tokens_per_s:.0f}"
+            f" output tokens/s, load 1 = {cal.load1_rate_rps:.2f} req/s per pod",
+            flush=True,
+        )
+    tasks = build_pool_tasks(
+        workloads, loads, seeds, replicas, routers, arms, cals, args.profile, duration, short
+    )
+    rows = run_pool_all(tasks, args.jobs, progress)
+    chosen = pick_best_pool(rows)
+    text, heads = pool_table(chosen)
+    print(text)
+    print("\nheadline (goodput ratios measured in this run):")
+    for h in heads:
+        print("  " + h)
+    elapsed = time.monotonic() - started
+    cpu = sum(float(r["cpu_s"]) for r in rows)
+    print(f"\n{len(rows)} runs, {cpu:.0f} CPU s; wall {elapsed:.0f} s")
+    if args.json is not None:
+        doc = {
+            "results": chosen,
+            "sweeps": sweeps_of(rows),
+            "calibration": {w: calibration_json(c) for w, c in cals.items()},
+            "meta": {
+                "mode": "pool",
+                "profile": args.profile,
+                "duration_s": duration,
+                "seeds": seeds,
+                "short": short,
+                "replicas": replicas,
+                "routers": routers,
+                "wall_s": elapsed,
+                "runs": len(rows),
+                "cpu_s": cpu,
+            },
+        }
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0

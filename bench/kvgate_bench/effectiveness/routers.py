@@ -1,0 +1,230 @@
+"""The routers of the pool benchmark (:mod:`kvgate_bench.effectiveness.pool`) and Envoy's retries.
+
+``random``
+    kube-proxy's choice for a ClusterIP Service: a uniformly random endpoint per connection
+    (iptables mode's ``statistic --mode random``; a connection per request here). It never
+    retries: the client sees what the replica answered.
+``least-request``
+    Envoy's ``LEAST_REQUEST`` load balancer as Istio configures it by default: two distinct
+    endpoints drawn at random, the one with fewer active requests (sent to it and not
+    answered) wins (the power of two choices, ``choice_count`` 2,
+    https://www.envoyproxy.io/docs/envoy/latest/intro/arch_overview/upstream/load_balancing/load_balancers).
+    Retries with :class:`RetryPolicy`.
+``epp``
+    llm-d's endpoint picker with the scorers of its ``inference-scheduling`` guide: the queue
+    scorer (weight 2: the fewest waiting requests score 1, the most 0, min-max across the
+    endpoints), the KV-cache-utilization scorer (weight 2: ``1 - usage``) and the approximate
+    prefix-cache scorer (weight 3: the share of the prompt's leading blocks the EPP routed to
+    that endpoint before, from an LRU of block hashes per endpoint), with the max-score picker
+    (ties broken at random) (https://github.com/llm-d/llm-d, ``guides/inference-scheduling``;
+    scorers in https://github.com/llm-d/llm-d-inference-scheduler). The gauges are the last
+    scrape's, every 50 ms: ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``, or,
+    with ``kvgate_gauges`` (an ``engineConfigs`` entry mapping them, ``docs/routers.md``),
+    kvgate's ``kvgate_queue_depth`` and ``kvgate_kv_reserved_fraction`` from the replica's arm.
+    Between scrapes nothing corrects them (the lag llm-d-router PR #2066 reports). A retry goes
+    to the best-scored endpoint not tried yet (the EPP's fallback endpoints with
+    ``override_host``).
+
+Times in seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvgate_bench.effectiveness.workloads import Request
+from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
+
+if TYPE_CHECKING:
+    from kvgate_bench.effectiveness.pool import Replica
+
+#: The routers, in report order (their names are an interface: ``--routers``, JSON ``router``).
+ROUTER_NAMES: tuple[str, ...] = ("random", "least-request", "epp")
+#: The EPP's scrape period, seconds (llm-d's default metrics refresh interval).
+SCRAPE_S = 0.05
+#: The EPP's scorer weights (llm-d's inference-scheduling guide).
+QUEUE_WEIGHT, KV_WEIGHT, PREFIX_WEIGHT = 2.0, 2.0, 3.0
+#: Block hashes the prefix scorer keeps per endpoint (its ``lruCapacityPerServer`` default).
+PREFIX_LRU_BLOCKS = 31_250
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Envoy's retries with the recipe of ``docs/routers.md``: a refused attempt is retried on
+    a host not tried yet (``previous_hosts``), at most ``replicas - 1`` times, after the
+    refusal's Retry-After when it gives one of at most ``max_interval_s``
+    (``rate_limited_retry_back_off``), else after Envoy's exponential back-off (25 ms base,
+    250 ms cap; the mean of its full jitter is taken here: half the interval).
+
+    Every per-pod refusal counts as retriable (kvgate's are 429s without
+    ``x-envoy-ratelimited``; a concurrency cap's queue timeout, a 503, is retried too, which
+    Envoy does with ``retry_on: 5xx``)."""
+
+    max_interval_s: float = 10.0
+    base_s: float = 0.025
+    cap_s: float = 0.25
+
+    def max_retries(self, replicas: int) -> int:
+        """Retries allowed for a pool of ``replicas``."""
+        return max(0, replicas - 1)
+
+    def backoff_s(self, retry: int, retry_after_s: float | None) -> float:
+        """The wait before retry number ``retry`` (from 1) after a refusal that suggested
+        ``retry_after_s`` (None: none)."""
+        if retry_after_s is not None and 0 <= retry_after_s <= self.max_interval_s:
+            return retry_after_s
+        return float(min(self.cap_s, self.base_s * 2.0 ** (retry - 1)) / 2)
+
+
+class Router(ABC):
+    """Picks the replica for each attempt; ``retries`` says whether its proxy retries."""
+
+    name = "router"
+    retries = True
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.replicas: Sequence[Replica] = ()
+
+    def start(self, replicas: Sequence[Replica]) -> None:
+        """Bind to the pool's replicas."""
+        self.replicas = replicas
+
+    @abstractmethod
+    def pick(self, req: Request, now: float, tried: frozenset[int]) -> int | None:
+        """The replica for ``req`` at ``now`` among those not in ``tried``; None if none."""
+
+    def sent(self, replica: int, req: Request, now: float) -> None:  # noqa: B027
+        """``req`` was sent to ``replica`` at ``now``."""
+
+    def next_scrape(self, busy: bool) -> float | None:
+        """When the router next reads the replicas' gauges (None: it reads none)."""
+        return None
+
+    def scrape(self, now: float) -> None:  # noqa: B027
+        """Read the replicas' gauges at ``now``."""
+
+    def _open(self, tried: frozenset[int]) -> list[int]:
+        return [r.index for r in self.replicas if r.index not in tried]
+
+
+class RandomRouter(Router):
+    """kube-proxy: uniformly random, no retries."""
+
+    name = "random"
+    retries = False
+
+    def pick(self, req: Request, now: float, tried: frozenset[int]) -> int | None:
+        hosts = self._open(tried)
+        return self.rng.choice(hosts) if hosts else None
+
+
+class LeastRequestRouter(Router):
+    """Envoy's least-request balancer (power of two choices on active requests)."""
+
+    name = "least-request"
+
+    def pick(self, req: Request, now: float, tried: frozenset[int]) -> int | None:
+        hosts = self._open(tried)
+        if len(hosts) <= 1:
+            return hosts[0] if hosts else None
+        a, b = self.rng.sample(hosts, 2)
+        return b if self.replicas[b].outstanding < self.replicas[a].outstanding else a
+
+
+class EppRouter(Router):
+    """llm-d's endpoint picker (see the module docstring)."""
+
+    name = "epp"
+
+    def __init__(self, seed: int, block_size: int, kvgate_gauges: bool = False) -> None:
+        super().__init__(seed)
+        self.block_size = block_size
+        self.kvgate_gauges = kvgate_gauges
+        self._queue: list[float] = []
+        self._kv: list[float] = []
+        self._prefix: list[OrderedDict[int, None]] = []
+        self._next = 0.0
+
+    def start(self, replicas: Sequence[Replica]) -> None:
+        super().start(replicas)
+        self._prefix = [OrderedDict() for _ in replicas]
+        self.scrape(0.0)
+
+    def next_scrape(self, busy: bool) -> float | None:
+        # An idle pool's gauges do not move: no scrape timer (a drained run ends); pick()
+        # catches the scrapes up.
+        return self._next if busy else None
+
+    def scrape(self, now: float) -> None:
+        queue, kv = [], []
+        for rep in self.replicas:
+            gauges = rep.arm.router_gauges() if self.kvgate_gauges else None
+            if gauges is None:
+                gauges = (float(rep.engine.num_waiting), rep.engine.kv_usage)
+            queue.append(gauges[0])
+            kv.append(gauges[1])
+        self._queue, self._kv = queue, kv
+        self._next = now + SCRAPE_S
+
+    def _blocks(self, req: Request) -> list[int]:
+        if req.session is None:
+            return []
+        return extend_chain([], SessionKeys(req.session), req.prompt_tokens // self.block_size)
+
+    def scores(self, req: Request, hosts: list[int]) -> dict[int, float]:
+        """Each host's weighted score for ``req`` (higher is better)."""
+        qs = [self._queue[h] for h in hosts]
+        lo, hi = min(qs), max(qs)
+        blocks = self._blocks(req)
+        out = {}
+        for h in hosts:
+            q = 1.0 if hi == lo else (hi - self._queue[h]) / (hi - lo)
+            kv = 1.0 - min(1.0, max(0.0, self._kv[h]))
+            p = 0.0
+            if blocks:
+                held = self._prefix[h]
+                n = 0
+                for b in blocks:
+                    if b not in held:
+                        break
+                    n += 1
+                p = n / len(blocks)
+            out[h] = QUEUE_WEIGHT * q + KV_WEIGHT * kv + PREFIX_WEIGHT * p
+        return out
+
+    def pick(self, req: Request, now: float, tried: frozenset[int]) -> int | None:
+        if now >= self._next:  # idle meanwhile (no scrape timer): the idle gauges, read now
+            self.scrape(now - (now - self._next) % SCRAPE_S)
+        hosts = self._open(tried)
+        if not hosts:
+            return None
+        scores = self.scores(req, hosts)
+        best = max(scores.values())
+        top = [h for h in hosts if math.isclose(scores[h], best)]
+        return top[0] if len(top) == 1 else self.rng.choice(top)
+
+    def sent(self, replica: int, req: Request, now: float) -> None:
+        held = self._prefix[replica]
+        for b in self._blocks(req):
+            held[b] = None
+            held.move_to_end(b)
+        while len(held) > PREFIX_LRU_BLOCKS:
+            held.popitem(last=False)
+
+
+def make_router(name: str, seed: int, block_size: int, kvgate_gauges: bool = False) -> Router:
+    """A fresh router ``name`` (:data:`ROUTER_NAMES`). Raises ``ValueError`` for another name."""
+    if name == "random":
+        return RandomRouter(seed)
+    if name == "least-request":
+        return LeastRequestRouter(seed)
+    if name == "epp":
+        return EppRouter(seed, block_size, kvgate_gauges)
+    raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTER_NAMES)}")
