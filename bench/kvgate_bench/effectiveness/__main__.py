@@ -131,6 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--routers",
         help="pool mode: comma-separated, from random,least-request,epp (default: all)",
     )
+    p.add_argument(
+        "--retry-after-cap",
+        type=float,
+        help="pool mode: the longest Retry-After a retry waits, s (Envoy's max_interval; "
+        "default 0.5: a longer one, as every whole-second header, takes the 25 ms back-off)",
+    )
     return p.parse_args(argv)
 
 
@@ -280,7 +286,7 @@ def sweep_table(sweeps: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.replicas is not None or args.routers is not None:
+    if args.replicas is not None or args.routers is not None or args.retry_after_cap is not None:
         if args.replicas is None:
             print("--routers needs --replicas", file=sys.stderr)
             return 2

@@ -33,7 +33,7 @@ from kvgate_bench.effectiveness.pool_runner import (
     pick_best_pool,
     run_pool_all,
 )
-from kvgate_bench.effectiveness.routers import ROUTER_NAMES
+from kvgate_bench.effectiveness.routers import ROUTER_NAMES, RetryPolicy
 from kvgate_bench.effectiveness.runner import Calibration, calibrate_all, calibration_json
 
 #: Loads of a pool run when ``--loads`` is not given (the issue's: 0.8 for the refusal target,
@@ -189,7 +189,9 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
         f"effectiveness (pool): profile {args.profile}, workloads {','.join(workloads)}, "
         f"replicas {','.join(map(str, replicas))}, routers {','.join(routers)}, loads "
         f"{','.join(f'{x:g}' for x in loads)}, seeds {seeds}, {duration:g} s schedules, "
-        f"{args.jobs} process(es)",
+        f"{args.jobs} process(es); retries honour a Retry-After up to "
+        f"{RetryPolicy.max_interval_s if args.retry_after_cap is None else args.retry_after_cap:g}"
+        " s",
         flush=True,
     )
     try:
@@ -204,8 +206,9 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
             f" output tokens/s, load 1 = {cal.load1_rate_rps:.2f} req/s per pod",
             flush=True,
         )
+    cap = RetryPolicy.max_interval_s if args.retry_after_cap is None else args.retry_after_cap
     tasks = build_pool_tasks(
-        workloads, loads, seeds, replicas, routers, arms, cals, args.profile, duration, short
+        workloads, loads, seeds, replicas, routers, arms, cals, args.profile, duration, short, cap
     )
     rows = run_pool_all(tasks, args.jobs, progress)
     chosen = pick_best_pool(rows)
@@ -230,6 +233,7 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
                 "short": short,
                 "replicas": replicas,
                 "routers": routers,
+                "retry_after_cap_s": cap,
                 "wall_s": elapsed,
                 "runs": len(rows),
                 "cpu_s": cpu,

@@ -109,6 +109,9 @@ class PoolTask:
     profile: str
     duration_s: float
     calibration: Calibration
+    #: Envoy's ``rate_limited_retry_back_off.max_interval`` (seconds): a longer Retry-After is
+    #: ignored and the exponential back-off applies (:class:`RetryPolicy`).
+    retry_after_cap_s: float = RetryPolicy.max_interval_s
 
 
 def run_pool_task(task: PoolTask) -> dict[str, Any]:
@@ -130,7 +133,7 @@ def run_pool_task(task: PoolTask) -> dict[str, Any]:
         per_pod = "none"
     kvgate_gauges = task.arm.startswith("kvgate")
     router = make_router(task.router, task.seed, ctx.engine.block_size, kvgate_gauges)
-    retry = RetryPolicy() if router.retries else None
+    retry = RetryPolicy(max_interval_s=task.retry_after_cap_s) if router.retries else None
 
     def arm_of(i: int) -> Arm:
         return make_arm(per_pod, ctx, {} if front is not None else params)
@@ -164,6 +167,7 @@ def build_pool_tasks(
     prof: str,
     duration_s: float,
     short: bool,
+    retry_after_cap_s: float = RetryPolicy.max_interval_s,
 ) -> list[PoolTask]:
     """Every pool run, the heaviest (most replicas, highest load) first. Raises
     ``ValueError`` for an unknown router or arm."""
@@ -186,6 +190,7 @@ def build_pool_tasks(
             prof,
             duration_s,
             calibrations[w],
+            retry_after_cap_s,
         )
         for w in workloads
         for load in loads

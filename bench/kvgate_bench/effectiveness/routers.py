@@ -66,7 +66,7 @@ class RetryPolicy:
     ``x-envoy-ratelimited``; a concurrency cap's queue timeout, a 503, is retried too, which
     Envoy does with ``retry_on: 5xx``)."""
 
-    max_interval_s: float = 10.0
+    max_interval_s: float = 0.5
     base_s: float = 0.025
     cap_s: float = 0.25
 
@@ -76,9 +76,13 @@ class RetryPolicy:
 
     def backoff_s(self, retry: int, retry_after_s: float | None) -> float:
         """The wait before retry number ``retry`` (from 1) after a refusal that suggested
-        ``retry_after_s`` (None: none)."""
-        if retry_after_s is not None and 0 <= retry_after_s <= self.max_interval_s:
-            return retry_after_s
+        ``retry_after_s`` (None: none). The header carries whole seconds (RFC 9110 section
+        10.2.3: the sidecar rounds up), so a suggestion is honoured as its ceiling, when that
+        is at most ``max_interval_s``."""
+        if retry_after_s is not None and retry_after_s >= 0:
+            header = float(math.ceil(retry_after_s))
+            if header <= self.max_interval_s:
+                return header
         return float(min(self.cap_s, self.base_s * 2.0 ** (retry - 1)) / 2)
 
 
