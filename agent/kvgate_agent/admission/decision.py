@@ -119,6 +119,9 @@ class AdmissionRequest:
             ``prefix_blocks`` when given, else the caller's own figure (0: none).
         prefix_run: tokens of the prompt's leading blocks the prefix index holds (set by
             ``submit`` with ``cached_prefix_tokens``; the engine's report confirms it).
+        waited_seconds: seconds the client's request waited before it reached this pod (a
+            retry after another replica refused it, timed by the proxy's ``X-Request-Start``),
+            taken off its TTFT wait budget; 0: it arrived here first.
     """
 
     tenant: str
@@ -136,6 +139,7 @@ class AdmissionRequest:
     prefix_blocks: list[int] | None = None
     cached_prefix_tokens: int = 0
     prefix_run: int = 0
+    waited_seconds: float = 0.0
 
 
 @dataclass(slots=True, eq=False)

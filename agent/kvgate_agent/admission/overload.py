@@ -173,10 +173,18 @@ def _expected_wait(
 
 
 def _wait_budget(r: Resources, req: AdmissionRequest) -> float | None:
-    """Seconds ``req`` may wait under its TTFT SLO: its class's (``req.ttft_slo_seconds``;
+    """Seconds ``req`` may still wait under its TTFT SLO: its class's (``req.ttft_slo_seconds``;
     infinite: none), else the policy's for priorities >= ``slo.minPriority``; where the policy
-    states no TTFT SLO, the default wait bound (``AdmissionConfig.default_wait_seconds``); None
+    states no TTFT SLO, the default wait bound (``AdmissionConfig.default_wait_seconds``); less
+    what it waited before it reached this pod (``req.waited_seconds``, never below 0); None
     when no budget applies to it."""
+    budget = _full_wait_budget(r, req)
+    if budget is None or req.waited_seconds <= 0:
+        return budget
+    return max(0.0, budget - req.waited_seconds)
+
+
+def _full_wait_budget(r: Resources, req: AdmissionRequest) -> float | None:
     ttft = req.ttft_slo_seconds
     if ttft is None:
         cfg = r.limits.config

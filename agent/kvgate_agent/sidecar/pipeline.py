@@ -31,6 +31,8 @@ from kvgate_agent.sidecar.model_server import ModelServer
 from kvgate_agent.sidecar.openai_errors import RequestError
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.request import ParsedRequest, canonical_path, is_json
+from kvgate_agent.sidecar.request_start import HEADER as REQUEST_START
+from kvgate_agent.sidecar.request_start import waited_seconds
 from kvgate_agent.sidecar.settings import SidecarSettings
 from kvgate_agent.sidecar.store import StoreLink
 from kvgate_agent.sidecar.tenants import Identifier, Identity, engine_priority
@@ -216,6 +218,7 @@ class RequestPipeline:
             degraded=already_degraded(request.headers),
             prompt_tokens_min=optimistic_prompt_tokens(prompt, self.counter.bytes_per_token),
         )
+        areq.waited_seconds = waited_seconds(request.headers.get(REQUEST_START), time.time())
         d = await self.admission.admit(areq)
         if d.max_tokens >= reserved:  # admitted as asked: the engine is sent what it would be
             d.max_tokens = max_tokens

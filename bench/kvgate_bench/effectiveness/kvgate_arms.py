@@ -123,7 +123,9 @@ class KvgateMaxTokensArm(Arm):
 
     def on_arrival(self, req: Request, now: float) -> None:
         self.clock.now = now
-        self._apply(req, self.controller.submit(self.admission_request(req)), now)
+        ar = self.admission_request(req)
+        ar.waited_seconds = max(0.0, now - req.arrival_s)  # a pool's retry: the client waited
+        self._apply(req, self.controller.submit(ar), now)
         self._settle(now)
 
     def on_finish(self, req: Request, output_tokens: int, now: float) -> None:

@@ -179,7 +179,7 @@ class _Pool:
             self.refuse(req, now, None)
             return
         aid = req.rid if attempt == 0 else f"{req.rid}~r{attempt}"
-        att = req if attempt == 0 else replace(req, rid=aid, arrival_s=now)
+        att = req if attempt == 0 else replace(req, rid=aid)  # arrival_s: the client's
         self.attempts[aid] = RequestRecord(att)
         self.origin[aid] = (req, r, attempt, tried | {r})
         self.last_attempt[req.rid] = aid
