@@ -238,7 +238,7 @@ class Forwarder:
         data = await read_capped(resp)
         ex.clean = True
         if resp.status == 200:
-            ex.prompt_tokens, reported = ex.parsed.api.body_usage(data)
+            ex.prompt_tokens, reported, ex.cached_tokens = ex.parsed.api.body_usage(data)
             # No usage reported: charge what was reserved rather than nothing.
             t = ex.ticket
             ex.completion_tokens = t.max_tokens * t.n if reported is None else reported
@@ -270,7 +270,8 @@ class Forwarder:
         return out
 
     def _settle(self, ex: Exchange, tenant_label: str, prompt: PromptCount) -> None:
-        """Close or release the upstream response, release the ticket, count the tokens and
+        """Close or release the upstream response, release the ticket (with the cached prompt
+        tokens the engine reported, which settle its expected prefix), count the tokens and
         calibrate the prompt estimate with the reported usage."""
         if ex.resp is not None:
             if ex.clean:
@@ -283,6 +284,7 @@ class Forwarder:
             completion_tokens=ex.completion_tokens,
             prompt_tokens=ex.prompt_tokens,
             reached_upstream=ex.reached,
+            cached_tokens=ex.cached_tokens if ex.reached else None,
         )
         if ex.reached:
             m = self.metrics
