@@ -930,7 +930,9 @@ def test_certificate_rotation_under_load_fails_no_admission(
         wait_for(lambda: effective(kube, ns), 30, "the rotating operator's webhook")
         # It rotates only once it leads (a follower adopts the Secret): on a busy machine the
         # lease can take longer to come than the 20 s of creates, so wait for its first rotation.
-        op.wait(lambda: op.metric("kvgate_operator_leader") == 1, 90, "the rotating operator to lead")
+        op.wait(
+            lambda: op.metric("kvgate_operator_leader") == 1, 90, "the rotating operator to lead"
+        )
         op.wait(
             lambda: op.metric("kvgate_webhook_certificate_reloads_total") >= 1,
             30,

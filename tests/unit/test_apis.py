@@ -83,8 +83,8 @@ def test_each_api_satisfies_the_protocol_with_the_old_fields(api: Api) -> None:
         assert api.event_reader() is not reader  # one per stream
         acct = StreamAccountant(False, reader)
         assert acct.feed(b"data: {}\n\n") == b"data: {}\n\n"
-    assert api.body_usage(b"") == (None, None)
-    assert api.body_usage(b"null") == (None, None)
+    assert api.body_usage(b"") == (None, None, None)
+    assert api.body_usage(b"null") == (None, None, None)
 
 
 def parse(route: Route, body: object) -> ParsedRequest:

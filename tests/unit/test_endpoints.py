@@ -279,13 +279,13 @@ def test_passthrough_entries_that_can_never_match_are_refused(entry: str, why: s
 @pytest.mark.parametrize(
     ("kind", "body", "want"),
     [
-        ("responses", {"usage": {"input_tokens": 5, "output_tokens": 7}}, (5, 7)),
+        ("responses", {"usage": {"input_tokens": 5, "output_tokens": 7}}, (5, 7, None)),
         (
             "messages",
             {"usage": {"input_tokens": 5, "cache_read_input_tokens": 10, "output_tokens": 7}},
-            (15, 7),
+            (15, 7, 10),
         ),
-        ("tgi", {"details": {"generated_tokens": 7}}, (None, 7)),
+        ("tgi", {"details": {"generated_tokens": 7}}, (None, 7, None)),
         (
             "tgi",
             {
@@ -294,18 +294,18 @@ def test_passthrough_entries_that_can_never_match_are_refused(entry: str, why: s
                     "best_of_sequences": [{"generated_tokens": 3}, {"generated_tokens": 4}],
                 }
             },
-            (None, 14),
+            (None, 14, None),
         ),
-        ("tgi", [{"generated_text": "x"}], (None, None)),
-        ("sglang", [{"meta_info": {"prompt_tokens": 2, "completion_tokens": 3}}] * 2, (4, 6)),
-        ("llamacpp", {"tokens_evaluated": 5, "tokens_predicted": 7}, (5, 7)),
-        ("llamacpp", {"tokens_evaluated": -5, "tokens_predicted": "7"}, (None, None)),
-        ("chat", {"usage": {"prompt_tokens": 5, "completion_tokens": 7}}, (5, 7)),
+        ("tgi", [{"generated_text": "x"}], (None, None, None)),
+        ("sglang", [{"meta_info": {"prompt_tokens": 2, "completion_tokens": 3}}] * 2, (4, 6, None)),
+        ("llamacpp", {"tokens_evaluated": 5, "tokens_predicted": 7}, (5, 7, None)),
+        ("llamacpp", {"tokens_evaluated": -5, "tokens_predicted": "7"}, (None, None, None)),
+        ("chat", {"usage": {"prompt_tokens": 5, "completion_tokens": 7}}, (5, 7, None)),
     ],
 )
-def test_body_usage(kind: str, body: Any, want: tuple[int | None, int | None]) -> None:
+def test_body_usage(kind: str, body: Any, want: tuple[int | None, int | None, int | None]) -> None:
     assert APIS[kind].body_usage(json.dumps(body).encode()) == want
-    assert APIS[kind].body_usage(b"\xff not json") == (None, None)
+    assert APIS[kind].body_usage(b"\xff not json") == (None, None, None)
 
 
 def _events(events: list[Any], named: bool = False, done: bool = False) -> bytes:

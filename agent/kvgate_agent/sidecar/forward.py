@@ -32,6 +32,7 @@ from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.model_server import ModelServer
 from kvgate_agent.sidecar.openai_errors import body_too_slow
+from kvgate_agent.sidecar.prefix_blocks import PrefixNaming
 from kvgate_agent.sidecar.relay import (
     ClientGone,
     Exchange,
@@ -143,6 +144,9 @@ class Forwarder:
         self.counter = counter
         self._running: set[asyncio.Task[Any]] = set()  # admitted requests' handler tasks
         self._ending = False
+        #: Whether prompts' blocks are named for admission: opened by the first positive count
+        #: of cached prompt tokens the engine reports (read by the request pipeline).
+        self.prefixes = PrefixNaming()
 
     async def end_all(self, grace: float) -> None:
         """The drain deadline: end every admitted request still running (streams with a
@@ -238,7 +242,7 @@ class Forwarder:
         data = await read_capped(resp)
         ex.clean = True
         if resp.status == 200:
-            ex.prompt_tokens, reported = ex.parsed.api.body_usage(data)
+            ex.prompt_tokens, reported, ex.cached_tokens = ex.parsed.api.body_usage(data)
             # No usage reported: charge what was reserved rather than nothing.
             t = ex.ticket
             ex.completion_tokens = t.max_tokens * t.n if reported is None else reported
@@ -270,8 +274,10 @@ class Forwarder:
         return out
 
     def _settle(self, ex: Exchange, tenant_label: str, prompt: PromptCount) -> None:
-        """Close or release the upstream response, release the ticket, count the tokens and
-        calibrate the prompt estimate with the reported usage."""
+        """Close or release the upstream response, release the ticket (with the cached prompt
+        tokens the engine reported, which settle its expected prefix), count the tokens
+        (``kvgate_prefix_cached_tokens_total{source="reported"}`` too) and calibrate the prompt
+        estimate with the reported usage."""
         if ex.resp is not None:
             if ex.clean:
                 ex.resp.release()
@@ -283,9 +289,13 @@ class Forwarder:
             completion_tokens=ex.completion_tokens,
             prompt_tokens=ex.prompt_tokens,
             reached_upstream=ex.reached,
+            cached_tokens=ex.cached_tokens if ex.reached else None,
         )
         if ex.reached:
             m = self.metrics
+            if ex.cached_tokens is not None:
+                self.prefixes.observe(ex.cached_tokens)
+                m.prefix_cached_tokens.labels("reported").inc(ex.cached_tokens)
             settled_prompt = ticket.prompt_tokens if ex.prompt_tokens is None else ex.prompt_tokens
             m.tokens.labels("prompt", tenant_label).inc(settled_prompt)
             m.tokens.labels("completion", tenant_label).inc(ex.completion_tokens)

@@ -248,6 +248,10 @@ class SidecarMetrics:
         client_timeouts: ``kvgate_client_timeouts_total{phase}``: connections closed because the
             request headers (``phase="headers"``) or body (``"body"``) came too slowly.
         tokens: ``kvgate_tokens_total{kind, tenant}`` (prompt / completion tokens settled).
+        prefix_cached_tokens: ``kvgate_prefix_cached_tokens_total{source}``: prompt tokens
+            expected in the engine's prefix cache at admission (``source="expected"``: reserved
+            and charged as not newly allocated) and reported cached by the engine when the
+            request ended (``"reported"``), both 0 from the start.
         ttft: ``kvgate_time_to_first_token_seconds`` through the sidecar (streams only).
         decision_counts: decisions so far by outcome (for the node agent's sync report).
         upstream_ok: whether the last exchange with the model server succeeded
@@ -302,6 +306,15 @@ class SidecarMetrics:
         self.tokens = Counter(
             "kvgate_tokens", "Tokens settled against buckets", ["kind", "tenant"], registry=r
         )
+        self.prefix_cached_tokens = Counter(
+            "kvgate_prefix_cached_tokens",
+            "Prompt tokens in the engine's prefix cache: expected at admission (reserved and "
+            "charged as not newly allocated) or reported by the engine when the request ended",
+            ["source"],
+            registry=r,
+        )
+        for source in ("expected", "reported"):
+            self.prefix_cached_tokens.labels(source)
         self.ttft = Histogram(
             "kvgate_time_to_first_token_seconds",
             "Time from request arrival to the first streamed byte, seconds",

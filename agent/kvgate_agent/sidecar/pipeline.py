@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 from yarl import URL
 
-from kvgate_agent.admission import AsyncAdmission, Reason
+from kvgate_agent.admission import AsyncAdmission, Decision, Reason
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.body import read_body
@@ -209,17 +209,7 @@ class RequestPipeline:
         except RequestError as exc:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.bad_request(exc)
-        areq = who.admission_request(
-            prompt.tokens,
-            reserved,
-            parsed.n,
-            parsed.model,
-            model_rewritable=parsed.model_field,
-            degraded=already_degraded(request.headers),
-            prompt_tokens_min=optimistic_prompt_tokens(prompt, self.counter.bytes_per_token),
-        )
-        areq.waited_seconds = waited_seconds(request.headers.get(REQUEST_START), time.time())
-        d = await self.admission.admit(areq)
+        d = await self._admit(request, parsed, who, prompt, reserved)
         if d.max_tokens >= reserved:  # admitted as asked: the engine is sent what it would be
             d.max_tokens = max_tokens
         m = self.metrics
@@ -255,6 +245,42 @@ class RequestPipeline:
             tenant_label=label,
             started=started,
         )
+
+    async def _admit(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        who: Identity,
+        prompt: PromptCount,
+        reserved: int,
+    ) -> Decision:
+        """Admission's decision on a request whose prompt counts ``prompt`` and whose choices
+        may each produce ``reserved`` output tokens. Once the engine has reported cached prompt
+        tokens (:class:`~kvgate_agent.sidecar.prefix_blocks.PrefixNaming`), the prompt's leading
+        full KV blocks are named (``prefix_blocks``), so that its expected cached prefix is
+        neither reserved nor charged (``kvgate_prefix_cached_tokens_total{source="expected"}``
+        counts it). The proxy's ``X-Request-Start`` says how long a retry already waited
+        (:mod:`~kvgate_agent.sidecar.request_start`): that comes off its TTFT wait budget."""
+        areq = who.admission_request(
+            prompt.tokens,
+            reserved,
+            parsed.n,
+            parsed.model,
+            model_rewritable=parsed.model_field,
+            degraded=already_degraded(request.headers),
+            prompt_tokens_min=optimistic_prompt_tokens(prompt, self.counter.bytes_per_token),
+        )
+        areq.prefix_blocks = self.forwarder.prefixes.blocks(
+            parsed.body if parsed.count_body is None else parsed.count_body,
+            parsed.model,
+            self.admission.config.block_size,
+            self.engine.context_tokens(self.policy.spec),
+        )
+        areq.waited_seconds = waited_seconds(request.headers.get(REQUEST_START), time.time())
+        d = await self.admission.admit(areq)
+        if d.ticket is not None and d.ticket.cached_tokens:
+            self.metrics.prefix_cached_tokens.labels("expected").inc(d.ticket.cached_tokens)
+        return d
 
     def _output_tokens(
         self, spec: RateLimitPolicySpec, parsed: ParsedRequest, prompt: PromptCount

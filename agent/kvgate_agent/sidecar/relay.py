@@ -72,6 +72,8 @@ class Exchange:
     """One admitted request's trip upstream, settled when it ends.
 
     ``completion_tokens``/``prompt_tokens``: what to charge (tokens; prompt None = as reserved);
+    ``cached_tokens``: the prompt tokens the engine reported found in its prefix cache (None:
+    not reported);
     ``reached``: the engine did GPU work for it; ``clean``: the upstream response was read to its
     end, so its connection may be reused.
     """
@@ -82,6 +84,7 @@ class Exchange:
     started: float  # time.perf_counter() at arrival, seconds
     completion_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     reached: bool = False
     clean: bool = False
     resp: UpstreamResponse | None = None
@@ -145,5 +148,6 @@ async def relay_stream(
         ex.completion_tokens = acct.completion_tokens_estimate
         if acct.prompt_tokens is not None:
             ex.prompt_tokens = acct.prompt_tokens
+        ex.cached_tokens = acct.cached_tokens
     await to_client(out.write_eof())
     return out

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate_agent.sidecar.usage import EventReader, decode_json
+from kvgate_agent.sidecar.usage import EventReader, decode_json, openai_cached
 
 __all__ = ["OpenAiEvents", "StreamAccountant", "Usage"]
 
@@ -38,8 +38,12 @@ class OpenAiEvents:
 
     Holds :attr:`usage` (the last ``usage`` object with int ``prompt_tokens`` and
     ``completion_tokens``, or None), :attr:`content_deltas` (events' choices carrying output,
-    counted once per choice per event) and :attr:`error` (the last top-level ``error`` object of
-    an event: vLLM's mid-stream errors; or None).
+    counted once per choice per event), :attr:`cached_tokens` (the prompt tokens the engine
+    reported found in its prefix cache: the last event's
+    ``usage.prompt_tokens_details.cached_tokens``, else its llama.cpp ``timings.cache_n``, as
+    :func:`~kvgate_agent.sidecar.usage.openai_cached`; or None; the usage chunk the proxy asked
+    for carries it too) and :attr:`error` (the last top-level ``error`` object of an event:
+    vLLM's mid-stream errors; or None).
 
     A chat choice carries output when its ``delta`` has a non-empty ``content``,
     ``reasoning_content`` (or ``reasoning``) or ``tool_calls``; a completions choice when its
@@ -47,10 +51,11 @@ class OpenAiEvents:
     :attr:`content_deltas` approximates output tokens.
     """
 
-    __slots__ = ("content_deltas", "error", "usage")
+    __slots__ = ("cached_tokens", "content_deltas", "error", "usage")
 
     def __init__(self) -> None:
         self.usage: Usage | None = None
+        self.cached_tokens: int | None = None
         self.content_deltas = 0
         self.error: dict[str, Any] | None = None
 
@@ -71,6 +76,10 @@ class OpenAiEvents:
             pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if type(pt) is int and type(ct) is int:
                 self.usage = Usage(pt, ct)
+        if usage is not None or "timings" in obj:
+            cached = openai_cached(obj)
+            if cached is not None:
+                self.cached_tokens = cached
         choices = obj.get("choices")
         if isinstance(choices, list):
             if not choices:
@@ -165,6 +174,13 @@ class StreamAccountant:
             return self._reader.prompt_tokens
         usage = self.openai.usage
         return None if usage is None else usage.prompt_tokens
+
+    @property
+    def cached_tokens(self) -> int | None:
+        """Prompt tokens the stream reported found in the engine's prefix cache, or None."""
+        if self._reader is not None:
+            return self._reader.cached_tokens
+        return self.openai.cached_tokens
 
     @property
     def pending_bytes(self) -> int:

@@ -74,9 +74,12 @@ class Api(Route, Protocol):
         chunk on the way back."""
         ...
 
-    def body_usage(self, data: bytes) -> tuple[int | None, int | None]:
-        """(prompt_tokens, completion_tokens) a whole response body reports, each None when
-        absent or not a non-negative integer (a batch's list of results summed). Never
+    def body_usage(self, data: bytes) -> tuple[int | None, int | None, int | None]:
+        """(prompt_tokens, completion_tokens, cached_tokens) a whole response body reports,
+        each None when absent or not a non-negative integer (a batch's list of results summed).
+        ``cached_tokens``: the prompt tokens the engine found in its prefix cache (vLLM's
+        ``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``,
+        Anthropic's ``cache_read_input_tokens``, SGLang's ``meta_info.cached_tokens``). Never
         raises on upstream content."""
         ...
 

@@ -2,8 +2,11 @@
 (https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md). Output limit
 ``n_predict``/``max_tokens`` (``-1``: unbounded, so the policy default is sent); sequences
 ``n_cmpl`` (or ``n``) x the prompts of a multi-prompt list. Usage:
-``tokens_evaluated``/``tokens_predicted``, a batch's list summed; a stream has ``content`` per
-event and ``stop: true`` with the counts, per ``index``. Pure JSON logic: no HTTP framework.
+``tokens_evaluated``/``tokens_predicted``, the cached prompt tokens ``timings.cache_n``, a batch's
+list summed; a stream has ``content`` per event and ``stop: true`` with the counts, per ``index``.
+(``tokens_cached`` is not read: it counts the tokens the slot holds after the request, the
+output's included, not the prompt tokens it reused: 19 for a 16-token prompt and 4 generated
+tokens with ``cache_n`` 0, observed.) Pure JSON logic: no HTTP framework.
 """
 
 from __future__ import annotations
@@ -12,7 +15,15 @@ from typing import Any
 
 from kvgate_agent.sidecar.apis.native import Fields, NativeApi, stream_flag
 from kvgate_agent.sidecar.request import bad, check_sequences, is_int, positive_int
-from kvgate_agent.sidecar.usage import EventReader, Pair, batch_usage, decode_body, pair
+from kvgate_agent.sidecar.usage import (
+    Counts,
+    EventReader,
+    batch_usage,
+    decode_body,
+    dig,
+    pair,
+    sum_known,
+)
 
 __all__ = ["LLAMACPP", "LlamaCpp", "LlamaCppReader"]
 
@@ -48,8 +59,8 @@ class LlamaCpp(NativeApi):
             None, stream_flag(body), limit, ("max_tokens",), "max_tokens", sequences, count
         )
 
-    def body_usage(self, data: bytes) -> Pair:
-        """``tokens_evaluated``, ``tokens_predicted``."""
+    def body_usage(self, data: bytes) -> Counts:
+        """``tokens_evaluated``, ``tokens_predicted``, ``timings.cache_n``."""
         return batch_usage(decode_body(data), _usage)
 
     def event_reader(self) -> EventReader:
@@ -61,8 +72,9 @@ class LlamaCpp(NativeApi):
 LLAMACPP = LlamaCpp()
 
 
-def _usage(obj: Any) -> Pair:
-    return pair(obj, "tokens_evaluated", "tokens_predicted")
+def _usage(obj: Any) -> Counts:
+    prompt, completion = pair(obj, "tokens_evaluated", "tokens_predicted")
+    return prompt, completion, dig(obj, "timings", "cache_n")
 
 
 def _piece(p: object) -> list[str | int] | None:
@@ -117,21 +129,26 @@ class LlamaCppReader(EventReader):
     """A llama.cpp stream: an event with ``content`` counts output; ``stop: true`` ends a
     sequence with its counts, cumulative per ``index``."""
 
-    __slots__ = ("_by_index",)
+    __slots__ = ("_by_index", "_cached_by_index")
 
     def __init__(self) -> None:
         super().__init__()
         self._by_index: dict[object, int] = {}  # cumulative completion tokens per sequence
+        self._cached_by_index: dict[object, int | None] = {}  # cached prompt tokens per sequence
 
     def event(self, obj: dict[str, Any]) -> None:
         """Account one event's JSON object."""
-        prompt, out = _usage(obj)
+        prompt, out, cached = _usage(obj)
         if obj.get("content"):
             self.deltas += 1
         if obj.get("stop") is True:
             self.done = True
         if prompt is not None:
             self.prompt_tokens = prompt
+        index = obj.get("index", 0)
         if out is not None:
-            self._by_index[obj.get("index", 0)] = out
+            self._by_index[index] = out
             self.reported = sum(self._by_index.values())
+        if cached is not None:
+            self._cached_by_index[index] = cached
+            self.cached_tokens = sum_known(list(self._cached_by_index.values()))

@@ -1,8 +1,9 @@
 """Anthropic Messages, ``POST /v1/messages`` (vLLM, https://docs.anthropic.com/en/api/messages):
 output limit ``max_tokens`` (required, as in Anthropic's API), one sequence; ``system``: a
 string or text blocks. Usage: ``usage.input_tokens`` (plus the cache tokens),
-``output_tokens``; a stream's ``content_block_delta`` events carry output, the usage comes in
-``message_start`` and ``message_delta``, then ``message_stop``
+``output_tokens``, the cached prompt tokens ``cache_read_input_tokens``; a stream's
+``content_block_delta`` events carry output, the usage comes in ``message_start`` and
+``message_delta``, then ``message_stop``
 (https://docs.anthropic.com/en/docs/build-with-claude/streaming). Pure JSON logic: no HTTP
 framework.
 """
@@ -14,7 +15,7 @@ from typing import Any
 
 from kvgate_agent.sidecar.apis.native import Fields, NativeApi, model_name, stream_flag, text_part
 from kvgate_agent.sidecar.request import bad, check_messages, positive_int
-from kvgate_agent.sidecar.usage import EventReader, Pair, count, decode_body
+from kvgate_agent.sidecar.usage import Counts, EventReader, count, decode_body
 
 __all__ = ["MESSAGES", "Messages", "MessagesReader"]
 
@@ -48,15 +49,20 @@ class Messages(NativeApi):
             count_body["tools"] = body["tools"]
         return Fields(model, stream_flag(body), limit, ("max_tokens",), "max_tokens", 1, count_body)
 
-    def body_usage(self, data: bytes) -> Pair:
-        """``usage.input_tokens`` (plus the cache tokens), ``usage.output_tokens``."""
+    def body_usage(self, data: bytes) -> Counts:
+        """``usage.input_tokens`` (plus the cache tokens), ``usage.output_tokens``,
+        ``usage.cache_read_input_tokens``."""
         obj = decode_body(data)
         if not isinstance(obj, dict):
-            return None, None
+            return None, None, None
         usage = obj.get("usage")
         if not isinstance(usage, dict):
-            return None, None
-        return _input(usage), count(usage.get("output_tokens"))
+            return None, None, None
+        return (
+            _input(usage),
+            count(usage.get("output_tokens")),
+            count(usage.get("cache_read_input_tokens")),
+        )
 
     def event_reader(self) -> EventReader:
         """A :class:`MessagesReader`."""
@@ -123,6 +129,9 @@ class MessagesReader(EventReader):
             prompt = _input(usage)
             if prompt is not None:
                 self.prompt_tokens = prompt
+            cached = count(usage.get("cache_read_input_tokens"))
+            if cached is not None:
+                self.cached_tokens = cached
             out = count(usage.get("output_tokens"))
             if out is not None and kind == "message_delta":  # cumulative at message_delta
                 self.reported = out

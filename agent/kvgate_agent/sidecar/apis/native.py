@@ -22,7 +22,7 @@ from kvgate_agent.sidecar.request import (
     effective_limit,
     n_predict_limit,
 )
-from kvgate_agent.sidecar.usage import EventReader, Pair
+from kvgate_agent.sidecar.usage import Counts, EventReader
 
 __all__ = ["Fields", "NativeApi", "model_name", "stream_flag", "text_part"]
 
@@ -63,7 +63,7 @@ class NativeApi:
         """
         raise NotImplementedError
 
-    def body_usage(self, data: bytes) -> Pair:
+    def body_usage(self, data: bytes) -> Counts:
         """See :meth:`~kvgate_agent.sidecar.apis.base.Api.body_usage`."""
         raise NotImplementedError
 

@@ -5,7 +5,9 @@
 Only the fields admission depends on are checked; everything else is left for the model server
 to judge. An explicit JSON ``null`` counts as absent for the optional fields (``max_tokens``,
 ``max_completion_tokens``, ``stream``, ``stream_options``, ``n``, ``best_of``), as the OpenAI
-API treats it. Usage: ``usage.prompt_tokens``/``completion_tokens``; streams are read by
+API treats it. Usage: ``usage.prompt_tokens``/``completion_tokens``, the cached prompt tokens
+``usage.prompt_tokens_details.cached_tokens`` (vLLM with ``--enable-prompt-tokens-details``,
+SGLang, llama.cpp) else llama.cpp's ``timings.cache_n``; streams are read by
 :class:`~kvgate_agent.sidecar.sse.StreamAccountant` itself (deltas, the usage chunk asked for
 with ``stream_options.include_usage``, ``[DONE]``). Pure JSON logic: no HTTP framework.
 """
@@ -26,7 +28,7 @@ from kvgate_agent.sidecar.request import (
     n_predict_limit,
     positive_int,
 )
-from kvgate_agent.sidecar.usage import EventReader, Pair, decode_body, pair
+from kvgate_agent.sidecar.usage import Counts, EventReader, decode_body, openai_cached, pair
 
 __all__ = ["CHAT", "COMPLETIONS", "OpenAI"]
 
@@ -95,8 +97,9 @@ class OpenAI:
             raw=raw,
         )
 
-    def body_usage(self, data: bytes) -> Pair:
-        """``usage.prompt_tokens``, ``usage.completion_tokens``."""
+    def body_usage(self, data: bytes) -> Counts:
+        """``usage.prompt_tokens``, ``usage.completion_tokens``,
+        :func:`~kvgate_agent.sidecar.usage.openai_cached`."""
         return _usage(decode_body(data))
 
     def event_reader(self) -> EventReader | None:
@@ -110,10 +113,11 @@ CHAT = OpenAI(chat=True)
 COMPLETIONS = OpenAI(chat=False)
 
 
-def _usage(obj: Any) -> Pair:
+def _usage(obj: Any) -> Counts:
     if not isinstance(obj, dict):
-        return None, None
-    return pair(obj.get("usage"), "prompt_tokens", "completion_tokens")
+        return None, None, None
+    prompt, completion = pair(obj.get("usage"), "prompt_tokens", "completion_tokens")
+    return prompt, completion, openai_cached(obj)
 
 
 def _check_prompt(prompt: object) -> None:

@@ -1,6 +1,7 @@
 """OpenAI Responses, ``POST /v1/responses`` (vLLM,
 https://docs.vllm.ai/en/latest/serving/openai_compatible_server.html): output limit
-``max_output_tokens``, one sequence. Usage: ``usage.input_tokens``/``output_tokens``; a stream's
+``max_output_tokens``, one sequence. Usage: ``usage.input_tokens``/``output_tokens``, the cached
+prompt tokens ``usage.input_tokens_details.cached_tokens``; a stream's
 ``*.delta`` events carry output, then ``response.completed`` (or ``.incomplete``, ``.failed``)
 carries the usage (https://platform.openai.com/docs/api-reference/responses-streaming).
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from kvgate_agent.sidecar.apis.native import Fields, NativeApi, model_name, stream_flag, text_part
 from kvgate_agent.sidecar.request import bad, positive_int
-from kvgate_agent.sidecar.usage import EventReader, Pair, decode_body, pair
+from kvgate_agent.sidecar.usage import Counts, EventReader, decode_body, dig, pair
 
 __all__ = ["RESPONSES", "Responses", "ResponsesReader"]
 
@@ -57,8 +58,9 @@ class Responses(NativeApi):
             count,
         )  # fmt: skip
 
-    def body_usage(self, data: bytes) -> Pair:
-        """``usage.input_tokens``, ``usage.output_tokens``."""
+    def body_usage(self, data: bytes) -> Counts:
+        """``usage.input_tokens``, ``usage.output_tokens``,
+        ``usage.input_tokens_details.cached_tokens``."""
         return _usage(decode_body(data))
 
     def event_reader(self) -> EventReader:
@@ -70,10 +72,11 @@ class Responses(NativeApi):
 RESPONSES = Responses()
 
 
-def _usage(obj: Any) -> Pair:
+def _usage(obj: Any) -> Counts:
     if not isinstance(obj, dict):
-        return None, None
-    return pair(obj.get("usage"), "input_tokens", "output_tokens")
+        return None, None, None
+    prompt, completion = pair(obj.get("usage"), "input_tokens", "output_tokens")
+    return prompt, completion, dig(obj, "usage", "input_tokens_details", "cached_tokens")
 
 
 def _response_item(item: dict[str, Any]) -> dict[str, Any]:
@@ -109,8 +112,10 @@ class ResponsesReader(EventReader):
             self.deltas += 1
         elif kind in ("response.completed", "response.incomplete", "response.failed"):
             self.done = True
-            prompt, out = _usage(obj.get("response"))
+            prompt, out, cached = _usage(obj.get("response"))
             if prompt is not None:
                 self.prompt_tokens = prompt
+            if cached is not None:
+                self.cached_tokens = cached
             if out is not None:
                 self.reported = out

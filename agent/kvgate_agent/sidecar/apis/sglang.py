@@ -2,7 +2,9 @@
 (https://docs.sglang.io/basic_usage/sampling_params.html; the path is shared with TGI, told
 apart by the body: :mod:`kvgate_agent.sidecar.apis.generate`). Output limit
 ``sampling_params.max_new_tokens``; sequences ``sampling_params.n`` x the prompts of a batch.
-Usage: ``meta_info.prompt_tokens``/``completion_tokens``, a batch's list summed; a stream has
+Usage: ``meta_info.prompt_tokens``/``completion_tokens``, the cached prompt tokens
+``meta_info.cached_tokens`` (https://docs.sglang.io/basic_usage/native_api.html), a batch's list
+summed; a stream has
 ``meta_info`` per event, cumulative per ``index``, then ``[DONE]``. Pure JSON logic: no HTTP
 framework.
 """
@@ -14,7 +16,15 @@ from typing import Any
 
 from kvgate_agent.sidecar.apis.native import Fields, NativeApi, stream_flag
 from kvgate_agent.sidecar.request import bad, check_sequences, is_int, positive_int
-from kvgate_agent.sidecar.usage import EventReader, Pair, batch_usage, decode_body, pair
+from kvgate_agent.sidecar.usage import (
+    Counts,
+    EventReader,
+    batch_usage,
+    decode_body,
+    dig,
+    pair,
+    sum_known,
+)
 
 __all__ = ["SGLANG", "SGLang", "SGLangReader"]
 
@@ -53,8 +63,9 @@ class SGLang(NativeApi):
             "sampling_params.max_new_tokens", sequences, count, len(given) < len(limits),
         )  # fmt: skip
 
-    def body_usage(self, data: bytes) -> Pair:
-        """``meta_info.prompt_tokens``, ``meta_info.completion_tokens``."""
+    def body_usage(self, data: bytes) -> Counts:
+        """``meta_info.prompt_tokens``, ``meta_info.completion_tokens``,
+        ``meta_info.cached_tokens``."""
         return batch_usage(decode_body(data), _usage)
 
     def event_reader(self) -> EventReader:
@@ -66,10 +77,11 @@ class SGLang(NativeApi):
 SGLANG = SGLang()
 
 
-def _usage(obj: Any) -> Pair:
+def _usage(obj: Any) -> Counts:
     if not isinstance(obj, dict):
-        return None, None
-    return pair(obj.get("meta_info"), "prompt_tokens", "completion_tokens")
+        return None, None, None
+    prompt, completion = pair(obj.get("meta_info"), "prompt_tokens", "completion_tokens")
+    return prompt, completion, dig(obj, "meta_info", "cached_tokens")
 
 
 def _non_negative(body: dict[str, Any], key: str, param: str) -> int | None:
@@ -119,19 +131,24 @@ class SGLangReader(EventReader):
     """An SGLang stream: an event with ``text`` or ``output_ids`` counts output; ``meta_info``
     counts are cumulative per sequence ``index``."""
 
-    __slots__ = ("_by_index",)
+    __slots__ = ("_by_index", "_cached_by_index")
 
     def __init__(self) -> None:
         super().__init__()
         self._by_index: dict[object, int] = {}  # cumulative completion tokens per sequence
+        self._cached_by_index: dict[object, int | None] = {}  # cached prompt tokens per sequence
 
     def event(self, obj: dict[str, Any]) -> None:
         """Account one event's JSON object."""
-        prompt, out = _usage(obj)
+        prompt, out, cached = _usage(obj)
         if obj.get("text") or obj.get("output_ids"):
             self.deltas += 1
         if prompt is not None:
             self.prompt_tokens = prompt
+        index = obj.get("index", 0)
         if out is not None:
-            self._by_index[obj.get("index", 0)] = out
+            self._by_index[index] = out
             self.reported = sum(self._by_index.values())
+        if cached is not None:
+            self._cached_by_index[index] = cached
+            self.cached_tokens = sum_known(list(self._cached_by_index.values()))

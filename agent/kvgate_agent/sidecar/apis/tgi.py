@@ -13,7 +13,14 @@ from typing import Any
 
 from kvgate_agent.sidecar.apis.native import Fields, NativeApi, stream_flag
 from kvgate_agent.sidecar.request import bad, check_sequences, positive_int
-from kvgate_agent.sidecar.usage import EventReader, Pair, batch_usage, count, decode_body, sum_known
+from kvgate_agent.sidecar.usage import (
+    Counts,
+    EventReader,
+    batch_usage,
+    count,
+    decode_body,
+    sum_known,
+)
 
 __all__ = ["TGI", "TGI_STREAM", "Tgi", "TgiReader"]
 
@@ -40,8 +47,9 @@ class Tgi(NativeApi):
             sequences, {"prompt": inputs},
         )  # fmt: skip
 
-    def body_usage(self, data: bytes) -> Pair:
-        """``details.generated_tokens`` plus each of ``details.best_of_sequences``."""
+    def body_usage(self, data: bytes) -> Counts:
+        """``details.generated_tokens`` plus each of ``details.best_of_sequences`` (TGI reports
+        neither its prompt's count nor cached prompt tokens)."""
         return batch_usage(decode_body(data), _usage)
 
     def event_reader(self) -> EventReader:
@@ -64,18 +72,18 @@ def _object(body: dict[str, Any], key: str) -> dict[str, Any]:
     return v
 
 
-def _usage(obj: Any) -> Pair:
-    """(None, the generated tokens of every sequence) of one result."""
+def _usage(obj: Any) -> Counts:
+    """(None, the generated tokens of every sequence, None) of one result."""
     if not isinstance(obj, dict):
-        return None, None
+        return None, None, None
     details = obj.get("details")
     if not isinstance(details, dict):
-        return None, None
+        return None, None, None
     out = [count(details.get("generated_tokens"))]
     best = details.get("best_of_sequences")
     if isinstance(best, list):
         out += [count(b.get("generated_tokens")) for b in best if isinstance(b, dict)]
-    return None, sum_known(out)
+    return None, sum_known(out), None
 
 
 class TgiReader(EventReader):
@@ -90,6 +98,6 @@ class TgiReader(EventReader):
             self.deltas += 1
         if obj.get("generated_text") is not None:
             self.done = True
-            _, out = _usage(obj)
+            _, out, _ = _usage(obj)
             if out is not None:
                 self.reported = out
