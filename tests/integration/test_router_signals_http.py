@@ -7,6 +7,7 @@ refusal (a ``shared`` limit on a real Redis) carries ``x-envoy-ratelimited: true
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ from kvgate_bench.kit.processes import Proc
 from kvgate_bench.kit.redisserver import RedisServer
 from kvgate_bench.kit.toolkit import wait_until_async
 from tests.conftest import SidecarFactory
-from tests.upstream import CHAT
+from tests.upstream import CHAT, Upstream, serve_handler
 
 TENANT = "acct"
 DEPTH, FRACTION = "kvgate_queue_depth", "kvgate_kv_reserved_fraction"
@@ -231,3 +232,48 @@ async def test_a_spent_fleet_wide_budget_refuses_with_x_envoy_ratelimited(
     assert (status, headers.get("x-envoy-ratelimited")) == (429, "true"), answers[-1]
     assert headers["x-kvgate-reason"] == "rate_limit_requests"
     assert int(headers["Retry-After"]) >= 1 and headers["x-kvgate-thresholds"] == "store=shared"
+
+
+async def test_a_retry_that_already_waited_its_ttft_budget_is_refused_at_once(
+    sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    """Behind a retrying proxy a retry carries the client request's start
+    (``X-Request-Start: t=<epoch seconds>``, docs/routers.md): one that already spent most of
+    its 3 s TTFT budget elsewhere is refused within the little left (before any byte, retriable
+    elsewhere), while the same request stamped now waits its turn (the 3 s) and is served."""
+    hold = asyncio.Event()
+    up = Upstream(hold=hold)
+    async with serve_handler(up.handle) as up_url:
+        spec = {
+            "capacity": {"kvCacheTokens": 4096},
+            "concurrency": {"maxRequests": 1},
+            "slo": {"ttftSeconds": 3},
+            "overload": {"actions": ["Queue", "Reject"]},
+        }
+        url, sc = await sidecar_factory(up_url, spec)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        first = asyncio.create_task(chat(client, url, body))
+        await wait_until_async(lambda: up.active == 1, 10, "the first request upstream")
+
+        async def stamped(age_s: float) -> tuple[int, dict[str, str]]:
+            headers = {"x-kvgate-tenant": TENANT, "X-Request-Start": f"t={time.time() - age_s:.3f}"}
+            async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+                return r.status, dict(r.headers)
+
+        started = time.monotonic()
+        status, headers = await stamped(2.9)
+        # Refused within what was left of its budget: at once for its SLO when the wait ahead is
+        # known, else when the little left of its budget ran out in the queue.
+        assert time.monotonic() - started < 1.0
+        assert (status, headers["x-kvgate-reason"]) in ((429, "slo"), (429, "queue_timeout"))
+        assert int(headers["Retry-After"]) >= 1 and "x-envoy-ratelimited" not in headers
+        assert up.active == 1 and len(up.bodies) == 1  # it never reached the model server
+        fresh = asyncio.create_task(stamped(0.0))
+        await wait_until_async(lambda: sc.admission.stats().queue_length == 1, 10, "queued")
+        await asyncio.sleep(1.0)  # longer than the stamped one was given: still queued
+        assert sc.admission.stats().queue_length == 1 and not fresh.done()
+        hold.set()
+        assert (await first)[0] == 200
+        assert (await fresh)[0] == 200
+        assert sc.admission.stats().kv_reserved_tokens == 0
