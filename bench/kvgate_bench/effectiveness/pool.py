@@ -54,7 +54,6 @@ from kvgate_bench.effectiveness.driver import (
     RequestRecord,
     RunResult,
     engine_config,
-    engine_default_max_tokens,
 )
 from kvgate_bench.effectiveness.routers import RetryPolicy, Router
 from kvgate_bench.effectiveness.sessions import next_turn
@@ -388,4 +387,4 @@ class _PassThrough(Arm):
         self.gate.dispatch(req, now)
 
 
-__all__ = ["FrontGate", "PoolStats", "Replica", "engine_default_max_tokens", "simulate_pool"]
+__all__ = ["FrontGate", "PoolStats", "Replica", "simulate_pool"]
