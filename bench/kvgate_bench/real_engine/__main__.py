@@ -9,15 +9,18 @@ or more), then:
    outputs' lengths; the SLO: :mod:`kvgate_bench.real_engine.calibration`); two bursts of 2 and
    ``parallel`` equal requests (decode steps of several sequences); the step-time model fitted to
    llama-server's ``timings``; then ``none``'s probes on ``conversation`` (Poisson chat
-   arrivals) until the capacity rate (``none`` meets the SLO for 90 %) is bracketed.
+   arrivals), the first at the capacity the fitted engine predicts in virtual time
+   (:func:`predicted_capacity`), the next bracketing the rate at which ``none`` meets the SLO
+   for 90 % (:func:`kvgate_bench.real_engine.calibration.next_probe`; 2 probes with
+   ``--short``, 3 without).
 2. **Runs** each cell (``multi-tenant`` at loads 1, 2 and 3; ``isolation`` with the noisy
    tenant at 3x, total load 3.6; ``--short``: multi-tenant 1 and 2, isolation 3) through
    ``none``, the tuned ``concurrency-cap``, the tuned ``token-bucket`` and ``kvgate``, each in
    turn against the same server, one seeded open-loop schedule per cell
    (:mod:`kvgate_bench.real_engine.client`). The baselines are swept on multi-tenant at load 2
-   (cap: the slot count and twice it, queue wait = the TTFT SLO; bucket: factors 1 and 1.5 of
-   each tenant's share of the capacity, 10 s bursts; the full run adds a cap of the slots with
-   twice the wait and factor 2) and their best setting runs the other cells.
+   (cap: half the slot count and the slot count, queue wait = the TTFT SLO; bucket: factors 1
+   and 1.5 of each tenant's share of the capacity, 10 s bursts; the full run adds a cap of twice
+   the slots and factor 2) and their best setting runs the other cells.
 3. **Compares** each row with the virtual benchmark on the same schedule (the prompts' and
    outputs' lengths llama-server reported in that cell's ``none`` run) with the fitted engine:
    ``simulate`` with the same arm and setting, 4 slots of ``ctx / parallel`` tokens.
@@ -99,13 +102,12 @@ def cells(short: bool) -> list[tuple[str, float]]:
 
 def sweeps(short: bool, parallel: int, ttft_slo_s: float) -> dict[str, list[dict[str, Any]]]:
     """The baselines' settings swept (module docstring)."""
-    caps = [
-        {"cap": parallel, "queue_timeout_s": round(ttft_slo_s, 3)},
-        {"cap": 2 * parallel, "queue_timeout_s": round(ttft_slo_s, 3)},
-    ]
+    wait = round(ttft_slo_s, 3)
+    caps = [{"cap": max(1, parallel // 2), "queue_timeout_s": wait}]
+    caps.append({"cap": parallel, "queue_timeout_s": wait})
     buckets = [{"factor": 1.0, "burst_s": 10.0}, {"factor": 1.5, "burst_s": 10.0}]
     if not short:
-        caps.append({"cap": parallel, "queue_timeout_s": round(2 * ttft_slo_s, 3)})
+        caps.append({"cap": 2 * parallel, "queue_timeout_s": wait})
         buckets.append({"factor": 2.0, "burst_s": 10.0})
     return {CAP: caps, BUCKET: buckets}
 
@@ -156,7 +158,10 @@ async def calibrate(
     timeout = aiohttp.ClientTimeout(total=600)
     obs: list[cal.StepObs] = []
     unloaded: list[dict[str, Any]] = []
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A fresh connection per request: llama-server may close one after a stream (a reused,
+    # half-closed keep-alive connection fails the next request's write).
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await one_request(session, url, "Hello", 4)  # warm-up (first-touch of the weights)
         lengths = (48, 320, 640) if args.short else (48, 160, 320, 480, 640)
         for i, pt in enumerate(lengths):
@@ -189,7 +194,11 @@ async def calibrate(
     service = sum(m["ttft_s"] + m["tpot_s"] * o for m, o in zip(unloaded, outs, strict=True)) / len(
         outs
     )
-    rate = 0.5 * args.parallel / service
+    prompts = {f"u{i}": int(m["usage"]["prompt_tokens"]) for i, m in enumerate(unloaded)}
+    outputs = {f"u{i}": o for i, o in enumerate(outs)}
+    rate, predicted = predicted_capacity(fitted, args, slo, prompts, outputs)
+    if rate <= 0:  # the fitted engine meets the SLO at no rate: a rough guess
+        rate = 0.5 * args.parallel / service
     probes: list[tuple[float, float]] = []
     probe_rows = []
     mean_out = sum(outs) / len(outs)
@@ -243,10 +252,40 @@ async def calibrate(
         "engine_totals": totals,
         "capacity_rps": capacity,
         "probes": probe_rows,
+        "predicted_capacity_rps": rate if predicted else None,
+        "predicted_probes": predicted,
         "mean_output_tokens": sum(outs) / len(outs),
         "mean_total_tokens": mean_total,
         "output_tokens_p50": percentile([float(o) for o in outs], 50),
     }
+
+
+def predicted_capacity(
+    fitted: StepTimeModel,
+    args: argparse.Namespace,
+    slo: cal.Slo,
+    prompts: dict[str, int],
+    outputs: dict[str, int],
+) -> tuple[float, list[tuple[float, float]]]:
+    """The capacity rate of ``none`` on ``conversation`` in virtual time on the fitted engine
+    (prompt and output lengths drawn from the measured ones; 300 s schedules at rates from 0.01
+    to 10 requests/s, x1.25 apart): the first measured probe's rate, and the virtual probes."""
+    probes: list[tuple[float, float]] = []
+    cfg = engine_config(args.parallel, args.ctx)
+    ctx = ArmContext(cfg, {}, 1.0, 1.0, slo.pair())
+    rate = 0.01
+    while rate < 10:
+        sched = generate(
+            "conversation", rate, 300.0, args.seed + 50, max_model_len=cfg.max_model_len
+        )
+        sched = cal.with_lengths(sched, prompts, outputs, args.max_tokens, args.seed)
+        run = simulate(sched, make_arm(NONE, ctx, {}), fitted, cfg)
+        att = float(summarize(run, slo.pair())["slo_attainment"] or 0.0)
+        probes.append((rate, att))
+        if att < 0.5:
+            break
+        rate *= 1.25
+    return cal.capacity_rate(probes), probes
 
 
 def _context(
@@ -491,8 +530,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     a.max_tokens = a.max_tokens or 96
     a.duration = a.duration or (20.0 if a.short else 45.0)
-    a.drain = a.drain or (10.0 if a.short else 15.0)
-    a.probe_duration = a.probe_duration or (20.0 if a.short else 30.0)
+    a.drain = a.drain or (8.0 if a.short else 15.0)
+    a.probe_duration = a.probe_duration or (15.0 if a.short else 30.0)
     return a
 
 

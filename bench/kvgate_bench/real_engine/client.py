@@ -20,6 +20,9 @@ refusal with no HTTP at all: a proxy in front of the engine that costs nothing).
 the real sidecar (``kvgate-agent sidecar``, a child process) in front of llama-server,
 enforcing the README's recommended policy (:func:`kvgate_policy`).
 
+Every request opens its own connection (a reused keep-alive connection that llama-server
+closed after a stream fails the next request's write: the stale keep-alive of issue 24).
+
 **Measured**, per request, on the real clock from the schedule's start: the first chunk with
 text (TTFT), the chunk with ``finish_reason`` (the end), refusals (any status but 200: the
 sidecar's 429/503; a 5xx other than 503 or a broken connection is an *error*), the degradation
@@ -383,7 +386,7 @@ async def run_arm(
     w0 = time.perf_counter()
     try:
         async with aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)
         ) as session:
             client = _Client(session, url, schedule, max_tokens, words, virtual)
             sampler = EngineSampler(session, engine_url, sample_s)
