@@ -127,3 +127,23 @@ def test_output_stats() -> None:
     assert s["output_tokens_mean"] == pytest.approx(202 / 3)
     assert s["eos_share"] == 0.5
     assert report.output_stats({}, {})["eos_share"] is None
+
+
+def test_slot_kv_counts_the_busy_slots_tokens() -> None:
+    from kvgate_bench.real_engine.engine import slot_kv
+
+    slots = [
+        {"n_ctx": 1024, "is_processing": True, "n_past": 512},
+        {"n_ctx": 1024, "is_processing": True, "n_prompt_tokens": 100,
+         "next_token": [{"n_decoded": 28}]},
+        {"n_ctx": 1024, "is_processing": False, "n_past": 900},
+    ]  # fmt: skip
+    assert slot_kv(slots) == pytest.approx((512 + 128) / 3072)
+    assert slot_kv([]) is None
+
+
+def test_probe_duration_holds_enough_arrivals() -> None:
+    assert cal.probe_duration(0.5, 15.0, 45.0) == pytest.approx(30.0)  # 15 arrivals
+    assert cal.probe_duration(2.0, 15.0, 45.0) == 15.0  # at least the minimum
+    assert cal.probe_duration(0.1, 15.0, 45.0) == 45.0  # at most the maximum
+    assert cal.probe_duration(0.0, 15.0, 45.0) == 45.0

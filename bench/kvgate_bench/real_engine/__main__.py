@@ -12,7 +12,8 @@ or more), then:
    arrivals), the first at the capacity the fitted engine predicts in virtual time
    (:func:`predicted_capacity`), the next bracketing the rate at which ``none`` meets the SLO
    for 90 % (:func:`kvgate_bench.real_engine.calibration.next_probe`; 2 probes with
-   ``--short``, 3 without).
+   ``--short``, 3 without), each long enough for 15 arrivals (15-45 s with ``--short``,
+   20-60 s without: :func:`kvgate_bench.real_engine.calibration.probe_duration`).
 2. **Runs** each cell (``multi-tenant`` at loads 1, 2 and 3; ``isolation`` with the noisy
    tenant at 3x, total load 3.6; ``--short``: multi-tenant 1 and 2, isolation 3) through
    ``none``, the tuned ``concurrency-cap``, the tuned ``token-bucket`` and ``kvgate``, each in
@@ -207,7 +208,7 @@ async def calibrate(
         sched = generate(
             "conversation",
             rate,
-            args.probe_duration,
+            cal.probe_duration(rate, args.probe_duration, 3 * args.probe_duration),
             args.seed + 100 + i,
             max_model_len=args.ctx // args.parallel,
         )
@@ -245,7 +246,7 @@ async def calibrate(
     return {
         "slo": slo,
         "steptime": fitted,
-        "fit_rmse_s": rmse,
+        "fit_rmse": rmse,
         "observations": [o.__dict__ for o in obs],
         "unloaded": [{k: m[k] for k in ("ttft_s", "tpot_s", "usage")} for m in unloaded],
         "bursts": bursts,
@@ -386,7 +387,7 @@ async def _main(args: argparse.Namespace) -> int:
                 f"capacity {c['capacity_rps']:.3f} req/s; mean output "
                 f"{c['mean_output_tokens']:.0f} tokens; fit a {fitted.a_s * 1e3:.2f} ms, b "
                 f"{fitted.b_s * 1e6:.1f} us, c {fitted.c_s * 1e3:.2f} ms, d "
-                f"{fitted.d_s * 1e6:.3f} us (rmse {c['fit_rmse_s'] * 1e3:.1f} ms)",
+                f"{fitted.d_s * 1e6:.3f} us (rms error {c['fit_rmse'] * 100:.0f} %)",
                 flush=True,
             )
             tuned: dict[str, dict[str, Any]] = {}
@@ -524,14 +525,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, help="cap on each request's max_tokens (default 96)")
     p.add_argument("--duration", type=float, help="schedule length per cell, s")
     p.add_argument("--drain", type=float, help="seconds after a schedule before cutting requests")
-    p.add_argument("--probe-duration", type=float, help="capacity probe schedule length, s")
+    p.add_argument(
+        "--probe-duration",
+        type=float,
+        help="shortest capacity probe, s (a probe is long enough for 15 arrivals, up to 3x this)",
+    )
     p.add_argument("--no-pin", action="store_true", help="no taskset pinning")
     p.add_argument("--json", type=Path, help="write rows, calibration and meta here")
     a = p.parse_args(argv)
     a.max_tokens = a.max_tokens or 96
-    a.duration = a.duration or (20.0 if a.short else 45.0)
-    a.drain = a.drain or (8.0 if a.short else 15.0)
-    a.probe_duration = a.probe_duration or (15.0 if a.short else 30.0)
+    a.duration = a.duration or (20.0 if a.short else 40.0)
+    a.drain = a.drain or (8.0 if a.short else 10.0)
+    a.probe_duration = a.probe_duration or (15.0 if a.short else 20.0)
     return a
 
 

@@ -23,9 +23,11 @@ seconds per step. llama-server reports per request (``timings`` of its final chu
 token. An unloaded prefill is one step of P tokens and nothing decoding (``a + b P``); the
 decode of a request alone, or of ``D`` requests started together with equal lengths, is a step
 of D sequences over their contexts (``a + c D + d K``, K the decoding sequences' mean context x
-D). :func:`fit_steptime` fits a, b, c, d >= 0 to such observations by least squares (every
-subset of the four coefficients solved by its normal equations, the best non-negative one kept:
-the exact non-negative least squares for four unknowns).
+D). :func:`fit_steptime` fits a, b, c, d >= 0 to such observations by least squares on the
+relative error (each observation weighted by 1 / its time: a second-long prefill would otherwise
+decide ``a`` for the 30 ms decode steps; every subset of the four coefficients solved by its
+normal equations, the best non-negative one kept: the exact non-negative least squares for four
+unknowns).
 """
 
 from __future__ import annotations
@@ -105,6 +107,17 @@ def next_probe(probes: Sequence[tuple[float, float]], target: float = CAPACITY_A
     return (max(below) + min(bad)) / 2
 
 
+#: Requests a capacity probe should hold (at its rate) for its attainment to mean something.
+PROBE_REQUESTS = 15
+
+
+def probe_duration(rate_rps: float, minimum_s: float, maximum_s: float) -> float:
+    """A capacity probe's schedule length, seconds: long enough for :data:`PROBE_REQUESTS`
+    arrivals at ``rate_rps``, within [``minimum_s``, ``maximum_s``]."""
+    want = PROBE_REQUESTS / rate_rps if rate_rps > 0 else maximum_s
+    return min(maximum_s, max(minimum_s, want))
+
+
 @dataclass(frozen=True)
 class StepObs:
     """One measured step time: ``prefill`` tokens (P), ``decode`` sequences (D), their
@@ -138,11 +151,17 @@ def fit_steptime(
 ) -> tuple[StepTimeModel, float]:
     """The non-negative least-squares fit of ``a + b P + c D + d K`` to ``obs`` (module
     docstring) as a step-time model named ``name`` with the engine's KV pool (tokens); and the
-    fit's root-mean-square error, seconds. Raises ``ValueError`` with no observation."""
+    fit's root-mean-square relative error (:func:`fit_error`). Raises ``ValueError`` with no
+    observation."""
     if not obs:
         raise ValueError("no step-time observations")
-    rows = [[1.0, o.prefill, o.decode, o.context] for o in obs]
-    ys = [o.seconds for o in obs]
+    # Relative errors: each row and its time divided by the time, so a 1 s prefill does not
+    # drown the 30 ms decode steps the TPOT SLO is about.
+    w = [1.0 / o.seconds if o.seconds > 0 else 1.0 for o in obs]
+    rows = [
+        [wi, wi * o.prefill, wi * o.decode, wi * o.context] for o, wi in zip(obs, w, strict=True)
+    ]
+    ys = [wi * o.seconds for o, wi in zip(obs, w, strict=True)]
     best: tuple[float, list[float]] | None = None
     for k in range(1, 5):
         for cols in itertools.combinations(range(4), k):
@@ -160,13 +179,22 @@ def fit_steptime(
             )
             if best is None or sse < best[0] - 1e-18:
                 best = (sse, coef)
-    if best is None:  # every subset singular or negative: the mean as a fixed cost
-        best = (sum((y - sum(ys) / len(ys)) ** 2 for y in ys), [sum(ys) / len(ys), 0.0, 0.0, 0.0])
-    a, b, c, d = best[1]
+    coef = best[1] if best is not None else [min(o.seconds for o in obs), 0.0, 0.0, 0.0]
+    a, b, c, d = coef
     model = StepTimeModel(
         name, a, b, c, d, kv_capacity_tokens=kv_capacity_tokens, chunked_prefill=chunked_prefill
     )
-    return model, (best[0] / len(ys)) ** 0.5
+    return model, fit_error(model, obs)
+
+
+def fit_error(model: StepTimeModel, obs: Sequence[StepObs]) -> float:
+    """The root-mean-square relative error of ``model`` on ``obs`` (0.1: 10 %)."""
+    errs = [
+        (model.seconds(int(o.prefill), int(o.decode), int(o.context)) - o.seconds) / o.seconds
+        for o in obs
+        if o.seconds > 0
+    ]
+    return (sum(e * e for e in errs) / len(errs)) ** 0.5 if errs else 0.0
 
 
 def unloaded_obs(
