@@ -4,6 +4,8 @@ rebuilt schedule (:mod:`kvgate_bench.real_engine.calibration`) and the rows and 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvgate_bench.effectiveness.workloads import generate
@@ -132,7 +134,7 @@ def test_output_stats() -> None:
 def test_slot_kv_counts_the_busy_slots_tokens() -> None:
     from kvgate_bench.real_engine.engine import slot_kv
 
-    slots = [
+    slots: list[dict[str, Any]] = [
         {"n_ctx": 1024, "is_processing": True, "n_past": 512},
         {"n_ctx": 1024, "is_processing": True, "n_prompt_tokens": 100,
          "next_token": [{"n_decoded": 28}]},
