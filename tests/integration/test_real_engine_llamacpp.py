@@ -1,14 +1,17 @@
 """The real-engine benchmark's run of one schedule (:func:`kvgate_bench.real_engine.client.run_arm`)
 against the real llama.cpp llama-server (built by scripts/build-llama): a tiny multi-tenant
 schedule (a handful of requests over 3 s, outputs of at most 8 tokens) through ``none`` (straight
-to the server) and ``kvgate`` (the real sidecar process on the README's recommended policy).
+to the server), ``kvgate`` (the real sidecar process on the README's recommended policy) and
+``concurrency-cap`` at one request (the virtual arm's class on the real clock).
 Rows are the virtual benchmark's schema plus the real-engine keys; no answer is a 5xx.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +21,7 @@ from kvgate_bench.effectiveness.workloads import generate, tenants_of
 from kvgate_bench.kit.processes import Proc
 from kvgate_bench.real_engine.__main__ import _row, engine_config, parse_args
 from kvgate_bench.real_engine.calibration import Slo
-from kvgate_bench.real_engine.client import KVGATE, NONE, corpus, run_arm
+from kvgate_bench.real_engine.client import CAP, KVGATE, NONE, corpus, run_arm
 
 pytestmark = pytest.mark.llama
 
@@ -32,7 +35,12 @@ def engine(llama_server: Callable[..., Proc]) -> Proc:
     return llama_server(PARALLEL, CTX)
 
 
-@pytest.mark.parametrize("arm", [NONE, KVGATE])
+#: The cap holds one request at a time and lets the rest wait (the virtual arm's class, driven
+#: on the real clock by the client).
+CAP_PARAMS: dict[str, Any] = {"cap": 1, "queue_timeout_s": 60.0}
+
+
+@pytest.mark.parametrize("arm", [NONE, KVGATE, CAP])
 async def test_tiny_schedule_rows(engine: Proc, arm: str, tmp_path: Path) -> None:
     sched = generate("multi-tenant", 1.5, 3.0, 5, max_model_len=CTX // PARALLEL)
     assert 2 <= len(sched.requests) <= 12, len(sched.requests)
@@ -43,8 +51,9 @@ async def test_tiny_schedule_rows(engine: Proc, arm: str, tmp_path: Path) -> Non
         100.0,
         SLO.pair(),
     )
+    params = CAP_PARAMS if arm == CAP else {}
     run = await run_arm(
-        engine.url, sched, arm, ctx, {}, max_tokens=8, drain_s=60.0, words=corpus(),
+        engine.url, sched, arm, ctx, params, max_tokens=8, drain_s=60.0, words=corpus(),
         workdir=tmp_path,
     )  # fmt: skip
     assert run.errors == [] and run.errors_5xx == 0 and run.timeouts == 0, run.statuses
@@ -67,3 +76,7 @@ async def test_tiny_schedule_rows(engine: Proc, arm: str, tmp_path: Path) -> Non
         assert run.prompt_tokens[rec.request.rid] > 10  # real text, counted by llama-server
     assert row["throughput_tokens_per_s"] > 0
     assert row["engine"]["samples"] >= 1
+    if arm == CAP:  # every request waited its turn and was served, one at a time
+        assert row["rejected"] == 0 and len(served) == len(sched.requests)
+        spans = sorted((r.admitted_at or 0.0, r.finished_at or 0.0) for r in served)
+        assert all(b[0] >= a[1] - 0.05 for a, b in itertools.pairwise(spans))

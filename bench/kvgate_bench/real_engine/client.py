@@ -295,7 +295,7 @@ class _Client:
             rec.outcome, rec.finished_at = REJECTED, self.now()
         finally:
             self.running.discard(req.rid)
-            if self.arm is not None and rec.outcome != REJECTED:
+            if self.arm is not None:  # it dispatched this one: its slot is free again
                 self.arm.on_finish(req, rec.output_tokens, self.now())
                 self._rearm()
 
