@@ -149,3 +149,28 @@ def test_probe_duration_holds_enough_arrivals() -> None:
     assert cal.probe_duration(2.0, 15.0, 45.0) == 15.0  # at least the minimum
     assert cal.probe_duration(0.1, 15.0, 45.0) == 45.0  # at most the maximum
     assert cal.probe_duration(0.0, 15.0, 45.0) == 45.0
+
+
+def test_summarize_and_the_recommended_policy_take_the_calibrated_slo() -> None:
+    from kvgate_bench.effectiveness.arms import ArmContext
+    from kvgate_bench.effectiveness.driver import SERVED, RequestRecord, RunResult
+    from kvgate_bench.effectiveness.kvgate_defaults import recommended_policy
+    from kvgate_bench.effectiveness.metrics import met_slo, summarize
+    from kvgate_bench.real_engine.__main__ import engine_config
+    from kvgate_bench.sim.engine import SimEngine
+    from kvgate_bench.sim.steptime import constant_profile
+
+    sched = generate("multi-tenant", 1.0, 10.0, 1, max_model_len=1024)
+    req = next(r for r in sched.requests if r.tier == "interactive")
+    # TTFT 1.0 s, TPOT 60 ms: over the virtual benchmark's SLO, within a CPU engine's.
+    rec = RequestRecord(req, SERVED, req.arrival_s, req.arrival_s + 1.0, req.arrival_s + 1.6, 11)
+    assert not met_slo(rec)
+    assert met_slo(rec, 2.0, 0.08)
+    cfg = engine_config(4, 4096)
+    run = RunResult(sched, "none", {}, [rec], 20.0, 0.0, 0, 0.0, SimEngine(cfg, constant_profile()))
+    assert summarize(run)["slo_attainment"] == 0.0
+    assert summarize(run, (2.0, 0.08))["slo_attainment"] == 1.0
+    ctx = ArmContext(cfg, {"chat-a": sched.tenants["chat-a"]}, 1.0, 1.0, (2.0, 0.08))
+    assert recommended_policy(ctx)["slo"] == {"ttftSeconds": 2.0, "tpotSeconds": 0.08}
+    assert cfg.max_num_seqs == 4 and cfg.max_model_len == 1024
+    assert cfg.num_gpu_blocks * cfg.block_size == 4096
