@@ -18,12 +18,16 @@ class ArmContext:
         capacity_rps: the request rate at load 1 (the ``none`` arm's measured goodput
             capacity), requests per second.
         capacity_tokens_per_s: prompt + output tokens per second at load 1.
+        slo: the interactive (TTFT, TPOT) SLO in seconds that a policy states, when not the
+            benchmark's fixed one (``metrics.TTFT_SLO_S``, ``TPOT_SLO_S``): an engine of
+            another speed (:mod:`kvgate_bench.real_engine`).
     """
 
     engine: EngineConfig
     tenants: dict[str, Tenant]
     capacity_rps: float
     capacity_tokens_per_s: float
+    slo: tuple[float, float] | None = None
 
     @property
     def kv_capacity_tokens(self) -> int:

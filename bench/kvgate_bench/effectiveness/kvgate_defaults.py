@@ -62,7 +62,7 @@ class KvgateDefaultsArm(KvgateArm):
     def policy(self) -> dict[str, Any]:
         if self.mode == "empty":
             return {}
-        slo = {"ttftSeconds": TTFT_SLO_S, "tpotSeconds": TPOT_SLO_S}
+        slo = slo_stanza(self.ctx)
         if self.mode == "slo-only":
             return {"slo": slo}
         return recommended_policy(self.ctx)  # recommended, prefix-blind
@@ -92,13 +92,20 @@ class KvgateDefaultsArm(KvgateArm):
         return ar
 
 
+def slo_stanza(ctx: ArmContext) -> dict[str, float]:
+    """The policy's ``slo`` stanza: ``ctx.slo`` when set, else the benchmark's SLO."""
+    ttft, tpot = ctx.slo if ctx.slo is not None else (TTFT_SLO_S, TPOT_SLO_S)
+    return {"ttftSeconds": ttft, "tpotSeconds": tpot}
+
+
 def recommended_policy(ctx: ArmContext) -> dict[str, Any]:
     """The README's recommended RateLimitPolicy ``spec`` for a workload's tenants: the SLO,
     a ShortestFirst queue of at most 10 s with Degrade (to 128 tokens) before it, and one tenant
     class per tier, matched by tenant name: ``interactive`` (the TTFT and TPOT SLO) and, where
     the workload has batch tenants, ``batch`` (no latency SLO); each tenant's weight its own
-    (classes per distinct weight). Nothing from the measured capacity."""
-    slo = {"ttftSeconds": TTFT_SLO_S, "tpotSeconds": TPOT_SLO_S}
+    (classes per distinct weight). Nothing from the measured capacity. The SLO is
+    :func:`slo_stanza`'s."""
+    slo = slo_stanza(ctx)
     classes: dict[tuple[str, float], list[str]] = {}
     for t in ctx.tenants.values():
         classes.setdefault((t.tier, t.weight), []).append(t.name)

@@ -102,14 +102,18 @@ def tpot_s(rec: RequestRecord) -> float | None:
     return (rec.finished_at - rec.first_token_at) / (rec.output_tokens - 1)
 
 
-def met_slo(rec: RequestRecord) -> bool:
-    """Whether ``rec`` met its tier's SLO (see the module docstring)."""
+def met_slo(
+    rec: RequestRecord, ttft_slo_s: float = TTFT_SLO_S, tpot_slo_s: float = TPOT_SLO_S
+) -> bool:
+    """Whether ``rec`` met its tier's SLO (see the module docstring); ``ttft_slo_s`` and
+    ``tpot_slo_s`` (seconds) replace the interactive tier's for an engine of another speed
+    (:mod:`kvgate_bench.real_engine` calibrates them on llama-server)."""
     if rec.outcome == REJECTED or rec.finished_at is None or rec.truncated_by_arm:
         return False
     if rec.request.tier == BATCH:
         return rec.finished_at - rec.request.arrival_s <= BATCH_SLO_S
     ttft, tpot = ttft_s(rec), tpot_s(rec)
-    return ttft is not None and tpot is not None and ttft <= TTFT_SLO_S and tpot <= TPOT_SLO_S
+    return ttft is not None and tpot is not None and ttft <= ttft_slo_s and tpot <= tpot_slo_s
 
 
 def jain(values: Iterable[float]) -> float | None:
@@ -197,12 +201,18 @@ class TierStats:
     tpot_p99_s: float | None
 
 
-def _tier_stats(records: list[RequestRecord]) -> TierStats:
+#: An interactive SLO as (TTFT, TPOT) seconds.
+Slo = tuple[float, float]
+#: The SLO of the module docstring.
+DEFAULT_SLO: Slo = (TTFT_SLO_S, TPOT_SLO_S)
+
+
+def _tier_stats(records: list[RequestRecord], slo: Slo = DEFAULT_SLO) -> TierStats:
     ttfts = [x for x in (ttft_s(r) for r in records) if x is not None]
     tpots = [x for x in (tpot_s(r) for r in records) if x is not None]
     return TierStats(
         len(records),
-        sum(1 for r in records if met_slo(r)),
+        sum(1 for r in records if met_slo(r, *slo)),
         percentile(ttfts, 50),
         percentile(ttfts, 99),
         percentile(tpots, 50),
@@ -214,10 +224,12 @@ def _tier_stats(records: list[RequestRecord]) -> TierStats:
 NOISY_TENANT = "noisy"
 
 
-def isolation_figures(records: list[RequestRecord], span_s: float) -> dict[str, float | None]:
+def isolation_figures(
+    records: list[RequestRecord], span_s: float, slo: Slo = DEFAULT_SLO
+) -> dict[str, float | None]:
     """``well_behaved_slo_attainment``, ``well_behaved_min_tenant_slo_attainment`` (0..1) and
     ``noisy_goodput_tokens_per_s`` (output tokens/s over ``span_s`` seconds) of ``records``
-    (see the module docstring); all None when no record is the noisy tenant's."""
+    under ``slo`` (see the module docstring); all None when no record is the noisy tenant's."""
     if not any(r.request.tenant == NOISY_TENANT for r in records):
         return dict.fromkeys(
             (
@@ -229,7 +241,7 @@ def isolation_figures(records: list[RequestRecord], span_s: float) -> dict[str, 
     met: dict[str, list[int]] = {}  # tenant -> [met, requests]
     noisy_tokens = 0
     for r in records:
-        ok = met_slo(r)
+        ok = met_slo(r, *slo)
         if r.request.tenant == NOISY_TENANT:
             noisy_tokens += r.output_tokens if ok else 0
             continue
@@ -254,17 +266,18 @@ def prefix_reuse_share(records: list[RequestRecord]) -> float | None:
     return sum(r.cached_tokens for r in served) / prompts if prompts else None
 
 
-def summarize(run: RunResult) -> dict[str, Any]:
+def summarize(run: RunResult, slo: Slo = DEFAULT_SLO) -> dict[str, Any]:
     """The figures of ``run`` as a JSON-ready dict: the keys of the issue's ``--json`` rows
     (less ``workload``, ``load``, ``arm`` and ``seed``, which the caller adds) plus ``params``,
     ``requests``, ``ttft_p50_s``, ``tpot_p50_s``, ``tiers`` (per-tier counts and
     percentiles), ``span_s``, ``cpu_s``, the isolation figures (:func:`isolation_figures`) and,
-    for a schedule with sessions, ``prefix_reuse_share`` (:func:`prefix_reuse_share`)."""
+    for a schedule with sessions, ``prefix_reuse_share`` (:func:`prefix_reuse_share`). ``slo``:
+    the interactive (TTFT, TPOT) SLO scored, seconds (default the module docstring's)."""
     sched = run.schedule
     records = run.records
     span = max(sched.duration_s, run.end_s)
     n = len(records)
-    good = [r for r in records if met_slo(r)]
+    good = [r for r in records if met_slo(r, *slo)]
     goodput = sum(r.output_tokens for r in good) / span
     interactive_good = sum(r.output_tokens for r in good if r.request.tier == INTERACTIVE) / span
     served = [r for r in records if r.outcome != REJECTED]
@@ -274,8 +287,8 @@ def summarize(run: RunResult) -> dict[str, Any]:
     for tier in (INTERACTIVE, BATCH):
         recs = [r for r in records if r.request.tier == tier]
         if recs:
-            tiers[tier] = _tier_stats(recs)
-    headline = tiers.get(INTERACTIVE) or _tier_stats(records)
+            tiers[tier] = _tier_stats(recs, slo)
+    headline = tiers.get(INTERACTIVE) or _tier_stats(records, slo)
     reuse = {} if sched.sessions is None else {"prefix_reuse_share": prefix_reuse_share(records)}
     return {
         "params": dict(run.params),
@@ -296,7 +309,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "retry_after_abs_error_s": None,
         "retry_after_samples": 0,
         "retry_after_censored": 0,
-        **isolation_figures(records, span),
+        **isolation_figures(records, span, slo),
         "kv_utilisation": run.kv_busy_s / span,
         "rejected": sum(1 for r in records if r.outcome == REJECTED),
         "degraded": sum(1 for r in records if r.outcome == DEGRADED),

@@ -1,0 +1,188 @@
+"""llama-server for the real-engine benchmark: found as the test command finds it, started
+pinned, and its own gauges sampled while an arm runs.
+
+* :func:`find_llama`: ``$KVGATE_LLAMA_SERVER`` and ``$KVGATE_LLAMA_MODEL``, else the newest in the
+  cache (``$KVGATE_CACHE``, default ``~/.cache/kvgate``: ``bin/llama-server-*-*-*``,
+  ``models/gemma3-270m*.gguf``, as ``tests/conftest.py`` looks), else ``scripts/build-llama``
+  builds and fetches them (its two output lines), as ``scripts/test`` does.
+* :func:`start_llama`: :func:`kvgate_bench.kit.llamaserver.llama_args` (``--parallel``, ``-c``,
+  ``--no-kv-unified``, ``--metrics``, ``--slots``) with ``-t THREADS`` appended (llama.cpp's
+  argument parser keeps the last value), under ``taskset -c CPUS`` when given; ready once
+  ``/health`` answers 200 (:func:`kvgate_bench.kit.llamaserver.wait_loaded`).
+* :class:`EngineSampler`: every ``interval_s`` seconds, ``/metrics`` (llama.cpp's
+  ``llamacpp:requests_processing`` and ``llamacpp:requests_deferred`` gauges) and ``/slots``
+  (each slot's ``n_ctx`` and the tokens it holds, ``n_past`` where reported, else
+  ``next_token[0].n_decoded`` + the prompt) into means and maxima; the KV use is the held tokens
+  over the slots' contexts. Both endpoints are in ``tools/server/server.cpp``
+  (https://github.com/ggml-org/llama.cpp/tree/master/tools/server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvgate_bench.kit.llamaserver import llama_args, wait_loaded
+from kvgate_bench.kit.processes import Proc, spawn
+from kvgate_bench.kit.toolkit import free_port, parse_samples, sample_sum
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def find_llama() -> tuple[str, str]:
+    """(llama-server binary, GGUF model): see the module docstring. Raises ``RuntimeError``
+    when neither the environment, the cache nor ``scripts/build-llama`` yields them."""
+    cache = Path(os.environ.get("KVGATE_CACHE", Path.home() / ".cache" / "kvgate"))
+    found: list[str | None] = []
+    for var, pattern in (
+        ("KVGATE_LLAMA_SERVER", "bin/llama-server-*-*-*"),
+        ("KVGATE_LLAMA_MODEL", "models/gemma3-270m*.gguf"),
+    ):
+        preset = os.environ.get(var)
+        hits = sorted(cache.glob(pattern))
+        found.append(preset or (str(hits[-1]) if hits else None))
+    server, model = found
+    if server is not None and model is not None:
+        return server, model
+    script = REPO / "scripts" / "build-llama"
+    if not script.exists():
+        raise RuntimeError("llama-server not found: set KVGATE_LLAMA_SERVER and KVGATE_LLAMA_MODEL")
+    out = subprocess.run([str(script)], check=True, capture_output=True, text=True).stdout
+    lines = out.strip().splitlines()
+    if len(lines) < 2:
+        raise RuntimeError(f"scripts/build-llama printed {out!r}, not two paths")
+    return lines[-2], lines[-1]
+
+
+def taskset_prefix(cpus: str | None) -> list[str]:
+    """``taskset -c CPUS`` when ``cpus`` is given and taskset exists, else nothing."""
+    if cpus is None or shutil.which("taskset") is None:
+        return []
+    return ["taskset", "-c", cpus]
+
+
+def start_llama(
+    binary: str,
+    model: str,
+    log: Path,
+    *,
+    parallel: int,
+    ctx: int,
+    threads: int,
+    cpus: str | None = None,
+    timeout: float = 120.0,
+) -> Proc:
+    """llama-server with ``parallel`` slots of ``ctx / parallel`` tokens, ``threads`` threads,
+    pinned to ``cpus`` (module docstring); its output in ``log``. Raises
+    :class:`kvgate_bench.kit.llamaserver.LlamaServerError` when it does not load."""
+    port = free_port()
+    argv = llama_args(binary, model, port, parallel, ctx, "-t", str(threads))
+    popen = spawn([*taskset_prefix(cpus), *argv], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_loaded(popen, url, log, timeout)
+    except BaseException:
+        popen.kill()
+        popen.wait()
+        raise
+    return Proc(popen, log, url)
+
+
+@dataclass
+class EngineStats:
+    """Means and maxima of llama-server's own gauges over an arm's run (module docstring)."""
+
+    samples: int = 0
+    processing: list[float] = field(default_factory=list)
+    deferred: list[float] = field(default_factory=list)
+    kv_use: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float | int | None]:
+        """``{processing,deferred,kv_use}_{mean,max}`` and ``samples``; None without samples."""
+        out: dict[str, float | int | None] = {"samples": self.samples}
+        for name, xs in (
+            ("processing", self.processing),
+            ("deferred", self.deferred),
+            ("kv_use", self.kv_use),
+        ):
+            out[f"{name}_mean"] = sum(xs) / len(xs) if xs else None
+            out[f"{name}_max"] = max(xs) if xs else None
+        return out
+
+
+def slot_kv(slots: list[dict[str, Any]]) -> float | None:
+    """Tokens held / context over llama-server's ``/slots`` answer (0..1); None when the
+    answer carries no context sizes."""
+    total = sum(int(s.get("n_ctx", 0)) for s in slots)
+    if total <= 0:
+        return None
+    held = 0
+    for s in slots:
+        if not s.get("is_processing"):
+            continue
+        if "n_past" in s:
+            held += int(s["n_past"])
+        else:
+            nt = s.get("next_token") or [{}]
+            held += int(nt[0].get("n_decoded", 0)) + int(s.get("n_prompt_tokens", 0))
+    return min(1.0, held / total)
+
+
+class EngineSampler:
+    """Samples llama-server's gauges every ``interval_s`` seconds until stopped."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, interval_s: float) -> None:
+        self.session, self.url, self.interval_s = session, url, interval_s
+        self.stats = EngineStats()
+        self._task: asyncio.Task[None] | None = None
+
+    async def sample(self) -> None:
+        """One sample of ``/metrics`` and ``/slots``."""
+        async with self.session.get(self.url + "/metrics") as r:
+            samples = parse_samples(await r.text())
+        self.stats.processing.append(sample_sum(samples, "llamacpp:requests_processing"))
+        self.stats.deferred.append(sample_sum(samples, "llamacpp:requests_deferred"))
+        async with self.session.get(self.url + "/slots") as r:
+            kv = slot_kv(await r.json()) if r.status == 200 else None
+        if kv is not None:
+            self.stats.kv_use.append(kv)
+        self.stats.samples += 1
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(aiohttp.ClientError, ValueError, asyncio.TimeoutError):
+                await self.sample()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> EngineStats:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        return self.stats
+
+
+async def metric_totals(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """llama-server's counters now: ``n_decode_total``, ``tokens_predicted_total``,
+    ``tokens_predicted_seconds_total``, ``prompt_tokens_total``, ``prompt_seconds_total``."""
+    async with session.get(url + "/metrics") as r:
+        samples = parse_samples(await r.text())
+    names = (
+        "n_decode_total",
+        "tokens_predicted_total",
+        "tokens_predicted_seconds_total",
+        "prompt_tokens_total",
+        "prompt_seconds_total",
+    )
+    return {n: sample_sum(samples, "llamacpp:" + n) for n in names}
