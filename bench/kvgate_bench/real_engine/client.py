@@ -67,7 +67,7 @@ from kvgate_bench.effectiveness.workloads import Request, Schedule
 from kvgate_bench.kit import processes
 from kvgate_bench.kit.llamaserver import LLAMA_MODEL
 from kvgate_bench.kit.toolkit import free_port, percentile
-from kvgate_bench.real_engine.engine import EngineSampler, EngineStats, taskset_prefix
+from kvgate_bench.real_engine.engine import EngineSampler, EngineStats, taskset_prefix, wait_idle
 from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.steptime import constant_profile
 
@@ -390,6 +390,7 @@ async def run_arm(
         ) as session:
             client = _Client(session, url, schedule, max_tokens, words, virtual)
             sampler = EngineSampler(session, engine_url, sample_s)
+            await wait_idle(session, engine_url)  # a previous arm's cut requests have ended
             client.t0 = client.loop.time() + 0.05
             if virtual is not None:
                 virtual.start(HttpGate(client), 0.0)

@@ -186,3 +186,30 @@ async def metric_totals(session: aiohttp.ClientSession, url: str) -> dict[str, f
         "prompt_seconds_total",
     )
     return {n: sample_sum(samples, "llamacpp:" + n) for n in names}
+
+
+async def wait_idle(
+    session: aiohttp.ClientSession, url: str, timeout_s: float = 180.0, interval_s: float = 0.5
+) -> float:
+    """Wait until llama-server at ``url`` has no request processing or deferred, so that each
+    arm starts on an idle engine (the requests a previous arm's client cut at its deadline may
+    still be running or queued there: llama-server notices a gone client only when it next
+    writes to it). Returns the seconds waited.
+
+    Raises:
+        TimeoutError: still busy after ``timeout_s`` seconds.
+    """
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while True:
+        async with session.get(url + "/metrics") as r:
+            samples = parse_samples(await r.text())
+        busy = sample_sum(samples, "llamacpp:requests_processing") + sample_sum(
+            samples, "llamacpp:requests_deferred"
+        )
+        waited = loop.time() - start
+        if busy == 0:
+            return waited
+        if waited > timeout_s:
+            raise TimeoutError(f"llama-server still busy ({busy:g} requests) after {waited:.0f} s")
+        await asyncio.sleep(interval_s)
