@@ -20,8 +20,6 @@ of :mod:`kvgate_bench.effectiveness.runner`; every pod is the profile's engine):
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +31,7 @@ from kvgate_bench.effectiveness.flow_control import candidates as fc_candidates
 from kvgate_bench.effectiveness.metrics import summarize
 from kvgate_bench.effectiveness.pool import FrontGate, Replica, simulate_pool
 from kvgate_bench.effectiveness.routers import ROUTER_NAMES, RetryPolicy, make_router
-from kvgate_bench.effectiveness.runner import Calibration, steptime_of
+from kvgate_bench.effectiveness.runner import Calibration, run_parallel, steptime_of
 from kvgate_bench.effectiveness.workloads import generate
 
 #: The arms of a pool run, in report order (names are an interface: JSON ``arm``).
@@ -207,21 +205,7 @@ def run_pool_all(
     tasks: list[PoolTask], jobs: int, progress: Callable[[int, int], None] | None = None
 ) -> list[dict[str, Any]]:
     """Run ``tasks`` on ``jobs`` processes (1: in this process); rows in task order."""
-    if jobs <= 1:
-        rows = []
-        for i, t in enumerate(tasks):
-            rows.append(run_pool_task(t))
-            if progress:
-                progress(i + 1, len(tasks))
-        return rows
-    ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-    out: list[dict[str, Any]] = []
-    with ctx.Pool(jobs) as pool:
-        for i, row in enumerate(pool.imap(run_pool_task, tasks, chunksize=1)):
-            out.append(row)
-            if progress:
-                progress(i + 1, len(tasks))
-    return out
+    return run_parallel(run_pool_task, tasks, jobs, progress)
 
 
 def _point(r: dict[str, Any]) -> tuple[str, float, int, str, str]:

@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvgate_bench.effectiveness.arms import ARM_NAMES, ArmContext, candidates, make_arm
 from kvgate_bench.effectiveness.driver import (
@@ -300,24 +300,38 @@ def build_tasks(
     return tasks
 
 
-def run_all(
-    tasks: list[Task], jobs: int, progress: Callable[[int, int], None] | None = None
+T = TypeVar("T")
+
+
+def run_parallel(
+    fn: Callable[[T], dict[str, Any]],
+    tasks: list[T],
+    jobs: int,
+    progress: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run ``tasks`` on ``jobs`` processes (1: in this process); rows in task order."""
+    """``fn`` over ``tasks`` on ``jobs`` processes (1: in this process); rows in task order,
+    ``progress(done, total)`` after each."""
     rows: list[dict[str, Any]] = []
     if jobs <= 1:
         for i, t in enumerate(tasks):
-            rows.append(run_task(t))
+            rows.append(fn(t))
             if progress:
                 progress(i + 1, len(tasks))
         return rows
     ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
     with ctx.Pool(jobs) as pool:
-        for i, row in enumerate(pool.imap(run_task, tasks, chunksize=1)):
+        for i, row in enumerate(pool.imap(fn, tasks, chunksize=1)):
             rows.append(row)
             if progress:
                 progress(i + 1, len(tasks))
     return rows
+
+
+def run_all(
+    tasks: list[Task], jobs: int, progress: Callable[[int, int], None] | None = None
+) -> list[dict[str, Any]]:
+    """Run ``tasks`` on ``jobs`` processes (1: in this process); rows in task order."""
+    return run_parallel(run_task, tasks, jobs, progress)
 
 
 def _key(params: dict[str, Any]) -> str:
