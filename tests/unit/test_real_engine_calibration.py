@@ -118,6 +118,13 @@ def test_rows_targets_and_comparison() -> None:
     assert t["multi-tenant x2: kvgate 5xx share"]["met"]
     assert t["isolation noisy x3: kvgate well-behaved SLO met"]["met"]
     assert t["multi-tenant x1: kvgate throughput / none"]["value"] == pytest.approx(29 / 30)
+    # A baseline that served nothing: the ratio is undefined, met only by serving something.
+    for kv, met in ((0.0, False), (5.0, True)):
+        zero = [_row("multi-tenant", 2.0, "concurrency-cap", 0.0),
+                _row("multi-tenant", 2.0, "kvgate", kv)]  # fmt: skip
+        got = {x["target"]: x for x in report.targets(zero)}
+        cap = got["multi-tenant x2: kvgate goodput / tuned cap"]
+        assert cap["value"] is None and cap["met"] is met
     virtual = [_row("multi-tenant", 2.0, "none", 8.5), _row("multi-tenant", 2.0, "kvgate", 30.0)]
     comp = report.comparison(rows, virtual)
     assert [(c["arm"], c["agree"]) for c in comp] == [("none", True), ("kvgate", False)]

@@ -59,71 +59,43 @@ def _find(rows: Sequence[Mapping[str, Any]], workload: str, load: float, arm: st
     return None
 
 
+def _ratio_target(name: str, num: float, den: float, goal: float) -> dict[str, Any]:
+    """A ``num / den >= goal`` target. With ``den`` 0 the ratio is undefined (value None) and
+    met only when ``num`` is positive (anything beats nothing; nothing never does)."""
+    v = num / den if den else None
+    met = v >= goal if v is not None else num > 0
+    return {"target": name, "value": v, "goal": f">= {goal:g}", "met": met}
+
+
 def targets(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The issue's targets on ``rows`` (those whose cells ran): name, value, goal, met."""
     out: list[dict[str, Any]] = []
     k, n, c = (_find(rows, "multi-tenant", 2.0, a) for a in ("kvgate", "none", "concurrency-cap"))
+    gp = "goodput_tokens_per_s"
     if k and n:
-        v = (
-            k["goodput_tokens_per_s"] / n["goodput_tokens_per_s"]
-            if n["goodput_tokens_per_s"]
-            else None
-        )
-        out.append(
-            {
-                "target": "multi-tenant x2: kvgate goodput / none",
-                "value": v,
-                "goal": ">= 1.5",
-                "met": v is not None and v >= 1.5,
-            }
-        )
+        name = "multi-tenant x2: kvgate goodput / none"
+        out.append(_ratio_target(name, k[gp], n[gp], 1.5))
     if k and c:
-        v = (
-            k["goodput_tokens_per_s"] / c["goodput_tokens_per_s"]
-            if c["goodput_tokens_per_s"]
-            else None
-        )
-        out.append(
-            {
-                "target": "multi-tenant x2: kvgate goodput / tuned cap",
-                "value": v,
-                "goal": ">= 1.0",
-                "met": v is None or v >= 1.0,
-            }
-        )
+        name = "multi-tenant x2: kvgate goodput / tuned cap"
+        out.append(_ratio_target(name, k[gp], c[gp], 1.0))
     if k:
         v = k["errors_5xx"] / k["requests"] if k["requests"] else 0.0
         out.append(
-            {
-                "target": "multi-tenant x2: kvgate 5xx share",
-                "value": v,
-                "goal": "< 0.01",
-                "met": v < 0.01,
-            }
-        )
+            {"target": "multi-tenant x2: kvgate 5xx share", "value": v, "goal": "< 0.01",
+             "met": v < 0.01}
+        )  # fmt: skip
     ki = _find(rows, "isolation", 3.0, "kvgate")
     if ki:
         v = ki["well_behaved_slo_attainment"]
         out.append(
-            {
-                "target": "isolation noisy x3: kvgate well-behaved SLO met",
-                "value": v,
-                "goal": ">= 0.95",
-                "met": v is not None and v >= 0.95,
-            }
-        )
+            {"target": "isolation noisy x3: kvgate well-behaved SLO met", "value": v,
+             "goal": ">= 0.95", "met": v is not None and v >= 0.95}
+        )  # fmt: skip
     k1, n1 = _find(rows, "multi-tenant", 1.0, "kvgate"), _find(rows, "multi-tenant", 1.0, "none")
     if k1 and n1:
-        nt = n1["throughput_tokens_per_s"]
-        v = k1["throughput_tokens_per_s"] / nt if nt else None
-        out.append(
-            {
-                "target": "multi-tenant x1: kvgate throughput / none",
-                "value": v,
-                "goal": ">= 0.95",
-                "met": v is None or v >= 0.95,
-            }
-        )
+        tp = "throughput_tokens_per_s"
+        name = "multi-tenant x1: kvgate throughput / none"
+        out.append(_ratio_target(name, k1[tp], n1[tp], 0.95))
     return out
 
 
