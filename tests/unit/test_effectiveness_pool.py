@@ -187,3 +187,27 @@ def test_a_bad_pool_is_refused() -> None:
         simulate_pool(schedule(), lambda i: ConcurrencyCapArm(4, 0.1), RandomRouter(1), STEPTIME, 0)
     with pytest.raises(ValueError):
         make_router("round-robin", 1, 16)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--replicas", ""], "--replicas wants"),
+        (["--replicas", "0"], "--replicas wants"),
+        (["--replicas", "2", "--loads", "nan"], "--loads wants"),
+        (["--replicas", "2", "--seeds", "0"], "--seeds wants"),
+        (["--replicas", "2", "--retry-after-cap", "-1"], "--retry-after-cap wants"),
+        (["--retry-after-cap", "1"], "--retry-after-cap needs --replicas"),
+        (["--routers", "epp"], "--routers needs --replicas"),
+        (["--replicas", "2", "--routers", "foo"], "choose from random,least-request,epp"),
+        (["--replicas", "2", "--json", "/nonexistent-kvgate/x.json"], "does not exist"),
+        (["--json", "/"], "is a directory"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_runs(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvgate_bench.effectiveness.__main__ import main
+
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err

@@ -44,6 +44,7 @@ from typing import Any
 
 from kvgate_bench.effectiveness.arms import ABLATIONS, ARM_NAMES, BASELINES
 from kvgate_bench.effectiveness.metrics import ratio_text as _ratio
+from kvgate_bench.effectiveness.pool_report import json_path_problem, run_pool_mode
 from kvgate_bench.effectiveness.progress import Progress as Progress  # re-exported
 from kvgate_bench.effectiveness.replay import DEFAULT_REPLAYS, PROBE_DELTAS_S
 from kvgate_bench.effectiveness.runner import (
@@ -89,10 +90,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m kvgate_bench.effectiveness",
         description="Admission effectiveness of kvgate and the baselines, in virtual time.",
     )
-    p.add_argument("--short", action="store_true", help="a quick run (< 5 min on 2 cores)")
+    p.add_argument(
+        "--short",
+        action="store_true",
+        help="a quick run (< 5 min on 2 cores; pool mode: 120 s schedules, fewer settings)",
+    )
     p.add_argument("--workloads", help=f"comma-separated, from {','.join(WORKLOADS)}")
-    p.add_argument("--loads", help="comma-separated loads (x the none arm's goodput capacity)")
-    p.add_argument("--seeds", type=int, help="seeds per point (default 3; --short 1)")
+    p.add_argument(
+        "--loads",
+        help="comma-separated loads (x the none arm's goodput capacity; pool mode: x N pods', "
+        "default 0.8,1.5,2,3)",
+    )
+    p.add_argument("--seeds", type=int, help="seeds per point (default 3, pool mode 2; --short 1)")
     p.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
     p.add_argument("--json", type=Path, help="write the results to this file")
     p.add_argument("--plots", type=Path, help="write PNG plots here (needs matplotlib)")
@@ -102,7 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         help="replace the profile's KV pool (tokens), e.g. 65536: a KV-bound server",
     )
-    p.add_argument("--duration", type=float, help="schedule length, s (default 600; --short 300)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        help="schedule length, s (default 600; --short 300; pool mode 300, --short 120)",
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes")
     p.add_argument(
         "--arms",
@@ -288,10 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.replicas is not None or args.routers is not None or args.retry_after_cap is not None:
         if args.replicas is None:
-            print("--routers needs --replicas", file=sys.stderr)
+            given = "--routers" if args.routers is not None else "--retry-after-cap"
+            print(f"{given} needs --replicas (the pool mode)", file=sys.stderr)
             return 2
-        from kvgate_bench.effectiveness.pool_report import run_pool_mode
-
         show = Progress(sys.stderr, live=sys.stderr.isatty())
         shown = args.progress or sys.stderr.isatty()
         return run_pool_mode(args, show.phase("pool runs") if shown else None)
@@ -327,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if "none" not in arms:
         arms.insert(0, "none")
+    if (problem := json_path_problem(args.json)) is not None:
+        print(problem, file=sys.stderr)
+        return 2
     if args.plots is not None and importlib.util.find_spec("matplotlib") is None:
         print("--plots: matplotlib is not installed in this environment; skipping plots")
         args.plots = None

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvgate_bench.effectiveness.metrics import ratio_text
@@ -73,8 +77,13 @@ def pool_table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     lines: list[str] = []
     heads: list[str] = []
     header = (
-        f"{'router':<14} {'arm':<16} {'setting':<34} {'goodput':>8} {'SLO%':>5} {'TTFTp99':>8} "
+        f"{'router':<14} {'arm':<16} {'setting':<44} {'goodput':>8} {'SLO%':>5} {'TTFTp99':>8} "
         f"{'pre/1k':>6} {'refused':>7} {'rwr%':>6} {'retries':>7} {'vs none':>7}"
+    )
+    lines.append(
+        "goodput: output tokens/s of requests within the SLO; pre/1k: preemptions per 1,000 "
+        "requests; refused: requests the client finally saw refused; rwr%: of all requests, those "
+        "finally refused while another replica had room; retries: attempts after the first"
     )
     points = sorted({(r["workload"], r["load"], r["replicas"]) for r in rows})
     for w, load, n in points:
@@ -93,7 +102,7 @@ def pool_table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
             setting = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
                                for k, v in rs[0]["params"].items()) or "-"  # fmt: skip
             lines.append(
-                f"{router:<14} {arm:<16} {setting:<34} {_f(gp[router, arm]):>8} "
+                f"{router:<14} {arm:<16} {setting:<44} {_f(gp[router, arm]):>8} "
                 f"{_f(_mean(rs, 'slo_attainment'), '.1f', 100):>5} "
                 f"{_f(_mean(rs, 'ttft_p99_s'), '.2f'):>7}s "
                 f"{_f(_mean(rs, 'preemptions_per_1k'), '.1f'):>6} "
@@ -116,7 +125,7 @@ def _headlines(
     out: list[str] = []
     mine = gp.get(("epp", "kvgate"))
     if mine is not None:
-        msg = f"{w} {n}x load {load:g}: epp+kvgate goodput {_f(mine)}"
+        msg = f"{w}, {n} replicas, load {load:g}: epp+kvgate goodput {_f(mine)}"
         fc = gp.get(("epp", "flow-control"))
         if fc is not None:
             msg += f" = {ratio_text(mine, fc)} epp+flow-control ({_f(fc)})"
@@ -134,7 +143,8 @@ def _headlines(
         rwr = sum(int(r["refused_while_room"]) for r in rs)
         requests = sum(int(r["requests"]) for r in rs)
         out.append(
-            f"{w} {n}x load {load:g}: {router}+kvgate = {ratio_text(k, none)} {router}+none; "
+            f"{w}, {n} replicas, load {load:g}: {router}+kvgate = {ratio_text(k, none)} "
+            f"{router}+none; "
             f"refused while another replica had room: {rwr} of {requests} requests "
             f"({100 * rwr / max(1, requests):.2f} %)"
         )
@@ -163,6 +173,40 @@ def sweeps_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def option_problem(
+    args: argparse.Namespace, replicas: list[int] | None, loads: list[float]
+) -> str | None:
+    """What is wrong with the pool mode's options (None: nothing), before anything runs: the
+    replica counts and loads (positive, finite), seeds (>= 1), the Retry-After cap (>= 0) and a
+    ``--json`` path that can be written (checked now, not after a half-hour run)."""
+    if not replicas or any(n < 1 for n in replicas):
+        return "--replicas wants positive whole numbers, e.g. 2,4,8"
+    if any(not math.isfinite(x) or x <= 0 for x in loads):
+        return "--loads wants positive numbers, e.g. 0.8,2"
+    if args.seeds is not None and args.seeds < 1:
+        return "--seeds wants at least 1"
+    if args.duration is not None and not (math.isfinite(args.duration) and args.duration > 0):
+        return "--duration wants a positive number of seconds"
+    if args.retry_after_cap is not None and not args.retry_after_cap >= 0:
+        return "--retry-after-cap wants seconds >= 0"
+    return json_path_problem(args.json)
+
+
+def json_path_problem(path: Path | None) -> str | None:
+    """Why ``--json PATH`` could not be written at the end of a run (None: it can, or no
+    ``--json``): a directory, or a folder that does not exist or is not writable."""
+    if path is None:
+        return None
+    if path.is_dir():
+        return f"--json {path}: is a directory"
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        return f"--json {path}: folder {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"--json {path}: not writable"
+    return None
+
+
 def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
     """The pool mode of ``main`` (see the module docstring); returns the exit status (2 on a
     bad option)."""
@@ -174,10 +218,11 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
         loads = parse_list(args.loads, "--loads", float) or list(POOL_LOADS)
         workloads = parse_list(args.workloads, "--workloads", str) or [POOL_WORKLOAD]
     except ValueError as exc:
-        print(exc)
+        print(exc, file=sys.stderr)
         return 2
-    if any(n < 1 for n in replicas) or any(x <= 0 for x in loads):
-        print("--replicas and --loads want positive numbers")
+    problem = option_problem(args, replicas, loads)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
     if "none" not in arms:
         arms.insert(0, "none")
@@ -197,7 +242,7 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
     try:
         found = calibrate_all(workloads, args.profile, duration, args.seed, args.jobs)
     except ValueError as exc:  # an unknown workload or profile
-        print(exc)
+        print(exc, file=sys.stderr)
         return 2
     cals: dict[str, Calibration] = dict(zip(workloads, found, strict=True))
     for w, cal in cals.items():
