@@ -58,6 +58,7 @@ def test_a_retry_whose_budget_is_spent_is_refused_at_once_and_a_fresh_one_queues
     assert fresh.waiter is not None  # expected to wait about 0.5 s of its 2 s budget
     d = c.submit(AdmissionRequest("c", 10, 10, 1, waited_seconds=1.9))
     assert d.waiter is None and d.outcome is Outcome.REJECTED and d.reason is Reason.SLO
+    assert "less the 1.90s it waited before reaching this pod" in d.message
 
 
 def test_a_queued_retry_times_out_a_second_before_a_fresh_request() -> None:

@@ -313,9 +313,14 @@ def reject(
         message = f"the admission queue is full: {message}"
     elif slo_wait is not None:
         reason = Reason.SLO
+        spent = (
+            f" less the {req.waited_seconds:.2f}s it waited before reaching this pod"
+            if req.waited_seconds > 0
+            else ""
+        )
         message = (
-            f"the expected queue wait ({slo_wait:.2f}s) exceeds the time-to-first-token SLO: "
-            f"{message}"
+            f"the expected queue wait ({slo_wait:.2f}s) exceeds the time-to-first-token SLO"
+            f"{spent}: {message}"
         )
     d = refusal(reason, blocker.limit, 429, wait, req.max_tokens, message)
     d.queue_seconds = waited
