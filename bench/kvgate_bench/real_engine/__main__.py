@@ -513,18 +513,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m kvgate_bench.real_engine",
         description="kvgate's goodput in front of a real llama-server (none, tuned cap, tuned "
-        "token bucket, kvgate), next to the virtual benchmark on a fitted engine.",
+        "token bucket, kvgate), next to the virtual benchmark on a fitted engine. llama-server "
+        "and its model: $KVGATE_LLAMA_SERVER and $KVGATE_LLAMA_MODEL, else the test command's "
+        "cache, else scripts/build-llama builds them.",
     )
     p.add_argument(
         "--short", action="store_true", help="fewer cells and shorter schedules (<8 min)"
     )
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--parallel", type=int, default=4, help="llama-server slots")
-    p.add_argument("--ctx", type=int, default=4096, help="llama-server context, all slots")
-    p.add_argument("--threads", type=int, default=1, help="llama-server threads")
+    p.add_argument("--seed", type=int, default=1, help="the schedules' seed (default 1)")
+    p.add_argument("--parallel", type=int, default=4, help="llama-server slots (default 4)")
+    p.add_argument(
+        "--ctx", type=int, default=4096, help="llama-server context, all slots (default 4096)"
+    )
+    p.add_argument("--threads", type=int, default=1, help="llama-server threads (default 1)")
     p.add_argument("--max-tokens", type=int, help="cap on each request's max_tokens (default 96)")
-    p.add_argument("--duration", type=float, help="schedule length per cell, s")
-    p.add_argument("--drain", type=float, help="seconds after a schedule before cutting requests")
+    p.add_argument(
+        "--duration", type=float, help="schedule length per cell, s (default 40; --short 20)"
+    )
+    p.add_argument(
+        "--drain",
+        type=float,
+        help="seconds after a schedule before cutting requests (default 10; --short 8)",
+    )
     p.add_argument(
         "--probe-duration",
         type=float,
