@@ -19,9 +19,11 @@ from kvgate_bench.effectiveness.arms import ArmContext
 from kvgate_bench.effectiveness.metrics import summarize
 from kvgate_bench.effectiveness.workloads import generate, tenants_of
 from kvgate_bench.kit.processes import Proc
-from kvgate_bench.real_engine.__main__ import _row, engine_config, parse_args
 from kvgate_bench.real_engine.calibration import Slo
+from kvgate_bench.real_engine.cells import cell_row
+from kvgate_bench.real_engine.cli import parse_args
 from kvgate_bench.real_engine.client import CAP, KVGATE, NONE, corpus, run_arm
+from kvgate_bench.real_engine.virtual import engine_config
 
 pytestmark = pytest.mark.llama
 
@@ -59,7 +61,7 @@ async def test_tiny_schedule_rows(engine: Proc, arm: str, tmp_path: Path) -> Non
     assert run.errors == [] and run.errors_5xx == 0 and run.timeouts == 0, run.statuses
     assert not any(code.startswith("5") for code in run.statuses), run.statuses
     args = parse_args(["--short"])
-    row = _row(run, "multi-tenant", 1.0, arm, args, SLO, "-")
+    row = cell_row(run, "multi-tenant", 1.0, arm, args, SLO, "-")
     summary = summarize(run.result, SLO.pair())
     for key in summary:
         assert key in row, key

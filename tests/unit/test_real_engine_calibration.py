@@ -163,7 +163,7 @@ def test_summarize_and_the_recommended_policy_take_the_calibrated_slo() -> None:
     from kvgate_bench.effectiveness.driver import SERVED, RequestRecord, RunResult
     from kvgate_bench.effectiveness.kvgate_defaults import recommended_policy
     from kvgate_bench.effectiveness.metrics import met_slo, summarize
-    from kvgate_bench.real_engine.__main__ import engine_config
+    from kvgate_bench.real_engine.virtual import engine_config
     from kvgate_bench.sim.engine import SimEngine
     from kvgate_bench.sim.steptime import constant_profile
 

@@ -5,6 +5,7 @@ pinned, and its own gauges sampled while an arm runs.
   cache (``$KVGATE_CACHE``, default ``~/.cache/kvgate``: ``bin/llama-server-*-*-*``,
   ``models/gemma3-270m*.gguf``, as ``tests/conftest.py`` looks), else ``scripts/build-llama``
   builds and fetches them (its two output lines), as ``scripts/test`` does.
+* :func:`pin_cpus`: llama-server on the last CPU, this process (and the sidecar) on the others.
 * :func:`start_llama`: :func:`kvgate_bench.kit.llamaserver.llama_args` (``--parallel``, ``-c``,
   ``--no-kv-unified``, ``--metrics``, ``--slots``) with ``-t THREADS`` appended (llama.cpp's
   argument parser keeps the last value), under ``taskset -c CPUS`` when given; ready once
@@ -60,6 +61,19 @@ def find_llama() -> tuple[str, str]:
     if len(lines) < 2:
         raise RuntimeError(f"scripts/build-llama printed {out!r}, not two paths")
     return lines[-2], lines[-1]
+
+
+def pin_cpus(no_pin: bool) -> tuple[str | None, str | None]:
+    """Pin this process (the client; the sidecar runs on the same CPUs) to all CPUs but the last,
+    which llama-server gets: (engine CPUs, client CPUs) as ``taskset -c`` lists. Nothing is
+    pinned, and both are None, with ``no_pin`` or fewer than two CPUs."""
+    ncpu = os.cpu_count() or 1
+    pin = not no_pin and ncpu >= 2
+    engine_cpus = str(ncpu - 1) if pin else None
+    client_cpus = ",".join(str(c) for c in range(ncpu - 1)) if pin else None
+    if pin:
+        os.sched_setaffinity(0, set(range(ncpu - 1)))
+    return engine_cpus, client_cpus
 
 
 def taskset_prefix(cpus: str | None) -> list[str]:

@@ -1,4 +1,5 @@
-"""Rows, targets and the virtual-time comparison of the real-engine benchmark (pure).
+"""Rows, targets and the virtual-time comparison of the real-engine benchmark, its printed end
+(:func:`summary_lines`) and its ``--json`` document (:func:`report_json`) (pure).
 
 A row is :func:`kvgate_bench.effectiveness.metrics.summarize`'s dict (the virtual benchmark's
 ``--json`` row schema: ``goodput_tokens_per_s``, ``slo_attainment``,
@@ -148,3 +149,49 @@ def row_text(r: Mapping[str, Any], none: Mapping[str, Any] | None) -> str:
         f"proc {_f(eng.get('processing_mean'), '.1f')}"
         f"  KV {_f(eng.get('kv_use_mean'), '.2f')}  lag p99 {r['send_lag_p99_s'] * 1e3:.0f} ms"
     )
+
+
+def summary_lines(comp: Sequence[Mapping[str, Any]], tg: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The printed end of a run: the real-vs-virtual table (:func:`comparison`'s rows) and the
+    targets (:func:`targets`), each under its heading."""
+    lines = ["real vs virtual (fitted engine), goodput tok/s and SLO met:"]
+    for x in comp:
+        lines.append(
+            f"  {x['workload']:<12} {x['load']:g}  {x['arm']:<16} real {x['real_goodput']:6.1f} "
+            f"virtual {x['virtual_goodput']:6.1f}  ratio "
+            f"{'-' if x['real_over_virtual'] is None else format(x['real_over_virtual'], '.2f')}  "
+            f"SLO {x['real_slo'] or 0:.2f} / {x['virtual_slo'] or 0:.2f}"
+            f"{'' if x['agree'] else '  DISAGREE'}"
+        )
+    lines.append("targets:")
+    for t in tg:
+        v = "-" if t["value"] is None else f"{t['value']:.2f}"
+        lines.append(
+            f"  {'met   ' if t['met'] else 'MISSED'} {t['target']}: {v} (goal {t['goal']})"
+        )
+    return lines
+
+
+def report_json(
+    meta: Mapping[str, Any],
+    calibration: Mapping[str, Any],
+    rows: Sequence[Mapping[str, Any]],
+    virtual: Sequence[Mapping[str, Any]],
+    comp: Sequence[Mapping[str, Any]],
+    tg: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """What ``--json`` writes: ``{"meta", "calibration", "rows", "virtual", "comparison",
+    "targets"}``, the calibration's ``slo`` and ``steptime`` as dicts of their fields."""
+    c_json = {
+        **calibration,
+        "slo": calibration["slo"].__dict__,
+        "steptime": calibration["steptime"].__dict__,
+    }
+    return {
+        "meta": meta,
+        "calibration": c_json,
+        "rows": rows,
+        "virtual": virtual,
+        "comparison": comp,
+        "targets": tg,
+    }
