@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.real_engine import calibration as cal
 from kvgate_bench.real_engine.client import NONE, prompt_for, request_body, run_arm
 from kvgate_bench.real_engine.engine import metric_totals
+from kvgate_bench.real_engine.sse import sse_json
 from kvgate_bench.real_engine.virtual import arm_context, predicted_capacity
 from kvgate_bench.sim.steptime import StepTimeModel
 
@@ -41,20 +41,13 @@ async def one_request(
     usage: dict[str, Any] = {}
     async with session.post(url + "/v1/chat/completions", json=req) as r:
         r.raise_for_status()
-        buf = b""
-        async for data in r.content.iter_any():
-            buf += data
-            *events, buf = buf.split(b"\n\n")
-            for ev in events:
-                if not ev.startswith(b"data: ") or ev[6:].strip() == b"[DONE]":
-                    continue
-                obj = json.loads(ev[6:])
-                timings = obj.get("timings") or timings
-                usage = obj.get("usage") or usage
-                for ch in obj.get("choices") or ():
-                    if (ch.get("delta") or {}).get("content"):
-                        last = time.perf_counter()
-                        first = first or last
+        async for obj in sse_json(r.content):
+            timings = obj.get("timings") or timings
+            usage = obj.get("usage") or usage
+            for ch in obj.get("choices") or ():
+                if (ch.get("delta") or {}).get("content"):
+                    last = time.perf_counter()
+                    first = first or last
     n = int(usage.get("completion_tokens", 0))
     ttft = (first or time.perf_counter()) - t0
     tpot = ((last or 0) - (first or 0)) / (n - 1) if n > 1 and first and last else 0.0

@@ -68,6 +68,7 @@ from kvgate_bench.kit import processes
 from kvgate_bench.kit.llamaserver import LLAMA_MODEL
 from kvgate_bench.kit.toolkit import free_port, percentile
 from kvgate_bench.real_engine.engine import EngineSampler, EngineStats, taskset_prefix, wait_idle
+from kvgate_bench.real_engine.sse import sse_json
 from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.steptime import constant_profile
 
@@ -314,30 +315,20 @@ class _Client:
                 rec.max_tokens_sent = int(m.group(1))
         rec.outcome = DEGRADED if decision == "degraded" else SERVED
         chunks = 0
-        buf = b""
-        async for data in r.content.iter_any():
-            buf += data
-            *events, buf = buf.split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: "):
-                    continue
-                payload = event[6:].strip()
-                if payload == b"[DONE]":
-                    continue
-                obj = json.loads(payload)
-                usage = obj.get("usage")
-                if usage:
-                    self.usage_prompt[req.rid] = int(usage.get("prompt_tokens", 0))
-                    self.usage_output[req.rid] = int(usage.get("completion_tokens", 0))
-                for choice in obj.get("choices") or ():
-                    if (choice.get("delta") or {}).get("content"):
-                        chunks += 1
-                        if rec.first_token_at is None:
-                            rec.first_token_at = self.now()
-                    if choice.get("finish_reason") is not None:
-                        rec.finished_at = self.now()
-                        self.finish[req.rid] = str(choice["finish_reason"])
-                rec.output_tokens = self.usage_output.get(req.rid, chunks)
+        async for obj in sse_json(r.content):
+            usage = obj.get("usage")
+            if usage:
+                self.usage_prompt[req.rid] = int(usage.get("prompt_tokens", 0))
+                self.usage_output[req.rid] = int(usage.get("completion_tokens", 0))
+            for choice in obj.get("choices") or ():
+                if (choice.get("delta") or {}).get("content"):
+                    chunks += 1
+                    if rec.first_token_at is None:
+                        rec.first_token_at = self.now()
+                if choice.get("finish_reason") is not None:
+                    rec.finished_at = self.now()
+                    self.finish[req.rid] = str(choice["finish_reason"])
+            rec.output_tokens = self.usage_output.get(req.rid, chunks)
         if rec.finished_at is None:
             raise ValueError("the stream ended without a finish_reason")
 
