@@ -17,6 +17,7 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.server import SidecarServer
 from kvgate_bench.kit.llamaserver import llama_args, wait_loaded
 from kvgate_bench.kit.processes import Proc, start_sidecar
 from kvgate_bench.kit.processes import start as start_process
@@ -46,16 +47,15 @@ def policy_doc(spec: dict[str, Any], name: str = "test") -> dict[str, Any]:
 SidecarFactory = Callable[..., Awaitable[tuple[str, Sidecar]]]
 
 
-async def serve_sidecar(sc: Sidecar, runners: list[web.AppRunner]) -> str:
-    """Serve ``sc`` on a free loopback port in this event loop (its runner is appended to
-    ``runners`` for cleanup); returns its base URL. Served as the CLI serves it
-    (:meth:`Sidecar.runner`: the header deadline, OpenAI answers to malformed HTTP)."""
-    runner = sc.runner(handler_cancellation=True, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    runners.append(runner)
-    return f"http://127.0.0.1:{port}"
+async def serve_sidecar(sc: Sidecar, runners: list[Any]) -> str:
+    """Serve ``sc`` on a free loopback port in this event loop, as the CLI serves it
+    (:class:`SidecarServer`: the server leg its settings name, the header deadline, OpenAI
+    answers to malformed HTTP); the server is appended to ``runners`` (closed with
+    ``cleanup()``); returns its base URL."""
+    server = SidecarServer(sc)
+    await server.start(("127.0.0.1", 0), None)
+    runners.append(server)
+    return f"http://127.0.0.1:{server.port}"
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ async def raw_exchange(url: str, request: bytes) -> tuple[bytes, bytes]:
 async def sidecar_factory() -> AsyncIterator[SidecarFactory]:
     """Start sidecars in this event loop: ``url, sidecar = await make(upstream, spec, **settings)``.
     ``sidecar.admission.stats()`` is the admission state, for assertions on gauges."""
-    runners: list[web.AppRunner] = []
+    runners: list[Any] = []
 
     async def make(upstream: str, spec: dict[str, Any], **settings: Any) -> tuple[str, Sidecar]:
         sc = Sidecar(

@@ -142,7 +142,7 @@ MakeSidecar = Callable[..., Awaitable[tuple[str, Sidecar]]]
 async def agent_sidecar(tmp_path: Path) -> AsyncIterator[MakeSidecar]:
     """``url, sidecar = await make(upstream_url, agent_url, **agent_settings)``: a sidecar in
     cluster mode (token file ``tmp_path/token`` holding ``tok-1`` unless told otherwise)."""
-    runners: list[web.AppRunner] = []
+    runners: list[Any] = []
 
     async def make(upstream: str, agent_url: str, **kw: Any) -> tuple[str, Sidecar]:
         if "token_file" not in kw:

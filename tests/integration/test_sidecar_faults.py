@@ -19,14 +19,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar import relay
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.slowclients import KEEPALIVE_TIMEOUT_S
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
-from tests.conftest import gauges, policy_doc, raw_exchange
+from tests.conftest import gauges, policy_doc, raw_exchange, serve_sidecar
 from tests.upstream import CHAT, Faulty, serve_faulty
 
 ABORTS = int(os.environ.get("KVGATE_FAULTS_ABORTS", "1000"))
@@ -46,18 +45,13 @@ Start = Callable[..., Awaitable[tuple[str, Sidecar]]]
 async def start() -> AsyncIterator[Start]:
     """``url, sidecar = await start(upstream, spec, **settings)``: a sidecar served the way
     the CLI serves it (:meth:`Sidecar.runner`: header deadline included)."""
-    runners: list[web.AppRunner] = []
+    runners: list[Any] = []
 
     async def make(upstream: str, spec: dict[str, Any], **settings: Any) -> tuple[str, Sidecar]:
         sc = Sidecar(
             SidecarSettings(upstream=upstream, policy=parse_policy(policy_doc(spec)), **settings)
         )
-        runner = sc.runner(handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{port}", sc
+        return await serve_sidecar(sc, runners), sc
 
     yield make
     for r in runners:

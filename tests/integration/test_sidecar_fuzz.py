@@ -36,6 +36,7 @@ from prometheus_client import generate_latest
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.endpoints import GENERATION_PATHS
+from kvgate_agent.sidecar.server import SidecarServer
 from kvgate_bench.kit.toolkit import free_port, parse_samples, series
 from tests.conftest import policy_doc
 
@@ -86,7 +87,7 @@ class Servers:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.recorder = Recorder()
-        self.runners: list[web.AppRunner] = []
+        self.runners: list[Any] = []
         self.sidecar: Sidecar | None = None
         self.port = 0
         self.call(self._start())
@@ -113,8 +114,10 @@ class Servers:
             )
         )
         # Served as the CLI serves it (header deadline, OpenAI answers to malformed HTTP).
-        runner = self.sidecar.runner(handler_cancellation=True, access_log=None)
-        self.port = await self._serve(runner)
+        server = SidecarServer(self.sidecar)
+        await server.start(("127.0.0.1", 0), None)
+        self.runners.append(server)
+        self.port = server.port
 
     async def _serve(self, app: web.Application | web.AppRunner) -> int:
         runner = (

@@ -14,8 +14,8 @@ from the node agent (:mod:`kvgate_agent.sidecar.agent_enforcement`).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -24,6 +24,7 @@ from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAd
 from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.sidecar.agent_enforcement import NO_LIMITS, AgentEnforcement
 from kvgate_agent.sidecar.agent_link import AgentLink
+from kvgate_agent.sidecar.client_request import Request
 from kvgate_agent.sidecar.endpoints import GENERATION_PATHS
 from kvgate_agent.sidecar.enforced import EnforcedPolicy
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
@@ -38,6 +39,7 @@ from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # 
 from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.store import StoreLink, register_metrics
 from kvgate_agent.sidecar.tokens import PromptCounter
+from kvgate_agent.sidecar.wire import Handler
 
 
 class Sidecar:
@@ -153,13 +155,50 @@ class Sidecar:
         app.router.add_get("/kvgate/metrics", self.metrics_endpoint)
         # The engine's metrics, with the router gauges appended.
         app.router.add_get("/metrics", RouterMetrics(self.model_server, self.admission).handle)
-        handler = self.pipeline.generation_handler()
+        handler = _aiohttp(self.pipeline.generation_handler())
         for path in GENERATION_PATHS:
             app.router.add_route("*", path, handler)
-        app.router.add_route("*", "/{tail:.*}", self.pipeline.other)
+        app.router.add_route("*", "/{tail:.*}", _aiohttp(self.pipeline.other))
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
+
+    def client_route(self) -> Callable[[Request], Handler]:
+        """The own server leg's routes (:mod:`kvgate_agent.sidecar.client_listener`), as
+        :meth:`build_app`'s: a request's handler by its raw path (a generation path only as
+        sent, canonical; anything else goes to ``pipeline.other``, which refuses what only
+        normalises to one) and, for the sidecar's own endpoints, its method (GET or HEAD)."""
+        generation = self.pipeline.generation_handler()
+        other = self.pipeline.other
+        router_metrics = RouterMetrics(self.model_server, self.admission).handle
+        own: dict[str, Handler] = {
+            "/healthz": self.healthz,
+            "/readyz": self.readyz,
+            "/kvgate/metrics": self.metrics_endpoint,
+            "/metrics": router_metrics,
+        }
+        paths = GENERATION_PATHS
+
+        def route(request: Request) -> Handler:
+            path = request.path
+            if path in paths:
+                return generation
+            handler = own.get(path)
+            if handler is not None and request.method in ("GET", "HEAD"):
+                return handler
+            return other
+
+        return route
+
+    async def open(self) -> None:
+        """Start what the sidecar runs beside its listeners (the engine probe, the node link,
+        the store's leases, the identity files' watch) and open the model server's
+        connections; what ``build_app``'s startup hook does on aiohttp's leg."""
+        await self._on_startup(None)
+
+    async def close(self) -> None:
+        """Stop what :meth:`open` started and close the model server's connections."""
+        await self._on_cleanup(None)
 
     def runner(self, *, admin: bool = False, **kwargs: Any) -> GuardedAppRunner:
         """The runner serving :meth:`build_app` (:meth:`build_admin_app` with ``admin``) with
@@ -171,12 +210,12 @@ class Sidecar:
             self.build_admin_app() if admin else self.build_app(),
             header_timeout=self.settings.header_timeout_seconds,
             on_timeout=timeouts.inc,
-            on_malformed=None if admin else self._count_malformed,
+            on_malformed=None if admin else self.count_malformed,
             **kwargs,
         )
 
-    def _count_malformed(self) -> None:
-        """A request refused by aiohttp's HTTP parser: a refusal before admission."""
+    def count_malformed(self) -> None:
+        """A request refused by the HTTP parser: a refusal before admission."""
         self.metrics.count_decision("rejected", "invalid_request", "")
 
     def build_admin_app(self) -> web.Application:
@@ -187,7 +226,7 @@ class Sidecar:
         app.router.add_get("/readyz", self.readyz)
         return app
 
-    async def _on_startup(self, app: web.Application) -> None:
+    async def _on_startup(self, app: web.Application | None) -> None:
         spec = self.policy.spec
         self.identity.start(spec.tenants)
         await self.model_server.open()
@@ -202,7 +241,7 @@ class Sidecar:
         if self.store is not None:
             await self.store.start()
 
-    async def _on_cleanup(self, app: web.Application) -> None:
+    async def _on_cleanup(self, app: web.Application | None) -> None:
         if self.store is not None:
             await self.store.stop()  # hands the leases back
         if self.agent_link is not None:
@@ -243,3 +282,9 @@ class Sidecar:
         """Prometheus exposition of the sidecar's registry."""
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _aiohttp(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """``handler`` as aiohttp's router types it: on aiohttp's leg its answers are aiohttp's
+    responses (:func:`~kvgate_agent.sidecar.wire.new_stream` opens a ``web.StreamResponse``)."""
+    return cast(Callable[[web.Request], Awaitable[web.StreamResponse]], handler)

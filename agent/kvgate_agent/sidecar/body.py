@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from aiohttp import web
-
 from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
+from kvgate_agent.sidecar.wire import ClientRequest
 
 
 def _too_large(limit: int) -> RequestError:
@@ -15,7 +14,7 @@ def _too_large(limit: int) -> RequestError:
 
 
 async def read_body(
-    request: web.Request, limit: int, seconds: float, on_timeout: Callable[[], None]
+    request: ClientRequest, limit: int, seconds: float, on_timeout: Callable[[], None]
 ) -> bytes:
     """The request body (bytes), at most ``limit`` bytes decoded, arriving within ``seconds``
     (0: no deadline; ``on_timeout`` is called when it passes).
@@ -39,7 +38,7 @@ async def read_body(
         raise body_too_slow() from None
 
 
-async def _read_unbounded(request: web.Request, limit: int) -> bytes:
+async def _read_unbounded(request: ClientRequest, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
     chunks = []

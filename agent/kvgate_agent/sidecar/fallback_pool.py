@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Mapping
 
 import aiohttp
-from aiohttp import web
+from multidict import CIMultiDict
 
 from kvgate_agent.admission import Decision
 from kvgate_agent.contract.policy import RateLimitPolicySpec
@@ -24,6 +24,7 @@ from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.apis.base import Api
 from kvgate_agent.sidecar.forward import HOP_BY_HOP
 from kvgate_agent.sidecar.request import ParsedRequest
+from kvgate_agent.sidecar.wire import ClientRequest, ResponseStream, new_stream
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -51,13 +52,13 @@ def _relayed(headers: Mapping[str, str]) -> dict[str, str]:
 
 async def send_to_pool(
     session: aiohttp.ClientSession,
-    request: web.Request,
+    request: ClientRequest,
     upstream: str,
     body: bytes,
     d: Decision,
     api: Api,
     headers: dict[str, str],
-) -> tuple[web.StreamResponse, bool]:
+) -> tuple[ResponseStream, bool]:
     """Send ``request`` (its path and query kept, ``body`` already rewritten to the pool's model)
     to the pool at ``upstream`` and relay its answer, streamed as it comes.
 
@@ -82,11 +83,12 @@ async def send_to_pool(
             if resp.status in _POOL_REFUSED:
                 log.debug("fallback pool %s answered %d: this pod's refusal", upstream, resp.status)
                 return responses.refusal(d.refusal, api), False
-            answer = web.StreamResponse(status=resp.status, headers=_relayed(resp.headers))
-            answer.headers.update(headers)
-            answer.headers[DEGRADED_HEADER] = f"model={d.model}"
+            relayed = CIMultiDict(_relayed(resp.headers))
+            relayed.update(headers)
+            relayed[DEGRADED_HEADER] = f"model={d.model}"
             if ct := resp.headers.get("Content-Type"):
-                answer.headers["Content-Type"] = ct
+                relayed["Content-Type"] = ct
+            answer = new_stream(request, resp.status, relayed)
             await answer.prepare(request)
             try:
                 async for chunk in resp.content.iter_any():
@@ -106,14 +108,14 @@ async def send_to_pool(
 
 async def degrade_to_pool(
     session: aiohttp.ClientSession,
-    request: web.Request,
+    request: ClientRequest,
     spec: RateLimitPolicySpec,
     parsed: ParsedRequest,
     raw: bytes,
     d: Decision,
     mode: str | None,
     count: Callable[[Decision], None],
-) -> web.StreamResponse:
+) -> ResponseStream:
     """Send a request this pod cannot take (``d``, reason ``fallback_pool``) to ``spec``'s
     fallback pool, its body (``raw``, parsed as ``parsed``) rewritten to the pool's model;
     ``count`` is called once with the decision that stands: ``d`` when the pool takes it, this

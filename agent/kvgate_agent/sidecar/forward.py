@@ -43,6 +43,7 @@ from kvgate_agent.sidecar.relay import (
 from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.tokens import PromptCount, PromptCounter
 from kvgate_agent.sidecar.upstream import UpstreamConnectError
+from kvgate_agent.sidecar.wire import ClientRequest, ResponseStream, new_stream
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -96,7 +97,7 @@ class _BodyDeadline:
     """A pass-through request body streamed upstream, ending with :class:`_BodyTooSlow` when
     it is not complete ``timeout`` seconds (0: no limit) after ``start`` (``loop.time()``)."""
 
-    request: web.Request
+    request: ClientRequest
     timeout: float
     start: float
     expired: bool = False
@@ -163,7 +164,7 @@ class Forwarder:
 
     async def admitted(
         self,
-        request: web.Request,
+        request: ClientRequest,
         body: bytes,
         ticket: Ticket,
         parsed: ParsedRequest,
@@ -172,7 +173,7 @@ class Forwarder:
         prompt: PromptCount,
         tenant_label: str,
         started: float,
-    ) -> web.StreamResponse:
+    ) -> ResponseStream:
         """Forward an admitted request (``body`` as it goes upstream) and relay the answer with
         ``headers`` added; then release ``ticket`` with what the engine reported (without a
         report, what was reserved). ``started`` is ``time.perf_counter()`` at arrival (seconds).
@@ -200,7 +201,7 @@ class Forwarder:
                 self._running.discard(task)
             self._settle(ex, tenant_label, prompt)
 
-    async def _shutting_down(self, ex: Exchange) -> web.StreamResponse:
+    async def _shutting_down(self, ex: Exchange) -> ResponseStream:
         """End ``ex`` because the sidecar stops (see :meth:`end_all`)."""
         out = ex.out
         if out is None:
@@ -210,9 +211,7 @@ class Forwarder:
             await out.write_eof()
         return out
 
-    async def _exchange(
-        self, request: web.Request, body: bytes, ex: Exchange
-    ) -> web.StreamResponse:
+    async def _exchange(self, request: ClientRequest, body: bytes, ex: Exchange) -> ResponseStream:
         m = self.metrics
         fwd = admitted_request_headers(request.headers)
         rel = request.rel_url
@@ -257,7 +256,7 @@ class Forwarder:
 
     async def _failed(
         self, ex: Exchange, exc: TimeoutError | aiohttp.ClientError
-    ) -> web.StreamResponse:
+    ) -> ResponseStream:
         """The model server failed (or timed out) after the connection was made."""
         m = self.metrics
         timeout = isinstance(exc, TimeoutError)
@@ -304,7 +303,7 @@ class Forwarder:
 
     # ------------------------------------------------------------------ pass-through
 
-    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+    async def passthrough(self, request: ClientRequest) -> ResponseStream:
         """A request the routes let through (see ``RequestPipeline.other``): forwarded as is
         (the raw path, not re-normalised), body streamed both ways. An absolute-form target
         (``GET http://host/v1/models``, RFC 9112 §3.2.2) is sent as its path and query: the
@@ -335,15 +334,13 @@ class Forwarder:
         return responses.bad_request(body_too_slow())  # 408: the connection is closed
 
     async def _relay_passthrough(
-        self, request: web.Request, resp: aiohttp.ClientResponse, body: _BodyDeadline
-    ) -> web.StreamResponse:
+        self, request: ClientRequest, resp: aiohttp.ClientResponse, body: _BodyDeadline
+    ) -> ResponseStream:
         clean = False
         try:
             out_headers = forward_headers(resp.headers)
             out_headers[responses.DECISION_HEADER] = "passthrough"
-            out = web.StreamResponse(status=resp.status, headers=out_headers)
-            if resp.content_length is not None:
-                out.content_length = resp.content_length
+            out = new_stream(request, resp.status, out_headers, resp.content_length)
             await to_client(out.prepare(request))
             async for chunk in resp.content.iter_any():
                 await to_client(out.write(chunk))

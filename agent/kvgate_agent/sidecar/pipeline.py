@@ -10,8 +10,8 @@ admitted (or degraded to the fallback pool); a refusal never reaches the model s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 from aiohttp import web
 from yarl import URL
@@ -44,6 +44,7 @@ from kvgate_agent.sidecar.tokens import (
     output_within_context,
     prompt_over_context,
 )
+from kvgate_agent.sidecar.wire import ClientRequest, ResponseStream
 
 
 class RequestPipeline:
@@ -107,7 +108,7 @@ class RequestPipeline:
             parts.append(f"store={self.store.book.state.value}")
         return ", ".join(parts) or None
 
-    def generation_handler(self) -> Callable[[web.Request], Any]:
+    def generation_handler(self) -> Callable[[ClientRequest], Awaitable[ResponseStream]]:
         """The handler of the generation paths: :meth:`completion`, or standalone without a
         store (no mode header to add) the request's path itself."""
         wrap = self.policy.enforcement is not None or self.store is not None
@@ -123,11 +124,11 @@ class RequestPipeline:
         rel = request.rel_url
         if rel.raw_path == "":
             root = URL.build(path="/", query_string=rel.raw_query_string, encoded=True)
-            return await self.other(request.clone(rel_url=root))
+            return cast(web.StreamResponse, await self.other(request.clone(rel_url=root)))
         resp: web.StreamResponse = await handler(request)
         return resp
 
-    async def other(self, request: web.Request) -> web.StreamResponse:
+    async def other(self, request: ClientRequest) -> ResponseStream:
         """Every path but the generation ones and the sidecar's own: GET, HEAD and OPTIONS pass
         through; another method only to a path on the allowlist (404 otherwise). A path that
         only normalises (dot segments, repeated slashes, escapes) to a generation or allowlisted
@@ -152,7 +153,7 @@ class RequestPipeline:
         self.metrics.count_decision("rejected", "invalid_request", "")
         return resp
 
-    async def completion(self, request: web.Request) -> web.StreamResponse:
+    async def completion(self, request: ClientRequest) -> ResponseStream:
         """A generation path (:data:`GENERATION_PATHS`): validate, admit, forward. With a node
         agent, every answer says the thresholds mode in ``x-kvgate-thresholds``."""
         if self.policy.enforcement is None and self.store is None:
@@ -163,7 +164,7 @@ class RequestPipeline:
             resp.headers[responses.THRESHOLDS_HEADER] = value
         return resp
 
-    async def _not_a_generation(self, request: web.Request) -> web.StreamResponse | None:
+    async def _not_a_generation(self, request: ClientRequest) -> ResponseStream | None:
         """The answer to a request on a generation path that is not a JSON POST (OPTIONS, a CORS
         preflight, passes through; another method gets 405; a body declared as anything but
         JSON 415), or None for a JSON POST."""
@@ -178,7 +179,7 @@ class RequestPipeline:
             return responses.unsupported_media_type(content_type)
         return None
 
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
+    async def _completion(self, request: ClientRequest) -> ResponseStream:
         started = time.perf_counter()
         if (early := await self._not_a_generation(request)) is not None:
             return early
@@ -248,7 +249,7 @@ class RequestPipeline:
 
     async def _admit(
         self,
-        request: web.Request,
+        request: ClientRequest,
         parsed: ParsedRequest,
         who: Identity,
         prompt: PromptCount,

@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
-from aiohttp import web
 from multidict import CIMultiDict
 
 from kvgate_agent.admission import Ticket
 from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.sse import StreamAccountant
 from kvgate_agent.sidecar.upstream import UpstreamResponse
+from kvgate_agent.sidecar.wire import ClientRequest, ResponseStream, new_stream
 
 #: Bytes one SSE event of a relayed stream may reach before the stream counts as malformed
 #: (held while incomplete; a model server streams one small event per token).
@@ -88,17 +88,17 @@ class Exchange:
     reached: bool = False
     clean: bool = False
     resp: UpstreamResponse | None = None
-    out: web.StreamResponse | None = None
+    out: ResponseStream | None = None
 
 
 async def relay_stream(
-    request: web.Request,
+    request: ClientRequest,
     resp: UpstreamResponse,
     out_headers: CIMultiDict[str],
     ex: Exchange,
     observe: Callable[[Ticket, int], object],
     on_first_byte: Callable[[float], object],
-) -> web.StreamResponse:
+) -> ResponseStream:
     """Relay ``resp``'s SSE stream to the client of ``request`` (with ``out_headers``; the
     response is ``ex.out`` once prepared), counting its completion tokens and reading its final
     usage into ``ex`` (the usage chunk is dropped unless the client asked for it);
@@ -114,7 +114,7 @@ async def relay_stream(
     whenever that count grows: at most once per upstream read, so at most once per SSE event,
     and never a smaller count than the last one (the exact total is settled at release)."""
     acct = StreamAccountant(ex.parsed.usage_injected, ex.parsed.api.event_reader())
-    ex.out = out = web.StreamResponse(status=resp.status, headers=out_headers)
+    ex.out = out = new_stream(request, resp.status, out_headers)
     await to_client(out.prepare(request))
     first = True
     ticket = ex.ticket

@@ -27,6 +27,7 @@ from kvgate_agent.sidecar.router_signals import (
     router_gauges,
     with_gauges,
 )
+from kvgate_agent.sidecar.wire import ClientRequest
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -50,7 +51,7 @@ class RouterMetrics:
         self.admission = admission
         self.failing = False
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: ClientRequest) -> web.Response:
         """The engine's exposition (its content type; the client's query, ``Accept`` and
         ``Authorization`` passed on) with the gauges appended; the gauges alone, as text
         format 0.0.4, when the engine's cannot be read. ``x-kvgate-decision: passthrough``, as
@@ -63,7 +64,7 @@ class RouterMetrics:
         headers = {"Content-Type": content_type, DECISION_HEADER: "passthrough"}
         return web.Response(body=body.encode(), headers=headers)
 
-    async def _engine(self, request: web.Request) -> tuple[str | None, str, str | None]:
+    async def _engine(self, request: ClientRequest) -> tuple[str | None, str, str | None]:
         """(the engine's exposition, its content type, None), or (None, text format 0.0.4, why
         it could not be read)."""
         headers = {k: request.headers[k] for k in _PASSED if k in request.headers}

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from kvgate_agent.admission import Reason
 from kvgate_agent.sidecar.app import Sidecar
+from kvgate_agent.sidecar.client_listener import ClientListener
 
 log = logging.getLogger("kvgate")
 
@@ -27,19 +28,46 @@ BACKLOG = 1024
 
 
 class SidecarServer:
-    """The listeners of one sidecar and its drain (see the module docstring)."""
+    """The listeners of one sidecar and its drain (see the module docstring): the clients'
+    port on kvgate's own server leg (:class:`~kvgate_agent.sidecar.client_listener.ClientListener`)
+    or, with ``settings.server_leg == "aiohttp"``, on aiohttp's; the admin port on aiohttp's."""
 
     def __init__(self, sidecar: Sidecar) -> None:
         self.sidecar = sidecar
-        self._runner = sidecar.runner(
-            handler_cancellation=True,
-            access_log=None,
-            shutdown_timeout=1.0,
-            max_field_size=MAX_FIELD_BYTES,
-            max_line_size=MAX_FIELD_BYTES,
-        )
+        st = sidecar.settings
+        self._runner: web.AppRunner | None = None
+        self._listener: ClientListener | None = None
+        if st.server_leg == "aiohttp":
+            self._runner = sidecar.runner(
+                handler_cancellation=True,
+                access_log=None,
+                shutdown_timeout=1.0,
+                max_field_size=MAX_FIELD_BYTES,
+                max_line_size=MAX_FIELD_BYTES,
+            )
+        else:
+            m = sidecar.metrics
+            self._listener = ClientListener(
+                sidecar.client_route(),
+                header_timeout=st.header_timeout_seconds,
+                max_field=MAX_FIELD_BYTES,
+                decoded_limit=st.max_body_bytes + 1,
+                on_timeout=m.client_timeouts.labels("headers").inc,
+                on_malformed=sidecar.count_malformed,
+                draining=lambda: sidecar.pipeline.draining,
+            )
         self._site: web.TCPSite | None = None
         self._admin_runner: web.AppRunner | None = None
+        self._opened = False
+
+    @property
+    def port(self) -> int:
+        """The clients' port (the one the system chose for port 0)."""
+        if self._listener is not None:
+            return self._listener.port
+        assert self._site is not None and self._runner is not None
+        addr = self._runner.addresses[0]
+        return int(addr[1])
 
     async def start(self, listen: tuple[str, int], admin: tuple[str, int] | None) -> None:
         """Listen on ``listen`` (and serve ``/metrics``, ``/healthz``, ``/readyz`` on ``admin``).
@@ -47,10 +75,16 @@ class SidecarServer:
         Raises:
             OSError: a port is taken; what had started is closed first.
         """
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, listen[0], listen[1], backlog=BACKLOG)
         try:
-            await site.start()
+            if self._listener is not None:
+                self._opened = True
+                await self.sidecar.open()
+                await self._listener.start(listen[0], listen[1], BACKLOG)
+            else:
+                assert self._runner is not None
+                await self._runner.setup()
+                self._site = web.TCPSite(self._runner, listen[0], listen[1], backlog=BACKLOG)
+                await self._site.start()
             if admin is not None:
                 self._admin_runner = self.sidecar.runner(
                     admin=True, access_log=None, shutdown_timeout=1.0
@@ -60,7 +94,6 @@ class SidecarServer:
         except BaseException:  # a port taken: close what started (the upstream session) first
             await self._close_runners()
             raise
-        self._site = site
 
     async def drain(self, drain_seconds: float, hurry: asyncio.Event) -> None:
         """Shut down gracefully: refuse new work, let in-flight requests finish for up to
@@ -72,6 +105,8 @@ class SidecarServer:
         sc.admission.reject_waiting(Reason.DRAINING, 503, 1.0, "the sidecar is shutting down")
         if self._site is not None:
             await self._site.stop()  # stop accepting new connections
+        if self._listener is not None:
+            self._listener.stop_accepting()
         idle = asyncio.ensure_future(sc.admission.wait_idle(drain_seconds))
         cut = asyncio.ensure_future(hurry.wait())
         await asyncio.wait({idle, cut}, return_when=asyncio.FIRST_COMPLETED)
@@ -85,7 +120,18 @@ class SidecarServer:
             await sc.forwarder.end_all(grace=1.0)  # streams end with an error event
         await self._close_runners()  # cancels what is still running: reservations released
 
+    async def cleanup(self) -> None:
+        """Close every listener and connection at once (no drain), as an aiohttp runner's
+        ``cleanup``."""
+        await self._close_runners()
+
     async def _close_runners(self) -> None:
-        await self._runner.cleanup()
+        if self._listener is not None:
+            await self._listener.close()
+            if self._opened:
+                self._opened = False
+                await self.sidecar.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()

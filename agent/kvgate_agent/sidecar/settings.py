@@ -226,6 +226,19 @@ class SidecarSettings:
     )
     """Where :func:`~kvgate_agent.sidecar.cli.run_sidecar` serves clients."""
 
+    server_leg: str = field(
+        default="kvgate",
+        metadata=flag(
+            "the HTTP server serving clients: kvgate's own (llhttp, answers written straight to "
+            "the socket) or aiohttp's web server (the leg of kvgate 0.x)",
+            choices=("kvgate", "aiohttp"),
+        ),
+    )
+    """Which HTTP server leg serves :attr:`listen`: ``kvgate`` (its own,
+    :mod:`kvgate_agent.sidecar.client_conn`) or ``aiohttp`` (``web.AppRunner`` with the
+    slow-client guards of :mod:`kvgate_agent.sidecar.slowclients`). The admin port is always
+    aiohttp's."""
+
     admin_listen: tuple[str, int] | None = field(
         default=None,
         metadata=flag(

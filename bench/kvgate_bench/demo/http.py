@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import TextIO
 
 import aiohttp
-from aiohttp import web
 
 from kvgate_agent.contract.policy import RateLimitPolicy, load_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.server import SidecarServer
 from kvgate_bench.demo.common import add_quiet_flag, add_schedule_flags
 from kvgate_bench.demo.http_report import (
     COLUMNS,
@@ -140,16 +140,14 @@ async def _sim_stats(url: str) -> dict[str, object]:
         return data
 
 
-async def _start_sidecar(upstream: str, policy: RateLimitPolicy) -> tuple[web.AppRunner, str]:
+async def _start_sidecar(upstream: str, policy: RateLimitPolicy) -> tuple[SidecarServer, str]:
     sidecar = Sidecar(SidecarSettings(upstream=upstream, policy=policy))
-    runner = web.AppRunner(sidecar.build_app(), handler_cancellation=True, access_log=None)
-    await runner.setup()  # on startup the sidecar reads the sim's KV capacity
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    server = SidecarServer(sidecar)
+    await server.start(("127.0.0.1", 0), None)  # on start the sidecar reads the sim's capacity
     if sidecar.admission.stats().kv_capacity_tokens is None:
+        await server.cleanup()
         raise RuntimeError("the sidecar enforces no KV capacity: policy or engine metrics wrong")
-    return runner, f"http://127.0.0.1:{port}"
+    return server, f"http://127.0.0.1:{server.port}"
 
 
 async def run_once(
@@ -162,7 +160,7 @@ async def run_once(
     """Offer ``schedule`` to a fresh simulator, directly or through a fresh sidecar."""
     sim_runner, sim_port = await start_sim(cfg.sim_config(), port=0)
     sim_url = f"http://127.0.0.1:{sim_port}"
-    sidecar_runner: web.AppRunner | None = None
+    sidecar_runner: SidecarServer | None = None
     try:
         target = sim_url
         if mode == "kvgate":

@@ -82,10 +82,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.server import SidecarServer
 from kvgate_bench.effectiveness.arms import (
     ArmContext,
     KvgateMaxTokensArm,
@@ -355,15 +355,12 @@ async def _sidecar(
     clock: Callable[[], float] = time.monotonic
     if time_scale != 1.0:
         clock = lambda: time.monotonic() / time_scale  # noqa: E731
-    sc = Sidecar(settings, clock)
-    runner = web.AppRunner(sc.build_app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    server = SidecarServer(Sidecar(settings, clock))
+    await server.start(("127.0.0.1", 0), None)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{server.port}"
     finally:
-        await runner.cleanup()
+        await server.cleanup()
 
 
 @contextlib.asynccontextmanager
