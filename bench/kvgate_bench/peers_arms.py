@@ -386,13 +386,14 @@ class Fleet:
         path.write_text(conf)
         return self.start(name, [binary, "-c", str(path), "-p", str(self.workdir)], port)
 
-    def sidecar(self, name: str, upstream_port: int) -> Server:
-        """The kvgate sidecar of this checkout in front of ``upstream_port``."""
+    def sidecar(self, name: str, upstream_port: int, *flags: str) -> Server:
+        """The kvgate sidecar of this checkout in front of ``upstream_port`` (``flags`` added
+        to its command line)."""
         policy = self.workdir / "policy.yaml"
         policy.write_text(POLICY_YAML)
         port = free_port()
         cmd = processes.sidecar_argv(
-            "--log-level", "WARNING", "--passthrough-path", PASSTHROUGH_PATH,
+            "--log-level", "WARNING", "--passthrough-path", PASSTHROUGH_PATH, *flags,
             upstream=f"http://127.0.0.1:{upstream_port}", policy=policy, port=port,
         )  # fmt: skip
         return self.start(name, cmd, port)

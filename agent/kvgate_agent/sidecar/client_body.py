@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 __all__ = ["DECODABLE", "BodyStream", "MalformedBody"]
 
@@ -49,6 +50,7 @@ class BodyStream:
         "_chunks",
         "_decoder",
         "_discard",
+        "_encoding",
         "_eof",
         "_error",
         "_limit",
@@ -81,8 +83,8 @@ class BodyStream:
         self._on_first_read = on_first_read
         self._limit = decoded_limit
         self._discard = False
-        # wbits 47: a zlib or gzip header, detected (https://docs.python.org/3/library/zlib.html).
-        self._decoder = zlib.decompressobj(47) if encoding in DECODABLE else None
+        self._encoding = encoding if encoding in DECODABLE else ""
+        self._decoder: Any = None  # a zlib decompressor, made on the first bytes
         #: Bytes of body received on the wire (before decoding).
         self.total_bytes = 0
         #: Bytes of body after decoding (at most ``decoded_limit`` + 1 for an encoded body).
@@ -95,7 +97,7 @@ class BodyStream:
         self.total_bytes += len(data)
         if self._discard:
             return
-        if self._decoder is not None:
+        if self._encoding:
             data = self._decode(data)
             if not data:
                 return
@@ -111,6 +113,8 @@ class BodyStream:
         room = self._limit + 1 - self.decoded
         if room <= 0:
             return b""  # already over the limit: the handler refuses it
+        if self._decoder is None and data:
+            self._decoder = zlib.decompressobj(_wbits(self._encoding, data[0]))
         try:
             out = self._decoder.decompress(data, room) if self._decoder is not None else data
         except zlib.error:
@@ -152,9 +156,11 @@ class BodyStream:
 
     def read_nowait(self, n: int = -1) -> bytes:
         """What is buffered now, all of it (``n`` is accepted for aiohttp's signature; only -1
-        is used)."""
+        is used); with nothing buffered, raises what stopped the body (as aiohttp's reader)."""
         chunks = self._chunks
         if not chunks:
+            if self._error is not None:
+                raise self._error
             return b""
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._chunks = []
@@ -186,3 +192,14 @@ class BodyStream:
         """The bytes as they come, until the end."""
         while chunk := await self.readany():
             yield chunk
+
+
+def _wbits(encoding: str, first: int) -> int:
+    """zlib's ``wbits`` for a body in ``encoding`` whose first byte is ``first``: gzip or a zlib
+    stream detected from the header (47); for ``deflate``, a zlib stream (15) when its first
+    byte names the deflate method, else raw deflate (-15), which some clients send as
+    ``deflate`` (https://docs.python.org/3/library/zlib.html#zlib.decompressobj; RFC 9110
+    §8.4.1.2 names the zlib format)."""
+    if encoding == "deflate":
+        return 15 if first & 0x0F == 8 else -15
+    return 47

@@ -226,7 +226,10 @@ class ClientConnection(ClientTransport):
             self.send(response_bytes(responses.json_response(500, body), req, True))
 
     def _next(self, req: Request, close: bool) -> None:
-        """After ``req``'s answer: the next pipelined request, the idle timeout, or the end."""
+        """After ``req``'s answer: the next pipelined request, the idle timeout, or the end.
+        What the handler left unread of its body is dropped (reading resumes if it had
+        paused for it)."""
+        req.content.discard()
         if self._queue and self._queue[0] is req:
             self._queue.popleft()
         if self.lost:

@@ -5,14 +5,16 @@ becomes, its body fed as it arrives.
 Refused while parsed (:class:`Refused`, raised out of :meth:`RequestParser.feed`): what llhttp
 refuses (a broken request line or header, ``Content-Length`` with ``Transfer-Encoding``: request
 smuggling, RFC 9112 §6.3, a bad chunk size) with 400; a request target over ``max_field``
-bytes with 414, a header field over it with 431 (RFC 9110 §15.5.15, RFC 6585 §5); an unknown
+bytes with 414, a header field over it, or a header section over twice it (counted as the
+bytes arrive: llhttp holds a field whole until it ends), with 431 (RFC 9110 §15.5.15, RFC 6585
+§5); an unknown
 ``Content-Encoding`` with 415 (RFC 9110 §15.5.16).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import httptools
 from multidict import CIMultiDict
@@ -73,8 +75,10 @@ class RequestParser:
 
     __slots__ = (
         "_decoded_limit",
+        "_head",
         "_headers",
         "_max_field",
+        "_max_head",
         "_parser",
         "_receiver",
         "_url",
@@ -91,6 +95,8 @@ class RequestParser:
         self._headers: list[tuple[bytes, bytes]] = []
         self.partial = False
         self.reading: Request | None = None
+        self._head = 0  # bytes fed while a request's headers were incomplete
+        self._max_head = 2 * max_field
 
     def feed(self, data: bytes) -> None:
         """Parse ``data``, handing requests to the receiver as their headers complete.
@@ -99,24 +105,47 @@ class RequestParser:
             Refused: a request (or a body's framing) is malformed; nothing more is parsed.
             Upgraded: an ``Upgrade`` request ended the parse.
         """
+        was_partial = self.partial
+        if was_partial:
+            self._head += len(data)
+            if self._head > self._max_head:  # llhttp holds a field until it ends: bound it here
+                self._refuse(self._too_long())
         try:
             self._parser.feed_data(data)
+            if self.partial and not was_partial:
+                self._head += len(data)  # an upper bound: the chunk may hold earlier requests
+                if self._head > self._max_head:
+                    raise self._too_long()
+        except Refused as refused:
+            self._refuse(refused)
         except httptools.HttpParserUpgrade:
             raise
         except httptools.HttpParserError as exc:
             ctx = exc.__context__
-            refused = ctx if isinstance(ctx, Refused) else Refused(400, str(exc) or "bad HTTP")
-            self.partial = False
-            body_req = self.reading
-            if body_req is not None:  # its handler answers the refusal when it reads the body
-                self.reading = None
-                body_req.content.set_exception(MalformedBody(str(refused), refused.status))
-            raise refused from None
+            self._refuse(ctx if isinstance(ctx, Refused) else Refused(400, str(exc) or "bad HTTP"))
+
+    def _too_long(self) -> Refused:
+        """The refusal of a request whose line or headers grew past the bound while they came:
+        414 while its target is still arriving (llhttp hands it over whole), else 431."""
+        if not self._url:
+            return Refused(414, f"the request target is over {self._max_field} bytes")
+        return Refused(431, f"the request's headers are over {self._max_head} bytes")
+
+    def _refuse(self, refused: Refused) -> NoReturn:
+        """Stop parsing: ``refused`` goes to the connection (and to a body being read: its
+        handler answers it when it reads the body)."""
+        self.partial = False
+        body_req = self.reading
+        if body_req is not None:
+            self.reading = None
+            body_req.content.set_exception(MalformedBody(str(refused), refused.status))
+        raise refused from None
 
     # ---------------------------------------------------------------- llhttp callbacks
 
     def on_message_begin(self) -> None:
         self.partial = True
+        self._head = 0
         self._url = b""
         self._headers = []
 

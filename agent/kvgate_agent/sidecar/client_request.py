@@ -34,6 +34,11 @@ class Link(Protocol):
         """The client's connection is gone."""
         ...
 
+    @property
+    def write_paused(self) -> bool:
+        """The client is slow to take what was written: await :meth:`drain`."""
+        ...
+
     def send(self, data: bytes) -> None:
         """Write ``data`` to the client (dropped once the connection is lost)."""
         ...
@@ -194,11 +199,9 @@ class StreamOut:
             raise ConnectionResetError("the client closed the connection")
         if not data or self._head_only:
             return
-        if self._chunked:
-            link.send(b"%x\r\n%b\r\n" % (len(data), data))
-        else:
-            link.send(data)
-        await link.drain()
+        link.send(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        if link.write_paused:
+            await link.drain()
 
     async def write_eof(self, data: bytes = b"") -> None:
         """Send ``data`` and end the body (the last chunk when chunked)."""

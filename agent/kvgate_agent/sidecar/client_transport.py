@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from typing import cast
 
 __all__ = ["ClientTransport"]
@@ -19,19 +20,27 @@ class ClientTransport(asyncio.Protocol):
     ``transport``: set when the connection is made; ``lost``: the connection is gone (set by
     the subclass's ``connection_lost`` through :meth:`transport_lost`)."""
 
-    __slots__ = ("_drain", "_loop", "_read_paused", "_write_paused", "lost", "transport")
+    __slots__ = ("_drain", "_loop", "_read_paused", "lost", "transport", "write_paused")
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        #: The client is slow to take what was written (above the transport's high-water
+        #: mark): a writer awaits :meth:`drain` before writing more.
+        self.write_paused = False
         self._read_paused = 0  # reasons reading is paused (a body unread, a pipeline full)
-        self._write_paused = False
         self._drain: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not subclasses of asyncio.Transport, but behave as one.
         self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Each answer (or chunk) is one write: send it now, not after a delayed ACK
+            # (Nagle's algorithm, RFC 896), as aiohttp's server does.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def transport_lost(self) -> None:
         """The connection is gone: a writer waiting for the client gets
@@ -41,10 +50,10 @@ class ClientTransport(asyncio.Protocol):
             self._drain.set_exception(ConnectionResetError("the client closed the connection"))
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.write_paused = True
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self.write_paused = False
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
@@ -57,7 +66,7 @@ class ClientTransport(asyncio.Protocol):
     async def drain(self) -> None:
         """Until the client has taken what was written (see :meth:`pause_writing`); raises
         ``ConnectionResetError`` when it goes away meanwhile."""
-        if not self._write_paused:
+        if not self.write_paused:
             return
         if self.lost:
             raise ConnectionResetError("the client closed the connection")

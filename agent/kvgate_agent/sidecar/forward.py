@@ -214,10 +214,7 @@ class Forwarder:
     async def _exchange(self, request: ClientRequest, body: bytes, ex: Exchange) -> ResponseStream:
         m = self.metrics
         fwd = admitted_request_headers(request.headers)
-        rel = request.rel_url
-        target = request.path  # a generation path, canonical
-        if rel.raw_query_string:
-            target += "?" + rel.raw_query_string
+        target = request.path_qs  # a generation path, canonical, and its query as sent
         # From here the engine may be working on it: a cancellation (the drain deadline) or
         # a failure before the answer still charges the prompt.
         ex.reached = True
@@ -296,8 +293,8 @@ class Forwarder:
                 self.prefixes.observe(ex.cached_tokens)
                 m.prefix_cached_tokens.labels("reported").inc(ex.cached_tokens)
             settled_prompt = ticket.prompt_tokens if ex.prompt_tokens is None else ex.prompt_tokens
-            m.tokens.labels("prompt", tenant_label).inc(settled_prompt)
-            m.tokens.labels("completion", tenant_label).inc(ex.completion_tokens)
+            m.count_tokens("prompt", tenant_label, settled_prompt)
+            m.count_tokens("completion", tenant_label, ex.completion_tokens)
             if ex.prompt_tokens is not None and not prompt.exact:
                 self.counter.observe(prompt.text_bytes, ex.prompt_tokens, prompt.overhead_tokens)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -340,12 +341,27 @@ class SidecarMetrics:
             )
         )
         self.decision_counts: dict[str, int] = {}
+        self._decision_children: dict[tuple[str, str, str], Any] = {}  # series by labels
+        self._token_children: dict[tuple[str, str], Any] = {}
         self.agent_sync: Counter | None = None
 
     def count_decision(self, outcome: str, reason: str, tenant_label: str) -> None:
         """Count one admission decision (the Prometheus counter and the per-outcome totals)."""
-        self.decisions.labels(outcome, reason, tenant_label).inc()
+        key = (outcome, reason, tenant_label)
+        child = self._decision_children.get(key)
+        if child is None:  # labels() builds and checks a key each call: once per series here
+            child = self._decision_children[key] = self.decisions.labels(*key)
+        child.inc()
         self.decision_counts[outcome] = self.decision_counts.get(outcome, 0) + 1
+
+    def count_tokens(self, kind: str, tenant_label: str, tokens: int) -> None:
+        """Add ``tokens`` to ``kvgate_tokens_total{kind, tenant}`` (``kind``: prompt or
+        completion)."""
+        key = (kind, tenant_label)
+        child = self._token_children.get(key)
+        if child is None:
+            child = self._token_children[key] = self.tokens.labels(*key)
+        child.inc(tokens)
 
     def attach_prompt_counts(self, answered: Mapping[str, int]) -> None:
         """Export ``--tokenizer engine``'s tallies by source (read at scrape time)."""

@@ -98,6 +98,7 @@ class RequestPipeline:
         self.draining = False
         self.passthrough = Passthrough.of(settings.passthrough_paths)
         self.identify = Identifier()  # each request's tenant, class and priority
+        self._body_timeouts = metrics.client_timeouts.labels("body")
 
     def mode_header(self) -> str | None:
         """``x-kvgate-thresholds``: the thresholds mode (agent mode) and, with a store, where
@@ -192,7 +193,7 @@ class RequestPipeline:
             self.metrics.count_decision("rejected", INVALID_API_KEY, "")
             return responses.unauthorized(exc)
         try:
-            slow = self.metrics.client_timeouts.labels("body").inc
+            slow = self._body_timeouts.inc
             raw = await read_body(request, st.max_body_bytes, st.body_timeout_seconds, slow)
             parsed = GENERATION_PATHS[request.path].parse(
                 raw,
