@@ -242,6 +242,23 @@ def compiled_body_trace(build_dir: Path) -> list[list[object]]:
     return _on_build(build_dir, "compiled.body_trace()")
 
 
+def overlay(build_dir: Path, dest: Path) -> Path:
+    """``dest`` (made afresh) holding this checkout's ``kvgate_agent`` sources with the
+    extension modules of ``build_dir`` (:func:`build`) over them: what the agent image installs,
+    for a ``PYTHONPATH``. A build is keyed by the compiled modules and what they import, so its
+    copy of the other modules may be older than the checkout's; the overlay takes those from
+    the checkout. Returns ``dest``."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(
+        AGENT, dest / "kvgate_agent", ignore=shutil.ignore_patterns("__pycache__", "*.so")
+    )
+    for so in build_dir.glob("*.so"):  # mypyc's shared runtime module
+        shutil.copy2(so, dest / so.name)
+    for so in (build_dir / "kvgate_agent").rglob("*.so"):
+        shutil.copy2(so, dest / so.relative_to(build_dir))
+    return dest
+
+
 def _on_build(build_dir: Path, call: str) -> list[list[object]]:
     """The JSON rows ``call`` (an expression over this module, named ``compiled``) returns in a
     subprocess whose imports come from ``build_dir``."""

@@ -36,6 +36,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from kvgate_bench import compiled
 from kvgate_bench.kit.toolkit import free_port, machine
 from kvgate_bench.peers_arms import (
     CHAT_PATH,
@@ -115,6 +116,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-litellm", action="store_true", help="leave the LiteLLM arm out")
     p.add_argument("--no-stream", action="store_true", help="skip streaming and memory")
     p.add_argument("--no-write", action="store_true", help="do not touch docs/benchmarks.md")
+    p.add_argument(
+        "--pure",
+        action="store_true",
+        help="run the sidecars on this checkout's Python sources (default: with the mypyc-"
+        "compiled modules the agent image ships, built or found in the cache)",
+    )
     p.add_argument("--docs", type=Path, default=DOCS, help="the Markdown file to update")
     p.add_argument("--workdir", type=Path, help="keep configs and server logs here")
     return p.parse_args(argv)
@@ -134,7 +141,10 @@ def header(tools: Tools, plan: Plan, args: argparse.Namespace) -> list[tuple[str
     rows += [
         ("pinning", f"wrk (1 thread) and the stream client on CPU {args.client_cpu}; every "
                     f"server on CPU {args.server_cpu} (taskset); nginx 1 worker, LiteLLM 1 worker"),
-        ("kvgate", f"{commit(REPO)}, aiohttp {dist('aiohttp')}, uvloop {dist('uvloop')}"),
+        ("kvgate", f"{commit(REPO)}, aiohttp {dist('aiohttp')}, uvloop {dist('uvloop')}, "
+                   + ("Python sources (--pure)" if args.pure else
+                      "the mypyc-compiled modules of scripts/mypyc-modules.txt, as the agent "
+                      "image ships them")),
         ("peers", f"{version([tools.nginx, '-v']).removeprefix('nginx version: ')}, "
                   f"LiteLLM {lite}, {version([tools.wrk, '-v']).split(' [')[0]}, "
                   f"{Path(tools.llmd_sim).name}"),
@@ -273,7 +283,13 @@ def run(args: argparse.Namespace) -> Report:
         print(f"installed {what} in {secs:.0f} s", file=sys.stderr)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvgate-peers-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    agent_path = None
+    if not args.pure:
+        t = time.monotonic()
+        agent_path = compiled.overlay(compiled.build(), workdir / "agent")
+        print(f"compiled build ready in {time.monotonic() - t:.0f} s", file=sys.stderr)
     with fleet(workdir, args.server_cpu) as f:
+        f.agent_path = agent_path
         d_port, p_port = free_port(), free_port()
         sims = {itl: (free_port(), free_port()) for itl in plan.itls_ms}
         routes = {p_port: d_port, **{via: sim for sim, via in sims.values()}}

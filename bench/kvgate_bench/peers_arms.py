@@ -347,6 +347,9 @@ class Fleet:
     def __init__(self, workdir: Path, cpu: int) -> None:
         self.workdir, self.cpu = workdir, cpu
         self.servers: list[Server] = []
+        #: Where the sidecars import kvgate_agent from first (a compiled overlay), or None:
+        #: this checkout's sources.
+        self.agent_path: Path | None = None
 
     def start(
         self,
@@ -396,7 +399,14 @@ class Fleet:
             "--log-level", "WARNING", "--passthrough-path", PASSTHROUGH_PATH, *flags,
             upstream=f"http://127.0.0.1:{upstream_port}", policy=policy, port=port,
         )  # fmt: skip
-        return self.start(name, cmd, port)
+        env = None
+        if self.agent_path is not None:
+            path = os.environ.get("PYTHONPATH")
+            env = {
+                **os.environ,
+                "PYTHONPATH": f"{self.agent_path}:{path}" if path else str(self.agent_path),
+            }
+        return self.start(name, cmd, port, env=env)
 
     def litellm(self, binary: str, upstream_port: int) -> Server:
         """LiteLLM's proxy, one worker, in front of ``upstream_port``; waits for an answer."""

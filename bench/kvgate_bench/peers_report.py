@@ -242,9 +242,10 @@ concurrent streams from the llm-d simulator (on the servers' CPU) at the given i
 latency through the sidecar (both legs) and through nginx; CPU per chunk = the server's
 utime + stime (`/proc/<pid>/stat`) over the window / SSE `data:` events counted by the client.
 Memory: the sidecar's VmRSS. The last table holds the own leg's targets (issue 25), each a
-ratio within the run, with the aiohttp leg's figure beside it. Options: `--quick`,
-`--seconds S`, `--client-cpu N`, `--server-cpu N`,
-`--no-litellm`, `--no-stream`, `--no-write`, `--docs FILE`, `--workdir DIR` (keeps the
+ratio within the run, with the aiohttp leg's figure beside it. The sidecars run with the
+mypyc-compiled modules the agent image ships (`--pure`: the checkout's Python sources).
+Options: `--quick`, `--seconds S`, `--client-cpu N`, `--server-cpu N`, `--no-litellm`,
+`--no-stream`, `--no-write`, `--pure`, `--docs FILE`, `--workdir DIR` (keeps the
 configurations and the servers' logs)."""
 
 

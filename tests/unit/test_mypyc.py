@@ -78,3 +78,26 @@ def test_compiled_body_decoding_answers_as_the_sources() -> None:
     if build is None:
         pytest.skip("no mypyc build cached for these sources: python -m kvgate_bench.compiled")
     assert compiled.compiled_body_trace(build) == rows
+
+
+def test_the_overlay_puts_a_builds_extension_modules_over_this_checkouts_sources(
+    tmp_path: Path,
+) -> None:
+    """A build keeps the sources it was made from; the overlay takes every module from the
+    checkout (so a module added since, e.g. the server leg's, is there) and only the compiled
+    extension modules from the build."""
+    build = tmp_path / "build"
+    (build / "kvgate_agent" / "admission").mkdir(parents=True)
+    (
+        build / "kvgate_agent" / "admission" / "controller.cpython-311-x86_64-linux-gnu.so"
+    ).write_bytes(b"so")
+    (build / "kvgate_agent" / "admission" / "controller.py").write_text("# stale copy")
+    (build / "abc__mypyc.cpython-311-x86_64-linux-gnu.so").write_bytes(b"runtime")
+    dest = compiled.overlay(build, tmp_path / "overlay")
+    pkg = dest / "kvgate_agent"
+    assert (pkg / "admission" / "controller.cpython-311-x86_64-linux-gnu.so").read_bytes() == b"so"
+    assert (dest / "abc__mypyc.cpython-311-x86_64-linux-gnu.so").read_bytes() == b"runtime"
+    checkout = compiled.AGENT / "admission" / "controller.py"
+    assert (pkg / "admission" / "controller.py").read_text() == checkout.read_text()
+    assert (pkg / "sidecar" / "client_conn.py").exists()
+    assert not list(pkg.rglob("__pycache__"))

@@ -50,6 +50,8 @@ class Link(Protocol):
 
 
 _REASONS = {int(s): s.phrase.encode() for s in HTTPStatus}
+#: Header fields the writer sets itself (lower case): never copied from the answer given.
+_FRAMING = frozenset({"content-length", "transfer-encoding", "connection", "date"})
 _date_second = -1
 _date_header = b""
 
@@ -78,12 +80,13 @@ def head_bytes(
     and ``Connection: close`` when the connection ends after it (``keep-alive`` for an
     HTTP/1.0 client that keeps it)."""
     reason = _REASONS.get(status, b"Unknown")
-    parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason), _date()]
-    for k, v in headers.items():
-        lk = k.lower()
-        if lk in ("content-length", "transfer-encoding", "connection", "date"):
-            continue
-        parts.append(f"{k}: {v}\r\n".encode("utf-8", "surrogateescape"))
+    skip = _FRAMING
+    fields = "".join([f"{k}: {v}\r\n" for k, v in headers.items() if k.lower() not in skip])
+    parts = [
+        b"HTTP/1.1 %d %s\r\n" % (status, reason),
+        _date(),
+        fields.encode("utf-8", "surrogateescape"),
+    ]
     if length is not None:
         parts.append(b"Content-Length: %d\r\n" % length)
     elif chunked:
