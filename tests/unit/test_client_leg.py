@@ -791,3 +791,16 @@ async def test_an_unread_whole_body_over_the_high_water_mark_does_not_stall_the_
     assert "connection" not in h and not t.closing  # kept alive ...
     assert t.reading  # ... so it must read the next request
     conn.connection_lost(None)
+
+
+def test_a_cut_gzip_stream_fails_the_read_instead_of_reading_as_whole() -> None:
+    whole = gzip.compress(b'{"model": "m", "messages": []}' * 50)
+    body = BodyStream("gzip", 1 << 20, lambda: None, lambda: None)
+    body.feed_data(whole[: len(whole) // 2])
+    body.feed_eof()
+    with pytest.raises(MalformedBody, match="cut"):
+        body.read_nowait()
+    ok = BodyStream("gzip", 1 << 20, lambda: None, lambda: None)
+    ok.feed_data(whole)
+    ok.feed_eof()
+    assert ok.read_nowait() == b'{"model": "m", "messages": []}' * 50

@@ -68,6 +68,16 @@ def store_settings(args: argparse.Namespace) -> StoreSettings | None:
     )
 
 
+#: The cyclic collector's thresholds while serving (CPython's default: 700, 10, 10). A request
+#: makes no reference cycle (only a connection does, collected when it closes), but the objects
+#: of the requests in flight survive young collections and reach the oldest generation, whose
+#: collections then stall the loop: with the defaults, 32 connections at one core saw p99 51 ms
+#: and 5,375 requests/s; with these, p99 8.4 ms and 6,802 requests/s (and at 256 connections
+#: p99 140 -> 76 ms), the memory held by garbage unchanged (the same approach as
+#: https://instagram-engineering.com/dismissing-python-garbage-collection-at-instagram-4dca40b29172).
+GC_THRESHOLDS = (50_000, 20, 100)
+
+
 async def run_sidecar(
     settings: SidecarSettings, listen: tuple[str, int], admin: tuple[str, int] | None
 ) -> int:
@@ -82,6 +92,7 @@ async def run_sidecar(
     # out of the cyclic collector's generations, so that its collections on the request path
     # do not walk it again (https://docs.python.org/3/library/gc.html#gc.freeze).
     gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
     stop = asyncio.Event()
     hurry = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -118,11 +118,18 @@ class BodyStream:
         try:
             out = self._decoder.decompress(data, room) if self._decoder is not None else data
         except zlib.error:
-            self.set_exception(MalformedBody("the request body is not valid gzip or deflate"))
+            self._malformed("the request body is not valid gzip or deflate")
             return b""
         if len(out) >= room:  # it would grow past the limit: one byte over is what is kept
             out = out[:room]
         return out
+
+    def _malformed(self, message: str) -> None:
+        """The encoded body cannot be decoded: what was decoded is dropped, readers get
+        :class:`MalformedBody` (400)."""
+        self._chunks = []
+        self._size = 0
+        self.set_exception(MalformedBody(message))
 
     def discard(self) -> None:
         """Drop what is buffered and what comes (the answer was sent without reading it)."""
@@ -134,7 +141,11 @@ class BodyStream:
             self._resume()
 
     def feed_eof(self) -> None:
-        """The body is complete."""
+        """The body is complete; an encoded one whose stream did not end is refused
+        (:class:`MalformedBody` on read), not read as if whole."""
+        d = self._decoder
+        if d is not None and not d.eof and self.decoded <= self._limit and not self._discard:
+            self._malformed("the request body's gzip or deflate stream is cut")
         self._eof = True
         self._wake()
 
