@@ -16,6 +16,7 @@ import enum
 import logging
 import math
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -216,6 +217,14 @@ def add_flags(parser: argparse._ActionsContainer, cls: type[Any]) -> None:
             kwargs["required"] = meta.required and from_env is None
         if meta.choices is not None:
             kwargs["choices"] = list(meta.choices)
+            if from_env is not None and not meta.repeat:
+                given = from_env if meta.parse is None else meta.parse(from_env)
+                if given not in meta.choices:  # argparse checks a flag's value, not a default
+                    print(
+                        f"{env_name}={from_env!r}: expected one of {', '.join(meta.choices)}",
+                        file=sys.stderr,
+                    )
+                    raise SystemExit(2)
         parser.add_argument(meta.flag_name(f), **kwargs)
 
 

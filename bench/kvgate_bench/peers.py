@@ -4,19 +4,23 @@ One run, one machine, pinned CPUs: the load generator (wrk, one thread) and this
 stream client on ``--client-cpu`` (default 0), every server on ``--server-cpu`` (default 1),
 with ``taskset``. The arms (``peers_arms.py``): ``direct`` (nginx ``return 200``), ``nginx`` as
 a keep-alive proxy in front of it, the ``litellm`` proxy (one worker, no database), the
-``kvgate`` sidecar of this checkout with a realistic policy, and ``kvgate pass-through`` (the
-same sidecar on an allowlisted path: the proxy hop without admission).
+``kvgate`` sidecar of this checkout with a realistic policy, ``kvgate aiohttp leg`` (the same
+sidecar with ``--server-leg aiohttp``) and ``kvgate pass-through`` (the first sidecar on an
+allowlisted path: the proxy hop without admission). The sidecars run with the mypyc-compiled
+modules the agent image ships (``--pure``: this checkout's Python sources).
 
 1. Load (``peers_load.py``): chat POST bodies of 1 KB, 16 KB and 200 KB at 1, 32 and 256
    connections, each cell ``--seconds`` per arm, the arms in rotated order cell by cell so that
    drift hits them alike; p50/p99 from ``wrk --latency``, requests/s, errors.
 2. Streaming (``peers_load.py``): 256 concurrent streams from the llm-d simulator at 10 ms and
-   at 0 ms inter-token latency, through the sidecar and through nginx; server CPU per chunk.
+   at 0 ms inter-token latency, through both sidecars and through nginx; server CPU per chunk.
 3. Memory: the sidecar's RSS per 1,000 idle keep-alive connections, and with 256 streams open.
 
-It prints the tables and the ratios, and replaces its section of ``docs/benchmarks.md``
-(``--no-write`` leaves the file alone). It installs what the peers need on first use
-(``peers_arms.py``: nginx and wrk from Debian, LiteLLM from PyPI into its own venv).
+It prints the tables, the ratios and the own server leg's targets (issue 25: each a ratio within
+the run, with the aiohttp leg's figure beside it), and replaces its section of
+``docs/benchmarks.md`` (``--no-write`` leaves the file alone). It installs what the peers need
+on first use (``peers_arms.py``: nginx and wrk from Debian, LiteLLM from PyPI into its own
+venv).
 ``--quick``: two body sizes × two concurrencies, short windows (about 2 minutes).
 """
 
@@ -315,6 +319,12 @@ def run(args: argparse.Namespace) -> Report:
     errs = sum(c.result.errors for c in cells)
     if errs:
         notes.append(f"**{errs} requests failed** (non-2xx or socket errors): see `errors`.")
+    notes.append(
+        "Targets: the bounds are issue 25's; '-' where this run has no such cell (`--quick` runs "
+        "no 16 KB body at c=256) and, for the idle memory, for the aiohttp leg (measured on the "
+        "own leg only). Stream `errors`: answers other than 200 or socket errors (each costs "
+        "its client 0.1 s, so a row with errors counts fewer chunks)."
+    )
     notes.append(
         "Added = the arm's percentile minus direct's in the same cell. Streaming: server CPU "
         "(/proc/<pid>/stat utime+stime, nginx's worker included) over the window / SSE chunks "

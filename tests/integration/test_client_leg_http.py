@@ -20,13 +20,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvgate_agent.contract.policy import parse_policy
+from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.client_body import READ_HIGH_WATER
 from kvgate_agent.sidecar.client_listener import ClientListener
 from kvgate_agent.sidecar.client_request import Request
+from kvgate_agent.sidecar.server import SidecarServer
 from kvgate_agent.sidecar.wire import Handler
 from kvgate_bench.kit.toolkit import poll_until_async, wait_until_async
-from tests.conftest import SidecarFactory, gauges
-from tests.upstream import CHAT, Upstream
+from tests.conftest import SidecarFactory, gauges, policy_doc
+from tests.upstream import CHAT, Upstream, serve_handler
 
 LEGS = ["kvgate", "aiohttp"]
 REFUSED_INVALID = (
@@ -474,3 +477,38 @@ async def test_slow_headers_get_408_at_the_header_deadline() -> None:
         assert 0.2 < time.monotonic() - started < 5.0
         assert await closed_cleanly(r)
         assert counted == ["timeout"]
+
+
+@pytest.mark.parametrize("leg", LEGS)
+async def test_a_passthrough_request_in_flight_at_the_drain_is_answered(leg: str) -> None:
+    """SIGTERM's drain (``SidecarServer.drain``) waits for pass-through requests too, not only
+    for admitted ones: a slow ``/tokenize`` under way when the drain starts is answered 200
+    before the sidecar stops."""
+    started = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        if request.path != "/tokenize":  # the sidecar's own probes of the model server
+            return web.Response(status=404)
+        started.set()
+        await asyncio.sleep(0.5)
+        return web.json_response({"tokens": [1, 2, 3]})
+
+    async with serve_handler(slow) as up:
+        sc = Sidecar(
+            SidecarSettings(
+                upstream=up, policy=parse_policy(policy_doc({})), server_leg=leg, drain_seconds=10
+            )
+        )
+        server = SidecarServer(sc)
+        await server.start(("127.0.0.1", 0), None)
+        try:
+            async with aiohttp.ClientSession() as client:
+                url = f"http://127.0.0.1:{server.port}/tokenize"
+                pending = asyncio.ensure_future(client.post(url, json={"prompt": "hi"}))
+                await asyncio.wait_for(started.wait(), 10)
+                drain = asyncio.ensure_future(server.drain(10, asyncio.Event()))
+                r = await asyncio.wait_for(pending, 10)
+                assert r.status == 200 and (await r.json()) == {"tokens": [1, 2, 3]}
+                await asyncio.wait_for(drain, 15)
+        finally:
+            await server.cleanup()

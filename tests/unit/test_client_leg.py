@@ -193,17 +193,18 @@ def test_parser_builds_a_request_with_utf8_headers() -> None:
 def test_keep_alive_follows_the_version_and_connection_header(
     version: bytes, connection: bytes, keep_alive: bool
 ) -> None:
-    (req,) = parse(b"GET /healthz HTTP/" + version + b"\r\n" + connection + b"\r\n").requests
+    head = b"GET /healthz HTTP/" + version + b"\r\nHost: h\r\n" + connection + b"\r\n"
+    (req,) = parse(head).requests
     assert req.keep_alive is keep_alive
     assert req.http10 is (version == b"1.0")
 
 
 def test_no_body_and_a_chunked_body_are_told_apart() -> None:
-    (plain,) = parse(b"GET / HTTP/1.1\r\n\r\n").requests
+    (plain,) = parse(b"GET / HTTP/1.1\r\nHost: h\r\n\r\n").requests
     assert plain.content_length is None and not plain.body_exists and plain.content.is_eof()
-    (empty,) = parse(b"POST / HTTP/1.1\r\nContent-Length: 0\r\n\r\n").requests
+    (empty,) = parse(b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\n\r\n").requests
     assert empty.content_length == 0 and not empty.body_exists
-    r = parse(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"3\r\nabc\r\n")
+    r = parse(b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n", b"3\r\nabc\r\n")
     (chunked,) = r.requests
     assert chunked.content_length is None and chunked.body_exists
     assert not chunked.content.is_eof() and r.completed == 0
@@ -212,8 +213,8 @@ def test_no_body_and_a_chunked_body_are_told_apart() -> None:
 
 def test_two_pipelined_requests_in_one_feed() -> None:
     r = parse(
-        b"POST /a HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc"
-        b"GET /b?c HTTP/1.1\r\nConnection: close\r\n\r\n"
+        b"POST /a HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\n\r\nabc"
+        b"GET /b?c HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
     )
     first, second = r.requests
     assert (first.method, first.path, first.content.read_nowait()) == ("POST", "/a", b"abc")
@@ -231,21 +232,24 @@ def test_a_request_split_anywhere_parses_the_same() -> None:
 
 
 def test_a_target_over_max_field_is_414() -> None:
-    assert refused(b"GET /" + b"a" * 200 + b" HTTP/1.1\r\n\r\n", max_field=100).status == 414
+    assert (
+        refused(b"GET /" + b"a" * 200 + b" HTTP/1.1\r\nHost: h\r\n\r\n", max_field=100).status
+        == 414
+    )
     # Even when it comes in pieces that are each short.
     pieces = [b"GET /"] + [b"a" * 40] * 4
     assert refused(*pieces, max_field=100).status == 414
 
 
 def test_a_header_field_over_max_field_is_431() -> None:
-    raw = b"GET / HTTP/1.1\r\nX-Big: " + b"a" * 200 + b"\r\n\r\n"
+    raw = b"GET / HTTP/1.1\r\nHost: h\r\nX-Big: " + b"a" * 200 + b"\r\n\r\n"
     assert refused(raw, max_field=100).status == 431
 
 
 def test_a_header_field_growing_past_max_field_is_refused_as_it_comes() -> None:
     r = FakeReceiver()
     p = RequestParser(r, 100, 10_000)
-    p.feed(b"GET / HTTP/1.1\r\nX-Big: ")
+    p.feed(b"GET / HTTP/1.1\r\nHost: h\r\nX-Big: ")
     with pytest.raises(Refused) as info:
         for _ in range(10):  # 10 x 64 bytes, no end of line: over 100 bytes by the 2nd piece
             p.feed(b"a" * 64)
@@ -254,32 +258,40 @@ def test_a_header_field_growing_past_max_field_is_refused_as_it_comes() -> None:
 
 @pytest.mark.parametrize("encoding", [b"br", b"zstd", b"compress", b"gzip, br"])
 def test_an_unknown_content_encoding_is_415(encoding: bytes) -> None:
-    raw = b"POST / HTTP/1.1\r\nContent-Encoding: " + encoding + b"\r\nContent-Length: 1\r\n\r\nx"
+    raw = (
+        b"POST / HTTP/1.1\r\nHost: h\r\nContent-Encoding: "
+        + encoding
+        + b"\r\nContent-Length: 1\r\n\r\nx"
+    )
     assert refused(raw).status == 415
 
 
 @pytest.mark.parametrize("encoding", [b"gzip", b"x-gzip", b"deflate", b"identity", b"GZIP"])
 def test_a_known_content_encoding_is_accepted(encoding: bytes) -> None:
-    raw = b"POST / HTTP/1.1\r\nContent-Encoding: " + encoding + b"\r\nContent-Length: 0\r\n\r\n"
+    raw = (
+        b"POST / HTTP/1.1\r\nHost: h\r\nContent-Encoding: "
+        + encoding
+        + b"\r\nContent-Length: 0\r\n\r\n"
+    )
     assert len(parse(raw).requests) == 1
 
 
 def test_content_length_with_transfer_encoding_is_400() -> None:
     raw = (
-        b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"POST / HTTP/1.1\r\nHost: h\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"3\r\nabc\r\n0\r\n\r\n"
     )
     assert refused(raw).status == 400
 
 
 def test_a_broken_header_line_is_400() -> None:
-    assert refused(b"GET / HTTP/1.1\r\nBad Header\r\n\r\n").status == 400
+    assert refused(b"GET / HTTP/1.1\r\nHost: h\r\nBad Header\r\n\r\n").status == 400
 
 
 async def test_a_bad_chunk_size_after_the_headers_fails_the_body_read() -> None:
     r = FakeReceiver()
     p = RequestParser(r, 1024, 10_000)
-    p.feed(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+    p.feed(b"POST / HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
     (req,) = r.requests
     with pytest.raises(Refused) as info:
         p.feed(b"zz\r\n")
@@ -416,7 +428,9 @@ async def test_no_100_continue_when_the_body_is_already_there() -> None:
 
 @pytest.mark.parametrize(("minor", "asked"), [(1, 1), (0, 0)])
 async def test_the_parser_asks_for_100_continue_on_http11_only(minor: int, asked: int) -> None:
-    head = b"POST / HTTP/1.%d\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n" % minor
+    head = (
+        b"POST / HTTP/1.%d\r\nHost: h\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n" % minor
+    )
     r = parse(head)
     (req,) = r.requests
     reader = asyncio.ensure_future(req.content.readany())
@@ -699,7 +713,10 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
         return web.Response(text=req.path)
 
     conn, t, _ = connection(handler)
-    conn.data_received(b"GET /slow HTTP/1.1\r\n\r\nGET /a HTTP/1.1\r\n\r\nGET /b HTTP/1.1\r\n\r\n")
+    conn.data_received(
+        b"GET /slow HTTP/1.1\r\nHost: h\r\n\r\nGET /a HTTP/1.1\r\nHost: h\r\n\r\n"
+        b"GET /b HTTP/1.1\r\nHost: h\r\n\r\n"
+    )
     await settle()
     assert t.out == b""  # the first one holds the others' answers back
     released.set()
@@ -715,7 +732,9 @@ async def test_malformed_request_gets_an_openai_400_and_the_connection_closes() 
         return web.Response(text="ok")
 
     conn, t, counted = connection(handler)
-    conn.data_received(b"GET /a HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\nBad Header\r\n\r\n")
+    conn.data_received(
+        b"GET /a HTTP/1.1\r\nHost: h\r\n\r\nGET / HTTP/1.1\r\nHost: h\r\nBad Header\r\n\r\n"
+    )
     await settle()
     assert statuses(t.out) == [b"200", b"400"]  # what came before it answered first
     assert b'"code":"malformed_http"' in t.out.replace(b" ", b"")
@@ -729,8 +748,8 @@ async def test_an_upgrade_request_is_served_plainly_and_the_connection_closes() 
 
     conn, t, counted = connection(handler)
     conn.data_received(
-        b"GET /ws HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
-        b"GET /never HTTP/1.1\r\n\r\n"  # after an upgrade: not HTTP, never parsed
+        b"GET /ws HTTP/1.1\r\nHost: h\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+        b"GET /never HTTP/1.1\r\nHost: h\r\n\r\n"  # after an upgrade: not HTTP, never parsed
     )
     await settle()
     status, h, rest = split(t.out)
@@ -753,7 +772,7 @@ async def test_client_gone_cancels_the_handler() -> None:
         raise AssertionError("never reached")
 
     conn, t, _ = connection(handler)
-    conn.data_received(b"GET /a HTTP/1.1\r\n\r\n")
+    conn.data_received(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n")
     await asyncio.wait_for(started.wait(), 1)
     conn.connection_lost(None)
     await asyncio.wait_for(cancelled.wait(), 1)
@@ -766,7 +785,7 @@ async def test_an_answer_before_an_unfinished_body_closes_after_lingering() -> N
         return web.Response(status=415, text="no")  # the body never read
 
     conn, t, _ = connection(handler)
-    conn.data_received(b"POST /a HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+    conn.data_received(b"POST /a HTTP/1.1\r\nHost: h\r\nContent-Length: 10\r\n\r\nabc")
     await settle()
     _, h, _ = split(t.out)
     assert statuses(t.out) == [b"415"] and h["connection"] == "close"
@@ -784,7 +803,9 @@ async def test_an_unread_whole_body_over_the_high_water_mark_does_not_stall_the_
 
     conn, t, _ = connection(handler)
     big = b"x" * (READ_HIGH_WATER + 1)
-    conn.data_received(b"POST /a HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big))
+    conn.data_received(
+        b"POST /a HTTP/1.1\r\nHost: h\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big)
+    )
     await settle()
     _, h, _ = split(t.out)
     assert statuses(t.out) == [b"415"]
@@ -804,3 +825,75 @@ def test_a_cut_gzip_stream_fails_the_read_instead_of_reading_as_whole() -> None:
     ok.feed_data(whole)
     ok.feed_eof()
     assert ok.read_nowait() == b'{"model": "m", "messages": []}' * 50
+
+
+# ---------------------------------------------------------------- a new user's findings
+
+
+def test_an_http11_request_without_host_is_400() -> None:
+    assert refused(b"GET /healthz HTTP/1.1\r\n\r\n").status == 400
+    (req,) = parse(b"GET /healthz HTTP/1.0\r\n\r\n").requests  # HTTP/1.0 needs none
+    assert req.path == "/healthz"
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (b"/v1/chat/completions#f", ("/v1/chat/completions", "")),
+        (b"/a?b=1#f", ("/a", "b=1")),
+        (b"*", ("*", "")),
+        (b"host:443", ("host:443", "")),
+    ],
+)
+def test_a_target_loses_its_fragment_and_a_non_path_stays_as_sent(
+    url: bytes, expected: tuple[str, str]
+) -> None:
+    assert target(url) == expected
+
+
+def test_an_absolute_target_that_is_not_a_url_is_400() -> None:
+    with pytest.raises(Refused) as exc:
+        target(b"http://host:port/a")
+    assert exc.value.status == 400
+
+
+async def test_an_upgrade_requests_body_is_read_past_where_llhttp_stops() -> None:
+    """``curl --http2`` on http:// sends ``Upgrade: h2c``: llhttp stops after the headers; the
+    body still reaches the handler (the upgrade is ignored) and the connection then closes."""
+    head = (
+        b"POST /p HTTP/1.1\r\nHost: h\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nContent-Length: 11\r\n\r\n"
+    )
+
+    async def handler(req: Any) -> web.Response:
+        body = b"".join([chunk async for chunk in req.content.iter_any()])
+        return web.Response(body=body)
+
+    for pieces in ([head + b"hello world"], [head + b"hello", b" world"], [head, b"hello world"]):
+        conn, t, _ = connection(handler)
+        for piece in pieces:
+            conn.data_received(piece)
+            await settle()
+        assert t.out.endswith(b"\r\n\r\nhello world"), (pieces, t.out)
+        assert t.closing
+        conn.connection_lost(None)
+
+
+def test_a_multi_member_gzip_body_is_read_whole() -> None:
+    data = gzip.compress(b"hello ") + gzip.compress(b"world")
+    body = BodyStream("gzip", 1 << 20, lambda: None, lambda: None)
+    body.feed_data(data)
+    body.feed_eof()
+    assert body.read_nowait() == b"hello world"
+
+
+def test_bytes_after_a_gzip_or_deflate_stream_are_refused() -> None:
+    for encoding, data in (
+        ("gzip", gzip.compress(b"hello") + b"garbage!"),
+        ("deflate", zlib.compress(b"hello") + b"garbage!"),
+    ):
+        body = BodyStream(encoding, 1 << 20, lambda: None, lambda: None)
+        body.feed_data(data)
+        body.feed_eof()
+        with pytest.raises(MalformedBody):
+            body.read_nowait()

@@ -106,9 +106,10 @@ def test_flag_name_env_and_default_come_from_the_field(
         value = parsed(action, text)
         assert (meta.to_field(value) if meta.to_field else value) == default
     # the variable: it replaces the default (and a required flag is then optional)
-    monkeypatch.setenv(env, "/from-env" if meta.repeat else "from-env")
+    value = meta.choices[-1] if meta.choices else "/from-env" if meta.repeat else "from-env"
+    monkeypatch.setenv(env, value)
     again = actions(role_parser(role))[meta.flag_name(field)]
-    assert again.default == (["/from-env"] if meta.repeat else "from-env")
+    assert again.default == ([value] if meta.repeat else value)
     assert again.required is False
 
 
@@ -271,3 +272,17 @@ def test_the_readme_tells_every_operator_variable_and_its_default() -> None:
             want = readme_default(part, days)
             if want is not None:
                 assert os_defaults[name] == want, (name, part)
+
+
+@pytest.mark.parametrize("variable", ["KVGATE_SERVER_LEG", "KVGATE_FAILURE_MODE"])
+def test_a_variable_outside_a_flags_choices_exits_2_naming_them(
+    variable: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse checks a flag's value against its choices, not a default: the variable's
+    value is checked when the flags are made (a typo never runs something else silently)."""
+    monkeypatch.setenv(variable, "aiohtttp")
+    with pytest.raises(SystemExit) as exc:
+        role_parser("sidecar")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert variable in err and "'aiohtttp'" in err and "expected one of" in err

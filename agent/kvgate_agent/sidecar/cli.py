@@ -105,9 +105,10 @@ async def run_sidecar(
     source = (
         f"thresholds from {settings.agent.url}" if settings.agent is not None else "policy file"
     )
+    host = f"[{listen[0]}]" if ":" in listen[0] else listen[0]  # an IPv6 address in a URL
     print(
-        f"kvgate sidecar listening on http://{listen[0]}:{listen[1]} -> {settings.upstream} "
-        f"({source})",
+        f"kvgate sidecar listening on http://{host}:{listen[1]} -> {settings.upstream} "
+        f"({source}; server leg {settings.server_leg})",
         flush=True,
     )
     await stop.wait()

@@ -117,6 +117,13 @@ class BodyStream:
             self._decoder = zlib.decompressobj(_wbits(self._encoding, data[0]))
         try:
             out = self._decoder.decompress(data, room) if self._decoder is not None else data
+            # A gzip body may hold several members, one after another (RFC 1952 §2.2).
+            while self._decoder is not None and self._decoder.eof and self._decoder.unused_data:
+                rest = self._decoder.unused_data
+                if self._encoding == "deflate":
+                    raise zlib.error("bytes after the end of a deflate stream")
+                self._decoder = zlib.decompressobj(47)
+                out += self._decoder.decompress(rest, max(0, room - len(out)))
         except zlib.error:
             self._malformed("the request body is not valid gzip or deflate")
             return b""

@@ -121,12 +121,16 @@ class ClientConnection(ClientTransport):
         self._arm(self._config.header_timeout, headers=True)
 
     def data_received(self, data: bytes) -> None:
-        if self._pending_error is not None or self._upgraded or self._broken:
+        if self._upgraded:
+            self._parser.feed_upgraded(data)
+            return
+        if self._pending_error is not None or self._broken:
             return  # the connection closes after what is being answered
         try:
             self._parser.feed(data)
-        except Upgraded:
+        except Upgraded as exc:
             self._upgraded = True  # answered as a plain request; the connection then closes
+            self._parser.feed_upgraded(data[exc.args[0] :] if exc.args else b"")
         except Refused as refused:
             self._malformed(refused)
             return
@@ -327,6 +331,8 @@ class ClientConnection(ClientTransport):
     # ---------------------------------------------------------------- deadlines
 
     def _arm(self, seconds: float, *, headers: bool) -> None:
+        if headers and seconds <= 0:  # no header deadline: a silent connection still ends
+            seconds, headers = self._config.keepalive_timeout, False
         self._disarm()
         self._timer_headers = headers
         if seconds > 0:

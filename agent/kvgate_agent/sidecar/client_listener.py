@@ -81,6 +81,20 @@ class ClientListener:
             if conn.idle:
                 conn.close()
 
+    async def wait_idle(self, seconds: float) -> bool:
+        """Until no connection has a request being answered (pass-through ones included), at
+        most ``seconds``; whether it came to that."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while True:
+            tasks = {c.task for c in self.connections if c.task is not None}
+            left = deadline - loop.time()
+            if not tasks:
+                return True
+            if left <= 0:
+                return False
+            await asyncio.wait(tasks, timeout=left)
+
     async def close(self, grace: float = 1.0) -> None:
         """Close every connection (cancelling what they still run) and wait up to ``grace``
         seconds for their handlers to finish."""

@@ -81,6 +81,7 @@ class RequestParser:
         "_max_head",
         "_parser",
         "_receiver",
+        "_upgrade_body",
         "_url",
         "partial",
         "reading",
@@ -97,6 +98,7 @@ class RequestParser:
         self.reading: Request | None = None
         self._head = 0  # bytes fed while a request's headers were incomplete
         self._max_head = 2 * max_field
+        self._upgrade_body = 0  # bytes of an Upgrade request's body still to come
 
     def feed(self, data: bytes) -> None:
         """Parse ``data``, handing requests to the receiver as their headers complete.
@@ -141,6 +143,21 @@ class RequestParser:
             body_req.content.set_exception(MalformedBody(str(refused), refused.status))
         raise refused from None
 
+    def feed_upgraded(self, data: bytes) -> None:
+        """Bytes after an Upgrade request's headers (llhttp stopped there): its body, up to its
+        Content-Length; what follows is dropped (the connection closes after the answer)."""
+        req, left = self.reading, self._upgrade_body
+        if req is None or left <= 0:
+            return
+        piece = data[:left]
+        self._upgrade_body = left - len(piece)
+        if piece:
+            req.content.feed_data(piece)
+        if self._upgrade_body == 0:
+            req.content.feed_eof()
+            self.reading = None
+            self._receiver.on_complete()
+
     # ---------------------------------------------------------------- llhttp callbacks
 
     def on_message_begin(self) -> None:
@@ -173,6 +190,11 @@ class RequestParser:
         if encoding not in ("", "identity") and encoding not in DECODABLE:
             raise Refused(415, f"unsupported Content-Encoding {encoding[:40]!r}")
         http10 = p.get_http_version() == "1.0"
+        if not http10 and "Host" not in headers:
+            raise Refused(400, "an HTTP/1.1 request needs a Host header (RFC 9112 §3.2)")
+        upgrade = "Upgrade" in headers and "upgrade" in headers.get("Connection", "").lower()
+        if upgrade and chunked:
+            raise Refused(400, "an Upgrade request with a chunked body is not served")
         expect = not http10 and "100-continue" in headers.get("Expect", "").lower()
         ask: Callable[[], None] | None = r.send_continue if expect else None
         body = BodyStream(encoding, self._decoded_limit, r.pause_body, r.resume_body, ask)
@@ -191,6 +213,9 @@ class RequestParser:
         )
         self.partial = False
         self.reading = req
+        # llhttp hands an Upgrade request on without its body (it stops parsing there): its
+        # Content-Length bytes come through feed_upgraded (the upgrade itself is ignored).
+        self._upgrade_body = (length or 0) if upgrade else 0
         r.on_request(req)
 
     def on_body(self, data: bytes) -> None:
@@ -198,6 +223,8 @@ class RequestParser:
             self.reading.content.feed_data(data)
 
     def on_message_complete(self) -> None:
+        if self._upgrade_body:
+            return  # the body follows the upgrade: feed_upgraded
         if self.reading is not None:
             self.reading.content.feed_eof()
             self.reading = None
@@ -205,10 +232,21 @@ class RequestParser:
 
 
 def target(url: bytes) -> tuple[str, str]:
-    """(path, query) of a request target as sent: origin-form ``/a?b``, or absolute-form
-    ``http://host/a?b`` (RFC 9112 §3.2.2: its path, "/" when empty); ``*`` as is."""
-    if url[:1] != b"/" and url[:1] != b"*":
+    """(path, query) of a request target as sent, without a fragment: origin-form ``/a?b``, or
+    absolute-form ``http://host/a?b`` (RFC 9112 §3.2.2: its path, "/" when empty); anything else
+    (``*``, CONNECT's authority-form) as is, which no route serves.
+
+    Raises:
+        Refused: 400, an absolute-form target that is not a URL.
+    """
+    url = url.partition(b"#")[0]
+    if url[:1] == b"/":
+        path, _, query = url.partition(b"?")
+        return path.decode("latin-1"), query.decode("latin-1")
+    if b"://" not in url:
+        return url.decode("latin-1"), ""
+    try:
         parsed = httptools.parse_url(url)
-        return (parsed.path or b"/").decode("latin-1"), (parsed.query or b"").decode("latin-1")
-    path, _, query = url.partition(b"?")
-    return path.decode("latin-1"), query.decode("latin-1")
+    except httptools.HttpParserInvalidURLError:
+        raise Refused(400, "the request target is not a URL") from None
+    return (parsed.path or b"/").decode("latin-1"), (parsed.query or b"").decode("latin-1")

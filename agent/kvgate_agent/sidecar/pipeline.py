@@ -136,6 +136,8 @@ class RequestPipeline:
         one is refused with 400: an upstream that normalises it would otherwise serve it
         unchecked."""
         raw = request.rel_url.raw_path  # an absolute-form target's raw_path is the whole URL
+        if not raw.startswith("/"):  # ``OPTIONS *``, CONNECT's authority: nothing to pass on
+            return self._refused_early(responses.not_a_path(raw))
         path = canonical_path(raw)
         if path in GENERATION_PATHS:
             return self._refused_early(responses.non_canonical_path())

@@ -149,6 +149,21 @@ def non_canonical_path() -> web.Response:
     )
 
 
+def not_a_path(target: str) -> web.Response:
+    """400 for a request target that is not a path (``*``, an authority): the sidecar serves
+    and passes on paths only (RFC 9112 §3.2)."""
+    return json_response(
+        400,
+        error_body(
+            f"the request target {target[:100]!r} is not a path",
+            INVALID_REQUEST_ERROR,
+            None,
+            "invalid_target",
+        ),
+        {DECISION_HEADER: "rejected", REASON_HEADER: "invalid_request"},
+    )
+
+
 def method_not_allowed(method: str, path: str) -> web.Response:
     """405 with ``Allow`` for a generation path asked with another method than POST (RFC 9110
     §15.5.6); never forwarded."""

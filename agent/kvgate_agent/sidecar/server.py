@@ -107,7 +107,7 @@ class SidecarServer:
             await self._site.stop()  # stop accepting new connections
         if self._listener is not None:
             self._listener.stop_accepting()
-        idle = asyncio.ensure_future(sc.admission.wait_idle(drain_seconds))
+        idle = asyncio.ensure_future(self._wait_idle(drain_seconds))
         cut = asyncio.ensure_future(hurry.wait())
         await asyncio.wait({idle, cut}, return_when=asyncio.FIRST_COMPLETED)
         cut.cancel()
@@ -119,6 +119,17 @@ class SidecarServer:
             )
             await sc.forwarder.end_all(grace=1.0)  # streams end with an error event
         await self._close_runners()  # cancels what is still running: reservations released
+
+    async def _wait_idle(self, seconds: float) -> bool:
+        """Until no admitted request is in flight and, on the own leg, no request at all is
+        being answered (pass-through ones too), at most ``seconds``; whether it came to that."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        if not await self.sidecar.admission.wait_idle(seconds):
+            return False
+        if self._listener is None:
+            return True
+        return await self._listener.wait_idle(max(0.0, deadline - loop.time()))
 
     async def cleanup(self) -> None:
         """Close every listener and connection at once (no drain), as an aiohttp runner's
