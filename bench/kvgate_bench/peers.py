@@ -153,7 +153,7 @@ def header(tools: Tools, plan: Plan, args: argparse.Namespace) -> list[tuple[str
                   f"LiteLLM {lite}, {version([tools.wrk, '-v']).split(' [')[0]}, "
                   f"{Path(tools.llmd_sim).name}"),
         ("load", f"{plan.seconds:g} s per cell and arm, arms rotated cell by cell, each run "
-                 "started once the servers idle (under 0.1 core, at most 10 s)"
+                 f"started once the servers idle (under 0.1 core, at most {SETTLE_TIMEOUT_S:g} s)"
                  + (" (--quick)" if args.quick else "")),
     ]  # fmt: skip
     return rows
@@ -177,7 +177,15 @@ def arm_urls(
     return {a: urls[a] for a in ARMS if a in urls}
 
 
-def settle(servers: Sequence[Server], *, idle: float = 0.1, timeout: float = 10.0) -> bool:
+#: Seconds a cell waits for the servers to idle before its load starts: LiteLLM works through
+#: the backlog of a 256-connection cell for tens of seconds after wrk stops, and the arm after
+#: it in the rotation (on the same CPU) measured that backlog's CPU at 10 s.
+SETTLE_TIMEOUT_S = 90.0
+
+
+def settle(
+    servers: Sequence[Server], *, idle: float = 0.1, timeout: float = SETTLE_TIMEOUT_S
+) -> bool:
     """Wait until ``servers`` together use under ``idle`` of a core over 0.25 s (the last
     cell's backlog drained), at most ``timeout`` seconds; False when they never settled."""
     deadline = time.monotonic() + timeout
@@ -208,7 +216,8 @@ def run_grid(
             for arm in order:
                 cmd = wrk_command(wrk, urls[arm], script, connections=conns,
                                   seconds=plan.seconds, cpu=cpu)  # fmt: skip
-                settle(servers)
+                if not settle(servers):
+                    print(f"  (servers not idle after {SETTLE_TIMEOUT_S:g} s)", file=sys.stderr)
                 raw = workdir / f"wrk-{arm.replace(' ', '-')}-{size}-c{conns}.txt"
                 result = run_wrk(cmd, timeout=plan.seconds + 60, save=raw)
                 cells.append(Cell(arm, size, conns, result))
