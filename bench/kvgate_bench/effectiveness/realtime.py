@@ -115,6 +115,7 @@ from kvgate_bench.effectiveness.realtime_plan import (
 )
 from kvgate_bench.effectiveness.workloads import DEFAULT_NOISY_LOAD, WORKLOADS, Request, Schedule
 from kvgate_bench.kit import processes
+from kvgate_bench.kit.sse import sse_json
 from kvgate_bench.kit.toolkit import free_port, percentile
 from kvgate_bench.sim.engine import EngineConfig, SimEngine
 from kvgate_bench.sim.lengths import OUTPUT_TOKENS_HEADER
@@ -451,32 +452,22 @@ class _Client:
         tokens = 0
         usage: int | None = None
         finished = False
-        buf = b""
-        # Whole reads, split into SSE events here: one await per read, not per line (the
-        # client shares its loop with the sidecar; a busy loop sends the next requests late).
-        async for data in r.content.iter_any():
-            buf += data
-            *events, buf = buf.split(b"\n\n")
-            for event in events:
-                if not event.startswith(b"data: "):
-                    continue
-                payload = event[6:].strip()
-                if payload == b"[DONE]":
-                    break
-                obj = json.loads(payload)
-                if tokens == 0 and "id" in obj:
-                    self.ids[obj["id"]] = req.rid
-                if obj.get("usage"):
-                    usage = obj["usage"].get("completion_tokens")
-                for choice in obj.get("choices") or ():
-                    text = choice["delta"].get("content") if self.chat else choice.get("text")
-                    if text:
-                        tokens += 1
-                        if rec.first_token_at is None:
-                            rec.first_token_at = self.now()
-                    if choice.get("finish_reason") is not None:
-                        rec.finished_at = self.now()
-                        finished = True
+        # Whole reads, split into SSE events: one await per read, not per line (the client
+        # shares its loop with the sidecar; a busy loop sends the next requests late).
+        async for obj in sse_json(r.content):
+            if tokens == 0 and "id" in obj:
+                self.ids[obj["id"]] = req.rid
+            if obj.get("usage"):
+                usage = obj["usage"].get("completion_tokens")
+            for choice in obj.get("choices") or ():
+                text = choice["delta"].get("content") if self.chat else choice.get("text")
+                if text:
+                    tokens += 1
+                    if rec.first_token_at is None:
+                        rec.first_token_at = self.now()
+                if choice.get("finish_reason") is not None:
+                    rec.finished_at = self.now()
+                    finished = True
         if not finished:
             raise ValueError("the stream ended without a finish_reason")
         if usage is not None and usage != tokens:

@@ -21,11 +21,11 @@ import aiohttp
 
 from kvgate_bench.effectiveness.metrics import summarize
 from kvgate_bench.effectiveness.workloads import generate
+from kvgate_bench.kit.sse import sse_json
 from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.real_engine import calibration as cal
 from kvgate_bench.real_engine.client import NONE, prompt_for, request_body, run_arm
 from kvgate_bench.real_engine.engine import metric_totals
-from kvgate_bench.real_engine.sse import sse_json
 from kvgate_bench.real_engine.virtual import arm_context, predicted_capacity
 from kvgate_bench.sim.steptime import StepTimeModel
 

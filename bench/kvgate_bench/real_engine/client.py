@@ -66,9 +66,9 @@ from kvgate_bench.effectiveness.realtime import policy_manifest
 from kvgate_bench.effectiveness.workloads import Request, Schedule
 from kvgate_bench.kit import processes
 from kvgate_bench.kit.llamaserver import LLAMA_MODEL
+from kvgate_bench.kit.sse import sse_json
 from kvgate_bench.kit.toolkit import free_port, percentile
 from kvgate_bench.real_engine.engine import EngineSampler, EngineStats, taskset_prefix, wait_idle
-from kvgate_bench.real_engine.sse import sse_json
 from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.steptime import constant_profile
 

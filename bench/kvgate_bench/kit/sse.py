@@ -1,12 +1,13 @@
-"""llama-server's streamed answers read as their JSON events (Server-Sent Events).
+"""A model server's streamed answers read as their JSON events (Server-Sent Events).
 
 A streaming ``/v1/chat/completions`` answer is a run of ``data: {json}`` events, each ended by a
 blank line, the last ``data: [DONE]``. :func:`sse_json` reads the body in whole reads
 (``iter_any``: one await per read, not per line), splits them into events and yields each
 ``data:`` event's JSON object in order; ``[DONE]``, other events and a trailing event without its
-blank line are skipped. Both readers of this package use it: the calibration's lone requests
-(:func:`kvgate_bench.real_engine.calibration_run.one_request`) and the arms' client
-(:mod:`kvgate_bench.real_engine.client`).
+blank line are skipped. The benchmarks' streaming clients use it: the real-engine calibration's
+lone requests (:func:`kvgate_bench.real_engine.calibration_run.one_request`), its arms' client
+(:mod:`kvgate_bench.real_engine.client`) and the real-time run's client
+(:mod:`kvgate_bench.effectiveness.realtime`).
 """
 
 from __future__ import annotations
