@@ -176,7 +176,7 @@ class ClientConnection(ClientTransport):
     def on_complete(self) -> None:
         """A request (its body included) is complete."""
         if self._lingering:
-            self._close()
+            self.close()
 
     # ---------------------------------------------------------------- serving
 
@@ -242,7 +242,7 @@ class ClientConnection(ClientTransport):
             if self._parser.reading is req:
                 self._linger(req)
             else:
-                self._close()
+                self.close()
             return
         if self._pending_error is not None and not self._queue:
             self._write_refusal(self._pending_error)
@@ -273,7 +273,7 @@ class ClientConnection(ClientTransport):
             self._broken = True
             return
         if self._lingering:
-            self._close()
+            self.close()
             return
         if self._task is not None or self._queue:
             self._pending_error = refused
@@ -290,7 +290,7 @@ class ClientConnection(ClientTransport):
             refused.status, resp.headers, length=len(body), chunked=False, close=True, http10=False
         )
         self.send(head + body)
-        self._close()
+        self.close()
 
     def send_continue(self) -> None:
         """``Expect: 100-continue``: the handler reads the body, so ask for it."""
@@ -304,27 +304,20 @@ class ClientConnection(ClientTransport):
         return self._task
 
     @property
-    def idle_between(self) -> bool:
-        """No request is being answered or waits to be."""
-        return self._task is None and not self._queue
-
-    @property
     def idle(self) -> bool:
         """No request is being answered or parsed."""
         return self._task is None and not self._queue and not self._parser.partial
-
-    def close(self) -> None:
-        """Close the connection (the drain's end, or an idle one while draining)."""
-        self._close()
 
     def abort(self) -> None:
         """End the connection now: its handler cancelled (what it holds released by its own
         ``finally``), what was written still flushed."""
         if self._task is not None:
             self._task.cancel()
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Close the connection once what was written is sent (the drain's end, an idle one
+        while draining, or this connection's own end)."""
         self._disarm()
         self.close_transport()
 
@@ -354,4 +347,4 @@ class ClientConnection(ClientTransport):
             self._config.on_timeout()
             if self._parser.partial:
                 self.send(_TIMEOUT_408)
-        self._close()
+        self.close()
