@@ -116,3 +116,75 @@ def test_cli_flags() -> None:
     assert cfg.engine_config().max_num_batched_tokens == 4096
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--profile", "nope"])
+
+
+# The decode table: llama-server on CPU, 22 ms with one sequence, 63 with two, 78 with four.
+CPU = StepTimeModel(
+    "cpu", a_s=0.0, b_s=4e-3, d_s=1e-7, decode_table=((1, 0.022), (2, 0.063), (4, 0.078))
+)
+
+
+@pytest.mark.parametrize(
+    ("decodes", "seconds"),
+    [
+        (1, 0.022),  # on a point
+        (2, 0.063),
+        (3, 0.0705),  # halfway between 2 and 4
+        (4, 0.078),
+        (6, 0.093),  # past the last point: the line through (2, 63) and (4, 78), 7.5 ms a sequence
+        (12, 0.138),
+    ],
+)
+def test_decode_table_interpolates_and_extends_from_the_last_two_points(
+    decodes: int, seconds: float
+) -> None:
+    assert CPU.decode_seconds(decodes) == pytest.approx(seconds)
+    assert CPU.seconds(0, decodes, 0) == pytest.approx(seconds)
+    # Prefill and context costs add to the table's value.
+    assert CPU.seconds(100, decodes, 5000) == pytest.approx(seconds + 0.4 + 5e-4)
+
+
+def test_decode_table_edges() -> None:
+    # A prefill-only step costs b*P with no fixed part; an empty step costs nothing.
+    assert CPU.seconds(100, 0, 0) == pytest.approx(0.4)
+    assert CPU.seconds(0, 0, 0) == 0.0
+    # Below the first point: the first point's value.
+    late = StepTimeModel("late", a_s=0.0, decode_table=((4, 0.05), (8, 0.07)))
+    assert late.decode_seconds(1) == late.decode_seconds(4) == pytest.approx(0.05)
+    # One point: constant at every batch size.
+    one = StepTimeModel("one", a_s=0.0, decode_table=((2, 0.03),))
+    assert [one.decode_seconds(n) for n in (1, 2, 50)] == [0.03, 0.03, 0.03]
+    # A table that falls at its end is held at its last value, never extended downwards.
+    falling = StepTimeModel("falling", a_s=0.0, decode_table=((1, 0.04), (2, 0.03)))
+    assert falling.decode_seconds(2) == falling.decode_seconds(10) == pytest.approx(0.03)
+    assert falling.decode_seconds(1) == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        (((2, 0.01), (1, 0.02)), "sorted"),
+        (((1, 0.01), (1, 0.02)), "sorted"),
+        (((0, 0.01),), ">= 1"),
+        (((1, -0.01),), "finite"),
+        (((1, float("nan")),), "finite"),
+    ],
+)
+def test_bad_decode_tables_raise(table: tuple[tuple[int, float], ...], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StepTimeModel("bad", a_s=0.0, decode_table=table)
+
+
+def test_a_decode_table_replaces_a_and_c() -> None:
+    with pytest.raises(ValueError, match="must be 0"):
+        StepTimeModel("bad", a_s=0.01, decode_table=((1, 0.02),))
+    with pytest.raises(ValueError, match="must be 0"):
+        StepTimeModel("bad", a_s=0.0, c_s=1e-6, decode_table=((1, 0.02),))
+    with pytest.raises(ValueError, match="no decode table"):
+        PROFILES["h100-llama3-8b"].decode_seconds(1)
+    # Without a table the built-in profiles keep their linear formula exactly.
+    h100 = PROFILES["h100-llama3-8b"]
+    assert h100.decode_table == ()
+    assert (
+        h100.seconds(512, 200, 300_000) == 7.5e-3 + 33e-6 * 512 + 4.4e-6 * 200 + 0.076e-6 * 300_000
+    )

@@ -1,4 +1,5 @@
-"""Step-time model of the simulated engine: ``t = a + b*P + c*D + d*K`` seconds per step.
+"""Step-time model of the simulated engine: ``t = a + b*P + c*D + d*K`` seconds per step, or
+``t = table(D) + b*P + d*K`` with a measured decode table.
 
 One engine iteration (one :meth:`kvgate_bench.sim.engine.SimEngine.step`) takes
 
@@ -8,6 +9,15 @@ One engine iteration (one :meth:`kvgate_bench.sim.engine.SimEngine.step`) takes
 * ``c`` per decoding sequence ``D`` in the step (scheduling, sampling), seconds/sequence;
 * ``d`` per context token ``K`` the decoding sequences attend to (their KV read
   from HBM: prompt + tokens generated before the step), seconds/token.
+
+**Decode table.** An engine whose step time is not a line in ``D`` (llama-server on CPU: 22 ms
+with one sequence, 63 with two, 78 with four) is described by ``decode_table``: points
+``(batch size, seconds per step)``, sorted by batch size. A step with ``D >= 1`` then costs
+``table(D) + b*P + d*K``, where ``table`` interpolates linearly between points, gives the
+first point's value below the first point, and above the last point extends the line through
+the last two points (never below the last point's value; with one point, that value). A step
+with ``D = 0`` costs ``b*P`` (no fixed part). ``a`` and ``c`` must be 0 then. JSON engine
+profiles (:mod:`kvgate_bench.sim.profile_file`) build such models.
 
 Profiles (:data:`PROFILES`, chosen by ``kvgate-sim --profile``):
 
@@ -82,6 +92,8 @@ Everything here is pure arithmetic: no clock, no I/O.
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from dataclasses import dataclass
 
 #: KV pool of the realistic profiles: BLIS's ``total_kv_blocks`` (29,205) x 16 tokens.
@@ -92,7 +104,8 @@ CONSTANT_KV_TOKENS = 65536
 
 @dataclass(frozen=True)
 class StepTimeModel:
-    """``t = a + b*P + c*D + d*K`` seconds for one engine step, plus the profile's engine shape.
+    """``t = a + b*P + c*D + d*K`` (or ``table(D) + b*P + d*K``) seconds for one engine step, plus
+    the profile's engine shape.
 
     Attributes:
         name: profile name (``--profile``).
@@ -104,9 +117,13 @@ class StepTimeModel:
             overrides it).
         chunked_prefill: whether the engine chunks prefills under the token
             budget (vLLM V1's default) or prefills whole prompts (``constant``).
+        decode_table: ``((batch size, seconds per step), ...)`` sorted by batch size, or
+            ``()`` (the linear model). When set it replaces ``a + c*D`` (see the module
+            docstring).
 
-    Raises ``ValueError`` on construction for a negative coefficient or a pool
-    under one token.
+    Raises ``ValueError`` on construction for a negative coefficient, a pool
+    under one token, or a decode table that is unsorted, has a batch size under 1 or
+    twice, a time that is negative or not finite, or comes with ``a`` or ``c`` above 0.
     """
 
     name: str
@@ -116,12 +133,19 @@ class StepTimeModel:
     d_s: float = 0.0
     kv_capacity_tokens: int = CONSTANT_KV_TOKENS
     chunked_prefill: bool = False
+    decode_table: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if min(self.a_s, self.b_s, self.c_s, self.d_s) < 0:
             raise ValueError(f"step-time coefficients must be >= 0 (profile {self.name!r})")
         if self.kv_capacity_tokens < 1:
             raise ValueError("kv_capacity_tokens must be >= 1")
+        if self.decode_table:
+            _check_table(self.name, self.decode_table)
+            if self.a_s or self.c_s:
+                raise ValueError(
+                    f"a decode table replaces a and c: they must be 0 (profile {self.name!r})"
+                )
 
     def seconds(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         """Duration of one step, seconds: ``a + b*P + c*D + d*K``.
@@ -133,12 +157,50 @@ class StepTimeModel:
             context_tokens: ``K``, the decoding sequences' total context, tokens
                 (prompt + tokens generated before this step, each).
         """
+        if self.decode_table:
+            fixed = self.decode_seconds(decode_seqs) if decode_seqs > 0 else 0.0
+            return fixed + self.b_s * prefill_tokens + self.d_s * context_tokens
         return (
             self.a_s
             + self.b_s * prefill_tokens
             + self.c_s * decode_seqs
             + self.d_s * context_tokens
         )
+
+    def decode_seconds(self, decode_seqs: int) -> float:
+        """``table(D)``: the decode table's seconds per step at ``decode_seqs`` sequences
+        (interpolated, extended; the module docstring). Raises ``ValueError`` without a table."""
+        table = self.decode_table
+        if not table:
+            raise ValueError(f"profile {self.name!r} has no decode table")
+        i = bisect_right(table, (decode_seqs, math.inf))  # first point above decode_seqs
+        if i == 0:
+            return table[0][1]
+        if i < len(table):
+            (n0, t0), (n1, t1) = table[i - 1], table[i]
+            return t0 + (t1 - t0) * (decode_seqs - n0) / (n1 - n0)
+        n_last, t_last = table[-1]
+        if len(table) == 1 or decode_seqs == n_last:
+            return t_last
+        n_prev, t_prev = table[-2]
+        slope = max(0.0, (t_last - t_prev) / (n_last - n_prev))
+        return t_last + slope * (decode_seqs - n_last)
+
+
+def _check_table(name: str, table: tuple[tuple[int, float], ...]) -> None:
+    """Raise ``ValueError`` unless ``table`` is sorted by distinct batch sizes >= 1 with finite
+    times >= 0 (seconds)."""
+    prev = 0
+    for n, t in table:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"decode table batch sizes must be integers >= 1 (profile {name!r})")
+        if n <= prev:
+            raise ValueError(
+                f"decode table must be sorted by distinct batch sizes (profile {name!r})"
+            )
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"decode table times must be finite and >= 0 (profile {name!r})")
+        prev = n
 
 
 def constant_profile(
