@@ -18,9 +18,11 @@ modules the agent image ships (``--pure``: this checkout's Python sources).
 
 It prints the tables, the ratios and the own server leg's targets (issue 25: each a ratio within
 the run, with the aiohttp leg's figure beside it), and replaces its section of
-``docs/benchmarks.md`` (``--no-write`` leaves the file alone). It installs what the peers need
-on first use (``peers_arms.py``: nginx and wrk from Debian, LiteLLM from PyPI into its own
-venv).
+``docs/benchmarks.md`` (``--no-write`` leaves the file alone). It refuses, exit status 1,
+before it measures anything and again before it writes, when text it did not write sits between
+the section's markers (:mod:`kvgate_bench.kit.doc_block`: move that text outside them, or
+``--force``). It installs what the peers need on first use (``peers_arms.py``: nginx and wrk
+from Debian, LiteLLM from PyPI into its own venv).
 ``--quick``: two body sizes × two concurrencies, short windows (about 2 minutes).
 """
 
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvgate_bench import compiled
+from kvgate_bench.kit.doc_block import BlockError
 from kvgate_bench.kit.toolkit import free_port, machine
 from kvgate_bench.peers_arms import (
     CHAT_PATH,
@@ -127,6 +130,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "compiled modules the agent image ships, built or found in the cache)",
     )
     p.add_argument("--docs", type=Path, default=DOCS, help="the Markdown file to update")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite text between the section's markers that the last run did not write "
+        "(default: refuse, exit 1)",
+    )
     p.add_argument("--workdir", type=Path, help="keep configs and server logs here")
     return p.parse_args(argv)
 
@@ -352,14 +361,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
+    if not args.no_write and (refusal := docs_refusal(args.docs, None, force=args.force)):
+        print(f"{refusal}\nnothing measured", file=sys.stderr)
+        return 1
     report = run(args)
     print(render(report, markdown=False))
     if not args.no_write:
-        doc = args.docs.read_text() if args.docs.exists() else ""
-        args.docs.write_text(replace_section(doc, render(report, markdown=True),
-                                                 title=TITLE))  # fmt: skip
+        if refusal := docs_refusal(args.docs, render(report, markdown=True), force=args.force):
+            print(f"{refusal}\nthe report is printed above; {args.docs} is unchanged",
+                  file=sys.stderr)  # fmt: skip
+            return 1
         print(f"wrote the section of {args.docs}", file=sys.stderr)
     return 0
+
+
+def docs_refusal(docs: Path, body: str | None, *, force: bool) -> str | None:
+    """Write the section (``body``: its Markdown) into ``docs``, or with ``body`` ``None`` only
+    check that it could be written; ``None`` when it was (or could be), else why not (the
+    message of :class:`~kvgate_bench.kit.doc_block.BlockError`, naming the file).
+
+    Raises:
+        OSError: reading or writing ``docs``.
+    """
+    doc = docs.read_text(encoding="utf-8") if docs.exists() else ""
+    try:
+        new = replace_section(doc, body or "", title=TITLE, name=str(docs), force=force)
+    except BlockError as e:
+        return str(e)
+    if body is not None:
+        docs.write_text(new, encoding="utf-8")
+    return None
 
 
 if __name__ == "__main__":

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from pathlib import Path
 
 import pytest
 import yaml
 
 from kvgate_agent.contract.policy import parse_policy
+from kvgate_bench import peers
 from kvgate_bench import peers_report as rep
+from kvgate_bench.kit.doc_block import BrokenMarkers, ForeignText, check_block, find_block
 from kvgate_bench.peers_arms import (
     POLICY_YAML,
     RESPONSE_JSON,
@@ -186,11 +189,52 @@ def test_render_and_section_replacement() -> None:
     assert "kvgate" in rep.render(report, markdown=False)
     doc = "# Benchmarks\n\nintro\n"
     once = rep.replace_section(doc, md, title="## Peers")
-    assert once.startswith(doc.rstrip("\n")) and once.count(rep.BEGIN) == 1
+    assert once.startswith(doc.rstrip("\n")) and once.count(rep.MARKERS.begin_prefix) == 1
     twice = rep.replace_section(once + "\n## Later section\n", "new body", title="## Peers")
     assert "new body" in twice and "577 us" not in twice and twice.endswith("## Later section\n")
-    with pytest.raises(ValueError, match="markers"):
-        rep.replace_section(doc + rep.BEGIN + "\n", "x", title="t")
+    with pytest.raises(BrokenMarkers, match="no end marker"):
+        rep.replace_section(doc + rep.MARKERS.begin("0" * 16) + "\n", "x", title="t")
+    # another session's section written inside the block survives: the run refuses
+    foreign = twice.replace("new body", "new body\n\n## Another section\n\nits figures")
+    with pytest.raises(ForeignText, match="--force"):
+        rep.replace_section(foreign, "newer body", title="## Peers")
+    assert "its figures" not in rep.replace_section(foreign, "x", title="## Peers", force=True)
+
+
+def test_the_docs_peers_block_is_the_last_runs_own() -> None:
+    """Text written inside the section of ``docs/benchmarks.md`` that ``peers`` rewrites would be
+    erased by its next run (issue 33): the block as it stands must hash to its marker."""
+    doc = peers.DOCS.read_text(encoding="utf-8")
+    found = find_block(doc, rep.MARKERS, name=str(peers.DOCS))
+    assert found is not None and found.recorded is not None
+    assert found.content.lstrip().startswith(peers.TITLE + "\n")
+    check_block(doc, rep.MARKERS, name=str(peers.DOCS))
+
+
+def test_main_refuses_before_measuring_and_leaves_the_docs_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    measured: list[bool] = []
+
+    def fake_run(args: object) -> rep.Report:
+        measured.append(True)
+        return rep.Report([("date", "today")], [], [], None, ["a note"])
+
+    monkeypatch.setattr(peers, "run", fake_run)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(rep.replace_section("# B\n", "old run", title=peers.TITLE) + "## After\n")
+    edited = docs.read_text().replace("old run", "old run\n\n## Mine\n\nmy figures")
+    docs.write_text(edited)
+    assert peers.main(["--docs", str(docs)]) == 1
+    assert not measured and docs.read_text() == edited
+    err = capsys.readouterr().err
+    assert str(docs) in err and "outside the markers" in err and "nothing measured" in err
+    assert peers.main(["--docs", str(docs), "--no-write"]) == 0 and docs.read_text() == edited
+    assert peers.main(["--docs", str(docs), "--force"]) == 0
+    new = docs.read_text()
+    assert "my figures" not in new and "a note" in new and new.endswith("## After\n")
+    assert peers.main(["--docs", str(docs)]) == 0  # its own block now
 
 
 def test_a_cell_without_answers_has_no_percentiles_or_ratios() -> None:

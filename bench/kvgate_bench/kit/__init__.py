@@ -2,7 +2,9 @@
 
 ``controlplane`` (a local kube-apiserver and etcd), the servers (``redisserver``, ``promserver``,
 ``faultproxy``, ``llamaserver``), ``processes`` (the one module that starts and stops every child
-process), ``nodestack`` (a node agent and sidecars against the control plane) and ``toolkit``
-(clocks, waiting, ports, Prometheus samples, percentiles). The kit never imports a benchmark (an
+process), ``nodestack`` (a node agent and sidecars against the control plane), ``toolkit``
+(clocks, waiting, ports, Prometheus samples, percentiles), ``sse`` (a streamed answer's JSON
+events) and ``doc_block`` (the generated block of a Markdown file, refused when others' text sits
+in it). The kit never imports a benchmark (an
 import-linter contract in ``pyproject.toml``).
 """
