@@ -47,15 +47,28 @@ def policy_doc(spec: dict[str, Any], name: str = "test") -> dict[str, Any]:
 SidecarFactory = Callable[..., Awaitable[tuple[str, Sidecar]]]
 
 
+#: The admin port's base URL of each sidecar served by :func:`serve_sidecar` with one, by its
+#: clients' base URL (:func:`gauges` reads there when there is one).
+ADMIN_URLS: dict[str, str] = {}
+
+
 async def serve_sidecar(sc: Sidecar, runners: list[Any]) -> str:
     """Serve ``sc`` on a free loopback port in this event loop, as the CLI serves it
     (:class:`SidecarServer`: the server leg its settings name, the header deadline, OpenAI
-    answers to malformed HTTP); the server is appended to ``runners`` (closed with
-    ``cleanup()``); returns its base URL."""
+    answers to malformed HTTP), and its admin port too when ``sc.settings.admin_listen`` is
+    given (port 0: a free one; its URL in :data:`ADMIN_URLS`); the server is appended to
+    ``runners`` (closed with ``cleanup()``); returns its base URL."""
     server = SidecarServer(sc)
-    await server.start(("127.0.0.1", 0), None)
+    await server.start(("127.0.0.1", 0), sc.settings.admin_listen)
     runners.append(server)
-    return f"http://127.0.0.1:{server.port}"
+    url = f"http://127.0.0.1:{server.port}"
+    if server.admin_port is not None:
+        ADMIN_URLS[url] = f"http://127.0.0.1:{server.admin_port}"
+    return url
+
+
+#: The admin port, on a free loopback port: ``sidecar_factory(..., **ADMIN)``.
+ADMIN: dict[str, Any] = {"admin_listen": ("127.0.0.1", 0)}
 
 
 @pytest.fixture
@@ -66,8 +79,11 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 async def gauges(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """The sidecar's ``/kvgate/metrics`` as {series with labels: value} (:func:`series`)."""
-    async with session.get(url + "/kvgate/metrics") as r:
+    """The sidecar's own metrics as {series with labels: value} (:func:`series`): its admin
+    port's ``/metrics`` when it has one (:data:`ADMIN_URLS`), else ``/kvgate/metrics`` on
+    ``url``."""
+    admin = ADMIN_URLS.get(url)
+    async with session.get(url + "/kvgate/metrics" if admin is None else admin + "/metrics") as r:
         return series(parse_samples(await r.text()))
 
 

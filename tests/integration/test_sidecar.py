@@ -14,7 +14,7 @@ import pytest
 
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from kvgate_bench.sim.server import SimConfig, start_sim
-from tests.conftest import SidecarFactory, gauges
+from tests.conftest import ADMIN, ADMIN_URLS, SidecarFactory, gauges
 from tests.upstream import CHAT, Upstream
 
 
@@ -321,12 +321,12 @@ async def test_queued_request_is_admitted_when_capacity_frees(
 async def test_authorization_tenant_is_hashed_never_exported_raw(
     upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
 ) -> None:
-    url, _ = await sidecar_factory(upstream.url, {"tenants": {"header": "authorization"}})
+    url, _ = await sidecar_factory(upstream.url, {"tenants": {"header": "authorization"}}, **ADMIN)
     async with client.post(
         url + "/v1/chat/completions", json=CHAT, headers={"Authorization": "Bearer sk-secret-123"}
     ) as r:
         assert r.status == 200
-    async with client.get(url + "/kvgate/metrics") as r:
+    async with client.get(ADMIN_URLS[url] + "/metrics") as r:  # the admin port's: per tenant
         text = await r.text()
     assert "sk-secret-123" not in text
     assert re.search(r'tenant="key-[0-9a-f]{16}"', text)

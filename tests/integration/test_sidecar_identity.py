@@ -20,7 +20,7 @@ import yaml
 
 from kvgate_agent.sidecar.keyfiles import key_digest
 from kvgate_bench.kit.toolkit import free_port, wait_until_async
-from tests.conftest import SidecarFactory, gauges
+from tests.conftest import ADMIN, SidecarFactory, gauges
 from tests.identity_keys import (
     AUDIENCE,
     ISSUER,
@@ -88,7 +88,9 @@ async def test_200_fresh_random_keys_are_one_pooled_tenant(
     client: aiohttp.ClientSession,
 ) -> None:
     write_keys(tmp_path / "keys.yaml", {"sk-known": "team-a"})
-    url, _ = await sidecar_factory(upstream.url, KEYED, api_keys_file=str(tmp_path / "keys.yaml"))
+    url, _ = await sidecar_factory(
+        upstream.url, KEYED, api_keys_file=str(tmp_path / "keys.yaml"), **ADMIN
+    )
     statuses = await many(client, url, [random_key() for _ in range(200)])
     assert statuses == [200] * 200
     assert (await chat(client, url, "sk-known"))[0] == 200
@@ -111,7 +113,9 @@ async def test_200_fresh_random_keys_are_all_refused_and_never_forwarded(
 ) -> None:
     write_keys(tmp_path / "keys.yaml", {"sk-known": "team-a"})
     spec = {**KEYED, "tenants": {"header": "authorization", "unknownKeys": "Refuse"}}
-    url, sc = await sidecar_factory(upstream.url, spec, api_keys_file=str(tmp_path / "keys.yaml"))
+    url, sc = await sidecar_factory(
+        upstream.url, spec, api_keys_file=str(tmp_path / "keys.yaml"), **ADMIN
+    )
     statuses = await many(client, url, [random_key() for _ in range(200)])
     assert statuses == [401] * 200
     status, body = await chat(client, url, None)
@@ -145,7 +149,11 @@ async def test_the_keys_file_is_reloaded_a_symlink_swap_too_and_a_broken_one_is_
     os.symlink("..data/keys.yaml", mount / "keys.yaml")
     spec = {**KEYED, "tenants": {"header": "authorization", "unknownKeys": "Refuse"}}
     url, _ = await sidecar_factory(
-        upstream.url, spec, api_keys_file=str(mount / "keys.yaml"), identity_poll_seconds=0.05
+        upstream.url,
+        spec,
+        api_keys_file=str(mount / "keys.yaml"),
+        identity_poll_seconds=0.05,
+        **ADMIN,
     )
     assert (await chat(client, url, "sk-a"))[0] == 200
     assert (await chat(client, url, "sk-b"))[0] == 401
@@ -240,7 +248,7 @@ async def test_without_a_keys_file_each_key_is_its_own_tenant(
     """Today's behaviour, kept: it trusts an engine that checks keys (vLLM --api-key), and the
     sidecar says so once at start."""
     with caplog.at_level(logging.WARNING, logger="kvgate.identity"):
-        url, _ = await sidecar_factory(upstream.url, KEYED)
+        url, _ = await sidecar_factory(upstream.url, KEYED, **ADMIN)
         assert (await chat(client, url, "sk-0"))[0] == 200
     said = [r.message for r in caplog.records if "vLLM --api-key" in r.message]
     assert len(said) == 1
@@ -266,7 +274,9 @@ async def test_a_valid_jwt_is_its_claims_tenant_and_every_bad_one_never_reaches_
     client: aiohttp.ClientSession,
 ) -> None:
     (tmp_path / "jwks.json").write_bytes(jwks(signer))
-    url, _ = await sidecar_factory(upstream.url, JWT, jwks_file=str(tmp_path / "jwks.json"))
+    url, _ = await sidecar_factory(
+        upstream.url, JWT, jwks_file=str(tmp_path / "jwks.json"), **ADMIN
+    )
     assert (await chat(client, url, signer.token({"sub": "team-jwt"})))[0] == 200
     assert len(upstream.bodies) == 1
     now = int(time.time())

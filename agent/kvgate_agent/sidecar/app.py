@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.policy import FailureMode
@@ -31,6 +31,7 @@ from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.forward import Forwarder
 from kvgate_agent.sidecar.identity import Authenticator
 from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.metrics_view import MetricsView
 from kvgate_agent.sidecar.model_server import ModelServer
 from kvgate_agent.sidecar.pipeline import RequestPipeline
 from kvgate_agent.sidecar.probe import EngineProbe
@@ -69,6 +70,7 @@ class Sidecar:
             AdmissionController(AdmissionConfig.from_policy(initial), clock)
         )
         self.metrics = SidecarMetrics(self.admission, settings.tenant_label_limit)
+        self._metrics_view = MetricsView(self.metrics.registry)
         #: Whose each request is: the keys and JWKS files (re-read while serving), the header.
         s = settings
         self.identity = Authenticator(s.api_keys_file, s.jwks_file, s.identity_poll_seconds)
@@ -152,7 +154,7 @@ class Sidecar:
         )
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
-        app.router.add_get("/kvgate/metrics", self.metrics_endpoint)
+        app.router.add_get("/kvgate/metrics", self.client_metrics_endpoint)
         # The engine's metrics, with the router gauges appended.
         app.router.add_get("/metrics", RouterMetrics(self.model_server, self.admission).handle)
         handler = _aiohttp(self.pipeline.generation_handler())
@@ -174,7 +176,7 @@ class Sidecar:
         own: dict[str, Handler] = {
             "/healthz": self.healthz,
             "/readyz": self.readyz,
-            "/kvgate/metrics": self.metrics_endpoint,
+            "/kvgate/metrics": self.client_metrics_endpoint,
             "/metrics": router_metrics,
         }
         paths = GENERATION_PATHS
@@ -279,8 +281,23 @@ class Sidecar:
         return web.Response(text="ok" if problem is None else f"ok, but {problem}")
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        """Prometheus exposition of the sidecar's registry."""
-        body = generate_latest(self.metrics.registry)
+        """Prometheus exposition of the sidecar's registry (the admin port's ``/metrics``)."""
+        body = self._metrics_view.admin()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    @property
+    def tenants_private(self) -> bool:
+        """The policy enforced now names tenants by credentials the sidecar checks
+        (``tenants.header: authorization``: API keys, JWTs, each key its own tenant): their
+        series are not for whoever can reach the clients' port."""
+        return self.policy.spec.tenants.header.lower() == "authorization"
+
+    async def client_metrics_endpoint(self, request: web.Request) -> web.Response:
+        """``/kvgate/metrics`` on the clients' port: the registry's exposition, less every
+        series of a named tenant while :attr:`tenants_private`
+        (:class:`~kvgate_agent.sidecar.metrics_view.MetricsView`; those stay on the admin
+        port)."""
+        body = self._metrics_view.clients(self.tenants_private)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

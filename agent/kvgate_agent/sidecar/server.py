@@ -58,6 +58,7 @@ class SidecarServer:
             )
         self._site: web.TCPSite | None = None
         self._admin_runner: web.AppRunner | None = None
+        self._admin_site: web.TCPSite | None = None
         self._opened = False
 
     @property
@@ -68,6 +69,13 @@ class SidecarServer:
         assert self._site is not None and self._runner is not None
         addr = self._runner.addresses[0]
         return int(addr[1])
+
+    @property
+    def admin_port(self) -> int | None:
+        """The admin port (the one the system chose for port 0); None without one."""
+        if self._admin_runner is None or not self._admin_runner.addresses:
+            return None
+        return int(self._admin_runner.addresses[0][1])
 
     async def start(self, listen: tuple[str, int], admin: tuple[str, int] | None) -> None:
         """Listen on ``listen`` (and serve ``/metrics``, ``/healthz``, ``/readyz`` on ``admin``).
@@ -90,7 +98,8 @@ class SidecarServer:
                     admin=True, access_log=None, shutdown_timeout=1.0
                 )
                 await self._admin_runner.setup()
-                await web.TCPSite(self._admin_runner, admin[0], admin[1]).start()
+                self._admin_site = web.TCPSite(self._admin_runner, admin[0], admin[1])
+                await self._admin_site.start()
         except BaseException:  # a port taken: close what started (the upstream session) first
             await self._close_runners()
             raise

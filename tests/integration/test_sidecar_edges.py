@@ -1,0 +1,90 @@
+"""Edges a new user hit in front of a recording upstream, over real HTTP on loopback: tenant
+data kept off the clients' port where identity is on, the refusal reasons naming what refused
+(with llm-d's dropped-reason header), hop-by-hop and identity headers never passed on as the
+client sent them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvgate_bench.kit.toolkit import parse_samples, series
+from tests.conftest import ADMIN, ADMIN_URLS, SidecarFactory
+from tests.identity_keys import AUDIENCE, ISSUER, jwks, random_key, rsa_key, write_keys
+from tests.upstream import CHAT, Upstream
+
+REFUSE_UNKNOWN = {
+    "tenants": {"header": "authorization", "unknownKeys": "Refuse"},
+    "rateLimits": [{"name": "t", "requestsPerMinute": 1e6}],
+}
+
+
+async def post(
+    client: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], Any]:
+    async with client.post(url + "/v1/chat/completions", json=CHAT, headers=headers) as r:
+        return r.status, dict(r.headers), await r.json(content_type=None)
+
+
+async def text(client: aiohttp.ClientSession, url: str) -> tuple[int, str]:
+    async with client.get(url) as r:
+        return r.status, await r.text()
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Tenant data is not public on the clients' port
+
+
+@pytest.mark.parametrize("leg", ["kvgate", "aiohttp"])
+@pytest.mark.parametrize("mode", ["keys", "jwt"])
+async def test_with_identity_on_the_clients_port_serves_no_tenant_series_the_admin_port_does(
+    leg: str,
+    mode: str,
+    tmp_path: Path,
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+) -> None:
+    signer = rsa_key()
+    if mode == "keys":
+        write_keys(tmp_path / "keys.yaml", {"sk-a": "team-secret"})
+        files: dict[str, Any] = {"api_keys_file": str(tmp_path / "keys.yaml")}
+        good = "sk-a"
+        spec = REFUSE_UNKNOWN
+    else:
+        (tmp_path / "jwks.json").write_bytes(jwks(signer))
+        files = {"jwks_file": str(tmp_path / "jwks.json")}
+        good = signer.token({"sub": "team-secret"})
+        spec = {**REFUSE_UNKNOWN, "tenants": {"header": "authorization", "jwt": {
+            "issuer": ISSUER, "audience": AUDIENCE}}}  # fmt: skip
+    url, _ = await sidecar_factory(upstream.url, spec, server_leg=leg, **files, **ADMIN)
+    assert (await post(client, url, {"Authorization": f"Bearer {good}"}))[0] == 200
+    assert (await post(client, url, {"Authorization": f"Bearer {random_key()}"}))[0] == 401
+
+    status, public = await text(client, url + "/kvgate/metrics")  # no credentials at all
+    assert status == 200
+    assert "team-secret" not in public
+    assert not re.search(r'tenant="[^"]', public), "no series of a named tenant"
+    got = series(parse_samples(public))
+    # The totals and the refusals before admission (no tenant) stay.
+    key = 'kvgate_admission_decisions_total{outcome="rejected",reason="invalid_api_key",tenant=""}'
+    assert got[key] == 1
+    assert "kvgate_in_flight_requests" in got
+    # The admin port has every tenant's series; the main port's /metrics its two EPP gauges.
+    status, admin = await text(client, ADMIN_URLS[url] + "/metrics")
+    assert status == 200 and 'tenant="team-secret"' in admin
+    status, router = await text(client, url + "/metrics")
+    assert "kvgate_queue_depth" in router and "kvgate_kv_reserved_fraction" in router
+    assert "team-secret" not in router
+
+
+async def test_without_identity_the_clients_port_keeps_its_per_tenant_series(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {}, **ADMIN)
+    assert (await post(client, url, {"x-kvgate-tenant": "team-b"}))[0] == 200
+    assert 'tenant="team-b"' in (await text(client, url + "/kvgate/metrics"))[1]
