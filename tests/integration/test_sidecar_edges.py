@@ -5,15 +5,21 @@ client sent them."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
-from kvgate_bench.kit.toolkit import parse_samples, series
-from tests.conftest import ADMIN, ADMIN_URLS, SidecarFactory
+from kvgate_agent.contract.policy import parse_policy
+from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_bench.kit.toolkit import free_port, parse_samples, series
+from tests.conftest import ADMIN, ADMIN_URLS, SidecarFactory, policy_doc
 from tests.identity_keys import AUDIENCE, ISSUER, jwks, random_key, rsa_key, write_keys
 from tests.upstream import CHAT, Upstream
 
@@ -88,3 +94,53 @@ async def test_without_identity_the_clients_port_keeps_its_per_tenant_series(
     url, _ = await sidecar_factory(upstream.url, {}, **ADMIN)
     assert (await post(client, url, {"x-kvgate-tenant": "team-b"}))[0] == 200
     assert 'tenant="team-b"' in (await text(client, url + "/kvgate/metrics"))[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. An upstream with a path is refused at start
+
+
+def run_cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvgate_agent", *argv],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def write_policy(path: Path, spec: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(policy_doc(spec)))
+    return path
+
+
+@pytest.mark.parametrize(
+    "base", ["/v1", "/v1/", "/?x=1", "/#frag"], ids=["path", "path-slash", "query", "fragment"]
+)
+@pytest.mark.parametrize("given", ["flag", "env"])
+def test_an_upstream_with_a_path_exits_2_naming_its_root(
+    base: str, given: str, tmp_path: Path
+) -> None:
+    policy = write_policy(tmp_path / "p.yaml", {})
+    upstream = f"http://127.0.0.1:{free_port()}{base}"
+    flags = ["--upstream", upstream] if given == "flag" else []
+    env = {"KVGATE_UPSTREAM": upstream} if given == "env" else {}
+    r = run_cli("sidecar", "--policy", str(policy), *flags,
+                "--listen", f"127.0.0.1:{free_port()}", env=env)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    root = upstream.split(base)[0]
+    assert f"give the model server's root, {root}, not a path" in r.stderr, r.stderr
+
+
+async def test_an_upstream_root_with_a_trailing_slash_serves_and_probes_the_same_root(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(upstream.url + "/", {"capacity": {"fromEngineMetrics": True}})
+    assert (await post(client, url))[0] == 200
+    assert "/v1/chat/completions" in upstream.paths and "/metrics" in upstream.paths
+    assert not any(p.startswith("//") for p in upstream.paths), upstream.paths
+
+
+def test_a_sidecar_built_on_an_upstream_with_a_path_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a path"):
+        Sidecar(SidecarSettings(upstream="http://127.0.0.1:8010/v1", policy=parse_policy(
+            policy_doc({}))))  # fmt: skip

@@ -19,12 +19,36 @@ object when they are built; none holds a client of its own or has one set later.
 from __future__ import annotations
 
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from kvgate_agent.sidecar.upstream import UpstreamPool
 
 _SKIP_HEADERS = ("User-Agent", "Accept-Encoding", "Content-Type")
+
+
+def base_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a model server's base URL, or None when it can: the server's root
+    (``http://host:8000``, a trailing ``/`` allowed), no path, query or fragment. Clients' paths
+    (``/v1/chat/completions``) go upstream as sent and the probes read ``/metrics``, ``/props``
+    and ``/v1/models`` from the root, so a base with a path (OpenAI clients' ``.../v1``) would be
+    used one way by requests and another by the probes."""
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018  # raises ValueError for a port that is not a number in 0..65535
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return "expected an http:// or https:// URL with a host"
+    if u.path not in ("", "/") or u.query or u.fragment:
+        root = f"{u.scheme}://{u.netloc}"
+        return (
+            f"give the model server's root, {root}, not a path: clients' paths "
+            f"(/v1/chat/completions) are forwarded as sent and the KV capacity is read from "
+            f"{root}/metrics"
+        )
+    return None
 
 
 class ModelServer:
@@ -39,7 +63,8 @@ class ModelServer:
             :mod:`~kvgate_agent.sidecar.upstream`).
 
     Raises:
-        ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host.
+        ValueError: ``url`` is not an ``http://`` or ``https://`` URL with a host, or has a
+            path, query or fragment (:func:`base_url_problem`).
     """
 
     def __init__(
@@ -50,6 +75,9 @@ class ModelServer:
         upstream_timeout: float | None,
         on_resend: Callable[[], object] | None = None,
     ) -> None:
+        problem = base_url_problem(url)
+        if problem is not None:
+            raise ValueError(f"model server URL {url!r}: {problem}")
         self.url = url.rstrip("/")
         #: Admitted requests' kept-alive connections (usable at once; closed by :meth:`close`).
         self.pool = UpstreamPool(

@@ -258,15 +258,20 @@ class EngineProbe:
     def _unknown(self, why: str) -> None:
         """The engine answers but reports no KV capacity kvgate can read: logged once (again
         only when the reason changes), ``kvgate_engine_capacity_unknown`` 1 and the reason in
-        ``/readyz`` until it does. A warning when admission enforces no KV capacity at all;
-        at info when it enforces one (the policy's ``capacity.kvCacheTokens``)."""
+        ``/readyz`` until it does. A warning either way: the policy asked for the engine's
+        capacity, so admission enforces none at all, or only the policy's fallback
+        (``capacity.kvCacheTokens``), which may be far from the engine's."""
         problem = f"the engine's KV capacity is not known: {why}"
         if problem != self.capacity_problem:
             enforced = self.admission.stats().kv_capacity_tokens
             if enforced is None:
                 log.warning("%s; admitting without it (give capacity.kvCacheTokens)", problem)
             else:
-                log.info("%s; enforcing capacity.kvCacheTokens, %d tokens", problem, enforced)
+                log.warning(
+                    "%s; enforcing the policy's capacity.kvCacheTokens instead, %d tokens",
+                    problem,
+                    enforced,
+                )
         self.capacity_problem = problem
         self.unknown_engine.value = True
 

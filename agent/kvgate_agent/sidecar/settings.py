@@ -16,6 +16,7 @@ from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy
 from kvgate_agent.contract.sync import DEFAULT_SYNC_INTERVAL_SECONDS, MAX_WAIT_SECONDS
 from kvgate_agent.sidecar.endpoints import Passthrough
 from kvgate_agent.sidecar.engine_tokens import DEFAULT_TIMEOUT_SECONDS
+from kvgate_agent.sidecar.model_server import base_url_problem
 
 #: Bound on one sync call, seconds (connect + answer).
 DEFAULT_SYNC_TIMEOUT_SECONDS = 2.0
@@ -32,6 +33,16 @@ def passthrough_path(value: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return path
+
+
+def upstream_url(value: str) -> str:
+    """An argparse type: the model server's root URL (``http://host:8000``; exit 2 for a path
+    such as ``/v1``, a query or a fragment: :func:`~kvgate_agent.sidecar.model_server.
+    base_url_problem`)."""
+    problem = base_url_problem(value.strip())
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{value!r}: {problem}")
+    return value.strip()
 
 
 def store_url(value: str) -> str:
@@ -203,9 +214,15 @@ class SidecarSettings:
     given (:class:`~kvgate_agent.sidecar.app.Sidecar` refuses anything else)."""
 
     upstream: str = field(
-        metadata=flag("model server base URL, e.g. http://127.0.0.1:8000", parse=url, required=True)
+        metadata=flag(
+            "model server root URL, e.g. http://127.0.0.1:8000 (no path: clients' paths go "
+            "upstream as sent)",
+            parse=upstream_url,
+            required=True,
+        )
     )
-    """Base URL of the model server, e.g. ``http://127.0.0.1:8000``."""
+    """Root URL of the model server, e.g. ``http://127.0.0.1:8000`` (no path, query or
+    fragment: :func:`upstream_url`)."""
 
     policy: RateLimitPolicy | None = field(
         default=None,
