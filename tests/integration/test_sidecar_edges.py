@@ -5,6 +5,7 @@ client sent them."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
@@ -18,7 +19,7 @@ import yaml
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_bench.kit.toolkit import free_port, parse_samples, series
+from kvgate_bench.kit.toolkit import free_port, parse_samples, series, wait_until_async
 from tests.conftest import ADMIN, ADMIN_URLS, SidecarFactory, policy_doc
 from tests.identity_keys import AUDIENCE, ISSUER, jwks, random_key, rsa_key, write_keys
 from tests.upstream import CHAT, Upstream
@@ -144,3 +145,71 @@ def test_a_sidecar_built_on_an_upstream_with_a_path_is_refused() -> None:
     with pytest.raises(ValueError, match="not a path"):
         Sidecar(SidecarSettings(upstream="http://127.0.0.1:8010/v1", policy=parse_policy(
             policy_doc({}))))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. A refusal names what refused it, with llm-d's dropped reason beside kvgate's
+
+
+async def chat_small(client: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, str], Any]:
+    async with client.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 20}) as r:
+        return r.status, dict(r.headers), await r.json(content_type=None)
+
+
+async def test_under_a_request_rate_limit_alone_the_refusal_names_the_limit_not_an_slo(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    spec = {"rateLimits": [{"name": "only", "requestsPerMinute": 1}]}
+    url, _ = await sidecar_factory(upstream.url, spec)
+    assert (await chat_small(client, url))[0] == 200
+    status, headers, body = await chat_small(client, url)  # its refill is a minute away
+    assert status == 429, body
+    assert headers["x-kvgate-reason"] == "rate_limit_requests"
+    assert headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
+    assert headers["RateLimit-Policy"].startswith('"only"')
+    message = body["error"]["message"]
+    assert "request rate limit 'only' exceeded" in message
+    assert "exceeds the time-to-first-token SLO" not in message
+    got = series(parse_samples(await text_of(client, url + "/kvgate/metrics")))
+    reason = 'outcome="rejected",reason="rate_limit_requests",tenant="anonymous"'
+    assert got[f"kvgate_admission_decisions_total{{{reason}}}"] == 1
+    assert not any('reason="slo"' in k for k in got)
+
+
+async def text_of(client: aiohttp.ClientSession, url: str) -> str:
+    return (await text(client, url))[1]
+
+
+async def test_under_a_ttft_slo_an_expected_wait_past_it_is_still_slo(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    spec = {"rateLimits": [{"name": "only", "requestsPerMinute": 1}], "slo": {"ttftSeconds": 1}}
+    url, _ = await sidecar_factory(upstream.url, spec)
+    assert (await chat_small(client, url))[0] == 200
+    status, headers, body = await chat_small(client, url)
+    assert (status, headers["x-kvgate-reason"]) == (429, "slo")
+    assert "time-to-first-token SLO" in body["error"]["message"]
+    assert headers["x-llm-d-request-dropped-reason"] == "rejected-saturated"
+
+
+async def test_a_queue_wait_that_runs_out_is_ttl_expired_for_llm_d(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    upstream.hold = asyncio.Event()
+    spec = {"concurrency": {"maxRequests": 1}, "queue": {"maxWaitSeconds": 0.3}}
+    url, _ = await sidecar_factory(upstream.url, spec)
+    first = asyncio.ensure_future(chat_small(client, url))
+    await wait_until_async(lambda: upstream.active == 1, 10, "the first request upstream")
+    status, headers, _ = await chat_small(client, url)
+    upstream.hold.set()
+    assert (await first)[0] == 200
+    assert (status, headers["x-kvgate-reason"]) == (429, "queue_timeout")
+    assert headers["x-llm-d-request-dropped-reason"] == "rejected-ttl-expired"
+
+
+async def test_a_bad_request_carries_no_llm_d_dropped_reason(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {})
+    async with client.post(url + "/v1/chat/completions", json={"messages": []}) as r:
+        assert r.status == 400 and "x-llm-d-request-dropped-reason" not in r.headers

@@ -1,7 +1,8 @@
 """The default bound on queue delay: with neither ``slo.ttftSeconds`` nor
 ``queue.maxWaitSeconds`` stated, a request under no TTFT SLO waits at most
 ``DEFAULT_WAIT_SECONDS`` and one expected to wait more than twice that is refused at once, with
-Retry-After; explicit settings win."""
+Retry-After and the reason of what blocks it (no SLO is set: not ``slo``); explicit settings
+win."""
 
 from __future__ import annotations
 
@@ -79,7 +80,9 @@ def test_a_request_expected_to_wait_past_twice_the_bound_is_refused_at_once() ->
     assert c.submit(req("a")).ticket is not None
     d = c.submit(req("b"))
     assert d.waiter is None and d.outcome is Outcome.REJECTED
-    assert d.reason is Reason.SLO and d.status == 429
+    # No SLO is set: the reason names what refused it (not slo)
+    assert d.reason is Reason.CONCURRENCY and d.status == 429
+    assert "a request under no time-to-first-token SLO may wait" in d.message
     assert d.retry_after is not None and d.retry_after >= 4
 
 

@@ -311,6 +311,17 @@ def reject(
     elif queue_full:
         reason = Reason.QUEUE_FULL
         message = f"the admission queue is full: {message}"
+    elif (
+        slo_wait is not None
+        and req.ttft_slo_seconds is None
+        and r.limits.config.default_wait_seconds
+    ):
+        # No TTFT SLO applies: the default wait bound refused it, so the reason is what blocks.
+        bound = r.limits.config.default_wait_seconds
+        message = (
+            f"the expected wait ({slo_wait:.2f}s) exceeds the {bound:g}s a request under no "
+            f"time-to-first-token SLO may wait: {message}"
+        )
     elif slo_wait is not None:
         reason = Reason.SLO
         spent = (

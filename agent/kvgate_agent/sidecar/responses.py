@@ -32,6 +32,30 @@ REASON_HEADER = "x-kvgate-reason"
 #: response carrying it (unless its retry policy says otherwise), and another replica would
 #: refuse the same; never on "this replica is full", which a proxy should retry elsewhere.
 ENVOY_RATELIMITED_HEADER = "x-envoy-ratelimited"
+#: llm-d's header naming why a request was dropped before it reached a model server
+#: (``RequestDroppedReasonHeaderKey`` in llm-d-router's ``pkg/common/error/error.go``,
+#: https://github.com/llm-d/llm-d-router/blob/main/pkg/common/error/error.go), set beside
+#: ``x-kvgate-reason`` on every refusal by admission (:data:`LLMD_DROPPED_REASONS`).
+LLMD_DROPPED_HEADER = "x-llm-d-request-dropped-reason"
+#: kvgate's refusal reasons as llm-d's dropped reasons (docs/routers.md, "Refusal semantics"):
+#: what this replica cannot take now (its capacity, its queue, a tenant's budget here, the GPU
+#: safety net) is ``rejected-saturated``; a wait in the queue that ran out,
+#: ``rejected-ttl-expired``; the drain, ``rejected-shutting-down``; thresholds kvgate cannot
+#: trust (``fail_closed``), ``rejected-internal``. A request's own fault (4xx but 429) and the
+#: model server's failures carry no such header: they were not dropped by admission.
+LLMD_DROPPED_REASONS = {
+    Reason.CONCURRENCY: "rejected-saturated",
+    Reason.KV_CAPACITY: "rejected-saturated",
+    Reason.QUEUE_FULL: "rejected-saturated",
+    Reason.SHEDDABLE: "rejected-saturated",
+    Reason.SLO: "rejected-saturated",
+    Reason.RATE_LIMIT_REQUESTS: "rejected-saturated",
+    Reason.RATE_LIMIT_TOKENS: "rejected-saturated",
+    Reason.GPU_MEMORY_LOW: "rejected-saturated",
+    Reason.QUEUE_TIMEOUT: "rejected-ttl-expired",
+    Reason.DRAINING: "rejected-shutting-down",
+    Reason.FAIL_CLOSED: "rejected-internal",
+}
 
 
 def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
@@ -46,8 +70,12 @@ def refusal(d: Decision, api: Api = CHAT) -> web.Response:
     ``api`` calls it, :attr:`~kvgate_agent.sidecar.apis.base.Api.prompt_param` and
     :attr:`~kvgate_agent.sidecar.apis.base.Api.limit_param`: ``prompt`` is ``messages`` for
     chat, ``max_tokens`` is ``parameters.max_new_tokens`` for TGI...); ``x-envoy-ratelimited:
-    true`` when a fleet-wide budget refused it (``d.fleet_wide``), never otherwise."""
+    true`` when a fleet-wide budget refused it (``d.fleet_wide``), never otherwise; and llm-d's
+    ``x-llm-d-request-dropped-reason`` for a 429 or 503 (:data:`LLMD_DROPPED_REASONS`)."""
     headers = {DECISION_HEADER: d.outcome.value, REASON_HEADER: d.reason.value}
+    dropped = LLMD_DROPPED_REASONS.get(d.reason)
+    if dropped is not None and d.status in (429, 503):
+        headers[LLMD_DROPPED_HEADER] = dropped
     if d.fleet_wide:
         headers[ENVOY_RATELIMITED_HEADER] = "true"
     if d.retry_after is not None:
@@ -131,6 +159,7 @@ def draining() -> web.Response:
             "Retry-After": "1",
             DECISION_HEADER: "rejected",
             REASON_HEADER: Reason.DRAINING.value,
+            LLMD_DROPPED_HEADER: LLMD_DROPPED_REASONS[Reason.DRAINING],
         },
     )
 
