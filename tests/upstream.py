@@ -46,12 +46,15 @@ class Upstream:
     byte_by_byte: bool = False
     fail: str = ""  # "before_response": drop the connection; "mid_stream": drop after 2 events
     headers_seen: list[dict[str, str]] = field(default_factory=list)
+    #: The headers of every other request (pass-through, the probes), as received.
+    other_headers: list[dict[str, str]] = field(default_factory=list)
     active: int = 0
     events_sent: int = 0  # stream events written (not byte_by_byte), over all requests
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.paths.append(request.path)
         if request.path not in ("/v1/chat/completions", "/v1/completions"):
+            self.other_headers.append(dict(request.headers))
             return web.json_response(
                 {
                     "path": request.path,

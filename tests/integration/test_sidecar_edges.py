@@ -6,6 +6,7 @@ client sent them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -20,7 +21,7 @@ import yaml
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_bench.kit.toolkit import free_port, parse_samples, series, wait_until_async
-from tests.conftest import ADMIN, ADMIN_URLS, SidecarFactory, policy_doc
+from tests.conftest import ADMIN, ADMIN_URLS, SidecarFactory, policy_doc, raw_exchange
 from tests.identity_keys import AUDIENCE, ISSUER, jwks, random_key, rsa_key, write_keys
 from tests.upstream import CHAT, Upstream
 
@@ -213,3 +214,91 @@ async def test_a_bad_request_carries_no_llm_d_dropped_reason(
     url, _ = await sidecar_factory(upstream.url, {})
     async with client.post(url + "/v1/chat/completions", json={"messages": []}) as r:
         assert r.status == 400 and "x-llm-d-request-dropped-reason" not in r.headers
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Hop-by-hop fields named in Connection, and the identity headers where identity is on
+
+
+def raw_request(path: str, headers: dict[str, str], body: bytes = b"") -> bytes:
+    method = "POST" if body else "GET"
+    lines = [f"{method} {path} HTTP/1.1", "Host: kvgate"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    if body:
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("leg", ["kvgate", "aiohttp"])
+async def test_fields_named_in_connection_never_reach_the_model_server(
+    leg: str, upstream: Upstream, sidecar_factory: SidecarFactory
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {}, server_leg=leg)
+    sent = {
+        "Connection": "close, X-Hop-One,x-hop-two",
+        "X-Hop-One": "1",
+        "x-hop-two": "2",
+        "X-Kept": "3",
+    }
+    head, _ = await raw_exchange(
+        url, raw_request("/v1/chat/completions", sent, json.dumps(CHAT).encode())
+    )
+    assert head.startswith(b"HTTP/1.1 200"), head
+    head, _ = await raw_exchange(url, raw_request("/v1/models", sent))  # passed through
+    assert head.startswith(b"HTTP/1.1 200"), head
+    for seen in (upstream.headers_seen[-1], upstream.other_headers[-1]):
+        names = {k.lower() for k in seen}
+        assert "x-kept" in names
+        assert not names & {"x-hop-one", "x-hop-two"}, seen
+
+
+async def test_with_identity_on_the_tenant_and_priority_headers_upstream_are_the_sidecars(
+    tmp_path: Path,
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+) -> None:
+    write_keys(tmp_path / "keys.yaml", {"sk-a": "team-a"})
+    spec = {"tenants": {"header": "authorization", "classes": [
+        {"name": "gold", "priority": 5, "match": {"tenants": ["team-a"]}}]}}  # fmt: skip
+    url, _ = await sidecar_factory(upstream.url, spec, api_keys_file=str(tmp_path / "keys.yaml"))
+    forged = {
+        "Authorization": "Bearer sk-a",
+        "x-kvgate-tenant": "team-victim",
+        "X-KVGATE-TENANT": "team-victim-2",
+        "x-kvgate-priority": "1000",
+    }
+    assert (await post(client, url, forged))[0] == 200
+    seen = [(k.lower(), v) for k, v in upstream.headers_seen[-1].items()]
+    assert [v for k, v in seen if k == "x-kvgate-tenant"] == ["team-a"]
+    assert [v for k, v in seen if k == "x-kvgate-priority"] == ["5"]  # the class's, not 1000
+    # A client that lowers its own priority (allowed: sheddable) is forwarded as applied.
+    assert (await post(client, url, {**forged, "x-kvgate-priority": "-3"}))[0] == 200
+    assert upstream.headers_seen[-1]["x-kvgate-priority"] == "-3"
+
+
+async def test_with_a_jwt_the_tenant_header_upstream_is_the_tokens_claim(
+    tmp_path: Path,
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+) -> None:
+    signer = rsa_key()
+    (tmp_path / "jwks.json").write_bytes(jwks(signer))
+    jwt_spec = {"issuer": ISSUER, "audience": AUDIENCE}
+    spec = {"tenants": {"header": "authorization", "jwt": jwt_spec}}
+    url, _ = await sidecar_factory(upstream.url, spec, jwks_file=str(tmp_path / "jwks.json"))
+    token = signer.token({"sub": "team-jwt"})
+    headers = {"Authorization": f"Bearer {token}", "x-kvgate-tenant": "someone-else"}
+    assert (await post(client, url, headers))[0] == 200
+    assert upstream.headers_seen[-1]["x-kvgate-tenant"] == "team-jwt"
+    assert upstream.headers_seen[-1]["x-kvgate-priority"] == "0"
+
+
+async def test_without_identity_the_tenant_header_goes_upstream_as_sent(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {})
+    assert (await post(client, url, {"x-kvgate-tenant": "gw-named"}))[0] == 200
+    assert upstream.headers_seen[-1]["x-kvgate-tenant"] == "gw-named"
+    assert "x-kvgate-priority" not in {k.lower() for k in upstream.headers_seen[-1]}

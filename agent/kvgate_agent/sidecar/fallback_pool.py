@@ -22,7 +22,7 @@ from kvgate_agent.admission import Decision
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar import responses
 from kvgate_agent.sidecar.apis.base import Api
-from kvgate_agent.sidecar.forward import HOP_BY_HOP
+from kvgate_agent.sidecar.hop_headers import dropped, identity_names
 from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.wire import ClientRequest, ResponseStream, new_stream
 
@@ -32,9 +32,6 @@ log = logging.getLogger("kvgate.sidecar")
 #: pod's sidecar already sent it here, so it is never sent on.
 DEGRADED_HEADER = "x-kvgate-degraded"
 
-#: Headers never relayed on either leg: the hop-by-hop ones (RFC 9110 §7.6.1), those recomputed
-#: per leg, and the content type (set for the body sent).
-_HOP_BY_HOP = HOP_BY_HOP | {"content-type"}
 
 #: Statuses of the pool that mean "it cannot take it either": the client gets this pod's
 #: refusal. 4xx other than 429 are the request's own fault and are relayed as they are.
@@ -46,8 +43,12 @@ def already_degraded(headers: Mapping[str, str]) -> bool:
     return DEGRADED_HEADER in headers
 
 
-def _relayed(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+def _relayed(headers: Mapping[str, str], also: frozenset[str] = frozenset()) -> dict[str, str]:
+    """``headers`` as relayed on either leg: never the hop-by-hop ones (RFC 9110 §7.6.1, those
+    its ``Connection`` names too), those recomputed per leg, the content type (set for the body
+    sent), nor ``also``."""
+    drop = dropped(headers, also | {"content-type"})
+    return {k: v for k, v in headers.items() if k.lower() not in drop}
 
 
 async def send_to_pool(
@@ -58,6 +59,7 @@ async def send_to_pool(
     d: Decision,
     api: Api,
     headers: dict[str, str],
+    drop: frozenset[str] = frozenset(),
 ) -> tuple[ResponseStream, bool]:
     """Send ``request`` (its path and query kept, ``body`` already rewritten to the pool's model)
     to the pool at ``upstream`` and relay its answer, streamed as it comes.
@@ -68,13 +70,15 @@ async def send_to_pool(
         d: the ``fallback_pool`` decision; ``d.refusal`` is answered when the pool refuses.
         api: the request's API, for the refusal's error body.
         headers: kvgate's own headers for the answer (decision, reason, mode...).
+        drop: the client's header fields (lower case) not sent to the pool (its tenant and
+            priority where the tenant is named by credentials: the pool's sidecar checks them).
 
     Returns:
         (the answer, whether the pool took the request). Never raises for the pool's faults:
         a connection error, timeout or refusing status gives this pod's refusal and False.
     """
     assert d.refusal is not None and d.model is not None
-    out = _relayed(request.headers)
+    out = _relayed(request.headers, drop)
     out[DEGRADED_HEADER] = f"model={d.model}"
     out["Content-Type"] = "application/json"
     url = upstream.rstrip("/") + request.path_qs
@@ -129,8 +133,9 @@ async def degrade_to_pool(
         return responses.refusal(refusal, parsed.api)
     body = parsed.upstream_body(max_tokens=d.max_tokens, model=d.model) or raw
     headers = responses.admitted_headers(d, mode, False)
+    drop = identity_names(spec.tenants.header, spec.priority.header)
     resp, taken = await send_to_pool(
-        session, request, degrade.fallback.upstream, body, d, parsed.api, headers
+        session, request, degrade.fallback.upstream, body, d, parsed.api, headers, drop
     )
     count(d if taken else refusal)
     return resp

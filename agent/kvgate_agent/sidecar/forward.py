@@ -18,17 +18,18 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 from yarl import URL
 
 from kvgate_agent.admission import AsyncAdmission, Ticket
 from kvgate_agent.sidecar import responses
+from kvgate_agent.sidecar.hop_headers import HOP_BY_HOP as HOP_BY_HOP  # re-exported
+from kvgate_agent.sidecar.hop_headers import admitted_request_headers, forward_headers
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.model_server import ModelServer
 from kvgate_agent.sidecar.openai_errors import body_too_slow
@@ -46,45 +47,6 @@ from kvgate_agent.sidecar.upstream import UpstreamConnectError
 from kvgate_agent.sidecar.wire import ClientRequest, ResponseStream, new_stream
 
 log = logging.getLogger("kvgate.sidecar")
-
-#: Hop-by-hop headers (RFC 9110 §7.6.1) and those the proxy recomputes; never forwarded.
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
-
-
-def forward_headers(headers: Any) -> CIMultiDict[str]:
-    """``headers`` without the hop-by-hop ones."""
-    hop = HOP_BY_HOP
-    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in hop])
-
-
-#: Request headers the sidecar sets itself on an admitted request (besides the hop-by-hop
-#: ones): the body is JSON it may have rewritten, decoded and sent as identity, so that the
-#: answer can be read for its usage; the body is sent at once (no ``Expect: 100-continue``).
-_ADMITTED_DROP = HOP_BY_HOP | {"content-type", "content-encoding", "accept-encoding", "expect"}
-
-
-def admitted_request_headers(headers: Any) -> list[tuple[str, str]]:
-    """The client's ``headers`` as they go upstream with an admitted request: no hop-by-hop
-    header, ``Content-Type: application/json``, no ``Content-Encoding``, ``Accept-Encoding``
-    or ``Expect``."""
-    drop = _ADMITTED_DROP
-    out = [(k, v) for k, v in headers.items() if k.lower() not in drop]
-    out.append(("Content-Type", responses.JSON))
-    return out
 
 
 class _BodyTooSlow(Exception):
@@ -178,11 +140,14 @@ class Forwarder:
         prompt: PromptCount,
         tenant_label: str,
         started: float,
+        decided: Mapping[str, str] | None = None,
     ) -> ResponseStream:
-        """Forward an admitted request (``body`` as it goes upstream) and relay the answer with
-        ``headers`` added; then release ``ticket`` with what the engine reported (without a
-        report, what was reserved). ``started`` is ``time.perf_counter()`` at arrival (seconds).
-        Upstream failures become 502/504 (mid-stream: an in-band error event)."""
+        """Forward an admitted request (``body`` as it goes upstream, with the header fields of
+        ``decided`` in place of the client's own of those names: :func:`~kvgate_agent.sidecar.
+        hop_headers.identity_headers`) and relay the answer with ``headers`` added; then
+        release ``ticket`` with what the engine reported (without a report, what was
+        reserved). ``started`` is ``time.perf_counter()`` at arrival (seconds). Upstream
+        failures become 502/504 (mid-stream: an in-band error event)."""
         ex = Exchange(ticket, parsed, headers, started)
         m = self.metrics
         # The loop named: asyncio.current_task() would look it up, a getpid() call each time
@@ -192,7 +157,7 @@ class Forwarder:
         if task is not None:
             self._running.add(task)
         try:
-            return await self._exchange(request, body, ex)
+            return await self._exchange(request, body, ex, decided)
         except asyncio.CancelledError:
             if self._ending and task is not None and task.uncancel() == 0:
                 return await self._shutting_down(ex)
@@ -219,9 +184,11 @@ class Forwarder:
             await out.write_eof()
         return out
 
-    async def _exchange(self, request: ClientRequest, body: bytes, ex: Exchange) -> ResponseStream:
+    async def _exchange(
+        self, request: ClientRequest, body: bytes, ex: Exchange, decided: Mapping[str, str] | None
+    ) -> ResponseStream:
         m = self.metrics
-        fwd = admitted_request_headers(request.headers)
+        fwd = admitted_request_headers(request.headers, decided)
         target = request.path_qs  # a generation path, canonical, and its query as sent
         # From here the engine may be working on it: a cancellation (the drain deadline) or
         # a failure before the answer still charges the prompt.

@@ -25,6 +25,7 @@ from kvgate_agent.sidecar.enforced import EnforcedPolicy
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
 from kvgate_agent.sidecar.fallback_pool import already_degraded, degrade_to_pool
 from kvgate_agent.sidecar.forward import Forwarder
+from kvgate_agent.sidecar.hop_headers import identity_headers
 from kvgate_agent.sidecar.identity import INVALID_API_KEY, Authenticator
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.model_server import ModelServer
@@ -248,6 +249,9 @@ class RequestPipeline:
             prompt=prompt,
             tenant_label=label,
             started=started,
+            decided=identity_headers(
+                spec.tenants.header, spec.priority.header, who.tenant, who.priority
+            ),
         )
 
     async def _admit(
