@@ -374,36 +374,32 @@ def stream_one_interval(
 
 
 def test_streamed_gaps_over_target_lower_the_limit_and_under_it_raise_it() -> None:
-    c, clock = make(kv_capacity_tokens=None, max_concurrency=64, tpot_slo_seconds=0.05)
-    assert c.stats().concurrency_limit == 64
+    c, clock = make(kv_capacity_tokens=None, max_concurrency=8, tpot_slo_seconds=0.05)
+    assert c.stats().concurrency_limit == 8
     tickets = [admitted(c.submit(req(max_tokens=4096))) for _ in range(8)]
     for t in tickets:
         c.live.observe_tokens(t, 1)  # first tokens: no gap yet
-    for _ in range(20):  # 80 ms between tokens, over the 50 ms target
+    for _ in range(4):  # 80 ms between tokens at 8 in flight, over the 50 ms target
         stream_one_interval(c, clock, tickets, 0.08)
+    assert c.slo.table.step_at(8) == pytest.approx(0.08, rel=0.05)
     low = c.stats().concurrency_limit
-    assert low is not None and 8 < low < 64
-    assert c.slo.gap_s == pytest.approx(0.08, rel=0.05)
-    # Fast tokens (the smoothed gap falls below the target within ~20 intervals), but the limit
-    # is not reached (8 in flight): once the gap has settled it stays where it is.
-    for _ in range(30):
-        stream_one_interval(c, clock, tickets, 0.01)
-    assert c.slo.gap_s is not None and c.slo.gap_s < 0.85 * 0.05
-    low = c.stats().concurrency_limit
-    assert low is not None and low > 8
-    for _ in range(10):
-        stream_one_interval(c, clock, tickets, 0.01)
-    assert c.stats().concurrency_limit == low
-    # Fill up to the limit (refused beyond it): now it rises again.
-    while c.stats().in_flight < low:
-        tickets.append(admitted(c.submit(req(max_tokens=4096))))
+    assert low == 4  # in proportion (8 x 50 / 80 / the p90 factor), by at most half
+    # The 8 still run (nothing finished): their gaps say nothing of 4 in flight, so the limit
+    # does not wind further down.
+    for _ in range(20):
+        stream_one_interval(c, clock, tickets, 0.08)
+    assert c.stats().concurrency_limit == 4
+    # Half of them finish; 4 in flight stream fast, at the limit: it rises, a step at a time.
+    for t in tickets[4:]:
+        c.release(t, completion_tokens=t.generated)
+    tickets = tickets[:4]
     assert c.submit(req(max_tokens=4096, priority=-1)).limit == "concurrency"
-    for _ in range(10):
+    for _ in range(20):
         stream_one_interval(c, clock, tickets, 0.01)
         while (lim := c.stats().concurrency_limit) is not None and c.stats().in_flight < lim:
             tickets.append(admitted(c.submit(req(max_tokens=4096))))
-    limit = c.stats().concurrency_limit
-    assert limit is not None and low < limit <= 64
+    # Up to 7: 8 was measured too slow within the last minute (it is tried again once stale).
+    assert c.stats().concurrency_limit == 7
 
 
 def test_non_streamed_responses_do_not_move_the_limit() -> None:

@@ -52,6 +52,8 @@ Clock = Callable[[], float]
 _ADMITTED = Outcome.ADMITTED
 _OK = Reason.OK
 _DEGRADE = OverloadAction.DEGRADE.value
+#: Output tokens a request needs before its TPOT teaches the spread of per-request TPOT.
+MIN_TPOT_TOKENS = 5
 
 
 class AdmissionController:
@@ -331,6 +333,9 @@ class AdmissionController:
                 self._speed.observe(now - ticket.admitted_at, completion_tokens)
                 limits.learn(ticket, completion_tokens, cached)
             slo.observe_departure(now - ticket.admitted_at)
+            first, last = ticket.first_token_at, ticket.last_token_at
+            if first is not None and last is not None and ticket.generated >= MIN_TPOT_TOKENS:
+                slo.observe_completion(last - first, ticket.tpot_predicted)
         else:
             limits.release(ticket, now, 0.0, 0.0)
             limits.fair.settle(ticket, 0, 0)

@@ -152,7 +152,9 @@ class Ticket:
     prompt + n x max_tokens block-rounded (the reservation never grows past it).
     ``max_tokens``: output tokens admitted per choice; ``admitted_at``: clock seconds.
     ``generated``, ``last_token_at``: output tokens streamed so far (all choices) and when the
-    last of them passed (clock seconds; None before the first). ``weight``: the tenant's
+    last of them passed (clock seconds; None before the first); ``first_token_at``: when the
+    first passed; ``tpot_predicted``: seconds the learned step-time table predicted for its
+    tokens after the first (:mod:`.slo`). ``weight``: the tenant's
     fair-share weight; ``fair_charged``, ``fair_output``: what its tenant's fair-share counter
     was charged for it so far (token-weighted units) and the output tokens that covers
     (:mod:`.fairness`); ``prefill_pending``: its prompt counts in the engine's prefill backlog
@@ -174,6 +176,8 @@ class Ticket:
     kv_reserved_at_admission: int = 0
     generated: int = 0
     last_token_at: float | None = None
+    first_token_at: float | None = None
+    tpot_predicted: float = 0.0
     weight: float = 1.0
     fair_charged: float = 0.0
     fair_output: int = 0

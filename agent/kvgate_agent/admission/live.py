@@ -45,19 +45,26 @@ class LiveCorrection:
 
     def observe_tokens(self, ticket: Ticket, generated: int) -> None:
         """``ticket``'s request has produced ``generated`` output tokens so far (all choices), as
-        its stream passes. Measures the time to first token and between tokens (the adaptive
-        limit's input, :mod:`.slo`) and grows a predicted reservation block by block once the
-        sequence outgrows it (never past prompt + n x max_tokens). O(1); a no-op after release
-        or when ``generated`` did not increase."""
+        its stream passes. Measures the time to first token and between tokens, labelled with
+        the requests in flight (the adaptive limit's input, :mod:`.slo`), and grows a predicted
+        reservation block by block once the sequence outgrows it (never past prompt + n x
+        max_tokens). O(1); a no-op after release or when ``generated`` did not increase."""
         prev = ticket.generated
         if ticket.released or generated <= prev:
             return
         now = self._clock()
         last = ticket.last_token_at
+        slo = self._slo
+        in_flight = self._limits.in_flight
         if last is None:
-            self._slo.observe_first_token(now - ticket.admitted_at)
+            ticket.first_token_at = now
+            slo.observe_first_token(now - ticket.admitted_at, in_flight, now)
         else:
-            self._slo.observe_gap(now - last, (generated - prev) / ticket.n)
+            tokens = (generated - prev) / ticket.n
+            seconds = now - last
+            slo.observe_gap(seconds, tokens, in_flight)
+            step = slo.table.step_at(in_flight)
+            ticket.tpot_predicted += step * tokens if step > 0.0 else seconds
         ticket.generated = generated
         ticket.last_token_at = now
         self._limits.fair.observe_output(ticket, generated)

@@ -1,0 +1,236 @@
+"""The adaptive concurrency limit on the learned step-time table: pure, in virtual time.
+
+A small closed-loop engine (:class:`Engine`) drives :class:`SloState` as the sidecar's streams
+do: every step each request in flight gets a token after ``step(n)`` seconds, a request that
+finishes is replaced at once while the limit allows (the demand never stops), and the limit is
+ticked every step. Lowering the limit bites only as requests finish, as on a real server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvgate_agent.admission.concurrency_limit import TOLERANCE, ConcurrencyLimit, TpotSpread
+from kvgate_agent.admission.slo import SloState
+from kvgate_agent.admission.step_table import (
+    BUCKETS,
+    MAX_CONCURRENCY,
+    STALE_S,
+    StepTable,
+    bucket_low,
+    bucket_of,
+)
+
+
+def table_step(points: dict[int, float]) -> Callable[[int], float]:
+    """Seconds per step by batch size, interpolated between ``points`` and extended flat."""
+    xs = sorted(points)
+
+    def step(n: int) -> float:
+        if n <= xs[0]:
+            return points[xs[0]]
+        for lo, hi in itertools.pairwise(xs):
+            if n <= hi:
+                return points[lo] + (points[hi] - points[lo]) * (n - lo) / (hi - lo)
+        return points[xs[-1]]
+
+    return step
+
+
+class Engine:
+    """A closed loop of requests of ``output`` tokens each on a step time ``step(n)``."""
+
+    def __init__(
+        self,
+        state: SloState,
+        step: Callable[[int], float],
+        output: int = 40,
+        prefill_s: float = 0.0,
+    ) -> None:
+        self.state, self.step, self.output, self.prefill_s = state, step, output, prefill_s
+        self.now = 0.0
+        # Each request: [tokens so far, last token time, first token time, predicted seconds,
+        # admitted at].
+        self.running: list[list[float]] = []
+        self.completions = 0
+        self.limits: list[tuple[int, int]] = []  # (completions, limit) after every step
+
+    def fill(self) -> None:
+        while len(self.running) < self.state.limit:
+            self.running.append([0, -1.0, -1.0, 0.0, self.now])
+        if len(self.running) >= self.state.limit:
+            self.state.reached()
+
+    def run(self, seconds: float) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            self.fill()
+            n = len(self.running)
+            self.now += self.step(n) + (
+                self.prefill_s if any(r[0] == 0 for r in self.running) else 0
+            )
+            done = []
+            for r in self.running:
+                if r[1] < 0:
+                    self.state.observe_first_token(self.now - r[4], n, self.now)
+                    r[2] = self.now
+                else:
+                    gap = self.now - r[1]
+                    self.state.observe_gap(gap, 1.0, n)
+                    m = self.state.table.step_at(n)
+                    r[3] += m if m > 0 else gap
+                r[0] += 1
+                r[1] = self.now
+                if r[0] >= self.output:
+                    done.append(r)
+            for r in done:
+                self.running.remove(r)
+                self.completions += 1
+                self.state.observe_departure(self.now - r[4])
+                self.state.observe_completion(r[1] - r[2], r[3])
+            self.state.tick(self.now, len(self.running))
+            self.limits.append((self.completions, self.state.limit))
+
+
+LLAMA_CPU = table_step({1: 0.022, 2: 0.063, 4: 0.078})
+
+
+def test_buckets_are_exact_below_64_then_at_most_a_sixteenth_wide() -> None:
+    assert [bucket_of(n) for n in (1, 2, 63)] == [1, 2, 63]
+    assert bucket_of(0) == 1
+    assert bucket_of(MAX_CONCURRENCY * 4) == BUCKETS - 1
+    for i in range(1, BUCKETS - 1):
+        lo, hi = bucket_low(i), bucket_low(i + 1)
+        assert lo < hi and bucket_of(lo) == i and bucket_of(hi - 1) == i
+        assert hi - lo == 1 or (hi - lo) / lo <= 1 / 16
+
+
+@given(st.integers(min_value=1, max_value=MAX_CONCURRENCY))
+def test_a_count_falls_in_the_bucket_that_starts_at_or_below_it(n: int) -> None:
+    i = bucket_of(n)
+    assert bucket_low(i) <= n < (bucket_low(i + 1) if i + 1 < BUCKETS else n + 1)
+
+
+def test_the_table_learns_a_mean_per_concurrency_and_forgets_stale_levels() -> None:
+    t = StepTable()
+    for _ in range(10):
+        t.observe(2, 0.06, 1.0)
+        t.observe(4, 0.08, 1.0)
+    t.fold(1.0)
+    assert t.mean[2] == pytest.approx(0.06) and t.mean[4] == pytest.approx(0.08)
+    assert t.measured(2, 1.0) and not t.measured(3, 1.0)
+    assert t.floor_s == pytest.approx(0.06)
+    assert not t.measured(2, 1.0 + STALE_S + 0.1)  # stale: to be measured again
+
+
+def test_a_4_slot_cpu_server_settles_at_2_within_20_completions_and_stays() -> None:
+    # llama-server on one CPU thread: 22 ms a step with one sequence, 63 with two, 78 with
+    # four; TPOT SLO 70 ms: the right concurrency is 2. The limit starts at the slots (4).
+    s = SloState(0.07, None, 4, 0.0)
+    e = Engine(s, LLAMA_CPU)
+    e.run(120.0)
+    after = [lim for done, lim in e.limits if done >= 20]
+    assert after and after[0] == 2
+    # It probes 3 again only once a level's measurement went stale; it is back at 2 at once.
+    share_at_2 = sum(1 for lim in after if lim == 2) / len(after)
+    assert share_at_2 > 0.85
+    assert min(lim for _, lim in e.limits) >= 2  # no wind-up below the right level
+
+
+def test_no_wind_up_while_long_requests_still_run_at_the_old_limit() -> None:
+    # Long outputs (a service time of ~200 steps): the gaps stay labelled with the old
+    # concurrency until requests finish, so the limit does not fall past what was measured.
+    step = table_step({1: 0.02, 2: 0.03, 3: 0.05, 8: 0.2})
+    s = SloState(0.04, None, 8, 0.0)
+    e = Engine(s, step, output=200)
+    e.run(60.0)
+    assert min(lim for _, lim in e.limits) >= 2
+    assert e.limits[-1][1] == 2
+
+
+def test_an_h100_batch_grows_to_hundreds_of_sequences_from_the_default_start() -> None:
+    # vLLM on an H100: 7.5 ms a step plus 80 us per sequence; a TPOT SLO of 50 ms allows about
+    # (50 / p90 factor - 7.5) / 0.08, several hundred.
+    s = SloState(0.05, None, None, 0.0)
+    assert s.limit == SloState.DEFAULT_START
+    e = Engine(s, lambda n: 0.0075 + 0.00008 * n, output=200)
+    e.run(120.0)
+    final = e.limits[-1][1]
+    assert final >= 256
+    assert (0.0075 + 0.00008 * final) * s.spread.factor <= 0.05 * 1.07
+
+
+def test_without_an_slo_the_limit_is_the_knee_within_the_tolerance_of_the_fastest() -> None:
+    # Step 10 ms x (1 + n / 10): within 2.5x the fastest (11 ms at n = 1) up to n = 17.
+    s2 = SloState(None, None, 1, 0.0)  # one at a time first: the fastest level is measured
+    e2 = Engine(s2, lambda n: 0.010 * (1 + n / 10), output=30)
+    e2.run(5.0)
+    s2.retune(None, None, 64)
+    e2.run(120.0)
+    knee = max(n for n in range(1, 65) if 0.010 * (1 + n / 10) <= TOLERANCE * 0.011)
+    assert abs(e2.limits[-1][1] - knee) <= 1
+
+
+def test_the_ttft_side_binds_only_where_concurrency_is_the_cause() -> None:
+    t = StepTable()
+    for n, ttft in ((1, 0.3), (2, 0.5), (3, 1.5)):
+        for _ in range(3):
+            t.observe_first_token(n, ttft, 1.0)
+        for _ in range(10):
+            t.observe(n, 0.01, 1.0)
+    t.fold(1.0)
+    c = ConcurrencyLimit(3)
+    c.decide(t, 1.0, tpot_s=0.1, ttft_s=2.0, factor=1.0, reached=False, hold_s=1.0, cap=None)
+    assert c.limit == 2  # 1.5 s > 0.6 x 2 s at 3; 0.5 s at 2 is within
+    c = ConcurrencyLimit(3)
+    c.decide(t, 1.0, tpot_s=0.1, ttft_s=0.4, factor=1.0, reached=False, hold_s=1.0, cap=None)
+    assert c.limit == 3  # even one request alone misses 0.6 x 0.4 s: not the concurrency's doing
+
+
+def test_a_raise_waits_a_service_time_and_needs_the_limit_reached() -> None:
+    t = StepTable()
+    for n in (1, 2):
+        for _ in range(10):
+            t.observe(n, 0.01 * n, 1.0)
+    t.fold(1.0)
+    c = ConcurrencyLimit(2)
+    kw = {"tpot_s": 0.1, "ttft_s": None, "factor": 1.0, "hold_s": 5.0, "cap": None}
+    c.decide(t, 1.0, reached=False, **kw)  # type: ignore[arg-type]
+    assert c.limit == 2
+    c.decide(t, 1.0, reached=True, **kw)  # type: ignore[arg-type]
+    assert c.limit == 4  # doubled: 0.02 s a token at 2, a line through 1 and 2 predicts 0.04
+    c.decide(t, 2.0, reached=True, **kw)  # type: ignore[arg-type]
+    assert c.limit == 4  # 4 is not measured yet, and a service time has not passed
+
+
+def test_the_cap_bounds_the_limit() -> None:
+    s = SloState(0.05, None, 3, 0.0)
+    e = Engine(s, lambda n: 0.001 * n, output=20)
+    e.run(30.0)
+    assert max(lim for _, lim in e.limits) == 3
+
+
+def test_the_spread_factor_follows_per_request_tpot_around_the_table() -> None:
+    sp = TpotSpread()
+    prior = sp.factor
+    assert 1.0 < prior < 1.2
+    for _ in range(200):
+        sp.observe(1.0, 1.0)
+    assert sp.factor == pytest.approx(1.0, abs=0.02)
+    for i in range(400):
+        sp.observe(1.0 + 0.3 * (i % 2), 1.0)  # half the requests 30 % slower
+    assert 1.2 < sp.factor < 1.5
+    before = sp.factor
+    sp.observe(0.0, 1.0)
+    sp.observe(1.0, 0.0)
+    assert sp.factor == before
+    for _ in range(100):
+        sp.observe(100.0, 1.0)
+    assert sp.factor == 4.0
+    assert math.isfinite(sp.factor)
