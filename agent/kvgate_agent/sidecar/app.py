@@ -13,6 +13,8 @@ from the node agent (:mod:`kvgate_agent.sidecar.agent_enforcement`).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -21,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
-from kvgate_agent.contract.policy import FailureMode
+from kvgate_agent.contract.policy import FailureMode, PolicyError, RateLimitPolicy, load_policy
 from kvgate_agent.sidecar.agent_enforcement import NO_LIMITS, AgentEnforcement
 from kvgate_agent.sidecar.agent_link import AgentLink
 from kvgate_agent.sidecar.client_request import Request
@@ -41,6 +43,8 @@ from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.store import StoreLink, register_metrics
 from kvgate_agent.sidecar.tokens import PromptCounter
 from kvgate_agent.sidecar.wire import Handler
+
+log = logging.getLogger("kvgate")
 
 
 class Sidecar:
@@ -256,6 +260,41 @@ class Sidecar:
         if self.engine_tokens is not None:
             self.engine_tokens.close()
         await self.model_server.close()
+
+    def apply_policy(self, policy: RateLimitPolicy) -> None:
+        """Enforce ``policy`` from now on (standalone; its file re-read on SIGHUP) without
+        dropping in-flight work, as new thresholds are in agent mode
+        (``AdmissionController.reconfigure``): its limits, tenants, priority, queue and overload
+        settings take effect for new requests and waiters are re-examined at once. The KV
+        capacity is the engine's reading when the policy asks for it and one was read, else the
+        policy's ``capacity.kvCacheTokens`` (FailClosed holds until the engine's is read).
+
+        Raises:
+            ValueError: in agent mode (the node agent's thresholds are enforced there).
+        """
+        self.policy.replace(policy)
+        spec = policy.spec
+        from_engine = spec.capacity.from_engine_metrics
+        kv = self.engine.kv_tokens if from_engine else None
+        self.admission.reconfigure(AdmissionConfig.from_policy(spec, kv_capacity_tokens=kv))
+        self.engine.set_capacity_known(not from_engine or kv is not None)
+        if from_engine:
+            self.engine.ensure_polling()
+
+    async def reload(self) -> None:
+        """SIGHUP: re-read the policy file (standalone, ``settings.policy_file``) and the keys
+        and JWKS files that changed. A file that cannot be read or is invalid keeps what is
+        enforced, and the log says why (errors); what was re-read is logged at info."""
+        path = self.settings.policy_file
+        if path is not None and self.policy.enforcement is None:
+            try:
+                policy = await asyncio.to_thread(load_policy, path)
+            except PolicyError as exc:
+                log.error("SIGHUP: %s; keeping the policy in force", exc)
+            else:
+                self.apply_policy(policy)
+                log.info("SIGHUP: policy re-read from %s and enforced", path)
+        await asyncio.to_thread(self.identity.poll)  # logs each file reloaded or refused
 
     # ------------------------------------------------------------------ own endpoints
 

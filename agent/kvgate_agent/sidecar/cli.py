@@ -85,7 +85,9 @@ async def run_sidecar(
     Retry-After, the listener closes), let in-flight requests finish for up to
     ``settings.drain_seconds`` (a second signal cuts that short), end what is left (streams
     with a terminal ``shutting_down`` error event, unanswered requests with 503; every
-    reservation is released on that path too) and return 0."""
+    reservation is released on that path too) and return 0. SIGHUP re-reads the policy file
+    (standalone), the keys and the JWKS files (:meth:`Sidecar.reload`: a bad file keeps what
+    is enforced) and serving goes on."""
     server = SidecarServer(Sidecar(settings))
     await server.start(listen, admin)
     # What startup built (modules, the policy, the tokenizer) lives as long as the process:
@@ -102,6 +104,15 @@ async def run_sidecar(
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    reloads: set[asyncio.Task[None]] = set()
+
+    def on_hup() -> None:  # re-read the files; never ends the sidecar
+        log.info("SIGHUP: re-reading the policy, keys and JWKS files")
+        task = loop.create_task(server.sidecar.reload())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
     source = (
         f"thresholds from {settings.agent.url}" if settings.agent is not None else "policy file"
     )
@@ -163,6 +174,7 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         SidecarSettings,
         args,
         policy=policy,
+        policy_file=args.policy,
         agent=agent,
         tokenizer_file=None if args.tokenizer == ENGINE_TOKENIZER else args.tokenizer,
         engine_tokenizer=args.tokenizer == ENGINE_TOKENIZER,

@@ -31,6 +31,17 @@ class EnforcedPolicy:
         #: Agent mode only: what the node agent's answers enforce (their sync state, the mode).
         self.enforcement = enforcement
 
+    def replace(self, policy: RateLimitPolicy) -> None:
+        """Enforce ``policy`` from now on (standalone: a policy file re-read on SIGHUP).
+
+        Raises:
+            ValueError: in agent mode (the node agent's thresholds are enforced there).
+        """
+        if self.enforcement is not None:
+            raise ValueError("the node agent's thresholds are enforced: no policy file")
+        self.standalone = policy
+        self._standalone_spec = policy.spec
+
     @property
     def spec(self) -> RateLimitPolicySpec:
         """The policy spec enforced now (the node agent's thresholds in agent mode)."""

@@ -121,6 +121,12 @@ class EngineProbe:
         if self.usage is not None:
             self.usage.start(self.server.probe())
 
+    def ensure_polling(self) -> None:
+        """Keep polling the engine in the background from now on (a policy that asks for the
+        engine's KV capacity replaced one that did not), if :meth:`start` did not already."""
+        if self._task is None and self._wake is not None:
+            self._task = asyncio.create_task(self._poll())
+
     async def stop(self) -> None:
         """Stop polling (both polls)."""
         if self.usage is not None:

@@ -234,6 +234,10 @@ class SidecarSettings:
     """The RateLimitPolicy enforced (standalone mode). Its flag names the manifest file, which
     ``kvgate-agent sidecar`` loads."""
 
+    policy_file: str | None = None
+    """The file :attr:`policy` was read from (standalone): re-read on SIGHUP
+    (:meth:`~kvgate_agent.sidecar.app.Sidecar.reload`); None: not re-read."""
+
     agent: AgentSettings | None = None
     """The node agent to take thresholds from (cluster mode; its own flags)."""
 
