@@ -114,8 +114,8 @@ def test_cli_flags() -> None:
     assert cfg.profile == "h100-llama3-8b" and cfg.kv_tokens == 467_280
     assert cfg.output_lengths == "lognormal" and cfg.output_seed == 7
     assert cfg.engine_config().max_num_batched_tokens == 4096
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--profile", "nope"])
+    with pytest.raises(ValueError, match="neither a built-in"):
+        config_from_args(build_parser().parse_args(["--profile", "nope"]))
 
 
 # The decode table: llama-server on CPU, 22 ms with one sequence, 63 with two, 78 with four.

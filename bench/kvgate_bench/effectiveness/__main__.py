@@ -20,6 +20,12 @@ the total offered, 0.6 + K, and they carry ``noisy_load`` and the isolation figu
 (``well_behaved_slo_attainment``, ``well_behaved_min_tenant_slo_attainment``,
 ``noisy_goodput_tokens_per_s``), printed in a second table per point.
 
+``--profile`` names a built-in engine profile or a JSON engine profile file
+(:mod:`kvgate_bench.sim.profile_file`; examples in ``examples/profiles/``): a file sets the
+engine model, its shape and the SLO the rows are scored under (derived from unloaded latencies
+when it states none; :mod:`kvgate_bench.effectiveness.engines`), and rows carry its ``name`` as
+``profile``. A missing or invalid file exits 2 with one line on stderr.
+
 Reject precision and the Retry-After error are measured by replaying up to ``--replays``
 (default 16; ``--short`` 3) sampled rejections of each reported row (see
 :mod:`kvgate_bench.effectiveness.metrics`); their CPU time is printed apart from the runs'.
@@ -40,10 +46,9 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
-from kvgate_bench.effectiveness.arms import ABLATIONS, ARM_NAMES, BASELINES
-from kvgate_bench.effectiveness.metrics import ratio_text as _ratio
+from kvgate_bench.effectiveness.arms import ABLATIONS, ARM_NAMES
+from kvgate_bench.effectiveness.engines import engine_of, is_builtin
 from kvgate_bench.effectiveness.pool_report import json_path_problem, run_pool_mode
 from kvgate_bench.effectiveness.progress import Progress as Progress  # re-exported
 from kvgate_bench.effectiveness.replay import DEFAULT_REPLAYS, PROBE_DELTAS_S
@@ -56,6 +61,7 @@ from kvgate_bench.effectiveness.runner import (
     replay_best,
     run_all,
 )
+from kvgate_bench.effectiveness.tables import sweep_table, table
 from kvgate_bench.effectiveness.workloads import WORKLOADS
 from kvgate_bench.sim.steptime import PROFILES
 
@@ -105,7 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
     p.add_argument("--json", type=Path, help="write the results to this file")
     p.add_argument("--plots", type=Path, help="write PNG plots here (needs matplotlib)")
-    p.add_argument("--profile", default="h100-llama3-8b", choices=sorted(PROFILES))
+    p.add_argument(
+        "--profile",
+        default="h100-llama3-8b",
+        help=f"the engine: a built-in profile ({', '.join(sorted(PROFILES))}; default "
+        "h100-llama3-8b) or a JSON engine profile file (examples/profiles/; "
+        "kvgate_bench.sim.profile_file), whose engine shape and SLO the run takes",
+    )
     p.add_argument(
         "--kv-capacity-tokens",
         type=int,
@@ -153,152 +165,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _fmt(v: Any, spec: str = ".0f", scale: float = 1.0) -> str:
-    if v is None:
-        return "-"
-    return format(float(v) * scale, spec)
-
-
-def _secs(v: float | None) -> str:
-    """A signed duration: ``+1.5s``, ``-`` for None."""
-    return "-" if v is None else f"{v:+.1f}s"
-
-
-def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
-    xs = [float(r[key]) for r in rows if r.get(key) is not None]
-    return sum(xs) / len(xs) if xs else None
-
-
-def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str]]:
-    """The printed table (means over seeds) and the headline lines."""
-    lines: list[str] = []
-    heads: list[str] = []
-    header = (
-        f"{'arm':<21} {'setting':<28} {'goodput':>8} {'int.gp':>8} {'thrpt':>8} {'SLO%':>5} "
-        f"{'TTFTp99':>8} {'TPOTp99':>8} {'pre/1k':>7} {'rej':>6} {'deg':>5} {'jain':>5} "
-        f"{'KV%':>4} {'rejP%':>5} {'RAerr':>6} {'vs none':>7}"
-    )
-    points = sorted({(r["workload"], r["load"]) for r in results}, key=lambda x: (x[0], x[1]))
-    for w, load in points:
-        at = [r for r in results if r["workload"] == w and r["load"] == load]
-        lines.append(f"\n{w} at load {load:g} (goodput etc. in output tokens/s; means over seeds)")
-        lines.append(header)
-        lines.append("-" * len(header))
-        gp: dict[str, float | None] = {}
-        igp: dict[str, float | None] = {}
-        for arm in arms:
-            rs = [r for r in at if r["arm"] == arm]
-            if not rs:
-                continue
-            gp[arm] = _mean(rs, "goodput_tokens_per_s")
-            igp[arm] = _mean(rs, "interactive_goodput_tokens_per_s")
-            setting = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in rs[0]["params"].items()) or "-"  # fmt: skip
-            cells = [
-                f"{arm:<21}",
-                f"{setting:<28}",
-                f"{_fmt(gp[arm]):>8}",
-                f"{_fmt(igp[arm]):>8}",
-                f"{_fmt(_mean(rs, 'throughput_tokens_per_s')):>8}",
-                f"{_fmt(_mean(rs, 'slo_attainment'), '.1f', 100):>5}",
-                f"{_fmt(_mean(rs, 'ttft_p99_s'), '.2f'):>7}s",
-                f"{_fmt(_mean(rs, 'tpot_p99_s'), '.0f', 1e3):>6}ms",
-                f"{_fmt(_mean(rs, 'preemptions_per_1k'), '.1f'):>7}",
-                f"{_fmt(_mean(rs, 'rejected')):>6}",
-                f"{_fmt(_mean(rs, 'degraded')):>5}",
-                f"{_fmt(_mean(rs, 'jain'), '.2f'):>5}",
-                f"{_fmt(_mean(rs, 'kv_utilisation'), '.0f', 100):>4}",
-                f"{_fmt(_mean(rs, 'reject_precision'), '.0f', 100):>5}",
-                f"{_secs(_mean(rs, 'retry_after_error_s')):>6}",
-                f"{_ratio(gp[arm], gp.get('none')):>7}",
-            ]
-            lines.append(" ".join(cells))
-        if any(r.get("well_behaved_slo_attainment") is not None for r in at):
-            lines.extend(isolation_lines(at, arms))
-        if any(r.get("prefix_reuse_share") is not None for r in at):
-            lines.append(reuse_line(at, arms))
-        for k in ("kvgate", "kvgate-maxtokens"):
-            if k in gp:
-                heads.append(_headline(w, load, k, gp, igp))
-    return "\n".join(lines), heads
-
-
-def isolation_lines(at: list[dict[str, Any]], arms: list[str]) -> list[str]:
-    """The isolation figures of one point's rows (means over seeds), one line per arm."""
-    out = [
-        f"  {'arm':<22} {'goodput':>8} {'well-behaved SLO%':>18} {'worst tenant%':>14} "
-        f"{'noisy goodput':>14}"
-    ]
-    for arm in arms:
-        rs = [r for r in at if r["arm"] == arm]
-        if rs:
-            out.append(
-                f"  {arm:<22} {_fmt(_mean(rs, 'goodput_tokens_per_s')):>8} "
-                f"{_fmt(_mean(rs, 'well_behaved_slo_attainment'), '.1f', 100):>18} "
-                f"{_fmt(_mean(rs, 'well_behaved_min_tenant_slo_attainment'), '.1f', 100):>14} "
-                f"{_fmt(_mean(rs, 'noisy_goodput_tokens_per_s')):>14}"
-            )
-    return out
-
-
-def reuse_line(at: list[dict[str, Any]], arms: list[str]) -> str:
-    """The prefix reuse share of one point's rows per arm (cached / served prompt tokens, %,
-    means over seeds)."""
-    shares = [
-        f"{arm} {_fmt(_mean(rs, 'prefix_reuse_share'), '.1f', 100)}%"
-        for arm in arms
-        if (rs := [r for r in at if r["arm"] == arm])
-    ]
-    return "  prefix reuse share (cached / served prompt tokens): " + ", ".join(shares)
-
-
-def _headline(w: str, load: float, k: str, gp: dict[str, Any], igp: dict[str, Any]) -> str:
-    """One headline: arm ``k``'s goodput against none, the best baseline, and (for ``kvgate``)
-    the oracle, its noisy variant and kvgate-maxtokens, all measured in this run."""
-    base = {b: gp[b] for b in BASELINES if gp.get(b) is not None}
-    best = max(base, key=lambda b: base[b] or 0.0) if base else None
-    msg = (
-        f"{w} load {load:g}: {k} goodput {_fmt(gp[k])} tokens/s = "
-        f"{_ratio(gp[k], gp.get('none'))} none ({_fmt(gp.get('none'))})"
-    )
-    if best is not None:
-        msg += f", {_ratio(gp[k], base[best])} the best baseline ({best} {_fmt(base[best])})"
-        ibase = {b: igp[b] for b in BASELINES if igp.get(b) is not None}
-        ib = max(ibase, key=lambda b: ibase[b] or 0.0)
-        msg += (
-            f"; interactive goodput {_fmt(igp[k])} = {_ratio(igp[k], igp.get('none'))} "
-            f"none, {_ratio(igp[k], ibase[ib])} the best baseline ({ib} {_fmt(ibase[ib])})"
-        )
-    if k == "kvgate":
-        for other, label in (
-            ("oracle", "the oracle"),
-            ("kvgate-maxtokens", "kvgate-maxtokens"),
-        ):
-            if gp.get(other) is not None:
-                msg += f"; {_ratio(gp[k], gp[other])} {label} ({_fmt(gp[other])})"
-        if gp.get("kvgate-noisy") is not None and gp.get("oracle") is not None:
-            msg += f"; kvgate-noisy = {_ratio(gp['kvgate-noisy'], gp['oracle'])} the oracle"
-    return msg
-
-
-def sweep_table(sweeps: list[dict[str, Any]]) -> str:
-    """The tuned arms' sweeps: mean goodput of every setting."""
-    lines = ["\nsweeps (mean goodput, output tokens/s; the best setting is reported above)"]
-    for s in sorted(sweeps, key=lambda s: (s["workload"], s["load"], s["arm"], str(s["params"]))):
-        if not s["params"]:
-            continue
-        setting = ",".join(f"{k}={v}" for k, v in s["params"].items())
-        lines.append(
-            f"  {s['workload']:<13} load {s['load']:<4g} {s['arm']:<16} {setting:<30} "
-            f"goodput {_fmt(s['goodput_tokens_per_s']):>6}  interactive "
-            f"{_fmt(s['interactive_goodput_tokens_per_s']):>6}  SLO "
-            f"{_fmt(s['slo_attainment'], '.1f', 100)}%"
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        engine = engine_of(args.profile)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if engine.file is not None and (args.replicas is not None or args.kv_capacity_tokens):
+        given = "--replicas" if args.replicas is not None else "--kv-capacity-tokens"
+        print(f"{given} takes a built-in --profile (a file sets its own engine)", file=sys.stderr)
+        return 2
     if args.replicas is not None or args.routers is not None or args.retry_after_cap is not None:
         if args.replicas is None:
             given = "--routers" if args.routers is not None else "--retry-after-cap"
@@ -349,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = args.progress or sys.stderr.isatty()
     seeds = list(range(args.seed, args.seed + n_seeds))
     print(
-        f"effectiveness: profile {args.profile}, workloads {','.join(workloads)}, loads "
+        f"effectiveness: profile {engine.name}, workloads {','.join(workloads)}, loads "
         f"{','.join(f'{x:g}' for x in loads)}, seeds {seeds}, {duration:g} s schedules, "
         f"{args.jobs} process(es)"
         + (
@@ -366,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
             print("--kv-capacity-tokens must be at least 8192", file=sys.stderr)
             return 2
         args.profile = f"{args.profile}@{args.kv_capacity_tokens}"
+    if not is_builtin(args.profile):
+        ttft, tpot = engine.score_slo
+        print(f"engine: profile file {args.profile}; SLO TTFT <= {ttft:.3g} s, TPOT <= "
+              f"{tpot * 1e3:.3g} ms ({engine.slo_source})", flush=True)  # fmt: skip
     found = calibrate_all(workloads, args.profile, duration, args.seed, args.jobs)
     if shown:
         show("calibration", len(workloads), len(workloads))
@@ -410,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             "sweeps": sweeps,
             "calibration": {w: calibration_json(c) for w, c in cals.items()},
             "meta": {
-                "profile": args.profile,
+                **engine_of(args.profile).meta(),
                 "duration_s": duration,
                 "seeds": seeds,
                 "short": short,

@@ -9,7 +9,7 @@ workload and load, and the sweep with it):
 ``concurrency-cap``
     A cap on requests in flight with a FIFO queue in front and a queue timeout (an API
     gateway's or a client pool's semaphore; Envoy's circuit-breaker ``max_requests`` with
-    pending requests). Swept: the cap and the queue timeout.
+    pending requests). Swept: the cap (scaled to the engine's max_num_seqs) and the queue timeout.
 ``token-bucket``
     Per-tenant request and token buckets checked on arrival and charged the request's real
     usage (prompt + completion tokens) after the response, as LiteLLM's per-key ``rpm_limit``
@@ -74,7 +74,7 @@ from typing import Any
 
 from kvgate_bench.effectiveness import codel_gate, flow_control, vllm_queue_limit
 from kvgate_bench.effectiveness.context import ArmContext as ArmContext
-from kvgate_bench.effectiveness.driver import Arm, Gate
+from kvgate_bench.effectiveness.driver import MAX_NUM_SEQS, Arm, Gate
 from kvgate_bench.effectiveness.kvgate_arms import KvgateArm as KvgateArm
 from kvgate_bench.effectiveness.kvgate_arms import KvgateMaxTokensArm as KvgateMaxTokensArm
 from kvgate_bench.effectiveness.kvgate_arms import NoisyKvgateArm as NoisyKvgateArm
@@ -347,11 +347,15 @@ def make_arm(name: str, ctx: ArmContext, params: dict[str, Any]) -> Arm:
     return factory(ctx, params)
 
 
-def candidates(name: str, tenants: dict[str, Tenant], short: bool) -> list[dict[str, Any]]:
+def candidates(
+    name: str, tenants: dict[str, Tenant], short: bool, max_num_seqs: int = MAX_NUM_SEQS
+) -> list[dict[str, Any]]:
     """The parameter settings swept for arm ``name`` (one empty dict for untuned arms).
-    ``short`` sweeps fewer settings."""
+    ``short`` sweeps fewer settings. The concurrency caps are for an engine of 256 sequences,
+    scaled to ``max_num_seqs`` (rounded, at least 1, repeats dropped: 1-4 for a 4-slot one)."""
     if name == "concurrency-cap":
-        caps = (32, 64, 96, 128, 192) if short else (16, 32, 48, 64, 96, 128, 160, 192, 256)
+        base = (32, 64, 96, 128, 192) if short else (16, 32, 48, 64, 96, 128, 160, 192, 256)
+        caps = sorted({max(1, round(c * max_num_seqs / MAX_NUM_SEQS)) for c in base})
         timeouts = (0.25, 1.0, 30.0) if short else (0.1, 0.25, 0.5, 1.0, 5.0, 30.0)
         return [{"cap": c, "queue_timeout_s": q} for c in caps for q in timeouts]
     if name == "token-bucket":

@@ -152,7 +152,9 @@ class Gate:
             raise RuntimeError(f"{req.rid} dispatched twice")
         mt = max_tokens
         if mt is None:
-            mt = req.max_tokens if req.max_tokens is not None else engine_default_max_tokens(req)
+            mt = req.max_tokens
+            if mt is None:
+                mt = engine_default_max_tokens(req, self.engine.config.max_model_len)
         rec.admitted_at = now
         rec.max_tokens_sent = mt
         if self._on_decided is not None:

@@ -186,9 +186,10 @@ class KvgateArm(KvgateMaxTokensArm):
             "reservation": "Predicted",
             "reservationQuantile": 0.9,
         }
+        ttft, tpot = self.ctx.slo if self.ctx.slo is not None else (TTFT_SLO_S, TPOT_SLO_S)
         spec["slo"] = {
-            "ttftSeconds": TTFT_SLO_S,
-            "tpotSeconds": TPOT_SLO_S,
+            "ttftSeconds": ttft,
+            "tpotSeconds": tpot,
             "minPriority": self.INTERACTIVE_PRIORITY,
         }
         # The clients label their own tier with the priority header (over HTTP, in

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvgate_bench.effectiveness.driver import REJECTED, Arm, RequestRecord, simulate
-from kvgate_bench.effectiveness.metrics import met_slo
+from kvgate_bench.effectiveness.metrics import DEFAULT_SLO, Slo, met_slo
 from kvgate_bench.effectiveness.workloads import Schedule
 from kvgate_bench.sim.engine import EngineConfig
 from kvgate_bench.sim.steptime import StepTimeModel
@@ -70,9 +70,11 @@ def replay_forced(
     steptime: StepTimeModel,
     rid: str,
     config: EngineConfig | None = None,
+    slo: Slo = DEFAULT_SLO,
 ) -> tuple[bool, float]:
-    """(whether request ``rid`` met its SLO when dispatched at its arrival past the arm, CPU
-    seconds the replay took). Raises ``KeyError`` for an id not in ``schedule``."""
+    """(whether request ``rid`` met its SLO (``slo``: the interactive (TTFT, TPOT), seconds)
+    when dispatched at its arrival past the arm, CPU seconds the replay took). Raises
+    ``KeyError`` for an id not in ``schedule``."""
     run = simulate(
         schedule,
         make_arm(),
@@ -81,7 +83,7 @@ def replay_forced(
         force_dispatch=frozenset({rid}),
         stop_when_known=True,
     )
-    return met_slo(run.record(rid)), run.cpu_s
+    return met_slo(run.record(rid), *slo), run.cpu_s
 
 
 def replay_probes(

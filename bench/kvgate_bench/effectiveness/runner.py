@@ -1,12 +1,7 @@
-"""Calibration, the sweep over workload x load x arm x setting x seed, and picking each arm's best.
+"""The sweep over workload x load x arm x setting x seed, and picking each arm's best.
 
-**Load.** Load L means an offered output-token rate of L x the ``none`` arm's goodput capacity:
-``rate(L) = L x C / E[out]`` requests per second, where ``E[out]`` is the mean output a request
-of the workload produces when served to the end (its true length capped by its max_tokens, or by
-the engine's default when unset; over 20,000 seeded requests) and ``C`` is the largest goodput
-(tokens/s) the ``none`` arm reaches over arrival rates: :func:`calibrate` doubles the rate from
-1 request/s until goodput stops growing by 5 %, then narrows the peak by golden-section search
-on the log of the rate (calibration schedules of ``duration_s``, seed ``seed``).
+**Load** is set by the calibration (:mod:`kvgate_bench.effectiveness.calibration`, whose names
+are re-exported here).
 
 **Tuning.** Every setting of :func:`kvgate_bench.effectiveness.arms.candidates` runs on the same
 schedules (same seeds) as the others; for each workload and load the setting with the best mean
@@ -23,23 +18,26 @@ rejection that carried a Retry-After.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import multiprocessing
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvgate_bench.effectiveness.arms import ARM_NAMES, ArmContext, candidates, make_arm
-from kvgate_bench.effectiveness.driver import (
-    Arm,
-    engine_config,
-    engine_default_max_tokens,
-    simulate,
-)
+from kvgate_bench.effectiveness.arms import ARM_NAMES, candidates, make_arm
+from kvgate_bench.effectiveness.calibration import MEAN_SAMPLE as MEAN_SAMPLE
+from kvgate_bench.effectiveness.calibration import Calibration as Calibration
+from kvgate_bench.effectiveness.calibration import _dummy as _dummy
+from kvgate_bench.effectiveness.calibration import calibrate as calibrate
+from kvgate_bench.effectiveness.calibration import calibrate_all as calibrate_all
+from kvgate_bench.effectiveness.calibration import calibration_json as calibration_json
+from kvgate_bench.effectiveness.calibration import mean_lengths as mean_lengths
+from kvgate_bench.effectiveness.calibration import none_goodput as none_goodput
+from kvgate_bench.effectiveness.driver import Arm, simulate
+from kvgate_bench.effectiveness.engines import Engine, engine_of
+from kvgate_bench.effectiveness.engines import steptime_of as steptime_of
 from kvgate_bench.effectiveness.metrics import summarize
 from kvgate_bench.effectiveness.replay import (
     DEFAULT_REPLAYS,
@@ -49,159 +47,13 @@ from kvgate_bench.effectiveness.replay import (
     retry_after_error,
     sample_rejected,
 )
-from kvgate_bench.effectiveness.sessions import planned_turns
 from kvgate_bench.effectiveness.workloads import (
     DEFAULT_NOISY_LOAD,
     Schedule,
-    calibration_workload,
     generate,
     isolation_load,
-    served_output_tokens,
     tenants_of,
 )
-from kvgate_bench.sim.steptime import StepTimeModel, profile
-
-#: Requests sampled for ``E[out]`` and ``E[prompt + out]``.
-MEAN_SAMPLE = 20_000
-
-
-@dataclass
-class Calibration:
-    """The ``none`` arm's goodput capacity for one workload and profile.
-
-    Attributes:
-        workload, profile: what was calibrated.
-        capacity_goodput_tokens_per_s: ``C``, the largest goodput seen, output tokens/s.
-        peak_rate_rps: the arrival rate at which it was seen, requests/s.
-        mean_output_tokens: ``E[out]``, tokens per request.
-        mean_total_tokens: ``E[prompt + out]``, tokens per request.
-        probes: (rate requests/s, goodput tokens/s) of every calibration run.
-    """
-
-    workload: str
-    profile: str
-    capacity_goodput_tokens_per_s: float
-    peak_rate_rps: float
-    mean_output_tokens: float
-    mean_total_tokens: float
-    probes: list[tuple[float, float]] = field(default_factory=list)
-
-    @property
-    def load1_rate_rps(self) -> float:
-        """Arrival rate at load 1, requests/s: ``C / E[out]``."""
-        return self.capacity_goodput_tokens_per_s / self.mean_output_tokens
-
-    def rate(self, load: float) -> float:
-        """Arrival rate at ``load``, requests/s."""
-        return load * self.load1_rate_rps
-
-    def context(self, steptime: StepTimeModel, workload: str) -> ArmContext:
-        """What the arms may know: the engine, the tenants and the capacity at load 1."""
-        return ArmContext(
-            engine_config(steptime),
-            {t.name: t for t in tenants_of(workload)},
-            self.load1_rate_rps,
-            self.load1_rate_rps * self.mean_total_tokens,
-        )
-
-
-def mean_lengths(workload: str, seed: int) -> tuple[float, float]:
-    """(E[out], E[prompt + out]) of ``workload``'s requests served to the end, tokens."""
-    sched = generate(workload, 100.0, MEAN_SAMPLE / 100.0, seed + 7919)
-    if sched.sessions is not None:  # every turn, each answer served whole
-        turns = planned_turns(sched, engine_default_max_tokens)
-        outs = [answered for _, answered in turns]
-        totals = [o + r.prompt_tokens for r, o in turns]
-        return sum(outs) / len(outs), sum(totals) / len(totals)
-    outs = [served_output_tokens(r, engine_default_max_tokens) for r in sched.requests]
-    totals = [o + r.prompt_tokens for o, r in zip(outs, sched.requests, strict=True)]
-    return sum(outs) / len(outs), sum(totals) / len(totals)
-
-
-def steptime_of(prof: str) -> StepTimeModel:
-    """The step-time model named ``prof``: a profile name (``steptime.PROFILES``), optionally
-    ``@`` a KV pool in tokens replacing the profile's (``h100-llama3-8b@65536``: the same GPU
-    with less room for KV, e.g. a larger model's weights). Raises ``ValueError`` for an
-    unknown profile or a pool that is not a positive integer."""
-    name, _, pool = prof.partition("@")
-    st = profile(name)
-    if not pool:
-        return st
-    if not pool.isdigit() or int(pool) <= 0:
-        raise ValueError(f"KV pool must be a positive number of tokens, got {pool!r}")
-    return dataclasses.replace(st, kv_capacity_tokens=int(pool))
-
-
-def none_goodput(workload: str, rate: float, duration_s: float, seed: int, prof: str) -> float:
-    """Goodput of the ``none`` arm at ``rate`` requests/s, output tokens/s."""
-    steptime = steptime_of(prof)
-    run = simulate(
-        generate(workload, rate, duration_s, seed), make_arm("none", _dummy(), {}), steptime
-    )
-    return float(summarize(run)["goodput_tokens_per_s"])
-
-
-def _dummy() -> ArmContext:
-    return ArmContext(engine_config(profile("constant")), {}, 1.0, 1.0)
-
-
-def calibrate(workload: str, prof: str, duration_s: float, seed: int) -> Calibration:
-    """Measure the ``none`` arm's goodput capacity (see the module docstring) on
-    ``calibration_workload(workload)`` (``isolation`` is measured as ``conversation``)."""
-    workload = calibration_workload(workload)
-    probes: dict[float, float] = {}
-
-    def g(rate: float) -> float:
-        if rate not in probes:
-            probes[rate] = none_goodput(workload, rate, duration_s, seed, prof)
-        return probes[rate]
-
-    rate = 1.0
-    while g(2 * rate) > 1.05 * g(rate) and rate < 4096:
-        rate *= 2
-    # The peak lies in [rate / 2, 4 rate]: golden-section search on log(rate).
-    lo, hi = math.log(rate / 2), math.log(rate * 4)
-    phi = (math.sqrt(5) - 1) / 2
-    a, b = hi - phi * (hi - lo), lo + phi * (hi - lo)
-    for _ in range(5):
-        if g(math.exp(a)) >= g(math.exp(b)):
-            hi, b = b, a
-            a = hi - phi * (hi - lo)
-        else:
-            lo, a = a, b
-            b = lo + phi * (hi - lo)
-    peak_rate = max(probes, key=lambda r: probes[r])
-    mean_out, mean_total = mean_lengths(workload, seed)
-    return Calibration(
-        workload,
-        prof,
-        probes[peak_rate],
-        peak_rate,
-        mean_out,
-        mean_total,
-        sorted(probes.items()),
-    )
-
-
-def _calibrate_args(args: tuple[str, str, float, int]) -> Calibration:
-    return calibrate(*args)
-
-
-def calibrate_all(
-    workloads: list[str], prof: str, duration_s: float, seed: int, jobs: int
-) -> list[Calibration]:
-    """:func:`calibrate` each of ``workloads``, on up to ``jobs`` processes; in order (a
-    workload measured as another, :func:`calibration_workload`, shares its calibration)."""
-    unique = list(dict.fromkeys(calibration_workload(w) for w in workloads))
-    work = [(w, prof, duration_s, seed) for w in unique]
-    if jobs <= 1 or len(work) == 1:
-        found = [_calibrate_args(a) for a in work]
-    else:
-        ctx = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
-        with ctx.Pool(min(jobs, len(work))) as pool:
-            found = pool.map(_calibrate_args, work)
-    by_name = dict(zip(unique, found, strict=True))
-    return [by_name[calibration_workload(w)] for w in workloads]
 
 
 @dataclass(frozen=True)
@@ -222,16 +74,21 @@ class Task:
     noisy_load: float = DEFAULT_NOISY_LOAD
 
 
-def arm_factory(task: Task) -> tuple[Schedule, Callable[[], Arm], StepTimeModel]:
-    """(``task``'s schedule, a factory of fresh arms of its setting, its step-time model): what
-    a run and each of its replays start from."""
-    steptime = steptime_of(task.profile)
+def arm_factory(task: Task) -> tuple[Schedule, Callable[[], Arm], Engine]:
+    """(``task``'s schedule, a factory of fresh arms of its setting, its engine): what a run
+    and each of its replays start from."""
+    eng = engine_of(task.profile)
     cal = task.calibration
-    ctx = cal.context(steptime, task.workload)
+    ctx = cal.context(eng.steptime, task.workload, eng.config, eng.slo)
     sched = generate(
-        task.workload, cal.rate(task.load), task.duration_s, task.seed, noisy_load=task.noisy_load
+        task.workload,
+        cal.rate(task.load),
+        task.duration_s,
+        task.seed,
+        noisy_load=task.noisy_load,
+        max_model_len=eng.config.max_model_len,
     )
-    return sched, lambda: make_arm(task.arm, ctx, dict(task.params)), steptime
+    return sched, lambda: make_arm(task.arm, ctx, dict(task.params)), eng
 
 
 #: The row key of the rejections sampled for the replays (removed by :func:`replay_best`).
@@ -243,17 +100,18 @@ def run_task(task: Task) -> dict[str, Any]:
     with ``workload``, ``load``, ``arm`` and ``seed``, and under :data:`SAMPLE_KEY` the
     rejections sampled for the replays: ``{"rejected": [rid, ...], "retry": {rid: Retry-After
     s}}``."""
-    sched, make, steptime = arm_factory(task)
-    run = simulate(sched, make(), steptime)
+    sched, make, eng = arm_factory(task)
+    run = simulate(sched, make(), eng.steptime, eng.config)
     row: dict[str, Any] = {
         "workload": task.workload,
         "load": task.load,
         "arm": task.arm,
         "seed": task.seed,
+        "profile": eng.name,
     }
     if task.workload == "isolation":
         row["noisy_load"] = task.noisy_load
-    row.update(summarize(run))
+    row.update(summarize(run, eng.score_slo))
     row["rate_rps"] = sched.rate_rps
     retry = sample_rejected(run.records, task.replays, task.seed, with_retry_after=True)
     row[SAMPLE_KEY] = {
@@ -278,6 +136,7 @@ def build_tasks(
     ``isolation`` runs at its ``noisy_loads`` (load ``isolation_load(K)``), not ``loads``."""
     tasks = []
     arm_list = list(arms)
+    seqs = engine_of(prof).config.max_num_seqs
     for w in workloads:
         tenants = {t.name: t for t in tenants_of(w)}
         points = (
@@ -288,7 +147,7 @@ def build_tasks(
         for load, noisy in points:
             for seed in seeds:
                 for arm in arm_list:
-                    for p in candidates(arm, tenants, short):
+                    for p in candidates(arm, tenants, short, seqs):
                         params = tuple(sorted(p.items()))
                         cal = calibrations[w]
                         tasks.append(
@@ -355,11 +214,11 @@ def run_replay(unit: ReplayUnit) -> tuple[int, str | None, Any, float]:
     id -> actual wait (s or None) for a probe replay; the CPU seconds (process time) cover
     the whole unit (the schedule's generation and the arm's construction too)."""
     c0 = time.process_time()
-    sched, make, steptime = arm_factory(unit.task)
+    sched, make, eng = arm_factory(unit.task)
     if unit.rid is not None:
-        met, _ = replay_forced(sched, make, steptime, unit.rid)
+        met, _ = replay_forced(sched, make, eng.steptime, unit.rid, eng.config, eng.score_slo)
         return unit.row, unit.rid, met, time.process_time() - c0
-    waits, _ = replay_probes(sched, make, steptime, dict(unit.suggested))
+    waits, _ = replay_probes(sched, make, eng.steptime, dict(unit.suggested), eng.config)
     return unit.row, None, waits, time.process_time() - c0
 
 
@@ -474,10 +333,3 @@ def pick_best(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
 def _mean(values: Iterable[Any]) -> float | None:
     xs = [float(v) for v in values if v is not None]
     return sum(xs) / len(xs) if xs else None
-
-
-def calibration_json(cal: Calibration) -> dict[str, Any]:
-    """``cal`` as JSON-ready data, with the load-1 rate."""
-    d = asdict(cal)
-    d["load1_rate_rps"] = cal.load1_rate_rps
-    return d

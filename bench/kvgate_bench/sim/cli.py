@@ -1,4 +1,12 @@
-"""``kvgate-sim`` command line: run the vLLM-compatible simulator until SIGTERM/SIGINT."""
+"""``kvgate-sim`` command line: run the vLLM-compatible simulator until SIGTERM/SIGINT.
+
+``--profile`` takes a built-in step-time profile or a JSON engine profile file
+(:mod:`kvgate_bench.sim.profile_file`): the file sets the step-time model and the engine's
+shape (KV pool, block size, max_model_len, max_num_seqs, the step's token budget), and a flag
+among ``--kv-capacity-tokens``, ``--block-size``, ``--max-model-len``, ``--max-num-seqs`` and
+``--max-num-batched-tokens`` given as well overrides the file's value. A missing or invalid
+file exits 2 with one line on stderr.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +15,10 @@ import asyncio
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvgate_bench.sim.lengths import OUTPUT_LENGTH_MODES
+from kvgate_bench.sim.profile_file import load_profile
 from kvgate_bench.sim.server import SimConfig, start_sim
 from kvgate_bench.sim.steptime import PROFILE_NAMES
 
@@ -24,11 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--extra-models", default="", help="comma-separated extra accepted model names")
     p.add_argument(
         "--profile",
-        choices=PROFILE_NAMES,
         default="constant",
-        help="step-time model: constant (--decode-ms + --prefill-us-per-token, whole-prompt "
-        "prefill) or a realistic a + b*prefill + c*decodes + d*context profile with "
-        "chunked prefill (default: constant)",
+        help=f"step-time model: a built-in name ({', '.join(PROFILE_NAMES)}): constant "
+        "(--decode-ms + --prefill-us-per-token, whole-prompt prefill) or a realistic a + "
+        "b*prefill + c*decodes + d*context profile with chunked prefill; or a JSON engine "
+        "profile file (examples/profiles/), which also sets the engine's shape (default: "
+        "constant)",
     )
     p.add_argument(
         "--kv-capacity-tokens",
@@ -36,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="KV pool size, tokens (default: the profile's; constant: 65536)",
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-model-len", type=int, default=8192, help="max prompt+completion tokens")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="max running requests")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
+    p.add_argument("--max-model-len", type=int, help="max prompt+completion tokens (default 8192)")
+    p.add_argument("--max-num-seqs", type=int, help="max running requests (default 256)")
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -89,18 +100,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
-    """Translate parsed arguments into a :class:`SimConfig`."""
+    """Translate parsed arguments into a :class:`SimConfig`. A ``--profile`` that is not a
+    built-in name is read as a JSON engine profile file (the module docstring); raises
+    ``ValueError`` (one line, naming the file) when it cannot be read or is invalid."""
+    shape = {
+        "kv_capacity_tokens": args.kv_capacity_tokens,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    profile, steptime = args.profile, None
+    if args.profile in PROFILE_NAMES:
+        defaults = {"block_size": 16, "max_model_len": 8192, "max_num_seqs": 256}
+    else:
+        if not Path(args.profile).exists():
+            names = ", ".join(PROFILE_NAMES)
+            raise ValueError(f"--profile {args.profile}: neither a built-in ({names}) nor a file")
+        prof = load_profile(args.profile)
+        profile, steptime = prof.name, prof.steptime()
+        defaults = {
+            "kv_capacity_tokens": prof.kv_capacity_tokens,
+            "block_size": prof.block_size,
+            "max_model_len": prof.max_model_len,
+            "max_num_seqs": prof.max_num_seqs,
+            "max_num_batched_tokens": prof.prefill_chunk_tokens,
+        }
+    shape = {k: defaults.get(k) if v is None else v for k, v in shape.items()}
     return SimConfig(
         model=args.model,
         extra_models=tuple(m.strip() for m in args.extra_models.split(",") if m.strip()),
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         decode_ms=args.decode_ms,
         prefill_us_per_token=args.prefill_us_per_token,
-        profile=args.profile,
+        profile=profile,
+        steptime_model=steptime,
+        **shape,
         output_lengths=args.output_lengths,
         output_seed=args.output_seed,
         time_scale=args.time_scale,

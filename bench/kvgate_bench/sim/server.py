@@ -69,7 +69,10 @@ class SimConfig:
         prefill_us_per_token: ``constant`` profile: extra iteration time per
             prefilled token, microseconds.
         profile: step-time profile (``constant``, ``h100-llama3-8b``,
-            ``a100-llama3-8b``; :mod:`kvgate_bench.sim.steptime`).
+            ``a100-llama3-8b``; :mod:`kvgate_bench.sim.steptime`), or the name of
+            ``steptime_model``'s profile when that is set.
+        steptime_model: a step-time model that replaces ``profile``'s (a JSON engine
+            profile's: :mod:`kvgate_bench.sim.profile_file`), or ``None``.
         output_lengths: true lengths of requests without ``x-sim-output-tokens``:
             ``max`` (run to max_tokens) or ``lognormal`` (seeded draws).
         output_seed: seed of the ``lognormal`` draws.
@@ -106,6 +109,7 @@ class SimConfig:
     time_scale: float = 1.0
     prefix_caching: bool = False
     prompt_tokens_details: bool = False
+    steptime_model: StepTimeModel | None = None
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
@@ -113,7 +117,10 @@ class SimConfig:
 
     @property
     def steptime(self) -> StepTimeModel:
-        """The step-time model of ``profile``; raises ``ValueError`` for an unknown one."""
+        """The step-time model: ``steptime_model`` when set, else ``profile``'s; raises
+        ``ValueError`` for an unknown profile."""
+        if self.steptime_model is not None:
+            return self.steptime_model
         if self.profile == "constant":
             return constant_profile(self.decode_ms, self.prefill_us_per_token)
         return steptime_profile(self.profile)
