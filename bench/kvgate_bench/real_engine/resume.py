@@ -1,0 +1,190 @@
+"""The resume file of ``python -m kvgate_bench.real_engine --resume FILE``: what a run has
+finished, so that the next invocation goes on where it stopped (pure, but for :func:`load`
+and :func:`save`).
+
+The document (JSON)::
+
+    {"kind": "kvgate-real-engine", "version": 1,
+     "config": {...},        # the options a result depends on (model, slots, lengths, sizes)
+     "tune_seed": 1,
+     "calibration": {...},   # the first invocation's, reused (null until measured)
+     "profile": {...},       # the engine profile fitted by the calibration (null until then)
+     "sweeps": {"multi-tenant:2": [{"arm", "params", "row"}, ...]},  # the tune seed's runs
+     "tuned": {"multi-tenant:2": {"concurrency-cap": {...}, "token-bucket": {...}}},
+     "runs": [{"cell", "seed", "arm", "row"}, ...],   # arms of cells not finished yet
+     "cells": [{"cell", "workload", "load", "seed", "rows", "virtual", "comparison", ...}],
+     "invocations": [{"started", "wall_s", "units"}, ...]}
+
+A cell (one workload at one load on one seed) is finished when every arm ran; its ``runs``
+then move into ``cells`` with the virtual twin's rows. :func:`save` writes atomically (a
+temporary file in the same folder, then ``os.replace``) after merging what the file on disk
+holds (:func:`merge`), so a file is never half-written and two invocations' results add up.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+KIND = "kvgate-real-engine"
+VERSION = 1
+
+
+def jsonable(x: Any) -> Any:
+    """``x`` as JSON reads it back (tuples as lists, keys as strings): what the file will hold,
+    so that a document compares equal before and after a save."""
+    return json.loads(json.dumps(x, default=str))
+
+
+def new_doc(config: Mapping[str, Any], tune_seed: int) -> dict[str, Any]:
+    """An empty resume document for a run with ``config`` tuned on ``tune_seed``."""
+    return {
+        "kind": KIND,
+        "version": VERSION,
+        "config": dict(config),
+        "tune_seed": tune_seed,
+        "calibration": None,
+        "profile": None,
+        "sweeps": {},
+        "tuned": {},
+        "runs": [],
+        "cells": [],
+        "invocations": [],
+    }
+
+
+def check(doc: Mapping[str, Any], config: Mapping[str, Any], tune_seed: int) -> None:
+    """Raise ``ValueError`` (one line) when ``doc`` is not a resume document of this version,
+    or was made with another ``config`` (a key both have, with another value) or tune seed."""
+    if doc.get("kind") != KIND or doc.get("version") != VERSION:
+        raise ValueError(f"not a {KIND} resume file of version {VERSION}")
+    if doc.get("tune_seed") != tune_seed:
+        raise ValueError(
+            f"the resume file was tuned on seed {doc.get('tune_seed')}, not {tune_seed}"
+        )
+    old = doc.get("config") or {}
+    for k, v in config.items():
+        if k in old and old[k] != v:
+            raise ValueError(f"the resume file was made with {k}={old[k]!r}, not {v!r}")
+
+
+def finished(doc: Mapping[str, Any]) -> set[tuple[str, int]]:
+    """The finished (cell, seed) pairs."""
+    return {(c["cell"], int(c["seed"])) for c in doc["cells"]}
+
+
+def run_row(doc: Mapping[str, Any], cell: str, seed: int, arm: str) -> dict[str, Any] | None:
+    """The row of ``arm`` on (``cell``, ``seed``) when it ran and its cell is not finished."""
+    for r in doc["runs"]:
+        if r["cell"] == cell and int(r["seed"]) == seed and r["arm"] == arm:
+            return dict(r["row"])
+    return None
+
+
+def add_run(doc: dict[str, Any], cell: str, seed: int, arm: str, row: Mapping[str, Any]) -> None:
+    """Record ``arm``'s ``row`` on (``cell``, ``seed``) (replacing an earlier one)."""
+    doc["runs"] = [
+        r
+        for r in doc["runs"]
+        if not (r["cell"] == cell and int(r["seed"]) == seed and r["arm"] == arm)
+    ]
+    doc["runs"].append({"cell": cell, "seed": seed, "arm": arm, "row": jsonable(row)})
+
+
+def sweep_row(
+    doc: Mapping[str, Any], cell: str, arm: str, params: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """The tune seed's row of ``arm`` at ``params`` on ``cell``, when it ran."""
+    for s in doc["sweeps"].get(cell, ()):
+        if s["arm"] == arm and s["params"] == dict(params):
+            return dict(s["row"])
+    return None
+
+
+def add_sweep(
+    doc: dict[str, Any], cell: str, arm: str, params: Mapping[str, Any], row: Mapping[str, Any]
+) -> None:
+    """Record the tune seed's ``row`` of ``arm`` at ``params`` on ``cell``."""
+    runs = [
+        s for s in doc["sweeps"].get(cell, ()) if not (s["arm"] == arm and s["params"] == params)
+    ]
+    entry = {"arm": arm, "params": jsonable(params), "row": jsonable(row)}
+    doc["sweeps"][cell] = [*runs, entry]
+
+
+def close_cell(doc: dict[str, Any], entry: Mapping[str, Any]) -> None:
+    """Move a finished cell (``entry``: its ``cell``, ``seed``, ``rows``, ...) into ``cells``
+    and drop its arms from ``runs``."""
+    cell, seed = entry["cell"], int(entry["seed"])
+    doc["runs"] = [r for r in doc["runs"] if not (r["cell"] == cell and int(r["seed"]) == seed)]
+    doc["cells"] = [c for c in doc["cells"] if not (c["cell"] == cell and int(c["seed"]) == seed)]
+    doc["cells"].append(jsonable(entry))
+
+
+def merge(base: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """``new`` merged into a copy of ``base`` (the file on disk): ``new``'s calibration,
+    profile and tuning where ``base`` has none; finished cells, runs and sweep rows by key,
+    ``new``'s replacing ``base``'s; a run whose cell is finished in either dropped;
+    invocations concatenated (each once). Raises ``ValueError`` when the two were made with
+    other configs or tune seeds, or hold different calibrations."""
+    check(base, new["config"], int(new["tune_seed"]))
+    out = copy.deepcopy(dict(base))
+    for k in ("calibration", "profile"):
+        if out.get(k) is None:
+            out[k] = copy.deepcopy(new.get(k))
+        elif new.get(k) is not None and new[k] != out[k]:
+            raise ValueError(f"the two resume documents hold different {k}s")
+    for cell, tuned in new["tuned"].items():
+        out["tuned"].setdefault(cell, copy.deepcopy(tuned))
+    for cell, sweep in new["sweeps"].items():
+        for s in sweep:
+            add_sweep(out, cell, s["arm"], s["params"], s["row"])
+    for c in new["cells"]:
+        close_cell(out, c)
+    done = finished(out)
+    for r in new["runs"]:
+        if (r["cell"], int(r["seed"])) not in done:
+            add_run(out, r["cell"], int(r["seed"]), r["arm"], r["row"])
+    seen = {json.dumps(i, sort_keys=True) for i in out["invocations"]}
+    for inv in new["invocations"]:
+        if json.dumps(inv, sort_keys=True) not in seen:
+            out["invocations"].append(copy.deepcopy(inv))
+    return out
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    """The resume document at ``path``; None when there is no file. Raises ``ValueError`` for
+    a file that is not JSON or not such a document."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise ValueError(f"{path}: not a {KIND} resume file")
+    return doc
+
+
+def save(path: Path, doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``doc`` merged into what ``path`` holds (:func:`merge`) atomically (module
+    docstring); returns what was written."""
+    on_disk = load(path)
+    out = merge(on_disk, doc) if on_disk is not None else copy.deepcopy(dict(doc))
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(out, fh, indent=1, default=str)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out

@@ -1,0 +1,146 @@
+"""The real-engine benchmark's verdict from a resume file: the intervals
+(:mod:`kvgate_bench.real_engine.stats`), the twin's agreement
+(:mod:`kvgate_bench.real_engine.agreement`) and the targets
+(:mod:`kvgate_bench.real_engine.verdict`). No clock, no server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvgate_bench.real_engine import agreement, stats, verdict
+from kvgate_bench.real_engine.resume import close_cell, new_doc
+
+
+def test_wilson_matches_the_issues_4_of_5() -> None:
+    lo, hi = stats.wilson(4, 5) or (0, 0)
+    assert (lo, hi) == pytest.approx((0.3755, 0.9638), abs=1e-3)  # the issue's 38-96 %
+    assert stats.wilson(0, 0) is None
+    lo, hi = stats.wilson(120, 120) or (0, 0)
+    assert hi == 1.0 and lo == pytest.approx(0.969, abs=1e-3)
+    with pytest.raises(ValueError):
+        stats.wilson(6, 5)
+
+
+def test_bootstrap_interval_is_seeded_and_brackets_the_rate() -> None:
+    tokens = [0.0, 50.0, 100.0, 80.0, 0.0, 120.0] * 40
+    rate = sum(tokens) / 100.0
+    ci = stats.rate_ci95(tokens, 100.0, seed=7)
+    assert ci == stats.rate_ci95(tokens, 100.0, seed=7)  # the same seed, the same interval
+    assert ci[0] < rate < ci[1]
+    assert ci[1] - ci[0] < 0.4 * rate
+    assert stats.rate_ci95([5.0] * 10, 10.0, seed=1) == pytest.approx((5.0, 5.0))
+    assert stats.rate_ci95([], 10.0, seed=1) == (0.0, 0.0)
+
+
+def test_paired_ratio_of_one_schedule_and_pooled_seeds() -> None:
+    base = [10.0, 0.0, 30.0, 20.0] * 50
+    same = stats.ratio_ci95([(stats.Arm(base, 100.0), stats.Arm(base, 100.0))], seed=1)
+    assert same.value == 1.0 and same.ci95 == pytest.approx((1.0, 1.0))  # paired: no noise
+    double = [2 * x for x in base]
+    r = stats.ratio_ci95([(stats.Arm(double, 100.0), stats.Arm(base, 100.0))], seed=1)
+    assert r.value == pytest.approx(2.0) and r.ci95 == pytest.approx((2.0, 2.0))
+    # Pooled: sum of numerator rates over sum of denominator rates across seeds.
+    pooled = stats.ratio_ci95(
+        [(stats.Arm([3.0] * 10, 1.0), stats.Arm([1.0] * 10, 1.0)),
+         (stats.Arm([1.0] * 10, 1.0), stats.Arm([1.0] * 10, 1.0))], seed=2
+    )  # fmt: skip
+    assert pooled.value == pytest.approx(2.0)
+    assert stats.ratio_ci95([(stats.Arm([1.0], 1.0), stats.Arm([0.0], 1.0))], 1).value is None
+    with pytest.raises(ValueError):
+        stats.ratio_ci95([(stats.Arm([1.0], 1.0), stats.Arm([1.0, 2.0], 1.0))], 1)
+
+
+def _row(arm: str, seed: int, good: list[float], **kw: Any) -> dict[str, Any]:
+    span = 100.0
+    return {
+        "workload": kw.pop("workload", "multi-tenant"), "load": kw.pop("load", 2.0),
+        "arm": arm, "seed": seed, "profile": "llama-server", "requests": len(good),
+        "good_tokens": good, "served_tokens": kw.pop("served", good), "span_s": span,
+        "goodput_tokens_per_s": sum(good) / span,
+        "goodput_ci95": list(stats.rate_ci95(good, span, 1)),
+        "slo_attainment": sum(1 for g in good if g) / len(good),
+        "well_behaved_slo_attainment": None, "well_behaved_wilson_lo": None,
+        "cached_prompt_tokens": 0, "errors_5xx": 0, **kw,
+    }  # fmt: skip
+
+
+def _cell(doc: dict[str, Any], cell: str, seed: int, rows: list[dict[str, Any]]) -> None:
+    close_cell(doc, {"cell": cell, "seed": seed, "rows": rows, "virtual": [], "comparison": []})
+
+
+def test_verdict_names_the_seeds_and_evaluates_the_targets() -> None:
+    doc = new_doc({"model": "smollm2"}, tune_seed=1)
+    doc["tuned"]["multi-tenant:2"] = {"concurrency-cap": {"cap": 2, "queue_timeout_s": 1.0}}
+    n = [10.0, 0.0] * 100
+    for seed in (2, 3):
+        _cell(doc, "multi-tenant:2", seed, [
+            _row("none", seed, n),
+            _row("concurrency-cap", seed, [15.0, 0.0] * 100),
+            _row("token-bucket", seed, [12.0, 0.0] * 100),
+            _row("kvgate", seed, [20.0, 0.0] * 100, limit_after_20_completions=3.0),
+            _row("kvgate-empty", seed, [13.0, 0.0] * 100, limit_after_20_completions=2.0),
+        ])  # fmt: skip
+    wb = {"well_behaved_requests": 130, "well_behaved_met": 126, "noisy_served": 40,
+          "workload": "isolation", "load": 3.0}  # fmt: skip
+    _cell(doc, "isolation:3", 2, [_row("kvgate", 2, [5.0] * 130, **wb)])
+    bad = _row("none", 4, n, cached_prompt_tokens=57)
+    _cell(doc, "multi-tenant:2", 4, [bad, _row("kvgate", 4, [1.0, 0.0] * 100)])
+    v = verdict.verdict(doc)
+    assert v["tune_seed"] == 1 and v["report_seeds"] == [2, 3, 4]
+    assert v["invalid"] == ["multi-tenant:2@4"]  # left out of the figures
+    t = {x["target"]: x for x in v["targets"]}
+    best = t["multi-tenant:2: kvgate / best baseline"]
+    assert best["value"] == pytest.approx(20 / 15) and best["met"]
+    assert best["ci95"] == pytest.approx([20 / 15, 20 / 15])
+    assert t["multi-tenant:2: kvgate / none"]["value"] == pytest.approx(2.0)
+    assert t["multi-tenant:2: kvgate / none"]["met"]
+    assert t["multi-tenant:2: kvgate-empty / tuned cap"]["value"] == pytest.approx(13 / 15)
+    assert t["multi-tenant:2: kvgate-empty / tuned cap"]["met"]
+    limit = next(x for k, x in t.items() if "limit after 20" in k)
+    assert limit["value"] == 1.0 and limit["met"]
+    assert t["isolation:3: kvgate well-behaved SLO met"]["value"] == pytest.approx(126 / 130)
+    assert t["isolation:3: kvgate well-behaved SLO met"]["met"]
+    wilson_lo = t["isolation:3: kvgate well-behaved Wilson lower bound"]
+    assert wilson_lo["value"] == pytest.approx(0.923, abs=1e-3) and wilson_lo["met"]
+    assert t["cells with cached prompt tokens (invalid)"]["value"] == 1
+    lines = verdict.verdict_lines(v)
+    assert lines[0].startswith("verdict: baselines tuned on seed 1, reported on seeds 2, 3, 4")
+    assert any("INVALID" in x and "multi-tenant:2@4" in x for x in lines)
+    only2 = verdict.verdict(doc, [2])
+    assert only2["report_seeds"] == [2]
+    ratio = next(r for r in only2["ratios"] if r["ratio"] == "kvgate / none")
+    assert ratio["seeds"] == [2] and list(ratio["per_seed"]) == ["2"]
+
+
+def _pair(**real_kw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    real = {"workload": "multi-tenant", "load": 2.0, "arm": "kvgate", "seed": 2,
+            "goodput_tokens_per_s": 100.0, "goodput_ci95": [80.0, 125.0], "requests": 200,
+            "slo_attainment": 0.8, "ttft_p50_s": 1.0, "tpot_p50_s": 0.05,
+            "queue_wait_p50_s": 0.2, "refused_share": 0.1, **real_kw}  # fmt: skip
+    return real, dict(real)
+
+
+def test_twin_agrees_within_15_percent_or_the_real_interval() -> None:
+    real, virt = _pair()
+    assert agreement.compare(real, virt)["agrees"]
+    virt["goodput_tokens_per_s"] = 120.0  # 20 % over, but inside [80, 125]
+    assert agreement.goodput_agrees(real, virt)
+    virt["goodput_tokens_per_s"] = 130.0
+    assert not agreement.goodput_agrees(real, virt)
+    x = agreement.compare(real, virt)
+    assert not x["agrees"] and "every median" in x["disagreement"]
+    virt["tpot_p50_s"] = 0.08  # the decode step is what is off
+    assert "decode step time" in agreement.compare(real, virt)["disagreement"]
+    virt["refused_share"] = 0.4  # refusals come first in the diagnosis
+    assert agreement.compare(real, virt)["disagreement"].startswith("the gate refuses")
+    # Well-behaved attainment where counted: 126 / 130 against 110 / 130.
+    r2, v2 = _pair(well_behaved_requests=130, well_behaved_met=126)
+    v2["well_behaved_met"] = 110
+    assert agreement.attainment_agrees(r2, v2)  # 0.846 vs 0.969: within 15 %
+    v2["well_behaved_met"] = 90
+    assert not agreement.attainment_agrees(r2, v2)
+    zero_r, zero_v = _pair(goodput_tokens_per_s=0.0)
+    zero_v["goodput_tokens_per_s"] = 0.0
+    assert agreement.goodput_agrees(zero_r, zero_v)
