@@ -45,6 +45,9 @@ class Upstream:
     tokens: int = 3
     byte_by_byte: bool = False
     fail: str = ""  # "before_response": drop the connection; "mid_stream": drop after 2 events
+    #: When given: a stream freezes after 2 events (the connection open, nothing sent) until
+    #: it is set, as a hung engine whose /health still answers.
+    freeze: asyncio.Event | None = None
     headers_seen: list[dict[str, str]] = field(default_factory=list)
     #: The headers of every other request (pass-through, the probes), as received.
     other_headers: list[dict[str, str]] = field(default_factory=list)
@@ -102,6 +105,8 @@ class Upstream:
                     await resp.write(payload[i : i + 1])
             else:
                 for i, part in enumerate(p for p in re.split(b"(?<=\n\n)", payload) if p):
+                    if self.freeze is not None and i == 2:
+                        await self.freeze.wait()
                     if self.fail == "mid_stream" and i == 2 and request.transport is not None:
                         request.transport.abort()
                         raise ConnectionResetError("simulated engine crash mid-stream")

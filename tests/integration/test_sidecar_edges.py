@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,13 @@ import yaml
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_bench.kit.toolkit import free_port, parse_samples, series, wait_until_async
+from kvgate_bench.kit.toolkit import (
+    free_port,
+    parse_samples,
+    poll_until_async,
+    series,
+    wait_until_async,
+)
 from tests.conftest import ADMIN, ADMIN_URLS, SidecarFactory, policy_doc, raw_exchange
 from tests.identity_keys import AUDIENCE, ISSUER, jwks, random_key, rsa_key, write_keys
 from tests.upstream import CHAT, Upstream
@@ -302,3 +310,69 @@ async def test_without_identity_the_tenant_header_goes_upstream_as_sent(
     assert (await post(client, url, {"x-kvgate-tenant": "gw-named"}))[0] == 200
     assert upstream.headers_seen[-1]["x-kvgate-tenant"] == "gw-named"
     assert "x-kvgate-priority" not in {k.lower() for k in upstream.headers_seen[-1]}
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. An engine that stops producing tokens while its /health says 200
+
+
+async def readyz(client: aiohttp.ClientSession, url: str) -> tuple[int, str]:
+    return await text(client, url + "/readyz")
+
+
+@pytest.mark.parametrize("mode", ["FailOpen", "FailClosed"])
+async def test_an_engine_frozen_mid_stream_is_not_ready_gets_no_new_work_and_recovers(
+    mode: str,
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    upstream.freeze = asyncio.Event()
+    upstream.tokens = 6
+    spec = {"failureMode": mode, "queue": {"maxWaitSeconds": 0.5}}
+    url, _ = await sidecar_factory(upstream.url, spec, engine_stall_seconds=0.5)
+    assert (await readyz(client, url))[0] == 200
+    with caplog.at_level(logging.INFO, logger="kvgate.sidecar"):
+        async with client.post(
+            url + "/v1/chat/completions", json={**CHAT, "stream": True}
+        ) as stream:
+            first = await stream.content.readany()  # then the engine freezes
+            started = time.monotonic()
+
+            async def not_ready() -> bool:
+                return (await readyz(client, url))[0] == 503
+
+            assert await poll_until_async(not_ready, bool, 5.0), "still ready"
+            noticed = time.monotonic() - started
+            status, why = await readyz(client, url)
+            assert "no token" in why
+            sent = len(upstream.bodies)
+            status, headers, _ = await chat_small(client, url)  # new work: not sent
+            assert len(upstream.bodies) == sent, "new work reached the stalled engine"
+            if mode == "FailClosed":
+                assert (status, headers["x-kvgate-reason"]) == (503, "fail_closed")
+            else:  # it queued for its wait budget, then was refused
+                assert (status, headers["x-kvgate-reason"]) == (429, "queue_timeout")
+            upstream.freeze.set()  # tokens flow again
+            rest = await stream.read()
+        assert (first + rest).endswith(b"data: [DONE]\n\n")
+
+        async def ready() -> bool:
+            return (await readyz(client, url))[0] == 200
+
+        assert await poll_until_async(ready, bool, 5.0), "not ready again"
+        assert (await chat_small(client, url))[0] == 200
+    said = [r.getMessage() for r in caplog.records if "produced no token" in r.getMessage()]
+    assert len(said) == 1, said  # once per stall
+    assert any("produces tokens again" in r.getMessage() for r in caplog.records)
+    assert 0.5 <= noticed < 3.0, noticed
+
+
+async def test_a_quiet_engine_with_nothing_in_flight_is_no_stall(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, sc = await sidecar_factory(upstream.url, {}, engine_stall_seconds=0.2)
+    assert (await post(client, url))[0] == 200
+    await asyncio.sleep(0.6)  # several checks with nothing in flight
+    assert (await readyz(client, url))[0] == 200 and not sc.stall.stalled

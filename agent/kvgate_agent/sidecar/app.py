@@ -13,8 +13,6 @@ from the node agent (:mod:`kvgate_agent.sidecar.agent_enforcement`).
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -23,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
-from kvgate_agent.contract.policy import FailureMode, PolicyError, RateLimitPolicy, load_policy
+from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.sidecar.agent_enforcement import NO_LIMITS, AgentEnforcement
 from kvgate_agent.sidecar.agent_link import AgentLink
 from kvgate_agent.sidecar.client_request import Request
@@ -36,6 +34,7 @@ from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.metrics_view import MetricsView
 from kvgate_agent.sidecar.model_server import ModelServer
 from kvgate_agent.sidecar.pipeline import RequestPipeline
+from kvgate_agent.sidecar.policy_control import PolicyControl
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.router_metrics import RouterMetrics
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
@@ -43,8 +42,6 @@ from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.store import StoreLink, register_metrics
 from kvgate_agent.sidecar.tokens import PromptCounter
 from kvgate_agent.sidecar.wire import Handler
-
-log = logging.getLogger("kvgate")
 
 
 class Sidecar:
@@ -117,31 +114,22 @@ class Sidecar:
         )
         if self.engine_tokens is not None:
             self.metrics.attach_prompt_counts(self.engine_tokens.answered)
+        #: The policy re-read on SIGHUP, and what a stalled engine changes.
+        self.control = PolicyControl(s, self.policy, self.admission, self.engine, self.identity)
+        self.stall = self.control.stall  #: whether the engine stopped producing tokens
         self.forwarder = Forwarder(
-            self.model_server,
-            self.metrics,
-            self.admission,
-            self.counter,
-            body_timeout=settings.body_timeout_seconds,
-        )
+            self.model_server, self.metrics, self.admission, self.counter,
+            body_timeout=s.body_timeout_seconds, stall=self.stall,
+        )  # fmt: skip
         #: The leases of shared limits (None without a store: shared limits are per pod).
         self.store: StoreLink | None = None
         if settings.store is not None:
             self.store = StoreLink(settings.store, self.admission, self.policy.name, clock)
         register_metrics(self.metrics.registry, self.admission, self.store)
         self.pipeline = RequestPipeline(
-            settings,
-            self.policy,
-            self.store,
-            self.admission,
-            self.metrics,
-            self.identity,
-            self.counter,
-            self.engine_tokens,
-            self.engine,
-            self.model_server,
-            self.forwarder,
-        )
+            settings, self.policy, self.store, self.admission, self.metrics, self.identity,
+            self.counter, self.engine_tokens, self.engine, self.model_server, self.forwarder,
+        )  # fmt: skip
 
     @property
     def capacity_known(self) -> bool:
@@ -246,8 +234,10 @@ class Sidecar:
             await self.agent_link.start()
         if self.store is not None:
             await self.store.start()
+        self.stall.start()
 
     async def _on_cleanup(self, app: web.Application | None) -> None:
+        await self.stall.stop()
         if self.store is not None:
             await self.store.stop()  # hands the leases back
         if self.agent_link is not None:
@@ -261,40 +251,9 @@ class Sidecar:
             self.engine_tokens.close()
         await self.model_server.close()
 
-    def apply_policy(self, policy: RateLimitPolicy) -> None:
-        """Enforce ``policy`` from now on (standalone; its file re-read on SIGHUP) without
-        dropping in-flight work, as new thresholds are in agent mode
-        (``AdmissionController.reconfigure``): its limits, tenants, priority, queue and overload
-        settings take effect for new requests and waiters are re-examined at once. The KV
-        capacity is the engine's reading when the policy asks for it and one was read, else the
-        policy's ``capacity.kvCacheTokens`` (FailClosed holds until the engine's is read).
-
-        Raises:
-            ValueError: in agent mode (the node agent's thresholds are enforced there).
-        """
-        self.policy.replace(policy)
-        spec = policy.spec
-        from_engine = spec.capacity.from_engine_metrics
-        kv = self.engine.kv_tokens if from_engine else None
-        self.admission.reconfigure(AdmissionConfig.from_policy(spec, kv_capacity_tokens=kv))
-        self.engine.set_capacity_known(not from_engine or kv is not None)
-        if from_engine:
-            self.engine.ensure_polling()
-
     async def reload(self) -> None:
-        """SIGHUP: re-read the policy file (standalone, ``settings.policy_file``) and the keys
-        and JWKS files that changed. A file that cannot be read or is invalid keeps what is
-        enforced, and the log says why (errors); what was re-read is logged at info."""
-        path = self.settings.policy_file
-        if path is not None and self.policy.enforcement is None:
-            try:
-                policy = await asyncio.to_thread(load_policy, path)
-            except PolicyError as exc:
-                log.error("SIGHUP: %s; keeping the policy in force", exc)
-            else:
-                self.apply_policy(policy)
-                log.info("SIGHUP: policy re-read from %s and enforced", path)
-        await asyncio.to_thread(self.identity.poll)  # logs each file reloaded or refused
+        """SIGHUP: re-read the policy, keys and JWKS files (:meth:`PolicyControl.reload`)."""
+        await self.control.reload()
 
     # ------------------------------------------------------------------ own endpoints
 
@@ -304,7 +263,8 @@ class Sidecar:
 
     async def readyz(self, request: web.Request) -> web.Response:
         """Readiness: not draining; with a node agent, a first answer arrived or the TTL has
-        passed since start; the model server answers its ``/health``; and, under FailClosed,
+        passed since start; the model server answers its ``/health`` and has not stalled
+        (:mod:`~kvgate_agent.sidecar.engine_stall`); and, under FailClosed,
         the engine's KV capacity is known (FailOpen serves without it, and says why in the
         body: ``ok, but the engine's KV capacity is not known: ...``)."""
         if self.pipeline.draining:
@@ -316,6 +276,12 @@ class Sidecar:
             return web.Response(status=503, text="waiting for the engine's KV capacity")
         if not await self.engine.healthy():
             return web.Response(status=503, text="the model server is not answering")
+        if self.stall.stalled:
+            return web.Response(
+                status=503,
+                text=f"the model server has produced no token for "
+                f"{self.stall.quiet_seconds():.0f}s with streams in flight",
+            )
         problem = self.engine.capacity_problem
         return web.Response(text="ok" if problem is None else f"ok, but {problem}")
 

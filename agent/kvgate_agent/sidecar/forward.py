@@ -28,6 +28,7 @@ from yarl import URL
 
 from kvgate_agent.admission import AsyncAdmission, Ticket
 from kvgate_agent.sidecar import responses
+from kvgate_agent.sidecar.engine_stall import EngineStall
 from kvgate_agent.sidecar.hop_headers import HOP_BY_HOP as HOP_BY_HOP  # re-exported
 from kvgate_agent.sidecar.hop_headers import admitted_request_headers, forward_headers
 from kvgate_agent.sidecar.metrics import SidecarMetrics
@@ -99,8 +100,11 @@ class Forwarder:
         counter: PromptCounter,
         *,
         body_timeout: float = 0.0,
+        stall: EngineStall | None = None,
     ) -> None:
         self.server = server
+        #: What the engine produced, for the stall watch (a disabled one when not given).
+        self.stall = EngineStall(0.0, lambda _: None) if stall is None else stall
         self.body_timeout = body_timeout  # seconds a pass-through body may take; 0: no limit
         self.metrics = metrics
         self.admission = admission
@@ -156,6 +160,9 @@ class Forwarder:
         task = asyncio.current_task(loop)
         if task is not None:
             self._running.add(task)
+        stream = parsed.stream
+        if stream:
+            self.stall.begin_stream()
         try:
             return await self._exchange(request, body, ex, decided)
         except asyncio.CancelledError:
@@ -172,6 +179,7 @@ class Forwarder:
         finally:
             if task is not None:
                 self._running.discard(task)
+            self.stall.end(stream)
             self._settle(ex, tenant_label, prompt)
 
     async def _shutting_down(self, ex: Exchange) -> ResponseStream:
@@ -208,7 +216,12 @@ class Forwarder:
             m.upstream_errors.labels("status_5xx").inc()
         if ex.parsed.stream and resp.status == 200 and resp.content_type == "text/event-stream":
             ttft = self.metrics.ttft.observe
-            observe = self.admission.observe_tokens
+            admission_observe, stall = self.admission.observe_tokens, self.stall
+
+            def observe(ticket: Ticket, generated: int) -> None:
+                stall.events += 1  # a token from the engine (EngineStall.token, inlined)
+                admission_observe(ticket, generated)
+
             return await relay_stream(request, resp, out_headers, ex, observe, ttft)
         data = await read_capped(resp)
         ex.clean = True

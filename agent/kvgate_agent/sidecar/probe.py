@@ -15,9 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import aiohttp
 
@@ -27,6 +25,7 @@ from kvgate_agent.contract.sync import MAX_REPORTED
 from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
 from kvgate_agent.engines.scrape import KV_CAPACITY, parse_engine_metrics
 from kvgate_agent.sidecar.engine_context import EngineContext, models_context
+from kvgate_agent.sidecar.engine_health import EngineHealth
 from kvgate_agent.sidecar.engine_load import EngineLoadPoll
 from kvgate_agent.sidecar.metrics import Flag
 from kvgate_agent.sidecar.model_server import ModelServer
@@ -38,14 +37,6 @@ log = logging.getLogger("kvgate.sidecar")
 PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 #: Hold key on admission while the KV capacity is unknown under FailClosed.
 HOLD_ENGINE_CAPACITY = "engine_capacity"
-#: How long a ``/health`` answer is reused, seconds.
-HEALTH_CACHE_SECONDS = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class _HealthCheck:
-    at: float  # time.monotonic() of the check, seconds
-    ok: bool
 
 
 class EngineProbe:
@@ -97,7 +88,10 @@ class EngineProbe:
         self.capacity_problem: str | None = None
         self.unknown_engine = Flag(False) if unknown_engine is None else unknown_engine
         self.capacity_known = not initial.capacity.from_engine_metrics
-        self._health: _HealthCheck | None = None
+        #: GET the model server's ``/health``, cached (:meth:`EngineHealth.healthy`).
+        self.healthy = EngineHealth(server, upstream_ok).healthy
+        self._paused = False  # a stall: new work waits (see pause)
+        self._slots_before: int | None = None  # the engine's slots while paused
         self._no_props = False  # /props answered, but not as llama.cpp: not asked again
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -219,9 +213,26 @@ class EngineProbe:
         elif layout != "unreadable":
             self._no_props = True  # another engine (vLLM answers 404): /props is not llama's
 
+    def pause(self, paused: bool) -> None:
+        """A stalled engine (:mod:`~kvgate_agent.sidecar.engine_stall`) under FailOpen: while
+        ``paused``, admission lets no new request in beside those in flight (the engine's
+        concurrency ceiling at 1, so newcomers queue, up to their wait budgets); on resuming,
+        the ceiling it had (llama.cpp's slots, or none) is restored."""
+        if paused and not self._paused:
+            self._paused = True
+            self._slots_before = self.admission.stats().engine_concurrency
+            self.admission.set_engine_concurrency(1)
+        elif not paused and self._paused:
+            self._paused = False
+            self.admission.set_engine_concurrency(self._slots_before)
+
     def _engine_slots(self, layout: SlotLayout) -> None:
         """llama-server serves ``layout.slots`` requests at once and queues the rest itself
-        (``llamacpp:requests_deferred``): admission never lets more than that in."""
+        (``llamacpp:requests_deferred``): admission never lets more than that in (while
+        paused, from the resume on: :meth:`pause`)."""
+        if self._paused:
+            self._slots_before = layout.slots
+            return
         if layout.slots != self.admission.stats().engine_concurrency:
             log.info("the engine serves %d requests at once: the concurrency ceiling", layout.slots)
             self.admission.set_engine_concurrency(layout.slots)
@@ -328,21 +339,3 @@ class EngineProbe:
                 await self.refresh_capacity()
             else:
                 await self.refresh_slots()
-
-    async def healthy(self) -> bool:
-        """GET the model server's ``/health`` (vLLM, SGLang and TGI serve it), cached for
-        :data:`HEALTH_CACHE_SECONDS` so probes cannot hammer it. Any answer below 500 counts as
-        up."""
-        now = time.monotonic()
-        if self._health is not None and now - self._health.at < HEALTH_CACHE_SECONDS:
-            return self._health.ok
-        try:
-            async with self.server.probe().get(
-                self.server.url + "/health", timeout=aiohttp.ClientTimeout(total=1.0)
-            ) as resp:
-                ok = resp.status < 500
-        except (TimeoutError, aiohttp.ClientError):
-            ok = False
-        self._health = _HealthCheck(now, ok)
-        self.upstream_ok.value = ok
-        return ok

@@ -386,6 +386,19 @@ class SidecarSettings:
     capacity is enforced; admission counts that figure where it exceeds kvgate's own
     reservations (0: never read)."""
 
+    engine_stall_seconds: float = field(
+        default=60.0,
+        metadata=flag(
+            "seconds with streams in flight and no token from the model server after which it "
+            "counts as stalled (its /health may still answer): not ready, no new work sent to "
+            "it (failureMode: FailOpen queues, FailClosed refuses with 503) until tokens flow "
+            "again; 0 disables",
+            parse=non_negative_seconds,
+        ),
+    )
+    """Seconds with streams in flight and no token from the engine that make a stall
+    (:mod:`kvgate_agent.sidecar.engine_stall`; 0: never judged)."""
+
     api_keys_file: str | None = field(
         default=None,
         metadata=flag(
