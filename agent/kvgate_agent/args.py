@@ -43,13 +43,24 @@ def hostport(value: str) -> tuple[str, int]:
     return (host.strip("[]") or "0.0.0.0"), int(port)
 
 
+#: The values ``--log-level`` takes (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def add_log_level(parser: argparse.ArgumentParser) -> None:
-    """``--log-level`` (``KVGATE_LOG_LEVEL``, default INFO)."""
+    """``--log-level`` (``KVGATE_LOG_LEVEL``, default INFO). A variable outside
+    :data:`LOG_LEVELS` exits 2 with one line, as a bad flag does (argparse checks a flag's
+    value against its choices, not a default's)."""
+    from_env = env("LOG_LEVEL")
+    if from_env is not None and from_env.upper() not in LOG_LEVELS:
+        print(f"KVGATE_LOG_LEVEL={from_env!r}: expected one of {', '.join(LOG_LEVELS)}",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     parser.add_argument(
         "--log-level",
         type=str.upper,
-        default=env("LOG_LEVEL", "INFO"),
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default=(from_env or "INFO").upper(),
+        choices=LOG_LEVELS,
         help="[KVGATE_LOG_LEVEL]",
     )
 

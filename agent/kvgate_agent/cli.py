@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``kvgate-agent``. Exit codes: 0 after a clean shutdown, 1 when it cannot
-    serve (port taken, tokenizer unreadable), 2 on bad arguments or an invalid policy."""
+    serve (a port taken), 2 on bad configuration (arguments or variables, an invalid policy, an
+    unreadable tokenizer, keys or JWKS file)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     # One function per role; ``args.role`` names it.

@@ -1,7 +1,8 @@
 """Edges a new user hit in front of a recording upstream, over real HTTP on loopback: tenant
 data kept off the clients' port where identity is on, the refusal reasons naming what refused
 (with llm-d's dropped-reason header), hop-by-hop and identity headers never passed on as the
-client sent them."""
+client sent them, an upstream with a path refused at start, an engine frozen mid-stream, an
+empty model, the admin port's Server header (issue 36)."""
 
 from __future__ import annotations
 
@@ -376,3 +377,34 @@ async def test_a_quiet_engine_with_nothing_in_flight_is_no_stall(
     assert (await post(client, url))[0] == 200
     await asyncio.sleep(0.6)  # several checks with nothing in flight
     assert (await readyz(client, url))[0] == 200 and not sc.stall.stalled
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Smaller ones
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+@pytest.mark.parametrize("model", ["", "   "])
+async def test_an_empty_model_is_refused_before_the_model_server(
+    path: str,
+    model: str,
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {})
+    body = {"model": model, "messages": CHAT["messages"], "prompt": "hi", "max_tokens": 8}
+    async with client.post(url + path, json=body) as r:
+        assert r.status == 400
+        err = (await r.json())["error"]
+    assert err["param"] == "model" and "non-empty" in err["message"]
+    assert upstream.bodies == [] and path not in upstream.paths
+
+
+async def test_the_admin_port_names_no_library_versions(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    url, _ = await sidecar_factory(upstream.url, {}, **ADMIN)
+    for path in ("/metrics", "/healthz", "/readyz", "/nowhere"):
+        async with client.get(ADMIN_URLS[url] + path) as r:
+            assert r.headers.get("Server") == "kvgate", (path, r.headers.get("Server"))

@@ -150,6 +150,8 @@ async def test_drain_deadline_is_enforced_and_waiters_get_503(
         (["--passthrough-path", "/v1/x?a=1"], {}, "has no query"),
         (["--passthrough-path", "/v1/completions"], {}, "is a generation path"),
         ([], {"KVGATE_PASSTHROUGH_PATHS": "/a/../b"}, "must be canonical"),
+        ([], {"KVGATE_LOG_LEVEL": "verbose"}, "KVGATE_LOG_LEVEL='verbose': expected one of"),
+        (["--log-level", "verbose"], {}, "invalid choice: 'VERBOSE'"),
     ],
 )
 def test_bad_arguments_are_reported_not_crashed_on(
@@ -160,9 +162,9 @@ def test_bad_arguments_are_reported_not_crashed_on(
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
-def test_unreadable_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+def test_unreadable_tokenizer_is_a_configuration_error_exit_2(tmp_path: Path) -> None:
     r = run_cli(tmp_path, "--tokenizer", str(tmp_path / "nope.json"))
-    assert r.returncode == 1
+    assert r.returncode == 2
     assert "cannot load tokenizer" in r.stderr and "Traceback" not in r.stderr
 
 

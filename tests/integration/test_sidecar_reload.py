@@ -1,6 +1,7 @@
 """SIGHUP re-reads the standalone sidecar's policy, keys and JWKS files, over real HTTP to the
 real ``kvgate-agent sidecar`` process: a stream in flight goes on, the new policy is enforced,
-a broken file keeps the one in force and the log says why; the process never ends on it."""
+a broken file keeps the one in force and the log says why; the process never ends on it. And
+the startup line names the admin port."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from kvgate_bench.kit.toolkit import poll_until_async
+from kvgate_bench.kit.toolkit import free_port, poll_until_async
 from tests.conftest import policy_doc
 from tests.identity_keys import write_keys
 from tests.upstream import CHAT, Upstream
@@ -75,3 +76,14 @@ async def test_sighup_re_reads_the_policy_keeps_streams_and_a_bad_file_keeps_the
     assert await becomes(proc.url, 200, {"Authorization": "Bearer sk-b"})
     assert await status_of(proc.url, {"Authorization": "Bearer sk-a"}) == 401
     assert proc.stop() == 0
+
+
+async def test_the_startup_line_names_the_admin_port(
+    upstream: Upstream, sidecar_process: Any
+) -> None:
+    port = free_port()
+    proc = sidecar_process(upstream.url, {}, "--admin-listen", f"127.0.0.1:{port}")
+    line = proc.log.read_text()
+    assert f"admin on http://127.0.0.1:{port}" in line, line
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/healthz") as r:
+        assert r.status == 200 and r.headers["Server"] == "kvgate"

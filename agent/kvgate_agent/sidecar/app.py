@@ -213,8 +213,10 @@ class Sidecar:
         self.metrics.count_decision("rejected", "invalid_request", "")
 
     def build_admin_app(self) -> web.Application:
-        """Admin port: ``/metrics``, ``/healthz``, ``/readyz``."""
+        """Admin port: ``/metrics``, ``/healthz``, ``/readyz``; its answers say ``Server:
+        kvgate``, not aiohttp's and Python's versions."""
         app = web.Application(middlewares=[track_requests])
+        app.on_response_prepare.append(_server_header)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -310,3 +312,9 @@ def _aiohttp(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamRe
     """``handler`` as aiohttp's router types it: on aiohttp's leg its answers are aiohttp's
     responses (:func:`~kvgate_agent.sidecar.wire.new_stream` opens a ``web.StreamResponse``)."""
     return cast(Callable[[web.Request], Awaitable[web.StreamResponse]], handler)
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``Server: kvgate`` on an answer about to be sent (aiohttp only sets its own, which names
+    its and Python's versions, when none is set)."""
+    response.headers["Server"] = "kvgate"

@@ -117,9 +117,13 @@ async def run_sidecar(
         f"thresholds from {settings.agent.url}" if settings.agent is not None else "policy file"
     )
     host = f"[{listen[0]}]" if ":" in listen[0] else listen[0]  # an IPv6 address in a URL
+    admin_at = ""
+    if admin is not None:
+        admin_host = f"[{admin[0]}]" if ":" in admin[0] else admin[0]
+        admin_at = f"; admin on http://{admin_host}:{server.admin_port}"
     print(
         f"kvgate sidecar listening on http://{host}:{listen[1]} -> {settings.upstream} "
-        f"({source}; server leg {settings.server_leg})",
+        f"({source}; server leg {settings.server_leg}{admin_at})",
         flush=True,
     )
     await stop.wait()
@@ -195,9 +199,6 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             file=sys.stderr,
         )
         return 1
-    except TokenizerError as exc:
-        print(f"kvgate-agent: {exc}", file=sys.stderr)
-        return 1
-    except KeyFileError as exc:
+    except (TokenizerError, KeyFileError) as exc:  # configuration: exit 2, as a bad flag
         print(f"kvgate-agent: {exc}", file=sys.stderr)
         return 2

@@ -151,11 +151,11 @@ def model_name(body: dict[str, Any]) -> str:
     """The ``model`` field.
 
     Raises:
-        RequestError: 400 naming ``model`` when absent or not a string.
+        RequestError: 400 naming ``model`` when absent, not a string or empty (blank).
     """
     model = body.get("model")
-    if not isinstance(model, str):
-        raise bad("'model' is required and must be a string", "model")
+    if not isinstance(model, str) or not model.strip():
+        raise bad("'model' is required and must be a non-empty string", "model")
     return model
 
 

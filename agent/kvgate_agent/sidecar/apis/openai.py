@@ -67,8 +67,8 @@ class OpenAI:
         """
         body = decode_object(raw)
         model = body.get("model")
-        if not isinstance(model, str):
-            raise bad("'model' is required and must be a string", "model")
+        if not isinstance(model, str) or not model.strip():
+            raise bad("'model' is required and must be a non-empty string", "model")
         if self.chat:
             check_messages(body.get("messages"))
         else:
