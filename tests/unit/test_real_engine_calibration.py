@@ -1,6 +1,7 @@
-"""The real-engine benchmark's pure parts: the SLO, the capacity, the step-time fit, the
-rebuilt schedule (:mod:`kvgate_bench.real_engine.calibration`) and the rows and targets
-(:mod:`kvgate_bench.real_engine.report`)."""
+"""The real-engine benchmark's pure parts: the SLO, the capacity, the
+rebuilt schedule (:mod:`kvgate_bench.real_engine.calibration`), the prompts
+(:mod:`kvgate_bench.real_engine.prompts`) and the outputs' figures
+(:mod:`kvgate_bench.real_engine.rows`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ import pytest
 
 from kvgate_bench.effectiveness.workloads import generate
 from kvgate_bench.real_engine import calibration as cal
-from kvgate_bench.real_engine import report
-from kvgate_bench.real_engine.client import MAX_WORDS, MIN_WORDS, prompt_for, prompt_words
+from kvgate_bench.real_engine.prompts import (
+    MAX_WORDS,
+    MIN_WORDS,
+    cached_tokens,
+    prompt_for,
+    prompt_words,
+    request_body,
+)
+from kvgate_bench.real_engine.rows import output_stats
 
 
 def test_slo_is_the_issue_users_multiple_of_unloaded() -> None:
@@ -38,39 +46,6 @@ def test_next_probe_brackets_the_capacity() -> None:
     assert cal.next_probe([(0.2, 0.95), (0.28, 0.6)]) == pytest.approx(0.24)
 
 
-def test_fit_recovers_a_b_c_d_from_exact_step_times() -> None:
-    a, b, c, d = 0.012, 0.0011, 0.004, 2e-6
-    obs = [
-        cal.StepObs(p, dd, k, a + b * p + c * dd + d * k)
-        for p, dd, k in [(40, 0, 0), (200, 0, 0), (600, 0, 0), (0, 1, 300), (0, 1, 800),
-                         (0, 2, 900), (0, 4, 1600), (0, 4, 2600)]
-    ]  # fmt: skip
-    model, rmse = cal.fit_steptime(obs, "fit", 4096)
-    assert rmse < 1e-9
-    assert (model.a_s, model.b_s, model.c_s, model.d_s) == pytest.approx((a, b, c, d), rel=1e-6)
-    assert model.kv_capacity_tokens == 4096 and model.chunked_prefill
-
-
-def test_fit_keeps_coefficients_non_negative() -> None:
-    # Step times that fall with the context would need d < 0: the fit drops d instead.
-    obs = [cal.StepObs(0, 1, k, 0.05 - 1e-6 * k) for k in (100, 500, 900)]
-    obs.append(cal.StepObs(100, 0, 0, 0.1))
-    model, _ = cal.fit_steptime(obs, "fit", 1024)
-    assert min(model.a_s, model.b_s, model.c_s, model.d_s) >= 0
-    assert model.d_s == 0
-    with pytest.raises(ValueError):
-        cal.fit_steptime([], "fit", 1024)
-
-
-def test_observations_from_llama_timings() -> None:
-    pre, dec = cal.unloaded_obs(100, 150.0, 21, 40.0)
-    assert (pre.prefill, pre.decode, pre.seconds) == pytest.approx((100, 0, 0.15))
-    assert (dec.decode, dec.context, dec.seconds) == pytest.approx((1, 110.5, 0.04))
-    assert len(cal.unloaded_obs(100, 150.0, 1, 0.0)) == 1
-    b = cal.batch_obs([200.0, 220.0], [50.0, 54.0])
-    assert (b.decode, b.context, b.seconds) == pytest.approx((2, 420.0, 0.052))
-
-
 def test_with_lengths_takes_the_engines_counts() -> None:
     sched = generate("multi-tenant", 2.0, 10.0, 1, max_model_len=1024)
     r0, r1 = sched.requests[0], sched.requests[1]
@@ -92,50 +67,25 @@ def test_prompts_are_real_text_of_a_scaled_length() -> None:
     assert prompt_words(1) == MIN_WORDS and prompt_words(10**6) == MAX_WORDS
 
 
-def _row(workload: str, load: float, arm: str, goodput: float, **kw: object) -> dict[str, object]:
-    summary = {"goodput_tokens_per_s": goodput, "throughput_tokens_per_s": goodput,
-               "slo_attainment": 0.5, "ttft_p99_s": 1.0, "requests": 100,
-               "well_behaved_slo_attainment": None, **kw}  # fmt: skip
-    return report.build_row(summary, workload=workload, load=load, arm=arm, seed=1,
-                            extra={"errors_5xx": 0})  # fmt: skip
-
-
-def test_rows_targets_and_comparison() -> None:
-    rows = [
-        _row("multi-tenant", 2.0, "none", 10.0),
-        _row("multi-tenant", 2.0, "concurrency-cap", 20.0),
-        _row("multi-tenant", 2.0, "kvgate", 16.0),
-        _row("multi-tenant", 1.0, "none", 30.0),
-        _row("multi-tenant", 1.0, "kvgate", 29.0),
-        _row("isolation", 3.0, "kvgate", 5.0, well_behaved_slo_attainment=0.97),
-    ]
-    assert rows[0]["workload"] == "multi-tenant" and rows[0]["seed"] == 1
-    assert rows[0]["errors_5xx"] == 0
-    t = {x["target"]: x for x in report.targets(rows)}
-    assert t["multi-tenant x2: kvgate goodput / none"]["value"] == pytest.approx(1.6)
-    assert t["multi-tenant x2: kvgate goodput / none"]["met"]
-    assert not t["multi-tenant x2: kvgate goodput / tuned cap"]["met"]
-    assert t["multi-tenant x2: kvgate 5xx share"]["met"]
-    assert t["isolation noisy x3: kvgate well-behaved SLO met"]["met"]
-    assert t["multi-tenant x1: kvgate throughput / none"]["value"] == pytest.approx(29 / 30)
-    # A baseline that served nothing: the ratio is undefined, met only by serving something.
-    for kv, met in ((0.0, False), (5.0, True)):
-        zero = [_row("multi-tenant", 2.0, "concurrency-cap", 0.0),
-                _row("multi-tenant", 2.0, "kvgate", kv)]  # fmt: skip
-        got = {x["target"]: x for x in report.targets(zero)}
-        cap = got["multi-tenant x2: kvgate goodput / tuned cap"]
-        assert cap["value"] is None and cap["met"] is met
-    virtual = [_row("multi-tenant", 2.0, "none", 8.5), _row("multi-tenant", 2.0, "kvgate", 30.0)]
-    comp = report.comparison(rows, virtual)
-    assert [(c["arm"], c["agree"]) for c in comp] == [("none", True), ("kvgate", False)]
-    assert report.best_setting([({"cap": 4}, 1.0), ({"cap": 8}, 2.0)]) == {"cap": 8}
+def test_every_request_asks_for_no_prompt_cache_and_counts_what_was_cached() -> None:
+    body = request_body("Summarize this.", 64, "smollm2-135m-instruct")
+    assert body["cache_prompt"] is False and body["stream"] and body["max_tokens"] == 64
+    assert body["messages"] == [{"role": "user", "content": "Summarize this."}]
+    assert cached_tokens({"timings": {"cache_n": 0, "prompt_n": 80}}) == 0
+    assert cached_tokens({"timings": {"cache_n": 12}}) == 12
+    usage = {"usage": {"prompt_tokens_details": {"cached_tokens": 30}}, "timings": {"cache_n": 3}}
+    assert cached_tokens(usage) == 30  # the larger of the two counts
+    assert cached_tokens({"choices": []}) is None
 
 
 def test_output_stats() -> None:
-    s = report.output_stats({"a": 10, "b": 96, "c": 96}, {"a": "stop", "b": "length"})
+    s = output_stats({"a": 10, "b": 96, "c": 96}, {"a": "stop", "b": "length"}, 96)
     assert s["output_tokens_mean"] == pytest.approx(202 / 3)
+    assert s["output_tokens_p50"] == 96 and s["output_tokens_max"] == 96
+    assert s["output_tokens_p10"] == pytest.approx(27.2)
     assert s["eos_share"] == 0.5
-    assert report.output_stats({}, {})["eos_share"] is None
+    assert s["at_ceiling_share"] == pytest.approx(2 / 3)
+    assert output_stats({}, {})["eos_share"] is None
 
 
 def test_slot_kv_counts_the_busy_slots_tokens() -> None:

@@ -34,14 +34,20 @@ class LlamaServerError(RuntimeError):
 
 
 def llama_args(
-    binary: str, model: str, port: int, parallel: int = 2, ctx: int = 1024, *extra: str
+    binary: str,
+    model: str,
+    port: int,
+    parallel: int = 2,
+    ctx: int = 1024,
+    *extra: str,
+    alias: str = LLAMA_MODEL,
 ) -> list[str]:
     """The command line: ``parallel`` slots of ``ctx / parallel`` tokens each (``--no-kv-unified``),
-    ``--metrics`` and ``--slots`` on, 2 threads, no warm-up run, ``--alias`` :data:`LLAMA_MODEL`,
-    listening on 127.0.0.1:``port``; ``extra`` flags appended."""
+    ``--metrics`` and ``--slots`` on, 2 threads, no warm-up run, ``--alias`` ``alias`` (default
+    :data:`LLAMA_MODEL`), listening on 127.0.0.1:``port``; ``extra`` flags appended."""
     return [
         binary,
-        *("-m", model, "--alias", LLAMA_MODEL, "--host", "127.0.0.1", "--port", str(port)),
+        *("-m", model, "--alias", alias, "--host", "127.0.0.1", "--port", str(port)),
         *("--parallel", str(parallel), "-c", str(ctx), "--no-kv-unified"),
         *("--metrics", "--slots", "-t", "2", "--no-warmup", *extra),
     ]

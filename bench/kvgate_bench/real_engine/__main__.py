@@ -1,39 +1,37 @@
-"""``python -m kvgate_bench.real_engine``: kvgate's goodput in front of llama-server (issue 24).
+"""``python -m kvgate_bench.real_engine``: kvgate's goodput in front of llama-server, a verdict
+that holds (issue 33).
 
-Starts llama-server (:func:`kvgate_bench.real_engine.engine.find_llama`: the test command's
-build; ``--parallel 4 -c 4096 --no-kv-unified -t 1`` by default, the issue's), pinned to the
-last CPU with this process and the sidecar on the others (``taskset``, where there are two CPUs
-or more: :func:`kvgate_bench.real_engine.engine.pin_cpus`), then:
+The full verdict takes hours on two cores, so a run is resumable and each invocation bounded::
 
-1. **Calibrates** (:mod:`kvgate_bench.real_engine.calibration_run`): unloaded requests of three
-   prompt lengths (five without ``--short``), one at a time (TTFT, TPOT, the outputs' lengths;
-   the SLO: :mod:`kvgate_bench.real_engine.calibration`); two bursts of 2 and ``parallel``
-   equal requests (decode steps of several sequences); the step-time model fitted to
-   llama-server's ``timings``; then ``none``'s probes on ``conversation`` (Poisson chat
-   arrivals), the first at the capacity the fitted engine predicts in virtual time
-   (:func:`kvgate_bench.real_engine.virtual.predicted_capacity`), the next bracketing the rate
-   at which ``none`` meets the SLO for 90 %
-   (:func:`kvgate_bench.real_engine.calibration.next_probe`; 2 probes with ``--short``, 3
-   without), each long enough for 15 arrivals (15-45 s with ``--short``, 20-60 s without:
-   :func:`kvgate_bench.real_engine.calibration.probe_duration`).
-2. **Runs** each cell (:mod:`kvgate_bench.real_engine.cells`: ``multi-tenant`` at loads 1, 2
-   and 3; ``isolation`` with the noisy tenant at 3x, total load 3.6; ``--short``: multi-tenant
-   1 and 2, isolation 3) through ``none``, the tuned ``concurrency-cap``, the tuned
-   ``token-bucket`` and ``kvgate``, each in turn against the same server, one seeded open-loop
-   schedule per cell (:mod:`kvgate_bench.real_engine.client`). The baselines are swept on
-   multi-tenant at load 2 (cap: half the slot count and the slot count, queue wait = the TTFT
-   SLO; bucket: factors 1 and 1.5 of each tenant's share of the capacity, 10 s bursts; the full
-   run adds a cap of twice the slots and factor 2) and their best setting runs the other cells.
-3. **Compares** each row with the virtual benchmark on the same schedule (the prompts' and
-   outputs' lengths llama-server reported in that cell's ``none`` run) with the fitted engine:
-   ``simulate`` with the same arm and setting, 4 slots of ``ctx / parallel`` tokens
-   (:mod:`kvgate_bench.real_engine.virtual`).
+    python -m kvgate_bench.real_engine --resume real.json              # repeat until done
+    python -m kvgate_bench.real_engine --report real.json              # the verdict
 
-``--json FILE`` writes ``{"meta", "calibration", "rows", "virtual", "comparison", "targets"}``
-(:func:`kvgate_bench.real_engine.report.report_json`; the options:
-:mod:`kvgate_bench.real_engine.cli`). The machine's quietness is in ``meta`` (CPUs, pinning,
-threads, load average) and per row (load average before and after, the client's send lag:
-``kept_up``).
+Defaults: SmolLM2-135M-Instruct (``--model gemma``: Gemma 3 270M), llama-server ``--parallel 4
+-c 4096 --no-kv-unified -t 1 --cache-ram 0``, the baselines tuned on seed 1 (``--tune-seed``),
+reported on seeds 2, 3, 4 (``--seeds``), cells ``multi-tenant:2,multi-tenant:3,isolation:3,
+multi-tenant:1`` (``--cells``), at least 200 requests an arm a cell (``--min-requests``;
+isolation: 120 well-behaved ones), at most 60 minutes an invocation (``--budget-minutes``).
+llama-server is pinned to the last CPU, this process and the sidecar to the others
+(:func:`kvgate_bench.real_engine.engine.pin_cpus`).
+
+1. **Calibrates** once (:mod:`kvgate_bench.real_engine.calibration_run`: the SLO, the engine
+   profile with its decode table by batch size, the capacity), kept in the resume file and
+   reused; ``--write-profile FILE`` writes the profile.
+2. **Runs** (:mod:`kvgate_bench.real_engine.cells`), report seed by report seed, each cell: the
+   tune seed's sweep of the baselines first where the cell has none, then ``none``,
+   ``concurrency-cap``, ``token-bucket``, ``kvgate`` and ``kvgate-empty`` in the seed's rotated
+   order, each on a fresh llama-server with its prompt cache off (every request's cached
+   prompt tokens counted: ``cached_prompt_tokens`` must be 0), then the cell's virtual twin on
+   the fitted profile and the comparison. Every arm's row is saved to ``--resume`` as soon as
+   it is known (atomically); a unit that would end past the budget is not started.
+3. **Reports** (:mod:`kvgate_bench.real_engine.verdict`): the ratios between arms with
+   bootstrap 95 % intervals per seed and pooled, the issue's targets, the twin's agreement.
+   ``--report FILE`` prints it from a resume file without running anything (``--seeds``
+   chooses the report seeds; default every seed but the tune seed).
+
+``--short`` is a quick plumbing run (3 cells of 20 requests, one report seed, a smaller
+sweep). ``--json FILE`` writes ``{"meta", "calibration", "tuned", "cells", "verdict"}``
+(:func:`kvgate_bench.real_engine.report.report_json`).
 """
 
 from __future__ import annotations
@@ -49,92 +47,131 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvgate_bench.real_engine.calibration_run import calibrate, calibration_text
-from kvgate_bench.real_engine.cells import CellRunner
-from kvgate_bench.real_engine.cli import parse_args
-from kvgate_bench.real_engine.client import corpus
-from kvgate_bench.real_engine.engine import find_llama, pin_cpus, start_llama
-from kvgate_bench.real_engine.report import comparison, report_json, summary_lines, targets
+from kvgate_bench.real_engine import resume
+from kvgate_bench.real_engine.calibration_run import calibrate, calibration_text, profile_of
+from kvgate_bench.real_engine.cells import Runner
+from kvgate_bench.real_engine.cli import parse_args, run_config
+from kvgate_bench.real_engine.engine import find_llama, has_flag, pin_cpus, start_llama
+from kvgate_bench.real_engine.prompts import MODELS, corpus
+from kvgate_bench.real_engine.report import report_json
+from kvgate_bench.real_engine.verdict import verdict, verdict_lines
+from kvgate_bench.sim.profile_file import write_profile
 
 
 def _meta(
-    args: argparse.Namespace,
-    server: str,
-    model: str,
-    engine_cpus: str | None,
-    client_cpus: str | None,
-    load0: tuple[float, float, float],
+    args: argparse.Namespace, server: str, model: str, cpus: tuple[Any, Any]
 ) -> dict[str, Any]:
-    """The run's ``meta`` (``loadavg_end`` and ``wall_s`` are added at the end): the server, the
-    model, the options, the CPUs and the pinning, the load average at the start, the machine."""
+    """This invocation's ``meta``: the server, the model, the options, the CPUs and pinning,
+    the load average, the machine (``wall_s`` and ``loadavg_end`` added at the end)."""
     return {
         "llama_server": server,
-        "model": model,
-        "parallel": args.parallel,
-        "ctx": args.ctx,
-        "threads": args.threads,
+        "model_file": model,
+        "options": run_config(args),
+        "cells": [f"{w}:{load:g}" for w, load in args.cell_list],
+        "seeds": args.seed_list,
+        "tune_seed": args.tune_seed,
         "cpus": os.cpu_count() or 1,
-        "engine_cpus": engine_cpus,
-        "client_cpus": client_cpus,
-        "loadavg_start": load0,
-        "short": args.short,
-        "seed": args.seed,
-        "duration_s": args.duration,
-        "drain_s": args.drain,
-        "max_tokens": args.max_tokens,
+        "engine_cpus": cpus[0],
+        "client_cpus": cpus[1],
+        "loadavg_start": os.getloadavg(),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
-async def _main(args: argparse.Namespace) -> int:
-    t_start = time.perf_counter()
-    server, model = find_llama()
-    engine_cpus, client_cpus = pin_cpus(args.no_pin)
-    load0 = os.getloadavg()
-    words = corpus()
-    meta = _meta(args, server, model, engine_cpus, client_cpus, load0)
-    print(
-        f"real engine: llama-server {Path(server).name}, {Path(model).name}, --parallel "
-        f"{args.parallel} -c {args.ctx} -t {args.threads}, engine on CPU {engine_cpus}, client "
-        f"on {client_cpus}; load average {load0[0]:.2f}",
-        flush=True,
-    )
-    with tempfile.TemporaryDirectory(prefix="kvgate-real-") as tmp:
-        workdir = Path(tmp)
-        proc = await asyncio.to_thread(
-            start_llama,
-            server,
-            model,
-            workdir / "llama.log",
-            parallel=args.parallel,
-            ctx=args.ctx,
-            threads=args.threads,
-            cpus=engine_cpus,
-        )
-        try:
-            c = await calibrate(proc.url, args, words, workdir)
-            print(calibration_text(c), flush=True)
-            runner = CellRunner(proc.url, args, c, words, workdir, client_cpus)
-            rows, vrows = await runner.run()
-        finally:
-            await asyncio.to_thread(proc.stop)
-    comp = comparison(rows, vrows)
-    tg = targets(rows)
-    for line in summary_lines(comp, tg):
+def _report(args: argparse.Namespace) -> int:
+    try:
+        doc = resume.load(args.report)
+    except ValueError as e:
+        print(f"real_engine: {e}", file=sys.stderr)
+        return 2
+    assert doc is not None  # cli checked the file exists
+    v = verdict(doc, args.seed_list if args.seeds else None)
+    for line in verdict_lines(v):
         print(line)
-    meta["loadavg_end"] = os.getloadavg()
-    meta["wall_s"] = time.perf_counter() - t_start
-    print(f"wall {meta['wall_s']:.0f} s; load average {meta['loadavg_end'][0]:.2f}")
     if args.json is not None:
-        doc = report_json(meta, c, rows, vrows, comp, tg)
-        args.json.write_text(json.dumps(doc, indent=2, default=str))
+        args.json.write_text(json.dumps(report_json({"report": str(args.report)}, doc, v),
+                                        indent=1, default=str))  # fmt: skip
+    return 0
+
+
+async def _calibrate(runner: Runner) -> None:
+    """The calibration on a server of its own, into the resume document."""
+    a = runner.args
+    proc = await asyncio.to_thread(
+        start_llama, runner.server, runner.model_path, runner.workdir / "llama-calibration.log",
+        parallel=a.parallel, ctx=a.ctx, threads=a.threads, alias=runner.model.alias,
+        cache_ram_off=runner.cache_ram_off, cpus=runner.engine_cpus,
+    )  # fmt: skip
+    try:
+        c = await calibrate(proc.url, a, runner.words, runner.workdir)
+    finally:
+        await asyncio.to_thread(proc.stop)
+    c = json.loads(json.dumps(c, default=str))
+    runner.doc["calibration"], runner.doc["profile"] = c, c["profile"]
+    runner.save()
+
+
+async def _main(args: argparse.Namespace) -> int:
+    if args.report is not None:
+        return _report(args)
+    t_start = time.monotonic()
+    model = MODELS[args.model]
+    server, model_path = find_llama(model)
+    doc = resume.load(args.resume) if args.resume is not None else None
+    try:
+        if doc is not None:
+            resume.check(doc, run_config(args), args.tune_seed)
+    except ValueError as e:
+        print(f"real_engine: --resume {args.resume}: {e}", file=sys.stderr)
+        return 2
+    doc = doc or resume.new_doc(run_config(args), args.tune_seed)
+    cache_ram_off = has_flag(server, "--cache-ram")
+    if not cache_ram_off:
+        print("warning: this llama-server has no --cache-ram; cache_prompt false alone keeps "
+              "prompts uncached (cached_prompt_tokens is checked)", flush=True)  # fmt: skip
+    cpus = pin_cpus(args.no_pin)
+    meta = _meta(args, server, model_path, cpus)
+    meta["cache_ram_off"] = cache_ram_off
+    print(f"real engine: {Path(server).name}, {Path(model_path).name}, --parallel "
+          f"{args.parallel} -c {args.ctx} -t {args.threads}, engine on CPU {cpus[0]}, client on "
+          f"{cpus[1]}; load average {meta['loadavg_start'][0]:.2f}", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="kvgate-real-") as tmp:
+        runner = Runner(
+            args, server, model_path, model, cache_ram_off, corpus(), Path(tmp), cpus[0],
+            cpus[1], doc, args.resume, args.budget_minutes * 60.0, t_start,
+        )  # fmt: skip
+        if runner.doc["calibration"] is None:
+            await _calibrate(runner)
+        c = runner.doc["calibration"]
+        print(calibration_text(c), flush=True)
+        if args.write_profile is not None:
+            write_profile(profile_of(c), args.write_profile)
+        done = True
+        for seed in args.seed_list:
+            for workload, load in args.cell_list:
+                done = await runner.cell(workload, load, seed)
+                if not done:
+                    break
+            if not done:
+                break
+    meta["wall_s"] = time.monotonic() - t_start
+    meta["loadavg_end"] = os.getloadavg()
+    runner.doc["invocations"].append({"started": meta["started"], "wall_s": meta["wall_s"],
+                                      "units": runner.units, "finished": done})  # fmt: skip
+    runner.save()
+    v = verdict(runner.doc, args.seed_list)
+    for line in verdict_lines(v):
+        print(line)
+    print(f"wall {meta['wall_s'] / 60:.1f} min; {'all cells done' if done else 'not finished'}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report_json(meta, runner.doc, v), indent=1, default=str))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; the exit status."""
+    """Entry point; the exit status (2 for a bad option or resume file)."""
     return asyncio.run(_main(parse_args(argv)))
 
 

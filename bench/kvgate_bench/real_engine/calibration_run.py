@@ -1,12 +1,25 @@
 """Step 1 of :mod:`kvgate_bench.real_engine.__main__` against llama-server: the calibration run.
 
-Unloaded requests of three prompt lengths (five without ``--short``), one at a time, after a
-warm-up; two bursts of 2 and ``parallel`` equal requests; llama-server's counters; the step-time
-fit; then ``none``'s capacity probes on ``conversation``, the first at the rate the fitted engine
-predicts (:func:`kvgate_bench.real_engine.virtual.predicted_capacity`). Each request opens its
-own connection. The arithmetic (SLO, fit, capacity, next probe) is
-:mod:`kvgate_bench.real_engine.calibration`'s; this module sends the requests and keeps the
-figures.
+On a server of its own (prompt cache off, as for every arm), after a warm-up:
+
+1. **Unloaded requests** of five prompt lengths (three with ``--short``), one at a time: TTFT,
+   TPOT and llama-server's ``timings``; the SLO
+   (:func:`kvgate_bench.real_engine.calibration.slo_from_unloaded`).
+2. **Bursts**: for each batch size k = 1 .. ``parallel``,
+   :data:`~kvgate_bench.real_engine.profile_fit.MIN_BURSTS` bursts of k equal requests sent
+   together (a fresh prompt per burst, :data:`BURST_TOKENS` output tokens each, EOS ignored so
+   that all k decode to the end side by side); the engine profile
+   (:func:`kvgate_bench.real_engine.profile_fit.fit_profile`: a decode table by batch size,
+   the prefill and context costs).
+3. **Capacity**: ``none``'s probes on ``conversation`` (Poisson chat arrivals), the first at the
+   rate the fitted profile predicts in virtual time
+   (:func:`kvgate_bench.real_engine.virtual.predicted_capacity`), the next bracketing the rate
+   at which ``none`` meets the SLO for 90 %
+   (:func:`kvgate_bench.real_engine.calibration.next_probe`; 2 probes with ``--short``, 3
+   without), each long enough for 15 arrivals.
+
+Each request opens its own connection. The result is JSON-ready (:func:`calibrate`), so that a
+resume file keeps it and later invocations reuse it (:func:`slo_of`, :func:`profile_of`).
 """
 
 from __future__ import annotations
@@ -20,26 +33,39 @@ from typing import Any
 import aiohttp
 
 from kvgate_bench.effectiveness.metrics import summarize
-from kvgate_bench.effectiveness.workloads import generate
+from kvgate_bench.effectiveness.workloads import Request, generate
 from kvgate_bench.kit.sse import sse_json
 from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.real_engine import calibration as cal
-from kvgate_bench.real_engine.client import NONE, prompt_for, request_body, run_arm
+from kvgate_bench.real_engine import profile_fit as pf
+from kvgate_bench.real_engine.client import run_arm
 from kvgate_bench.real_engine.engine import metric_totals
+from kvgate_bench.real_engine.plan import NONE
+from kvgate_bench.real_engine.prompts import MODELS, prompt_for, request_body
 from kvgate_bench.real_engine.virtual import arm_context, predicted_capacity
-from kvgate_bench.sim.steptime import StepTimeModel
+from kvgate_bench.sim.profile_file import EngineProfile
+
+#: Output tokens of each burst request (EOS ignored).
+BURST_TOKENS = 48
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: str,
+    max_tokens: int,
+    alias: str,
+    ignore_eos: bool = False,
 ) -> dict[str, Any]:
-    """One streamed request alone: TTFT, TPOT (seconds), llama-server's ``timings`` and usage."""
-    req = request_body(_dummy_request(), prompt, max_tokens)
+    """One streamed request: TTFT, TPOT (seconds), llama-server's ``timings`` and usage."""
+    body = request_body(prompt, max_tokens, alias)
+    if ignore_eos:
+        body["ignore_eos"] = True
     t0 = time.perf_counter()
     first = last = None
     timings: dict[str, Any] = {}
     usage: dict[str, Any] = {}
-    async with session.post(url + "/v1/chat/completions", json=req) as r:
+    async with session.post(url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for obj in sse_json(r.content):
             timings = obj.get("timings") or timings
@@ -54,136 +80,135 @@ async def one_request(
     return {"ttft_s": ttft, "tpot_s": tpot, "timings": timings, "usage": usage}
 
 
-def _dummy_request() -> Any:
-    from kvgate_bench.effectiveness.workloads import Request
+def _prompt(name: str, tokens: int, words: list[str]) -> str:
+    return prompt_for(Request(name, 0, "c", "interactive", tokens, None, 1), words)
 
-    return Request("calibration", 0.0, "calibration", "interactive", 1, None, 1)
+
+async def _measure(
+    url: str, args: argparse.Namespace, words: list[str], alias: str
+) -> tuple[list[dict[str, Any]], list[pf.Burst]]:
+    """Steps 1 and 2 of the module docstring: the unloaded requests and the bursts."""
+    unloaded: list[dict[str, Any]] = []
+    bursts: list[pf.Burst] = []
+    # A fresh connection per request: llama-server may close one after a stream (a reused,
+    # half-closed keep-alive connection fails the next request's write).
+    connector = aiohttp.TCPConnector(force_close=True)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await one_request(session, url, "Hello", 4, alias)  # warm-up (first touch of weights)
+        lengths = (48, 320, 640) if args.short else (48, 160, 320, 480, 640)
+        for i, pt in enumerate(lengths):
+            m = await one_request(
+                session, url, _prompt(f"unloaded-{i}", pt, words), args.max_tokens, alias
+            )
+            unloaded.append(m)
+        for k in range(1, args.parallel + 1):
+            for i in range(pf.MIN_BURSTS):
+                prompt = _prompt(f"burst-{k}-{i}", 320, words)
+                ms = await asyncio.gather(
+                    *(
+                        one_request(session, url, prompt, BURST_TOKENS, alias, ignore_eos=True)
+                        for _ in range(k)
+                    )
+                )
+                bursts.append(pf.burst_from_timings([m["timings"] for m in ms]))
+    return unloaded, bursts
 
 
 async def calibrate(
     url: str, args: argparse.Namespace, words: list[str], workdir: Path
 ) -> dict[str, Any]:
-    """Step 1 of :mod:`kvgate_bench.real_engine.__main__`'s docstring; the calibration as
-    JSON-ready values (``slo`` a :class:`~kvgate_bench.real_engine.calibration.Slo` and
-    ``steptime`` a :class:`~kvgate_bench.sim.steptime.StepTimeModel` until
-    :func:`kvgate_bench.real_engine.report.report_json` turns them into dicts)."""
-    from kvgate_bench.effectiveness.workloads import Request
-
-    timeout = aiohttp.ClientTimeout(total=600)
-    obs: list[cal.StepObs] = []
-    unloaded: list[dict[str, Any]] = []
-    # A fresh connection per request: llama-server may close one after a stream (a reused,
-    # half-closed keep-alive connection fails the next request's write).
-    connector = aiohttp.TCPConnector(force_close=True)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        await one_request(session, url, "Hello", 4)  # warm-up (first-touch of the weights)
-        lengths = (48, 320, 640) if args.short else (48, 160, 320, 480, 640)
-        for i, pt in enumerate(lengths):
-            prompt = prompt_for(Request(f"unloaded-{i}", 0, "c", "interactive", pt, None, 1), words)
-            m = await one_request(session, url, prompt, args.max_tokens)
-            unloaded.append(m)
-            t = m["timings"]
-            obs += cal.unloaded_obs(
-                int(t["prompt_n"]),
-                float(t["prompt_ms"]),
-                int(t["predicted_n"]),
-                float(t["predicted_per_token_ms"]),
-            )
-        bursts = []
-        for k in sorted({2, args.parallel}):
-            prompt = prompt_for(Request(f"burst-{k}", 0, "c", "interactive", 320, None, 1), words)
-            ms = await asyncio.gather(
-                *(one_request(session, url, prompt, args.max_tokens) for _ in range(k))
-            )
-            ctxs = [
-                int(m["timings"]["prompt_n"]) + int(m["timings"]["predicted_n"]) / 2 for m in ms
-            ]
-            per = [float(m["timings"]["predicted_per_token_ms"]) for m in ms]
-            obs.append(cal.batch_obs(ctxs, per))
-            bursts.append({"k": k, "per_token_ms": per})
-        totals = await metric_totals(session, url)
+    """The module docstring's calibration on the llama-server at ``url``, as JSON-ready values:
+    ``slo`` (:class:`~kvgate_bench.real_engine.calibration.Slo`'s fields), ``profile`` (the
+    engine profile's JSON), ``capacity_rps``, the probes, the unloaded requests and bursts,
+    the outputs' mean and median length, llama-server's counters."""
+    alias = MODELS[args.model].alias
+    unloaded, bursts = await _measure(url, args, words, alias)
     slo = cal.slo_from_unloaded([m["ttft_s"] for m in unloaded], [m["tpot_s"] for m in unloaded])
-    fitted, rmse = cal.fit_steptime(obs, "llama-server-fit", args.ctx)
-    outs = [int(m["usage"]["completion_tokens"]) for m in unloaded]
-    service = sum(m["ttft_s"] + m["tpot_s"] * o for m, o in zip(unloaded, outs, strict=True)) / len(
-        outs
+    profile = pf.fit_profile(
+        f"llama-server-{args.model}-p{args.parallel}",
+        parallel=args.parallel,
+        ctx=args.ctx,
+        unloaded=[m["timings"] for m in unloaded],
+        bursts=bursts,
+        slo=slo,
     )
+    outs = [int(m["usage"]["completion_tokens"]) for m in unloaded]
     prompts = {f"u{i}": int(m["usage"]["prompt_tokens"]) for i, m in enumerate(unloaded)}
-    outputs = {f"u{i}": o for i, o in enumerate(outs)}
-    rate, predicted = predicted_capacity(fitted, args, slo, prompts, outputs)
+    rate, _ = predicted_capacity(
+        profile, args, slo, prompts, {f"u{i}": o for i, o in enumerate(outs)}
+    )
+    predicted_rate = rate
     if rate <= 0:  # the fitted engine meets the SLO at no rate: a rough guess
-        rate = 0.5 * args.parallel / service
+        service = sum(m["ttft_s"] + m["tpot_s"] * o for m, o in zip(unloaded, outs, strict=True))
+        rate = 0.5 * args.parallel / (service / len(outs))
+    mean_total = sum(outs) / len(outs) + sum(prompts.values()) / len(prompts)
     probes: list[tuple[float, float]] = []
     probe_rows = []
-    mean_out = sum(outs) / len(outs)
-    mean_total = mean_out + sum(int(m["usage"]["prompt_tokens"]) for m in unloaded) / len(unloaded)
     for i in range(2 if args.short else 3):
         sched = generate(
             "conversation",
             rate,
             cal.probe_duration(rate, args.probe_duration, 3 * args.probe_duration),
-            args.seed + 100 + i,
+            args.tune_seed + 100 + i,
             max_model_len=args.ctx // args.parallel,
         )
         ctx = arm_context("conversation", args, rate, mean_total, slo)
         run = await run_arm(
-            url,
-            sched,
-            NONE,
-            ctx,
-            {},
-            max_tokens=args.max_tokens,
-            drain_s=args.drain,
-            words=words,
-            workdir=workdir,
-        )
+            url, sched, NONE, ctx, {}, max_tokens=args.max_tokens, drain_s=args.drain,
+            words=words, workdir=workdir, alias=alias,
+        )  # fmt: skip
         s = summarize(run.result, slo.pair())
         att = float(s["slo_attainment"] or 0.0)
         probes.append((rate, att))
         outs += list(run.output_tokens.values())
         probe_rows.append(
-            {
-                "rate_rps": rate,
-                "slo_attainment": att,
-                "requests": s["requests"],
-                "timeouts": run.timeouts,
-                "send_lag_p99_s": run.send_lag_p99_s,
-            }
-        )
+            {"rate_rps": rate, "slo_attainment": att, "requests": s["requests"],
+             "timeouts": run.timeouts, "send_lag_p99_s": run.send_lag_p99_s,
+             "cached_prompt_tokens": run.cached_prompt_tokens}
+        )  # fmt: skip
         print(
             f"  capacity probe {rate:.3f} req/s: SLO met {att:.2f} ({s['requests']} requests)",
             flush=True,
         )
         rate = cal.next_probe(probes)
-    capacity = cal.capacity_rate(probes)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        totals = await metric_totals(session, url)
     return {
-        "slo": slo,
-        "steptime": fitted,
-        "fit_rmse": rmse,
-        "observations": [o.__dict__ for o in obs],
-        "unloaded": [{k: m[k] for k in ("ttft_s", "tpot_s", "usage")} for m in unloaded],
-        "bursts": bursts,
-        "engine_totals": totals,
-        "capacity_rps": capacity,
+        "slo": slo.__dict__,
+        "profile": profile.to_json(),
+        "capacity_rps": cal.capacity_rate(probes),
         "probes": probe_rows,
-        "predicted_capacity_rps": rate if predicted else None,
-        "predicted_probes": predicted,
+        "predicted_capacity_rps": predicted_rate,
+        "unloaded": [{k: m[k] for k in ("ttft_s", "tpot_s", "usage", "timings")} for m in unloaded],
+        "bursts": [b.__dict__ for b in bursts],
+        "engine_totals": totals,
         "mean_output_tokens": sum(outs) / len(outs),
         "mean_total_tokens": mean_total,
         "output_tokens_p50": percentile([float(o) for o in outs], 50),
     }
 
 
+def slo_of(c: dict[str, Any]) -> cal.Slo:
+    """The calibration's SLO."""
+    return cal.Slo(**c["slo"])
+
+
+def profile_of(c: dict[str, Any]) -> EngineProfile:
+    """The calibration's engine profile."""
+    return EngineProfile(**c["profile"])
+
+
 def calibration_text(c: dict[str, Any]) -> str:
     """The printed line of :func:`calibrate`'s result: the SLO (and the unloaded p50s it comes
-    from), the capacity, the mean output and the fitted step-time coefficients."""
-    slo: cal.Slo = c["slo"]
-    fitted: StepTimeModel = c["steptime"]
+    from), the capacity, the mean output and the fitted decode table."""
+    slo, p = slo_of(c), profile_of(c)
+    table = ", ".join(f"{k}: {ms:.1f}" for k, ms in p.decode_step_ms.items())
     return (
         f"  SLO TTFT <= {slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms (unloaded "
         f"p50 {slo.unloaded_ttft_p50_s:.3f} s, {slo.unloaded_tpot_p50_s * 1e3:.0f} ms); "
         f"capacity {c['capacity_rps']:.3f} req/s; mean output "
-        f"{c['mean_output_tokens']:.0f} tokens; fit a {fitted.a_s * 1e3:.2f} ms, b "
-        f"{fitted.b_s * 1e6:.1f} us, c {fitted.c_s * 1e3:.2f} ms, d "
-        f"{fitted.d_s * 1e6:.3f} us (rms error {c['fit_rmse'] * 100:.0f} %)"
+        f"{c['mean_output_tokens']:.0f} tokens; decode step ms by batch size {{{table}}}, "
+        f"prefill {p.prefill_ms_per_token:.3f} ms/token, context "
+        f"{p.context_us_per_token:.3f} us/token"
     )

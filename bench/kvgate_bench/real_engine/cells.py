@@ -1,68 +1,85 @@
-"""Step 2 of :mod:`kvgate_bench.real_engine.__main__`: the cells, each through the four arms
-against the running llama-server, with the baselines' sweep, and each cell's virtual rows.
+"""Step 2 of :mod:`kvgate_bench.real_engine.__main__`: the baselines' sweep on the tune seed
+and the cells of the report seeds, each arm on a fresh llama-server, each result saved to the
+resume file as soon as it is known.
 
-A cell is a workload at a load (:func:`cells`); its schedule is seeded by ``--seed`` and offers
-the load x the calibrated capacity (``isolation``: its total load,
-:func:`kvgate_bench.effectiveness.workloads.isolation_load`). The arms run in turn on the same
-schedule: ``none``, ``concurrency-cap``, ``token-bucket``, ``kvgate``
-(:func:`kvgate_bench.real_engine.client.run_arm`). The first cell sweeps the two baselines'
-settings (:func:`sweeps`) and keeps the best goodput's; the later cells reuse it. Each row is
-:func:`kvgate_bench.real_engine.report.build_row`'s (:func:`cell_row`); the virtual rows come
-from :func:`kvgate_bench.real_engine.virtual.virtual_rows`.
+**Units.** One arm's run of one schedule is a unit: llama-server started afresh (prompt cache
+off), the arm's requests sent (:func:`kvgate_bench.real_engine.client.run_arm`), llama-server
+stopped, the row saved (:mod:`kvgate_bench.real_engine.resume`). A unit starts only when its
+estimate (:func:`kvgate_bench.real_engine.plan.unit_estimate_s`) ends within the invocation's
+budget; otherwise the invocation stops there, and the next one goes on from the file.
+
+**Tuning** (:meth:`Runner.tune`): on the tune seed, each cell's schedule through every setting
+of the two baselines (:func:`kvgate_bench.real_engine.plan.sweeps`); the best goodput's setting
+per baseline is stored under the cell and reused on every report seed.
+
+**Cells** (:meth:`Runner.cell`): on a report seed, the cell's schedule
+(:func:`kvgate_bench.real_engine.plan.sized_schedule`) through the arms in the seed's rotated
+order (:func:`kvgate_bench.real_engine.plan.arm_order`), the baselines at their tuned setting.
+When every arm has run, the virtual twin runs the same schedule
+(:func:`kvgate_bench.real_engine.virtual.virtual_rows`), each pair is compared
+(:func:`kvgate_bench.real_engine.agreement.compare_cell`) and the cell is closed in the file.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate_bench.effectiveness.arms import ArmContext
-from kvgate_bench.effectiveness.metrics import summarize
-from kvgate_bench.effectiveness.workloads import Schedule, generate, isolation_load
-from kvgate_bench.real_engine import calibration as cal
-from kvgate_bench.real_engine.client import BUCKET, CAP, KVGATE, NONE, ArmRun, run_arm
-from kvgate_bench.real_engine.report import best_setting, build_row, output_stats, row_text
+from kvgate_bench.effectiveness.driver import DEGRADED, SERVED
+from kvgate_bench.effectiveness.workloads import Schedule
+from kvgate_bench.real_engine import plan, resume
+from kvgate_bench.real_engine.agreement import compare_cell
+from kvgate_bench.real_engine.calibration_run import profile_of, slo_of
+from kvgate_bench.real_engine.client import ArmRun, run_arm
+from kvgate_bench.real_engine.engine import start_llama
+from kvgate_bench.real_engine.limit_trace import summary
+from kvgate_bench.real_engine.prompts import Model
+from kvgate_bench.real_engine.report import row_text
+from kvgate_bench.real_engine.rows import build_row, output_stats
 from kvgate_bench.real_engine.virtual import arm_context, virtual_rows
-from kvgate_bench.sim.steptime import StepTimeModel
 
 
-def cells(short: bool) -> list[tuple[str, float]]:
-    """(workload, load) cells; ``isolation``'s load is its noisy tenant's (x capacity)."""
-    if short:
-        return [("multi-tenant", 2.0), ("multi-tenant", 1.0), ("isolation", 3.0)]
-    return [("multi-tenant", 2.0), ("multi-tenant", 1.0), ("multi-tenant", 3.0), ("isolation", 3.0)]
+def natural_outputs(run: ArmRun) -> dict[str, int]:
+    """Output tokens by request id of the requests that ended on their own (EOS) or at the
+    max_tokens they were sent undegraded: the lengths the twin may take as the model's."""
+    out: dict[str, int] = {}
+    for rec in run.result.records:
+        rid = rec.request.rid
+        if rec.outcome != SERVED or rid not in run.output_tokens:
+            continue
+        if run.finish.get(rid) in ("stop", "length"):
+            out[rid] = run.output_tokens[rid]
+    return out
 
 
-def sweeps(short: bool, parallel: int, ttft_slo_s: float) -> dict[str, list[dict[str, Any]]]:
-    """The baselines' settings swept (step 2 of :mod:`kvgate_bench.real_engine.__main__`'s
-    docstring)."""
-    wait = round(ttft_slo_s, 3)
-    caps = [{"cap": max(1, parallel // 2), "queue_timeout_s": wait}]
-    caps.append({"cap": parallel, "queue_timeout_s": wait})
-    buckets = [{"factor": 1.0, "burst_s": 10.0}, {"factor": 1.5, "burst_s": 10.0}]
-    if not short:
-        caps.append({"cap": 2 * parallel, "queue_timeout_s": wait})
-        buckets.append({"factor": 2.0, "burst_s": 10.0})
-    return {CAP: caps, BUCKET: buckets}
-
-
-def cell_row(
+def real_row(
     run: ArmRun,
+    args: argparse.Namespace,
+    slo: tuple[float, float],
+    *,
     workload: str,
     load: float,
     arm: str,
-    args: argparse.Namespace,
-    slo: cal.Slo,
+    seed: int,
+    params: dict[str, Any],
     tuned: str,
+    position: int,
 ) -> dict[str, Any]:
-    """The JSON row of one arm's run in a cell, scored under the calibrated ``slo``: the
-    summary and what only a real engine has (:mod:`kvgate_bench.real_engine.report`); ``tuned``
-    says how the setting was chosen (``swept``, ``reused`` or ``-``)."""
-    s = summarize(run.result, slo.pair())
-    extra = {
+    """The JSON row of one arm's real run (:mod:`kvgate_bench.real_engine.rows`) with what only
+    the real engine has: ``cached_prompt_tokens`` (must be 0), the timeouts, 5xx, statuses,
+    send lag, llama-server's gauges, the load average, the outputs' lengths and EOS share, the
+    sidecar's limit (``kvgate`` arms), the lengths by request id (for the twin), ``tuned``
+    (``swept``, ``reused`` or ``-``), ``params`` and ``position`` (its place in the order run)."""
+    extra: dict[str, Any] = {
+        "params": params,
         "tuned": tuned,
+        "position": position,
+        "cached_prompt_tokens": run.cached_prompt_tokens,
+        "cached_reported": len(run.cached_tokens),
         "timeouts": run.timeouts,
         "errors_5xx": run.errors_5xx,
         "statuses": run.statuses,
@@ -72,125 +89,182 @@ def cell_row(
         "loadavg_before": run.loadavg_before,
         "loadavg_after": run.loadavg_after,
         "wall_s": run.wall_s,
-        **output_stats(run.output_tokens, run.finish),
+        "degraded_share": sum(1 for r in run.result.records if r.outcome == DEGRADED)
+        / max(1, len(run.result.records)),
+        **output_stats(run.output_tokens, run.finish, args.max_tokens),
+        "prompt_tokens_by_id": run.prompt_tokens,
+        "natural_output_tokens_by_id": natural_outputs(run),
     }
-    return build_row(s, workload=workload, load=load, arm=arm, seed=args.seed, extra=extra)
+    if run.limit_trace or arm.startswith("kvgate"):
+        done = [r.finished_at for r in run.result.records
+                if r.outcome in (SERVED, DEGRADED) and r.finished_at is not None]  # fmt: skip
+        extra.update(summary(run.limit_trace, done))
+    return build_row(
+        run.result, slo, workload=workload, load=load, arm=arm, seed=seed,
+        profile="llama-server", extra=extra, queue_waits_s=run.queue_waits_s,
+    )  # fmt: skip
 
 
 @dataclass
-class CellRunner:
-    """Runs the cells against the llama-server at ``url`` on the calibration ``c``
-    (:func:`kvgate_bench.real_engine.calibration_run.calibrate`'s result).
+class Runner:
+    """Runs the units of an invocation against fresh llama-servers and saves each result.
 
     Attributes:
-        url: llama-server's base URL.
         args: the parsed options (:func:`kvgate_bench.real_engine.cli.parse_args`).
-        c: the calibration: its ``slo``, ``steptime``, ``capacity_rps``, ``mean_total_tokens``.
-        words: the prompts' text (:func:`kvgate_bench.real_engine.client.corpus`).
-        workdir: where the sidecar's log and policy go.
-        client_cpus: the CPUs the sidecar is pinned to (``taskset -c``), or None.
-        tuned: arm -> the setting the sweep chose (filled by the first cell).
-        rows, vrows: the real and the virtual rows so far, cell by cell.
+        server, model_path: llama-server's binary and the GGUF file.
+        model: the model served (its alias).
+        cache_ram_off: whether llama-server takes ``--cache-ram 0``.
+        words: the prompts' text.
+        workdir: where the servers' and sidecars' logs go.
+        engine_cpus, client_cpus: ``taskset -c`` lists, or None.
+        doc: the resume document (its ``calibration`` set).
+        path: the resume file, or None (results then live in ``doc`` only).
+        budget_s: seconds this invocation may run, from ``t0`` (``time.monotonic()``).
+        units: the units run so far.
     """
 
-    url: str
     args: argparse.Namespace
-    c: dict[str, Any]
+    server: str
+    model_path: str
+    model: Model
+    cache_ram_off: bool
     words: list[str]
     workdir: Path
+    engine_cpus: str | None
     client_cpus: str | None
-    tuned: dict[str, dict[str, Any]] = field(default_factory=dict)
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    vrows: list[dict[str, Any]] = field(default_factory=list)
+    doc: dict[str, Any]
+    path: Path | None
+    budget_s: float
+    t0: float = field(default_factory=time.monotonic)
+    units: int = 0
 
-    async def run(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Every cell of :func:`cells` in order; (real rows, virtual rows)."""
-        for workload, load in cells(self.args.short):
-            await self.run_cell(workload, load)
-        return self.rows, self.vrows
+    def save(self) -> None:
+        if self.path is not None:
+            self.doc = resume.save(self.path, self.doc)
 
-    async def run_cell(self, workload: str, load: float) -> None:
-        """One cell: its schedule through each arm, then its virtual rows."""
-        args, c = self.args, self.c
-        slo: cal.Slo = c["slo"]
-        fitted: StepTimeModel = c["steptime"]
-        total = isolation_load(load) if workload == "isolation" else load
-        rate = total * c["capacity_rps"]
-        sched = generate(
-            workload,
-            rate,
-            args.duration,
-            args.seed,
-            max_model_len=args.ctx // args.parallel,
-            noisy_load=load,
-        )
-        ctx = arm_context(workload, args, c["capacity_rps"], c["mean_total_tokens"], slo)
+    def schedule(self, workload: str, load: float, seed: int) -> Schedule:
+        c = self.doc["calibration"]
+        return plan.sized_schedule(
+            workload, load, float(c["capacity_rps"]), seed,
+            min_duration_s=self.args.duration, min_requests=self.args.min_requests,
+            max_model_len=self.args.ctx // self.args.parallel,
+        )  # fmt: skip
+
+    def fits(self, sched: Schedule, what: str) -> bool:
+        """Whether a unit on ``sched`` fits the budget; says so when it does not."""
+        est = plan.unit_estimate_s(sched.duration_s, self.args.drain)
+        elapsed = time.monotonic() - self.t0
+        if plan.fits(est, elapsed, self.budget_s):
+            return True
         print(
-            f"{workload} load {load:g} ({rate:.3f} req/s, {len(sched.requests)} "
-            f"requests over {args.duration:g} s)",
+            f"budget: {what} (~{est / 60:.1f} min) would end past the "
+            f"{self.budget_s / 60:.0f}-minute budget ({elapsed / 60:.1f} min used): stopping "
+            "here; run again with the same --resume to go on",
             flush=True,
         )
-        cell_rows: dict[str, dict[str, Any]] = {}
-        none_run: ArmRun | None = None
-        for arm in (NONE, CAP, BUCKET, KVGATE):
-            run = await self._run_arm(sched, ctx, workload, load, arm, cell_rows)
-            if run is not None:
-                none_run = run
-        self.rows += cell_rows.values()
-        assert none_run is not None
-        self.vrows += virtual_rows(
-            sched, none_run, cell_rows, ctx, fitted, slo, workload=workload, load=load, args=args
-        )
+        return False
 
-    async def _run_arm(
-        self,
-        sched: Schedule,
-        ctx: ArmContext,
-        workload: str,
-        load: float,
-        arm: str,
-        cell_rows: dict[str, dict[str, Any]],
-    ) -> ArmRun | None:
-        """``arm`` on the cell's schedule at each of its settings (the sweep, the tuned one, or
-        none); its best-goodput row into ``cell_rows``. Returns ``none``'s run, else None."""
-        args, slo = self.args, self.c["slo"]
-        settings: list[dict[str, Any]] = [{}]
-        if arm in self.tuned:
-            settings = [self.tuned[arm]]
-        elif arm in (CAP, BUCKET):
-            settings = sweeps(args.short, args.parallel, slo.ttft_s)[arm]
-        found: list[tuple[dict[str, Any], float]] = []
-        none_run: ArmRun | None = None
-        for params in settings:
-            run = await run_arm(
-                self.url,
-                sched,
-                arm,
-                ctx,
-                params,
-                max_tokens=args.max_tokens,
-                drain_s=args.drain,
-                words=self.words,
-                workdir=self.workdir,
+    async def run_unit(
+        self, sched: Schedule, workload: str, load: float, arm: str, params: dict[str, Any]
+    ) -> ArmRun:
+        """``arm`` at ``params`` on ``sched`` against a llama-server of its own."""
+        a, c = self.args, self.doc["calibration"]
+        ctx = arm_context(workload, a, float(c["capacity_rps"]),
+                          float(c["mean_total_tokens"]), slo_of(c), load)  # fmt: skip
+        self.units += 1
+        log = self.workdir / f"llama-{self.units}.log"
+        proc = await asyncio.to_thread(
+            start_llama, self.server, self.model_path, log, parallel=a.parallel, ctx=a.ctx,
+            threads=a.threads, alias=self.model.alias, cache_ram_off=self.cache_ram_off,
+            cpus=self.engine_cpus,
+        )  # fmt: skip
+        try:
+            return await run_arm(
+                proc.url, sched, arm, ctx, params, max_tokens=a.max_tokens, drain_s=a.drain,
+                words=self.words, workdir=self.workdir, alias=self.model.alias,
                 client_cpus=self.client_cpus,
-            )
-            how = "swept" if len(settings) > 1 else ("reused" if params else "-")
-            row = cell_row(run, workload, load, arm, args, slo, how)
-            row["params"] = params
-            found.append((params, row["goodput_tokens_per_s"]))
-            if arm == NONE:
-                none_run = run
-            if len(settings) > 1:
-                print(
-                    f"    {arm} {params}: goodput {row['goodput_tokens_per_s']:.1f}",
-                    flush=True,
-                )
-            if (
-                arm not in cell_rows
-                or row["goodput_tokens_per_s"] > cell_rows[arm]["goodput_tokens_per_s"]
-            ):
-                cell_rows[arm] = row
-        if arm in (CAP, BUCKET) and arm not in self.tuned:
-            self.tuned[arm] = best_setting(found)
-        print(row_text(cell_rows[arm], cell_rows.get(NONE)), flush=True)
-        return none_run
+            )  # fmt: skip
+        finally:
+            await asyncio.to_thread(proc.stop)
+
+    async def tune(self, workload: str, load: float) -> bool:
+        """The tune seed's sweep of ``workload`` at ``load`` (module docstring); False when the
+        budget stopped it."""
+        key, seed = plan.cell_key(workload, load), int(self.args.tune_seed)
+        if key in self.doc["tuned"]:
+            return True
+        sched = self.schedule(workload, load, seed)
+        slo = slo_of(self.doc["calibration"])
+        sweeps = plan.sweeps(self.args.short, self.args.parallel, slo.ttft_s)
+        tuned: dict[str, Any] = {}
+        for arm, settings in sweeps.items():
+            found: list[tuple[dict[str, Any], float]] = []
+            for params in settings:
+                row = resume.sweep_row(self.doc, key, arm, params)
+                if row is None:
+                    if not self.fits(sched, f"tuning {key} {arm} {params}"):
+                        return False
+                    run = await self.run_unit(sched, workload, load, arm, params)
+                    row = real_row(run, self.args, slo.pair(), workload=workload, load=load,
+                                   arm=arm, seed=seed, params=params, tuned="swept",
+                                   position=0)  # fmt: skip
+                    resume.add_sweep(self.doc, key, arm, params, row)
+                    self.save()
+                    print(f"  tune {key} seed {seed}: {row_text(row)}", flush=True)
+                found.append((params, float(row["goodput_tokens_per_s"])))
+            tuned[arm] = max(found, key=lambda pg: pg[1])[0]
+        self.doc["tuned"][key] = tuned
+        self.save()
+        print(f"  tuned {key} on seed {seed}: {tuned}", flush=True)
+        return True
+
+    async def cell(self, workload: str, load: float, seed: int) -> bool:
+        """One report seed's cell (module docstring); False when the budget stopped it."""
+        key = plan.cell_key(workload, load)
+        if (key, seed) in resume.finished(self.doc):
+            return True
+        if not await self.tune(workload, load):
+            return False
+        sched = self.schedule(workload, load, seed)
+        slo = slo_of(self.doc["calibration"])
+        print(f"{key} seed {seed}: {sched.rate_rps:.3f} req/s, {len(sched.requests)} requests "
+              f"over {sched.duration_s:.0f} s", flush=True)  # fmt: skip
+        for pos, arm in enumerate(plan.arm_order(seed)):
+            if resume.run_row(self.doc, key, seed, arm) is not None:
+                continue
+            params = dict(self.doc["tuned"][key].get(arm, {}))
+            if not self.fits(sched, f"{key} seed {seed} {arm}"):
+                return False
+            run = await self.run_unit(sched, workload, load, arm, params)
+            row = real_row(run, self.args, slo.pair(), workload=workload, load=load, arm=arm,
+                           seed=seed, params=params, tuned="reused" if params else "-",
+                           position=pos)  # fmt: skip
+            resume.add_run(self.doc, key, seed, arm, row)
+            self.save()
+            print(row_text(row), flush=True)
+        self.close(workload, load, seed, sched)
+        return True
+
+    def close(self, workload: str, load: float, seed: int, sched: Schedule) -> None:
+        """The cell's twin and comparison; the cell moved into the file's ``cells``."""
+        key, c = plan.cell_key(workload, load), self.doc["calibration"]
+        rows = [resume.run_row(self.doc, key, seed, arm) for arm in plan.ARMS]
+        real = [r for r in rows if r is not None]
+        ctx = arm_context(workload, self.args, float(c["capacity_rps"]),
+                          float(c["mean_total_tokens"]), slo_of(c), load)  # fmt: skip
+        vrows = virtual_rows(
+            sched, real, ctx, profile_of(c), slo_of(c), workload=workload, load=load,
+            seed=seed, max_tokens=self.args.max_tokens,
+        )  # fmt: skip
+        comp = compare_cell(real, vrows)
+        resume.close_cell(self.doc, {
+            "cell": key, "workload": workload, "load": load, "seed": seed,
+            "rate_rps": sched.rate_rps, "duration_s": sched.duration_s,
+            "requests": len(sched.requests), "arm_order": plan.arm_order(seed),
+            "rows": real, "virtual": vrows, "comparison": comp,
+        })  # fmt: skip
+        self.save()
+        for x in comp:
+            tail = "" if x["agrees"] else f"  DISAGREE: {x['disagreement']}"
+            print(f"  twin {x['arm']:<16} real {x['real_goodput']:6.1f} virtual "
+                  f"{x['virtual_goodput']:6.1f} tok/s{tail}", flush=True)  # fmt: skip

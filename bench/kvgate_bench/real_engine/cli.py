@@ -1,43 +1,88 @@
-"""The command line of ``python -m kvgate_bench.real_engine``: its flags, their defaults and the
-``--help`` text (the run itself: :mod:`kvgate_bench.real_engine.__main__`).
+"""The command line of ``python -m kvgate_bench.real_engine``: its flags, their defaults, the
+``--help`` text and the checks that refuse a bad option (exit status 2, one line on stderr)
+before anything runs (the run itself: :mod:`kvgate_bench.real_engine.__main__`).
 
-Four defaults are filled in after parsing (the flags' own default is None, and an absent or zero
-value takes the default): ``--max-tokens`` 96, ``--duration`` 40 s (``--short`` 20), ``--drain``
-10 s (8), ``--probe-duration`` 20 s (15).
+Defaults filled in after parsing (the flag's own default is None): ``--max-tokens`` the
+model's ceiling (SmolLM2 256, Gemma 96); ``--duration`` 60 s (``--short`` 20), the shortest
+schedule (a cell's is longer when it needs more time for ``--min-requests``); ``--drain`` 20 s
+(8); ``--probe-duration`` 20 s (15); ``--min-requests`` 200 (``--short`` 20); ``--cells``
+``multi-tenant:2,multi-tenant:3,isolation:3,multi-tenant:1`` (``--short``:
+``multi-tenant:2,multi-tenant:1,isolation:3``); ``--seeds`` 2,3,4 (``--short``: 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
+from kvgate_bench.real_engine.plan import (
+    DEFAULT_CELLS,
+    MIN_REQUESTS,
+    SHORT_CELLS,
+    parse_cells,
+    parse_seeds,
+)
+from kvgate_bench.real_engine.prompts import MODELS
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The run's options from ``argv`` (default ``sys.argv[1:]``), the defaults filled in."""
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kvgate_bench.real_engine",
         description="kvgate's goodput in front of a real llama-server (none, tuned cap, tuned "
-        "token bucket, kvgate), next to the virtual benchmark on a fitted engine. llama-server "
-        "and its model: $KVGATE_LLAMA_SERVER and $KVGATE_LLAMA_MODEL, else the test command's "
-        "cache, else scripts/build-llama builds them.",
+        "token bucket, kvgate, kvgate with an empty spec), each arm on a fresh server with its "
+        "prompt cache off, next to the virtual benchmark on the fitted engine profile. "
+        "Resumable: --resume FILE keeps every finished cell; --report FILE prints the verdict. "
+        "llama-server and the models: $KVGATE_LLAMA_SERVER, $KVGATE_SMOLLM2_MODEL, "
+        "$KVGATE_LLAMA_MODEL (Gemma), else the test command's cache, else scripts/build-llama "
+        "builds and fetches them.",
+    )
+    p.add_argument("--short", action="store_true", help="a quick plumbing run (small cells)")
+    p.add_argument(
+        "--model", choices=sorted(MODELS), default="smollm2", help="the model (default smollm2)"
+    )
+    p.add_argument("--seeds", help="report seeds, comma-separated (default 2,3,4; --short 2)")
+    p.add_argument(
+        "--tune-seed",
+        type=int,
+        default=1,
+        help="the seed the baselines' sweep runs on (default 1); its choice is reused",
     )
     p.add_argument(
-        "--short", action="store_true", help="fewer cells and shorter schedules (<8 min)"
+        "--cells",
+        help=f"WORKLOAD:LOAD,... of multi-tenant and isolation (default {DEFAULT_CELLS})",
     )
-    p.add_argument("--seed", type=int, default=1, help="the schedules' seed (default 1)")
+    p.add_argument("--resume", type=Path, help="JSON of finished cells: read, skipped, appended")
+    p.add_argument(
+        "--report",
+        type=Path,
+        help="print the verdict from this resume file and exit (runs nothing)",
+    )
+    p.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=60.0,
+        help="start no arm run the estimate says ends past this (default 60)",
+    )
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        help=f"requests per arm per cell (isolation: 0.6x this well-behaved; default "
+        f"{MIN_REQUESTS}; --short 20)",
+    )
     p.add_argument("--parallel", type=int, default=4, help="llama-server slots (default 4)")
     p.add_argument(
         "--ctx", type=int, default=4096, help="llama-server context, all slots (default 4096)"
     )
     p.add_argument("--threads", type=int, default=1, help="llama-server threads (default 1)")
-    p.add_argument("--max-tokens", type=int, help="cap on each request's max_tokens (default 96)")
     p.add_argument(
-        "--duration", type=float, help="schedule length per cell, s (default 40; --short 20)"
+        "--max-tokens", type=int, help="max_tokens ceiling (default: SmolLM2 256, Gemma 96)"
     )
     p.add_argument(
-        "--drain",
-        type=float,
-        help="seconds after a schedule before cutting requests (default 10; --short 8)",
+        "--duration", type=float, help="shortest schedule per cell, s (default 60; --short 20)"
+    )
+    p.add_argument(
+        "--drain", type=float, help="seconds after a schedule before cutting (default 20; 8)"
     )
     p.add_argument(
         "--probe-duration",
@@ -45,10 +90,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="shortest capacity probe, s (a probe is long enough for 15 arrivals, up to 3x this)",
     )
     p.add_argument("--no-pin", action="store_true", help="no taskset pinning")
-    p.add_argument("--json", type=Path, help="write rows, calibration and meta here")
+    p.add_argument("--json", type=Path, help="also write this invocation's rows and verdict here")
+    p.add_argument("--write-profile", type=Path, help="write the fitted engine profile (JSON) here")
+    return p
+
+
+def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse bad values with ``p.error`` (exit 2, one line)."""
+    for name in ("parallel", "ctx", "threads", "max_tokens", "min_requests"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    for name in ("duration", "drain", "probe_duration", "budget_minutes"):
+        v = getattr(a, name)
+        if v is not None and (not math.isfinite(v) or v <= 0):
+            p.error(f"--{name.replace('_', '-')} must be a number > 0, got {v}")
+    if a.ctx < 2 * a.parallel:
+        p.error(f"--ctx {a.ctx} leaves under 2 tokens a slot at --parallel {a.parallel}")
+    try:
+        a.cell_list = parse_cells(a.cells or (SHORT_CELLS if a.short else DEFAULT_CELLS))
+        a.seed_list = parse_seeds(a.seeds or ("2" if a.short else "2,3,4"))
+    except ValueError as e:
+        p.error(str(e))
+    if a.tune_seed in a.seed_list:
+        p.error(f"--tune-seed {a.tune_seed} is also a report seed: report on other seeds")
+    if a.report is not None and not a.report.is_file():
+        p.error(f"--report {a.report}: no such file")
+    for name in ("resume", "json", "write_profile"):
+        path = getattr(a, name)
+        if path is not None and not path.resolve().parent.is_dir():
+            p.error(f"--{name.replace('_', '-')} {path}: its folder does not exist")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run's options from ``argv`` (default ``sys.argv[1:]``), the defaults filled in and
+    ``cell_list`` ([(workload, load)]) and ``seed_list`` ([int]) added. Exits 2 with a one-line
+    message for a bad option (:func:`_check`)."""
+    p = _parser()
     a = p.parse_args(argv)
-    a.max_tokens = a.max_tokens or 96
-    a.duration = a.duration or (20.0 if a.short else 40.0)
-    a.drain = a.drain or (8.0 if a.short else 10.0)
+    _check(p, a)
+    a.max_tokens = a.max_tokens or MODELS[a.model].max_tokens
+    a.duration = a.duration or (20.0 if a.short else 60.0)
+    a.drain = a.drain or (8.0 if a.short else 20.0)
     a.probe_duration = a.probe_duration or (15.0 if a.short else 20.0)
+    a.min_requests = a.min_requests or (20 if a.short else MIN_REQUESTS)
     return a
+
+
+def run_config(a: argparse.Namespace) -> dict[str, object]:
+    """The options a result depends on: a resume file made with other values is refused."""
+    return {
+        "model": a.model,
+        "parallel": a.parallel,
+        "ctx": a.ctx,
+        "threads": a.threads,
+        "max_tokens": a.max_tokens,
+        "short": a.short,
+        "min_requests": a.min_requests,
+        "duration_s": a.duration,
+        "drain_s": a.drain,
+    }

@@ -1,24 +1,25 @@
 """One seeded open-loop schedule through one arm into llama-server, over real HTTP.
 
-**Requests.** Each request of the schedule is a streaming chat completion
-(``/v1/chat/completions``, ``stream_options.include_usage``) sent at its arrival time, with its
-tenant in ``x-kvgate-tenant``. The prompt is real English text: ``words`` words of the Python
-standard library's own module documentation (:func:`corpus`, the same on every machine with the
-same Python) after an instruction to summarise it, where ``words`` is the schedule's prompt
-length / :data:`PROMPT_SCALE` within [:data:`MIN_WORDS`, :data:`MAX_WORDS`] (a 270M model on a
-CPU core prefills about a token a millisecond; the virtual workloads' 757-token median prompt
-would leave it no time to decode). ``max_tokens`` is the schedule's, capped at the run's
-``max_tokens``; the output ends where the model stops (EOS) or at that cap, and its length is
-llama-server's own count (``usage.completion_tokens``), as is the prompt's
-(``usage.prompt_tokens``).
+**Requests.** Each request of the schedule is a streaming chat completion sent at its arrival
+time, with its tenant in ``x-kvgate-tenant`` (the prompt and the body:
+:mod:`kvgate_bench.real_engine.prompts`; ``cache_prompt: false``). ``max_tokens`` is the
+schedule's, capped at the run's ceiling; the output ends where the model stops (EOS) or at that
+cap, and its length is llama-server's own count (``usage.completion_tokens``), as is the
+prompt's (``usage.prompt_tokens``) and the prompt tokens it took from a cache
+(:func:`kvgate_bench.real_engine.prompts.cached_tokens`: 0 when the cache is off, as it must
+be).
 
-**Arms.** ``none`` sends straight to llama-server. ``concurrency-cap`` and ``token-bucket`` are
-the virtual benchmark's own arms (:class:`kvgate_bench.effectiveness.arms.ConcurrencyCapArm`,
+**Arms** (:data:`kvgate_bench.real_engine.plan.ARMS`). ``none`` sends straight to
+llama-server. ``concurrency-cap`` and ``token-bucket`` are the virtual benchmark's own arms
+(:class:`kvgate_bench.effectiveness.arms.ConcurrencyCapArm`,
 :class:`~kvgate_bench.effectiveness.arms.TokenBucketArm`) driven on the real clock by this
 client (:class:`HttpGate`: what they dispatch is sent to llama-server, what they refuse is a
-refusal with no HTTP at all: a proxy in front of the engine that costs nothing). ``kvgate`` is
-the real sidecar (``kvgate-agent sidecar``, a child process) in front of llama-server,
-enforcing the README's recommended policy (:func:`kvgate_policy`).
+refusal with no HTTP at all: a proxy in front of the engine that costs nothing). ``kvgate`` and
+``kvgate-empty`` are the real sidecar (``kvgate-agent sidecar``, a child process) in front of
+llama-server, enforcing the README's recommended policy (:func:`kvgate_policy`) or an empty
+spec (the defaults); their admin port's ``kvgate_concurrency_limit`` is polled every 0.5 s
+(:mod:`kvgate_bench.real_engine.limit_trace`) and the wait the sidecar reports
+(``x-kvgate-queue-wait-ms``) is each admitted request's queue wait.
 
 Every request opens its own connection (a reused keep-alive connection that llama-server
 closed after a stream fails the next request's write: the stale keep-alive of issue 24).
@@ -37,14 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import importlib
-import inspect
-import json
 import os
 import re
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,92 +57,22 @@ from kvgate_bench.effectiveness.driver import (
     RequestRecord,
     RunResult,
 )
-from kvgate_bench.effectiveness.kvgate_defaults import recommended_policy
-from kvgate_bench.effectiveness.realtime import policy_manifest
 from kvgate_bench.effectiveness.workloads import Request, Schedule
 from kvgate_bench.kit import processes
-from kvgate_bench.kit.llamaserver import LLAMA_MODEL
 from kvgate_bench.kit.sse import sse_json
-from kvgate_bench.kit.toolkit import free_port, percentile
-from kvgate_bench.real_engine.engine import EngineSampler, EngineStats, taskset_prefix, wait_idle
+from kvgate_bench.kit.toolkit import percentile
+from kvgate_bench.real_engine.engine import EngineSampler, EngineStats, wait_idle
+from kvgate_bench.real_engine.limit_trace import LimitPoller
+from kvgate_bench.real_engine.plan import ARMS, KVGATE, KVGATE_EMPTY, NONE
+from kvgate_bench.real_engine.prompts import cached_tokens, prompt_for, request_body
+from kvgate_bench.real_engine.sidecar_arm import start_sidecar
 from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.steptime import constant_profile
 
 TENANT_HEADER = "x-kvgate-tenant"
-#: Schedule prompt tokens per word sent.
-PROMPT_SCALE = 4
-MIN_WORDS = 12
-MAX_WORDS = 160
-#: The stdlib modules whose documentation is the prompts' text.
-CORPUS_MODULES = (
-    "argparse", "asyncio", "collections", "csv", "datetime", "decimal", "email", "fractions",
-    "functools", "heapq", "http.client", "json", "logging", "pathlib", "pickle", "random",
-    "sqlite3", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
-    "typing", "unittest", "urllib.request", "uuid", "zipfile",
-)  # fmt: skip
-INSTRUCTION = "Summarize the following text in a few sentences.\n\n"
-#: Arm names (the virtual benchmark's, for the two baselines).
-NONE, CAP, BUCKET, KVGATE = "none", "concurrency-cap", "token-bucket", "kvgate"
-ARMS = (NONE, CAP, BUCKET, KVGATE)
 #: The client's largest 99th-percentile send lag for a run that kept up, seconds (the
 #: real-time benchmark's bound, ``effectiveness.realtime.KEPT_UP_SEND_LAG_S``).
 KEPT_UP_SEND_LAG_S = 0.05
-
-
-def corpus() -> list[str]:
-    """The words of :data:`CORPUS_MODULES`' docstrings (module and public members), in order."""
-    words: list[str] = []
-    for name in CORPUS_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:  # e.g. a Python built without sqlite3
-            continue
-        docs = [inspect.getdoc(mod) or ""]
-        with warnings.catch_warnings():  # a deprecated alias warns when read
-            warnings.simplefilter("ignore")
-            for attr in sorted(dir(mod)):
-                if not attr.startswith("_"):
-                    docs.append(inspect.getdoc(getattr(mod, attr, None)) or "")
-        for d in docs:
-            words += d.split()
-    return words
-
-
-def prompt_words(prompt_tokens: int) -> int:
-    """Words of text sent for a schedule prompt of ``prompt_tokens`` (module docstring)."""
-    return max(MIN_WORDS, min(MAX_WORDS, prompt_tokens // PROMPT_SCALE))
-
-
-def prompt_for(req: Request, words: list[str]) -> str:
-    """``req``'s prompt: the instruction and :func:`prompt_words` words of ``words`` from an
-    offset fixed by the request id (SHA-256: the same in every process)."""
-    n = prompt_words(req.prompt_tokens)
-    start = int.from_bytes(hashlib.sha256(req.rid.encode()).digest()[:8], "big") % max(
-        1, len(words) - n
-    )
-    return INSTRUCTION + " ".join(words[start : start + n])
-
-
-def request_body(req: Request, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """The streaming chat completion sent for ``req`` with at most ``max_tokens`` tokens."""
-    return {
-        "model": LLAMA_MODEL,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-def kvgate_policy(ctx: ArmContext) -> dict[str, Any]:
-    """The ``kvgate`` arm's spec: the README's recommended policy
-    (:func:`kvgate_bench.effectiveness.kvgate_defaults.recommended_policy`: the SLO of
-    ``ctx.slo``, tenant classes, a ShortestFirst queue with Degrade) with the KV capacity read
-    from the engine (``capacity.fromEngineMetrics``, as ``examples/ratelimitpolicy-minimal.yaml``
-    writes it)."""
-    spec = recommended_policy(ctx)
-    return {**spec, "capacity": {"fromEngineMetrics": True}}
 
 
 @dataclass
@@ -161,6 +87,11 @@ class ArmRun:
         errors_5xx: answers 5xx other than 503 (the sidecar's refusal) and broken connections.
         prompt_tokens, output_tokens, finish: by request id, llama-server's usage and
             ``finish_reason`` of the requests it served.
+        cached_tokens: by request id, the prompt tokens llama-server took from a cache
+            (:func:`kvgate_bench.real_engine.prompts.cached_tokens`), where it said.
+        queue_waits_s: by request id, the wait the sidecar reported (``kvgate`` arms).
+        limit_trace: (seconds, limit) samples of the sidecar's concurrency limit (``kvgate``
+            arms; empty otherwise).
         engine: llama-server's gauges over the run.
         wall_s: real seconds from the first send to the last end.
         loadavg_before, loadavg_after: the machine's 1-minute load average.
@@ -174,11 +105,19 @@ class ArmRun:
     prompt_tokens: dict[str, int]
     output_tokens: dict[str, int]
     finish: dict[str, str]
+    cached_tokens: dict[str, int]
+    queue_waits_s: dict[str, float]
+    limit_trace: list[tuple[float, float]]
     engine: EngineStats
     wall_s: float
     loadavg_before: float
     loadavg_after: float
     errors: list[str] = field(default_factory=list)
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens llama-server took from a cache over the run (0 with the cache off)."""
+        return sum(self.cached_tokens.values())
 
     @property
     def send_lag_p99_s(self) -> float:
@@ -222,8 +161,12 @@ class _Client:
         max_tokens: int,
         words: list[str],
         arm: Arm | None,
+        alias: str,
     ) -> None:
         self.session, self.url, self.max_tokens, self.arm = session, url, max_tokens, arm
+        self.alias = alias
+        self.cached: dict[str, int] = {}
+        self.queue_waits: dict[str, float] = {}
         self.loop = asyncio.get_running_loop()
         self.t0 = 0.0
         self.records = {r.rid: RequestRecord(r) for r in schedule.requests}
@@ -285,7 +228,7 @@ class _Client:
         try:
             async with self.session.post(
                 self.url + "/v1/chat/completions",
-                json=request_body(req, self.prompts[req.rid], mt),
+                json=request_body(self.prompts[req.rid], mt, self.alias),
                 headers={TENANT_HEADER: req.tenant},
             ) as r:
                 self.statuses[str(r.status)] = self.statuses.get(str(r.status), 0) + 1
@@ -308,6 +251,9 @@ class _Client:
             ra = r.headers.get("Retry-After")
             rec.retry_after_s = float(ra) if ra is not None and ra.isdigit() else None
             return
+        wait_ms = r.headers.get("x-kvgate-queue-wait-ms")
+        if wait_ms is not None and wait_ms.isdigit():
+            self.queue_waits[req.rid] = int(wait_ms) / 1e3
         decision = r.headers.get("x-kvgate-decision")
         if decision == "degraded":
             m = _DEGRADED_MAX_TOKENS.search(r.headers.get("x-kvgate-degraded", ""))
@@ -316,6 +262,9 @@ class _Client:
         rec.outcome = DEGRADED if decision == "degraded" else SERVED
         chunks = 0
         async for obj in sse_json(r.content):
+            cached = cached_tokens(obj)
+            if cached is not None:
+                self.cached[req.rid] = cached
             usage = obj.get("usage")
             if usage:
                 self.usage_prompt[req.rid] = int(usage.get("prompt_tokens", 0))
@@ -344,48 +293,41 @@ async def run_arm(
     drain_s: float,
     words: list[str],
     workdir: Path,
+    alias: str,
     client_cpus: str | None = None,
     sample_s: float = 1.0,
 ) -> ArmRun:
-    """Run ``schedule`` through ``arm`` (:data:`ARMS`; ``params`` the baseline's setting) into
-    the llama-server at ``engine_url`` (module docstring). The ``kvgate`` sidecar runs as a child
-    process pinned to ``client_cpus``, its log and policy in ``workdir``."""
+    """Run ``schedule`` through ``arm`` (:data:`~kvgate_bench.real_engine.plan.ARMS`;
+    ``params`` the baseline's setting) into the llama-server at ``engine_url`` serving the
+    model ``alias`` (module docstring). A ``kvgate`` arm's sidecar runs as a child process
+    pinned to ``client_cpus``, its log and policy in ``workdir``. Raises ``ValueError`` for an
+    unknown arm."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     load0 = os.getloadavg()[0]
     sidecar: processes.Proc | None = None
     url = engine_url
-    if arm == KVGATE:
-        policy = workdir / "policy.json"
-        policy.write_text(json.dumps(policy_manifest(kvgate_policy(ctx), "real-engine")))
-        port = free_port()
-        argv = processes.sidecar_argv(
-            "--upstream-timeout", "3600", upstream=engine_url, policy=policy, port=port
-        )
-        sidecar = await asyncio.to_thread(
-            processes.start,
-            [*taskset_prefix(client_cpus), *argv],
-            workdir / "sidecar.log",
-            url=f"http://127.0.0.1:{port}",
-            ready="/healthz",
-            status=200,
-            what="kvgate-agent sidecar",
-        )
+    admin_url: str | None = None
+    if arm in (KVGATE, KVGATE_EMPTY):
+        sidecar, admin_url = await start_sidecar(engine_url, arm, ctx, workdir, client_cpus)
         url = sidecar.url
-    virtual = None if arm in (NONE, KVGATE) else make_arm(arm, ctx, params)
+    virtual = None if arm in (NONE, KVGATE, KVGATE_EMPTY) else make_arm(arm, ctx, params)
     w0 = time.perf_counter()
     try:
         async with aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=True)
         ) as session:
-            client = _Client(session, url, schedule, max_tokens, words, virtual)
+            client = _Client(session, url, schedule, max_tokens, words, virtual, alias)
             sampler = EngineSampler(session, engine_url, sample_s)
+            poller = LimitPoller(session, admin_url, client.now) if admin_url else None
             await wait_idle(session, engine_url)  # a previous arm's cut requests have ended
             client.t0 = client.loop.time() + 0.05
             if virtual is not None:
                 virtual.start(HttpGate(client), 0.0)
             sampler.start()
+            if poller is not None:
+                poller.start()
             arrivals = [asyncio.create_task(client.arrive(r)) for r in schedule.requests]
             deadline = client.t0 + schedule.duration_s + drain_s
             while True:
@@ -405,6 +347,7 @@ async def run_arm(
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
             stats = await sampler.stop()
+            trace = await poller.stop() if poller is not None else []
     finally:
         if sidecar is not None:
             await asyncio.to_thread(sidecar.stop)
@@ -437,6 +380,9 @@ async def run_arm(
         dict(client.usage_prompt),
         dict(client.usage_output),
         dict(client.finish),
+        dict(client.cached),
+        dict(client.queue_waits),
+        trace,
         stats,
         time.perf_counter() - w0,
         load0,

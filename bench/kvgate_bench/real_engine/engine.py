@@ -1,15 +1,20 @@
 """llama-server for the real-engine benchmark: found as the test command finds it, started
 pinned, and its own gauges sampled while an arm runs.
 
-* :func:`find_llama`: ``$KVGATE_LLAMA_SERVER`` and ``$KVGATE_LLAMA_MODEL``, else the newest in the
-  cache (``$KVGATE_CACHE``, default ``~/.cache/kvgate``: ``bin/llama-server-*-*-*``,
-  ``models/gemma3-270m*.gguf``, as ``tests/conftest.py`` looks), else ``scripts/build-llama``
-  builds and fetches them (its two output lines), as ``scripts/test`` does.
+* :func:`find_llama`: the server from ``$KVGATE_LLAMA_SERVER`` and the model from its variable
+  (:data:`kvgate_bench.real_engine.prompts.MODELS`: ``$KVGATE_SMOLLM2_MODEL``,
+  ``$KVGATE_LLAMA_MODEL`` for Gemma), else the newest in the cache (``$KVGATE_CACHE``, default
+  ``~/.cache/kvgate``: ``bin/llama-server-*-*-*``, the model's file pattern), else
+  ``scripts/build-llama`` builds and fetches them (its output lines: the server, Gemma,
+  SmolLM2), as ``scripts/test`` does.
 * :func:`pin_cpus`: llama-server on the last CPU, this process (and the sidecar) on the others.
 * :func:`start_llama`: :func:`kvgate_bench.kit.llamaserver.llama_args` (``--parallel``, ``-c``,
-  ``--no-kv-unified``, ``--metrics``, ``--slots``) with ``-t THREADS`` appended (llama.cpp's
-  argument parser keeps the last value), under ``taskset -c CPUS`` when given; ready once
-  ``/health`` answers 200 (:func:`kvgate_bench.kit.llamaserver.wait_loaded`).
+  ``--no-kv-unified``, ``--metrics``, ``--slots``, the model's ``--alias``) with ``-t
+  THREADS`` (llama.cpp's argument parser keeps the last value) and ``--cache-ram 0`` (the
+  host-RAM prompt cache off, where the build has the flag: :func:`has_flag`) appended, under
+  ``taskset -c CPUS`` when given; ready once ``/health`` answers 200
+  (:func:`kvgate_bench.kit.llamaserver.wait_loaded`). The benchmark starts a fresh one for
+  every arm's run, so that no arm inherits another's state or leftover requests.
 * :class:`EngineSampler`: every ``interval_s`` seconds, ``/metrics`` (llama.cpp's
   ``llamacpp:requests_processing`` and ``llamacpp:requests_deferred`` gauges) and ``/slots``
   (each slot's ``n_ctx`` and the tokens it holds, ``n_past`` where reported, else
@@ -34,33 +39,47 @@ import aiohttp
 from kvgate_bench.kit.llamaserver import llama_args, wait_loaded
 from kvgate_bench.kit.processes import Proc, spawn
 from kvgate_bench.kit.toolkit import free_port, parse_samples, sample_sum
+from kvgate_bench.real_engine.prompts import MODELS, Model
 
 REPO = Path(__file__).resolve().parents[3]
 
 
-def find_llama() -> tuple[str, str]:
-    """(llama-server binary, GGUF model): see the module docstring. Raises ``RuntimeError``
-    when neither the environment, the cache nor ``scripts/build-llama`` yields them."""
+def find_llama(model: Model = MODELS["smollm2"]) -> tuple[str, str]:
+    """(llama-server binary, ``model``'s GGUF file): see the module docstring. Raises
+    ``RuntimeError`` when neither the environment, the cache nor ``scripts/build-llama`` yields
+    them."""
     cache = Path(os.environ.get("KVGATE_CACHE", Path.home() / ".cache" / "kvgate"))
     found: list[str | None] = []
     for var, pattern in (
         ("KVGATE_LLAMA_SERVER", "bin/llama-server-*-*-*"),
-        ("KVGATE_LLAMA_MODEL", "models/gemma3-270m*.gguf"),
+        (model.env, model.pattern),
     ):
         preset = os.environ.get(var)
         hits = sorted(cache.glob(pattern))
         found.append(preset or (str(hits[-1]) if hits else None))
-    server, model = found
-    if server is not None and model is not None:
-        return server, model
+    server, gguf = found
+    if server is not None and gguf is not None:
+        return server, gguf
     script = REPO / "scripts" / "build-llama"
     if not script.exists():
         raise RuntimeError("llama-server not found: set KVGATE_LLAMA_SERVER and KVGATE_LLAMA_MODEL")
     out = subprocess.run([str(script)], check=True, capture_output=True, text=True).stdout
     lines = out.strip().splitlines()
-    if len(lines) < 2:
-        raise RuntimeError(f"scripts/build-llama printed {out!r}, not two paths")
-    return lines[-2], lines[-1]
+    if len(lines) <= model.build_line:
+        raise RuntimeError(f"scripts/build-llama printed {out!r}, not a path for {model.key}")
+    return lines[0], lines[model.build_line]
+
+
+def has_flag(binary: str, flag: str) -> bool:
+    """Whether ``binary --help`` lists ``flag`` (a llama-server too old for it would refuse to
+    start with it)."""
+    try:
+        out = subprocess.run(
+            [binary, "--help"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return flag in (out.stdout + out.stderr).split()
 
 
 def pin_cpus(no_pin: bool) -> tuple[str | None, str | None]:
@@ -91,14 +110,18 @@ def start_llama(
     parallel: int,
     ctx: int,
     threads: int,
+    alias: str,
+    cache_ram_off: bool,
     cpus: str | None = None,
     timeout: float = 120.0,
 ) -> Proc:
     """llama-server with ``parallel`` slots of ``ctx / parallel`` tokens, ``threads`` threads,
-    pinned to ``cpus`` (module docstring); its output in ``log``. Raises
+    the model's ``alias``, ``--cache-ram 0`` when ``cache_ram_off``, pinned to ``cpus`` (module
+    docstring); its output in ``log``. Raises
     :class:`kvgate_bench.kit.llamaserver.LlamaServerError` when it does not load."""
     port = free_port()
-    argv = llama_args(binary, model, port, parallel, ctx, "-t", str(threads))
+    extra = ["-t", str(threads), *(["--cache-ram", "0"] if cache_ram_off else [])]
+    argv = llama_args(binary, model, port, parallel, ctx, *extra, alias=alias)
     popen = spawn([*taskset_prefix(cpus), *argv], log)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -1,17 +1,19 @@
-"""llama-server's virtual counterpart: the engine the virtual benchmark simulates in its place,
-the arms' context, the capacity that engine predicts and the virtual rows of a cell (step 3 of
-:mod:`kvgate_bench.real_engine.__main__`).
+"""llama-server's virtual twin: the engine the virtual benchmark simulates in its place (the
+engine profile fitted by the calibration, :mod:`kvgate_bench.real_engine.profile_fit`), the
+arms' context, the capacity that engine predicts and the virtual rows of a cell.
 
-The step-time model is the one fitted to llama-server
-(:func:`kvgate_bench.real_engine.calibration.fit_steptime`); the schedules are the real ones with
-the prompt and output lengths llama-server reported
-(:func:`kvgate_bench.real_engine.calibration.with_lengths`). Times are virtual seconds.
+A cell's twin runs the cell's schedule with the prompt and output lengths llama-server
+reported (:func:`lengths_of`, :func:`kvgate_bench.real_engine.calibration.with_lengths`)
+through each arm at the setting the real arm ran, in virtual time (seconds) on the profile's
+step times and shape (:meth:`kvgate_bench.sim.profile_file.EngineProfile.steptime`,
+:meth:`~kvgate_bench.sim.profile_file.EngineProfile.engine_config`), scored under the
+calibrated SLO; :mod:`kvgate_bench.real_engine.agreement` compares each pair.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvgate_bench.effectiveness.arms import ArmContext, make_arm
@@ -19,20 +21,17 @@ from kvgate_bench.effectiveness.driver import simulate
 from kvgate_bench.effectiveness.metrics import summarize
 from kvgate_bench.effectiveness.workloads import Schedule, generate, tenants_of
 from kvgate_bench.real_engine import calibration as cal
-from kvgate_bench.real_engine.client import NONE, ArmRun
-from kvgate_bench.real_engine.report import build_row
+from kvgate_bench.real_engine.plan import NONE
+from kvgate_bench.real_engine.profile_fit import BLOCK, LLAMA_BATCH
+from kvgate_bench.real_engine.rows import build_row
 from kvgate_bench.sim.engine import EngineConfig
-from kvgate_bench.sim.steptime import StepTimeModel
-
-#: llama.cpp's default logical batch (``-b``): the most prompt tokens one step takes.
-LLAMA_BATCH = 2048
-BLOCK = 16
+from kvgate_bench.sim.profile_file import EngineProfile
 
 
 def engine_config(parallel: int, ctx: int) -> EngineConfig:
     """The virtual engine of llama-server ``--parallel P -c C --no-kv-unified``: P sequences,
     each of at most C / P tokens, a KV pool of C tokens (in 16-token blocks), prompts chunked
-    within llama.cpp's 2048-token batch."""
+    within llama.cpp's 2048-token batch (the fitted profile's shape too)."""
     return EngineConfig(
         num_gpu_blocks=ctx // BLOCK,
         block_size=BLOCK,
@@ -44,14 +43,20 @@ def engine_config(parallel: int, ctx: int) -> EngineConfig:
 
 
 def arm_context(
-    workload: str, args: argparse.Namespace, capacity_rps: float, mean_total: float, slo: cal.Slo
+    workload: str,
+    args: argparse.Namespace,
+    capacity_rps: float,
+    mean_total: float,
+    slo: cal.Slo,
+    load: float = 3.0,
 ) -> ArmContext:
-    """The arms' context for ``workload`` on the server of ``args`` (:func:`engine_config`):
-    its tenants, the capacity (requests/s, and tokens/s at ``mean_total`` prompt + output tokens
-    a request) and the calibrated SLO."""
+    """The arms' context for ``workload`` (``isolation``: its noisy tenant at ``load``) on the
+    server of ``args`` (:func:`engine_config`): its tenants, the capacity (requests/s, and
+    tokens/s at ``mean_total`` prompt + output tokens a request) and the calibrated SLO."""
+    noisy = load if workload == "isolation" else 3.0
     return ArmContext(
         engine_config(args.parallel, args.ctx),
-        {t.name: t for t in tenants_of(workload)},
+        {t.name: t for t in tenants_of(workload, noisy)},
         capacity_rps,
         capacity_rps * mean_total,
         slo.pair(),
@@ -59,25 +64,26 @@ def arm_context(
 
 
 def predicted_capacity(
-    fitted: StepTimeModel,
+    profile: EngineProfile,
     args: argparse.Namespace,
     slo: cal.Slo,
     prompts: dict[str, int],
     outputs: dict[str, int],
 ) -> tuple[float, list[tuple[float, float]]]:
-    """The capacity rate of ``none`` on ``conversation`` in virtual time on the fitted engine
-    (prompt and output lengths drawn from the measured ones; 300 s schedules at rates from 0.01
-    to 10 requests/s, x1.25 apart): the first measured probe's rate, and the virtual probes."""
+    """The capacity rate (requests/s) of ``none`` on ``conversation`` in virtual time on the
+    fitted profile (prompt and output lengths drawn from the measured ones; 300 s schedules at
+    rates from 0.01 to 10 requests/s, x1.25 apart), and the virtual probes (rate, attainment)."""
     probes: list[tuple[float, float]] = []
-    cfg = engine_config(args.parallel, args.ctx)
+    cfg = profile.engine_config()
+    steptime = profile.steptime()
     ctx = ArmContext(cfg, {}, 1.0, 1.0, slo.pair())
     rate = 0.01
     while rate < 10:
         sched = generate(
-            "conversation", rate, 300.0, args.seed + 50, max_model_len=cfg.max_model_len
+            "conversation", rate, 300.0, args.tune_seed + 50, max_model_len=cfg.max_model_len
         )
-        sched = cal.with_lengths(sched, prompts, outputs, args.max_tokens, args.seed)
-        run = simulate(sched, make_arm(NONE, ctx, {}), fitted, cfg)
+        sched = cal.with_lengths(sched, prompts, outputs, args.max_tokens, args.tune_seed)
+        run = simulate(sched, make_arm(NONE, ctx, {}), steptime, cfg)
         att = float(summarize(run, slo.pair())["slo_attainment"] or 0.0)
         probes.append((rate, att))
         if att < 0.5:
@@ -86,39 +92,51 @@ def predicted_capacity(
     return cal.capacity_rate(probes), probes
 
 
+def lengths_of(
+    rows: Sequence[Mapping[str, Any]],
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(prompt tokens, output tokens) by request id as llama-server reported them in a cell's
+    real rows (``prompt_tokens_by_id``, ``output_tokens_by_id``): ``none``'s first (it cut
+    nothing short), then the other arms' for what ``none`` did not serve, an output only from
+    a request that ended on its own (EOS) or at the ceiling it was sent."""
+    order = sorted(rows, key=lambda r: r["arm"] != NONE)
+    prompts: dict[str, int] = {}
+    outputs: dict[str, int] = {}
+    for r in order:
+        for rid, n in (r.get("prompt_tokens_by_id") or {}).items():
+            prompts.setdefault(rid, int(n))
+        for rid, n in (r.get("natural_output_tokens_by_id") or {}).items():
+            outputs.setdefault(rid, int(n))
+    return prompts, outputs
+
+
 def virtual_rows(
     schedule: Schedule,
-    none_run: ArmRun,
-    cell_rows: Mapping[str, Mapping[str, Any]],
+    real_rows: Sequence[Mapping[str, Any]],
     ctx: ArmContext,
-    fitted: StepTimeModel,
+    profile: EngineProfile,
     slo: cal.Slo,
     *,
     workload: str,
     load: float,
-    args: argparse.Namespace,
+    seed: int,
+    max_tokens: int,
 ) -> list[dict[str, Any]]:
-    """One virtual row per real row of a cell (``cell_rows``: arm -> row, its ``params`` the
-    setting run): ``schedule`` with the lengths of ``none_run`` simulated through the same arm
-    and setting on the fitted engine, scored under the calibrated SLO."""
-    vs = cal.with_lengths(
-        schedule,
-        none_run.prompt_tokens,
-        none_run.output_tokens,
-        args.max_tokens,
-        args.seed,
-    )
-    vrows: list[dict[str, Any]] = []
-    for arm, row in cell_rows.items():
-        vrun = simulate(vs, make_arm(arm, ctx, row["params"]), fitted, ctx.engine)
-        vrows.append(
+    """One virtual row per real row of a cell (its ``params`` the setting run): ``schedule``
+    with the real lengths (:func:`lengths_of`) simulated through the same arm and setting on
+    ``profile`` (the context's engine replaced by the profile's), scored under ``slo``."""
+    prompts, outputs = lengths_of(real_rows)
+    vs = cal.with_lengths(schedule, prompts, outputs, max_tokens, seed)
+    cfg, steptime = profile.engine_config(), profile.steptime()
+    vctx = ArmContext(cfg, ctx.tenants, ctx.capacity_rps, ctx.capacity_tokens_per_s, ctx.slo)
+    out: list[dict[str, Any]] = []
+    for row in real_rows:
+        arm, params = row["arm"], dict(row.get("params") or {})
+        vrun = simulate(vs, make_arm(arm, vctx, params), steptime, cfg)
+        out.append(
             build_row(
-                summarize(vrun, slo.pair()),
-                workload=workload,
-                load=load,
-                arm=arm,
-                seed=args.seed,
-                extra={"params": row["params"]},
+                vrun, slo.pair(), workload=workload, load=load, arm=arm, seed=seed,
+                profile=profile.name, extra={"params": params},
             )
-        )
-    return vrows
+        )  # fmt: skip
+    return out
