@@ -7,9 +7,9 @@ What it guarantees, as the aiohttp leg did (:mod:`kvgate_agent.sidecar.slowclien
 * **Header deadline** (slow loris): a request's headers must be complete within
   ``header_timeout`` seconds, counted from the connection's opening (first request) or from
   the first byte of a later one (as hyper's ``header_read_timeout``,
-  https://github.com/hyperium/hyper/pull/2675); then 408 (with kvgate's refusal headers) if
-  part of a request came, and the connection closes (silently when nothing came, as Go's
-  ``ReadHeaderTimeout``). The body's own deadline is the handler's.
+  https://github.com/hyperium/hyper/pull/2675); then 408 (kvgate's refusal headers, an OpenAI
+  error body) if part of a request came, and the connection closes (silently when nothing
+  came, as Go's ``ReadHeaderTimeout``). The body's own deadline is the handler's.
 * **Idle keep-alive**: a connection with no request for ``keepalive_timeout`` seconds closes.
 * **Malformed HTTP** (a broken request line or header, ``Content-Length`` with
   ``Transfer-Encoding``: request smuggling, RFC 9112 §6.3, a bad chunk size, a request line or
@@ -71,15 +71,9 @@ class LegConfig:
     connections: set[ClientConnection]
 
 
-_INVALID = responses.REFUSED_INVALID
-#: What a connection whose headers came too slowly gets, with kvgate's refusal headers.
-_TIMEOUT_408 = (
-    b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
-    + b"".join(
-        b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in responses.REFUSED_INVALID.items()
-    )
-    + b"Content-Length: 0\r\n\r\n"
-)
+#: What a connection whose headers came too slowly gets: 408, kvgate's refusal headers and an
+#: OpenAI error body.
+_TIMEOUT_408 = responses.header_deadline_answer(client=True)
 
 
 class ClientConnection(ClientTransport):

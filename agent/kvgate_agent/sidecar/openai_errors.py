@@ -78,3 +78,10 @@ def body_too_slow() -> RequestError:
     """408 for a request body that did not arrive within the body deadline
     (``--body-timeout-seconds``), on an admitted or a pass-through path alike."""
     return RequestError(408, "the request body arrived too slowly", code="request_timeout")
+
+
+def headers_too_slow() -> RequestError:
+    """408 for a connection whose request headers did not all arrive within the header deadline
+    (``--header-timeout-seconds``, counted from the connection's opening or from the first byte
+    of a later request); the connection is closed after it."""
+    return RequestError(408, "the request headers arrived too slowly", code="request_timeout")

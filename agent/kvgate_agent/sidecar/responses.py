@@ -21,6 +21,7 @@ from kvgate_agent.sidecar.openai_errors import (
     SERVICE_UNAVAILABLE,
     RequestError,
     error_body,
+    headers_too_slow,
 )
 
 JSON = "application/json"
@@ -224,6 +225,21 @@ def unsupported_media_type(content_type: str) -> web.Response:
 
 #: The headers of a client's request refused before admission for its own fault.
 REFUSED_INVALID = {DECISION_HEADER: "rejected", REASON_HEADER: "invalid_request"}
+
+
+def header_deadline_answer(*, client: bool) -> bytes:
+    """The whole answer, as written to the socket, of a connection whose request headers did
+    not arrive within the header deadline: ``408 Request Timeout`` with ``Connection: close``
+    and an OpenAI error body (:func:`~kvgate_agent.sidecar.openai_errors.headers_too_slow`,
+    ``code: request_timeout``); ``client``: on the port serving clients, so it also carries
+    :data:`REFUSED_INVALID` (the admin port's answers carry no ``x-kvgate-*``)."""
+    body = headers_too_slow().body()
+    extra = "".join(f"{k}: {v}\r\n" for k, v in REFUSED_INVALID.items()) if client else ""
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\nConnection: close\r\n"
+        f"Content-Type: {JSON}\r\n{extra}Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode("ascii") + body
 
 
 def malformed_http(status: int, message: str, *, client: bool) -> web.Response:

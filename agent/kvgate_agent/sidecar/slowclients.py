@@ -44,17 +44,11 @@ __all__ = ["KEEPALIVE_TIMEOUT_S", "GuardedAppRunner", "HeaderDeadlineHandler", "
 #: ``keepalive_timeout`` default, https://nginx.org/en/docs/http/ngx_http_core_module.html#keepalive_timeout
 KEEPALIVE_TIMEOUT_S = 75.0
 
-#: What a connection that ran out of time gets before it is closed (RFC 9110 §15.5.9), on
-#: the admin port.
-_TIMEOUT_RESPONSE = (
-    b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-)
+#: What a connection that ran out of time gets before it is closed (RFC 9110 §15.5.9): 408 with
+#: an OpenAI error body, on the admin port.
+_TIMEOUT_RESPONSE = responses.header_deadline_answer(client=False)
 #: The same on the port serving clients, with kvgate's refusal headers.
-_CLIENT_TIMEOUT_RESPONSE = _TIMEOUT_RESPONSE.replace(
-    b"Content-Length",
-    b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in responses.REFUSED_INVALID.items())
-    + b"Content-Length",
-)
+_CLIENT_TIMEOUT_RESPONSE = responses.header_deadline_answer(client=True)
 
 
 class HeaderDeadlineHandler(RequestHandler):
@@ -66,12 +60,12 @@ class HeaderDeadlineHandler(RequestHandler):
     :func:`track_requests`). The first bytes of a pipelined next request that came with or
     during the one being handled (counted in :meth:`data_received`) arm it when that one ends
     (:meth:`request_finished`), as no further byte may come to arm it. When it fires, the
-    connection is closed, after a bare 408 if part of a request had come (a connection that
-    sent nothing is closed silently, as Go's ``ReadHeaderTimeout`` does: an unasked 408 could
-    be read as the answer to a request sent just then), and ``on_timeout`` (a metric's
-    ``inc``) is called. ``on_malformed`` is called for each request the parser refuses (a
-    4xx, :meth:`handle_error`); None on a port not serving clients (the admin port): its
-    answers then carry no ``x-kvgate-*`` header.
+    connection is closed, after a 408 with an OpenAI error body if part of a request had come
+    (a connection that sent nothing is closed silently, as Go's ``ReadHeaderTimeout`` does: an
+    unasked 408 could be read as the answer to a request sent just then), and ``on_timeout``
+    (a metric's ``inc``) is called. ``on_malformed`` is called for each request the parser
+    refuses (a 4xx, :meth:`handle_error`); None on a port not serving clients (the admin
+    port): its answers then carry no ``x-kvgate-*`` header.
     """
 
     __slots__ = (
