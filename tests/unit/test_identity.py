@@ -74,7 +74,10 @@ def test_keys_file_maps_digests_to_tenants_and_keeps_the_class() -> None:
     ("text", "names"),
     [
         ("keys: [", "not YAML"),
-        ("[]", "(top level)"),
+        ("[]", "expected a mapping with a list 'keys:' of {sha256, tenant} entries, not a list"),
+        ("", "the file is empty"),
+        ("keys: [abc]", "keys[0]: expected a mapping with sha256 and tenant"),
+        (f"keys:\n- sha256: {DIGEST_A}\n  tenant: a\n  tenant: b\n", "line 4: the key 'tenant'"),
         ("keys:\n- tenant: a\n", "keys[0].sha256: Field required"),
         ("keys:\n- {sha256: abc, tenant: a}\n", "keys[0].sha256: String should match"),
         (
@@ -131,7 +134,11 @@ def test_a_bad_jwks_names_the_file_and_the_key(
 
 
 def test_a_jwks_that_is_not_one(rsa: SigningKey) -> None:
-    for data, names in ((b"{", "not JSON"), (b"[]", "expected a JWK Set")):
+    for data, names in (
+        (b"{", "not JSON"),
+        (b"[]", "expected a JWK Set"),
+        (b'{"keys": []}', "holds no key"),
+    ):
         with pytest.raises(KeyFileError, match=names):
             parse_jwks(data, "j")
     with pytest.raises(KeyFileError, match="kid 'rsa-1' is given twice"):

@@ -32,6 +32,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from kvgate_agent.contract import yamlfile
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.api import RATE_LIMIT_POLICY_KIND as KIND
 from kvgate_agent.contract.base import ContractModel, PositiveInt
@@ -310,7 +311,9 @@ def parse_policy(document: Any) -> RateLimitPolicy:
             loc = tuple(
                 p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-"))
             )
-            lines.append(f"{_field_path(loc)}: {err['msg']}")
+            # pydantic names its model class for a value that is not a mapping.
+            msg = "expected a mapping" if err["type"] == "model_type" else err["msg"]
+            lines.append(f"{_field_path(loc)}: {msg}")
         raise PolicyError("invalid RateLimitPolicy:\n  " + "\n  ".join(lines)) from None
 
 
@@ -318,7 +321,9 @@ def load_policy(path: str | Path) -> RateLimitPolicy:
     """Read one RateLimitPolicy from a YAML or JSON file.
 
     A multi-document file must hold exactly one RateLimitPolicy. Raises :class:`PolicyError` on
-    unreadable files, YAML errors or invalid fields; the message starts with the file name.
+    unreadable files, YAML errors (a mapping that repeats a key among them: YAML keeps one of
+    the two silently, :mod:`~kvgate_agent.contract.yamlfile`) or invalid fields; the message
+    starts with the file name.
     """
     p = Path(path)
     try:
@@ -328,7 +333,9 @@ def load_policy(path: str | Path) -> RateLimitPolicy:
     except UnicodeDecodeError:
         raise PolicyError(f"{p}: not a text file (expected UTF-8 YAML or JSON)") from None
     try:
-        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+        docs = [d for d in yamlfile.load_all(text) if d is not None]
+    except yamlfile.DuplicateKeyError as exc:
+        raise PolicyError(f"{p}: {exc}") from None
     except yaml.YAMLError as exc:
         raise PolicyError(f"{p}: not valid YAML: {exc}") from None
     kinds = [d.get("kind") for d in docs if isinstance(d, dict)]

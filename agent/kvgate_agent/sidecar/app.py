@@ -55,7 +55,9 @@ class Sidecar:
     in agent mode) and the forwarder.
 
     Raises ``ValueError`` unless exactly one of ``settings.policy`` (standalone) and
-    ``settings.agent`` (thresholds from the node agent) is given.
+    ``settings.agent`` (thresholds from the node agent) is given; ``KeyFileError`` when a keys
+    or JWKS file cannot be used, or the policy's ``tenants.jwt`` has no JWKS file
+    (:meth:`Authenticator.check`).
     """
 
     def __init__(
@@ -75,6 +77,8 @@ class Sidecar:
         #: Whose each request is: the keys and JWKS files (re-read while serving), the header.
         s = settings
         self.identity = Authenticator(s.api_keys_file, s.jwks_file, s.identity_poll_seconds)
+        if settings.policy is not None:
+            self.identity.check(settings.policy.spec.tenants)  # KeyFileError: exit 2
         #: Every connection to the model server (opened at startup, closed at cleanup).
         self.model_server = ModelServer(
             settings.upstream,

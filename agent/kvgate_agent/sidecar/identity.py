@@ -5,7 +5,8 @@ With ``tenants.header: authorization`` (see :class:`~kvgate_agent.contract.polic
 
 1. a bearer token whose SHA-256 is in the keys file (``--api-keys-file``) is that entry's tenant,
    and the entry's ``class``, when the policy declares it, is the request's class (over the
-   classes' match rules; an undeclared one is logged once per load of the file and ignored);
+   classes' match rules; an undeclared one is ignored, and logged when the file or the policy
+   is loaded, once per load of the file);
 2. else, with ``tenants.jwt``, the token must be a JWT (RFC 7519,
    https://www.rfc-editor.org/rfc/rfc7519) signed by a key of the JWKS file (``--jwks-file``)
    with an accepted algorithm, of the policy's issuer and audience, with an ``exp`` not past
@@ -39,13 +40,20 @@ from kvgate_agent.sidecar.keyfiles import (
     ALGORITHMS,
     ApiKeys,
     Jwks,
+    KeyFileError,
     WatchedFile,
     key_digest,
     parse_api_keys,
     parse_jwks,
 )
 from kvgate_agent.sidecar.openai_errors import RequestError
-from kvgate_agent.sidecar.tenants import UNKNOWN, bearer_token, tenant_name, tenant_of
+from kvgate_agent.sidecar.tenants import (
+    ANONYMOUS,
+    UNKNOWN,
+    bearer_token,
+    tenant_name,
+    tenant_of,
+)
 
 log = logging.getLogger("kvgate.identity")
 
@@ -70,7 +78,9 @@ def verify_jwt(token: str, spec: JwtSpec, keys: Jwks, leeway: float = LEEWAY_SEC
         RequestError: 401 when the token is malformed, uses ``none``, HMAC or another algorithm
             outside :data:`~kvgate_agent.sidecar.keyfiles.ALGORITHMS` or its key's, names an
             unknown ``kid``, fails its signature, lacks ``exp``, ``iss`` or ``aud``, has
-            expired or is not yet valid, is of another issuer or audience, or lacks the claim.
+            expired or is not yet valid, is of another issuer or audience, lacks the claim, or
+            its claim names ``unknown`` or ``anonymous`` (kvgate's own tenants: every unknown
+            key's pool under ``unknownKeys: Pool``, and requests without a tenant).
     """
     try:
         header = jwt.get_unverified_header(token)
@@ -107,7 +117,13 @@ def verify_jwt(token: str, spec: JwtSpec, keys: Jwks, leeway: float = LEEWAY_SEC
         value = str(value)
     if not isinstance(value, str) or not value.strip():
         raise unauthorized(f"the token has no claim {spec.claim!r} naming a tenant")
-    return tenant_name(value.strip())
+    tenant = tenant_name(value.strip())
+    if tenant in (UNKNOWN, ANONYMOUS):  # the keys file refuses them too (keyfiles.ApiKey)
+        raise unauthorized(
+            f"the token's claim {spec.claim!r} names {tenant!r}, a tenant kvgate keeps for "
+            "requests it cannot name"
+        )
+    return tenant
 
 
 class Authenticator:
@@ -136,6 +152,20 @@ class Authenticator:
         self._checked_loads = 0
         self._said: set[str] = set()
         self._undeclared: set[tuple[int, str]] = set()  # (keys file load, class) warned of
+
+    def check(self, spec: TenantsSpec) -> None:
+        """Refuse a policy whose tenants these files cannot name: ``tenants.jwt`` without a
+        JWKS file (every request would get 401). At start that stops a standalone sidecar
+        (exit 2); a policy re-read on SIGHUP is not enforced (the one in force stays).
+
+        Raises:
+            KeyFileError: ``tenants.jwt`` is set and no ``--jwks-file`` was given.
+        """
+        if spec.jwt is not None and self.jwks is None:
+            raise KeyFileError(
+                "tenants.jwt needs --jwks-file (KVGATE_JWKS_FILE), the issuer's signing keys: "
+                "without them every request would get 401"
+            )
 
     def tenant(self, headers: Mapping[str, str], spec: TenantsSpec) -> str:
         """The tenant of a request with ``headers`` under the policy's ``spec``.
@@ -224,10 +254,12 @@ class Authenticator:
             log.warning("%s", message)
 
     def poll(self) -> None:
-        """Re-read the files that changed (see :meth:`WatchedFile.poll`)."""
+        """Re-read the files that changed (see :meth:`WatchedFile.poll`). A keys file re-read
+        is checked against the policy last seen at once (:meth:`warn`: a ``class`` it does not
+        declare is logged now, not at that key's first request)."""
         for f in (self.api_keys, self.jwks):
-            if f is not None:
-                f.poll()
+            if f is not None and f.poll() and f is self.api_keys and self._checked is not None:
+                self.warn(self._checked)
 
     def start(self, spec: TenantsSpec) -> None:
         """Check ``spec`` (:meth:`warn`) and, with a file given, start re-reading the files in

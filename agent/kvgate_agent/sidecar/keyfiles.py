@@ -12,7 +12,8 @@ The file holds digests, never keys: ``printf %s "$KEY" | sha256sum`` gives one. 
 its tenant (at most 128 printable characters; ``unknown`` and ``anonymous`` are kvgate's own).
 A ``class`` names one of the policy's ``tenants.classes[].name`` (or its default class): the
 class of the key's requests, over the classes' match rules; a name the policy does not declare
-is ignored (:mod:`kvgate_agent.sidecar.identity` warns once per load of the file).
+is ignored (:mod:`kvgate_agent.sidecar.identity` warns when the file or the policy is loaded,
+once per load of the file).
 
 JWKS file: a JSON Web Key Set (RFC 7517 §5, https://www.rfc-editor.org/rfc/rfc7517), as an
 issuer publishes it at its ``jwks_uri``: ``{"keys": [{"kty", "kid", ...}, ...]}``. Every key
@@ -39,6 +40,7 @@ import jwt
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvgate_agent.contract import yamlfile
 from kvgate_agent.sidecar.tenants import ANONYMOUS, MAX_TENANT_LEN, UNKNOWN
 
 log = logging.getLogger("kvgate.identity")
@@ -103,6 +105,17 @@ ApiKeys = Mapping[str, ApiKey]
 """The keys file's entries by lowercase hex SHA-256 of the key."""
 
 
+def _yaml_kind(value: Any) -> str:
+    """What a YAML value is, in YAML's words (``list``, ``string``...)."""
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    return "number" if isinstance(value, int | float) else type(value).__name__
+
+
 def _where(loc: tuple[int | str, ...]) -> str:
     out = ""
     for part in loc:
@@ -110,21 +123,42 @@ def _where(loc: tuple[int | str, ...]) -> str:
     return out or "(top level)"
 
 
+#: What a keys file holds, for the errors about its shape.
+_KEYS_SHAPE = "expected a mapping with a list 'keys:' of {sha256, tenant} entries"
+
+
+def _said(error: Any) -> str:
+    """A validation error of the keys file in its own terms (pydantic's message names the
+    model class for a value that is not a mapping)."""
+    if error["type"] == "model_type":
+        return "expected a mapping with sha256 and tenant (and optionally class)"
+    if error["type"] == "list_type":
+        return "expected a list of {sha256, tenant} entries"
+    return str(error["msg"])
+
+
 def parse_api_keys(data: bytes, source: str) -> ApiKeys:
     """The keys of a keys file's contents ``data`` (``source`` names the file in errors).
 
     Raises:
-        KeyFileError: not YAML, not the shape above, or one digest listed twice, e.g.
+        KeyFileError: not YAML (a mapping that repeats a key among them), empty or not a
+            mapping with a ``keys`` list, not the shape above, or one digest listed twice, e.g.
             ``/etc/kvgate/keys.yaml: keys[2].sha256: String should match pattern ...``.
     """
     try:
-        doc = yaml.safe_load(data)
+        doc = yamlfile.load_one(data)
+    except yamlfile.DuplicateKeyError as exc:
+        raise KeyFileError(f"{source}: {exc}") from None
     except yaml.YAMLError as exc:
         raise KeyFileError(f"{source}: not YAML: {exc}") from None
+    if doc is None:
+        raise KeyFileError(f"{source}: the file is empty: {_KEYS_SHAPE}")
+    if not isinstance(doc, dict):
+        raise KeyFileError(f"{source}: {_KEYS_SHAPE}, not a {_yaml_kind(doc)}")
     try:
         parsed = _KeysFile.model_validate(doc)
     except ValidationError as exc:
-        problems = "; ".join(f"{_where(e['loc'])}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"{_where(e['loc'])}: {_said(e)}" for e in exc.errors())
         raise KeyFileError(f"{source}: {problems}") from None
     out: dict[str, ApiKey] = {}
     first: dict[str, int] = {}
@@ -188,8 +222,9 @@ def parse_jwks(data: bytes, source: str) -> Jwks:
     """The keys of a JWKS file's contents ``data`` (``source`` names the file in errors).
 
     Raises:
-        KeyFileError: not JSON, no ``keys`` list, a key not usable as above, or a ``kid``
-            given twice, e.g. ``/etc/kvgate/jwks.json: keys[1] (kid 'k2'): no kid``.
+        KeyFileError: not JSON, no ``keys`` list or an empty one, a key not usable as above,
+            or a ``kid`` given twice, e.g. ``/etc/kvgate/jwks.json: keys[1] (kid 'k2'): no
+            kid``.
     """
     try:
         doc = json.loads(data)
@@ -203,6 +238,9 @@ def parse_jwks(data: bytes, source: str) -> Jwks:
         if kid in out:
             raise KeyFileError(f"{source}: keys[{i}]: kid {kid!r} is given twice")
         out[kid] = key
+    if not out:
+        raise KeyFileError(f"{source}: holds no key: no token could be verified (every request "
+                           "would get 401)")  # fmt: skip
     return out
 
 

@@ -12,6 +12,7 @@ from kvgate_agent.contract.policy import FailureMode, PolicyError, RateLimitPoli
 from kvgate_agent.sidecar.enforced import EnforcedPolicy
 from kvgate_agent.sidecar.engine_stall import EngineStall
 from kvgate_agent.sidecar.identity import Authenticator
+from kvgate_agent.sidecar.keyfiles import KeyFileError
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.settings import SidecarSettings
 
@@ -54,6 +55,7 @@ class PolicyControl:
         """
         self.policy.replace(policy)
         spec = policy.spec
+        self.identity.warn(spec.tenants)  # e.g. a keys file's class it no longer declares
         from_engine = spec.capacity.from_engine_metrics
         kv = self.engine.kv_tokens if from_engine else None
         self.admission.reconfigure(AdmissionConfig.from_policy(spec, kv_capacity_tokens=kv))
@@ -63,13 +65,15 @@ class PolicyControl:
 
     async def reload(self) -> None:
         """SIGHUP: re-read the policy file (standalone, ``settings.policy_file``) and the keys
-        and JWKS files that changed. A file that cannot be read or is invalid keeps what is
-        enforced, and the log says why (errors); what was re-read is logged at info."""
+        and JWKS files that changed. A file that cannot be read or is invalid (a policy whose
+        ``tenants.jwt`` has no JWKS file among them) keeps what is enforced, and the log says
+        why (errors); what was re-read is logged at info."""
         path = self.settings.policy_file
         if path is not None and self.policy.enforcement is None:
             try:
                 policy = await asyncio.to_thread(load_policy, path)
-            except PolicyError as exc:
+                self.identity.check(policy.spec.tenants)
+            except (PolicyError, KeyFileError) as exc:
                 log.error("SIGHUP: %s; keeping the policy in force", exc)
             else:
                 self.apply_policy(policy)
