@@ -155,8 +155,4 @@ Checks across values that the schema cannot express; fails the render with the r
 {{- if and $w.certManager.enabled $w.url }}
 {{- fail "webhook.url and webhook.certManager.enabled exclude each other: the certificate is for the in-cluster Service" }}
 {{- end }}
-{{- $a := .Values.agent }}
-{{- if and $a.enabled $a.ownNodePolicy.enabled (semverCompare "<1.30.0-0" .Capabilities.KubeVersion.Version) }}
-{{- fail "agent.ownNodePolicy needs Kubernetes >= 1.30 (admissionregistration.k8s.io/v1 ValidatingAdmissionPolicy); agent.ownNodePolicy.enabled=false installs without it, and then every agent may write every node's NodeAdmission status" }}
-{{- end }}
 {{- end }}
