@@ -123,7 +123,7 @@ class Sidecar:
         self.stall = self.control.stall  #: whether the engine stopped producing tokens
         self.forwarder = Forwarder(
             self.model_server, self.metrics, self.admission, self.counter,
-            body_timeout=s.body_timeout_seconds, stall=self.stall,
+            body_timeout=s.body_timeout_seconds, max_body=s.max_body_bytes, stall=self.stall,
         )  # fmt: skip
         #: The leases of shared limits (None without a store: shared limits are per pod).
         self.store: StoreLink | None = None

@@ -9,7 +9,8 @@ from kvgate_agent.sidecar.openai_errors import RequestError, body_too_slow
 from kvgate_agent.sidecar.wire import ClientRequest
 
 
-def _too_large(limit: int) -> RequestError:
+def too_large(limit: int) -> RequestError:
+    """413 for a request body over ``limit`` bytes (``--max-body-bytes``), declared or read."""
     return RequestError(413, f"request body exceeds {limit} bytes", code="body_too_large")
 
 
@@ -28,7 +29,7 @@ async def read_body(
         # The size checked is the decoded one, as below (a compressed body may grow).
         data = content.read_nowait(-1)
         if request.content_length > limit or len(data) > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
         return data
     try:
         async with asyncio.timeout(seconds or None):
@@ -40,12 +41,12 @@ async def read_body(
 
 async def _read_unbounded(request: ClientRequest, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
-        raise _too_large(limit)
+        raise too_large(limit)
     chunks = []
     size = 0
     async for chunk in request.content.iter_any():
         size += len(chunk)
         if size > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)

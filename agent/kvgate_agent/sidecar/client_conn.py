@@ -82,6 +82,7 @@ class ClientConnection(ClientTransport):
     __slots__ = (
         "_broken",
         "_config",
+        "_eof",
         "_lingering",
         "_parser",
         "_pending_error",
@@ -106,6 +107,7 @@ class ClientConnection(ClientTransport):
         self._pipeline_full = False
         self._broken = False  # a body's framing broke: nothing more is parsed
         self._lingering = False  # an answered request's unread body is read and dropped
+        self._eof = False  # the client shut its side: close once what came is answered
 
     # ---------------------------------------------------------------- asyncio callbacks
 
@@ -137,7 +139,27 @@ class ClientConnection(ClientTransport):
             self._arm(self._config.header_timeout, headers=True)
 
     def eof_received(self) -> bool:
-        return False  # the client half-closed: close (pending answers go nowhere)
+        """The client shut its sending side before its answer began: the complete requests
+        received are still answered (then the connection closes), as a client that
+        half-closes after sending its request expects; one whose body or headers were cut is
+        dropped. A client gone whole sends the same FIN: told apart by
+        :meth:`~ClientTransport.watch_half_closed`. A FIN once the answer has begun (a client
+        half-closes as soon as it has sent its request) is the client leaving: closed now."""
+        reading = self._parser.reading
+        if (
+            self._task is None
+            or self.answer_started
+            or self._upgraded
+            or self._broken
+            or reading is self._queue[0]  # the request being answered lacks its body
+        ):
+            return False
+        if reading is not None and reading in self._queue:  # a pipelined one, cut: dropped
+            self._queue.remove(reading)
+            reading.content.set_exception(ConnectionResetError("the client closed its side"))
+        self._eof = True
+        self.watch_half_closed(ask=not self._queue[0].http10)  # no 1xx to HTTP/1.0 (§15.2)
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport_lost()
@@ -177,6 +199,7 @@ class ClientConnection(ClientTransport):
     def _start(self) -> None:
         """Run the handler of the first request queued."""
         req = self._queue[0]
+        self.answer_started = False
         self._task = self._loop.create_task(self._serve(req))
 
     async def _serve(self, req: Request) -> None:
@@ -232,7 +255,7 @@ class ClientConnection(ClientTransport):
             self._queue.popleft()
         if self.lost:
             return
-        if close or self._broken:
+        if close or self._broken or (self._eof and not self._queue):
             if self._parser.reading is req:
                 self._linger(req)
             else:
@@ -288,7 +311,7 @@ class ClientConnection(ClientTransport):
 
     def send_continue(self) -> None:
         """``Expect: 100-continue``: the handler reads the body, so ask for it."""
-        self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.send_interim(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     # ---------------------------------------------------------------- state
 

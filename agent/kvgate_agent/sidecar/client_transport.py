@@ -1,6 +1,7 @@
 """The socket side of one client connection of kvgate's own server leg: writes, waiting while
-the client is slow to take them (the transport's high-water mark), and reading paused while
-what was read waits unread (a request body, pipelined requests). The HTTP side is
+the client is slow to take them (the transport's high-water mark), reading paused while what
+was read waits unread (a request body, pipelined requests), and the watch on a client that shut
+its sending side (:meth:`ClientTransport.watch_half_closed`). The HTTP side is
 :class:`~kvgate_agent.sidecar.client_conn.ClientConnection`'s, built on this.
 """
 
@@ -13,6 +14,14 @@ from typing import cast
 
 __all__ = ["ClientTransport"]
 
+#: What asks a half-closed client whether it is still there: an interim answer, which an
+#: HTTP/1.1 client reads and skips before the final one, asked or not (RFC 9110 §15.2), and
+#: which a socket closed whole answers with a reset (RFC 9293 §3.6.1).
+_STILL_THERE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: Seconds between checks of a half-closed connection's socket for a reset: the first, then
+#: doubling up to the last.
+PEER_CHECKS_S = (0.02, 1.0)
+
 
 class ClientTransport(asyncio.Protocol):
     """Writes and reading pauses of one connection (see the module docstring).
@@ -20,7 +29,16 @@ class ClientTransport(asyncio.Protocol):
     ``transport``: set when the connection is made; ``lost``: the connection is gone (set by
     the subclass's ``connection_lost`` through :meth:`transport_lost`)."""
 
-    __slots__ = ("_drain", "_loop", "_read_paused", "lost", "transport", "write_paused")
+    __slots__ = (
+        "_drain",
+        "_loop",
+        "_peer_check",
+        "_read_paused",
+        "answer_started",
+        "lost",
+        "transport",
+        "write_paused",
+    )
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -31,6 +49,10 @@ class ClientTransport(asyncio.Protocol):
         self.write_paused = False
         self._read_paused = 0  # reasons reading is paused (a body unread, a pipeline full)
         self._drain: asyncio.Future[None] | None = None
+        #: A byte of the answer being written was sent (:meth:`send`; the owner clears it
+        #: when it starts the next answer): no interim answer may be sent before it now.
+        self.answer_started = False
+        self._peer_check: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not subclasses of asyncio.Transport, but behave as one.
@@ -46,6 +68,9 @@ class ClientTransport(asyncio.Protocol):
         """The connection is gone: a writer waiting for the client gets
         ``ConnectionResetError``."""
         self.lost = True
+        if self._peer_check is not None:
+            self._peer_check.cancel()
+            self._peer_check = None
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("the client closed the connection"))
 
@@ -61,7 +86,46 @@ class ClientTransport(asyncio.Protocol):
         """Write ``data`` to the client (dropped once the connection is lost or closing)."""
         t = self.transport
         if t is not None and not self.lost and not t.is_closing():
+            self.answer_started = True
             t.write(data)
+
+    def send_interim(self, data: bytes) -> None:
+        """Write an interim (1xx) answer, which leaves :attr:`answer_started` as it is."""
+        started = self.answer_started
+        self.send(data)
+        self.answer_started = started
+
+    def watch_half_closed(self, *, ask: bool) -> None:
+        """The client shut its sending side (a FIN) with a request still to answer: a client
+        that half-closes waits for the answer, one that closed its whole socket sent the same
+        FIN and is gone. ``ask`` (an HTTP/1.1 client, no byte of the answer sent yet): write an
+        interim ``100 Continue``, which a closed socket answers with a reset; for an HTTP/1.0
+        client the answer's own writes do that. The socket is then checked for that reset
+        (``SO_ERROR``) after :data:`PEER_CHECKS_S` seconds, then doubling, and the connection
+        aborted when it came, as if lost (the owner's ``connection_lost`` releases what its
+        handler holds)."""
+        if ask:
+            self.send_interim(_STILL_THERE)
+        self._check_peer_later(PEER_CHECKS_S[0])
+
+    def _check_peer_later(self, seconds: float) -> None:
+        if not self.lost:
+            self._peer_check = self._loop.call_later(seconds, self._check_peer, seconds)
+
+    def _check_peer(self, seconds: float) -> None:
+        self._peer_check = None
+        t = self.transport
+        if t is None or self.lost:
+            return
+        sock = t.get_extra_info("socket")
+        try:
+            reset = sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+        except OSError:
+            reset = True
+        if reset:
+            t.abort()
+        else:
+            self._check_peer_later(min(PEER_CHECKS_S[1], 2 * seconds))
 
     async def drain(self) -> None:
         """Until the client has taken what was written (see :meth:`pause_writing`); raises

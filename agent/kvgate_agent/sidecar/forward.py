@@ -28,6 +28,7 @@ from yarl import URL
 
 from kvgate_agent.admission import AsyncAdmission, Ticket
 from kvgate_agent.sidecar import responses
+from kvgate_agent.sidecar.body import too_large
 from kvgate_agent.sidecar.engine_stall import EngineStall
 from kvgate_agent.sidecar.hop_headers import HOP_BY_HOP as HOP_BY_HOP  # re-exported
 from kvgate_agent.sidecar.hop_headers import admitted_request_headers, forward_headers
@@ -51,22 +52,27 @@ log = logging.getLogger("kvgate.sidecar")
 
 
 class _BodyTooSlow(Exception):
-    """A pass-through request's body did not arrive within the body deadline (not an
-    ``OSError``, unlike ``TimeoutError``, so aiohttp's client reports it as a payload error)."""
+    """A pass-through request's body did not arrive within the body deadline, or grew past the
+    body limit (not an ``OSError``, unlike ``TimeoutError``, so aiohttp's client reports it as
+    a payload error)."""
 
 
 @dataclass(slots=True)
 class _BodyDeadline:
     """A pass-through request body streamed upstream, ending with :class:`_BodyTooSlow` when
-    it is not complete ``timeout`` seconds (0: no limit) after ``start`` (``loop.time()``)."""
+    it is not complete ``timeout`` seconds (0: no limit) after ``start`` (``loop.time()``:
+    ``expired``) or grows past ``limit`` bytes (0: no limit; ``too_large``)."""
 
     request: ClientRequest
     timeout: float
     start: float
+    limit: int = 0
     expired: bool = False
+    too_large: bool = False
 
     async def chunks(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
+        size = 0
         while True:
             left = self.start + self.timeout - loop.time() if self.timeout > 0 else None
             try:
@@ -77,6 +83,10 @@ class _BodyDeadline:
                 raise _BodyTooSlow() from None
             if not chunk:
                 return
+            size += len(chunk)
+            if self.limit and size > self.limit:
+                self.too_large = True
+                raise _BodyTooSlow()
             yield chunk
 
 
@@ -100,9 +110,11 @@ class Forwarder:
         counter: PromptCounter,
         *,
         body_timeout: float = 0.0,
+        max_body: int = 0,
         stall: EngineStall | None = None,
     ) -> None:
         self.server = server
+        self.max_body = max_body  # bytes a pass-through body may hold; 0: no limit
         #: What the engine produced, for the stall watch (a disabled one when not given).
         self.stall = EngineStall(0.0, lambda _: None) if stall is None else stall
         self.body_timeout = body_timeout  # seconds a pass-through body may take; 0: no limit
@@ -299,7 +311,8 @@ class Forwarder:
         raw_path = rel.raw_path + (f"?{rel.raw_query_string}" if rel.raw_query_string else "")
         fwd = forward_headers(request.headers)
         fwd.popall("Content-Encoding", None)  # the body is decoded on the way in
-        body = _BodyDeadline(request, self.body_timeout, asyncio.get_running_loop().time())
+        loop = asyncio.get_running_loop()
+        body = _BodyDeadline(request, self.body_timeout, loop.time(), self.max_body)
         data = body.chunks() if request.body_exists else None
         url = URL(self.server.url + raw_path, encoded=True)
         try:
@@ -308,15 +321,21 @@ class Forwarder:
             self.metrics.upstream_errors.labels("connect").inc()
             return responses.passthrough_unreachable()
         except (TimeoutError, aiohttp.ClientError) as exc:
-            if body.expired:
-                return self._body_too_slow()
+            if body.expired or body.too_large:
+                return self._body_refused(body)
             self.metrics.upstream_errors.labels("upstream_error").inc()
             return responses.passthrough_failed(exc)
         return await self._relay_passthrough(request, resp, body)
 
-    def _body_too_slow(self) -> web.Response:
+    def _body_refused(self, body: _BodyDeadline) -> web.Response:
+        """408 for a pass-through body that came too slowly (``client_timeouts{phase="body"}``;
+        the connection is closed), 413 for one that grew past ``--max-body-bytes``."""
+        if body.too_large:
+            resp = responses.bad_request(too_large(self.max_body))
+            resp.force_close()  # the rest of the body is not read
+            return resp
         self.metrics.client_timeouts.labels("body").inc()
-        return responses.bad_request(body_too_slow())  # 408: the connection is closed
+        return responses.bad_request(body_too_slow())
 
     async def _relay_passthrough(
         self, request: ClientRequest, resp: aiohttp.ClientResponse, body: _BodyDeadline
@@ -336,10 +355,11 @@ class Forwarder:
             self.metrics.client_disconnects.inc()
             return out
         except (TimeoutError, aiohttp.ClientError) as exc:
-            if body.expired and not out.prepared:
-                return self._body_too_slow()
-            if body.expired:
-                self.metrics.client_timeouts.labels("body").inc()
+            if (body.expired or body.too_large) and not out.prepared:
+                return self._body_refused(body)
+            if body.expired or body.too_large:
+                if body.expired:
+                    self.metrics.client_timeouts.labels("body").inc()
                 out.force_close()
             else:
                 self.metrics.upstream_errors.labels("upstream_error").inc()

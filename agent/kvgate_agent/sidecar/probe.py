@@ -27,14 +27,12 @@ from kvgate_agent.engines.scrape import KV_CAPACITY, parse_engine_metrics
 from kvgate_agent.sidecar.engine_context import EngineContext, models_context
 from kvgate_agent.sidecar.engine_health import EngineHealth
 from kvgate_agent.sidecar.engine_load import EngineLoadPoll
+from kvgate_agent.sidecar.engine_reads import PROBE_TIMEOUT, EngineReads
 from kvgate_agent.sidecar.metrics import Flag
 from kvgate_agent.sidecar.model_server import ModelServer
 
 log = logging.getLogger("kvgate.sidecar")
 
-#: Bound on the sidecar's own reads of the model server (metrics, model list): a hung engine
-#: endpoint must not stall the capacity check for the request timeout (minutes).
-PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 #: Hold key on admission while the KV capacity is unknown under FailClosed.
 HOLD_ENGINE_CAPACITY = "engine_capacity"
 
@@ -90,6 +88,7 @@ class EngineProbe:
         self.capacity_known = not initial.capacity.from_engine_metrics
         #: GET the model server's ``/health``, cached (:meth:`EngineHealth.healthy`).
         self.healthy = EngineHealth(server, upstream_ok).healthy
+        self._reads = EngineReads(server)  # its failures logged on change, with a count
         self._paused = False  # a stall: new work waits (see pause)
         self._slots_before: int | None = None  # the engine's slots while paused
         self._no_props = False  # /props answered, but not as llama.cpp: not asked again
@@ -176,7 +175,7 @@ class EngineProbe:
         (:func:`parse_props`: slots × slot context; the slot context is also the engine's
         context per request, :attr:`context`). None when unreadable (the engine does not
         answer: logged) or not reported (an unknown engine: :meth:`_unknown`)."""
-        got = await self._get("/metrics")
+        got = await self._reads.get("/metrics")
         if got is None:
             return None
         status, body = got
@@ -240,30 +239,16 @@ class EngineProbe:
     async def _slot_layout(self, *, quiet: bool = False) -> SlotLayout | str:
         """llama-server's slot layout, or why there is none (a short reason; "unreadable" when
         the engine did not answer)."""
-        got = await self._get("/props", quiet=quiet)
+        got = await self._reads.get("/props", quiet=quiet)
         if got is None or got[0] != 200:
             return "unreadable" if got is None else f"answered {got[0]}"
-        slots = await self._get("/slots", quiet=quiet)  # 501 with --no-slots: /props alone
+        slots = await self._reads.get("/slots", quiet=quiet)  # 501 with --no-slots: /props alone
         try:
             props = json.loads(got[1])
             listed = json.loads(slots[1]) if slots is not None and slots[0] == 200 else None
             return parse_props(props, listed)
         except (ValueError, LayoutError) as exc:  # JSONDecodeError is a ValueError
             return f"not llama.cpp's ({exc})"
-
-    async def _get(self, path: str, *, quiet: bool = False) -> tuple[int, bytes] | None:
-        """(status, body) of ``GET upstream + path``, None when the engine does not answer
-        (logged as a warning, at debug when ``quiet``)."""
-        try:
-            async with self.server.probe().get(
-                self.server.url + path, timeout=PROBE_TIMEOUT
-            ) as resp:
-                return resp.status, await resp.read()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            log.log(
-                logging.DEBUG if quiet else logging.WARNING, "cannot read engine %s: %s", path, exc
-            )
-            return None
 
     def _recognised(self, engine: str | None) -> None:
         if self.engine_name != engine:

@@ -111,7 +111,11 @@ class SidecarServer:
         sc = self.sidecar
         log.info("shutting down: draining up to %.0fs", drain_seconds)
         sc.pipeline.draining = True
-        sc.admission.reject_waiting(Reason.DRAINING, 503, 1.0, "the sidecar is shutting down")
+        why = "the sidecar is shutting down"
+        sc.admission.reject_waiting(Reason.DRAINING, 503, 1.0, why)
+        # A request whose body (or engine prompt count) completes from now on reaches
+        # admission after the drain began: refused as the waiters were, 503 with Retry-After.
+        sc.admission.hold(Reason.DRAINING, retry_after=1.0, message=why, key="draining")
         if self._site is not None:
             await self._site.stop()  # stop accepting new connections
         if self._listener is not None:
