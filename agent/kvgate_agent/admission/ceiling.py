@@ -1,6 +1,7 @@
 """The concurrency limit one pod enforces now: the lowest of the policy's cap, the engine's own
-concurrency (llama.cpp's slots) and the adaptive limit (:mod:`.slo`: AIMD on the TPOT SLO, or
-the gradient limit when no TPOT SLO is stated), always in force.
+concurrency (llama.cpp's slots) and the adaptive limit (:mod:`.concurrency_limit`: the most
+requests in flight whose requests meet the TPOT SLO, or the knee of throughput against
+concurrency when none is stated), always in force.
 
 Invariant: :attr:`Limits.concurrency_limit` always holds that lowest figure: it is written here,
 and only here, whenever one of the three moves.

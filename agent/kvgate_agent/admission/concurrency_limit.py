@@ -1,34 +1,39 @@
 """The adaptive concurrency limit: the most requests in flight whose requests still meet the SLO,
-read off the engine's learned step-time table (:mod:`.step_table`).
+read off what was learned by requests in flight (:mod:`.step_table`, :mod:`.tpot_table`).
 
-**With a TPOT SLO** (``slo.tpotSeconds``): a level ``n`` is *good* when the predicted p90 of a
-request's time per output token there, ``factor x step(n)``, is at most the SLO (``factor``: the
-learned ratio of a request's own TPOT to the table's mean at its concurrency, its 90th
-percentile: :class:`TpotSpread`), and, under a TTFT SLO, the admission-to-first-token time
-there is at most :data:`TTFT_SHARE` of it (the rest is the queue's; this side binds only where a
-lower level meets it, i.e. where concurrency is the cause). **Without one** (an empty spec) a
-level is good while its step time is within :data:`TOLERANCE` times the table's floor (the
-fastest measured, drifting up slowly): the
-knee of throughput against concurrency (for a step time ``a + c n`` each sequence added there
-adds about ``1 / TOLERANCE**2`` of the first one's throughput).
+**With a TPOT SLO** (``slo.tpotSeconds``): a level ``n`` is *good* when the 90th percentile of a
+request's own TPOT there (:class:`.tpot_table.TpotTable`: completed requests' TPOT labelled
+with the mean requests in flight beside them, times the pooled p90 factor) is at most the SLO,
+and, under a TTFT SLO, the admission-to-first-token time there is at most :data:`TTFT_SHARE` of
+it (the rest is the queue's; this side binds only where a lower level meets it, i.e. where
+concurrency is the cause). Until requests have completed at the levels in question, the
+streams' inter-token gaps (:class:`.step_table.StepTable`) stand in for their TPOT. **Without
+one** (an empty spec) a level is good while its step time is within :data:`TOLERANCE` times the
+table's floor (the fastest measured, drifting up slowly): the knee of throughput against
+concurrency (for a step time ``a + c n`` each sequence added there adds about
+``1 / TOLERANCE**2`` of the first one's throughput).
 
 Once per control interval:
 
-* **Down** at once when the limit's own level is measured and not good: to the largest measured
-  good level below it, else in proportion (``limit x target / predicted``, at least one less,
-  at most by half: a step time that grows faster than the batch would overshoot).
-  Only levels that were measured decide, so the limit cannot wind up: while the requests
-  admitted under the old limit still run, the gaps are labelled with their count, not with the
-  new limit's (Netflix's concurrency-limits AIMD keeps lowering on the aggregate latency until a
-  service time has passed; https://github.com/Netflix/concurrency-limits).
-* **Up** only when the limit stopped a request since the last interval (demand above it), its
-  own level is measured good, and a service time (admission to release, smoothed) has passed
-  since the last raise: to the highest level up to ``limit + max(1, limit x RAISE_STEP)`` that is
-  measured good or, unmeasured, predicted good by extending the two highest measured levels at
-  or under the limit (a line through them, never falling; one level: in proportion to ``n``),
-  stopping below the first measured level that is not good. From a cold start the limit doubles
-  at most once per service time, so it reaches the hundreds of sequences an H100 batch holds in
-  a few, and a 4-slot CPU server's 2 within a few completions.
+* **Down** when a level at or under the limit was found not good in :data:`COMPLETED_STREAK`
+  completions in a row (the gaps: :data:`BAD_STREAK` intervals), the last of them recent (the
+  step time grows with the batch, so the lowest such level bounds the limit): to the largest
+  measured good level below it, else in proportion from it (``n x target / predicted``, at
+  least one less, at most by half: a step time that grows faster than the batch would
+  overshoot). Only levels that were measured decide, so the limit cannot wind up: while the
+  requests admitted under the old limit still run, their gaps and TPOT are labelled with what
+  they ran beside, not with the new limit (Netflix's concurrency-limits AIMD keeps lowering on
+  the aggregate latency until a service time has passed;
+  https://github.com/Netflix/concurrency-limits).
+* **Up** only when the limit stopped a request since the last interval (demand above it), the
+  highest measured level at or under it is good, and a service time (admission to release,
+  smoothed) has passed since the last raise: to the highest level up to ``limit + max(1, limit
+  x RAISE_STEP)`` that is measured good or, unmeasured, predicted good by extending the two
+  highest measured levels at or under the limit (a line through them, never falling; one
+  level: in proportion to ``n``), stopping below the first measured level that is not good. A
+  raise admits that many queued requests at once, whose prefills stall every stream, so it is
+  a quarter at most: from a cold start the limit grows 1.25x per service time (64 to 256 in
+  about six), while a 4-slot CPU server's limit moves one request at a time.
 
 Floor 1 request; ceiling the policy's cap or the engine's slots (none: unbounded).
 
@@ -39,59 +44,42 @@ control interval, never on a request's path.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 from kvgate_agent.admission.step_table import BUCKETS, StepTable, bucket_low, bucket_of
+from kvgate_agent.admission.tpot_table import TpotTable
 
 #: Without a TPOT SLO, a level is good while its step time is within this many times the
 #: fastest measured (Gradient2's ``rttTolerance`` in Netflix's concurrency-limits).
 #: Chosen on the effectiveness benchmark, seed 1 (docs/benchmarks.md, "The claim on a real
 #: engine (issue 33)").
 TOLERANCE = 2.5
+#: Intervals in a row a level must be found not good before it lowers the limit (a burst of
+#: newcomers' prefills is a transient of one or two).
+BAD_STREAK = 4
+#: Seconds since a level's last sample within which it may still lower the limit (after that
+#: it only stops raises, until stale).
+FRESH_S = 2.0
+#: Completions in a row at a level whose TPOT says it is not good before it lowers the limit
+#: (each is a whole request's TPOT: two suffice).
+COMPLETED_STREAK = 2
 #: The limit may rise by at most this share of itself (at least 1) per raise.
-RAISE_STEP = 1.0
+RAISE_STEP = 0.25
 #: Under a TTFT SLO, a level is good only while its admission-to-first-token time is at most
 #: this share of the SLO (the rest is left to waiting in the queue).
-TTFT_SHARE = 0.6
-#: z of the 90th percentile of a normal distribution (of the log TPOT ratio).
-Z90 = 1.2816
-#: Prior of the log ratio's standard deviation, and the pseudo-samples behind it.
-PRIOR_SD = 0.1
-PRIOR_N = 4.0
-#: Weight of a completion in the ratio's mean and variance, once the prior is outweighed.
-SPREAD_ALPHA = 0.05
+TTFT_SHARE = 0.8
 
 
-class TpotSpread:
-    """The spread of a request's own TPOT around the table's mean at its concurrency.
+class Levels(Protocol):
+    """What the limit reads of a table by requests in flight (:class:`.step_table.StepTable`,
+    :class:`.tpot_table.TpotTable`): per bucket a mean (seconds per token), when it was last
+    updated, whether it counts, and the buckets updated in the last interval."""
 
-    Each completed request gives ``x = ln(its TPOT / the table's mean over its gaps)``; a
-    running mean and variance of ``x`` (the prior :data:`PRIOR_SD` worth :data:`PRIOR_N`
-    samples, then an exponential average) give the 90th percentile factor
-    ``exp(mean + Z90 x sd)``, clamped to [1, 4]: what the table's mean is multiplied by to
-    predict the p90 of per-request TPOT.
-    """
+    mean: list[float]
+    seen: list[float]
+    folded: list[int]
 
-    __slots__ = ("_mean", "_n", "_var", "factor")
-
-    def __init__(self) -> None:
-        self._mean = 0.0
-        self._var = PRIOR_SD * PRIOR_SD
-        self._n = PRIOR_N
-        self.factor = math.exp(Z90 * PRIOR_SD)
-
-    def observe(self, tpot_s: float, predicted_s: float) -> None:
-        """One request's TPOT (seconds per token after its first) against the table's mean
-        over its gaps (seconds per token); ignored unless both are > 0."""
-        if tpot_s <= 0.0 or predicted_s <= 0.0:
-            return
-        x = math.log(tpot_s / predicted_s)
-        alpha = max(SPREAD_ALPHA, 1.0 / (self._n + 1.0))
-        self._n += 1.0
-        d = x - self._mean
-        self._mean += alpha * d
-        self._var = (1.0 - alpha) * (self._var + alpha * d * d)
-        f = math.exp(self._mean + Z90 * math.sqrt(self._var))
-        self.factor = min(4.0, max(1.0, f))
+    def measured(self, i: int, now: float) -> bool: ...
 
 
 class ConcurrencyLimit:
@@ -105,43 +93,58 @@ class ConcurrencyLimit:
         raise_after: clock seconds before which the limit is not raised again.
     """
 
-    __slots__ = ("limit", "raise_after")
+    __slots__ = ("_streak", "limit", "raise_after")
 
     def __init__(self, start: int) -> None:
         self.limit = max(1, start)
         self.raise_after = 0.0
+        #: Per table (gaps, completions) and bucket, the updates in a row that found it not good.
+        self._streak: tuple[list[int], list[int]] = ([0] * BUCKETS, [0] * BUCKETS)
 
     def decide(
         self,
         table: StepTable,
+        tpot: TpotTable,
         now: float,
         *,
         tpot_s: float | None,
         ttft_s: float | None,
-        factor: float,
         reached: bool,
         hold_s: float,
         cap: int | None,
     ) -> None:
         """Move :attr:`limit` once (clock seconds ``now``): ``tpot_s``/``ttft_s`` the SLOs
-        (None: not set), ``factor`` the p90 factor (:class:`TpotSpread`), ``reached`` whether
-        the limit stopped a request since the last call, ``hold_s`` the seconds between two
-        raises (a service time), ``cap`` the ceiling (None: none)."""
-        if tpot_s is None:
-            fastest = table.floor_s
-            if fastest <= 0.0:
-                return
-            target, factor = TOLERANCE * fastest, 1.0
-        else:
-            target = tpot_s
+        (None: not set), ``reached`` whether the limit stopped a request since the last call,
+        ``hold_s`` the seconds between two raises (a service time), ``cap`` the ceiling (None:
+        none)."""
         ttft_bound = self._ttft_bound(table, now, ttft_s)
         limit = self.limit
         here = bucket_of(limit)
-        measured = table.measured(here, now)
-        if measured and not self._good(table, here, now, target, factor, ttft_bound):
-            self.limit = self._lower(table, now, here, target, factor, ttft_bound)
-        elif measured and reached and now >= self.raise_after:
-            up = self._higher(table, now, here, target, factor, ttft_bound)
+        if tpot_s is None:
+            if table.floor_s <= 0.0:
+                return
+            view: Levels = table
+            target, factor, streak, need, fresh = (
+                TOLERANCE * table.floor_s,
+                1.0,
+                self._streak[0],
+                BAD_STREAK,
+                FRESH_S,
+            )
+        else:
+            target, factor = tpot_s, tpot.factor
+            self._count(tpot, self._streak[1], now, target, factor, ttft_bound, table)
+            if tpot.any_measured(here, now):
+                view, streak, need, fresh = tpot, self._streak[1], COMPLETED_STREAK, hold_s
+            else:  # no request completed at these levels yet: the gaps decide
+                view, streak, need, fresh = table, self._streak[0], BAD_STREAK, FRESH_S
+        self._count(table, self._streak[0], now, target, factor, ttft_bound, table)
+        bad = self._lowest_bad(view, streak, now, here, need, max(FRESH_S, fresh))
+        if bad:
+            lower = self._lower(view, table, now, bad, target, factor, ttft_bound)
+            self.limit = min(limit, lower)
+        elif reached and now >= self.raise_after:
+            up = self._higher(view, table, now, here, target, factor, ttft_bound)
             if cap is not None:
                 up = min(up, cap)
             if up > limit:
@@ -149,6 +152,22 @@ class ConcurrencyLimit:
                 self.raise_after = now + hold_s
         if cap is not None and self.limit > cap:
             self.limit = max(1, cap)
+
+    def _count(
+        self,
+        view: Levels,
+        streak: list[int],
+        now: float,
+        target: float,
+        factor: float,
+        ttft_bound: float,
+        table: StepTable,
+    ) -> None:
+        """Count, for each bucket of ``view`` updated in the last interval, the updates in a
+        row that found it not good."""
+        for i in view.folded:
+            ok = self._good(view, table, i, now, target, factor, ttft_bound)
+            streak[i] = 0 if ok else streak[i] + 1
 
     @staticmethod
     def _ttft_bound(table: StepTable, now: float, ttft_s: float | None) -> float:
@@ -161,33 +180,57 @@ class ConcurrencyLimit:
 
     @staticmethod
     def _good(
-        table: StepTable, i: int, now: float, target: float, factor: float, ttft_bound: float
+        view: Levels,
+        table: StepTable,
+        i: int,
+        now: float,
+        target: float,
+        factor: float,
+        ttft_bound: float,
     ) -> bool:
-        """Whether measured bucket ``i`` meets the targets."""
-        if factor * table.mean[i] > target:
+        """Whether bucket ``i`` of ``view`` meets the targets (the TTFT side: ``table``'s)."""
+        if factor * view.mean[i] > target:
             return False
         return not (table.ttft_measured(i, now) and table.ttft[i] > ttft_bound)
 
+    @staticmethod
+    def _lowest_bad(
+        view: Levels, streak: list[int], now: float, here: int, need: int, fresh_s: float
+    ) -> int:
+        """The lowest bucket up to ``here`` (the limit's) found not good in its last ``need``
+        updates, the last within ``fresh_s`` seconds (0: none): the step time grows with the
+        batch, so no level above it is good either."""
+        seen = view.seen
+        for i in range(1, here + 1):
+            if streak[i] >= need and now - seen[i] <= fresh_s:
+                return i
+        return 0
+
     def _lower(
         self,
+        view: Levels,
         table: StepTable,
         now: float,
-        here: int,
+        bad: int,
         target: float,
         factor: float,
         ttft_bound: float,
     ) -> int:
-        """The limit after the level ``here`` was found not good."""
-        for i in range(here - 1, 0, -1):
-            if table.measured(i, now) and self._good(table, i, now, target, factor, ttft_bound):
+        """The limit once bucket ``bad`` (at or below the limit) was found not good: the largest
+        measured good level below it, else in proportion from it."""
+        for i in range(bad - 1, 0, -1):
+            if view.measured(i, now) and self._good(
+                view, table, i, now, target, factor, ttft_bound
+            ):
                 return bucket_low(i)
-        limit = self.limit
-        predicted = factor * table.mean[here]
-        scaled = math.floor(limit * target / predicted) if predicted > target else limit - 1
-        return max(1, limit // 2, min(limit - 1, scaled))
+        n = bucket_low(bad)
+        predicted = factor * view.mean[bad]
+        scaled = math.floor(n * target / predicted) if predicted > target else n - 1
+        return max(1, n // 2, min(n - 1, scaled))
 
     def _higher(
         self,
+        view: Levels,
         table: StepTable,
         now: float,
         here: int,
@@ -195,27 +238,32 @@ class ConcurrencyLimit:
         factor: float,
         ttft_bound: float,
     ) -> int:
-        """The highest level a raise may reach from a good measured level ``here``."""
+        """The highest level a raise may reach from the limit's bucket ``here``: extended from
+        the highest measured level at or under it (the limit's own may never fill while a fair
+        share is held back for other tenants), which must be good; the limit itself if none."""
         limit = self.limit
         top = limit + max(1, math.floor(limit * RAISE_STEP))
-        n2, m2, n1, m1 = bucket_low(here), table.mean[here], 0, 0.0
-        for i in range(here - 1, 0, -1):
-            if table.measured(i, now):
-                n1, m1 = bucket_low(i), table.mean[i]
+        ref = here
+        while ref > 0 and not view.measured(ref, now):
+            ref -= 1  # the limit's own level may never fill (a fair share held back for others)
+        if ref == 0 or not self._good(view, table, ref, now, target, factor, ttft_bound):
+            return limit
+        n2, m2, n1, m1 = bucket_low(ref), view.mean[ref], 0, 0.0
+        for i in range(ref - 1, 0, -1):
+            if view.measured(i, now):
+                n1, m1 = bucket_low(i), view.mean[i]
                 break
         slope = (m2 - m1) / (n2 - n1) if n1 > 0 and n2 > n1 else m2 / n2
         slope = max(0.0, slope)
         best = limit
-        i = here + 1
+        i = ref + 1
         while i < BUCKETS and bucket_low(i) <= top:
             n = bucket_low(i)
-            if table.measured(i, now):
-                if not self._good(table, i, now, target, factor, ttft_bound):
+            if view.measured(i, now):
+                if not self._good(view, table, i, now, target, factor, ttft_bound):
                     break
-                best = n
-            elif factor * (m2 + slope * (n - n2)) <= target:
-                best = n
-            else:
+            elif factor * (m2 + slope * (n - n2)) > target:
                 break
+            best = max(best, n)
             i += 1
         return best

@@ -52,7 +52,7 @@ Clock = Callable[[], float]
 _ADMITTED = Outcome.ADMITTED
 _OK = Reason.OK
 _DEGRADE = OverloadAction.DEGRADE.value
-#: Output tokens a request needs before its TPOT teaches the spread of per-request TPOT.
+#: Output tokens (per choice) a streamed request needs before its TPOT is learned.
 MIN_TPOT_TOKENS = 5
 
 
@@ -334,8 +334,12 @@ class AdmissionController:
                 limits.learn(ticket, completion_tokens, cached)
             slo.observe_departure(now - ticket.admitted_at)
             first, last = ticket.first_token_at, ticket.last_token_at
-            if first is not None and last is not None and ticket.generated >= MIN_TPOT_TOKENS:
-                slo.observe_completion(last - first, ticket.tpot_predicted)
+            per_choice = ticket.generated // ticket.n
+            if first is not None and last is not None and per_choice >= MIN_TPOT_TOKENS:
+                decode = last - first
+                if decode > 0.0:
+                    mean_n = ticket.inflight_seconds / decode
+                    slo.observe_completion(mean_n, decode / (per_choice - 1), now)
         else:
             limits.release(ticket, now, 0.0, 0.0)
             limits.fair.settle(ticket, 0, 0)

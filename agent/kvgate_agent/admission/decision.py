@@ -153,10 +153,11 @@ class Ticket:
     ``max_tokens``: output tokens admitted per choice; ``admitted_at``: clock seconds.
     ``generated``, ``last_token_at``: output tokens streamed so far (all choices) and when the
     last of them passed (clock seconds; None before the first); ``first_token_at``: when the
-    first passed; ``tpot_predicted``: seconds the learned step-time table predicted for its
-    tokens after the first (:mod:`.slo`). ``weight``: the tenant's
-    fair-share weight; ``fair_charged``, ``fair_output``: what its tenant's fair-share counter
-    was charged for it so far (token-weighted units) and the output tokens that covers
+    first passed; ``inflight_seconds``: the requests in flight times the seconds, summed over
+    its inter-token gaps (its mean concurrency x its decode time: :mod:`.slo`). ``weight``:
+    the tenant's fair-share weight; ``fair_charged``, ``fair_output``: what its tenant's
+    fair-share counter was charged for it so far (token-weighted units) and the output tokens
+    that covers
     (:mod:`.fairness`); ``prefill_pending``: its prompt counts in the engine's prefill backlog
     (:mod:`.prefill`). ``cached_tokens``: prompt tokens expected in the engine's prefix cache
     at admission (not reserved, not charged: :mod:`.prefix_index`); ``prefix_run``: the prefix
@@ -177,7 +178,7 @@ class Ticket:
     generated: int = 0
     last_token_at: float | None = None
     first_token_at: float | None = None
-    tpot_predicted: float = 0.0
+    inflight_seconds: float = 0.0
     weight: float = 1.0
     fair_charged: float = 0.0
     fair_output: int = 0

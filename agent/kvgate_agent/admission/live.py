@@ -63,8 +63,7 @@ class LiveCorrection:
             tokens = (generated - prev) / ticket.n
             seconds = now - last
             slo.observe_gap(seconds, tokens, in_flight)
-            step = slo.table.step_at(in_flight)
-            ticket.tpot_predicted += step * tokens if step > 0.0 else seconds
+            ticket.inflight_seconds += in_flight * seconds
         ticket.generated = generated
         ticket.last_token_at = now
         self._limits.fair.observe_output(ticket, generated)

@@ -6,8 +6,9 @@ in flight when it passed and learned per concurrency (:mod:`.step_table`); once 
 :data:`INTERVAL_S` the limit moves to the largest concurrency whose requests meet the SLO there
 (:mod:`.concurrency_limit`: the p90 of per-request TPOT under ``slo.tpotSeconds``, the knee of
 throughput against concurrency without it), lowered at once where measured too slow, raised at
-most one step per service time where the limit stopped requests. Each completed request teaches
-the spread of per-request TPOT around the table's mean (:class:`.concurrency_limit.TpotSpread`).
+most one step per service time where the limit stopped requests. Each completed request's own
+TPOT, labelled with the mean requests in flight beside it, is learned too
+(:mod:`.tpot_table`): under a TPOT SLO it is what decides once requests complete.
 
 **Expected queue wait** (policy ``slo.ttftSeconds``): requests leave the queue as admitted ones
 finish. With ``N`` requests in flight that each hold their place for ``S`` seconds on average
@@ -30,8 +31,9 @@ Invariant: pure and clock-injected (times are passed in); every method is O(1) b
 
 from __future__ import annotations
 
-from kvgate_agent.admission.concurrency_limit import ConcurrencyLimit, TpotSpread
+from kvgate_agent.admission.concurrency_limit import ConcurrencyLimit
 from kvgate_agent.admission.step_table import StepTable
+from kvgate_agent.admission.tpot_table import TpotTable
 
 #: Length of one measurement interval, seconds.
 INTERVAL_S = 0.5
@@ -66,7 +68,7 @@ class SloState:
     Attributes:
         limit: the adaptive concurrency limit now, requests (>= 1).
         table: the learned step time by requests in flight (:class:`.step_table.StepTable`).
-        spread: the p90 factor of per-request TPOT (:class:`.concurrency_limit.TpotSpread`).
+        tpot: completed requests' TPOT by requests in flight (:class:`.tpot_table.TpotTable`).
         gap_s: smoothed inter-token time over all requests, seconds (None before any sample).
         prefill_s: smoothed admission-to-first-token time, seconds (0 before any sample).
         service_s: smoothed admission-to-release time, seconds (None before any sample).
@@ -86,8 +88,8 @@ class SloState:
         "max_limit",
         "prefill_s",
         "service_s",
-        "spread",
         "table",
+        "tpot",
         "tpot_seconds",
         "ttft_seconds",
     )
@@ -104,7 +106,7 @@ class SloState:
         self.max_limit = max_limit
         self._control = ConcurrencyLimit(max_limit if max_limit is not None else self.DEFAULT_START)
         self.table = StepTable()
-        self.spread = TpotSpread()
+        self.tpot = TpotTable()
         self.gap_s: float | None = None
         self.prefill_s = 0.0
         self.service_s: float | None = None
@@ -148,11 +150,11 @@ class SloState:
         self.prefill_s += 0.1 * (seconds - self.prefill_s)
         self.table.observe_first_token(in_flight, seconds, now)
 
-    def observe_completion(self, decode_s: float, predicted_s: float) -> None:
-        """A request finished ``decode_s`` seconds after its first token, where the table
-        predicted ``predicted_s`` seconds for the same tokens (:class:`TpotSpread` learns the
-        ratio of the two, its TPOT to the table's)."""
-        self.spread.observe(decode_s, predicted_s)
+    def observe_completion(self, mean_in_flight: float, tpot_s: float, now: float) -> None:
+        """A streamed request completed at clock time ``now`` with ``tpot_s`` seconds per output
+        token after its first, having decoded beside ``mean_in_flight`` requests in flight on
+        average (:class:`.tpot_table.TpotTable`)."""
+        self.tpot.observe(mean_in_flight, tpot_s, now)
 
     def observe_departure(self, seconds: float) -> None:
         """One admitted request was released ``seconds`` after its admission."""
@@ -176,14 +178,15 @@ class SloState:
             self.gap_s = mean if gap is None else gap + SMOOTHING * (mean - gap)
         self._gap_sum, self._gap_n = 0.0, 0.0
         self.table.fold(now)
+        self.tpot.fold()
         reached, self._reached = self._reached or in_flight >= self.limit, False
         sv = self.service_s
         self._control.decide(
             self.table,
+            self.tpot,
             now,
             tpot_s=self.tpot_seconds,
             ttft_s=self.ttft_seconds,
-            factor=self.spread.factor,
             reached=reached,
             hold_s=DEFAULT_HOLD_S if sv is None else max(INTERVAL_S, sv),
             cap=self.max_limit,

@@ -16,16 +16,20 @@ own prefill behind the others' work), for the TTFT side of the limit.
 68-71, ..., 128-135, ...: at most 6 % of ``n`` wide) up to :data:`MAX_CONCURRENCY`, so the
 hundreds of sequences an H100 batch holds cost about a hundred buckets, not thousands.
 
-The lowest measured level's step time is kept as the table's *floor* (:attr:`StepTable.floor_s`),
-which drifts up slowly: without an SLO the limit keeps the step time within a tolerance of it.
+The lowest one-interval mean over all requests is kept as the table's *floor*
+(:attr:`StepTable.floor_s`), which drifts up slowly: without an SLO the limit keeps the step
+time within a tolerance of it.
 
 **Smoothing.** A gap is added to its bucket's interval sums in O(1); once per control interval
 (:meth:`StepTable.fold`) each touched bucket moves towards the interval's mean by the interval's
 share of the tokens seen (a running mean at first, then at least ``1 / WEIGHT_CAP`` per token,
-never more than :data:`ALPHA_MAX` in one interval). A bucket is *measured* once it holds
-:data:`MIN_TOKENS` tokens and was updated within the last :data:`STALE_S` seconds: a stale
-bucket is forgotten, so a level found too slow once is tried again later (the workload's
-prompts or the model may have changed).
+never more than :data:`ALPHA_MAX` in one interval). A gap counts at most :data:`CLIP` times the
+bucket's mean (or the recent mean over all buckets, if lower: a level seen only in a
+transient): a newcomer's prefill that stalls every stream is paid by the requests (their own
+TPOT teaches the limit how much), not a property of the batch size. A bucket is *measured* once
+it holds :data:`MIN_TOKENS` tokens over :data:`MIN_FOLDS` intervals and was updated within the
+last :data:`STALE_S` seconds: a stale bucket is forgotten, so a level found too slow once is
+tried again later (the workload's prompts or the model may have changed).
 
 Invariant: pure and clock-injected (times are passed in); :meth:`StepTable.observe` and
 :meth:`StepTable.observe_first_token` are O(1); :meth:`StepTable.fold` is O(buckets touched).
@@ -45,6 +49,11 @@ ALPHA_MAX = 0.5
 WEIGHT_CAP = 200.0
 #: Tokens a bucket needs before it counts as measured.
 MIN_TOKENS = 8.0
+#: Intervals a bucket needs before it counts as measured (one interval can be a transient: a
+#: burst of newcomers' prefills).
+MIN_FOLDS = 2
+#: A gap counts at most this many times the bucket's mean per token.
+CLIP = 1000.0
 #: Seconds without a new sample after which a bucket is no longer measured.
 STALE_S = 60.0
 #: Share of the distance to the interval's mean inter-token time the floor rises by per
@@ -83,13 +92,18 @@ class StepTable:
     Attributes:
         mean: per bucket, the smoothed seconds per output token (0 before any sample).
         weight: per bucket, the tokens behind ``mean`` (capped at :data:`WEIGHT_CAP`).
+        folds: per bucket, the intervals behind ``mean`` (capped at :data:`MIN_FOLDS`).
         seen: per bucket, clock seconds of its last update.
         ttft: per bucket, the smoothed seconds from admission to first token (0: no sample).
         ttft_n: per bucket, first tokens seen (capped).
         ttft_seen: per bucket, clock seconds of its last first token.
-        floor_s: the fastest seconds per token of any measured bucket, drifting up towards the
-            interval's mean by :data:`FLOOR_DRIFT` per interval while nothing faster is seen
-            (0: none yet): the fastest level stays known while the load keeps it unmeasured.
+        floor_s: the lowest one-interval mean seconds per token over all requests, drifting up
+            towards each interval's mean by :data:`FLOOR_DRIFT` while nothing faster is seen (0:
+            none yet): the fastest decoding seen stays known while the load keeps the low
+            levels unmeasured (a run that starts under load sees it only in its first
+            intervals).
+        folded: the buckets the last :meth:`fold` updated.
+        recent_s: the recent intervals' mean seconds per token over all buckets (0: none).
     """
 
     __slots__ = (
@@ -97,7 +111,10 @@ class StepTable:
         "_acc_tokens",
         "_touched",
         "floor_s",
+        "folded",
+        "folds",
         "mean",
+        "recent_s",
         "seen",
         "ttft",
         "ttft_n",
@@ -116,13 +133,25 @@ class StepTable:
         self._acc_tokens: list[float] = [0.0] * BUCKETS
         self._touched: list[int] = []
         self.floor_s = 0.0
+        self.recent_s = 0.0
+        self.folds: list[int] = [0] * BUCKETS
+        self.folded: list[int] = []
 
     def observe(self, in_flight: int, seconds: float, tokens: float) -> None:
         """``tokens`` (> 0) output tokens of one request arrived over ``seconds`` while
-        ``in_flight`` requests were in flight. O(1)."""
+        ``in_flight`` requests were in flight. A gap longer than :data:`CLIP` times the lower
+        of the bucket's mean and the table's recent mean counts as that much: a newcomer's
+        prefill stalling every stream is a cost of admitting, not of running, ``n`` (what
+        requests pay for it is learned from their own TPOT: :mod:`.concurrency_limit`). O(1)."""
         i = bucket_of(in_flight)
         if self._acc_tokens[i] == 0.0:
             self._touched.append(i)
+        ref = self.recent_s
+        own = self.mean[i]
+        if self.weight[i] >= MIN_TOKENS and (ref == 0.0 or own < ref):
+            ref = own
+        if ref > 0.0 and seconds > CLIP * ref * tokens:
+            seconds = CLIP * ref * tokens
         self._acc_s[i] += seconds
         self._acc_tokens[i] += tokens
 
@@ -139,10 +168,10 @@ class StepTable:
     def fold(self, now: float) -> None:
         """Close one control interval at clock time ``now``: each bucket that got samples
         moves towards their mean (see the module docstring), and the floor follows."""
+        self.folded.clear()
         if not self._touched:
             return
         total_s = total_tokens = 0.0
-        lowest = 0.0
         for i in self._touched:
             tokens = self._acc_tokens[i]
             total_s += self._acc_s[i]
@@ -154,20 +183,27 @@ class StepTable:
             self.mean[i] = m
             self.weight[i] = min(WEIGHT_CAP, w + tokens)
             self.seen[i] = now
+            self.folds[i] = min(self.folds[i] + 1, MIN_FOLDS)
             self._acc_s[i] = 0.0
             self._acc_tokens[i] = 0.0
-            if self.weight[i] >= MIN_TOKENS and (lowest == 0.0 or m < lowest):
-                lowest = m
+        self.folded.extend(self._touched)
         self._touched.clear()
         floor = self.floor_s
-        if lowest > 0.0 and (floor == 0.0 or lowest < floor):
-            self.floor_s = lowest
-        elif floor > 0.0:
-            self.floor_s = floor + FLOOR_DRIFT * (total_s / total_tokens - floor)
+        interval = total_s / total_tokens
+        if floor == 0.0 or interval < floor:
+            self.floor_s = interval
+        else:
+            self.floor_s = floor + FLOOR_DRIFT * (interval - floor)
+        recent = self.recent_s
+        self.recent_s = interval if recent == 0.0 else recent + ALPHA_MAX * (interval - recent)
 
     def measured(self, i: int, now: float) -> bool:
         """Whether bucket ``i``'s step time counts at clock time ``now``."""
-        return self.weight[i] >= MIN_TOKENS and now - self.seen[i] <= STALE_S
+        return (
+            self.weight[i] >= MIN_TOKENS
+            and self.folds[i] >= MIN_FOLDS
+            and now - self.seen[i] <= STALE_S
+        )
 
     def ttft_measured(self, i: int, now: float) -> bool:
         """Whether bucket ``i``'s admission-to-first-token time counts at clock time ``now``."""

@@ -126,15 +126,15 @@ class SloSpec(ContractModel):
     that is refused at once with the expected wait as its Retry-After, instead of queued to fail.
     ``tpotSeconds``: target time per output token, in (0, 10], measured from streamed tokens
     of every request (whatever its priority; non-streamed responses are not measured): kvgate
-    lowers its concurrency limit by 5 % per half second while the smoothed inter-token time is
-    above it, and raises it by 5 % while below 0.85 x it and the limit was reached (adaptive
-    concurrency in the style of Netflix's concurrency-limits,
-    https://github.com/Netflix/concurrency-limits); never below 4 nor above
-    ``concurrency.maxRequests``. Unset, the concurrency limit follows a gradient on the
-    inter-token time instead (Gradient2, https://github.com/Netflix/concurrency-limits: it
-    falls while the smoothed inter-token time exceeds 2.5 x the lowest one seen;
-    :mod:`kvgate_agent.admission.slo`), and with ``ttftSeconds`` unset too a request waits at
-    most 0.5 s in the queue unless ``queue.maxWaitSeconds`` says otherwise
+    learns each completed request's TPOT against the requests in flight beside it and keeps its
+    concurrency limit at the most requests in flight whose requests' 90th-percentile TPOT meets
+    it (lowered at once where a level is measured too slow, raised at most a quarter per
+    service time where the limit stops requests; :mod:`kvgate_agent.admission.concurrency_limit`);
+    never below 1 nor above ``concurrency.maxRequests`` or the engine's slots. Unset, the limit
+    is the knee of throughput against concurrency instead: the most requests in flight whose
+    inter-token time stays within 2.5 x the fastest measured, and with ``ttftSeconds`` unset
+    too a request waits at most 0.5 s in the queue unless ``queue.maxWaitSeconds`` says
+    otherwise
     (:class:`~kvgate_agent.contract.queue.QueueSpec`). ``minPriority``: in [-1000, 1000], the
     priority header's range;
     default 0. Negative priorities are sheddable and never queued, so they get no TTFT budget
