@@ -88,7 +88,7 @@ def test_one_tiny_cell_resumes_and_reports(
     doc = resume.new_doc(run_config(parse_args(argv)), 1)
     doc["calibration"] = _calibration()
     doc["profile"] = doc["calibration"]["profile"]
-    doc["tuned"]["multi-tenant:1"] = {CAP: {"cap": 1, "queue_timeout_s": 60.0},
+    doc["tuned"]["multi-tenant:2"] = {CAP: {"cap": 1, "queue_timeout_s": 60.0},
                                       "token-bucket": {"factor": 1.0, "burst_s": 10.0}}  # fmt: skip
     resume.save(path, doc)
     assert main(argv) == 0

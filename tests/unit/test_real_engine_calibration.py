@@ -62,7 +62,7 @@ def test_prompts_are_real_text_of_a_scaled_length() -> None:
     sched = generate("multi-tenant", 2.0, 10.0, 1, max_model_len=1024)
     for r in sched.requests:
         p = prompt_for(r, words)
-        assert len(p.split()) - 8 == prompt_words(r.prompt_tokens)  # 8 instruction words
+        assert len(p.split()) - 9 == prompt_words(r.prompt_tokens)  # 9 instruction words
         assert p == prompt_for(r, words)
     assert prompt_words(1) == MIN_WORDS and prompt_words(10**6) == MAX_WORDS
 
@@ -70,6 +70,7 @@ def test_prompts_are_real_text_of_a_scaled_length() -> None:
 def test_every_request_asks_for_no_prompt_cache_and_counts_what_was_cached() -> None:
     body = request_body("Summarize this.", 64, "smollm2-135m-instruct")
     assert body["cache_prompt"] is False and body["stream"] and body["max_tokens"] == 64
+    assert body["temperature"] == 0 and body["repeat_penalty"] == 1.1
     assert body["messages"] == [{"role": "user", "content": "Summarize this."}]
     assert cached_tokens({"timings": {"cache_n": 0, "prompt_n": 80}}) == 0
     assert cached_tokens({"timings": {"cache_n": 12}}) == 12

@@ -62,9 +62,15 @@ def test_sweeps_and_the_budget() -> None:
     assert all(p["queue_timeout_s"] == 1.234 for p in sw[plan.CAP])
     assert [p["factor"] for p in sw[plan.BUCKET]] == [1.0, 1.5, 2.0]
     assert [p["cap"] for p in plan.sweeps(True, 4, 1.0)[plan.CAP]] == [2, 4]
+    assert plan.tuned_on("multi-tenant", 3.0) == ("multi-tenant", 3.0)
+    assert plan.tuned_on("multi-tenant", 1.0) == ("multi-tenant", 2.0)
+    assert plan.tuned_on("isolation", 3.0) == ("multi-tenant", 2.0)
     est = plan.unit_estimate_s(200.0, 20.0)
     assert est == 200.0 + 20.0 + plan.RESTART_S
     assert plan.fits(est, 3000.0, 3600.0) and not plan.fits(est, 3400.0, 3600.0)
+    assert plan.cell_fits(600.0, 5, 0.0, 3600.0)  # 50 min of arms in a fresh hour
+    assert not plan.cell_fits(600.0, 5, 1000.0, 3600.0)  # not after 17 min: the next one
+    assert plan.cell_fits(900.0, 5, 1000.0, 3600.0)  # 75 min never fits: arm by arm
 
 
 def test_options_refuse_bad_values_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,13 +4,16 @@ resume file as soon as it is known.
 
 **Units.** One arm's run of one schedule is a unit: llama-server started afresh (prompt cache
 off), the arm's requests sent (:func:`kvgate_bench.real_engine.client.run_arm`), llama-server
-stopped, the row saved (:mod:`kvgate_bench.real_engine.resume`). A unit starts only when its
-estimate (:func:`kvgate_bench.real_engine.plan.unit_estimate_s`) ends within the invocation's
-budget; otherwise the invocation stops there, and the next one goes on from the file.
+stopped, the row saved (:mod:`kvgate_bench.real_engine.resume`). A cell starts only when all
+its arms left end within the invocation's budget
+(:func:`kvgate_bench.real_engine.plan.cell_fits`), and each unit only when its estimate
+(:func:`kvgate_bench.real_engine.plan.unit_estimate_s`) does; otherwise the invocation stops
+there, and the next one goes on from the file.
 
-**Tuning** (:meth:`Runner.tune`): on the tune seed, each cell's schedule through every setting
-of the two baselines (:func:`kvgate_bench.real_engine.plan.sweeps`); the best goodput's setting
-per baseline is stored under the cell and reused on every report seed.
+**Tuning** (:meth:`Runner.tune`): on the tune seed, the schedule of the cell that tunes this one
+(:func:`kvgate_bench.real_engine.plan.tuned_on`) through every setting of the two baselines
+(:func:`kvgate_bench.real_engine.plan.sweeps`); the best goodput's setting per baseline is
+stored under that cell and reused on every report seed.
 
 **Cells** (:meth:`Runner.cell`): on a report seed, the cell's schedule
 (:func:`kvgate_bench.real_engine.plan.sized_schedule`) through the arms in the seed's rotated
@@ -223,16 +226,27 @@ class Runner:
         key = plan.cell_key(workload, load)
         if (key, seed) in resume.finished(self.doc):
             return True
-        if not await self.tune(workload, load):
+        tuned_key = plan.cell_key(*plan.tuned_on(workload, load))
+        if not await self.tune(*plan.tuned_on(workload, load)):
             return False
         sched = self.schedule(workload, load, seed)
         slo = slo_of(self.doc["calibration"])
         print(f"{key} seed {seed}: {sched.rate_rps:.3f} req/s, {len(sched.requests)} requests "
               f"over {sched.duration_s:.0f} s", flush=True)  # fmt: skip
-        for pos, arm in enumerate(plan.arm_order(seed)):
-            if resume.run_row(self.doc, key, seed, arm) is not None:
+        order = plan.arm_order(seed)
+        left = [a for a in order if resume.run_row(self.doc, key, seed, a) is None]
+        unit_s = plan.unit_estimate_s(sched.duration_s, self.args.drain)
+        elapsed = time.monotonic() - self.t0
+        if left and not plan.cell_fits(unit_s, len(left), elapsed, self.budget_s):
+            print(f"budget: {key} seed {seed} ({len(left)} arms, ~{unit_s * len(left) / 60:.0f} "
+                  f"min) would end past the {self.budget_s / 60:.0f}-minute budget "
+                  f"({elapsed / 60:.1f} min used): stopping here; run again with the same "
+                  "--resume to go on", flush=True)  # fmt: skip
+            return False
+        for pos, arm in enumerate(order):
+            if arm not in left:
                 continue
-            params = dict(self.doc["tuned"][key].get(arm, {}))
+            params = dict(self.doc["tuned"][tuned_key].get(arm, {}))
             if not self.fits(sched, f"{key} seed {seed} {arm}"):
                 return False
             run = await self.run_unit(sched, workload, load, arm, params)
@@ -261,6 +275,7 @@ class Runner:
             "cell": key, "workload": workload, "load": load, "seed": seed,
             "rate_rps": sched.rate_rps, "duration_s": sched.duration_s,
             "requests": len(sched.requests), "arm_order": plan.arm_order(seed),
+            "tuned_on": plan.cell_key(*plan.tuned_on(workload, load)),
             "rows": real, "virtual": vrows, "comparison": comp,
         })  # fmt: skip
         self.save()

@@ -6,8 +6,8 @@ Defaults filled in after parsing (the flag's own default is None): ``--max-token
 model's ceiling (SmolLM2 256, Gemma 96); ``--duration`` 60 s (``--short`` 20), the shortest
 schedule (a cell's is longer when it needs more time for ``--min-requests``); ``--drain`` 20 s
 (8); ``--probe-duration`` 20 s (15); ``--min-requests`` 200 (``--short`` 20); ``--cells``
-``multi-tenant:2,multi-tenant:3,isolation:3,multi-tenant:1`` (``--short``:
-``multi-tenant:2,multi-tenant:1,isolation:3``); ``--seeds`` 2,3,4 (``--short``: 2).
+``multi-tenant:2,multi-tenant:3,isolation:3,multi-tenant:1`` (``--short``: ``multi-tenant:2``);
+``--seeds`` 2,3,4 (``--short``: 2).
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ def _parser() -> argparse.ArgumentParser:
         "$KVGATE_LLAMA_MODEL (Gemma), else the test command's cache, else scripts/build-llama "
         "builds and fetches them.",
     )
-    p.add_argument("--short", action="store_true", help="a quick plumbing run (small cells)")
+    p.add_argument(
+        "--short",
+        action="store_true",
+        help="a plumbing run: one cell of 20 requests an arm, one seed (~10-15 min)",
+    )
     p.add_argument(
         "--model", choices=sorted(MODELS), default="smollm2", help="the model (default smollm2)"
     )

@@ -10,12 +10,18 @@
   (``multi-tenant``) or ``0.6 x min_requests`` well-behaved ones (``isolation``: 120 at the
   default 200), and at least ``min_duration_s``: the duration starts at max(min_duration_s,
   need / rate) and grows by the shortfall (x 1.05) until the seeded schedule holds enough.
+* **Tuning** (:func:`tuned_on`): the baselines are swept, on the tune seed only, on each
+  ``multi-tenant`` cell at load 2 or more (where the targets compare kvgate with the best tuned
+  baseline); every other cell (``isolation``, ``multi-tenant`` under load 2) reuses the
+  settings tuned on ``multi-tenant:2``.
 * **Sweeps** (:func:`sweeps`): the baselines' settings, run on the tune seed only: caps 1 ..
   ``parallel`` and 2 x ``parallel`` (queue wait = the TTFT SLO), token-bucket factors 1, 1.5
   and 2 of each tenant's share of the capacity (10 s bursts); ``short``: caps parallel/2 and
   parallel, factors 1 and 1.5.
 * **Estimates** (:func:`unit_estimate_s`): an arm's run is its schedule, at most ``drain_s``
-  of draining, and :data:`RESTART_S` for llama-server's restart and the sidecar's start.
+  of draining, and :data:`RESTART_S` for llama-server's restart and the sidecar's start. A cell
+  starts only when all its arms left end within the invocation's budget (:func:`cell_fits`),
+  so that a cell's arms run together; a cell longer than a whole budget runs arm by arm.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ MIN_REQUESTS = 200
 #: sidecar's start, the idle checks.
 RESTART_S = 15.0
 DEFAULT_CELLS = "multi-tenant:2,multi-tenant:3,isolation:3,multi-tenant:1"
-SHORT_CELLS = "multi-tenant:2,multi-tenant:1,isolation:3"
+SHORT_CELLS = "multi-tenant:2"
 
 
 def parse_cells(text: str) -> list[tuple[str, float]]:
@@ -149,6 +155,13 @@ def sized_schedule(
     return sched
 
 
+def tuned_on(workload: str, load: float) -> tuple[str, float]:
+    """The cell whose sweep sets ``workload`` at ``load``'s baselines (module docstring)."""
+    if workload == "multi-tenant" and load >= 2.0:
+        return (workload, load)
+    return ("multi-tenant", 2.0)
+
+
 def sweeps(short: bool, parallel: int, ttft_slo_s: float) -> dict[str, list[dict[str, Any]]]:
     """The baselines' settings (module docstring), by arm."""
     wait = round(ttft_slo_s, 3)
@@ -167,6 +180,15 @@ def sweeps(short: bool, parallel: int, ttft_slo_s: float) -> dict[str, list[dict
 def unit_estimate_s(duration_s: float, drain_s: float) -> float:
     """Seconds one arm's run is expected to take at most (module docstring)."""
     return duration_s + drain_s + RESTART_S
+
+
+def cell_fits(unit_s: float, units_left: int, elapsed_s: float, budget_s: float) -> bool:
+    """Whether a cell may start its ``units_left`` arms of ``unit_s`` seconds each
+    (:func:`unit_estimate_s`), ``elapsed_s`` into a budget of ``budget_s``: when they all end
+    within it, or when they could not end within even a whole budget (such a cell runs arm by
+    arm, each checked by :func:`fits`)."""
+    whole = unit_s * units_left
+    return fits(whole, elapsed_s, budget_s) or whole > budget_s
 
 
 def fits(estimate_s: float, elapsed_s: float, budget_s: float) -> bool:

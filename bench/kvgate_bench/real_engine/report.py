@@ -20,7 +20,8 @@ def row_text(r: Mapping[str, Any]) -> str:
     """One line of a real row: the arm and setting, goodput and its interval (tokens/s), SLO
     met (the well-behaved tenants' too), TTFT and TPOT medians (s), refusals, 5xx, timeouts,
     cached prompt tokens, the outputs' median and EOS share, the sidecar's limit after 20
-    completions (``kvgate`` arms) and the client's send lag."""
+    completions (``kvgate`` arms) and the client's send lag; ``INVALID`` when llama-server took
+    prompt tokens from a cache."""
     ci = r.get("goodput_ci95") or [None, None]
     params = r.get("params") or {}
     setting = " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
@@ -37,6 +38,7 @@ def row_text(r: Mapping[str, Any]) -> str:
         f"{_f(r.get('output_tokens_p50'), '.0f')} EOS {_f(r.get('eos_share'), '.2f')}"
         f"{'' if lim is None else f'  limit@20 {lim:g}'}  lag p99 "
         f"{r.get('send_lag_p99_s', 0.0) * 1e3:.0f} ms"
+        f"{'  INVALID: prompt tokens came from a cache' if r.get('cached_prompt_tokens') else ''}"
     )
 
 

@@ -183,6 +183,7 @@ def save(path: Path, doc: Mapping[str, Any]) -> dict[str, Any]:
         with os.fdopen(fd, "w") as fh:
             json.dump(out, fh, indent=1, default=str)
             fh.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 is for secrets; this is a report
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
