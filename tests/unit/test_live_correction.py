@@ -92,8 +92,11 @@ def test_n_choices_scale_the_prediction() -> None:
     pred = c.predicted_output_tokens("a", None, 4096)
     assert pred is not None and 100 <= pred < 100 * BIN_RATIO
     t = admitted(c.submit(req(n=2)))
-    assert t.kv_tokens == round_up(PROMPT + 2 * pred, BLOCK)
-    assert t.kv_max == round_up(PROMPT + 2 * 4096, BLOCK)
+    # Each choice is its own sequence: the prompt's full blocks once, then per choice its last
+    # partial prompt block and its output, rounded up to whole blocks.
+    full = PROMPT // BLOCK * BLOCK
+    assert t.kv_tokens == full + 2 * round_up(PROMPT - full + pred, BLOCK)
+    assert t.kv_max == full + 2 * round_up(PROMPT - full + 4096, BLOCK)
 
 
 def test_max_tokens_mode_keeps_the_worst_case() -> None:

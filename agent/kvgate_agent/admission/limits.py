@@ -7,8 +7,12 @@ Invariant: a reservation is taken only right after
 already), and given back exactly once by :meth:`Limits.release`; so ``in_flight`` and
 ``kv_reserved_tokens`` are always the sums over the live tickets, and no bucket goes below 0.
 
-KV reservation = prompt + n × min(max_tokens, L) rounded up to the block size (vLLM allocates KV
-in blocks: PagedAttention, Kwon et al., SOSP 2023, https://arxiv.org/abs/2309.06180), where L is
+KV reservation = the prompt's full blocks once, plus n sequences of the rest of the prompt and
+min(max_tokens, L) output tokens each, every sequence rounded up to whole blocks (:func:`kv_for`;
+vLLM allocates KV in blocks per sequence: PagedAttention, Kwon et al., SOSP 2023,
+https://arxiv.org/abs/2309.06180; so ``vllm:kv_cache_usage_perc`` counts blocks, not tokens,
+https://github.com/vllm-project/vllm/issues/57336, and the reservations are in the same unit,
+token slots of whole blocks), where L is
 the predicted output length (:mod:`.predictor`; max_tokens under ``reservation: MaxTokens`` or
 before enough samples). A reservation below the worst case grows block by block as its tokens
 stream (:meth:`Limits.grow`); admission keeps :attr:`Limits.headroom` free for that growth, and
@@ -55,6 +59,17 @@ MAX_HEADROOM_SHARE = 0.2
 def round_up(tokens: int, block_size: int) -> int:
     """``tokens`` rounded up to a whole number of KV blocks of ``block_size`` tokens."""
     return -(-tokens // block_size) * block_size
+
+
+def kv_for(prompt: int, output: int, n: int, block_size: int) -> int:
+    """KV token slots ``n`` sequences of one ``prompt`` (tokens) and ``output`` tokens each
+    hold in blocks of ``block_size``: the prompt's full blocks once (the sequences share them:
+    vLLM V0 forked them copy-on-write, V1 finds them in its prefix cache), and each sequence's
+    own blocks, its copy of the prompt's last partial block and its output, rounded up to whole
+    blocks. ``n`` = 1: ``round_up(prompt + output)``. E.g. a 10-token prompt, 1 output token,
+    n = 4, blocks of 16: 64 (four blocks, one per sequence), not ``round_up(10 + 4)`` = 16."""
+    full = prompt // block_size * block_size
+    return full + n * round_up(prompt - full + output, block_size)
 
 
 class Limits:
@@ -138,13 +153,15 @@ class Limits:
     # ------------------------------------------------------------------ arithmetic
 
     def kv_tokens(self, prompt: int, max_tokens: int, n: int) -> int:
-        """KV tokens a request may ever hold: prompt + n × max_tokens, block-rounded."""
-        return round_up(prompt + n * max_tokens, self.config.block_size)
+        """KV tokens a request may ever hold: its ``n`` sequences of prompt + max_tokens, each
+        rounded up to whole blocks, the prompt's full blocks counted once (:func:`kv_for`)."""
+        return kv_for(prompt, max_tokens, n, self.config.block_size)
 
     def reservation(self, req: AdmissionRequest, max_tokens: int) -> int:
-        """KV tokens reserved for ``req`` admitted with ``max_tokens``: prompt − its expected
-        cached prefix (``req.cached_prefix_tokens``) + n x min(max_tokens, L), block-rounded, L
-        the predicted output per choice (``req.predicted_output_tokens`` when set, else the
+        """KV tokens reserved for ``req`` admitted with ``max_tokens``: n sequences of prompt −
+        its expected cached prefix (``req.cached_prefix_tokens``) and min(max_tokens, L) output
+        tokens each, block-rounded per sequence (:func:`kv_for`), L the predicted output per
+        choice (``req.predicted_output_tokens`` when set, else the
         predictor's; max_tokens when neither, or under ``MaxTokens``)."""
         out = max_tokens
         if self.predicted:
@@ -154,7 +171,7 @@ class Limits:
             if p is not None and p < max_tokens:
                 out = max(1, p)
         prompt = req.prompt_tokens - req.cached_prefix_tokens
-        return round_up(prompt + req.n * out, self.config.block_size)
+        return kv_for(prompt, out, req.n, self.config.block_size)
 
     @property
     def headroom(self) -> int:
@@ -178,12 +195,15 @@ class Limits:
 
     def grow(self, ticket: Ticket, tokens: int) -> int:
         """Extend ``ticket``'s reservation to hold prompt + ``tokens`` output tokens (all
-        choices) and the next token, block by block, never past its worst case; returns the
-        tokens added (0 if it already held them). Taken unconditionally: the sequence runs
-        already (the headroom is what keeps this inside the pool)."""
+        choices: their share each, rounded up) and the next token, block by block, never past
+        its worst case; returns the tokens added (0 if it already held them). Taken
+        unconditionally: the sequence runs already (the headroom is what keeps this inside the
+        pool)."""
+        n = max(1, ticket.n)
+        per_choice = -(-tokens // n) + 1
         need = min(
             ticket.kv_max,
-            round_up(ticket.uncached_prompt_tokens + tokens + 1, self.config.block_size),
+            kv_for(ticket.uncached_prompt_tokens, per_choice, n, self.config.block_size),
         )
         extra = need - ticket.kv_tokens
         if extra <= 0:
@@ -203,13 +223,15 @@ class Limits:
     def max_tokens_within(
         self, prompt: int, n: int, kv_room: int | None, cost_room: float | None
     ) -> int | None:
-        """Largest max_tokens whose reservation fits ``kv_room`` tokens and whose cost fits
-        ``cost_room`` units; None = unbounded by both. Negative when not even the prompt fits."""
+        """Largest max_tokens whose reservation (:func:`kv_for`) fits ``kv_room`` tokens and
+        whose cost fits ``cost_room`` units; None = unbounded by both. Negative when not even
+        the prompt fits."""
         cfg = self.config
         best: int | None = None
         if kv_room is not None:
-            usable = (kv_room // cfg.block_size) * cfg.block_size
-            best = (usable - prompt) // n
+            bs = cfg.block_size
+            full = prompt // bs * bs  # the prompt's full blocks, once; then n sequences' own
+            best = (kv_room - full) // n // bs * bs - (prompt - full)
         if cost_room is not None and cfg.output_token_weight > 0:
             by_cost = math.floor(
                 (cost_room - cfg.cost_per_request - prompt * cfg.prompt_token_weight)
@@ -315,10 +337,13 @@ class Limits:
         )
         base = ticket.kv_reserved_at_admission
         if base < ticket.kv_max:
+            n = max(1, ticket.n)
             final = min(
                 ticket.kv_max,
-                round_up(
-                    ticket.prompt_tokens - cached_tokens + completion_tokens,
+                kv_for(
+                    ticket.prompt_tokens - cached_tokens,
+                    -(-completion_tokens // n),
+                    n,
                     self.config.block_size,
                 ),
             )

@@ -61,8 +61,12 @@ class EngineSample:
         waiting: requests queued in the engine (count), summed.
         kv_usage: fraction of the KV pool in use, 0..1 (max over label sets).
         kv_capacity_tokens: KV pool size in tokens, when the engine reports it (summed).
-        kv_used_tokens: KV tokens in use: reported (SGLang, TGI) or usage × capacity rounded up
-            (vLLM, trtllm).
+        kv_used_tokens: KV token slots in use: reported (SGLang, TGI) or usage × capacity
+            rounded up (vLLM, trtllm). vLLM's usage counts whole blocks, a partly filled one as
+            full, so this is blocks in use × block size, not the tokens held
+            (https://github.com/vllm-project/vllm/issues/57336: 66.7 % of blocks while 36.5 % of
+            token slots hold KV); kvgate's reservations are in that unit too (each sequence
+            rounded up to whole blocks, ``admission.limits.kv_for``).
         preemptions_total: cumulative preemptions (vLLM counter), summed.
         invalid: field name -> reason, for each field present in the text but rejected.
 
@@ -308,7 +312,9 @@ def _vllm(series: Mapping[str, Mapping[Labels, float]]) -> EngineSample:
     """vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
     ``vllm:kv_cache_usage_perc`` (else the old ``vllm:gpu_cache_usage_perc``),
     ``vllm:num_preemptions_total``; capacity = labels ``num_gpu_blocks`` × ``block_size`` of
-    ``vllm:cache_config_info``; used = usage × capacity (an upper bound with several pools).
+    ``vllm:cache_config_info``; used = usage × capacity (an upper bound with several pools): the
+    usage is the share of blocks in use, so used is in token slots of whole blocks, never read
+    as tokens held (https://github.com/vllm-project/vllm/issues/57336).
     Names: https://github.com/vllm-project/vllm/blob/main/docs/design/metrics.md
     """
     f = _Fields(series)
