@@ -200,19 +200,28 @@ async def test_a_body_completed_after_the_drain_began_is_refused_as_the_drain_re
 
 
 @pytest.mark.parametrize("leg", LEGS)
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "POST /v1/chat/completions",
+        "POST /tokenize",
+        "OPTIONS /v1/chat/completions",
+        "GET /version",
+    ],
+)
 async def test_a_declared_body_over_the_limit_is_refused_at_once(
-    leg: str, path: str, upstream: Upstream, sidecar_factory: SidecarFactory
+    leg: str, target: str, upstream: Upstream, sidecar_factory: SidecarFactory
 ) -> None:
-    """A 10 GB ``Content-Length`` gets 413 as soon as its headers are in, on a generation path
-    and on an allowlisted one alike (it was held for the body deadline, 30 s, then 408 on the
-    latter), and never reaches the model server."""
+    """A 10 GB ``Content-Length`` gets 413 as soon as its headers are in, on a generation path,
+    an allowlisted one or one passed through alike (it was held for the body deadline, 30 s,
+    then 408 on the others), and never reaches the model server."""
+    method, path = target.split()
     url, _ = await sidecar_factory(upstream.url, {}, server_leg=leg, body_timeout_seconds=30)
     reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
     started = time.monotonic()
     writer.write(
-        b"POST %b HTTP/1.1\r\nHost: kvgate\r\nContent-Type: application/json\r\n"
-        b"Content-Length: 10737418240\r\n\r\n{" % path.encode()
+        b"%b %b HTTP/1.1\r\nHost: kvgate\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 10737418240\r\n\r\n{" % (method.encode(), path.encode())
     )
     await writer.drain()
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)

@@ -306,7 +306,13 @@ class Forwarder:
         (``GET http://host/v1/models``, RFC 9112 §3.2.2) is sent as its path and query: the
         upstream is always the sidecar's own. The body must be complete within
         :attr:`body_timeout` seconds of the handler's start, else the upstream request is
-        aborted and the client gets 408 (``client_timeouts{phase="body"}``) and is closed."""
+        aborted and the client gets 408 (``client_timeouts{phase="body"}``) and is closed. A
+        body over :attr:`max_body` bytes gets 413: at once when its ``Content-Length`` says so
+        (never sent upstream; counted as an ``invalid_request`` refusal), else when the bytes
+        streamed pass it (the upstream request aborted)."""
+        if self.max_body and (request.content_length or 0) > self.max_body:
+            self.metrics.count_decision("rejected", "invalid_request", "")
+            return responses.bad_request(too_large(self.max_body))
         rel = request.rel_url  # request.raw_path is the whole URL of an absolute-form target
         raw_path = rel.raw_path + (f"?{rel.raw_query_string}" if rel.raw_query_string else "")
         fwd = forward_headers(request.headers)

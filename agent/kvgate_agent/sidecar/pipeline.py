@@ -19,7 +19,7 @@ from yarl import URL
 from kvgate_agent.admission import AsyncAdmission, Decision, Reason
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar import responses
-from kvgate_agent.sidecar.body import read_body, too_large
+from kvgate_agent.sidecar.body import read_body
 from kvgate_agent.sidecar.endpoints import GENERATION_PATHS, SAFE_METHODS, Passthrough
 from kvgate_agent.sidecar.enforced import EnforcedPolicy
 from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
@@ -135,22 +135,19 @@ class RequestPipeline:
         through; another method only to a path on the allowlist (404 otherwise). A path that
         only normalises (dot segments, repeated slashes, escapes) to a generation or allowlisted
         one is refused with 400: an upstream that normalises it would otherwise serve it
-        unchecked. A body declared larger than ``--max-body-bytes`` gets 413 at once (one that
-        turns out larger while streamed upstream is cut with 413 by the forwarder)."""
+        unchecked. A body over ``--max-body-bytes`` gets 413 (:meth:`Forwarder.passthrough`)."""
         raw = request.rel_url.raw_path  # an absolute-form target's raw_path is the whole URL
         if not raw.startswith("/"):  # ``OPTIONS *``, CONNECT's authority: nothing to pass on
             return self._refused_early(responses.not_a_path(raw))
         path = canonical_path(raw)
         if path in GENERATION_PATHS:
             return self._refused_early(responses.non_canonical_path())
-        if request.method not in SAFE_METHODS:
-            if not self.passthrough.allows(path):
-                return self._refused_early(responses.not_allowed_path(request.method, path))
-            if raw != path:
-                return self._refused_early(responses.non_canonical_path())
-        limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            return self._refused_early(responses.bad_request(too_large(limit)))  # at once
+        if request.method in SAFE_METHODS:
+            return await self.forwarder.passthrough(request)
+        if not self.passthrough.allows(path):
+            return self._refused_early(responses.not_allowed_path(request.method, path))
+        if raw != path:
+            return self._refused_early(responses.non_canonical_path())
         return await self.forwarder.passthrough(request)
 
     def _refused_early(self, resp: web.Response) -> web.Response:
