@@ -93,6 +93,7 @@ def test_one_tiny_cell_resumes_and_reports(
     resume.save(path, doc)
     assert main(argv) == 0
     out = capsys.readouterr().out
+    assert "left: 5 arm runs" in out  # the tuning was stored: the five arms of one cell
     done = json.loads(path.read_text())
     assert resume.finished(done) == {("multi-tenant:1", 2)} and done["runs"] == []
     cell = done["cells"][0]
@@ -115,9 +116,9 @@ def test_one_tiny_cell_resumes_and_reports(
     assert "verdict: baselines tuned on seed 1, reported on seeds 2" in out
     # Re-invoked on the same file: the finished cell is skipped, nothing runs.
     assert main(argv) == 0
+    assert "left: 0 arm runs" in capsys.readouterr().out
     again = json.loads(path.read_text())
     assert again["cells"] == done["cells"] and again["invocations"][-1]["units"] == 0
-    capsys.readouterr()
     assert main(["--report", str(path)]) == 0
     report = capsys.readouterr().out
     assert report.startswith("verdict: baselines tuned on seed 1, reported on seeds 2")

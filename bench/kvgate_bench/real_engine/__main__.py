@@ -148,6 +148,9 @@ async def _main(args: argparse.Namespace) -> int:
         print(calibration_text(c), flush=True)
         if args.write_profile is not None:
             write_profile(profile_of(c), args.write_profile)
+        units, secs = runner.left_s(args.cell_list, args.seed_list)
+        print(f"left: {units} arm runs, about {secs / 3600:.1f} h (at most; invocations of "
+              f"{args.budget_minutes:g} min)", flush=True)  # fmt: skip
         done = True
         for seed in args.seed_list:
             for workload, load in args.cell_list:

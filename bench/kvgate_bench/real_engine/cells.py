@@ -190,6 +190,35 @@ class Runner:
         finally:
             await asyncio.to_thread(proc.stop)
 
+    def left_s(self, cells: list[tuple[str, float]], seeds: list[int]) -> tuple[int, float]:
+        """(arm runs, seconds) the unfinished work of ``cells`` x ``seeds`` is estimated at
+        (:func:`kvgate_bench.real_engine.plan.unit_estimate_s`), the tune seed's sweeps
+        included."""
+        units, secs = 0, 0.0
+        slo = slo_of(self.doc["calibration"])
+        sweeps = plan.sweeps(self.args.short, self.args.parallel, slo.ttft_s)
+        tunes = {plan.tuned_on(w, load) for w, load in cells}
+        for w, load in sorted(tunes):
+            key = plan.cell_key(w, load)
+            if key in self.doc["tuned"]:
+                continue
+            sched = self.schedule(w, load, int(self.args.tune_seed))
+            for arm, settings in sweeps.items():
+                n = sum(1 for p in settings if resume.sweep_row(self.doc, key, arm, p) is None)
+                units += n
+                secs += n * plan.unit_estimate_s(sched.duration_s, self.args.drain)
+        done = resume.finished(self.doc)
+        for seed in seeds:
+            for w, load in cells:
+                key = plan.cell_key(w, load)
+                if (key, seed) in done:
+                    continue
+                sched = self.schedule(w, load, seed)
+                n = sum(1 for a in plan.ARMS if resume.run_row(self.doc, key, seed, a) is None)
+                units += n
+                secs += n * plan.unit_estimate_s(sched.duration_s, self.args.drain)
+        return units, secs
+
     async def tune(self, workload: str, load: float) -> bool:
         """The tune seed's sweep of ``workload`` at ``load`` (module docstring); False when the
         budget stopped it."""
