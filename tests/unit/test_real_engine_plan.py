@@ -81,12 +81,15 @@ def test_options_refuse_bad_values_with_exit_2(capsys: pytest.CaptureFixture[str
     assert parse_args(["--short"]).seed_list == [2]
     for bad in (["--seeds", "1,2"], ["--cells", "chat:1"], ["--parallel", "0"],
                 ["--duration", "nan"], ["--report", "/nonexistent/x.json"],
-                ["--resume", "/nonexistent/dir/x.json"], ["--model", "llama"]):  # fmt: skip
+                ["--resume", "/nonexistent/dir/x.json"], ["--min-requests", "0"]):  # fmt: skip
         with pytest.raises(SystemExit) as e:
             parse_args(bad)
         assert e.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err and "error:" in err[-1]
+        assert len(err) == 1 and "error:" in err[0], err  # one line
+    with pytest.raises(SystemExit) as e:  # argparse's own refusal: exit 2 too
+        parse_args(["--model", "llama"])
+    assert e.value.code == 2
 
 
 def test_resume_document_merges_and_saves_atomically(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 from kvgate_bench.real_engine.plan import (
     DEFAULT_CELLS,
@@ -99,7 +101,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+class _Refuse:
+    """``error(message)``: the message on stderr, one line, and exit status 2."""
+
+    @staticmethod
+    def error(message: str) -> NoReturn:
+        print(f"python -m kvgate_bench.real_engine: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _check(p: _Refuse, a: argparse.Namespace) -> None:
     """Refuse bad values with ``p.error`` (exit 2, one line)."""
     for name in ("parallel", "ctx", "threads", "max_tokens", "min_requests"):
         v = getattr(a, name)
@@ -130,9 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The run's options from ``argv`` (default ``sys.argv[1:]``), the defaults filled in and
     ``cell_list`` ([(workload, load)]) and ``seed_list`` ([int]) added. Exits 2 with a one-line
     message for a bad option (:func:`_check`)."""
-    p = _parser()
-    a = p.parse_args(argv)
-    _check(p, a)
+    a = _parser().parse_args(argv)
+    _check(_Refuse(), a)
     a.max_tokens = a.max_tokens or MODELS[a.model].max_tokens
     a.duration = a.duration or (20.0 if a.short else 60.0)
     a.drain = a.drain or (8.0 if a.short else 20.0)
