@@ -8,10 +8,10 @@ and, under a TTFT SLO, the admission-to-first-token time there is at most :data:
 it (the rest is the queue's; this side binds only where a lower level meets it, i.e. where
 concurrency is the cause). Until requests have completed at the levels in question, the
 streams' inter-token gaps (:class:`.step_table.StepTable`) stand in for their TPOT. **Without
-one** (an empty spec) a level is good while its step time is within :data:`TOLERANCE` times the
-table's floor (the fastest measured, drifting up slowly): the knee of throughput against
-concurrency (for a step time ``a + c n`` each sequence added there adds about
-``1 / TOLERANCE**2`` of the first one's throughput).
+one** (an empty spec) a level is good while its requests' mean TPOT (the gaps' until requests
+complete there) is within :data:`TOLERANCE` times the floor (the fastest decoding seen, drifting
+up slowly): the knee of throughput against concurrency (for a step time ``a + c n`` each
+sequence added there adds about ``1 / TOLERANCE**2`` of the first one's throughput).
 
 Once per control interval:
 
@@ -46,7 +46,13 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from kvgate_agent.admission.step_table import BUCKETS, StepTable, bucket_low, bucket_of
+from kvgate_agent.admission.step_table import (
+    BUCKETS,
+    STALE_S,
+    StepTable,
+    bucket_low,
+    bucket_of,
+)
 from kvgate_agent.admission.tpot_table import TpotTable
 
 #: Without a TPOT SLO, a level is good while its step time is within this many times the
@@ -63,6 +69,10 @@ FRESH_S = 2.0
 #: Completions in a row at a level whose TPOT says it is not good before it lowers the limit
 #: (each is a whole request's TPOT: two suffice).
 COMPLETED_STREAK = 2
+#: A level that lowered the limit is tried again by a raise only after this long at most, the
+#: wait doubling from :data:`~.step_table.STALE_S` each time it lowers the limit again (a
+#: probe of a level that is still too slow costs a service time of misses), seconds.
+MAX_BACKOFF_S = 960.0
 #: The limit may rise by at most this share of itself (at least 1) per raise.
 RAISE_STEP = 0.25
 #: Under a TTFT SLO, a level is good only while its admission-to-first-token time is at most
@@ -93,13 +103,17 @@ class ConcurrencyLimit:
         raise_after: clock seconds before which the limit is not raised again.
     """
 
-    __slots__ = ("_streak", "limit", "raise_after")
+    __slots__ = ("_backoff", "_blocked_until", "_streak", "limit", "raise_after")
 
     def __init__(self, start: int) -> None:
         self.limit = max(1, start)
         self.raise_after = 0.0
         #: Per table (gaps, completions) and bucket, the updates in a row that found it not good.
         self._streak: tuple[list[int], list[int]] = ([0] * BUCKETS, [0] * BUCKETS)
+        #: Per bucket, clock seconds before which a raise does not try it again after it
+        #: lowered the limit, and the wait the next time it does (doubled each time).
+        self._blocked_until: list[float] = [0.0] * BUCKETS
+        self._backoff: list[float] = [0.0] * BUCKETS
 
     def decide(
         self,
@@ -123,26 +137,23 @@ class ConcurrencyLimit:
         if tpot_s is None:
             if table.floor_s <= 0.0:
                 return
-            view: Levels = table
-            target, factor, streak, need, fresh = (
-                TOLERANCE * table.floor_s,
-                1.0,
-                self._streak[0],
-                BAD_STREAK,
-                FRESH_S,
-            )
+            target, factor = TOLERANCE * table.floor_s, 1.0
         else:
             target, factor = tpot_s, tpot.factor
-            self._count(tpot, self._streak[1], now, target, factor, ttft_bound, table)
-            if tpot.any_measured(here, now):
-                view, streak, need, fresh = tpot, self._streak[1], COMPLETED_STREAK, hold_s
-            else:  # no request completed at these levels yet: the gaps decide
-                view, streak, need, fresh = table, self._streak[0], BAD_STREAK, FRESH_S
+        self._count(tpot, self._streak[1], now, target, factor, ttft_bound, table)
+        view: Levels
+        if tpot.any_measured(here, now):
+            view, streak, need, fresh = tpot, self._streak[1], COMPLETED_STREAK, hold_s
+        else:  # no request completed at these levels yet: the gaps decide
+            view, streak, need, fresh = table, self._streak[0], BAD_STREAK, FRESH_S
         self._count(table, self._streak[0], now, target, factor, ttft_bound, table)
         bad = self._lowest_bad(view, streak, now, here, need, max(FRESH_S, fresh))
         if bad:
             lower = self._lower(view, table, now, bad, target, factor, ttft_bound)
             self.limit = min(limit, lower)
+            wait = min(MAX_BACKOFF_S, max(STALE_S, 2.0 * self._backoff[bad]))
+            self._backoff[bad] = wait
+            self._blocked_until[bad] = now + wait
         elif reached and now >= self.raise_after:
             up = self._higher(view, table, now, here, target, factor, ttft_bound)
             if cap is not None:
@@ -168,6 +179,8 @@ class ConcurrencyLimit:
         for i in view.folded:
             ok = self._good(view, table, i, now, target, factor, ttft_bound)
             streak[i] = 0 if ok else streak[i] + 1
+            if ok and view.measured(i, now):
+                self._backoff[i] = 0.0  # found good again: the next probe waits the least
 
     @staticmethod
     def _ttft_bound(table: StepTable, now: float, ttft_s: float | None) -> float:
@@ -257,8 +270,11 @@ class ConcurrencyLimit:
         slope = max(0.0, slope)
         best = limit
         i = ref + 1
+        blocked = self._blocked_until
         while i < BUCKETS and bucket_low(i) <= top:
             n = bucket_low(i)
+            if blocked[i] > now:
+                break
             if view.measured(i, now):
                 if not self._good(view, table, i, now, target, factor, ttft_bound):
                     break
