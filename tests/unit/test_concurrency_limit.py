@@ -243,3 +243,18 @@ def test_completions_learn_tpot_by_mean_concurrency_and_a_pooled_p90_factor() ->
     tp.observe(2.0, 0.0, 700.0)  # no TPOT: ignored
     assert tp.factor == before
     assert math.isfinite(tp.factor)
+
+
+def test_a_level_that_lowered_the_limit_is_probed_again_less_and_less_often() -> None:
+    # 1 and 2 in flight are fast and a line through them says 3 is too, but 3 is slow: each
+    # probe of it costs a service time of misses, so the wait before the next doubles.
+    s = SloState(0.05, None, 1, 0.0)
+    e = Engine(s, table_step({1: 0.02, 2: 0.03, 3: 0.08}))
+    e.run(30.0)  # one at a time first: level 1 measured
+    s.retune(0.05, None, 4)
+    start = len(e.limits)
+    e.run(900.0)
+    late = e.limits[start:]
+    probes = [i for i, ((_, a), (_, b)) in enumerate(itertools.pairwise(late)) if a < 3 <= b]
+    assert 3 <= len(probes) <= 6  # one a minute would be about 14
+    assert all(lim <= 3 for _, lim in late[probes[0] :])
