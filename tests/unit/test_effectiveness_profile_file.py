@@ -104,3 +104,32 @@ def test_kvgate_sim_takes_a_profile_file(
     assert err.count("\n") == 1 and str(bad) in err and "speed" in err
     assert sim_main(["--profile", str(tmp_path / "absent.json")]) == 2
     assert "neither a built-in" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text_of", "field"),
+    [
+        (lambda t: t.replace('"1": 22', '"1": 0'), "decode_step_ms.1"),
+        (
+            lambda t: t.replace('"prefill_ms_per_token": 4.0', '"prefill_ms_per_token": 0'),
+            "prefill_ms_per_token",
+        ),
+        (lambda t: t.replace('"max_num_seqs": 4', '"max_num_seqs": "4"'), "max_num_seqs"),
+        (lambda t: t.replace('"1": 22', '"1": "22"'), "decode_step_ms.1"),
+        (lambda t: t.replace('"4": 78', '"4.0": 78'), "decode_step_ms"),
+        (lambda t: t.replace('"2": 63', '" 2": 63'), "decode_step_ms"),
+        (lambda t: t.replace('"4": 78', '"4": 78, "2": 70'), "decode_step_ms"),
+    ],
+)
+def test_both_commands_refuse_a_bad_table_with_exit_2_and_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text_of: Any, field: str
+) -> None:
+    bad = tmp_path / "bad.json"
+    text = text_of(EXAMPLE.read_text())
+    assert text != EXAMPLE.read_text()
+    bad.write_text(text)
+    for main in (effectiveness_main, sim_main):
+        assert main(["--profile", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert str(bad) in err and f"{field}: " in err, err

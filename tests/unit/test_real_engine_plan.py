@@ -170,6 +170,12 @@ def test_decode_table_from_bursts_and_the_profile() -> None:
     assert st.seconds(0, 3, 0) == pytest.approx((0.063 + 0.078) / 2)
     with pytest.raises(ValueError):
         profile_fit.decode_table([], 0.0)
+    # A step the context correction drives to 0 or below, and no prefill measured: floored,
+    # so the fitted profile is a valid one (its step times must be > 0).
+    fast = [profile_fit.burst_from_timings([{**timing, "predicted_per_token_ms": 0.05}])]
+    assert profile_fit.decode_table(fast, d_us) == {1: profile_fit.MIN_STEP_MS}
+    q = profile_fit.fit_profile("cpu", parallel=1, ctx=256, unloaded=[], bursts=fast, slo=None)
+    assert q.prefill_ms_per_token == profile_fit.MIN_STEP_MS
 
 
 def test_rows_carry_intervals_and_per_request_vectors() -> None:

@@ -81,18 +81,26 @@ def test_round_trip(tmp_path: Path) -> None:
     ("change", "field", "words"),
     [
         ({"decode_step_ms": {}}, "decode_step_ms", "at least one"),
-        (
-            {"decode_step_ms": {"0": 5}},
-            "decode_step_ms.'0' (batch size)",
-            "greater than or equal to 1",
-        ),
-        ({"decode_step_ms": {"two": 5}}, "decode_step_ms.'two' (batch size)", "integer"),
-        ({"decode_step_ms": {"1.5": 5}}, "decode_step_ms.'1.5' (batch size)", "integer"),
-        ({"decode_step_ms": {"1": -1}}, "decode_step_ms.1", "greater than or equal to 0"),
+        ({"decode_step_ms": {"0": 5}}, "decode_step_ms", "batch size '0' is not an integer"),
+        ({"decode_step_ms": {"two": 5}}, "decode_step_ms", "batch size 'two' is not"),
+        ({"decode_step_ms": {"1.5": 5}}, "decode_step_ms", "batch size '1.5' is not"),
+        ({"decode_step_ms": {"4.0": 5}}, "decode_step_ms", "batch size '4.0' is not"),
+        ({"decode_step_ms": {" 2": 5}}, "decode_step_ms", "batch size ' 2' is not"),
+        ({"decode_step_ms": {"02": 5}}, "decode_step_ms", "batch size '02' is not"),
+        ({"decode_step_ms": {"1": -1}}, "decode_step_ms.1", "greater than 0"),
+        ({"decode_step_ms": {"1": 0}}, "decode_step_ms.1", "greater than 0"),
+        ({"decode_step_ms": {"1": "22"}}, "decode_step_ms.1", "valid number, got '22'"),
+        ({"prefill_ms_per_token": 0}, "prefill_ms_per_token", "greater than 0"),
+        ({"prefill_ms_per_token": "4.0"}, "prefill_ms_per_token", "valid number, got '4.0'"),
         ({"prefill_ms_per_token": float("inf")}, "prefill_ms_per_token", "finite"),
+        ({"context_us_per_token": -1}, "context_us_per_token", "greater than or equal to 0"),
+        ({"context_us_per_token": "0"}, "context_us_per_token", "valid number, got '0'"),
         ({"max_num_seqs": 0}, "max_num_seqs", "greater than or equal to 1"),
+        ({"max_num_seqs": "4"}, "max_num_seqs", "valid integer, got '4'"),
         ({"max_num_seqs": True}, "max_num_seqs", "true/false"),
-        ({"block_size": 2.5}, "block_size", "fractional"),
+        ({"block_size": 2.5}, "block_size", "valid integer, got 2.5"),
+        ({"max_model_len": 4096.0}, "max_model_len", "valid integer, got 4096.0"),
+        ({"name": 7}, "name", "valid string, got 7"),
         ({"kv_capacity_tokens": 8}, "profile", "must hold one block"),
         ({"name": ""}, "name", "at least 1"),
         ({"slo": {"ttft_s": 1.0}}, "slo", "missing ['tpot_s']"),
@@ -112,6 +120,32 @@ def test_bad_files_name_the_file_and_the_field(
     msg = str(e.value)
     assert "\n" not in msg and str(path) in msg
     assert f"{field}: " in msg and words in msg
+
+
+def test_a_zero_context_cost_is_allowed_and_python_callers_may_use_int_keys() -> None:
+    p = EngineProfile.model_validate(
+        {**_raw(), "context_us_per_token": 0, "prefill_ms_per_token": 1}
+    )
+    assert p.context_us_per_token == 0.0 and p.prefill_ms_per_token == 1.0
+    assert EngineProfile.model_validate(
+        {**_raw(), "decode_step_ms": {2: 5.0, 1: 3}}
+    ).decode_step_ms == {1: 3.0, 2: 5.0}
+    with pytest.raises(ValueError, match="batch size 2 given twice"):
+        EngineProfile.model_validate({**_raw(), "decode_step_ms": {2: 5.0, "2": 6.0}})
+
+
+def test_a_key_given_twice_in_the_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "twice.json"
+    text = json.dumps(_raw())
+    path.write_text(text.replace('"4": 78', '"4": 78, "2": 70'))
+    with pytest.raises(ValueError) as e:
+        load_profile(path)
+    assert str(path) in str(e.value) and "decode_step_ms: batch size '2' given twice" in str(
+        e.value
+    )
+    path.write_text(text.replace('"block_size": 16', '"block_size": 16, "block_size": 32'))
+    with pytest.raises(ValueError, match="block_size: given twice"):
+        load_profile(path)
 
 
 def test_missing_field_unreadable_and_non_json_files(tmp_path: Path) -> None:

@@ -18,6 +18,10 @@ https://github.com/ggml-org/llama.cpp/tree/master/tools/server):
   batch is their mean ``predicted_per_token_ms``. The table's entry for k is the median over
   its bursts of that time less ``d`` x the k sequences' context: the profile adds ``d x K``
   back for the context a simulated step has (:mod:`kvgate_bench.sim.steptime`).
+
+A profile's step times must be > 0 (:mod:`kvgate_bench.sim.profile_file`): a table entry or a
+prefill cost that the subtraction or a cache-warm run drives to 0 or below is floored at
+:data:`MIN_STEP_MS`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from typing import Any
 from kvgate_bench.real_engine.calibration import Slo
 from kvgate_bench.sim.profile_file import EngineProfile
 
+#: The least step time (and prefill cost per token) a fitted profile holds, ms.
+MIN_STEP_MS = 1e-3
 #: Bursts per batch size.
 MIN_BURSTS = 3
 #: The virtual engine's KV block, tokens.
@@ -91,7 +97,7 @@ def decode_table(bursts: Sequence[Burst], d_us: float) -> dict[int, float]:
     by_k: dict[int, list[float]] = {}
     for b in bursts:
         step = statistics.fmean(b.per_token_ms) - d_us / 1e3 * sum(b.contexts)
-        by_k.setdefault(b.k, []).append(max(0.0, step))
+        by_k.setdefault(b.k, []).append(max(MIN_STEP_MS, step))
     return {k: statistics.median(v) for k, v in sorted(by_k.items())}
 
 
@@ -115,7 +121,7 @@ def fit_profile(
         block_size=BLOCK,
         max_model_len=ctx // parallel,
         prefill_chunk_tokens=LLAMA_BATCH,
-        prefill_ms_per_token=prefill_ms_per_token(unloaded),
+        prefill_ms_per_token=max(MIN_STEP_MS, prefill_ms_per_token(unloaded)),
         decode_step_ms=decode_table(bursts, d_us),
         context_us_per_token=d_us,
         slo=slo.pair() if slo is not None else None,

@@ -17,13 +17,17 @@ Fields:
 * ``max_model_len``: the longest prompt + output, tokens, >= 2.
 * ``prefill_chunk_tokens``: the token budget of one step (chunked prefill; vLLM's
   ``max_num_batched_tokens``, llama-server's ``--batch-size``), >= 1.
-* ``prefill_ms_per_token``: cost of one prefill token, ms (finite, >= 0).
+* ``prefill_ms_per_token``: cost of one prefill token, ms (finite, > 0).
 * ``decode_step_ms``: one step's time by the number of sequences decoding in it, ms: a
-  non-empty table from batch size (an integer >= 1; a string of one in JSON) to finite times
-  >= 0, interpolated between points and extended from the last two
+  non-empty table from batch size (an integer >= 1; in JSON a string of one written
+  canonically, ``"4"``, not ``"4.0"``, ``" 4"`` or ``"04"``; each batch size once) to finite
+  times > 0, interpolated between points and extended from the last two
   (:mod:`kvgate_bench.sim.steptime`).
 * ``context_us_per_token``: cost per context token the decoding sequences attend to, us
   (finite, >= 0; default 0).
+
+Numbers are validated strictly: a string (``"4"``), ``true``/``false``, or a fraction where an
+integer is expected is refused, not converted. A key given twice in the file is refused.
 * ``slo``: optional ``{"ttft_s": ..., "tpot_s": ...}``, seconds (finite, > 0): the interactive
   SLO the benchmarks score against; absent or ``null``, the benchmark derives one.
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -59,8 +64,36 @@ def _not_bool(v: Any) -> Any:
     return v
 
 
-PositiveInt = Annotated[int, BeforeValidator(_not_bool), Field(ge=1)]
-Millis = Annotated[float, BeforeValidator(_not_bool), Field(ge=0.0, allow_inf_nan=False)]
+#: A batch size as a JSON key: an integer >= 1 written canonically.
+_BATCH_KEY = re.compile(r"[1-9][0-9]*")
+
+
+def _batch_sizes(v: Any) -> Any:
+    """The decode table with its batch sizes as ints: a key must be an int >= 1 or its
+    canonical string (``"4"``); each batch size once."""
+    if not isinstance(v, dict):
+        return v
+    out: dict[int, Any] = {}
+    for k, ms in v.items():
+        ok_int = isinstance(k, int) and not isinstance(k, bool) and k >= 1
+        if not (ok_int or (isinstance(k, str) and _BATCH_KEY.fullmatch(k))):
+            raise ValueError(f'batch size {k!r} is not an integer >= 1 written as one ("4")')
+        n = int(k)
+        if n in out:
+            raise ValueError(f"batch size {n} given twice")
+        out[n] = ms
+    return out
+
+
+PositiveInt = Annotated[int, BeforeValidator(_not_bool), Field(ge=1, strict=True)]
+#: A time that may be 0 (a cost the engine may not have).
+Millis = Annotated[
+    float, BeforeValidator(_not_bool), Field(ge=0.0, allow_inf_nan=False, strict=True)
+]
+#: A step time: > 0 (a step that takes no time is a fitting error, not an engine).
+StepMillis = Annotated[
+    float, BeforeValidator(_not_bool), Field(gt=0.0, allow_inf_nan=False, strict=True)
+]
 
 
 class EngineProfile(BaseModel):
@@ -72,14 +105,14 @@ class EngineProfile(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1, strict=True)]
     max_num_seqs: PositiveInt
     kv_capacity_tokens: PositiveInt
     block_size: PositiveInt
-    max_model_len: Annotated[int, BeforeValidator(_not_bool), Field(ge=2)]
+    max_model_len: Annotated[int, BeforeValidator(_not_bool), Field(ge=2, strict=True)]
     prefill_chunk_tokens: PositiveInt
-    prefill_ms_per_token: Millis
-    decode_step_ms: dict[PositiveInt, Millis]
+    prefill_ms_per_token: StepMillis
+    decode_step_ms: Annotated[dict[PositiveInt, StepMillis], BeforeValidator(_batch_sizes)]
     context_us_per_token: Millis = 0.0
     slo: tuple[float, float] | None = None
 
@@ -181,13 +214,37 @@ def _problems(err: ValidationError) -> str:
     """``field: message`` for each of ``err``'s errors, joined by ``; ``."""
     parts = []
     for e in err.errors(include_url=False):
-        names = [str(x) for x in e["loc"]]
-        if names[-1:] == ["[key]"]:  # a decode table's batch size
-            names[-2:] = [f"{names[-2]!r} (batch size)"]
-        loc = ".".join(names) or "profile"
+        loc = ".".join(str(x) for x in e["loc"]) or "profile"
         msg = str(e["msg"]).removeprefix("Value error, ")
+        if str(e["type"]).endswith("_type"):  # strict: say what was given instead
+            msg += f", got {e['input']!r}"
         parts.append(f"{loc}: {msg}")
     return "; ".join(parts)
+
+
+class _Pairs(dict[str, Any]):
+    """A JSON object that remembers the keys it was given more than once (``json.loads``
+    keeps the last silently)."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        seen: set[str] = set()
+        self.twice: list[str] = []
+        for k, _ in pairs:
+            if k in seen:
+                self.twice.append(k)
+            seen.add(k)
+
+
+def _twice(raw: Any) -> str | None:
+    """``field: ... given twice`` for the first key the file gives twice, else None."""
+    if isinstance(raw, _Pairs) and raw.twice:
+        return f"{raw.twice[0]}: given twice"
+    for k, v in raw.items():
+        if isinstance(v, _Pairs) and v.twice:
+            what = "batch size" if k == "decode_step_ms" else "key"
+            return f"{k}: {what} {v.twice[0]!r} given twice"
+    return None
 
 
 def load_profile(path: str | Path) -> EngineProfile:
@@ -201,11 +258,14 @@ def load_profile(path: str | Path) -> EngineProfile:
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"engine profile {path}: cannot read it: {e}") from None
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, object_pairs_hook=_Pairs)
     except json.JSONDecodeError as e:
         raise ValueError(f"engine profile {path}: not JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"engine profile {path}: must be a JSON object")
+    twice = _twice(raw)
+    if twice:
+        raise ValueError(f"engine profile {path}: {twice}")
     try:
         return EngineProfile.model_validate(raw)
     except ValidationError as e:
