@@ -97,6 +97,9 @@ def test_kvgate_sim_takes_a_profile_file(
     # An engine-shape flag overrides the file's value.
     args = build_parser().parse_args(["--profile", str(EXAMPLE), "--max-num-seqs", "2"])
     assert config_from_args(args).engine_config().max_num_seqs == 2
+    help_text = " ".join(build_parser().format_help().split())
+    assert "its engine shape (KV pool, block size, max model length, sequences" in help_text
+    assert "wherever the matching flag below is not given" in help_text
     bad = tmp_path / "bad.json"
     bad.write_text('{"name": "x", "speed": 1}')
     assert sim_main(["--profile", str(bad)]) == 2

@@ -92,6 +92,14 @@ def test_options_refuse_bad_values_with_exit_2(capsys: pytest.CaptureFixture[str
     assert e.value.code == 2
 
 
+def test_help_names_the_short_defaults_and_duration(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default 20 s; --short 8 s)" in text
+    assert "a plumbing run, not a verdict" in text and "about 12 min on 2 cores" in text
+
+
 def test_resume_document_merges_and_saves_atomically(tmp_path: Path) -> None:
     doc = resume.new_doc({"model": "smollm2", "parallel": 4}, 1)
     resume.add_run(doc, "multi-tenant:2", 2, "none", {"goodput_ci95": (1.0, 2.0)})

@@ -29,9 +29,10 @@ llama-server is pinned to the last CPU, this process and the sidecar to the othe
    ``--report FILE`` prints it from a resume file without running anything (``--seeds``
    chooses the report seeds; default every seed but the tune seed).
 
-``--short`` is a plumbing run (one cell, ``multi-tenant:2``, of 20 requests an arm, one report
-seed, a smaller sweep: 10-15 minutes on 2 cores). ``--json FILE`` writes ``{"meta",
-"calibration", "tuned", "cells", "verdict"}`` (:func:`kvgate_bench.real_engine.report.report_json`).
+``--short`` is a plumbing run, not a verdict (one cell, ``multi-tenant:2``, of 20 requests an
+arm, one report seed, a smaller sweep: about 12 minutes on 2 cores). ``--json FILE`` writes
+``{"meta", "calibration", "tuned", "cells", "verdict"}``
+(:func:`kvgate_bench.real_engine.report.report_json`).
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 before anything runs (the run itself: :mod:`kvgate_bench.real_engine.__main__`).
 
 Defaults filled in after parsing (the flag's own default is None): ``--max-tokens`` the
-model's ceiling (SmolLM2 256, Gemma 96); ``--duration`` 60 s (``--short`` 20), the shortest
+model's ceiling (SmolLM2 256, Gemma 96); ``--duration`` 60 s (``--short`` 20 s), the shortest
 schedule (a cell's is longer when it needs more time for ``--min-requests``); ``--drain`` 20 s
-(8); ``--probe-duration`` 20 s (15); ``--min-requests`` 200 (``--short`` 20); ``--cells``
-``multi-tenant:2,multi-tenant:3,isolation:3,multi-tenant:1`` (``--short``: ``multi-tenant:2``);
-``--seeds`` 2,3,4 (``--short``: 2).
+(``--short`` 8 s); ``--probe-duration`` 20 s (``--short`` 15 s); ``--min-requests`` 200
+(``--short`` 20); ``--cells`` ``multi-tenant:2,multi-tenant:3,isolation:3,multi-tenant:1``
+(``--short``: ``multi-tenant:2``); ``--seeds`` 2,3,4 (``--short``: 2).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--short",
         action="store_true",
-        help="a plumbing run: one cell of 20 requests an arm, one seed (~10-15 min)",
+        help="a plumbing run, not a verdict: one cell of 20 requests an arm, one seed (about "
+        "12 min on 2 cores)",
     )
     p.add_argument(
         "--model", choices=sorted(MODELS), default="smollm2", help="the model (default smollm2)"
@@ -88,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         "--duration", type=float, help="shortest schedule per cell, s (default 60; --short 20)"
     )
     p.add_argument(
-        "--drain", type=float, help="seconds after a schedule before cutting (default 20; 8)"
+        "--drain",
+        type=float,
+        help="seconds after a schedule before cutting (default 20 s; --short 8 s)",
     )
     p.add_argument(
         "--probe-duration",

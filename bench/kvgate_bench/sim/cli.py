@@ -38,24 +38,36 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"step-time model: a built-in name ({', '.join(PROFILE_NAMES)}): constant "
         "(--decode-ms + --prefill-us-per-token, whole-prompt prefill) or a realistic a + "
         "b*prefill + c*decodes + d*context profile with chunked prefill; or a JSON engine "
-        "profile file (examples/profiles/), which also sets the engine's shape (default: "
-        "constant)",
+        "profile file (examples/profiles/): its step times, and its engine shape (KV pool, "
+        "block size, max model length, sequences, step token budget) wherever the matching "
+        "flag below is not given (default: constant)",
     )
     p.add_argument(
         "--kv-capacity-tokens",
         type=int,
         default=None,
-        help="KV pool size, tokens (default: the profile's; constant: 65536)",
+        help="KV pool size, tokens (default: the profile's or profile file's; constant: 65536)",
     )
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    p.add_argument("--max-model-len", type=int, help="max prompt+completion tokens (default 8192)")
-    p.add_argument("--max-num-seqs", type=int, help="max running requests (default 256)")
+    p.add_argument(
+        "--block-size", type=int, help="tokens per KV block (default: a profile file's, else 16)"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="max prompt+completion tokens (default: a profile file's, else 8192)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="max running requests (default: a profile file's, else 256)",
+    )
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
         help="token budget per step: prefill tokens for constant (default max(8192, "
-        "max-model-len)), every scheduled token for chunked profiles (default 8192)",
+        "max-model-len)), every scheduled token for chunked profiles (default: a profile "
+        "file's prefill_chunk_tokens, else 8192)",
     )
     p.add_argument(
         "--decode-ms", type=float, default=10.0, help="constant profile: iteration time, ms"
