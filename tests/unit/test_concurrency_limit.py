@@ -258,3 +258,34 @@ def test_a_level_that_lowered_the_limit_is_probed_again_less_and_less_often() ->
     probes = [i for i, ((_, a), (_, b)) in enumerate(itertools.pairwise(late)) if a < 3 <= b]
     assert 3 <= len(probes) <= 6  # one a minute would be about 14
     assert all(lim <= 3 for _, lim in late[probes[0] :])
+
+
+def test_after_a_slowdown_the_limit_climbs_back_from_1() -> None:
+    # Batching nearly free (40 ms + 2 ms a sequence), TPOT SLO 60 ms, cap 8: a minute five times
+    # slower drives the limit to 1; once only level 1 is measured the next level is tried (no
+    # shape to extend), and stale levels start again from their next samples.
+    def step(n: int) -> float:
+        return 0.040 + 0.002 * (n - 1)
+
+    s = SloState(0.06, None, 8, 0.0)
+    slow = [False]
+    e = Engine(s, lambda n: step(n) * (5 if slow[0] else 1), output=50)
+    e.run(60.0)
+    assert s.limit >= 7
+    slow[0] = True
+    e.run(60.0)
+    assert s.limit <= 2
+    slow[0] = False
+    e.run(300.0)
+    assert s.limit >= 7
+
+
+def test_one_lucky_gap_does_not_set_the_floor() -> None:
+    t = StepTable()
+    for now in (0.5, 1.0):
+        for _ in range(20):
+            t.observe(4, 0.04, 1.0)
+        t.fold(now)
+    t.observe(1, 0.001, 1.0)  # a quiet interval: one token, 1 ms after the one before
+    t.fold(1.5)
+    assert t.floor_s == pytest.approx(0.04)

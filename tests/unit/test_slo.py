@@ -103,6 +103,19 @@ def test_retune_keeps_and_clamps_the_limit() -> None:
     assert s.limit == 20
     s.retune(None, None, 20)
     assert s.limit == 20
-    s.retune(0.05, 1.0, None)
-    assert s.limit == 20
+    s.retune(0.05, 1.0, None)  # the cap lifted: where an uncapped limit starts
+    assert s.limit == SloState.DEFAULT_START
     assert s.ttft_seconds == 1.0
+
+
+def test_a_cap_that_comes_and_goes_gives_back_the_limit_held_before_it() -> None:
+    # An engine stall caps admission at 1 for its length (the sidecar's engine concurrency),
+    # then lifts the cap: the limit held before comes back, not 1.
+    s = SloState(0.05, None, None, 0.0)
+    s.retune(0.05, None, 100)
+    s.retune(0.05, None, None)
+    assert s.limit == 100
+    s.retune(0.05, None, 1)
+    assert s.limit == 1
+    s.retune(0.05, None, None)
+    assert s.limit == 100

@@ -29,16 +29,19 @@ Once per control interval:
   highest measured level at or under it is good, and a service time (admission to release,
   smoothed) has passed since the last raise: to the highest level up to ``limit + max(1, limit
   x RAISE_STEP)`` that is measured good or, unmeasured, predicted good by extending the two
-  highest measured levels at or under the limit (a line through them, never falling; one
-  level: in proportion to ``n``), stopping below the first measured level that is not good. A
-  raise admits that many queued requests at once, whose prefills stall every stream, so it is
-  a quarter at most: from a cold start the limit grows 1.25x per service time (64 to 256 in
-  about six), while a 4-slot CPU server's limit moves one request at a time.
+  highest measured levels at or under the limit (a line through them, never falling; with one
+  measured level, the next level is tried), stopping below the first measured level that is
+  not good or the first level that lowered the limit within its back-off (a minute, doubling
+  each time it does so again, up to 16 minutes). A raise admits that many queued requests at
+  once, whose prefills stall every stream, so it is a quarter at most: from a cold start the
+  limit grows 1.25x per service time (64 to 256 in about six), while a 4-slot CPU server's
+  limit moves one request at a time.
 
 Floor 1 request; ceiling the policy's cap or the engine's slots (none: unbounded).
 
-Invariant: pure and clock-injected; :meth:`ConcurrencyLimit.decide` is O(buckets), run once per
-control interval, never on a request's path.
+Invariant: pure and clock-injected; :meth:`ConcurrencyLimit.decide` runs once per control
+interval (on whichever call closes it) and scans the buckets up to about the limit's: at most
+225, a few microseconds compiled; every per-request call stays O(1).
 """
 
 from __future__ import annotations
@@ -150,10 +153,11 @@ class ConcurrencyLimit:
         bad = self._lowest_bad(view, streak, now, here, need, max(FRESH_S, fresh))
         if bad:
             lower = self._lower(view, table, now, bad, target, factor, ttft_bound)
-            self.limit = min(limit, lower)
-            wait = min(MAX_BACKOFF_S, max(STALE_S, 2.0 * self._backoff[bad]))
-            self._backoff[bad] = wait
-            self._blocked_until[bad] = now + wait
+            if lower < limit:  # (the same level still slow while its requests run: no news)
+                self.limit = lower
+                wait = min(MAX_BACKOFF_S, max(STALE_S, 2.0 * self._backoff[bad]))
+                self._backoff[bad] = wait
+                self._blocked_until[bad] = now + wait
         elif reached and now >= self.raise_after:
             up = self._higher(view, table, now, here, target, factor, ttft_bound)
             if cap is not None:
@@ -266,11 +270,21 @@ class ConcurrencyLimit:
             if view.measured(i, now):
                 n1, m1 = bucket_low(i), view.mean[i]
                 break
-        slope = (m2 - m1) / (n2 - n1) if n1 > 0 and n2 > n1 else m2 / n2
-        slope = max(0.0, slope)
+        blocked = self._blocked_until
         best = limit
         i = ref + 1
-        blocked = self._blocked_until
+        if n1 == 0:
+            # One level measured: no shape to extend, so try the next one (its back-off
+            # permitting) rather than predict it (in proportion to n would never leave 1 where
+            # the SLO is under about twice the lone request's TPOT).
+            open_ = i < BUCKETS and blocked[i] <= now and bucket_low(i) <= top
+            if open_ and (
+                not view.measured(i, now)
+                or self._good(view, table, i, now, target, factor, ttft_bound)
+            ):
+                best = max(best, bucket_low(i))
+            return best
+        slope = max(0.0, (m2 - m1) / (n2 - n1))
         while i < BUCKETS and bucket_low(i) <= top:
             n = bucket_low(i)
             if blocked[i] > now:

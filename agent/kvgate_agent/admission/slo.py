@@ -82,6 +82,7 @@ class SloState:
         "_engine_waiting_until",
         "_gap_n",
         "_gap_sum",
+        "_held",
         "_interval_end",
         "_reached",
         "gap_s",
@@ -105,6 +106,8 @@ class SloState:
         self.ttft_seconds = ttft_seconds
         self.max_limit = max_limit
         self._control = ConcurrencyLimit(max_limit if max_limit is not None else self.DEFAULT_START)
+        #: The limit when a cap last came over an uncapped one (given back when it is lifted).
+        self._held = self.DEFAULT_START
         self.table = StepTable()
         self.tpot = TpotTable()
         self.gap_s: float | None = None
@@ -127,10 +130,16 @@ class SloState:
     ) -> None:
         """Take a changed policy's SLOs and cap; the measurements stay. A new cap is also where
         the limit starts again (it falls within an interval where the table says so); the same
-        cap again changes nothing."""
+        cap again changes nothing; a cap lifted (None) gives back the limit held before the cap
+        came (an engine stall caps admission at 1 for its length, then lifts the cap)."""
         control = self._control
-        if max_limit is not None and max_limit != self.max_limit:
+        old = self.max_limit
+        if max_limit is not None and max_limit != old:
+            if old is None:
+                self._held = control.limit
             control.limit = max_limit
+        elif max_limit is None and old is not None:
+            control.limit = max(control.limit, self._held)
         self.tpot_seconds, self.ttft_seconds, self.max_limit = tpot_seconds, ttft_seconds, max_limit
         if max_limit is not None:
             control.limit = max(1, min(control.limit, max_limit))

@@ -28,8 +28,9 @@ bucket's mean (or the recent mean over all buckets, if lower: a level seen only 
 transient): a newcomer's prefill that stalls every stream is paid by the requests (their own
 TPOT teaches the limit how much), not a property of the batch size. A bucket is *measured* once
 it holds :data:`MIN_TOKENS` tokens over :data:`MIN_FOLDS` intervals and was updated within the
-last :data:`STALE_S` seconds: a stale bucket is forgotten, so a level found too slow once is
-tried again later (the workload's prompts or the model may have changed).
+last :data:`STALE_S` seconds: a stale bucket is forgotten (its next samples start it again), so
+a level found too slow once is tried again later (the workload's prompts or the model may have
+changed).
 
 Invariant: pure and clock-injected (times are passed in); :meth:`StepTable.observe` and
 :meth:`StepTable.observe_first_token` are O(1); :meth:`StepTable.fold` is O(buckets touched).
@@ -97,7 +98,8 @@ class StepTable:
         ttft: per bucket, the smoothed seconds from admission to first token (0: no sample).
         ttft_n: per bucket, first tokens seen (capped).
         ttft_seen: per bucket, clock seconds of its last first token.
-        floor_s: the lowest one-interval mean seconds per token over all requests, drifting up
+        floor_s: the lowest one-interval mean seconds per token over all requests (intervals of
+            at least :data:`MIN_TOKENS` tokens), drifting up
             towards each interval's mean by :data:`FLOOR_DRIFT` while nothing faster is seen (0:
             none yet): the fastest decoding seen stays known while the load keeps the low
             levels unmeasured (a run that starts under load sees it only in its first
@@ -178,6 +180,9 @@ class StepTable:
             total_tokens += tokens
             x = self._acc_s[i] / tokens
             w = self.weight[i]
+            if w > 0.0 and now - self.seen[i] > STALE_S:
+                w = 0.0  # stale: start again from this interval
+                self.folds[i] = 0
             alpha = min(ALPHA_MAX, tokens / (w + tokens)) if w > 0 else 1.0
             m = self.mean[i] + alpha * (x - self.mean[i])
             self.mean[i] = m
@@ -190,7 +195,9 @@ class StepTable:
         self._touched.clear()
         floor = self.floor_s
         interval = total_s / total_tokens
-        if floor == 0.0 or interval < floor:
+        if total_tokens < MIN_TOKENS:
+            pass  # too few tokens to say how fast decoding can be (one lucky gap)
+        elif floor == 0.0 or interval < floor:
             self.floor_s = interval
         else:
             self.floor_s = floor + FLOOR_DRIFT * (interval - floor)

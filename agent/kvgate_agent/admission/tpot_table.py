@@ -9,8 +9,9 @@ flight while it decoded (time-weighted over its inter-token gaps), in the bucket
 prior :data:`PRIOR_SD` worth :data:`PRIOR_N` samples), so the 90th percentile at ``n`` is
 ``exp(mean(n) + Z90 x sd)``: :attr:`TpotTable.mean` times :attr:`TpotTable.factor`.
 
-A request's TPOT averages over its whole life, so a burst of newcomers' prefills that stalls
-every stream for a second moves it a little, as it moves what the SLO counts; a request that
+A bucket without a completion for :data:`~.step_table.STALE_S` seconds starts again from its
+next one. A request's TPOT averages over its whole life, so a burst of newcomers' prefills that
+stalls every stream for a second moves it a little, as it moves what the SLO counts; a request that
 lived through a lowered limit is labelled with what it actually ran beside, not with the new
 limit (no wind-up).
 
@@ -48,7 +49,18 @@ class TpotTable:
         folded: buckets that got completions since the last :meth:`fold`.
     """
 
-    __slots__ = ("_log", "_n", "_touched", "_var", "count", "factor", "folded", "mean", "seen")
+    __slots__ = (
+        "_log",
+        "_n",
+        "_pending",
+        "_touched",
+        "_var",
+        "count",
+        "factor",
+        "folded",
+        "mean",
+        "seen",
+    )
 
     def __init__(self) -> None:
         self._log: list[float] = [0.0] * BUCKETS
@@ -59,6 +71,7 @@ class TpotTable:
         self._n = PRIOR_N
         self.factor = math.exp(Z90 * PRIOR_SD)
         self._touched: list[int] = []
+        self._pending: list[bool] = [False] * BUCKETS
         self.folded: list[int] = []
 
     def observe(self, mean_in_flight: float, tpot_s: float, now: float) -> None:
@@ -70,6 +83,8 @@ class TpotTable:
         i = bucket_of(max(1, round(mean_in_flight)))
         x = math.log(tpot_s)
         k = self.count[i]
+        if k > 0.0 and now - self.seen[i] > STALE_S:
+            k = 0.0  # stale: what it held then says nothing now (a slowdown long over)
         if k > 0.0:
             d = x - self._log[i]
             alpha = max(SPREAD_ALPHA, 1.0 / (self._n + 1.0))
@@ -82,13 +97,16 @@ class TpotTable:
         self.mean[i] = math.exp(self._log[i])
         self.count[i] = min(k + 1.0, 1.0 / MEAN_ALPHA)
         self.seen[i] = now
-        if i not in self._touched:
+        if not self._pending[i]:
+            self._pending[i] = True
             self._touched.append(i)
 
     def fold(self) -> None:
         """Close one control interval: :attr:`folded` becomes the buckets touched since."""
         self.folded.clear()
         self.folded.extend(self._touched)
+        for i in self._touched:
+            self._pending[i] = False
         self._touched.clear()
 
     def measured(self, i: int, now: float) -> bool:
