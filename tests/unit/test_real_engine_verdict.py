@@ -144,3 +144,38 @@ def test_twin_agrees_within_15_percent_or_the_real_interval() -> None:
     zero_r, zero_v = _pair(goodput_tokens_per_s=0.0)
     zero_v["goodput_tokens_per_s"] = 0.0
     assert agreement.goodput_agrees(zero_r, zero_v)
+
+
+def test_the_interval_rule_needs_a_verdict_sized_real_row() -> None:
+    real, virt = _pair(requests=28)
+    virt["goodput_tokens_per_s"] = 120.0  # inside [80, 125], 20 % over: not enough on 28
+    assert not agreement.goodput_agrees(real, virt)
+    x = agreement.compare(real, virt)
+    assert not x["agrees"] and not x["interval_rule"]
+    assert x["rule"] == "15 % only (28 requests, 200 needed for the interval rule)"
+    virt["goodput_tokens_per_s"] = 110.0  # within 15 %: agrees on any size
+    assert agreement.compare(real, virt)["agrees"]
+    big, big_v = _pair(requests=200)
+    assert agreement.compare(big, big_v)["interval_rule"]
+    # Attainment: 3 of 5 against 4 of 5 is 25 % off but inside Wilson's [0.38, 0.96]; that
+    # counts on a multi-tenant row of 200 requests, not on an isolation row of 5 well-behaved.
+    wb = {"requests": 200, "well_behaved_requests": 5, "well_behaved_met": 4}
+    mt, mt_v = _pair(**wb)
+    mt_v["well_behaved_met"] = 3
+    assert agreement.interval_rule(mt) and agreement.attainment_agrees(mt, mt_v)
+    iso, iso_v = _pair(workload="isolation", **wb)
+    iso_v["well_behaved_met"] = 3
+    assert not agreement.interval_rule(iso) and not agreement.attainment_agrees(iso, iso_v)
+    assert agreement.interval_rule({**iso, "well_behaved_requests": 120})
+
+
+def test_the_report_judges_the_twin_afresh_and_says_which_rule() -> None:
+    doc = new_doc({"model": "smollm2"}, tune_seed=1)
+    rows = [_row(arm, 2, [10.0, 0.0] * 14) for arm in ("none", "kvgate")]
+    virt = [{**r, "goodput_tokens_per_s": r["goodput_tokens_per_s"] * 1.3} for r in rows]
+    close_cell(doc, {"cell": "multi-tenant:2", "seed": 2, "rows": rows, "virtual": virt,
+                     "comparison": [{"agrees": True}]})  # fmt: skip
+    a = verdict.verdict(doc)["agreement"]
+    assert a["pairs"] == 2 and a["agree"] == 0 and a["fifteen_percent_only"] == 2
+    line = next(x for x in verdict.verdict_lines(verdict.verdict(doc)) if "virtual twin" in x)
+    assert line.startswith("virtual twin: 0 of 2 row pairs agree; 2 of them judged on the 15 %")

@@ -310,5 +310,6 @@ class Runner:
         self.save()
         for x in comp:
             tail = "" if x["agrees"] else f"  DISAGREE: {x['disagreement']}"
+            tail += "" if x["interval_rule"] else f"  ({x['rule']})"
             print(f"  twin {x['arm']:<16} real {x['real_goodput']:6.1f} virtual "
                   f"{x['virtual_goodput']:6.1f} tok/s{tail}", flush=True)  # fmt: skip

@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvgate_bench.effectiveness.metrics import NOISY_TENANT
@@ -115,6 +116,21 @@ def total_load(workload: str, load: float) -> float:
 def needed(workload: str, min_requests: int) -> int:
     """Requests (``isolation``: well-behaved requests) a cell's schedule must hold."""
     return round(0.6 * min_requests) if workload == "isolation" else min_requests
+
+
+def required(workload: str) -> int:
+    """Requests an arm of a cell needs for a verdict (issue 33): :data:`MIN_REQUESTS`;
+    ``isolation``: well-behaved ones, 0.6 x that (120). ``--min-requests`` sizes a run, not
+    this."""
+    return needed(workload, MIN_REQUESTS)
+
+
+def row_requests(row: Mapping[str, Any]) -> int:
+    """The requests of an arm's row that :func:`required` counts: ``requests``;
+    ``isolation``: ``well_behaved_requests``."""
+    if row.get("workload") == "isolation":
+        return int(row.get("well_behaved_requests") or 0)
+    return int(row.get("requests") or 0)
 
 
 def counted(workload: str, sched: Schedule) -> int:

@@ -27,7 +27,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvgate_bench.real_engine.plan import BUCKET, CAP, KVGATE, KVGATE_EMPTY, NONE
+from kvgate_bench.real_engine.agreement import compare_cell
+from kvgate_bench.real_engine.plan import (
+    BUCKET,
+    CAP,
+    KVGATE,
+    KVGATE_EMPTY,
+    MIN_REQUESTS,
+    NONE,
+    required,
+)
 from kvgate_bench.real_engine.rows import row_seed
 from kvgate_bench.real_engine.stats import Arm, ratio_ci95, wilson
 
@@ -206,11 +215,20 @@ def fields_target(doc: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def agreement(doc: Mapping[str, Any], seeds: Sequence[int]) -> dict[str, Any]:
-    """How many real/virtual row pairs of the report seeds agree, and the disagreements."""
-    pairs = [x for c in doc["cells"] if int(c["seed"]) in seeds for x in c.get("comparison", ())]
+    """How many real/virtual row pairs of the report seeds agree, how many of them on the 15 %
+    rule alone (a real row under the verdict's size: its interval does not count), and the
+    disagreements. Judged afresh from the rows
+    (:func:`kvgate_bench.real_engine.agreement.compare_cell`), so that a file written before
+    a rule changed is judged by today's; a cell without virtual rows: its stored comparison."""
+    pairs: list[Mapping[str, Any]] = []
+    for c in doc["cells"]:
+        if int(c["seed"]) in seeds:
+            virt = c.get("virtual") or []
+            pairs += compare_cell(c["rows"], virt) if virt else c.get("comparison", [])
     return {
         "pairs": len(pairs),
         "agree": sum(1 for x in pairs if x["agrees"]),
+        "fifteen_percent_only": sum(1 for x in pairs if not x.get("interval_rule", True)),
         "disagreements": [
             f"{x['workload']}:{x['load']:g}@{x['seed']} {x['arm']}: {x['disagreement']}"
             for x in pairs
@@ -269,6 +287,12 @@ def verdict_lines(v: Mapping[str, Any]) -> list[str]:
         mark = "met   " if t["met"] else "MISSED"
         lines.append(f"  {mark} {t['target']}: {_v(t['value'])}{_ci(t['ci95'])} (goal {t['goal']})")
     a = v["agreement"]
-    lines.append(f"virtual twin: {a['agree']} of {a['pairs']} row pairs agree")
+    small = a.get("fifteen_percent_only", 0)
+    lines.append(
+        f"virtual twin: {a['agree']} of {a['pairs']} row pairs agree"
+        + (f"; {small} of them judged on the 15 % rule only (real rows under the verdict's "
+           f"{MIN_REQUESTS} requests an arm, isolation {required('isolation')} well-behaved: "
+           "their 95 % intervals do not count)" if small else "")
+    )  # fmt: skip
     lines += [f"  {d}" for d in a["disagreements"]]
     return lines
