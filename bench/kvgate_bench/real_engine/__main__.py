@@ -51,7 +51,7 @@ from typing import Any
 from kvgate_bench.real_engine import resume
 from kvgate_bench.real_engine.calibration_run import calibrate, calibration_text, profile_of
 from kvgate_bench.real_engine.cells import Runner
-from kvgate_bench.real_engine.cli import parse_args, run_config
+from kvgate_bench.real_engine.cli import error_line, parse_args, run_config
 from kvgate_bench.real_engine.engine import find_llama, has_flag, pin_cpus, start_llama
 from kvgate_bench.real_engine.prompts import MODELS, corpus
 from kvgate_bench.real_engine.report import report_json
@@ -82,14 +82,23 @@ def _meta(
 
 
 def _report(args: argparse.Namespace) -> int:
+    """``--report FILE``: the verdict from a resume file; exit 2 with one line for a file that
+    is missing, empty, not JSON or malformed (:func:`kvgate_bench.real_engine.resume.validate`,
+    or a row that lacks what the verdict reads)."""
     try:
         doc = resume.load(args.report)
+        if doc is None:
+            raise ValueError(f"{args.report}: no such file")
+        resume.validate(doc)
+        v = verdict(doc, args.seed_list if args.seeds else None)
+        lines = verdict_lines(v)
+    except (KeyError, TypeError, IndexError, AttributeError) as e:
+        return error_line(f"--report {args.report}: malformed resume file "
+                          f"({type(e).__name__}: {e})")  # fmt: skip
     except ValueError as e:
-        print(f"real_engine: {e}", file=sys.stderr)
-        return 2
-    assert doc is not None  # cli checked the file exists
-    v = verdict(doc, args.seed_list if args.seeds else None)
-    for line in verdict_lines(v):
+        where = "" if str(e).startswith(str(args.report)) else f"{args.report}: "
+        return error_line(f"--report {where}{e}")
+    for line in lines:
         print(line)
     if args.json is not None:
         args.json.write_text(json.dumps(report_json({"report": str(args.report)}, doc, v),
@@ -119,15 +128,16 @@ async def _main(args: argparse.Namespace) -> int:
         return _report(args)
     t_start = time.monotonic()
     model = MODELS[args.model]
-    server, model_path = find_llama(model)
-    doc = resume.load(args.resume) if args.resume is not None else None
     try:
+        doc = resume.load(args.resume) if args.resume is not None else None
         if doc is not None:
             resume.check(doc, run_config(args), args.tune_seed)
+            resume.validate(doc)
     except ValueError as e:
-        print(f"real_engine: --resume {args.resume}: {e}", file=sys.stderr)
-        return 2
+        where = "" if str(e).startswith(str(args.resume)) else f"{args.resume}: "
+        return error_line(f"--resume {where}{e}")
     doc = doc or resume.new_doc(run_config(args), args.tune_seed)
+    server, model_path = find_llama(model)
     cache_ram_off = has_flag(server, "--cache-ram")
     if not cache_ram_off:
         print("warning: this llama-server has no --cache-ram; cache_prompt false alone keeps "

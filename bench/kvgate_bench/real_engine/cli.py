@@ -27,10 +27,12 @@ from kvgate_bench.real_engine.plan import (
 )
 from kvgate_bench.real_engine.prompts import MODELS
 
+PROG = "python -m kvgate_bench.real_engine"
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m kvgate_bench.real_engine",
+        prog=PROG,
         description="kvgate's goodput in front of a real llama-server (none, tuned cap, tuned "
         "token bucket, kvgate, kvgate with an empty spec), each arm on a fresh server with its "
         "prompt cache off, next to the virtual benchmark on the fitted engine profile. "
@@ -104,13 +106,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def error_line(message: str) -> int:
+    """``message`` on stderr as one line, ``python -m kvgate_bench.real_engine: error: ...``
+    (as argparse and :class:`_Refuse` refuse); the exit status, 2."""
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
 class _Refuse:
     """``error(message)``: the message on stderr, one line, and exit status 2."""
 
     @staticmethod
     def error(message: str) -> NoReturn:
-        print(f"python -m kvgate_bench.real_engine: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(error_line(message))
 
 
 def _check(p: _Refuse, a: argparse.Namespace) -> None:

@@ -157,13 +157,46 @@ def merge(base: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The top-level keys a resume document must hold, with their JSON types.
+SHAPE: tuple[tuple[str, type, str], ...] = (
+    ("config", dict, "an object"),
+    ("tune_seed", int, "an integer"),
+    ("tuned", dict, "an object"),
+    ("sweeps", dict, "an object"),
+    ("runs", list, "a list"),
+    ("cells", list, "a list"),
+)
+
+
+def validate(doc: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` (one line) when ``doc`` is not a resume document of this version
+    with the module docstring's shape: :data:`SHAPE`'s keys, each finished cell an object with
+    its ``cell``, integer ``seed`` and ``rows`` (objects naming their ``arm``), each run an
+    object with its ``cell``, ``seed``, ``arm`` and ``row``."""
+    if doc.get("version") != VERSION:
+        raise ValueError(f"version {doc.get('version')!r}, not {VERSION}")
+    for key, kind, name in SHAPE:
+        if not isinstance(doc.get(key), kind) or isinstance(doc.get(key), bool):
+            raise ValueError(f"malformed: {key!r} is missing or not {name}")
+    for i, c in enumerate(doc["cells"]):
+        ok = isinstance(c, dict) and isinstance(c.get("cell"), str)
+        ok = ok and isinstance(c.get("seed"), int) and isinstance(c.get("rows"), list)
+        if not ok or not all(isinstance(r, dict) and "arm" in r for r in c["rows"]):
+            raise ValueError(f"malformed: cells[{i}] lacks its cell, seed or rows")
+    for i, r in enumerate(doc["runs"]):
+        if not isinstance(r, dict) or not {"cell", "seed", "arm", "row"} <= set(r):
+            raise ValueError(f"malformed: runs[{i}] lacks its cell, seed, arm or row")
+
+
 def load(path: Path) -> dict[str, Any] | None:
     """The resume document at ``path``; None when there is no file. Raises ``ValueError`` for
-    a file that is not JSON or not such a document."""
+    a file that is empty, not JSON or not such a document."""
     try:
         text = path.read_text()
     except FileNotFoundError:
         return None
+    if not text.strip():
+        raise ValueError(f"{path}: empty file")
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
