@@ -53,6 +53,7 @@ from kvgate_bench.real_engine.calibration_run import calibrate, calibration_text
 from kvgate_bench.real_engine.cells import Runner
 from kvgate_bench.real_engine.cli import error_line, parse_args, run_config
 from kvgate_bench.real_engine.engine import find_llama, has_flag, pin_cpus, start_llama
+from kvgate_bench.real_engine.progress import left_text, planned, work_left
 from kvgate_bench.real_engine.prompts import MODELS, corpus
 from kvgate_bench.real_engine.report import report_json
 from kvgate_bench.real_engine.verdict import verdict, verdict_lines
@@ -91,6 +92,9 @@ def _report(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.report}: no such file")
         resume.validate(doc)
         v = verdict(doc, args.seed_list if args.seeds else None)
+        plan_of = planned(doc, args.cell_list if args.cells else None,
+                          args.seed_list if args.seeds else None)  # fmt: skip
+        v["left"] = work_left(doc, *plan_of, doc["config"])
         lines = verdict_lines(v)
     except (KeyError, TypeError, IndexError, AttributeError) as e:
         return error_line(f"--report {args.report}: malformed resume file "
@@ -160,8 +164,8 @@ async def _main(args: argparse.Namespace) -> int:
         if args.write_profile is not None:
             write_profile(profile_of(c), args.write_profile)
         units, secs = runner.left_s(args.cell_list, args.seed_list)
-        print(f"left: {units} arm runs, about {secs / 3600:.1f} h (at most; invocations of "
-              f"{args.budget_minutes:g} min)", flush=True)  # fmt: skip
+        print(f"{left_text(units, secs)} (at most; invocations of {args.budget_minutes:g} min)",
+              flush=True)  # fmt: skip
         done = True
         for seed in args.seed_list:
             for workload, load in args.cell_list:
@@ -173,9 +177,11 @@ async def _main(args: argparse.Namespace) -> int:
     meta["wall_s"] = time.monotonic() - t_start
     meta["loadavg_end"] = os.getloadavg()
     runner.doc["invocations"].append({"started": meta["started"], "wall_s": meta["wall_s"],
-                                      "units": runner.units, "finished": done})  # fmt: skip
+                                      "units": runner.units, "finished": done,
+                                      "cells": meta["cells"], "seeds": args.seed_list})  # fmt: skip
     runner.save()
     v = verdict(runner.doc, args.seed_list)
+    v["left"] = work_left(runner.doc, args.cell_list, args.seed_list, run_config(args))
     for line in verdict_lines(v):
         print(line)
     print(f"wall {meta['wall_s'] / 60:.1f} min; {'all cells done' if done else 'not finished'}")

@@ -34,9 +34,10 @@ from typing import Any
 
 from kvgate_bench.effectiveness.driver import DEGRADED, SERVED
 from kvgate_bench.effectiveness.workloads import Schedule
-from kvgate_bench.real_engine import plan, resume
+from kvgate_bench.real_engine import plan, progress, resume
 from kvgate_bench.real_engine.agreement import compare_cell
 from kvgate_bench.real_engine.calibration_run import profile_of, slo_of
+from kvgate_bench.real_engine.cli import run_config
 from kvgate_bench.real_engine.client import ArmRun, run_arm
 from kvgate_bench.real_engine.engine import start_llama
 from kvgate_bench.real_engine.limit_trace import summary
@@ -191,33 +192,10 @@ class Runner:
             await asyncio.to_thread(proc.stop)
 
     def left_s(self, cells: list[tuple[str, float]], seeds: list[int]) -> tuple[int, float]:
-        """(arm runs, seconds) the unfinished work of ``cells`` x ``seeds`` is estimated at
-        (:func:`kvgate_bench.real_engine.plan.unit_estimate_s`), the tune seed's sweeps
-        included."""
-        units, secs = 0, 0.0
-        slo = slo_of(self.doc["calibration"])
-        sweeps = plan.sweeps(self.args.short, self.args.parallel, slo.ttft_s)
-        tunes = {plan.tuned_on(w, load) for w, load in cells}
-        for w, load in sorted(tunes):
-            key = plan.cell_key(w, load)
-            if key in self.doc["tuned"]:
-                continue
-            sched = self.schedule(w, load, int(self.args.tune_seed))
-            for arm, settings in sweeps.items():
-                n = sum(1 for p in settings if resume.sweep_row(self.doc, key, arm, p) is None)
-                units += n
-                secs += n * plan.unit_estimate_s(sched.duration_s, self.args.drain)
-        done = resume.finished(self.doc)
-        for seed in seeds:
-            for w, load in cells:
-                key = plan.cell_key(w, load)
-                if (key, seed) in done:
-                    continue
-                sched = self.schedule(w, load, seed)
-                n = sum(1 for a in plan.ARMS if resume.run_row(self.doc, key, seed, a) is None)
-                units += n
-                secs += n * plan.unit_estimate_s(sched.duration_s, self.args.drain)
-        return units, secs
+        """(arm runs, seconds) the unfinished work of ``cells`` x ``seeds`` is estimated at, the
+        tune seed's sweeps included (:func:`kvgate_bench.real_engine.progress.work_left`)."""
+        left = progress.work_left(self.doc, cells, seeds, run_config(self.args))
+        return int(left["arm_runs"]), float(left["seconds"] or 0.0)
 
     async def tune(self, workload: str, load: float) -> bool:
         """The tune seed's sweep of ``workload`` at ``load`` (module docstring); False when the

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvgate_bench.real_engine import progress
 from kvgate_bench.real_engine.agreement import compare_cell
 from kvgate_bench.real_engine.plan import (
     BUCKET,
@@ -274,6 +275,8 @@ def verdict_lines(v: Mapping[str, Any]) -> list[str]:
         f"{', '.join(map(str, v['report_seeds'])) or '-'}; {len(v['cells'])} cells finished"
         f"{f', {open_runs} arm runs of unfinished cells' if open_runs else ''}",
     ]
+    if v.get("left"):
+        lines += progress.lines(v["left"], int(v["tune_seed"]))
     if v["invalid"]:
         lines.append(f"  INVALID (cached prompt tokens): {', '.join(v['invalid'])}")
     lines.append("ratios (pooled over the report seeds, bootstrap 95 %; per seed):")
