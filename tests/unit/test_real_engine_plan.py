@@ -140,7 +140,7 @@ def test_limit_after_20_completions_and_the_trace_summary() -> None:
     trace = [(0.0, 4.0), (0.5, 4.0), (1.0, 3.0), (6.0, 2.0), (9.0, 2.0)]
     done = [7.0 + 0.1 * i for i in range(19)] + [5.0]  # the 20th to finish at 8.8 s
     s = limit_trace.summary(trace, done)
-    assert s["limit_after_20_completions"] == 2.0
+    assert s["limit_after_20_completions"] == 2.0 and s["completions"] == len(done)
     assert limit_trace.summary(trace, [1.0] * 20)["limit_after_20_completions"] == 3.0
     assert limit_trace.summary(trace, [1.0] * 19)["limit_after_20_completions"] is None
     assert (s["limit_first"], s["limit_last"], s["limit_min"], s["limit_max"]) == (4, 2, 2, 4)

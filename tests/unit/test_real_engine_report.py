@@ -140,3 +140,7 @@ def test_the_report_says_what_is_left(tmp_path: Path, capsys: pytest.CaptureFixt
     assert f"  tune seed 1, multi-tenant:2: 0 sweep runs done, {n} left" in out
     hours = (n * _unit_s("multi-tenant", 2.0, 1) + 5 * _unit_s("multi-tenant", 2.0, 2)) / 3600
     assert any(x.startswith(f"  left: {n + 5} arm runs, about {hours:.1f} h") for x in out)
+    # Nothing finished: not a verdict; the seed and cell asked are absent, and said so.
+    assert out[0].startswith("not a verdict: baselines tuned on seed 1, reported on seeds -;")
+    assert "  seeds asked but absent from the file (no finished cell), not reported: 2" in out
+    assert "  cells asked but not finished on the report seeds, not reported: multi-tenant:2" in out

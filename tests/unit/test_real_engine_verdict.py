@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvgate_bench.real_engine import agreement, stats, verdict
+from kvgate_bench.real_engine import agreement, stats, verdict, verdict_text
 from kvgate_bench.real_engine.resume import close_cell, new_doc
 
 
@@ -105,7 +105,7 @@ def test_verdict_names_the_seeds_and_evaluates_the_targets() -> None:
     wilson_lo = t["isolation:3: kvgate well-behaved Wilson lower bound"]
     assert wilson_lo["value"] == pytest.approx(0.923, abs=1e-3) and wilson_lo["met"]
     assert t["cells with cached prompt tokens (invalid)"]["value"] == 1
-    lines = verdict.verdict_lines(v)
+    lines = verdict_text.verdict_lines(v)
     assert lines[0].startswith("verdict: baselines tuned on seed 1, reported on seeds 2, 3, 4")
     assert any("INVALID" in x and "multi-tenant:2@4" in x for x in lines)
     only2 = verdict.verdict(doc, [2])
@@ -177,5 +177,105 @@ def test_the_report_judges_the_twin_afresh_and_says_which_rule() -> None:
                      "comparison": [{"agrees": True}]})  # fmt: skip
     a = verdict.verdict(doc)["agreement"]
     assert a["pairs"] == 2 and a["agree"] == 0 and a["fifteen_percent_only"] == 2
-    line = next(x for x in verdict.verdict_lines(verdict.verdict(doc)) if "virtual twin" in x)
+    line = next(x for x in verdict_text.verdict_lines(verdict.verdict(doc)) if "virtual twin" in x)
     assert line.startswith("virtual twin: 0 of 2 row pairs agree; 2 of them judged on the 15 %")
+
+
+@pytest.fixture
+def fast_bootstrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verdict's ratios on 50 resamples: these tests read sizes and labels, not intervals."""
+    monkeypatch.setattr(
+        verdict, "ratio_ci95", lambda pairs, seed: stats.ratio_ci95(pairs, seed, 50)
+    )
+
+
+def _sized_doc(n: int, *, short: bool = False, completions: int | None = None) -> dict[str, Any]:
+    """multi-tenant:2 on seeds 2 and 3, every arm with ``n`` requests; the kvgate arms'
+    limit after 20 completions 2 (the tuned cap), or None with ``completions`` completions."""
+    doc = new_doc({"model": "smollm2", "short": short}, tune_seed=1)
+    doc["tuned"]["multi-tenant:2"] = {"concurrency-cap": {"cap": 2, "queue_timeout_s": 1.0}}
+    half = [10.0, 0.0] * (n // 2)
+    lim: dict[str, Any] = {"limit_after_20_completions": 2.0 if completions is None else None}
+    if completions is not None:
+        lim["completions"] = completions
+    for seed in (2, 3):
+        _cell(doc, "multi-tenant:2", seed, [
+            _row("none", seed, half), _row("concurrency-cap", seed, half),
+            _row("kvgate", seed, [2 * x for x in half], **lim),
+            _row("kvgate-empty", seed, half, **lim),
+        ])  # fmt: skip
+    return doc
+
+
+@pytest.mark.usefixtures("fast_bootstrap")
+def test_an_undersized_or_short_cell_is_not_a_verdict() -> None:
+    full = verdict.verdict(_sized_doc(200))
+    assert full["sizes"]["multi-tenant:2"] == {
+        "requests": 200, "required": 200, "verdict": True,
+        "label": "200 requests an arm (200 required)"}  # fmt: skip
+    best = next(t for t in full["targets"] if t["target"].endswith("kvgate / best baseline"))
+    assert best["status"] == "met" and best["met"] is True
+    assert verdict_text.verdict_lines(full)[0].startswith("verdict: baselines tuned on seed 1")
+    for v, label in (
+        (verdict.verdict(_sized_doc(198)), "not a verdict (198 requests an arm, 200 required)"),
+        (verdict.verdict(_sized_doc(200, short=True)),
+         "not a verdict (200 requests an arm, 200 required; a --short run)"),
+    ):  # fmt: skip
+        assert v["sizes"]["multi-tenant:2"]["label"] == label
+        cell_targets = [t for t in v["targets"] if t["cell"] == "multi-tenant:2"]
+        assert cell_targets and all(t["status"] == "indicative" for t in cell_targets)
+        best = next(t for t in cell_targets if t["target"].endswith("kvgate / best baseline"))
+        assert best["met"] is None and best["reached"] is True and best["value"] == 2.0
+        lines = verdict_text.verdict_lines(v)
+        assert lines[0].startswith("not a verdict: baselines tuned on seed 1")
+        assert f"  multi-tenant:2  {label}" in lines
+        assert not any(x.startswith(("  met ", "  MISSED ")) and "multi-tenant:2:" in x
+                       for x in lines)  # fmt: skip
+        assert any(x.startswith("  indicative multi-tenant:2: kvgate / none: 2") for x in lines)
+    # Isolation counts well-behaved requests: 120 make a verdict, 119 do not.
+    for wb, ok in ((120, True), (119, False)):
+        doc = new_doc({}, tune_seed=1)
+        extra = {"workload": "isolation", "load": 3.0, "well_behaved_requests": wb,
+                 "well_behaved_met": wb, "noisy_served": 5}  # fmt: skip
+        _cell(doc, "isolation:3", 2, [_row("kvgate", 2, [1.0] * 300, **extra)])
+        v = verdict.verdict(doc)
+        assert v["sizes"]["isolation:3"]["verdict"] is ok
+        assert {t["status"] for t in v["targets"] if t["cell"]} == {"met" if ok else "indicative"}
+
+
+@pytest.mark.usefixtures("fast_bootstrap")
+def test_a_limit_without_20_completions_is_not_measured() -> None:
+    v = verdict.verdict(_sized_doc(200, completions=11))
+    t = next(t for t in v["targets"] if "limit after 20" in t["target"])
+    assert t["status"] == "not measured" and t["met"] is None
+    assert t["note"] == "not measured (11 completions)"
+    line = next(x for x in verdict_text.verdict_lines(v) if "limit after 20" in x)
+    assert line.startswith("  -          multi-tenant:2: kvgate arms' limit after 20")
+    assert line.endswith(": not measured (11 completions) (goal <= 1)") and "MISSED" not in line
+    # One seed measured, the other not: judged on the measured runs, the others named.
+    doc = _sized_doc(200)
+    for row in doc["cells"][1]["rows"][2:]:
+        row.update(limit_after_20_completions=None, completions=12)
+    t = next(t for t in verdict.verdict(doc)["targets"] if "limit after 20" in t["target"])
+    assert t["status"] == "met" and t["value"] == 0.0
+    assert t["note"] == ("not measured on s3 kvgate (12 completions), "
+                         "s3 kvgate-empty (12 completions)")  # fmt: skip
+    # A row written before ``completions`` was recorded: its served requests count.
+    assert verdict.completions({"served_tokens": [3, 0, 5, 0]}) == 2
+
+
+@pytest.mark.usefixtures("fast_bootstrap")
+def test_seeds_and_cells_choose_what_is_reported() -> None:
+    doc = _sized_doc(200)
+    _cell(doc, "multi-tenant:3", 2, [_row("none", 2, [1.0] * 200), _row("kvgate", 2, [2.0] * 200)])
+    v = verdict.verdict(doc, [3, 5])
+    assert v["report_seeds"] == [3] and v["absent_seeds"] == [5]
+    assert v["cells"] == ["multi-tenant:2@3"]
+    lines = verdict_text.verdict_lines(v)
+    assert lines[0].startswith("verdict: baselines tuned on seed 1, reported on seeds 3;")
+    assert "  seeds asked but absent from the file (no finished cell), not reported: 5" in lines
+    only = verdict.verdict(doc, None, ["multi-tenant:3", "isolation:3"])
+    assert only["cells"] == ["multi-tenant:3@2"] and {r["cell"] for r in only["ratios"]} == {
+        "multi-tenant:3"}  # fmt: skip
+    assert only["absent_cells"] == ["isolation:3"] and only["report_seeds"] == [2]
+    assert verdict.verdict(doc, [7])["report_seeds"] == []

@@ -26,8 +26,11 @@ llama-server is pinned to the last CPU, this process and the sidecar to the othe
    it is known (atomically); a unit that would end past the budget is not started.
 3. **Reports** (:mod:`kvgate_bench.real_engine.verdict`): the ratios between arms with
    bootstrap 95 % intervals per seed and pooled, the issue's targets, the twin's agreement.
-   ``--report FILE`` prints it from a resume file without running anything (``--seeds``
-   chooses the report seeds; default every seed but the tune seed).
+   ``--report FILE`` prints it from a resume file without running anything, with what is
+   left to run (:mod:`kvgate_bench.real_engine.progress`); ``--seeds`` chooses the report
+   seeds among those the file has (default every seed but the tune seed), ``--cells`` the
+   cells. A cell under the issue's size (200 requests an arm, isolation 120 well-behaved) or
+   a ``--short`` run is labelled "not a verdict", its targets "indicative".
 
 ``--short`` is a plumbing run, not a verdict (one cell, ``multi-tenant:2``, of 20 requests an
 arm, one report seed, a smaller sweep: about 12 minutes on 2 cores). ``--json FILE`` writes
@@ -53,10 +56,12 @@ from kvgate_bench.real_engine.calibration_run import calibrate, calibration_text
 from kvgate_bench.real_engine.cells import Runner
 from kvgate_bench.real_engine.cli import error_line, parse_args, run_config
 from kvgate_bench.real_engine.engine import find_llama, has_flag, pin_cpus, start_llama
+from kvgate_bench.real_engine.plan import cell_key
 from kvgate_bench.real_engine.progress import left_text, planned, work_left
 from kvgate_bench.real_engine.prompts import MODELS, corpus
 from kvgate_bench.real_engine.report import report_json
-from kvgate_bench.real_engine.verdict import verdict, verdict_lines
+from kvgate_bench.real_engine.verdict import verdict
+from kvgate_bench.real_engine.verdict_text import verdict_lines
 from kvgate_bench.sim.profile_file import write_profile
 
 
@@ -91,7 +96,8 @@ def _report(args: argparse.Namespace) -> int:
         if doc is None:
             raise ValueError(f"{args.report}: no such file")
         resume.validate(doc)
-        v = verdict(doc, args.seed_list if args.seeds else None)
+        cells = [cell_key(w, load) for w, load in args.cell_list] if args.cells else None
+        v = verdict(doc, args.seed_list if args.seeds else None, cells)
         plan_of = planned(doc, args.cell_list if args.cells else None,
                           args.seed_list if args.seeds else None)  # fmt: skip
         v["left"] = work_left(doc, *plan_of, doc["config"])

@@ -5,6 +5,7 @@ summarised (pure: :func:`summary`).
 
 The summary, per row: ``limit_after_20_completions`` (the last sample at or before the 20th
 request to finish, requests; None when fewer finished or nothing was sampled by then),
+``completions`` (the requests that finished served),
 ``limit_first``, ``limit_last``, ``limit_min``, ``limit_max``, ``limit_mean`` (time-weighted
 over the samples, each held until the next), ``limit_changes`` (samples that differ from the
 one before) and ``limit_samples``; and ``limit_trace``: the samples as [seconds from the
@@ -50,7 +51,11 @@ def summary(
     the requests' finish times ``completions_s`` (seconds, any order)."""
     done = sorted(completions_s)
     at = limit_at(trace, done[after - 1]) if len(done) >= after else None
-    out: dict[str, Any] = {f"limit_after_{after}_completions": at, "limit_samples": len(trace)}
+    out: dict[str, Any] = {
+        f"limit_after_{after}_completions": at,
+        "completions": len(done),
+        "limit_samples": len(trace),
+    }
     if not trace:
         out.update(dict.fromkeys(("limit_first", "limit_last", "limit_min", "limit_max",
                                   "limit_mean")), limit_changes=0, limit_trace=[])  # fmt: skip

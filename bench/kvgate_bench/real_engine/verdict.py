@@ -7,19 +7,28 @@ their intervals, the issue's targets that apply to a real engine, and the twin's
 ``token-bucket`` by goodput), ``kvgate / none``, ``kvgate-empty / tuned cap``, ``kvgate-empty /
 best baseline`` and ``kvgate / none (throughput)``.
 
-**Targets** (issue 33), each on the pooled figure of the report seeds, ``met`` when the point
-estimate reaches the goal (``ci95`` says how sure):
+**Size.** A cell is a verdict only when each of its arms had the issue's requests on every
+report seed (:func:`kvgate_bench.real_engine.plan.required`: 200; ``isolation``: 120
+well-behaved; ``--min-requests`` sizes a run, not this) and the file is not a ``--short``
+run; otherwise it is labelled ``not a verdict (N requests an arm, M required)``
+(:func:`sizes`) and the targets on it are ``indicative``, neither met nor missed.
+
+**Targets** (issue 33), each on the pooled figure of the report seeds; ``status``: ``met``
+when the point estimate reaches the goal (``ci95`` says how sure), ``MISSED``, ``indicative``
+(its cell is not a verdict; ``reached`` says what the point estimate did) or ``not measured``
+(``met`` None for the last two):
 
 * ``multi-tenant`` at 2 and 3: kvgate / best baseline >= 1.0, kvgate / none >= 1.5, no 5xx;
 * ``isolation`` at 3: the well-behaved tenants' SLO attainment >= 0.95 and its Wilson lower
   bound >= 0.90 (all their requests over the seeds), the noisy tenant served on every seed;
 * ``multi-tenant`` at 2: kvgate-empty / tuned cap >= 0.8; at 1: kvgate / none throughput >= 0.97;
 * both kvgate arms' limit after 20 completions within +-1 of the cell's best swept cap
-  (``multi-tenant`` at 2 and 3);
+  (``multi-tenant`` at 2 and 3); a run with fewer than 20 completions has no such limit:
+  ``not measured (N completions)`` when no run has one, else left out and named;
 * every row carries the issue's fields, and no real row had a cached prompt token.
 
 A cell whose real rows counted a cached prompt token is *invalid*: listed, and left out of the
-ratios and targets.
+ratios and targets. The printed form: :mod:`kvgate_bench.real_engine.verdict_text`.
 """
 
 from __future__ import annotations
@@ -27,16 +36,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvgate_bench.real_engine import progress
 from kvgate_bench.real_engine.agreement import compare_cell
+from kvgate_bench.real_engine.limit_trace import COLD_START_COMPLETIONS
 from kvgate_bench.real_engine.plan import (
     BUCKET,
     CAP,
     KVGATE,
     KVGATE_EMPTY,
-    MIN_REQUESTS,
     NONE,
     required,
+    row_requests,
 )
 from kvgate_bench.real_engine.rows import row_seed
 from kvgate_bench.real_engine.stats import Arm, ratio_ci95, wilson
@@ -61,11 +70,16 @@ RATIOS: tuple[tuple[str, str, str, str], ...] = (
 )
 
 
-def report_seeds(doc: Mapping[str, Any], seeds: Sequence[int] | None = None) -> list[int]:
-    """``seeds`` when given, else every seed of a finished cell but the tune seed; sorted."""
+def report_seeds(
+    doc: Mapping[str, Any], seeds: Sequence[int] | None = None
+) -> tuple[list[int], list[int]]:
+    """(report seeds, absent seeds): ``seeds`` that have a finished cell in ``doc`` and those
+    that have none, when given; else every seed of a finished cell but the tune seed, and
+    none absent."""
+    held = {int(c["seed"]) for c in doc["cells"]}
     if seeds is not None:
-        return sorted(seeds)
-    return sorted({int(c["seed"]) for c in doc["cells"]} - {int(doc["tune_seed"])})
+        return sorted(set(seeds) & held), sorted(set(seeds) - held)
+    return sorted(held - {int(doc["tune_seed"])}), []
 
 
 def invalid_cells(doc: Mapping[str, Any]) -> list[str]:
@@ -121,19 +135,49 @@ def ratios(doc: Mapping[str, Any], seeds: Sequence[int]) -> list[dict[str, Any]]
     return out
 
 
+def sizes(doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per finished cell of ``doc``: ``requests`` (the fewest an arm had on a seed; isolation:
+    well-behaved ones), ``required``, ``verdict`` (enough, and not a ``--short`` run) and
+    ``label`` (module docstring)."""
+    short = bool((doc.get("config") or {}).get("short"))
+    fewest: dict[str, int] = {}
+    for c in doc["cells"]:
+        n = min((row_requests(r) for r in c["rows"]), default=0)
+        fewest[c["cell"]] = min(n, fewest.get(c["cell"], n))
+    out: dict[str, dict[str, Any]] = {}
+    for cell, n in sorted(fewest.items()):
+        need = required(cell.partition(":")[0])
+        ok = n >= need and not short
+        label = f"{n} requests an arm ({need} required)"
+        if not ok:
+            why = "; a --short run" if short else ""
+            label = f"not a verdict ({n} requests an arm, {need} required{why})"
+        out[cell] = {"requests": n, "required": need, "verdict": ok, "label": label}
+    return out
+
+
 def _ratio_target(rs: Sequence[Mapping[str, Any]], cell: str, name: str, goal: float) -> Any:
     for r in rs:
         if r["cell"] == cell and r["ratio"] == name:
             v = r["value"]
-            return _target(f"{cell}: {name}", v, goal, v is not None and v >= goal, r["ci95"])
+            return _target(
+                f"{cell}: {name}", v, goal, v is not None and v >= goal, r["ci95"], cell=cell
+            )
     return None
 
 
 def _target(
-    name: str, value: Any, goal: float | str, met: bool, ci95: Any = None
+    name: str,
+    value: Any,
+    goal: float | str,
+    met: bool,
+    ci95: Any = None,
+    *,
+    cell: str | None = None,
 ) -> dict[str, Any]:
     g = goal if isinstance(goal, str) else f">= {goal:g}"
-    return {"target": name, "value": value, "goal": g, "met": met, "ci95": ci95}
+    return {"target": name, "value": value, "goal": g, "met": met, "ci95": ci95, "cell": cell,
+            "status": "met" if met else "MISSED"}  # fmt: skip
 
 
 def _isolation(cell: str, by_seed: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -147,11 +191,20 @@ def _isolation(cell: str, by_seed: Mapping[int, Mapping[str, Any]]) -> list[dict
     served = all(int(r.get("noisy_served") or 0) > 0 for r in rows)
     return [
         _target(f"{cell}: kvgate well-behaved SLO met", share, 0.95,
-                share is not None and share >= 0.95, list(bounds) if bounds else None),
+                share is not None and share >= 0.95, list(bounds) if bounds else None, cell=cell),
         _target(f"{cell}: kvgate well-behaved Wilson lower bound", bounds[0] if bounds else None,
-                0.90, bounds is not None and bounds[0] >= 0.90),
-        _target(f"{cell}: the noisy tenant served on every seed", served, "true", served),
+                0.90, bounds is not None and bounds[0] >= 0.90, cell=cell),
+        _target(f"{cell}: the noisy tenant served on every seed", served, "true", served,
+                cell=cell),
     ]  # fmt: skip
+
+
+def completions(row: Mapping[str, Any]) -> int:
+    """Requests of ``row`` that finished served: its ``completions``, else (a row written before
+    it was recorded) the requests with served tokens."""
+    if row.get("completions") is not None:
+        return int(row["completions"])
+    return sum(1 for x in row.get("served_tokens") or () if x)
 
 
 def _limit_target(
@@ -161,24 +214,48 @@ def _limit_target(
         return None
     cap = int(tuned_cap["cap"])
     gaps: list[float] = []
-    missing = False
-    for rows in by_seed.values():
+    unmeasured: list[tuple[int, str, int]] = []
+    for seed, rows in sorted(by_seed.items()):
         for arm in (KVGATE, KVGATE_EMPTY):
             if arm in rows:
-                lim = rows[arm].get("limit_after_20_completions")
+                lim = rows[arm].get(f"limit_after_{COLD_START_COMPLETIONS}_completions")
                 if lim is None:
-                    missing = True
+                    unmeasured.append((seed, arm, completions(rows[arm])))
                 else:
                     gaps.append(abs(float(lim) - cap))
-    if not gaps and not missing:
+    if not gaps and not unmeasured:
         return None
     worst = max(gaps) if gaps else None
-    name = f"{cell}: kvgate arms' limit after 20 completions - best swept cap {cap}, worst |gap|"
-    return _target(name, worst, "<= 1", not missing and worst is not None and worst <= 1)
+    name = (f"{cell}: kvgate arms' limit after {COLD_START_COMPLETIONS} completions - best "
+            f"swept cap {cap}, worst |gap|")  # fmt: skip
+    t = _target(name, worst, "<= 1", worst is not None and worst <= 1, cell=cell)
+    why = [
+        f"{n} completions" if n < COLD_START_COMPLETIONS else "no limit sampled by then"
+        for _, _, n in unmeasured
+    ]
+    if not gaps:
+        fewest = min(n for _, _, n in unmeasured)
+        note = f"{fewest} completions" if fewest < COLD_START_COMPLETIONS else why[0]
+        t.update(status="not measured", met=None, note=f"not measured ({note})")
+    elif unmeasured:
+        runs = ", ".join(f"s{s} {a} ({w})" for (s, a, _), w in zip(unmeasured, why, strict=True))
+        t["note"] = f"not measured on {runs}"
+    return t
 
 
 def targets(doc: Mapping[str, Any], seeds: Sequence[int]) -> list[dict[str, Any]]:
-    """The targets of the module docstring that the finished cells allow."""
+    """The targets of the module docstring that the finished cells allow, each cell's
+    ``indicative`` where the cell is not a verdict (:func:`sizes`)."""
+    found = [t for t in _targets(doc, seeds) if t is not None]
+    size = sizes({**doc, "cells": [c for c in doc["cells"] if int(c["seed"]) in seeds]})
+    for t in found:
+        cell = size.get(t.get("cell") or "")
+        if cell is not None and not cell["verdict"] and t["status"] in ("met", "MISSED"):
+            t.update(status="indicative", reached=t["met"], met=None, note=cell["label"])
+    return found
+
+
+def _targets(doc: Mapping[str, Any], seeds: Sequence[int]) -> list[dict[str, Any] | None]:
     cells = _cells(doc, seeds)
     rs = ratios(doc, seeds)
     out: list[dict[str, Any] | None] = []
@@ -189,7 +266,7 @@ def targets(doc: Mapping[str, Any], seeds: Sequence[int]) -> list[dict[str, Any]
             out.append(_ratio_target(rs, cell, "kvgate / best baseline", 1.0))
             out.append(_ratio_target(rs, cell, "kvgate / none", 1.5))
             n5 = sum(int(r[KVGATE].get("errors_5xx") or 0) for r in by_seed.values() if KVGATE in r)
-            out.append(_target(f"{cell}: kvgate 5xx", n5, "== 0", n5 == 0))
+            out.append(_target(f"{cell}: kvgate 5xx", n5, "== 0", n5 == 0, cell=cell))
             out.append(_limit_target(cell, by_seed, (doc["tuned"].get(cell) or {}).get(CAP)))
         if workload == "multi-tenant" and load == 2.0:
             out.append(_ratio_target(rs, cell, "kvgate-empty / tuned cap", 0.8))
@@ -200,7 +277,7 @@ def targets(doc: Mapping[str, Any], seeds: Sequence[int]) -> list[dict[str, Any]
     out.append(fields_target(doc))
     bad = invalid_cells(doc)
     out.append(_target("cells with cached prompt tokens (invalid)", len(bad), "== 0", not bad))
-    return [t for t in out if t is not None]
+    return out
 
 
 def fields_target(doc: Mapping[str, Any]) -> dict[str, Any]:
@@ -238,64 +315,31 @@ def agreement(doc: Mapping[str, Any], seeds: Sequence[int]) -> dict[str, Any]:
     }
 
 
-def verdict(doc: Mapping[str, Any], seeds: Sequence[int] | None = None) -> dict[str, Any]:
-    """The verdict document: the tune seed, the report seeds, the cells finished and missing,
-    the invalid cells, the ratios, the targets and the twin's agreement."""
-    rep = report_seeds(doc, seeds)
+def verdict(
+    doc: Mapping[str, Any],
+    seeds: Sequence[int] | None = None,
+    cells: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """The verdict document of ``doc``'s finished ``cells`` (``multi-tenant:2``, ...; default
+    all) on ``seeds`` (:func:`report_seeds`): the tune seed, the report seeds and those asked
+    but absent, the cells reported and asked but absent, each cell's size
+    (:func:`sizes`), the invalid cells, the ratios, the targets and the twin's agreement."""
+    if cells is not None:
+        doc = {**doc, "cells": [c for c in doc["cells"] if c["cell"] in cells]}
+    rep, absent = report_seeds(doc, seeds)
+    chosen = {**doc, "cells": [c for c in doc["cells"] if int(c["seed"]) in rep]}
     return {
         "tune_seed": doc["tune_seed"],
         "report_seeds": rep,
+        "absent_seeds": absent,
+        "absent_cells": sorted(set(cells or ()) - {c["cell"] for c in chosen["cells"]}),
         "tuned": doc["tuned"],
-        "cells": sorted(f"{c['cell']}@{c['seed']}" for c in doc["cells"] if int(c["seed"]) in rep),
+        "short": bool((doc.get("config") or {}).get("short")),
+        "cells": sorted(f"{c['cell']}@{c['seed']}" for c in chosen["cells"]),
+        "sizes": sizes(chosen),
         "unfinished_runs": len(doc["runs"]),
-        "invalid": invalid_cells(doc),
-        "ratios": ratios(doc, rep),
-        "targets": targets(doc, rep),
-        "agreement": agreement(doc, rep),
+        "invalid": invalid_cells(chosen),
+        "ratios": ratios(chosen, rep),
+        "targets": targets(chosen, rep),
+        "agreement": agreement(chosen, rep),
     }
-
-
-def _v(x: Any) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    return f"{x:.3g}" if isinstance(x, float) else str(x)
-
-
-def _ci(ci: Any) -> str:
-    return "" if not ci else f" [{ci[0]:.2f}, {ci[1]:.2f}]"
-
-
-def verdict_lines(v: Mapping[str, Any]) -> list[str]:
-    """The printed verdict of :func:`verdict`'s document."""
-    open_runs = v["unfinished_runs"]
-    lines = [
-        f"verdict: baselines tuned on seed {v['tune_seed']}, reported on seeds "
-        f"{', '.join(map(str, v['report_seeds'])) or '-'}; {len(v['cells'])} cells finished"
-        f"{f', {open_runs} arm runs of unfinished cells' if open_runs else ''}",
-    ]
-    if v.get("left"):
-        lines += progress.lines(v["left"], int(v["tune_seed"]))
-    if v["invalid"]:
-        lines.append(f"  INVALID (cached prompt tokens): {', '.join(v['invalid'])}")
-    lines.append("ratios (pooled over the report seeds, bootstrap 95 %; per seed):")
-    for r in v["ratios"]:
-        per = "  ".join(f"s{s} {_v(x['value'])}" for s, x in r["per_seed"].items())
-        lines.append(
-            f"  {r['cell']:<15} {r['ratio']:<30} {_v(r['value'])}{_ci(r['ci95'])}  ({per})"
-        )
-    lines.append("targets:")
-    for t in v["targets"]:
-        mark = "met   " if t["met"] else "MISSED"
-        lines.append(f"  {mark} {t['target']}: {_v(t['value'])}{_ci(t['ci95'])} (goal {t['goal']})")
-    a = v["agreement"]
-    small = a.get("fifteen_percent_only", 0)
-    lines.append(
-        f"virtual twin: {a['agree']} of {a['pairs']} row pairs agree"
-        + (f"; {small} of them judged on the 15 % rule only (real rows under the verdict's "
-           f"{MIN_REQUESTS} requests an arm, isolation {required('isolation')} well-behaved: "
-           "their 95 % intervals do not count)" if small else "")
-    )  # fmt: skip
-    lines += [f"  {d}" for d in a["disagreements"]]
-    return lines

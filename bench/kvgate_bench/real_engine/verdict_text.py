@@ -1,0 +1,101 @@
+"""The printed verdict of a real-engine run (pure): :func:`verdict_lines` of
+:func:`kvgate_bench.real_engine.verdict.verdict`'s document.
+
+The first line says whether it is a verdict at all: ``verdict:`` when every cell reported has
+the issue's size, ``not a verdict:`` when none has (or none is finished), ``verdict on N of M
+cells:`` otherwise; then what is left (:mod:`kvgate_bench.real_engine.progress`), the seeds and
+cells asked for but absent, each cell's size, the ratios, the targets (``met``, ``MISSED``,
+``indicative`` on a cell that is not a verdict, ``-`` when not measured) and the twin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvgate_bench.real_engine import progress
+from kvgate_bench.real_engine.plan import MIN_REQUESTS, required
+
+#: The mark printed before a target, by status.
+MARKS = {"met": "met", "MISSED": "MISSED", "indicative": "indicative", "not measured": "-"}
+
+
+def _v(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
+def _ci(ci: Any) -> str:
+    return "" if not ci else f" [{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
+def _ints(xs: Any) -> str:
+    return ", ".join(map(str, xs))
+
+
+def headline(v: Mapping[str, Any]) -> str:
+    """The first line (module docstring)."""
+    sized = [s["verdict"] for s in v["sizes"].values()]
+    if sized and all(sized):
+        word = "verdict"
+    elif any(sized):
+        word = f"verdict on {sum(sized)} of {len(sized)} cells"
+    else:
+        word = "not a verdict"
+    open_runs = v["unfinished_runs"]
+    return (
+        f"{word}: baselines tuned on seed {v['tune_seed']}, reported on seeds "
+        f"{_ints(v['report_seeds']) or '-'}; {len(v['cells'])} cells finished"
+        f"{f', {open_runs} arm runs of unfinished cells' if open_runs else ''}"
+    )
+
+
+def _target_line(t: Mapping[str, Any]) -> str:
+    status = t.get("status") or ("met" if t["met"] else "MISSED")
+    value = t["note"] if status == "not measured" else f"{_v(t['value'])}{_ci(t['ci95'])}"
+    # A met or missed target's note: the runs it left out (an indicative one's is its cell's
+    # size, printed with the cells; a not measured one's is its value).
+    tail = f"; {t['note']}" if t.get("note") and status in ("met", "MISSED") else ""
+    return f"  {MARKS[status]:<10} {t['target']}: {value} (goal {t['goal']}{tail})"
+
+
+def verdict_lines(v: Mapping[str, Any]) -> list[str]:
+    """The printed verdict of :func:`kvgate_bench.real_engine.verdict.verdict`'s document."""
+    lines = [headline(v)]
+    if v.get("left"):
+        lines += progress.lines(v["left"], int(v["tune_seed"]))
+    if v.get("absent_seeds"):
+        lines.append("  seeds asked but absent from the file (no finished cell), not reported: "
+                     f"{_ints(v['absent_seeds'])}")  # fmt: skip
+    if v.get("absent_cells"):
+        lines.append("  cells asked but not finished on the report seeds, not reported: "
+                     f"{', '.join(v['absent_cells'])}")  # fmt: skip
+    if v["sizes"]:
+        lines.append(
+            f"cells (the fewest requests an arm had on a seed; a verdict needs {MIN_REQUESTS}, "
+            f"isolation {required('isolation')} well-behaved):"
+        )
+        lines += [f"  {cell:<15} {s['label']}" for cell, s in v["sizes"].items()]
+    if v["invalid"]:
+        lines.append(f"  INVALID (cached prompt tokens): {', '.join(v['invalid'])}")
+    lines.append("ratios (pooled over the report seeds, bootstrap 95 %; per seed):")
+    for r in v["ratios"]:
+        per = "  ".join(f"s{s} {_v(x['value'])}" for s, x in r["per_seed"].items())
+        lines.append(
+            f"  {r['cell']:<15} {r['ratio']:<30} {_v(r['value'])}{_ci(r['ci95'])}  ({per})"
+        )
+    lines.append("targets:")
+    lines += [_target_line(t) for t in v["targets"]]
+    a = v["agreement"]
+    small = a.get("fifteen_percent_only", 0)
+    lines.append(
+        f"virtual twin: {a['agree']} of {a['pairs']} row pairs agree"
+        + (f"; {small} of them judged on the 15 % rule only (real rows under the verdict's "
+           f"{MIN_REQUESTS} requests an arm, isolation {required('isolation')} well-behaved: "
+           "their 95 % intervals do not count)" if small else "")
+    )  # fmt: skip
+    lines += [f"  {d}" for d in a["disagreements"]]
+    return lines
