@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate_agent.admission.slo import INTERVAL_S, MIN_WAIT_SHARE, SloState
+from kvgate_agent.admission.step_table import bucket_of
 
 
 class Driver:
@@ -46,8 +47,8 @@ def test_gaps_are_learned_per_concurrency_and_the_overall_mean_is_smoothed() -> 
     d = Driver(s)
     d.interval(0.02, in_flight=3)
     assert s.gap_s == pytest.approx(0.02)
-    assert s.table.step_at(3) == pytest.approx(0.02)
-    assert s.table.step_at(4) == 0.0
+    assert s.table.mean[bucket_of(3)] == pytest.approx(0.02)
+    assert s.table.mean[bucket_of(4)] == 0.0
 
 
 def test_expected_wait_none_without_departures() -> None:

@@ -216,10 +216,6 @@ class StepTable:
         """Whether bucket ``i``'s admission-to-first-token time counts at clock time ``now``."""
         return self.ttft_n[i] >= 2.0 and now - self.ttft_seen[i] <= STALE_S
 
-    def step_at(self, in_flight: int) -> float:
-        """The smoothed seconds per token at ``in_flight`` requests (0: none learned). O(1)."""
-        return self.mean[bucket_of(in_flight)]
-
     def lowest_ttft(self, now: float) -> float:
         """The lowest measured admission-to-first-token seconds of any bucket (0: none)."""
         best = 0.0
