@@ -95,17 +95,21 @@ async def half_closed_exchange(url: str, request: bytes) -> bytes:
     return got.removeprefix(CONTINUE)
 
 
+@pytest.mark.parametrize("leg", LEGS)
 @pytest.mark.parametrize(
     "what", ["json", "stream", "queued", "pipelined", "refused"], ids=lambda w: w
 )
 async def test_a_half_closed_client_gets_its_answer(
     what: str,
+    leg: str,
     upstream: Upstream,
     sidecar_factory: SidecarFactory,
     client: aiohttp.ClientSession,
 ) -> None:
     upstream.token_delay = 0.05
-    url, sc = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
+    url, sc = await sidecar_factory(
+        upstream.url, {"concurrency": {"maxRequests": 1}}, server_leg=leg
+    )
     holder: asyncio.Future[Any] | None = None
     if what == "queued":  # behind a request holding the one slot
         upstream.hold = asyncio.Event()
@@ -142,14 +146,20 @@ async def test_a_half_closed_client_gets_its_answer(
     assert (await gauges(client, url))["kvgate_client_disconnects_total"] == 0
 
 
+@pytest.mark.parametrize("leg", LEGS)
 async def test_a_client_gone_while_queued_is_still_dropped_at_once(
-    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+    leg: str,
+    upstream: Upstream,
+    sidecar_factory: SidecarFactory,
+    client: aiohttp.ClientSession,
 ) -> None:
     """A FIN can be a half-close or a close: the sidecar asks (an interim ``100 Continue``, which
     a closed socket answers with a reset) and drops the queued request of a client that is gone,
     without waiting for its turn."""
     upstream.hold = asyncio.Event()
-    url, sc = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
+    url, sc = await sidecar_factory(
+        upstream.url, {"concurrency": {"maxRequests": 1}}, server_leg=leg
+    )
     holder = asyncio.ensure_future(client.post(url + "/v1/chat/completions", json=CHAT))
     try:
         await wait_until_async(lambda: upstream.active == 1, 10, "the first request upstream")

@@ -12,15 +12,56 @@ import contextlib
 import socket
 from typing import cast
 
-__all__ = ["ClientTransport"]
+__all__ = ["STILL_THERE", "ClientTransport", "PeerWatch"]
 
 #: What asks a half-closed client whether it is still there: an interim answer, which an
 #: HTTP/1.1 client reads and skips before the final one, asked or not (RFC 9110 §15.2), and
 #: which a socket closed whole answers with a reset (RFC 9293 §3.6.1).
-_STILL_THERE = b"HTTP/1.1 100 Continue\r\n\r\n"
+STILL_THERE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Seconds between checks of a half-closed connection's socket for a reset: the first, then
 #: doubling up to the last.
 PEER_CHECKS_S = (0.02, 1.0)
+
+
+class PeerWatch:
+    """Checks the socket of a connection whose client shut its sending side for the reset a
+    client gone whole answers a write with (``SO_ERROR``), after :data:`PEER_CHECKS_S` seconds,
+    then doubling up to the last, until :meth:`cancel`; aborts ``transport`` when it comes (its
+    protocol's ``connection_lost`` then releases what the connection's handler holds). Both
+    server legs use it (:class:`ClientTransport`, and aiohttp's in
+    :mod:`kvgate_agent.sidecar.slowclients`)."""
+
+    __slots__ = ("_handle", "_loop", "_transport")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.BaseTransport) -> None:
+        self._loop = loop
+        self._transport: asyncio.BaseTransport | None = transport
+        self._handle: asyncio.TimerHandle | None = loop.call_later(
+            PEER_CHECKS_S[0], self._check, PEER_CHECKS_S[0]
+        )
+
+    def cancel(self) -> None:
+        """Stop checking (the connection is gone, or closing)."""
+        if self._handle is not None:
+            self._handle.cancel()
+        self._handle = self._transport = None
+
+    def _check(self, seconds: float) -> None:
+        self._handle = None
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        sock = t.get_extra_info("socket")
+        try:
+            reset = sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
+        except OSError:
+            reset = True
+        if reset:
+            cast(asyncio.Transport, t).abort()
+            self._transport = None
+        else:
+            delay = min(PEER_CHECKS_S[1], 2 * seconds)
+            self._handle = self._loop.call_later(delay, self._check, delay)
 
 
 class ClientTransport(asyncio.Protocol):
@@ -52,7 +93,7 @@ class ClientTransport(asyncio.Protocol):
         #: A byte of the answer being written was sent (:meth:`send`; the owner clears it
         #: when it starts the next answer): no interim answer may be sent before it now.
         self.answer_started = False
-        self._peer_check: asyncio.TimerHandle | None = None
+        self._peer_check: PeerWatch | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not subclasses of asyncio.Transport, but behave as one.
@@ -100,32 +141,13 @@ class ClientTransport(asyncio.Protocol):
         that half-closes waits for the answer, one that closed its whole socket sent the same
         FIN and is gone. ``ask`` (an HTTP/1.1 client, no byte of the answer sent yet): write an
         interim ``100 Continue``, which a closed socket answers with a reset; for an HTTP/1.0
-        client the answer's own writes do that. The socket is then checked for that reset
-        (``SO_ERROR``) after :data:`PEER_CHECKS_S` seconds, then doubling, and the connection
-        aborted when it came, as if lost (the owner's ``connection_lost`` releases what its
-        handler holds)."""
+        client the answer's own writes do that. The socket is then watched for that reset
+        (:class:`PeerWatch`) and the connection aborted when it came, as if lost (the owner's
+        ``connection_lost`` releases what its handler holds)."""
         if ask:
-            self.send_interim(_STILL_THERE)
-        self._check_peer_later(PEER_CHECKS_S[0])
-
-    def _check_peer_later(self, seconds: float) -> None:
-        if not self.lost:
-            self._peer_check = self._loop.call_later(seconds, self._check_peer, seconds)
-
-    def _check_peer(self, seconds: float) -> None:
-        self._peer_check = None
-        t = self.transport
-        if t is None or self.lost:
-            return
-        sock = t.get_extra_info("socket")
-        try:
-            reset = sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) != 0
-        except OSError:
-            reset = True
-        if reset:
-            t.abort()
-        else:
-            self._check_peer_later(min(PEER_CHECKS_S[1], 2 * seconds))
+            self.send_interim(STILL_THERE)
+        if not self.lost and self.transport is not None and self._peer_check is None:
+            self._peer_check = PeerWatch(self._loop, self.transport)
 
     async def drain(self) -> None:
         """Until the client has taken what was written (see :meth:`pause_writing`); raises

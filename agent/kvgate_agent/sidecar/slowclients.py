@@ -21,6 +21,13 @@ the connection is closed; it never reaches the model server. On the port serving
 answer, and the 408 of a header deadline, carry ``x-kvgate-decision: rejected`` and
 ``x-kvgate-reason: invalid_request`` as kvgate's other refusals do, and a malformed request
 counts as one (``on_malformed``).
+
+A client that shuts its sending side once its request is out (a half-close, ``shutdown(SHUT_WR)``)
+gets its answer, as on kvgate's own leg: aiohttp's server closes the connection at a FIN
+(``RequestHandler.eof_received`` lets asyncio close the transport, and the handler is cancelled),
+so :class:`HeaderDeadlineHandler` keeps it open while a complete request is still to be answered,
+and asks whether the client is still there the way
+:meth:`~kvgate_agent.sidecar.client_transport.ClientTransport.watch_half_closed` does.
 """
 
 from __future__ import annotations
@@ -30,12 +37,13 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from kvgate_agent.sidecar import responses
+from kvgate_agent.sidecar.client_transport import STILL_THERE, PeerWatch
 
 __all__ = ["KEEPALIVE_TIMEOUT_S", "GuardedAppRunner", "HeaderDeadlineHandler", "track_requests"]
 
@@ -65,10 +73,12 @@ class HeaderDeadlineHandler(RequestHandler):
     unasked 408 could be read as the answer to a request sent just then), and ``on_timeout``
     (a metric's ``inc``) is called. ``on_malformed`` is called for each request the parser
     refuses (a 4xx, :meth:`handle_error`); None on a port not serving clients (the admin
-    port): its answers then carry no ``x-kvgate-*`` header.
+    port): its answers then carry no ``x-kvgate-*`` header. A FIN with a complete request still
+    to answer is a half-close: see :meth:`eof_received`.
     """
 
     __slots__ = (
+        "_half_closed",
         "_header_timeout",
         "_header_timer",
         "_in_request",
@@ -76,6 +86,8 @@ class HeaderDeadlineHandler(RequestHandler):
         "_on_malformed",
         "_on_timeout",
         "_partial",
+        "_peer",
+        "_pending",
         "_tail",
     )
 
@@ -97,6 +109,10 @@ class HeaderDeadlineHandler(RequestHandler):
         self._partial = False  # bytes of the awaited request have come
         self._tail = False  # the parser holds part of a request not yet complete (pipelined)
         self._last: tuple[Any, StreamReader] | None = None  # the last request parsed, its body
+        self._half_closed = False  # the client shut its sending side: close after the answers
+        self._peer: PeerWatch | None = None  # a half-closed client's socket, watched for a reset
+        #: Requests parsed whose answers are not yet written (pipelined ones included).
+        self._pending = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -108,6 +124,7 @@ class HeaderDeadlineHandler(RequestHandler):
             super().data_received(data)
             if len(self._messages) > queued:  # held requests came out: their bytes unknown
                 self._last, self._tail = self._messages[-1], False
+                self._pending += len(self._messages) - queued
             return
         if not self._in_request:
             if self._header_timer is None:
@@ -124,14 +141,54 @@ class HeaderDeadlineHandler(RequestHandler):
         new = list(self._messages)[queued:]
         if new:
             self._last = new[-1]
+            self._pending += len(new)
         self._tail = _leftover(data, body, new)
 
     def _leftover_seen(self) -> bool:
         """Part of a next request is held by the parser and no complete one is queued."""
         return self._tail and not self._messages
 
+    # asyncio.Protocol's eof_received returns whether to keep the transport; aiohttp's says None.
+    def eof_received(self) -> bool:  # type: ignore[override]
+        """The client shut its sending side. With complete requests still to answer (parsed,
+        their answers not yet written: :attr:`_pending`), the last one's body all in and no
+        byte of the one being handled's answer sent, a half-close: the connection stays open
+        to answer them, then closes (:meth:`finish_response`). A client gone whole sends the
+        same FIN: an HTTP/1.1 one is asked with an interim ``100 Continue``, which a closed
+        socket answers with a reset, and the socket is watched for it
+        (:class:`~kvgate_agent.sidecar.client_transport.PeerWatch`: the connection is
+        aborted, its handler cancelled). Otherwise (nothing complete to answer, a body cut
+        short, an answer begun: the client leaving) False: closed now, as aiohttp does."""
+        transport, last, current = self.transport, self._last, self._current_request
+        if transport is None or self._half_closed or self._pending <= 0 or last is None:
+            return False
+        if not last[1].is_eof():
+            return False
+        if current is not None and current.writer.output_size > 0:
+            return False
+        self._half_closed = True
+        if getattr(last[0], "version", HttpVersion11) >= HttpVersion11:
+            transport.write(STILL_THERE)  # no 1xx to an HTTP/1.0 client (RFC 9110 §15.2)
+        self._peer = PeerWatch(self._loop, transport)
+        return True
+
+    async def finish_response(
+        self, request: BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """aiohttp's, then one answer fewer to write; a half-closed client's connection closes
+        once its last answer is written."""
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._pending -= 1
+            if self._half_closed and self._pending <= 0:
+                self.close()
+
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
+        if self._peer is not None:
+            self._peer.cancel()
+            self._peer = None
         super().connection_lost(exc)
 
     def request_started(self) -> None:
