@@ -20,8 +20,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from kvgate_bench.kit.controlplane import strip_status
-from kvgate_bench.kit.processes import Operator
+from kvgate_bench.kit.kubeaccess import strip_status
+from kvgate_bench.kit.operator_process import Operator
 from kvgate_bench.kit.toolkit import poll_until
 from kvgate_operator.desired import compute
 from kvgate_operator.reader import ClusterReader

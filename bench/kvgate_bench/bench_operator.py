@@ -78,7 +78,7 @@ from kvgate_bench.bench_operator_cluster import (
     write_diff,
 )
 from kvgate_bench.kit.controlplane import ControlPlane
-from kvgate_bench.kit.processes import Operator
+from kvgate_bench.kit.operator_process import Operator
 from kvgate_bench.kit.toolkit import cpu_seconds, machine, memory_kib
 
 # ----------------------------------------------------------------------------------------------

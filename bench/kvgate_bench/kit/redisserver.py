@@ -4,7 +4,7 @@ find it through ``KVGATE_REDIS_SERVER`` or ``PATH``).
 
 No persistence (``save ""``, no AOF): a restart starts empty, as a Redis that lost its data would.
 Optional password (``requirepass``) and TLS (the server's own ``tls-port``, certificates made
-with ``cryptography`` through the operator's :mod:`kvgate_operator.pki`).
+with :mod:`kvgate_bench.kit.certs`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvgate_bench.kit.certs import issue, new_ca
 from kvgate_bench.kit.processes import stop
 from kvgate_bench.kit.toolkit import free_port, wait_port
-from kvgate_operator.pki import issue, new_ca
 
 
 def find_redis_server(explicit: str | None = None) -> str | None:
