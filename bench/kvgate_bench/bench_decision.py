@@ -46,76 +46,17 @@ from kvgate_agent.admission import (
     AdmissionRequest,
     TokenBucket,
 )
-from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.apis.openai import CHAT
 from kvgate_agent.sidecar.tokens import PromptCounter
 from kvgate_bench import compiled
+from kvgate_bench.decision_inputs import POLICY, typical_chat_body
 from kvgate_bench.kit.toolkit import percentile_of
 
 #: Target for one admission decision (``submit`` as shipped, compiled), microseconds at p50
 #: less the timer's own cost (issue 12).
 TARGET_SUBMIT_US = 1.5
 TENANTS = 1000
-
-#: The benchmark's policy: realistic for one Llama-3.1-8B pod, with limits generous enough that
-#: every request is admitted (the admitted path is the hot path; refusals are rarer and cheaper).
-POLICY = {
-    "apiVersion": API_VERSION,
-    "kind": "RateLimitPolicy",
-    "metadata": {"name": "bench"},
-    "spec": {
-        "model": {
-            "numLayers": 32,
-            "numKVHeads": 8,
-            "headDim": 128,
-            "kvCacheDtype": "bf16",
-            "blockSize": 16,
-            "maxModelLen": 8192,
-        },
-        "capacity": {"kvCacheTokens": 1_000_000},
-        "concurrency": {"maxRequests": 256},
-        "tenants": {"defaultMaxTokens": 512, "maxTokensCap": 2048},
-        "rateLimits": [
-            {
-                "name": "per-tenant",
-                "per": "Tenant",
-                "requestsPerMinute": 1_000_000,
-                "tokensPerMinute": 1_000_000_000,
-            },
-            {"name": "pod", "per": "Pod", "tokensPerMinute": 1_000_000_000_000},
-        ],
-        "cost": {"perRequest": 16, "promptTokenWeight": 1, "outputTokenWeight": 1},
-        "queue": {"maxLength": 64, "maxWaitSeconds": 10, "order": "ShortestFirst"},
-        "overload": {"actions": ["Degrade", "Queue", "Reject"], "degrade": {"minMaxTokens": 128}},
-    },
-}
-
-
-def typical_chat_body(target_bytes: int = 1024) -> bytes:
-    """A streaming chat request of about ``target_bytes`` bytes: a system prompt, two turns of
-    history and a question (English text)."""
-    sentence = "Summarise the attached incident report and list the three most likely causes. "
-    body = {
-        "model": "meta-llama/Llama-3.1-8B-Instruct",
-        "messages": [
-            {"role": "system", "content": "You are a concise assistant for on-call engineers."},
-            {"role": "user", "content": "What does a KV-cache preemption in vLLM mean?"},
-            {
-                "role": "assistant",
-                "content": "The scheduler ran out of KV blocks and evicted a running sequence.",
-            },
-            {"role": "user", "content": ""},
-        ],
-        "max_tokens": 256,
-        "temperature": 0.2,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    base = len(json.dumps(body, separators=(",", ":")))
-    reps = max(1, (target_bytes - base) // len(sentence))
-    body["messages"][-1]["content"] = (sentence * reps).strip()  # type: ignore[index]
-    return json.dumps(body, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from kvgate_agent.sidecar.apis.openai import CHAT
 from kvgate_agent.sidecar.sse import StreamAccountant
-from kvgate_bench.bench_decision import typical_chat_body
+from kvgate_bench.decision_inputs import typical_chat_body
 
 #: A 1 KB body parsed in at most this many microseconds (issue 12).
 TARGET_PARSE_US = 3.0

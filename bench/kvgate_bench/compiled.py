@@ -119,7 +119,7 @@ def decision_trace(seed: int = 7, steps: int = 3000) -> list[list[object]]:
     from kvgate_agent.admission import AdmissionConfig, AdmissionController, AdmissionRequest
     from kvgate_agent.admission.decision import Ticket, Waiter
     from kvgate_agent.contract.policy import parse_policy
-    from kvgate_bench.bench_decision import POLICY
+    from kvgate_bench.decision_inputs import POLICY
     from kvgate_bench.kit.toolkit import FakeClock
 
     policy = json.loads(json.dumps(POLICY))
