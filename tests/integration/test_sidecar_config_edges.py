@@ -3,8 +3,10 @@ and over real HTTP on loopback: a policy or keys file that repeats a YAML key is
 2 at start, the one in force kept on SIGHUP), not read as its last value; a JWT whose claim
 names a tenant kvgate keeps for itself is refused; ``tenants.jwt`` without keys to verify
 tokens with exits 2 instead of answering 401 to everything; a keys file's undeclared ``class``
-is reported when the file is loaded; an empty keys file's error says what is wrong in the
-file's own terms; ``--help`` is plain text and ``--version`` answers."""
+is reported when the file or the policy is loaded (in agent mode: when the node agent's
+thresholds arrive), and when SIGHUP re-reads it (a bad file keeping the one in force), never
+at the key's first request; an empty keys file's error says what is wrong in the file's own
+terms; ``--help`` is plain text and ``--version`` answers."""
 
 from __future__ import annotations
 
@@ -22,10 +24,14 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from aiohttp import web
 
+from kvgate_agent.contract.sync import SYNC_PATH
+from kvgate_bench.kit.processes import Proc, start_sidecar
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import SidecarFactory, policy_doc
 from tests.identity_keys import AUDIENCE, ISSUER, jwks, rsa_key, write_keys
+from tests.sync_answers import answer
 from tests.upstream import CHAT, Upstream
 
 JWT_SPEC = {"tenants": {"header": "authorization", "jwt": {"issuer": ISSUER, "audience": AUDIENCE}}}
@@ -222,6 +228,94 @@ async def test_an_undeclared_class_is_reported_when_the_keys_file_is_loaded(
         await wait_until_async(warned, 10, "the undeclared class reported at load")
     assert "names no class of the policy's tenants.classes" in warned()[0]
     assert upstream.bodies == []
+
+
+async def serve_thresholds(spec: dict[str, Any]) -> tuple[str, web.AppRunner]:
+    """A node agent's sync endpoint on a free loopback port answering pod ``ns/model-0`` with
+    ``spec`` as its thresholds (:func:`tests.sync_answers.answer`); its URL and runner."""
+
+    async def sync(request: web.Request) -> web.Response:
+        await request.read()
+        body = answer(spec, interval=0.2).model_dump(by_alias=True, mode="json")
+        return web.json_response(body, headers={"ETag": "e1"})
+
+    app = web.Application()
+    app.router.add_post(SYNC_PATH, sync)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return f"http://127.0.0.1:{port}", runner
+
+
+@pytest.mark.parametrize("mode", ["standalone", "agent"])
+async def test_an_undeclared_class_is_reported_at_load_and_on_sighup_in_every_mode(
+    mode: str, tmp_path: Path, upstream: Upstream
+) -> None:
+    """The real ``kvgate-agent sidecar``, standalone (``--policy``) or taking the same policy
+    from a node agent: the keys file's undeclared class is in the log once the policy is known
+    (at start; in agent mode once its thresholds arrive), with no request sent; SIGHUP reports
+    a re-read file's, and a bad file keeps the keys in force and says why."""
+    keys = tmp_path / "keys.yaml"
+
+    def write(text: str) -> None:
+        new = tmp_path / "keys.new"
+        new.write_text(text)
+        os.replace(new, keys)
+
+    def entry(cls: str) -> str:
+        digest = hashlib.sha256(b"sk-a").hexdigest()
+        return json.dumps({"keys": [{"sha256": digest, "tenant": "team-a", "class": cls}]})
+
+    write(entry("golden"))
+    spec = {"tenants": {"header": "authorization", "unknownKeys": "Refuse",
+                        "classes": [{"name": "gold", "priority": 5}]}}  # fmt: skip
+    policy: Path | None = None
+    env = dict(os.environ)
+    runner: web.AppRunner | None = None
+    if mode == "standalone":
+        policy = write_policy(tmp_path / "policy.yaml", spec)
+    else:
+        agent_url, runner = await serve_thresholds(spec)
+        (tmp_path / "token").write_text("tok")
+        env.update(KVGATE_AGENT_URL=agent_url, KVGATE_POD_NAMESPACE="ns",
+                   KVGATE_POD_NAME="model-0", KVGATE_POD_UID="u-1",
+                   KVGATE_TOKEN_FILE=str(tmp_path / "token"))  # fmt: skip
+    proc: Proc = await asyncio.to_thread(
+        start_sidecar, tmp_path / "sidecar.log", "--api-keys-file", str(keys),
+        upstream=upstream.url, policy=policy, env=env, status=None, timeout=20.0,
+    )  # fmt: skip
+    try:
+
+        def said(text: str) -> bool:
+            return text in proc.log.read_text()
+
+        await wait_until_async(lambda: said("'golden'"), 10, "the undeclared class at load")
+        assert said("class 'golden' names no class of the policy's tenants.classes")
+        # Agent mode: the spec before the thresholds (no policy yet) is not judged.
+        assert not said("not authorization"), proc.log.read_text()
+        assert upstream.bodies == []  # no request was needed to say it
+
+        write(entry("silver"))  # SIGHUP re-reads the keys file: its undeclared class is said
+        proc.popen.send_signal(signal.SIGHUP)
+        await wait_until_async(lambda: said("'silver'"), 10, "the re-read file's class")
+        write("keys: [abc]\n")  # a bad file: the keys in force stay, and the log says why
+        proc.popen.send_signal(signal.SIGHUP)
+        await wait_until_async(
+            lambda: said("keeping what was loaded before"), 10, "the bad file refused"
+        )
+        async with aiohttp.ClientSession() as s:
+            for key, status in (("sk-a", 200), ("sk-b", 401)):
+                headers = {"Authorization": f"Bearer {key}"}
+                async with s.post(
+                    proc.url + "/v1/chat/completions", json=CHAT, headers=headers
+                ) as r:
+                    assert r.status == status, (key, await r.text())
+        assert proc.popen.poll() is None  # SIGHUP never ended it
+    finally:
+        await asyncio.to_thread(proc.stop)
+        if runner is not None:
+            await runner.cleanup()
 
 
 @pytest.mark.parametrize(

@@ -241,6 +241,8 @@ def test_without_files_authorization_hashes_each_key_and_warns_once(
     identity = Authenticator()
     spec = tenants()
     with caplog.at_level(logging.WARNING):
+        identity.warn(spec)  # the policy loaded
+        identity.warn(spec)  # and again (a SIGHUP re-read): said once
         a = identity.tenant(bearer("sk-1"), spec)
         b = identity.tenant(bearer("sk-2"), spec)
     assert a.startswith("key-") and b.startswith("key-") and a != b
@@ -264,19 +266,22 @@ def test_a_keys_class_is_given_and_an_undeclared_one_warned_of_once_per_load(
     identity = Authenticator(api_keys_file=str(path))
     spec = tenants(classes=[{"name": "batch", "priority": -1, "batch": True}])
     with caplog.at_level(logging.WARNING, logger="kvgate.identity"):
+        identity.warn(spec)  # the policy loaded: said now, before any request
+        assert len([r for r in caplog.records if "'ghost'" in r.message]) == 1
         assert identity.credential(bearer(KEY_A), spec) == ("team-a", "ghost")
         assert identity.credential(bearer(KEY_A), spec) == ("team-a", "ghost")
         assert identity.credential(bearer("sk-other"), spec) == ("unknown", None)
+        identity.warn(spec)  # the same policy again, the same file: nothing new
         assert len([r for r in caplog.records if "'ghost'" in r.message]) == 1
-        write("ghost")  # a new load of the file: said again, once
+        write("ghost")  # a new load of the file: said again, once, at the re-read
         os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
-        assert identity.api_keys is not None and identity.api_keys.poll()
-        identity.credential(bearer(KEY_A), spec)
+        identity.poll()
+        assert len([r for r in caplog.records if "'ghost'" in r.message]) == 2
         identity.credential(bearer(KEY_A), spec)
         assert len([r for r in caplog.records if "'ghost'" in r.message]) == 2
         write("batch")  # declared: nothing to say
         os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
-        assert identity.api_keys.poll()
+        identity.poll()
         assert identity.credential(bearer(KEY_A), spec) == ("team-a", "batch")
     assert len(caplog.records) == 2
 

@@ -20,6 +20,7 @@ from kvgate_agent.admission import AdmissionConfig, AsyncAdmission, Reason
 from kvgate_agent.contract.nodeadmission import PodThresholds, PolicyRef
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED, SafetyNet, SyncAnswer, SyncReport
+from kvgate_agent.sidecar.identity import Authenticator
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.settings import AgentSettings
@@ -62,11 +63,13 @@ class AgentEnforcement:
         admission: AsyncAdmission,
         metrics: SidecarMetrics,
         probe: EngineProbe,
+        identity: Authenticator,
     ) -> None:
         self.settings = settings
         self.admission = admission
         self.metrics = metrics
         self.probe = probe
+        self.identity = identity
         self.state = SyncState(
             clock,
             failure_mode=settings.failure_mode,
@@ -216,7 +219,10 @@ class AgentEnforcement:
         ``capacity.fromEngineMetrics`` and it has one, else the thresholds'
         ``kvCacheTokens`` as resolved by the operator. ``per: Global`` limits arrive already
         split by ``globalShare`` (the operator did it), so they are not split again here.
-        Waiters are re-examined at once.
+        Waiters are re-examined at once. A policy's tenants are checked against the keys and
+        JWKS files now (:meth:`Authenticator.warn`: e.g. a keys file's ``class`` the policy
+        does not declare is logged when the thresholds arrive, not at that key's first
+        request).
         """
         if self._applied is not None and self._applied == (thresholds, local_caps_only):
             return
@@ -231,6 +237,8 @@ class AgentEnforcement:
             if spec.capacity.from_engine_metrics and self.probe.kv_tokens is not None:
                 kv = self.probe.kv_tokens
         self.spec = spec
+        if thresholds is not None:
+            self.identity.warn(spec.tenants)
         self.admission.reconfigure(AdmissionConfig.from_policy(spec, kv_capacity_tokens=kv))
         self.probe.set_capacity_known(not spec.capacity.from_engine_metrics or kv is not None)
 

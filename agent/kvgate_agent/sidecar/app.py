@@ -100,7 +100,9 @@ class Sidecar:
         #: Agent mode only: the link syncing with the node agent.
         self.agent_link: AgentLink | None = None
         if settings.agent is not None:
-            e = AgentEnforcement(settings.agent, clock, self.admission, self.metrics, self.engine)
+            e = AgentEnforcement(
+                settings.agent, clock, self.admission, self.metrics, self.engine, self.identity
+            )
             enforcement = e
             self.agent_link = AgentLink(settings.agent, e.state, e.sync_report, e.on_sync)
             self.metrics.attach_sync(e.state, e.enforced_mode, lambda: e.policy_ref)
@@ -228,7 +230,8 @@ class Sidecar:
 
     async def _on_startup(self, app: web.Application | None) -> None:
         spec = self.policy.spec
-        self.identity.start(spec.tenants)
+        # Agent mode: the policy is the node agent's, checked when its thresholds arrive.
+        self.identity.start(spec.tenants if self.policy.enforcement is None else None)
         await self.model_server.open()
         await self.engine.start(
             poll=spec.capacity.from_engine_metrics

@@ -148,8 +148,7 @@ class Authenticator:
         )
         self.poll_seconds = poll_seconds
         self._task: asyncio.Task[None] | None = None
-        self._checked: TenantsSpec | None = None
-        self._checked_loads = 0
+        self._checked: TenantsSpec | None = None  # the policy's tenants last checked
         self._said: set[str] = set()
         self._undeclared: set[tuple[int, str]] = set()  # (keys file load, class) warned of
 
@@ -180,15 +179,12 @@ class Authenticator:
         :meth:`tenant`) and the ``class`` of its API key's entry in the keys file: None when
         the tenant is not a key's of the file or the entry names no class. The name is the
         file's as is; :class:`~kvgate_agent.sidecar.tenants.Identifier` ignores one the policy
-        does not declare (warned of here, once per load of the file and class name).
+        does not declare (warned of by :meth:`warn` when the policy or the file is loaded, not
+        here: a request changes nothing of what is said).
 
         Raises:
             RequestError: 401 (code ``invalid_api_key``) for a credential that is refused.
         """
-        if spec is not self._checked or (
-            self.api_keys is not None and self.api_keys.loads != self._checked_loads
-        ):
-            self.warn(spec)
         if spec.header.lower() != "authorization" or (
             self.api_keys is None and spec.jwt is None and spec.unknown_keys is UnknownKeys.POOL
         ):
@@ -208,9 +204,11 @@ class Authenticator:
         return UNKNOWN, None
 
     def warn(self, spec: TenantsSpec) -> None:
-        """Log, once each, what about ``spec`` and the files given is weaker than it looks."""
+        """Log, once each, what about ``spec`` and the files given is weaker than it looks (a
+        keys file's ``class`` that ``spec`` does not declare: once per load of the file). Called
+        whenever the policy enforced changes (at start standalone, on SIGHUP, when the node
+        agent's thresholds arrive) and when the keys file is re-read (:meth:`poll`)."""
         self._checked = spec
-        self._checked_loads = 0 if self.api_keys is None else self.api_keys.loads
         by_key = spec.header.lower() == "authorization"
         if by_key and self.api_keys is None and spec.jwt is None:
             self._say(
@@ -261,10 +259,12 @@ class Authenticator:
             if f is not None and f.poll() and f is self.api_keys and self._checked is not None:
                 self.warn(self._checked)
 
-    def start(self, spec: TenantsSpec) -> None:
-        """Check ``spec`` (:meth:`warn`) and, with a file given, start re-reading the files in
-        the running event loop."""
-        self.warn(spec)
+    def start(self, spec: TenantsSpec | None) -> None:
+        """Check ``spec`` (:meth:`warn`; None: the policy is not known yet, as in agent mode
+        before the node agent's thresholds, which are checked when they arrive) and, with a
+        file given, start re-reading the files in the running event loop."""
+        if spec is not None:
+            self.warn(spec)
         if self._task is None and (self.api_keys is not None or self.jwks is not None):
             self._task = asyncio.get_running_loop().create_task(self._poll_forever())
 
