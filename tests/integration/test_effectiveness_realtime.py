@@ -21,20 +21,20 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate_bench.effectiveness.realtime import (
+from kvgate_bench.effectiveness.model.workloads import generate
+from kvgate_bench.effectiveness.realtime.agreement import (
     DEFAULT_KVGATE_ARM,
     GOODPUT_TOLERANCE,
     compare,
     preemptions_agree,
-    steptime_with_pool,
 )
-from kvgate_bench.effectiveness.realtime_plan import (
+from kvgate_bench.effectiveness.realtime.plan import (
     ISOLATION_KEYS,
     context_at,
     plan,
     well_behaved_agree,
 )
-from kvgate_bench.effectiveness.workloads import generate
+from kvgate_bench.effectiveness.realtime.run import steptime_with_pool
 
 #: The kvgate arm compared (``kvgate-maxtokens`` until ``kvgate`` lands in arms.py).
 KVGATE_ARM = DEFAULT_KVGATE_ARM

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from kvgate_bench.effectiveness.arms import ArmContext
-from kvgate_bench.effectiveness.workloads import generate, tenants_of
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.model.workloads import generate, tenants_of
 from kvgate_bench.kit.processes import Proc
 from kvgate_bench.real_engine import resume
 from kvgate_bench.real_engine.__main__ import main

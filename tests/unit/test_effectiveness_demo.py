@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from kvgate_bench.demo import virtual as demo
-from kvgate_bench.effectiveness.arms import candidates
-from kvgate_bench.effectiveness.runner import Calibration
-from kvgate_bench.effectiveness.workloads import tenants_of
+from kvgate_bench.effectiveness.arms.registry import candidates
+from kvgate_bench.effectiveness.calibration import Calibration
+from kvgate_bench.effectiveness.model.workloads import tenants_of
 
 NUMBER = r"([0-9]+(?:\.[0-9]+)?)"
 
@@ -153,7 +153,8 @@ def test_the_kvgate_arm_is_described_from_its_own_policy() -> None:
     """The setup text names what the ``kvgate`` arm enforces (the recommended policy, read
     through the contract with its defaults), not a fixed sentence that can drift from it."""
     from kvgate_bench.demo.virtual_report import describe_policy
-    from kvgate_bench.effectiveness.arms import ArmContext, make_arm
+    from kvgate_bench.effectiveness.arms.context import ArmContext
+    from kvgate_bench.effectiveness.arms.registry import make_arm
     from kvgate_bench.sim.engine import EngineConfig
 
     ctx = ArmContext(

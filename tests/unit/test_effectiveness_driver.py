@@ -7,27 +7,18 @@ from typing import Any
 import pytest
 
 from kvgate_agent.admission.prefix_index import TRUST_START
-from kvgate_bench.effectiveness.arms import (
-    ABLATIONS,
-    ARM_NAMES,
-    ArmContext,
+from kvgate_bench.effectiveness.arms.baselines import (
     ConcurrencyCapArm,
-    KvgateMaxTokensArm,
     SaturationShedArm,
     TokenBucketArm,
-    candidates,
-    make_arm,
 )
-from kvgate_bench.effectiveness.driver import (
-    DEGRADED,
-    REJECTED,
-    SERVED,
-    Arm,
-    Gate,
-    RunResult,
-    simulate,
-)
-from kvgate_bench.effectiveness.workloads import BATCH, Request, Schedule, generate, tenants_of
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.arms.kvgate_arms import KvgateMaxTokensArm
+from kvgate_bench.effectiveness.arms.registry import ABLATIONS, ARM_NAMES, candidates, make_arm
+from kvgate_bench.effectiveness.model.driver import simulate
+from kvgate_bench.effectiveness.model.gate import DEGRADED, REJECTED, SERVED, Arm, Gate, RunResult
+from kvgate_bench.effectiveness.model.schedule import BATCH, Request, Schedule
+from kvgate_bench.effectiveness.model.workloads import generate, tenants_of
 from kvgate_bench.sim.engine import EngineConfig
 from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
 from kvgate_bench.sim.steptime import profile
@@ -255,7 +246,7 @@ def test_kvgate_arm_never_asks_to_be_woken_in_the_past() -> None:
 
 
 def test_steptime_of_replaces_the_kv_pool() -> None:
-    from kvgate_bench.effectiveness.runner import steptime_of
+    from kvgate_bench.effectiveness.model.engines import steptime_of
     from kvgate_bench.sim.steptime import profile
 
     base = profile("h100-llama3-8b")

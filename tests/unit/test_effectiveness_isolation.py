@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 
 from kvgate_bench.effectiveness.__main__ import main
-from kvgate_bench.effectiveness.driver import REJECTED, SERVED, RequestRecord
-from kvgate_bench.effectiveness.metrics import isolation_figures
-from kvgate_bench.effectiveness.runner import Calibration, build_tasks
-from kvgate_bench.effectiveness.workloads import (
-    INTERACTIVE,
+from kvgate_bench.effectiveness.calibration import Calibration
+from kvgate_bench.effectiveness.model.gate import REJECTED, SERVED, RequestRecord
+from kvgate_bench.effectiveness.model.metrics import isolation_figures
+from kvgate_bench.effectiveness.model.schedule import INTERACTIVE, Request
+from kvgate_bench.effectiveness.model.workloads import (
     NOISY_MAX_TOKENS,
-    Request,
     calibration_workload,
     generate,
     isolation_load,
     tenants_of,
 )
+from kvgate_bench.effectiveness.runner import build_tasks
 
 MML = 8192
 

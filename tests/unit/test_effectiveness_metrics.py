@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 
 from kvgate_bench.effectiveness.__main__ import RESULT_KEYS, main
-from kvgate_bench.effectiveness.driver import (
+from kvgate_bench.effectiveness.model.driver import engine_config
+from kvgate_bench.effectiveness.model.gate import (
     DEGRADED,
     REJECTED,
     SERVED,
     RequestRecord,
     RunResult,
-    engine_config,
 )
-from kvgate_bench.effectiveness.metrics import jain, met_slo, summarize, windowed_jain
-from kvgate_bench.effectiveness.workloads import BATCH, INTERACTIVE, Request, Schedule, Tenant
+from kvgate_bench.effectiveness.model.metrics import jain, met_slo, summarize, windowed_jain
+from kvgate_bench.effectiveness.model.schedule import BATCH, INTERACTIVE, Request, Schedule, Tenant
 from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.steptime import profile
 

@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from kvgate_bench.effectiveness.__main__ import Progress
-from kvgate_bench.effectiveness.plots import arm_order, series, write_plots
+from kvgate_bench.effectiveness.report.plots import arm_order, series, write_plots
+from kvgate_bench.effectiveness.report.progress import Progress
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -6,19 +6,23 @@ from typing import Any
 
 import pytest
 
-from kvgate_bench.effectiveness.arms import ArmContext, ConcurrencyCapArm, make_arm
-from kvgate_bench.effectiveness.driver import DEGRADED, REJECTED, SERVED, Arm, simulate
-from kvgate_bench.effectiveness.metrics import summarize
-from kvgate_bench.effectiveness.pool import simulate_pool
-from kvgate_bench.effectiveness.pool_runner import PoolFlowControlArm, pairs
-from kvgate_bench.effectiveness.routers import (
+from kvgate_bench.effectiveness.arms.baselines import ConcurrencyCapArm
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.arms.registry import make_arm
+from kvgate_bench.effectiveness.model.driver import simulate
+from kvgate_bench.effectiveness.model.gate import DEGRADED, REJECTED, SERVED, Arm
+from kvgate_bench.effectiveness.model.metrics import summarize
+from kvgate_bench.effectiveness.model.schedule import Request, Schedule
+from kvgate_bench.effectiveness.model.workloads import generate, tenants_of
+from kvgate_bench.effectiveness.pool.driver import simulate_pool
+from kvgate_bench.effectiveness.pool.routers import (
     EppRouter,
     LeastRequestRouter,
     RandomRouter,
     RetryPolicy,
     make_router,
 )
-from kvgate_bench.effectiveness.workloads import Request, Schedule, generate, tenants_of
+from kvgate_bench.effectiveness.pool.runner import PoolFlowControlArm, pairs
 from kvgate_bench.sim.engine import EngineConfig
 from kvgate_bench.sim.steptime import profile
 

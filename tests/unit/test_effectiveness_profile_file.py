@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from kvgate_bench.effectiveness.__main__ import main as effectiveness_main
-from kvgate_bench.effectiveness.arms import candidates
-from kvgate_bench.effectiveness.engines import engine_of, unloaded_slo
+from kvgate_bench.effectiveness.arms.registry import candidates
+from kvgate_bench.effectiveness.model.engines import engine_of, unloaded_slo
 from kvgate_bench.sim.cli import build_parser, config_from_args
 from kvgate_bench.sim.cli import main as sim_main
 from kvgate_bench.sim.profile_file import load_profile, write_profile

@@ -7,13 +7,15 @@ import math
 
 import pytest
 
-from kvgate_bench.effectiveness.arms import ArmContext, candidates, make_arm
-from kvgate_bench.effectiveness.codel_gate import CodelGateArm
-from kvgate_bench.effectiveness.driver import PENDING, REJECTED, Gate, RequestRecord
-from kvgate_bench.effectiveness.flow_control import FlowControlArm
-from kvgate_bench.effectiveness.kvgate_defaults import KvgateDefaultsArm
-from kvgate_bench.effectiveness.vllm_queue_limit import VllmQueueLimitArm
-from kvgate_bench.effectiveness.workloads import BATCH, INTERACTIVE, Request, tenants_of
+from kvgate_bench.effectiveness.arms.codel_gate import CodelGateArm
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.arms.flow_control import FlowControlArm
+from kvgate_bench.effectiveness.arms.kvgate_defaults import KvgateDefaultsArm
+from kvgate_bench.effectiveness.arms.registry import candidates, make_arm
+from kvgate_bench.effectiveness.arms.vllm_queue_limit import VllmQueueLimitArm
+from kvgate_bench.effectiveness.model.gate import PENDING, REJECTED, Gate, RequestRecord
+from kvgate_bench.effectiveness.model.schedule import BATCH, INTERACTIVE, Request
+from kvgate_bench.effectiveness.model.workloads import tenants_of
 from kvgate_bench.sim.engine import EngineConfig, SimEngine
 from kvgate_bench.sim.steptime import profile
 

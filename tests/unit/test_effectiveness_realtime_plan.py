@@ -1,4 +1,4 @@
-"""The real-time driver's plan (:mod:`kvgate_bench.effectiveness.realtime_plan`): the schedule and
+"""The real-time driver's plan (:mod:`kvgate_bench.effectiveness.realtime.plan`): the schedule and
 arms' context are the virtual-time runner's, the ``isolation`` load and options, and the
 short-run agreement rule on the well-behaved tenants."""
 
@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate_bench.effectiveness.driver import REJECTED, SERVED, RequestRecord
-from kvgate_bench.effectiveness.realtime import arm_policy, parse_args, steptime_with_pool
-from kvgate_bench.effectiveness.realtime_plan import (
+from kvgate_bench.effectiveness.calibration import calibrate
+from kvgate_bench.effectiveness.model.gate import REJECTED, SERVED, RequestRecord
+from kvgate_bench.effectiveness.model.schedule import Request
+from kvgate_bench.effectiveness.model.workloads import isolation_load
+from kvgate_bench.effectiveness.realtime.__main__ import parse_args
+from kvgate_bench.effectiveness.realtime.plan import (
     isolation_agree,
     isolation_ratios,
     plan,
@@ -16,8 +19,9 @@ from kvgate_bench.effectiveness.realtime_plan import (
     schedule_load,
     well_behaved_agree,
 )
-from kvgate_bench.effectiveness.runner import Task, arm_factory, calibrate
-from kvgate_bench.effectiveness.workloads import Request, isolation_load
+from kvgate_bench.effectiveness.realtime.run import steptime_with_pool
+from kvgate_bench.effectiveness.realtime.servers import arm_policy
+from kvgate_bench.effectiveness.runner import Task, arm_factory
 
 PROFILE = "h100-llama3-8b"
 

@@ -11,21 +11,21 @@ import pytest
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.tokens import PromptCounter
-from kvgate_bench.effectiveness.arms import ArmContext
-from kvgate_bench.effectiveness.driver import RunResult, engine_config
-from kvgate_bench.effectiveness.realtime import (
-    RealtimeRun,
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.model.driver import engine_config
+from kvgate_bench.effectiveness.model.gate import RunResult
+from kvgate_bench.effectiveness.model.schedule import Request
+from kvgate_bench.effectiveness.model.workloads import generate, tenants_of
+from kvgate_bench.effectiveness.realtime.agreement import preemptions_agree, well_behaved_agree
+from kvgate_bench.effectiveness.realtime.client import request_body
+from kvgate_bench.effectiveness.realtime.run import RealtimeRun, steptime_with_pool
+from kvgate_bench.effectiveness.realtime.servers import (
     arm_policy,
     policy_manifest,
-    preemptions_agree,
-    request_body,
     sim_argv,
     sim_config,
-    steptime_with_pool,
-    well_behaved_agree,
     write_word_tokenizer,
 )
-from kvgate_bench.effectiveness.workloads import Request, generate, tenants_of
 from kvgate_bench.sim.cli import build_parser, config_from_args
 from kvgate_bench.sim.server import count_chat_prompt_tokens, count_completion_prompt_tokens
 

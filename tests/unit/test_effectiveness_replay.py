@@ -8,8 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
-from kvgate_bench.effectiveness.arms import ConcurrencyCapArm, TokenBucketArm
-from kvgate_bench.effectiveness.driver import REJECTED, SERVED, Arm, Gate, simulate
+from kvgate_bench.effectiveness.arms.baselines import ConcurrencyCapArm, TokenBucketArm
+from kvgate_bench.effectiveness.calibration import Calibration
+from kvgate_bench.effectiveness.model.driver import simulate
+from kvgate_bench.effectiveness.model.gate import REJECTED, SERVED, Arm, Gate
+from kvgate_bench.effectiveness.model.schedule import INTERACTIVE, Request, Schedule, Tenant
 from kvgate_bench.effectiveness.replay import (
     precision,
     replay_forced,
@@ -17,14 +20,7 @@ from kvgate_bench.effectiveness.replay import (
     retry_after_error,
     sample_rejected,
 )
-from kvgate_bench.effectiveness.runner import (
-    Calibration,
-    Task,
-    replay_best,
-    replay_units,
-    run_all,
-)
-from kvgate_bench.effectiveness.workloads import INTERACTIVE, Request, Schedule, Tenant
+from kvgate_bench.effectiveness.runner import Task, replay_best, replay_units, run_all
 from kvgate_bench.sim.engine import EngineConfig
 from kvgate_bench.sim.steptime import constant_profile
 
@@ -191,7 +187,7 @@ def test_a_queued_probe_is_one_outstanding_retry() -> None:
 
 
 def token_bucket(rate_rps: float) -> Callable[[], Arm]:
-    from kvgate_bench.effectiveness.arms import ArmContext
+    from kvgate_bench.effectiveness.arms.context import ArmContext
 
     ctx = ArmContext(WIDE, {"a": Tenant("a", INTERACTIVE)}, rate_rps, 1e9)
     return lambda: TokenBucketArm(ctx, factor=1.0, burst_s=1.0)

@@ -6,29 +6,20 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 
-from kvgate_bench.effectiveness.arms import make_arm
-from kvgate_bench.effectiveness.driver import (
+from kvgate_bench.effectiveness.arms.registry import make_arm
+from kvgate_bench.effectiveness.calibration import _dummy, mean_lengths
+from kvgate_bench.effectiveness.model.driver import MAX_MODEL_LEN, simulate
+from kvgate_bench.effectiveness.model.gate import (
     REJECTED,
     Arm,
     RequestRecord,
     RunResult,
     engine_default_max_tokens,
-    simulate,
 )
-from kvgate_bench.effectiveness.metrics import summarize
-from kvgate_bench.effectiveness.runner import _dummy, mean_lengths
-from kvgate_bench.effectiveness.sessions import (
-    MULTI_TURN,
-    planned_reuse_share,
-    planned_turns,
-)
-from kvgate_bench.effectiveness.workloads import (
-    PROMPT_HEADROOM,
-    WORKLOADS,
-    Request,
-    generate,
-    tenants_of,
-)
+from kvgate_bench.effectiveness.model.metrics import summarize
+from kvgate_bench.effectiveness.model.schedule import PROMPT_HEADROOM, Request
+from kvgate_bench.effectiveness.model.sessions import MULTI_TURN, planned_reuse_share, planned_turns
+from kvgate_bench.effectiveness.model.workloads import WORKLOADS, generate, tenants_of
 from kvgate_bench.sim.steptime import profile
 
 H100 = profile("h100-llama3-8b")
@@ -105,7 +96,9 @@ def test_the_reuse_share_lands_near_the_target() -> None:
     about 57 % when every turn is served and nothing evicted, a little less as the run cuts
     sessions at its end and evicts under load."""
     sched = generate(MULTI_TURN, 20.0, 200.0, 8)
-    planned = planned_reuse_share(planned_turns(sched, engine_default_max_tokens))
+    planned = planned_reuse_share(
+        planned_turns(sched, lambda r: engine_default_max_tokens(r, MAX_MODEL_LEN))
+    )
     assert 0.52 < planned < 0.62
     share = summarize(run(6.0, 200.0, 1))["prefix_reuse_share"]
     assert 0.40 < share < 0.55

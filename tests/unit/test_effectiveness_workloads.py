@@ -8,17 +8,19 @@ import statistics
 
 import pytest
 
-from kvgate_bench.effectiveness.workloads import (
+from kvgate_bench.effectiveness.model.schedule import (
     BATCH,
-    CODE_OUTPUT,
-    CODE_PROMPT,
     CONVERSATION_OUTPUT,
     CONVERSATION_PROMPT,
     INTERACTIVE,
     MAX_TOKENS_CHOICES,
-    NOISY_MAX_TOKENS,
     PROMPT_HEADROOM,
     Schedule,
+)
+from kvgate_bench.effectiveness.model.workloads import (
+    CODE_OUTPUT,
+    CODE_PROMPT,
+    NOISY_MAX_TOKENS,
     generate,
 )
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvgate_bench.effectiveness.workloads import generate
+from kvgate_bench.effectiveness.model.workloads import generate
 from kvgate_bench.real_engine import calibration as cal
 from kvgate_bench.real_engine.prompts import (
     MAX_WORDS,
@@ -110,10 +110,10 @@ def test_probe_duration_holds_enough_arrivals() -> None:
 
 
 def test_summarize_and_the_recommended_policy_take_the_calibrated_slo() -> None:
-    from kvgate_bench.effectiveness.arms import ArmContext
-    from kvgate_bench.effectiveness.driver import SERVED, RequestRecord, RunResult
-    from kvgate_bench.effectiveness.kvgate_defaults import recommended_policy
-    from kvgate_bench.effectiveness.metrics import met_slo, summarize
+    from kvgate_bench.effectiveness.arms.context import ArmContext
+    from kvgate_bench.effectiveness.arms.kvgate_defaults import recommended_policy
+    from kvgate_bench.effectiveness.model.gate import SERVED, RequestRecord, RunResult
+    from kvgate_bench.effectiveness.model.metrics import met_slo, summarize
     from kvgate_bench.real_engine.virtual import engine_config
     from kvgate_bench.sim.engine import SimEngine
     from kvgate_bench.sim.steptime import constant_profile

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgate_bench.effectiveness.driver import REJECTED, SERVED, RequestRecord, RunResult
-from kvgate_bench.effectiveness.workloads import generate
+from kvgate_bench.effectiveness.model.gate import REJECTED, SERVED, RequestRecord, RunResult
+from kvgate_bench.effectiveness.model.workloads import generate
 from kvgate_bench.real_engine import limit_trace, plan, profile_fit, resume
 from kvgate_bench.real_engine.calibration import Slo
 from kvgate_bench.real_engine.cli import parse_args

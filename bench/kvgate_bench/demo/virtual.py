@@ -5,17 +5,17 @@ Usage::
     python -m kvgate_bench.demo.virtual [--workload multi-tenant] [--load 2]
         [--duration 300] [--seed 1] [--jobs 2] [--profile h100-llama3-8b] [--quiet]
 
-In virtual time (:mod:`kvgate_bench.effectiveness.driver`: the engine model and the admission
+In virtual time (:mod:`kvgate_bench.effectiveness.model.driver`: the engine model and the admission
 core in one process, nothing sleeps), on the ``h100-llama3-8b`` engine profile
 (:mod:`kvgate_bench.sim.steptime`):
 
 1. calibrate the ``none`` arm's goodput capacity ``C`` for the workload
-   (:func:`kvgate_bench.effectiveness.runner.calibrate`), so that load 1 is ``C / E[out]``
+   (:func:`kvgate_bench.effectiveness.calibration.calibrate`), so that load 1 is ``C / E[out]``
    requests per second;
 2. generate ONE seeded schedule at ``--load`` x that rate
-   (:func:`kvgate_bench.effectiveness.workloads.generate`);
+   (:func:`kvgate_bench.effectiveness.model.workloads.generate`);
 3. run that same schedule through ``none`` (the engine alone), every ``concurrency-cap``
-   setting of :func:`kvgate_bench.effectiveness.arms.candidates` (``short=True``) and
+   setting of :func:`kvgate_bench.effectiveness.arms.registry.candidates` (``short=True``) and
    ``kvgate`` on its one default policy, each into a fresh engine; the tuned cap is the setting
    with the best goodput on this very schedule (a generous tuning: an operator tunes on past
    traffic, not on the traffic it will meet);
@@ -25,7 +25,7 @@ core in one process, nothing sleeps), on the ``h100-llama3-8b`` engine profile
    computed from this run's numbers (ratios kvgate / none and kvgate / the tuned cap; where
    kvgate does worse than either on a figure, it says so).
 
-The figures' definitions are :mod:`kvgate_bench.effectiveness.metrics`' (SLOs, goodput, span).
+The figures' definitions are :mod:`kvgate_bench.effectiveness.model.metrics`' (SLOs, goodput, span).
 A progress display goes to stderr (one line rewritten in place on a terminal, a line per tenth
 of a phase otherwise; ``--quiet``: none); stdout carries the report only. With the defaults it
 takes about 45 s on 2 cores. The real-time counterpart over HTTP, through the sidecar and
@@ -59,12 +59,15 @@ from kvgate_bench.demo.virtual_report import (
     takeaway,
     tenant_table,
 )
-from kvgate_bench.effectiveness.arms import ArmContext, candidates, make_arm
-from kvgate_bench.effectiveness.driver import REJECTED, RunResult, simulate
-from kvgate_bench.effectiveness.metrics import met_slo, summarize, ttft_s
-from kvgate_bench.effectiveness.progress import Progress
-from kvgate_bench.effectiveness.runner import Calibration, calibrate
-from kvgate_bench.effectiveness.workloads import WORKLOADS, Schedule, generate, tenants_of
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.arms.registry import candidates, make_arm
+from kvgate_bench.effectiveness.calibration import Calibration, calibrate
+from kvgate_bench.effectiveness.model.driver import simulate
+from kvgate_bench.effectiveness.model.gate import REJECTED, RunResult
+from kvgate_bench.effectiveness.model.metrics import met_slo, summarize, ttft_s
+from kvgate_bench.effectiveness.model.schedule import Schedule
+from kvgate_bench.effectiveness.model.workloads import WORKLOADS, generate, tenants_of
+from kvgate_bench.effectiveness.report.progress import Progress
 from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.sim.steptime import PROFILES, StepTimeModel, profile
 
@@ -174,7 +177,7 @@ def _indexed_run(item: tuple[int, Work]) -> tuple[int, ArmRun]:
 def calibrate_shown(
     workload: str, prof: str, duration_s: float, seed: int, jobs: int, show: Progress | None
 ) -> Calibration:
-    """:func:`~kvgate_bench.effectiveness.runner.calibrate` (in a worker process when
+    """:func:`~kvgate_bench.effectiveness.calibration.calibrate` (in a worker process when
     ``jobs`` > 1, so that a live display can tick the elapsed time meanwhile)."""
     phase = "calibrating none's capacity"
     if show is not None:

@@ -14,18 +14,19 @@ from typing import Any
 
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_bench.demo.common import figure, row
-from kvgate_bench.effectiveness.arms import ArmContext, KvgateMaxTokensArm, make_arm
-from kvgate_bench.effectiveness.metrics import BATCH_SLO_S, TPOT_SLO_S, TTFT_SLO_S
-from kvgate_bench.effectiveness.metrics import ratio_text as _ratio
-from kvgate_bench.effectiveness.runner import Calibration
-from kvgate_bench.effectiveness.sessions import THINK_MEAN_S
-from kvgate_bench.effectiveness.workloads import (
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.arms.kvgate_arms import KvgateMaxTokensArm
+from kvgate_bench.effectiveness.arms.registry import make_arm
+from kvgate_bench.effectiveness.calibration import Calibration
+from kvgate_bench.effectiveness.model.metrics import BATCH_SLO_S, TPOT_SLO_S, TTFT_SLO_S
+from kvgate_bench.effectiveness.model.metrics import ratio_text as _ratio
+from kvgate_bench.effectiveness.model.schedule import MAX_TOKENS_CHOICES, Schedule
+from kvgate_bench.effectiveness.model.sessions import THINK_MEAN_S
+from kvgate_bench.effectiveness.model.workloads import (
     CODE_OFF_MEAN_S,
     CODE_ON_MEAN_S,
-    MAX_TOKENS_CHOICES,
     MULTI_TENANT_CV,
     NOISY_MAX_TOKENS,
-    Schedule,
     tenants_of,
 )
 from kvgate_bench.sim.steptime import StepTimeModel
@@ -55,7 +56,7 @@ class TenantFigures:
         tenant, tier: the tenant and its tier.
         demand: the share of the arrivals it sends relative to the others (its weight is 1).
         requests: its requests in the schedule.
-        slo_met: how many met their SLO (:func:`~kvgate_bench.effectiveness.metrics.met_slo`).
+        slo_met: how many met their SLO (:func:`~kvgate_bench.effectiveness.model.metrics.met_slo`).
         goodput_tokens_per_s: output tokens of those / the run's span, tokens/s.
         rejected: how many were refused (by the arm, or by the engine as too long).
         ttft_p99_s: p99 TTFT of those that produced a token, seconds (None: none did).
@@ -79,7 +80,7 @@ class TenantFigures:
 @dataclass(frozen=True)
 class ArmRun:
     """One arm setting's run of the schedule: ``summary`` is
-    :func:`~kvgate_bench.effectiveness.metrics.summarize`'s dict, ``tenants`` in schedule
+    :func:`~kvgate_bench.effectiveness.model.metrics.summarize`'s dict, ``tenants`` in schedule
     tenant order, ``retry_after`` the refusals that carried a Retry-After."""
 
     arm: str

@@ -23,15 +23,16 @@ the total offered, 0.6 + K, and they carry ``noisy_load`` and the isolation figu
 ``--profile`` names a built-in engine profile or a JSON engine profile file
 (:mod:`kvgate_bench.sim.profile_file`; examples in ``examples/profiles/``): a file sets the
 engine model, its shape and the SLO the rows are scored under (derived from unloaded latencies
-when it states none; :mod:`kvgate_bench.effectiveness.engines`), and rows carry its ``name`` as
+when it states none; :mod:`kvgate_bench.effectiveness.model.engines`), and rows carry its
+``name`` as
 ``profile``. A missing or invalid file exits 2 with one line on stderr.
 
 Reject precision and the Retry-After error are measured by replaying up to ``--replays``
 (default 16; ``--short`` 3) sampled rejections of each reported row (see
-:mod:`kvgate_bench.effectiveness.metrics`); their CPU time is printed apart from the runs'.
+:mod:`kvgate_bench.effectiveness.model.metrics`); their CPU time is printed apart from the runs'.
 With ``--replicas`` it runs the pool instead (several replicas behind a router; see
-:mod:`kvgate_bench.effectiveness.pool_report`). ``--plots DIR`` writes the PNGs of
-:mod:`kvgate_bench.effectiveness.plots`. A progress line
+:mod:`kvgate_bench.effectiveness.pool.report`). ``--plots DIR`` writes the PNGs of
+:mod:`kvgate_bench.effectiveness.report.plots`. A progress line
 (phase, done / total, elapsed, ETA) goes to stderr when it is a terminal or with
 ``--progress``; stdout carries the report only.
 """
@@ -47,22 +48,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvgate_bench.effectiveness.arms import ABLATIONS, ARM_NAMES
-from kvgate_bench.effectiveness.engines import engine_of, is_builtin
-from kvgate_bench.effectiveness.pool_report import json_path_problem, run_pool_mode
-from kvgate_bench.effectiveness.progress import Progress as Progress  # re-exported
+from kvgate_bench.effectiveness.arms.registry import ABLATIONS, ARM_NAMES
+from kvgate_bench.effectiveness.calibration import Calibration, calibrate_all, calibration_json
+from kvgate_bench.effectiveness.model.engines import engine_of, is_builtin
+from kvgate_bench.effectiveness.model.workloads import WORKLOADS
+from kvgate_bench.effectiveness.pool.report import json_path_problem, run_pool_mode
 from kvgate_bench.effectiveness.replay import DEFAULT_REPLAYS, PROBE_DELTAS_S
-from kvgate_bench.effectiveness.runner import (
-    Calibration,
-    build_tasks,
-    calibrate_all,
-    calibration_json,
-    pick_best,
-    replay_best,
-    run_all,
-)
-from kvgate_bench.effectiveness.tables import sweep_table, table
-from kvgate_bench.effectiveness.workloads import WORKLOADS
+from kvgate_bench.effectiveness.report.progress import Progress
+from kvgate_bench.effectiveness.report.tables import sweep_table, table
+from kvgate_bench.effectiveness.runner import build_tasks, pick_best, replay_best, run_all
 from kvgate_bench.sim.steptime import PROFILES
 
 #: Rejections replayed per reported row under ``--short`` (a replay costs about a run).
@@ -306,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plots is not None:
-        from kvgate_bench.effectiveness.plots import write_plots
+        from kvgate_bench.effectiveness.report.plots import write_plots
 
         for path in write_plots(chosen, args.plots):
             print(f"wrote {path}")

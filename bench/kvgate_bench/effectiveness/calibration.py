@@ -9,7 +9,7 @@ the engine's default when unset; over 20,000 seeded requests) and ``C`` is the l
 1 request/s, a profile file's CPU engine, it halves the rate instead while halving keeps 95 % of
 the goodput), then narrows the peak by golden-section search on the log of the rate
 (calibration schedules of ``duration_s``, seed ``seed``). Goodput is scored under the
-profile's SLO (:class:`kvgate_bench.effectiveness.engines.Engine`).
+profile's SLO (:class:`kvgate_bench.effectiveness.model.engines.Engine`).
 """
 
 from __future__ import annotations
@@ -20,18 +20,15 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvgate_bench.effectiveness.arms import ArmContext, make_arm
-from kvgate_bench.effectiveness.driver import (
-    MAX_MODEL_LEN,
-    engine_config,
-    engine_default_max_tokens,
-    simulate,
-)
-from kvgate_bench.effectiveness.engines import engine_of
-from kvgate_bench.effectiveness.metrics import Slo, summarize
-from kvgate_bench.effectiveness.sessions import planned_turns
-from kvgate_bench.effectiveness.workloads import (
-    Request,
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.arms.registry import make_arm
+from kvgate_bench.effectiveness.model.driver import MAX_MODEL_LEN, engine_config, simulate
+from kvgate_bench.effectiveness.model.engines import engine_of
+from kvgate_bench.effectiveness.model.gate import engine_default_max_tokens
+from kvgate_bench.effectiveness.model.metrics import Slo, summarize
+from kvgate_bench.effectiveness.model.schedule import Request
+from kvgate_bench.effectiveness.model.sessions import planned_turns
+from kvgate_bench.effectiveness.model.workloads import (
     calibration_workload,
     generate,
     served_output_tokens,

@@ -1,13 +1,13 @@
 """Reject precision and Retry-After error, by replaying a run with one thing changed.
 
-The definitions are in :mod:`kvgate_bench.effectiveness.metrics`' docstring; this module does
+The definitions are in :mod:`kvgate_bench.effectiveness.model.metrics`' docstring; this module does
 the replays. Every replay runs the same schedule into a fresh engine through a fresh arm with
 the same settings (``make_arm()``), so that, the driver being deterministic, it is the original
 run up to the first changed event:
 
 * :func:`replay_forced`: one rejected request bypasses the arm and goes to the engine at its
-  arrival (:func:`~kvgate_bench.effectiveness.driver.simulate`'s ``force_dispatch``); did it
-  meet its SLO (:func:`~kvgate_bench.effectiveness.metrics.met_slo`)?
+  arrival (:func:`~kvgate_bench.effectiveness.model.driver.simulate`'s ``force_dispatch``); did it
+  meet its SLO (:func:`~kvgate_bench.effectiveness.model.metrics.met_slo`)?
 * :func:`replay_probes`: copies of rejected requests are re-offered to the arm after their
   rejection at the probe deltas (``probes``), one outstanding at a time, until one is admitted;
   the delta of the admitted copy is the actual wait.
@@ -25,9 +25,10 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvgate_bench.effectiveness.driver import REJECTED, Arm, RequestRecord, simulate
-from kvgate_bench.effectiveness.metrics import DEFAULT_SLO, Slo, met_slo
-from kvgate_bench.effectiveness.workloads import Schedule
+from kvgate_bench.effectiveness.model.driver import simulate
+from kvgate_bench.effectiveness.model.gate import REJECTED, Arm, RequestRecord
+from kvgate_bench.effectiveness.model.metrics import DEFAULT_SLO, Slo, met_slo
+from kvgate_bench.effectiveness.model.schedule import Schedule
 from kvgate_bench.sim.engine import EngineConfig
 from kvgate_bench.sim.steptime import StepTimeModel
 

@@ -1,16 +1,15 @@
 """The sweep over workload x load x arm x setting x seed, and picking each arm's best.
 
-**Load** is set by the calibration (:mod:`kvgate_bench.effectiveness.calibration`, whose names
-are re-exported here).
+**Load** is set by the calibration (:mod:`kvgate_bench.effectiveness.calibration`).
 
-**Tuning.** Every setting of :func:`kvgate_bench.effectiveness.arms.candidates` runs on the same
-schedules (same seeds) as the others; for each workload and load the setting with the best mean
-goodput over seeds is reported for its arm (tuned on the very schedules it is scored on: a
-generous tuning for the baselines). kvgate runs its one default policy.
+**Tuning.** Every setting of :func:`kvgate_bench.effectiveness.arms.registry.candidates` runs on
+the same schedules (same seeds) as the others; for each workload and load the setting with the
+best mean goodput over seeds is reported for its arm (tuned on the very schedules it is scored
+on: a generous tuning for the baselines). kvgate runs its one default policy.
 
 **Replays.** Reject precision and the Retry-After error (defined in
-:mod:`kvgate_bench.effectiveness.metrics`) are measured only for the reported rows (each arm's
-best setting, every seed): :func:`replay_best` replays each of up to ``Task.replays`` sampled
+:mod:`kvgate_bench.effectiveness.model.metrics`) are measured only for the reported rows (each
+arm's best setting, every seed): :func:`replay_best` replays each of up to ``Task.replays`` sampled
 rejections of such a row (:mod:`kvgate_bench.effectiveness.replay`) on the same process pool as
 :func:`run_all`: one forced replay per sampled rejection and one probe replay per sampled
 rejection that carried a Retry-After.
@@ -26,19 +25,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvgate_bench.effectiveness.arms import ARM_NAMES, candidates, make_arm
-from kvgate_bench.effectiveness.calibration import MEAN_SAMPLE as MEAN_SAMPLE
-from kvgate_bench.effectiveness.calibration import Calibration as Calibration
-from kvgate_bench.effectiveness.calibration import _dummy as _dummy
-from kvgate_bench.effectiveness.calibration import calibrate as calibrate
-from kvgate_bench.effectiveness.calibration import calibrate_all as calibrate_all
-from kvgate_bench.effectiveness.calibration import calibration_json as calibration_json
-from kvgate_bench.effectiveness.calibration import mean_lengths as mean_lengths
-from kvgate_bench.effectiveness.calibration import none_goodput as none_goodput
-from kvgate_bench.effectiveness.driver import Arm, simulate
-from kvgate_bench.effectiveness.engines import Engine, engine_of
-from kvgate_bench.effectiveness.engines import steptime_of as steptime_of
-from kvgate_bench.effectiveness.metrics import summarize
+from kvgate_bench.effectiveness.arms.registry import ARM_NAMES, candidates, make_arm
+from kvgate_bench.effectiveness.calibration import Calibration
+from kvgate_bench.effectiveness.model.driver import simulate
+from kvgate_bench.effectiveness.model.engines import Engine, engine_of
+from kvgate_bench.effectiveness.model.gate import Arm
+from kvgate_bench.effectiveness.model.metrics import summarize
+from kvgate_bench.effectiveness.model.schedule import Schedule
+from kvgate_bench.effectiveness.model.workloads import (
+    DEFAULT_NOISY_LOAD,
+    generate,
+    isolation_load,
+    tenants_of,
+)
 from kvgate_bench.effectiveness.replay import (
     DEFAULT_REPLAYS,
     precision,
@@ -46,13 +45,6 @@ from kvgate_bench.effectiveness.replay import (
     replay_probes,
     retry_after_error,
     sample_rejected,
-)
-from kvgate_bench.effectiveness.workloads import (
-    DEFAULT_NOISY_LOAD,
-    Schedule,
-    generate,
-    isolation_load,
-    tenants_of,
 )
 
 
@@ -96,10 +88,10 @@ SAMPLE_KEY = "replay_sample"
 
 
 def run_task(task: Task) -> dict[str, Any]:
-    """Simulate ``task``; its summary row (see :func:`kvgate_bench.effectiveness.metrics.summarize`)
-    with ``workload``, ``load``, ``arm`` and ``seed``, and under :data:`SAMPLE_KEY` the
-    rejections sampled for the replays: ``{"rejected": [rid, ...], "retry": {rid: Retry-After
-    s}}``."""
+    """Simulate ``task``; its summary row (see
+    :func:`kvgate_bench.effectiveness.model.metrics.summarize`) with ``workload``, ``load``,
+    ``arm`` and ``seed``, and under :data:`SAMPLE_KEY` the rejections sampled for the replays:
+    ``{"rejected": [rid, ...], "retry": {rid: Retry-After s}}``."""
     sched, make, eng = arm_factory(task)
     run = simulate(sched, make(), eng.steptime, eng.config)
     row: dict[str, Any] = {

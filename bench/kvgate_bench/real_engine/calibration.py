@@ -3,7 +3,7 @@ the capacity from ``none``'s probes and the schedule rebuilt with the lengths ll
 really produced. No clock, no I/O.
 
 **SLO.** The virtual benchmark scores a fixed SLO (TTFT <= 0.5 s, TPOT <= 50 ms:
-:mod:`kvgate_bench.effectiveness.metrics`) written for its H100 profile, where an unloaded
+:mod:`kvgate_bench.effectiveness.model.metrics`) written for its H100 profile, where an unloaded
 request of its median prompt takes about 0.03 s to its first token and 7.5 ms per token after
 (``h100-llama3-8b``: ``a + b P`` and ``a + c + d K``): the SLO is a multiple of what the engine
 does unloaded. A CPU engine is 10-50x slower, so the same multiple of *its* unloaded latencies
@@ -26,7 +26,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from kvgate_bench.effectiveness.workloads import Request, Schedule
+from kvgate_bench.effectiveness.model.schedule import Request, Schedule
 from kvgate_bench.kit.toolkit import percentile
 
 #: TTFT SLO / unloaded TTFT p50 (the issue's user's 1.42 s over 0.35 s).

@@ -32,8 +32,9 @@ from typing import Any
 
 import aiohttp
 
-from kvgate_bench.effectiveness.metrics import summarize
-from kvgate_bench.effectiveness.workloads import Request, generate
+from kvgate_bench.effectiveness.model.metrics import summarize
+from kvgate_bench.effectiveness.model.schedule import Request
+from kvgate_bench.effectiveness.model.workloads import generate
 from kvgate_bench.kit.sse import sse_json
 from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.real_engine import calibration as cal

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate_bench.effectiveness.driver import DEGRADED, SERVED
-from kvgate_bench.effectiveness.workloads import Schedule
+from kvgate_bench.effectiveness.model.gate import DEGRADED, SERVED
+from kvgate_bench.effectiveness.model.schedule import Schedule
 from kvgate_bench.real_engine import plan, progress, resume
 from kvgate_bench.real_engine.agreement import compare_cell
 from kvgate_bench.real_engine.calibration_run import profile_of, slo_of

@@ -11,8 +11,8 @@ be).
 
 **Arms** (:data:`kvgate_bench.real_engine.plan.ARMS`). ``none`` sends straight to
 llama-server. ``concurrency-cap`` and ``token-bucket`` are the virtual benchmark's own arms
-(:class:`kvgate_bench.effectiveness.arms.ConcurrencyCapArm`,
-:class:`~kvgate_bench.effectiveness.arms.TokenBucketArm`) driven on the real clock by this
+(:class:`kvgate_bench.effectiveness.arms.baselines.ConcurrencyCapArm`,
+:class:`~kvgate_bench.effectiveness.arms.baselines.TokenBucketArm`) driven on the real clock by this
 client (:class:`HttpGate`: what they dispatch is sent to llama-server, what they refuse is a
 refusal with no HTTP at all: a proxy in front of the engine that costs nothing). ``kvgate`` and
 ``kvgate-empty`` are the real sidecar (``kvgate-agent sidecar``, a child process) in front of
@@ -30,8 +30,8 @@ sidecar's 429/503; a 5xx other than 503 or a broken connection is an *error*), t
 headers, and how late it was sent (send lag). Requests still running ``drain_s`` after the
 schedule's end are cancelled (llama-server stops a slot whose client left) and counted as
 *timeouts*: served, never finished, no SLO met. The records fill
-:class:`kvgate_bench.effectiveness.driver.RunResult`, which
-:func:`kvgate_bench.effectiveness.metrics.summarize` scores as it scores the virtual runs.
+:class:`kvgate_bench.effectiveness.model.gate.RunResult`, which
+:func:`kvgate_bench.effectiveness.model.metrics.summarize` scores as it scores the virtual runs.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ from typing import Any
 
 import aiohttp
 
-from kvgate_bench.effectiveness.arms import ArmContext, make_arm
-from kvgate_bench.effectiveness.driver import (
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.arms.registry import make_arm
+from kvgate_bench.effectiveness.model.gate import (
     DEGRADED,
     REJECTED,
     SERVED,
@@ -57,7 +58,7 @@ from kvgate_bench.effectiveness.driver import (
     RequestRecord,
     RunResult,
 )
-from kvgate_bench.effectiveness.workloads import Request, Schedule
+from kvgate_bench.effectiveness.model.schedule import Request, Schedule
 from kvgate_bench.kit import processes
 from kvgate_bench.kit.sse import sse_json
 from kvgate_bench.kit.toolkit import percentile

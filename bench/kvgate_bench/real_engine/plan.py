@@ -2,7 +2,7 @@
 
 * **Cells** (:func:`parse_cells`): ``WORKLOAD:LOAD`` items, ``multi-tenant`` or
   ``isolation`` (its load is the noisy tenant's, x the calibrated capacity; the total offered
-  is :func:`kvgate_bench.effectiveness.workloads.isolation_load`).
+  is :func:`kvgate_bench.effectiveness.model.workloads.isolation_load`).
 * **Arms** (:data:`ARMS`) run in turn on a cell's schedule, on a freshly started llama-server
   each; the order is rotated per seed (:func:`arm_order`: seed s starts at index
   s mod len(ARMS)), so no arm always runs first or last.
@@ -29,10 +29,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvgate_bench.effectiveness.metrics import NOISY_TENANT
-from kvgate_bench.effectiveness.workloads import (
+from kvgate_bench.effectiveness.model.metrics import NOISY_TENANT
+from kvgate_bench.effectiveness.model.schedule import Schedule
+from kvgate_bench.effectiveness.model.workloads import (
     ISOLATION_WELL_BEHAVED_LOAD,
-    Schedule,
     generate,
     isolation_load,
 )

@@ -36,7 +36,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate_bench.effectiveness.workloads import Request
+from kvgate_bench.effectiveness.model.schedule import Request
 
 
 @dataclass(frozen=True)

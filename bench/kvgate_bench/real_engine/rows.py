@@ -1,6 +1,6 @@
 """One JSON row of the real-engine benchmark from one run, real or virtual (pure).
 
-A row is :func:`kvgate_bench.effectiveness.metrics.summarize`'s dict under the calibrated SLO
+A row is :func:`kvgate_bench.effectiveness.model.metrics.summarize`'s dict under the calibrated SLO
 (``requests``, ``goodput_tokens_per_s``, ``slo_attainment``, ``well_behaved_slo_attainment``,
 ``ttft_p50_s``, ``tpot_p50_s``, ``rejected``, ...) with the cell's keys (``workload``,
 ``load``, ``arm``, ``seed``, ``profile``: the engine, ``llama-server`` or the fitted profile's
@@ -25,8 +25,8 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any
 
-from kvgate_bench.effectiveness.driver import REJECTED, RunResult
-from kvgate_bench.effectiveness.metrics import NOISY_TENANT, Slo, met_slo, summarize
+from kvgate_bench.effectiveness.model.gate import REJECTED, RunResult
+from kvgate_bench.effectiveness.model.metrics import NOISY_TENANT, Slo, met_slo, summarize
 from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.real_engine.stats import rate_ci95, wilson
 

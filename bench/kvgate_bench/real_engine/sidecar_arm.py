@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvgate_bench.effectiveness.arms import ArmContext
-from kvgate_bench.effectiveness.kvgate_defaults import recommended_policy
-from kvgate_bench.effectiveness.realtime import policy_manifest
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.arms.kvgate_defaults import recommended_policy
+from kvgate_bench.effectiveness.realtime.servers import policy_manifest
 from kvgate_bench.kit import processes
 from kvgate_bench.kit.toolkit import free_port
 from kvgate_bench.real_engine.engine import taskset_prefix
@@ -25,7 +25,7 @@ from kvgate_bench.real_engine.plan import KVGATE
 
 def kvgate_policy(ctx: ArmContext) -> dict[str, Any]:
     """The ``kvgate`` arm's spec: the README's recommended policy
-    (:func:`kvgate_bench.effectiveness.kvgate_defaults.recommended_policy`: the SLO of
+    (:func:`kvgate_bench.effectiveness.arms.kvgate_defaults.recommended_policy`: the SLO of
     ``ctx.slo``, tenant classes, a ShortestFirst queue with Degrade) with the KV capacity read
     from the engine (``capacity.fromEngineMetrics``, as ``examples/ratelimitpolicy-minimal.yaml``
     writes it)."""

@@ -3,7 +3,7 @@
 **Per-request vectors.** A row keeps, in its schedule's order, each request's *good tokens*
 (its output tokens when it met its SLO, else 0) and *served tokens* (its output tokens when it
 was served, met or not). A row's goodput is sum(good) / span and its throughput sum(served) /
-span (tokens/s; the span as :func:`kvgate_bench.effectiveness.metrics.summarize` defines it,
+span (tokens/s; the span as :func:`kvgate_bench.effectiveness.model.metrics.summarize` defines it,
 seconds, held fixed under resampling).
 
 **Bootstrap** (Efron, "Bootstrap methods: another look at the jackknife", 1979,

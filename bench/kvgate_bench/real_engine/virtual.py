@@ -16,10 +16,12 @@ import argparse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvgate_bench.effectiveness.arms import ArmContext, make_arm
-from kvgate_bench.effectiveness.driver import simulate
-from kvgate_bench.effectiveness.metrics import summarize
-from kvgate_bench.effectiveness.workloads import Schedule, generate, tenants_of
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.arms.registry import make_arm
+from kvgate_bench.effectiveness.model.driver import simulate
+from kvgate_bench.effectiveness.model.metrics import summarize
+from kvgate_bench.effectiveness.model.schedule import Schedule
+from kvgate_bench.effectiveness.model.workloads import generate, tenants_of
 from kvgate_bench.real_engine import calibration as cal
 from kvgate_bench.real_engine.plan import NONE
 from kvgate_bench.real_engine.profile_fit import BLOCK, LLAMA_BATCH

@@ -29,16 +29,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvgate_bench.effectiveness.metrics import ratio_text
-from kvgate_bench.effectiveness.pool_runner import (
+from kvgate_bench.effectiveness.calibration import Calibration, calibrate_all, calibration_json
+from kvgate_bench.effectiveness.model.metrics import ratio_text
+from kvgate_bench.effectiveness.pool.routers import ROUTER_NAMES, RetryPolicy
+from kvgate_bench.effectiveness.pool.runner import (
     POOL_ARMS,
     build_pool_tasks,
     pairs,
     pick_best_pool,
     run_pool_all,
 )
-from kvgate_bench.effectiveness.routers import ROUTER_NAMES, RetryPolicy
-from kvgate_bench.effectiveness.runner import Calibration, calibrate_all, calibration_json
 
 #: Loads of a pool run when ``--loads`` is not given (the issue's: 0.8 for the refusal target,
 #: 1.5, 2 and 3 for the EPP target).

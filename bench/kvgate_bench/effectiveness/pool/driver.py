@@ -4,18 +4,18 @@ A production model runs as several replicas behind a Service (kube-proxy), an En
 route, or an InferencePool whose endpoint picker (llm-d's EPP) chooses the pod. Per-pod
 admission (a sidecar) then decides with what its own pod knows, and a refusal at one replica
 may come while another has room. This driver runs that: the single-engine driver's engine and
-arms (:mod:`kvgate_bench.effectiveness.driver`), ``N`` times, behind a
-:class:`~kvgate_bench.effectiveness.routers.Router`, on one virtual clock.
+arms (:mod:`kvgate_bench.effectiveness.model.driver`), ``N`` times, behind a
+:class:`~kvgate_bench.effectiveness.pool.routers.Router`, on one virtual clock.
 
 The path of a request (a *client request*: one of the schedule's, or a session's next turn):
 
-1. **The front** (an :class:`~kvgate_bench.effectiveness.driver.Arm` at the router; pass-through
+1. **The front** (an :class:`~kvgate_bench.effectiveness.model.gate.Arm` at the router; pass-through
    unless the router holds requests, as llm-d's flow control does) gets it at its arrival and
    dispatches it (to the pool) or refuses it.
 2. **The router** picks a replica (:meth:`Router.pick`); the request is an *attempt* there,
    handed to that replica's arm at once (the hop costs no time).
 3. **The replica's arm** sends it to its engine, later, or refuses it. A refusal goes back to the
-   router: :class:`~kvgate_bench.effectiveness.routers.RetryPolicy` (Envoy's, where the router
+   router: :class:`~kvgate_bench.effectiveness.pool.routers.RetryPolicy` (Envoy's, where the router
    retries) sends a new attempt to a replica not tried yet after its back-off, or the refusal
    reaches the client.
 
@@ -26,7 +26,7 @@ turns, retries), then timers (the front's, the replicas' arms', the router's scr
 ends.
 
 **Figures.** :func:`simulate_pool` returns a
-:class:`~kvgate_bench.effectiveness.driver.RunResult` whose records are the client requests'
+:class:`~kvgate_bench.effectiveness.model.gate.RunResult` whose records are the client requests'
 (times from the client's first arrival, so a retry's wait counts in its TTFT), with
 ``kv_busy_s`` the replicas' mean KV-usage integral, and a :class:`PoolStats`:
 
@@ -45,7 +45,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from kvgate_bench.effectiveness.driver import (
+from kvgate_bench.effectiveness.model.driver import engine_config
+from kvgate_bench.effectiveness.model.gate import (
     PENDING,
     REJECTED,
     SERVED,
@@ -53,11 +54,10 @@ from kvgate_bench.effectiveness.driver import (
     Gate,
     RequestRecord,
     RunResult,
-    engine_config,
 )
-from kvgate_bench.effectiveness.routers import RetryPolicy, Router
-from kvgate_bench.effectiveness.sessions import next_turn
-from kvgate_bench.effectiveness.workloads import Request, Schedule
+from kvgate_bench.effectiveness.model.schedule import Request, Schedule
+from kvgate_bench.effectiveness.model.sessions import next_turn
+from kvgate_bench.effectiveness.pool.routers import RetryPolicy, Router
 from kvgate_bench.sim.engine import EngineConfig, SimEngine, StepResult
 from kvgate_bench.sim.steptime import StepTimeModel
 

@@ -14,7 +14,7 @@ so the arms' load-1 capacity is ``rate / load``.
 
 **Isolation agreement** (:func:`isolation_ratios`): real-time / virtual-time ratios of goodput,
 of the well-behaved tenants' SLO attainment and of the worst well-behaved tenant's
-(:func:`kvgate_bench.effectiveness.metrics.isolation_figures`); issue 22 asks for all three
+(:func:`kvgate_bench.effectiveness.model.metrics.isolation_figures`); issue 22 asks for all three
 within :data:`ISOLATION_TOLERANCE`.
 """
 
@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate_bench.effectiveness.context import ArmContext
-from kvgate_bench.effectiveness.driver import RequestRecord, engine_config
-from kvgate_bench.effectiveness.metrics import NOISY_TENANT, met_slo
-from kvgate_bench.effectiveness.runner import calibrate, mean_lengths
-from kvgate_bench.effectiveness.workloads import (
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.calibration import calibrate, mean_lengths
+from kvgate_bench.effectiveness.model.driver import engine_config
+from kvgate_bench.effectiveness.model.gate import RequestRecord
+from kvgate_bench.effectiveness.model.metrics import NOISY_TENANT, met_slo
+from kvgate_bench.effectiveness.model.schedule import Schedule
+from kvgate_bench.effectiveness.model.workloads import (
     DEFAULT_NOISY_LOAD,
-    Schedule,
     calibration_workload,
     generate,
     isolation_load,
@@ -57,7 +58,7 @@ def context_at(
     noisy_load: float = DEFAULT_NOISY_LOAD,
 ) -> ArmContext:
     """The arms' context for ``workload`` on ``steptime``'s engine with ``rate_rps`` requests/s
-    taken as load 1 (what :meth:`kvgate_bench.effectiveness.runner.Calibration.context` gives
+    taken as load 1 (what :meth:`kvgate_bench.effectiveness.calibration.Calibration.context` gives
     for a calibrated rate: mean lengths of ``calibration_workload(workload)``)."""
     _, mean_total = mean_lengths(calibration_workload(workload), seed)
     return ArmContext(

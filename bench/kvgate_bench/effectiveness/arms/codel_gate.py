@@ -29,8 +29,8 @@ import math
 from collections import deque
 from typing import Any
 
-from kvgate_bench.effectiveness.driver import Arm
-from kvgate_bench.effectiveness.workloads import Request
+from kvgate_bench.effectiveness.model.gate import Arm
+from kvgate_bench.effectiveness.model.schedule import Request
 
 #: Dynamo's default queue bound, requests.
 DEFAULT_QUEUE_LIMIT = 40_000

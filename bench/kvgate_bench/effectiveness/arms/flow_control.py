@@ -27,8 +27,8 @@ import math
 from collections import OrderedDict, deque
 from typing import Any
 
-from kvgate_bench.effectiveness.driver import Arm, Gate
-from kvgate_bench.effectiveness.workloads import BATCH, Request
+from kvgate_bench.effectiveness.model.gate import Arm, Gate
+from kvgate_bench.effectiveness.model.schedule import BATCH, Request
 
 #: The detector's scrape period and staleness bound, seconds (those of ``saturation-shed``).
 SCRAPE_S = 0.05

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate_bench.effectiveness.driver import Arm
-from kvgate_bench.effectiveness.workloads import Request
+from kvgate_bench.effectiveness.model.gate import Arm
+from kvgate_bench.effectiveness.model.schedule import Request
 
 
 class VllmQueueLimitArm(Arm):

@@ -2,9 +2,10 @@
 
 **Built-in** (``h100-llama3-8b``, ``a100-llama3-8b``; :data:`kvgate_bench.sim.steptime.PROFILES`),
 optionally ``@`` a KV pool in tokens (``h100-llama3-8b@65536``): the step-time model, the
-benchmark's engine shape (:func:`kvgate_bench.effectiveness.driver.engine_config`: 16-token
+benchmark's engine shape (:func:`kvgate_bench.effectiveness.model.driver.engine_config`: 16-token
 blocks, max_model_len 8192, max_num_seqs 256, 8192 tokens a step) and the benchmark's fixed SLO
-(TTFT <= 0.5 s, TPOT <= 50 ms: :mod:`kvgate_bench.effectiveness.metrics`), which is not derived
+(TTFT <= 0.5 s, TPOT <= 50 ms: :mod:`kvgate_bench.effectiveness.model.metrics`), which is not
+derived
 from the engine.
 
 **A file** (:mod:`kvgate_bench.sim.profile_file`): the step-time model, the engine shape
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvgate_bench.effectiveness.driver import engine_config
-from kvgate_bench.effectiveness.metrics import DEFAULT_SLO, Slo
+from kvgate_bench.effectiveness.model.driver import engine_config
+from kvgate_bench.effectiveness.model.metrics import DEFAULT_SLO, Slo
 from kvgate_bench.real_engine.calibration import slo_from_unloaded
 from kvgate_bench.sim.engine import EngineConfig, SimEngine
 from kvgate_bench.sim.profile_file import EngineProfile, load_profile

@@ -19,10 +19,10 @@ from kvgate_agent.admission import (
     Ticket,
 )
 from kvgate_agent.contract.policy import RateLimitPolicySpec
-from kvgate_bench.effectiveness.context import ArmContext
-from kvgate_bench.effectiveness.driver import Arm
-from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
-from kvgate_bench.effectiveness.workloads import BATCH, Request
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.model.gate import Arm
+from kvgate_bench.effectiveness.model.metrics import TPOT_SLO_S, TTFT_SLO_S
+from kvgate_bench.effectiveness.model.schedule import BATCH, Request
 from kvgate_bench.kit.toolkit import FakeClock
 from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
 

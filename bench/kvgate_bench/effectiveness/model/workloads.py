@@ -32,10 +32,15 @@ Three workloads, each a list of :class:`Request` sorted by arrival time (seconds
 ``multi-turn``
     Eight ``interactive`` chat tenants whose sessions resend the growing conversation each
     turn, in a closed loop (the next turn after the answer plus a think time): see
-    :mod:`kvgate_bench.effectiveness.sessions`. Its ``requests`` are the sessions' first turns;
+    :mod:`kvgate_bench.effectiveness.model.sessions`. Its ``requests`` are the sessions' first
+    turns;
     the later ones are made as the run goes (``Schedule.sessions``).
 
-Clients' max_tokens are drawn uniformly from :data:`MAX_TOKENS_CHOICES` (``None``: unset, the
+The records a schedule is made of (:class:`Request`, :class:`Schedule`, ...) and the draws the
+workloads share are :mod:`kvgate_bench.effectiveness.model.schedule`'s.
+
+Clients' max_tokens are drawn uniformly from
+:data:`~kvgate_bench.effectiveness.model.schedule.MAX_TOKENS_CHOICES` (``None``: unset, the
 server's default applies). Lengths are clipped to the model's context: a prompt to at most
 ``max_model_len - 256`` tokens (1 % of conversation prompts, 7 % of code prompts), a max_tokens
 that would overflow the context lowered to ``max_model_len - prompt`` (a client that respects
@@ -50,15 +55,25 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+from kvgate_bench.effectiveness.model.schedule import (
+    BATCH,
+    CONVERSATION_OUTPUT,
+    CONVERSATION_PROMPT,
+    INTERACTIVE,
+    MAX_TOKENS_CHOICES,
+    PROMPT_HEADROOM,
+    Request,
+    Schedule,
+    Tenant,
+    lognormal_tokens,
+)
+from kvgate_bench.effectiveness.model.sessions import generate_multi_turn
 
 #: Workload names, in report order.
 WORKLOADS: tuple[str, ...] = ("conversation", "code", "multi-tenant", "isolation", "multi-turn")
-#: What clients send as max_tokens (None: unset, the policy's or the engine's default).
-MAX_TOKENS_CHOICES: tuple[int | None, ...] = (None, 256, 512, 1024, 4096)
-#: Lognormal fits (mu, sigma of the natural log of tokens) of the Azure LLM inference trace 2023.
-CONVERSATION_PROMPT = (6.63, 0.99)
-CONVERSATION_OUTPUT = (5.02, 0.86)
+#: The code trace's lognormal fits (mu, sigma of the natural log of tokens; the conversation's
+#: are :data:`~kvgate_bench.effectiveness.model.schedule.CONVERSATION_PROMPT` / ``_OUTPUT``).
 CODE_PROMPT = (7.00, 1.36)
 CODE_OUTPUT = (2.79, 0.85)
 #: ``code`` ON/OFF periods, seconds (means of exponentials): bursts at (on + off) / on = 3x.
@@ -73,110 +88,6 @@ NOISY_MAX_TOKENS = 4096
 ISOLATION_WELL_BEHAVED_LOAD = 0.6
 ISOLATION_TENANTS = 8
 DEFAULT_NOISY_LOAD = 3.0
-#: Room kept for output when clipping a prompt to the context, tokens.
-PROMPT_HEADROOM = 256
-
-INTERACTIVE = "interactive"
-BATCH = "batch"
-
-
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    """One tenant of a workload.
-
-    Attributes:
-        name: the tenant key (``x-kvgate-tenant``).
-        tier: ``interactive`` (TTFT and TPOT SLO) or ``batch`` (completion SLO).
-        weight: its entitled share of the server, relative to the others (fairness weight).
-        demand: the share of the arrivals it sends, relative to the others.
-    """
-
-    name: str
-    tier: str
-    weight: float = 1.0
-    demand: float = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One request of a schedule.
-
-    Attributes:
-        rid: unique id.
-        arrival_s: arrival time, seconds from the schedule's start.
-        tenant: tenant name.
-        tier: ``interactive`` or ``batch``.
-        prompt_tokens: prompt length, tokens (>= 1).
-        max_tokens: the client's max_tokens, or None when unset.
-        output_tokens: the model's true output length (EOS included), tokens (>= 1); the
-            engine stops at ``min(output_tokens, max_tokens)``.
-        session: the conversation whose turn this is (``multi-turn``), or None: a prompt of
-            its own (never found in the prefix cache).
-        turn: the turn's index in its session, from 0.
-    """
-
-    rid: str
-    arrival_s: float
-    tenant: str
-    tier: str
-    prompt_tokens: int
-    max_tokens: int | None
-    output_tokens: int
-    session: str | None = None
-    turn: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class TurnPlan:
-    """One planned turn of a session (tokens, seconds).
-
-    Attributes:
-        message_tokens: the new user message (turn 0: the whole first prompt).
-        output_tokens: the model's true answer length.
-        max_tokens: the client's max_tokens, or None when unset.
-        think_s: the user's think time after this turn's answer, before the next turn.
-    """
-
-    message_tokens: int
-    output_tokens: int
-    max_tokens: int | None
-    think_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class SessionPlan:
-    """A session's tenant, tier and planned turns; ``session`` names it (and its first turn)."""
-
-    session: str
-    tenant: str
-    tier: str
-    turns: tuple[TurnPlan, ...]
-
-
-@dataclass(frozen=True)
-class Sessions:
-    """A schedule's sessions: ``plans`` by session name; ``max_model_len`` (tokens) bounds a
-    conversation."""
-
-    plans: dict[str, SessionPlan]
-    max_model_len: int
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A workload's requests over ``duration_s`` seconds at ``rate_rps`` requests per second.
-
-    ``requests`` are sorted by ``arrival_s``; ``tenants`` maps name -> :class:`Tenant`;
-    ``sessions``: the sessions whose later turns the run makes (``multi-turn``), or None.
-    """
-
-    workload: str
-    rate_rps: float
-    duration_s: float
-    seed: int
-    tenants: dict[str, Tenant]
-    requests: list[Request]
-    sessions: Sessions | None = field(default=None)
 
 
 def isolation_load(noisy_load: float) -> float:
@@ -213,10 +124,6 @@ def tenants_of(workload: str, noisy_load: float = DEFAULT_NOISY_LOAD) -> list[Te
             Tenant("noisy", INTERACTIVE, demand=NOISY_DEMAND),
         ]
     raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
-
-
-def _lognormal(rng: random.Random, mu_sigma: tuple[float, float]) -> int:
-    return max(1, round(rng.lognormvariate(*mu_sigma)))
 
 
 def _poisson_times(rng: random.Random, rate: float, start: float, end: float) -> list[float]:
@@ -277,8 +184,6 @@ def generate(
     if rate_rps <= 0 or duration_s <= 0:
         raise ValueError("rate_rps and duration_s must be > 0")
     if workload == "multi-turn":
-        from kvgate_bench.effectiveness.sessions import generate_multi_turn
-
         return generate_multi_turn(rate_rps, duration_s, seed, max_model_len)
     tenants = tenants_of(workload, noisy_load)
     total_demand = sum(t.demand for t in tenants)
@@ -299,9 +204,9 @@ def generate(
         else:
             times = _gamma_times(rng, rate, MULTI_TENANT_CV, duration_s)
         for t in times:
-            prompt = min(prompt_max, _lognormal(rng, prompt_fit))
+            prompt = min(prompt_max, lognormal_tokens(rng, prompt_fit))
             room = max_model_len - prompt
-            output = min(room, _lognormal(rng, output_fit))
+            output = min(room, lognormal_tokens(rng, output_fit))
             max_tokens = rng.choice(MAX_TOKENS_CHOICES)
             if tenant.name == "noisy":
                 max_tokens = NOISY_MAX_TOKENS

@@ -11,7 +11,7 @@ of :mod:`kvgate_bench.effectiveness.runner`; every pod is the profile's engine):
   (:class:`PoolFlowControlArm`, tuned) with ``none`` per pod.
 
 ``least-request`` and ``epp`` retry refusals as Envoy does with the recipe of
-``docs/routers.md`` (:class:`~kvgate_bench.effectiveness.routers.RetryPolicy`); ``random``
+``docs/routers.md`` (:class:`~kvgate_bench.effectiveness.pool.routers.RetryPolicy`); ``random``
 (kube-proxy) never retries. Rows are the single-pod rows' keys plus ``replicas``, ``router``,
 ``refused_while_room``, ``retries`` and ``per_replica_requests``
 (:mod:`kvgate_bench.effectiveness.pool`).
@@ -24,15 +24,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate_bench.effectiveness.arms import make_arm
-from kvgate_bench.effectiveness.driver import Arm, Gate
-from kvgate_bench.effectiveness.flow_control import FlowControlArm
-from kvgate_bench.effectiveness.flow_control import candidates as fc_candidates
-from kvgate_bench.effectiveness.metrics import summarize
-from kvgate_bench.effectiveness.pool import FrontGate, Replica, simulate_pool
-from kvgate_bench.effectiveness.routers import ROUTER_NAMES, RetryPolicy, make_router
-from kvgate_bench.effectiveness.runner import Calibration, run_parallel, steptime_of
-from kvgate_bench.effectiveness.workloads import generate
+from kvgate_bench.effectiveness.arms.flow_control import FlowControlArm
+from kvgate_bench.effectiveness.arms.flow_control import candidates as fc_candidates
+from kvgate_bench.effectiveness.arms.registry import make_arm
+from kvgate_bench.effectiveness.calibration import Calibration
+from kvgate_bench.effectiveness.model.engines import steptime_of
+from kvgate_bench.effectiveness.model.gate import Arm, Gate
+from kvgate_bench.effectiveness.model.metrics import summarize
+from kvgate_bench.effectiveness.model.workloads import generate
+from kvgate_bench.effectiveness.pool.driver import FrontGate, Replica, simulate_pool
+from kvgate_bench.effectiveness.pool.routers import ROUTER_NAMES, RetryPolicy, make_router
+from kvgate_bench.effectiveness.runner import run_parallel
 
 #: The arms of a pool run, in report order (names are an interface: JSON ``arm``).
 POOL_ARMS: tuple[str, ...] = ("none", "concurrency-cap", "kvgate", "flow-control")
@@ -43,7 +45,7 @@ SHORT_CAP_SWEEP = ((64, 0.25), (128, 0.25), (128, 1.0))
 
 class PoolFlowControlArm(FlowControlArm):
     """llm-d's flow control at the EPP, in front of the whole pool (see
-    :class:`~kvgate_bench.effectiveness.flow_control.FlowControlArm` for its bands, flows and
+    :class:`~kvgate_bench.effectiveness.arms.flow_control.FlowControlArm` for its bands, flows and
     TTL). The saturation detector reads every replica at each scrape: a replica is saturated
     at ``queue_threshold`` waiting or ``kv_threshold`` KV usage, and the pool while every
     replica is, counting the requests dispatched since the scrape against the queue room of

@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after the backend is chosen
 from matplotlib.ticker import FuncFormatter
 
-from kvgate_bench.effectiveness.arms import ARM_NAMES
+from kvgate_bench.effectiveness.arms.registry import ARM_NAMES
 
 #: Line styles by tens of arms (matplotlib's default colour cycle has ten colours).
 LINE_STYLES: tuple[str, ...] = ("-", "--", ":")

@@ -74,8 +74,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate_bench.effectiveness.driver import DEGRADED, REJECTED, RequestRecord, RunResult
-from kvgate_bench.effectiveness.workloads import BATCH, INTERACTIVE, Tenant
+from kvgate_bench.effectiveness.model.gate import DEGRADED, REJECTED, RequestRecord, RunResult
+from kvgate_bench.effectiveness.model.schedule import BATCH, INTERACTIVE, Tenant
 from kvgate_bench.kit.toolkit import percentile
 
 TTFT_SLO_S = 0.5

@@ -1,6 +1,7 @@
 """kvgate arms that know only what a platform engineer knows on day one.
 
-Each runs the real admission core as :class:`~kvgate_bench.effectiveness.arms.KvgateArm` does
+Each runs the real admission core as
+:class:`~kvgate_bench.effectiveness.arms.kvgate_arms.KvgateArm` does
 (every streamed token and, each second, the engine's KV usage fed back), but with a policy that
 takes nothing from the benchmark's measured capacity, and clients that send no priority header
 (priority 0 for everyone):
@@ -36,10 +37,10 @@ from typing import Any
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionRequest
 from kvgate_agent.sidecar.classes import ClassResolver
-from kvgate_bench.effectiveness.context import ArmContext
-from kvgate_bench.effectiveness.kvgate_arms import KvgateArm
-from kvgate_bench.effectiveness.metrics import TPOT_SLO_S, TTFT_SLO_S
-from kvgate_bench.effectiveness.workloads import BATCH, Request
+from kvgate_bench.effectiveness.arms.context import ArmContext
+from kvgate_bench.effectiveness.arms.kvgate_arms import KvgateArm
+from kvgate_bench.effectiveness.model.metrics import TPOT_SLO_S, TTFT_SLO_S
+from kvgate_bench.effectiveness.model.schedule import BATCH, Request
 
 #: The arms of this module, by mode.
 MODES: tuple[str, ...] = ("slo-only", "empty", "recommended", "prefix-blind")

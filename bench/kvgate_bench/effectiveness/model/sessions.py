@@ -14,14 +14,14 @@ blocks are those of the previous turn's prompt and answer: with the engine's pre
   session's later turns (its record counts as refused, the turns never sent count nothing). A
   turn due at or after the schedule's end is not sent.
 * **Context.** The session ends when the next turn's prompt would leave under
-  :data:`~kvgate_bench.effectiveness.workloads.PROMPT_HEADROOM` (256) tokens of the model's
+  :data:`~kvgate_bench.effectiveness.model.schedule.PROMPT_HEADROOM` (256) tokens of the model's
   context for the answer; a turn's max_tokens is lowered to what the context leaves, as the
   other workloads do.
 * **Lengths** (tokens). Turns per session: geometric, mean :data:`MEAN_TURNS` = 2.0, the mean
   turns per conversation of LMSYS-Chat-1M (Zheng et al. 2023, https://arxiv.org/abs/2309.11998,
   Table 1: 2.0 turns, 69.5 tokens per user prompt, 214.5 per response). The first turn's prompt
   (system prompt, pasted context and the first message) is the Azure conversation trace's
-  prompt fit (:data:`~kvgate_bench.effectiveness.workloads.CONVERSATION_PROMPT`, median 757);
+  prompt fit (:data:`~kvgate_bench.effectiveness.model.schedule.CONVERSATION_PROMPT`, median 757);
   a later message is lognormal with mean 69.5 (sigma 1.0, :data:`FOLLOWUP_MESSAGE`); answers
   are the Azure conversation output fit (median 151, mean 219: LMSYS-Chat-1M's 214.5); the
   client's max_tokens as in the other workloads.
@@ -32,7 +32,7 @@ With every answer served whole and nothing evicted, this conversation structure 
 of the prompt tokens reusable (:func:`planned_reuse_share`; whole blocks only); Mooncake
 reports 40 % for its chat traffic (Qin et al. 2024, https://arxiv.org/abs/2407.00079,
 Table 2). What the engine actually reuses (evictions, refusals) is measured per run as
-``prefix_reuse_share`` (:mod:`kvgate_bench.effectiveness.metrics`).
+``prefix_reuse_share`` (:mod:`kvgate_bench.effectiveness.model.metrics`).
 
 Pure and seeded: each tenant draws its sessions from its own ``random.Random``.
 """
@@ -44,7 +44,7 @@ import random
 from collections.abc import Callable
 from dataclasses import replace
 
-from kvgate_bench.effectiveness.workloads import (
+from kvgate_bench.effectiveness.model.schedule import (
     CONVERSATION_OUTPUT,
     CONVERSATION_PROMPT,
     INTERACTIVE,
@@ -56,6 +56,7 @@ from kvgate_bench.effectiveness.workloads import (
     Sessions,
     Tenant,
     TurnPlan,
+    lognormal_tokens,
 )
 
 MULTI_TURN = "multi-turn"
@@ -77,10 +78,6 @@ def multi_turn_tenants() -> list[Tenant]:
     return [Tenant(f"chat-{i}", INTERACTIVE) for i in range(MULTI_TURN_TENANTS)]
 
 
-def _lognormal(rng: random.Random, mu_sigma: tuple[float, float]) -> int:
-    return max(1, round(rng.lognormvariate(*mu_sigma)))
-
-
 def _plan(rng: random.Random, session: str, tenant: Tenant) -> SessionPlan:
     turns: list[TurnPlan] = []
     go_on = 1.0 - 1.0 / MEAN_TURNS
@@ -88,8 +85,8 @@ def _plan(rng: random.Random, session: str, tenant: Tenant) -> SessionPlan:
         fit = CONVERSATION_PROMPT if not turns else FOLLOWUP_MESSAGE
         turns.append(
             TurnPlan(
-                _lognormal(rng, fit),
-                _lognormal(rng, CONVERSATION_OUTPUT),
+                lognormal_tokens(rng, fit),
+                lognormal_tokens(rng, CONVERSATION_OUTPUT),
                 rng.choice(MAX_TOKENS_CHOICES),
                 rng.expovariate(1.0 / THINK_MEAN_S),
             )

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate_bench.effectiveness.arms import BASELINES
-from kvgate_bench.effectiveness.metrics import ratio_text as _ratio
+from kvgate_bench.effectiveness.arms.registry import BASELINES
+from kvgate_bench.effectiveness.model.metrics import ratio_text as _ratio
 
 
 def _fmt(v: Any, spec: str = ".0f", scale: float = 1.0) -> str:

@@ -36,13 +36,12 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from kvgate_bench.effectiveness.workloads import Request
+from kvgate_bench.effectiveness.model.gate import Arm
+from kvgate_bench.effectiveness.model.schedule import Request
+from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
-
-if TYPE_CHECKING:
-    from kvgate_bench.effectiveness.pool import Replica
 
 #: The routers, in report order (their names are an interface: ``--routers``, JSON ``router``).
 ROUTER_NAMES: tuple[str, ...] = ("random", "least-request", "epp")
@@ -86,6 +85,25 @@ class RetryPolicy:
         return float(min(self.cap_s, self.base_s * 2.0 ** (retry - 1)) / 2)
 
 
+class Host(Protocol):
+    """What a router reads of a replica (:class:`kvgate_bench.effectiveness.pool.driver.Replica`):
+    its
+    index in the pool, its attempts sent and not ended (Envoy's active requests), and its arm
+    and engine (the gauges an EPP scrapes)."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def outstanding(self) -> int: ...
+
+    @property
+    def arm(self) -> Arm: ...
+
+    @property
+    def engine(self) -> SimEngine: ...
+
+
 class Router(ABC):
     """Picks the replica for each attempt; ``retries`` says whether its proxy retries."""
 
@@ -94,9 +112,9 @@ class Router(ABC):
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.replicas: Sequence[Replica] = ()
+        self.replicas: Sequence[Host] = ()
 
-    def start(self, replicas: Sequence[Replica]) -> None:
+    def start(self, replicas: Sequence[Host]) -> None:
         """Bind to the pool's replicas."""
         self.replicas = replicas
 
@@ -156,7 +174,7 @@ class EppRouter(Router):
         self._prefix: list[OrderedDict[int, None]] = []
         self._next = 0.0
 
-    def start(self, replicas: Sequence[Replica]) -> None:
+    def start(self, replicas: Sequence[Host]) -> None:
         super().start(replicas)
         self._prefix = [OrderedDict() for _ in replicas]
         self.scrape(0.0)
