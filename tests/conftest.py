@@ -28,7 +28,8 @@ from kvgate_bench.kit.toolkit import (
     parse_samples,
     series,
 )
-from kvgate_bench.sim.server import SimConfig, start_sim
+from kvgate_bench.sim.config import SimConfig
+from kvgate_bench.sim.server import start_sim
 from tests.upstream import Upstream, serve_handler
 
 REPO = Path(__file__).resolve().parent.parent

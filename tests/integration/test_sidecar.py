@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
-from kvgate_bench.sim.server import SimConfig, start_sim
+from kvgate_bench.sim.config import SimConfig
+from kvgate_bench.sim.server import start_sim
 from tests.conftest import ADMIN, ADMIN_URLS, SidecarFactory, gauges
 from tests.upstream import CHAT, Upstream
 

@@ -24,7 +24,8 @@ from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
 from kvgate_agent.contract.policy import OverloadAction
 from kvgate_agent.sidecar.engine_load import EngineLoadPoll
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
-from kvgate_bench.sim.server import SimConfig, start_sim
+from kvgate_bench.sim.config import SimConfig
+from kvgate_bench.sim.server import start_sim
 from tests.conftest import SidecarFactory, gauges
 from tests.upstream import CHAT, Upstream
 

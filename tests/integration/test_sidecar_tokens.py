@@ -16,7 +16,8 @@ from aiohttp import web
 from kvgate_agent.admission import Ticket
 from kvgate_agent.sidecar.app import Sidecar
 from kvgate_bench.kit.toolkit import free_port
-from kvgate_bench.sim.server import SimConfig, start_sim
+from kvgate_bench.sim.config import SimConfig
+from kvgate_bench.sim.server import start_sim
 from tests.conftest import SidecarFactory
 from tests.upstream import CHAT, Upstream
 

@@ -15,8 +15,10 @@ import aiohttp
 import pytest
 
 from kvgate_bench.kit.toolkit import wait_until_async
-from kvgate_bench.sim.engine import StepResult
-from kvgate_bench.sim.server import MAX_LAG_S, SIM_KEY, SimConfig, start_sim
+from kvgate_bench.sim.config import SimConfig
+from kvgate_bench.sim.loop import MAX_LAG_S
+from kvgate_bench.sim.sequences import StepResult
+from kvgate_bench.sim.server import SIM_KEY, start_sim
 
 MODEL = "kvgate-sim-model"
 Factory = Callable[..., Awaitable[str]]
@@ -340,7 +342,7 @@ async def test_engine_failure_aborts_requests_and_fails_health(
 ) -> None:
     runner, port = await start_sim(SimConfig(decode_ms=1.0))
     base = f"http://127.0.0.1:{port}"
-    engine = runner.app[SIM_KEY].engine
+    engine = runner.app[SIM_KEY].loop.engine
 
     def boom() -> StepResult:
         raise RuntimeError("boom")

@@ -155,7 +155,7 @@ def test_the_kvgate_arm_is_described_from_its_own_policy() -> None:
     from kvgate_bench.demo.virtual_report import describe_policy
     from kvgate_bench.effectiveness.arms.context import ArmContext
     from kvgate_bench.effectiveness.arms.registry import make_arm
-    from kvgate_bench.sim.engine import EngineConfig
+    from kvgate_bench.sim.sequences import EngineConfig
 
     ctx = ArmContext(
         EngineConfig(num_gpu_blocks=1000),

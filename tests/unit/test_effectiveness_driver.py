@@ -19,8 +19,8 @@ from kvgate_bench.effectiveness.model.driver import simulate
 from kvgate_bench.effectiveness.model.gate import DEGRADED, REJECTED, SERVED, Arm, Gate, RunResult
 from kvgate_bench.effectiveness.model.schedule import BATCH, Request, Schedule
 from kvgate_bench.effectiveness.model.workloads import generate, tenants_of
-from kvgate_bench.sim.engine import EngineConfig
 from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
+from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.steptime import profile
 
 STEPTIME = profile("h100-llama3-8b")

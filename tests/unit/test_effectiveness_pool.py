@@ -23,7 +23,7 @@ from kvgate_bench.effectiveness.pool.routers import (
     make_router,
 )
 from kvgate_bench.effectiveness.pool.runner import PoolFlowControlArm, pairs
-from kvgate_bench.sim.engine import EngineConfig
+from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.steptime import profile
 
 STEPTIME = profile("h100-llama3-8b")

@@ -16,7 +16,8 @@ from kvgate_bench.effectiveness.arms.vllm_queue_limit import VllmQueueLimitArm
 from kvgate_bench.effectiveness.model.gate import PENDING, REJECTED, Gate, RequestRecord
 from kvgate_bench.effectiveness.model.schedule import BATCH, INTERACTIVE, Request
 from kvgate_bench.effectiveness.model.workloads import tenants_of
-from kvgate_bench.sim.engine import EngineConfig, SimEngine
+from kvgate_bench.sim.engine import SimEngine
+from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.steptime import profile
 
 ENGINE = EngineConfig(

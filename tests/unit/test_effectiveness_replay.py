@@ -21,7 +21,7 @@ from kvgate_bench.effectiveness.replay import (
     sample_rejected,
 )
 from kvgate_bench.effectiveness.runner import Task, replay_best, replay_units, run_all
-from kvgate_bench.sim.engine import EngineConfig
+from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.steptime import constant_profile
 
 #: 10 ms per step, 20 us per prefill token: a 100-token prompt prefills in 12 ms.

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvgate_bench.sim.engine import EngineConfig, SimEngine, StepResult, cdiv
+from kvgate_bench.sim.engine import SimEngine
+from kvgate_bench.sim.sequences import EngineConfig, StepResult, cdiv
 
 
 def chunked(blocks: int = 256, block_size: int = 4, budget: int = 64, **kw: Any) -> SimEngine:

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvgate_bench.sim.engine import EngineConfig, RequestRejected, SimEngine, StepResult, cdiv
+from kvgate_bench.sim.engine import SimEngine
+from kvgate_bench.sim.sequences import EngineConfig, RequestRejected, StepResult, cdiv
 
 
 def make(blocks: int = 64, block_size: int = 4, **kw: Any) -> SimEngine:

@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
-from kvgate_bench.sim.engine import EngineConfig, SimEngine, StepResult
+from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.prefix_cache import (
     BlockPool,
     ListedKeys,
@@ -18,6 +18,7 @@ from kvgate_bench.sim.prefix_cache import (
     extend_chain,
     token_block_keys,
 )
+from kvgate_bench.sim.sequences import EngineConfig, StepResult
 from kvgate_bench.sim.steptime import StepTimeModel
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvgate_bench.sim.cli import build_parser, config_from_args
-from kvgate_bench.sim.engine import EngineConfig, SimEngine
-from kvgate_bench.sim.server import SimConfig
+from kvgate_bench.sim.config import SimConfig
+from kvgate_bench.sim.engine import SimEngine
+from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.steptime import (
     LLAMA3_8B_KV_TOKENS,
     PROFILE_NAMES,

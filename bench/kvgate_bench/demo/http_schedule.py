@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate_bench.demo.loadgen import RequestSpec
-from kvgate_bench.sim.server import SimConfig
+from kvgate_bench.sim.config import SimConfig
 
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_POLICY = REPO / "examples" / "ratelimitpolicy.yaml"

@@ -34,7 +34,7 @@ from kvgate_bench.effectiveness.model.workloads import (
     served_output_tokens,
     tenants_of,
 )
-from kvgate_bench.sim.engine import EngineConfig
+from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.steptime import StepTimeModel, profile
 
 #: Requests sampled for ``E[out]`` and ``E[prompt + out]``.

@@ -29,7 +29,7 @@ from kvgate_bench.effectiveness.model.driver import simulate
 from kvgate_bench.effectiveness.model.gate import REJECTED, Arm, RequestRecord
 from kvgate_bench.effectiveness.model.metrics import DEFAULT_SLO, Slo, met_slo
 from kvgate_bench.effectiveness.model.schedule import Schedule
-from kvgate_bench.sim.engine import EngineConfig
+from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.steptime import StepTimeModel
 
 #: Rejected requests replayed per run (for each figure).

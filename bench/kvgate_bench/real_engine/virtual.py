@@ -26,8 +26,8 @@ from kvgate_bench.real_engine import calibration as cal
 from kvgate_bench.real_engine.plan import NONE
 from kvgate_bench.real_engine.profile_fit import BLOCK, LLAMA_BATCH
 from kvgate_bench.real_engine.rows import build_row
-from kvgate_bench.sim.engine import EngineConfig
 from kvgate_bench.sim.profile_file import EngineProfile
+from kvgate_bench.sim.sequences import EngineConfig
 
 
 def engine_config(parallel: int, ctx: int) -> EngineConfig:

@@ -17,9 +17,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvgate_bench.sim.config import SimConfig
 from kvgate_bench.sim.lengths import OUTPUT_LENGTH_MODES
 from kvgate_bench.sim.profile_file import load_profile
-from kvgate_bench.sim.server import SimConfig, start_sim
+from kvgate_bench.sim.server import start_sim
 from kvgate_bench.sim.steptime import PROFILE_NAMES
 
 

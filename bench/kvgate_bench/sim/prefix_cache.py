@@ -191,7 +191,7 @@ class BlockPool:
 
 class CachedSequence(Protocol):
     """What the cache reads and writes of an engine's sequence
-    (:class:`kvgate_bench.sim.engine.Sequence`): its content keys, the hashes of its leading
+    (:class:`kvgate_bench.sim.sequences.Sequence`): its content keys, the hashes of its leading
     full blocks so far (``chain``), those of the cached blocks it references (``held``), how
     many of its blocks were offered to the cache (``registered``), the blocks it holds in all
     (``blocks``) and its tokens with KV (``num_computed``) out of ``num_tokens``."""

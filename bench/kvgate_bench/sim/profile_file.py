@@ -54,7 +54,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvgate_bench.sim.engine import EngineConfig
+from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.steptime import StepTimeModel
 
 

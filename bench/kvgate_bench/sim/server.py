@@ -1,7 +1,9 @@
 """kvgate-sim HTTP server: a vLLM-compatible OpenAI API (chat and text completions with SSE
 streaming, ``/v1/models``, ``/health``, ``/metrics`` with vLLM's metric names, ``/sim/stats``,
 ``/sim/preemptions``)
-driven by :class:`~kvgate_bench.sim.engine.SimEngine` in real time.
+driven by :class:`~kvgate_bench.sim.engine.SimEngine` in real time
+(:class:`~kvgate_bench.sim.loop.EngineLoop`), configured by
+:class:`~kvgate_bench.sim.config.SimConfig`.
 
 Invariant: deterministic output without a tokenizer; generated token ``i`` is the word
 ``WORDS[i % len(WORDS)]`` with a leading space, so a completion's whitespace word count equals
@@ -16,148 +18,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
+from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.exposition import generate_latest
 
-from kvgate_bench.sim.engine import EngineConfig, RequestRejected, Sequence, SimEngine, StepResult
-from kvgate_bench.sim.lengths import OUTPUT_TOKENS_HEADER, OutputLengths, parse_output_tokens
+from kvgate_bench.sim.config import SimConfig
+from kvgate_bench.sim.lengths import OUTPUT_TOKENS_HEADER, parse_output_tokens
+from kvgate_bench.sim.loop import EngineLoop
 from kvgate_bench.sim.prefix_cache import BlockKeys, token_block_keys
 from kvgate_bench.sim.prompt_keys import chat_prompt_tokens, completion_prompt_tokens
-from kvgate_bench.sim.steptime import StepTimeModel, constant_profile
-from kvgate_bench.sim.steptime import profile as steptime_profile
-
-logger = logging.getLogger(__name__)
+from kvgate_bench.sim.sequences import RequestRejected, Sequence
 
 TENANT_HEADER = "x-kvgate-tenant"
-#: How far (real seconds) the engine loop may fall behind its step deadlines and catch up
-#: (shorter sleeps); beyond it the lag is written off (``/sim/stats`` ``late_s``).
-MAX_LAG_S = 0.25
-#: Preempted requests whose counts ``/sim/preemptions`` keeps (the most recent).
-PREEMPTED_KEPT = 100_000
 WORDS: tuple[str, ...] = (
     "the", "quick", "brown", "fox", "jumps", "over", "a", "lazy",
     "dog", "while", "kv", "blocks", "fill", "up", "and", "drain",
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Simulator configuration (all sizes in tokens, latencies as named).
-
-    Attributes:
-        model: served model name; requests naming another model get 404.
-        extra_models: further accepted model names (for fallback routing).
-        kv_capacity_tokens: KV pool size in tokens; blocks = this // block_size;
-            ``None`` means the profile's pool (``constant``: 65536).
-        block_size: tokens per KV block.
-        max_model_len: maximum prompt + completion tokens per request.
-        max_num_seqs: maximum concurrently running requests.
-        max_num_batched_tokens: token budget per step (prefill tokens only for
-            ``constant``, every scheduled token for the chunked-prefill
-            profiles); ``None`` means ``max(8192, max_model_len)`` for
-            ``constant`` and 8192 otherwise.
-        decode_ms: ``constant`` profile: duration of one engine iteration, milliseconds.
-        prefill_us_per_token: ``constant`` profile: extra iteration time per
-            prefilled token, microseconds.
-        profile: step-time profile (``constant``, ``h100-llama3-8b``,
-            ``a100-llama3-8b``; :mod:`kvgate_bench.sim.steptime`), or the name of
-            ``steptime_model``'s profile when that is set.
-        steptime_model: a step-time model that replaces ``profile``'s (a JSON engine
-            profile's: :mod:`kvgate_bench.sim.profile_file`), or ``None``.
-        output_lengths: true lengths of requests without ``x-sim-output-tokens``:
-            ``max`` (run to max_tokens) or ``lognormal`` (seeded draws).
-        output_seed: seed of the ``lognormal`` draws.
-        time_scale: real seconds per modelled second (> 0): each step lasts
-            ``time_scale x`` its modelled duration on the real clock. Above 1 the
-            simulator runs slower than the GPU it models, so that a load generator and a
-            proxy on a small machine keep up; the client then sends its arrivals
-            ``time_scale x`` later and divides what it measures by it (see
-            :mod:`kvgate_bench.effectiveness.realtime`).
-        prefix_caching: key the engine's prefix cache with the prompts' tokens
-            (``--enable-prefix-caching``; :mod:`kvgate_bench.sim.prompt_keys`), so that
-            prompts reuse the KV blocks of leading tokens already cached. Off by default,
-            unlike vLLM: every prompt is then content of its own, never a hit (the
-            engine's configuration is the same either way), because the harnesses that
-            drive kvgate-sim stand for distinct prompts with one repeated token or word,
-            which would all share their blocks and be prefilled once.
-        prompt_tokens_details: add ``usage.prompt_tokens_details.cached_tokens``
-            (the prompt tokens found cached) to responses, streamed usage included, as
-            vLLM's ``--enable-prompt-tokens-details`` does.
-    """
-
-    model: str = "kvgate-sim-model"
-    extra_models: tuple[str, ...] = ()
-    kv_capacity_tokens: int | None = None
-    block_size: int = 16
-    max_model_len: int = 8192
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    decode_ms: float = 10.0
-    prefill_us_per_token: float = 20.0
-    profile: str = "constant"
-    output_lengths: str = "max"
-    output_seed: int = 0
-    time_scale: float = 1.0
-    prefix_caching: bool = False
-    prompt_tokens_details: bool = False
-    steptime_model: StepTimeModel | None = None
-
-    def __post_init__(self) -> None:
-        if not self.time_scale > 0:
-            raise ValueError("time_scale must be > 0")
-
-    @property
-    def steptime(self) -> StepTimeModel:
-        """The step-time model: ``steptime_model`` when set, else ``profile``'s; raises
-        ``ValueError`` for an unknown profile."""
-        if self.steptime_model is not None:
-            return self.steptime_model
-        if self.profile == "constant":
-            return constant_profile(self.decode_ms, self.prefill_us_per_token)
-        return steptime_profile(self.profile)
-
-    @property
-    def kv_tokens(self) -> int:
-        """KV pool size in tokens: ``kv_capacity_tokens`` or the profile's pool."""
-        if self.kv_capacity_tokens is not None:
-            return self.kv_capacity_tokens
-        return self.steptime.kv_capacity_tokens
-
-    @property
-    def num_gpu_blocks(self) -> int:
-        """KV pool size in blocks."""
-        return self.kv_tokens // self.block_size
-
-    @property
-    def served_models(self) -> tuple[str, ...]:
-        """Every model name this server accepts, the primary one first."""
-        return (self.model, *(m for m in self.extra_models if m != self.model))
-
-    def engine_config(self) -> EngineConfig:
-        """The :class:`EngineConfig` for this simulator; ``ValueError`` if invalid."""
-        chunked = self.steptime.chunked_prefill
-        default_batched = 8192 if chunked else max(8192, self.max_model_len)
-        return EngineConfig(
-            num_gpu_blocks=self.num_gpu_blocks,
-            block_size=self.block_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or default_batched,
-            chunked_prefill=chunked,
-        )
-
-    def output_length_source(self) -> OutputLengths:
-        """A fresh :class:`OutputLengths` for this configuration; ``ValueError`` if invalid."""
-        return OutputLengths(self.output_lengths, self.output_seed)
 
 
 class ApiError(Exception):
@@ -228,149 +109,23 @@ def _sse(obj: Any) -> bytes:
 
 
 class SimServer:
-    """Engine + metrics + the real-time loop; the aiohttp handlers live here.
-
-    One background task runs the engine while there is work: each iteration lasts the duration
-    the engine's step-time model gives it (:mod:`kvgate_bench.sim.steptime`: the ``constant``
-    profile's ``decode_ms`` plus ``prefill_us_per_token`` per prefilled token by default, or a
-    realistic profile's ``a + b*P + c*D + d*K``) times ``time_scale``, paced on the real clock
-    to deadlines (step ``k`` ends at the start of the busy period plus the scaled durations of
-    steps ``1..k``, so the loop's own CPU time does not stretch it; a lag over
-    :data:`MAX_LAG_S` is written off and counted in ``/sim/stats`` ``late_s``), then the tokens
-    it produced go to the waiting handlers; when idle it sleeps on an :class:`asyncio.Event` (no
-    polling). JSON shapes are those of vLLM's OpenAI server; ``stream_options.include_usage`` is
-    honoured as vLLM does; ``max_tokens`` (``max_completion_tokens`` for chat) defaults to
-    ``max_model_len - prompt``. A request's tenant is its ``x-kvgate-tenant`` header ("" when
-    absent).
+    """The aiohttp handlers in front of :attr:`loop` (the engine on the real clock,
+    :class:`~kvgate_bench.sim.loop.EngineLoop`, and its metrics). JSON shapes are those of
+    vLLM's OpenAI server; ``stream_options.include_usage`` is honoured as vLLM does;
+    ``max_tokens`` (``max_completion_tokens`` for chat) defaults to ``max_model_len - prompt``.
+    A request's tenant is its ``x-kvgate-tenant`` header ("" when absent).
     """
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.engine = SimEngine(config.engine_config(), config.steptime)
+        self.loop = EngineLoop(config)
         self.lengths = config.output_length_source()
         self.runner: web.AppRunner | None = None
         self.active_requests = 0
-        self._queues: dict[str, asyncio.Queue[int | None]] = {}
-        self._wake = asyncio.Event()
-        self._closing = False
-        self._task: asyncio.Task[None] | None = None
-        #: Response id -> times preempted, for the last PREEMPTED_KEPT preempted requests.
-        self.preempted_requests: OrderedDict[str, int] = OrderedDict()
-        #: Real seconds the engine loop fell behind its step deadlines by more than
-        #: MAX_LAG_S (written off, so the modelled timeline stretched by that much).
-        self.late_s = 0.0
-        #: The most (real seconds) a step started after its deadline (the previous step's end).
-        self.lag_max_s = 0.0
-        #: Engine steps taken.
-        self.steps = 0
-        self.registry = CollectorRegistry(auto_describe=True)
-        self._init_metrics()
-
-    # -- metrics (names and help strings from vllm/v1/metrics/loggers.py) -----
-
-    def _init_metrics(self) -> None:
-        reg, eng, model = self.registry, self.engine, {"model_name": self.config.model}
-        gauges = {
-            "vllm:num_requests_running": ("Number of requests in model execution batches.",
-                                          lambda: eng.num_running),
-            "vllm:num_requests_waiting": ("Number of requests waiting to be processed.",
-                                          lambda: eng.num_waiting),
-            "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.",
-                                         lambda: eng.kv_usage),
-        }  # fmt: skip
-        for name, (doc, fn) in gauges.items():
-            Gauge(name, doc, ["model_name"], registry=reg).labels(**model).set_function(fn)
-        self.preemptions = Counter(
-            "vllm:num_preemptions",
-            "Cumulative number of preemption from the engine.",
-            ["model_name"],
-            registry=reg,
-        ).labels(**model)
-        Gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            ["block_size", "num_gpu_blocks"],
-            registry=reg,
-        ).labels(
-            block_size=str(self.config.block_size), num_gpu_blocks=str(self.config.num_gpu_blocks)
-        ).set(1)
-        self.preemptions_by_tenant = Counter(
-            "kvgate_sim_preemptions_by_tenant",
-            "Preemptions of requests, by the x-kvgate-tenant header of the preempted request.",
-            ["tenant"],
-            registry=reg,
-        )
-        self.requests_total = Counter(
-            "kvgate_sim_requests",
-            "Requests accepted by the engine, by x-kvgate-tenant header.",
-            ["tenant"],
-            registry=reg,
-        )
-
-    # -- engine loop ----------------------------------------------------------
-
-    async def _run(self) -> None:
-        """Step the engine in real time while it has work; wait on the event when idle.
-
-        Should the engine raise (a bug), in-flight requests are aborted and the
-        server reports itself dead (503 on /health and new requests), as vLLM
-        does when its engine core dies.
-        """
-        loop = asyncio.get_running_loop()
-        scale = self.config.time_scale
-        try:
-            while True:
-                await self._wake.wait()
-                self._wake.clear()
-                end = loop.time()  # the first step starts now
-                while self.engine.has_work:
-                    result = self.engine.step()
-                    self.steps += 1
-                    self._count_preemptions(result)
-                    # Paced to deadlines: a step ends its (scaled) duration after the previous
-                    # step ended, so the loop's own CPU time (stepping, delivering tokens) does
-                    # not stretch the modelled timeline. Lag beyond MAX_LAG_S is written off.
-                    late = loop.time() - end
-                    self.lag_max_s = max(self.lag_max_s, late)
-                    if late > MAX_LAG_S:
-                        self.late_s += late - MAX_LAG_S
-                        end += late - MAX_LAG_S
-                    end += result.duration_s * scale
-                    await asyncio.sleep(max(0.0, end - loop.time()))
-                    for rid, index in result.new_tokens.items():
-                        queue = self._queues.get(rid)
-                        if queue is not None:
-                            queue.put_nowait(index)
-        except Exception:
-            logger.exception("kvgate-sim engine loop died")
-            self._abort_all()
-
-    def _count_preemptions(self, result: StepResult) -> None:
-        kept = self.preempted_requests
-        for rid in result.preempted:
-            self.preemptions.inc()
-            seq = self.engine.get(rid)
-            self.preemptions_by_tenant.labels(tenant=seq.tenant if seq else "").inc()
-            kept[rid] = kept.pop(rid, 0) + 1
-            if len(kept) > PREEMPTED_KEPT:
-                kept.popitem(last=False)
-
-    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        """aiohttp cleanup context: runs the engine loop for the app's lifetime."""
-        self._task = asyncio.create_task(self._run(), name="kvgate-sim-engine")
-        yield
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-    def _abort_all(self) -> None:
-        self._closing = True
-        for queue in self._queues.values():
-            queue.put_nowait(None)
 
     async def on_shutdown(self, app: web.Application) -> None:
         """Abort in-flight requests so a graceful shutdown does not wait for them."""
-        self._abort_all()
+        self.loop.abort_all()
 
     # -- handlers -------------------------------------------------------------
 
@@ -426,7 +181,7 @@ class SimServer:
         return body, prompt_tokens
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        if self._closing:
+        if self.loop.closing:
             raise ApiError(503, "Server is shutting down or its engine died",
                            err_type="ServiceUnavailableError")  # fmt: skip
         body, prompt_tokens = await self._parse(request, chat)
@@ -442,18 +197,15 @@ class SimServer:
             raise ApiError(400, str(exc)) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         try:
-            self.engine.check(prompt_tokens, max_tokens)
+            self.loop.engine.check(prompt_tokens, max_tokens)
             if output_tokens is None:
                 output_tokens = self.lengths.draw()  # drawn only for requests the engine takes
-            seq = self.engine.submit(
+            seq = self.loop.engine.submit(
                 rid, prompt_tokens, max_tokens, tenant, output_tokens, self._keys(body, chat)
             )
         except RequestRejected as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
-        self.requests_total.labels(tenant=tenant).inc()
-        queue: asyncio.Queue[int | None] = asyncio.Queue()
-        self._queues[rid] = queue
-        self._wake.set()
+        queue = self.loop.open(rid, tenant)
         self.active_requests += 1
         details = seq if self.config.prompt_tokens_details else None
         reply = _Reply(rid, str(body["model"]), chat, prompt_tokens, seq.finish_reason, seq=details)
@@ -466,8 +218,7 @@ class SimServer:
         finally:
             # Runs on completion, on error and on client disconnect (handler cancelled).
             self.active_requests -= 1
-            del self._queues[rid]
-            self.engine.cancel(rid)
+            self.loop.close(rid)
 
     def _keys(self, body: dict[str, Any], chat: bool) -> BlockKeys | None:
         """The prompt's full blocks of tokens, for the prefix cache (None when
@@ -543,17 +294,17 @@ class SimServer:
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 with an empty body, as vLLM; 503 once shutting down."""
-        return web.Response(status=503 if self._closing else 200)
+        return web.Response(status=503 if self.loop.closing else 200)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """GET /metrics: Prometheus text exposition of this app's registry."""
         return web.Response(
-            body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            body=generate_latest(self.loop.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
     async def stats(self, request: web.Request) -> web.Response:
         """GET /sim/stats: engine state as JSON (blocks, counts) for tests and demos."""
-        eng = self.engine
+        loop, eng = self.loop, self.loop.engine
         server = self.runner.server if self.runner is not None else None
         return web.json_response(
             {
@@ -571,18 +322,22 @@ class SimServer:
                 "active_requests": self.active_requests,
                 "active_connections": len(server.connections) if server is not None else None,
                 "time_scale": self.config.time_scale,
-                "late_s": self.late_s,
-                "lag_max_s": self.lag_max_s,
-                "steps": self.steps,
+                "late_s": loop.late_s,
+                "lag_max_s": loop.lag_max_s,
+                "steps": loop.steps,
             }
         )
 
     async def preempted(self, request: web.Request) -> web.Response:
         """GET /sim/preemptions: ``{"total": n, "requests": {response id: times}}``: the
-        preemptions so far and, for the last :data:`PREEMPTED_KEPT` preempted requests, how
+        preemptions so far and, for the last
+        :data:`~kvgate_bench.sim.loop.PREEMPTED_KEPT` preempted requests, how
         often each was preempted (by the ``id`` of its completion chunks)."""
         return web.json_response(
-            {"total": self.engine.preemptions_total, "requests": dict(self.preempted_requests)}
+            {
+                "total": self.loop.engine.preemptions_total,
+                "requests": dict(self.loop.preempted_requests),
+            }
         )
 
 
@@ -659,7 +414,7 @@ def create_app(config: SimConfig) -> web.Application:
     sim = SimServer(config)
     app = web.Application(middlewares=[sim.error_middleware])
     app[SIM_KEY] = sim
-    app.cleanup_ctx.append(sim.lifecycle)
+    app.cleanup_ctx.append(sim.loop.lifecycle)
     app.on_shutdown.append(sim.on_shutdown)
     app.router.add_post("/v1/chat/completions", sim.chat_completions)
     app.router.add_post("/v1/completions", sim.completions)

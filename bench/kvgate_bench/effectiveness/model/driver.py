@@ -59,7 +59,8 @@ from kvgate_bench.effectiveness.model.gate import (
 )
 from kvgate_bench.effectiveness.model.schedule import Request, Schedule
 from kvgate_bench.effectiveness.model.sessions import next_turn
-from kvgate_bench.sim.engine import EngineConfig, SimEngine
+from kvgate_bench.sim.engine import SimEngine
+from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.steptime import StepTimeModel
 
 #: Engine shape of the benchmark (vLLM's defaults; the KV pool is the profile's).

@@ -30,8 +30,9 @@ from typing import Any
 from kvgate_bench.effectiveness.model.driver import engine_config
 from kvgate_bench.effectiveness.model.metrics import DEFAULT_SLO, Slo
 from kvgate_bench.real_engine.calibration import slo_from_unloaded
-from kvgate_bench.sim.engine import EngineConfig, SimEngine
+from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.profile_file import EngineProfile, load_profile
+from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.steptime import PROFILES, StepTimeModel, profile
 
 #: Prompt lengths of the unloaded requests a file's SLO is derived from, tokens (the

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate_bench.effectiveness.model.schedule import Request, Schedule
-from kvgate_bench.sim.engine import RequestRejected, Sequence, SimEngine
+from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.prefix_cache import SessionKeys
+from kvgate_bench.sim.sequences import RequestRejected, Sequence
 
 SERVED = "served"
 DEGRADED = "degraded"

@@ -58,7 +58,8 @@ from kvgate_bench.effectiveness.model.gate import (
 from kvgate_bench.effectiveness.model.schedule import Request, Schedule
 from kvgate_bench.effectiveness.model.sessions import next_turn
 from kvgate_bench.effectiveness.pool.routers import RetryPolicy, Router
-from kvgate_bench.sim.engine import EngineConfig, SimEngine, StepResult
+from kvgate_bench.sim.engine import SimEngine
+from kvgate_bench.sim.sequences import EngineConfig, StepResult
 from kvgate_bench.sim.steptime import StepTimeModel
 
 

@@ -30,8 +30,10 @@ from kvgate_bench.effectiveness.arms.kvgate_defaults import KvgateDefaultsArm
 from kvgate_bench.effectiveness.arms.registry import make_arm
 from kvgate_bench.kit import processes
 from kvgate_bench.kit.toolkit import free_port
-from kvgate_bench.sim.engine import EngineConfig, SimEngine
-from kvgate_bench.sim.server import SIM_KEY, SimConfig, start_sim
+from kvgate_bench.sim.config import SimConfig
+from kvgate_bench.sim.engine import SimEngine
+from kvgate_bench.sim.sequences import EngineConfig
+from kvgate_bench.sim.server import SIM_KEY, start_sim
 
 MODEL = "kvgate-sim-model"
 
@@ -138,7 +140,7 @@ async def sim_server(
     is appended to ``engines``); yields its base URL."""
     if not subprocess:
         runner, port = await start_sim(sc)
-        engines.append(runner.app[SIM_KEY].engine)
+        engines.append(runner.app[SIM_KEY].loop.engine)
         try:
             yield f"http://127.0.0.1:{port}"
         finally:
