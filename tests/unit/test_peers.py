@@ -13,17 +13,10 @@ import pytest
 import yaml
 
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_bench import peers
-from kvgate_bench import peers_report as rep
 from kvgate_bench.kit.doc_block import BrokenMarkers, ForeignText, check_block, find_block
-from kvgate_bench.peers_arms import (
-    POLICY_YAML,
-    RESPONSE_JSON,
-    litellm_config,
-    nginx_direct_conf,
-    nginx_proxy_conf,
-)
-from kvgate_bench.peers_load import (
+from kvgate_bench.peers import bench as peers
+from kvgate_bench.peers import report as rep
+from kvgate_bench.peers.load import (
     EventCounter,
     IdleResult,
     StreamResult,
@@ -37,6 +30,13 @@ from kvgate_bench.peers_load import (
     read_response,
     run_wrk,
     wrk_command,
+)
+from kvgate_bench.peers.servers import (
+    POLICY_YAML,
+    RESPONSE_JSON,
+    litellm_config,
+    nginx_direct_conf,
+    nginx_proxy_conf,
 )
 
 # wrk 4.1.0's report, as printed with --latency and a Lua script setting the body.

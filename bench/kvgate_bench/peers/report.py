@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgate_bench.kit.doc_block import Markers, replace_block
-from kvgate_bench.peers_load import (
+from kvgate_bench.peers.load import (
     STREAM_HEAD,
     IdleResult,
     StreamRow,
@@ -233,7 +233,7 @@ response), **nginx** as a proxy in front of it (keep-alive upstream, `proxy_buff
 the **LiteLLM** proxy (one worker, no database, no master key; one model entry pointing at
 direct), the **kvgate** sidecar of this checkout with a realistic policy (per-tenant and pod
 rate limits, a concurrency cap, Predicted KV reservation, a queue; budgets large enough that
-every request is admitted; `bench/kvgate_bench/peers_arms.py`), **kvgate aiohttp leg** (the same
+every request is admitted; `bench/kvgate_bench/peers/servers.py`), **kvgate aiohttp leg** (the same
 sidecar with `--server-leg aiohttp`: aiohttp's web server on the clients' port, as kvgate served
 before its own leg) and **kvgate pass-through** (the same sidecar on an allowlisted path, forwarded
 without admission). Load: `wrk -t1 --latency`

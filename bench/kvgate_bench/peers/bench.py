@@ -2,17 +2,17 @@
 
 One run, one machine, pinned CPUs: the load generator (wrk, one thread) and this process's
 stream client on ``--client-cpu`` (default 0), every server on ``--server-cpu`` (default 1),
-with ``taskset``. The arms (``peers_arms.py``): ``direct`` (nginx ``return 200``), ``nginx`` as
+with ``taskset``. The arms (``servers.py``): ``direct`` (nginx ``return 200``), ``nginx`` as
 a keep-alive proxy in front of it, the ``litellm`` proxy (one worker, no database), the
 ``kvgate`` sidecar of this checkout with a realistic policy, ``kvgate aiohttp leg`` (the same
 sidecar with ``--server-leg aiohttp``) and ``kvgate pass-through`` (the first sidecar on an
 allowlisted path: the proxy hop without admission). The sidecars run with the mypyc-compiled
 modules the agent image ships (``--pure``: this checkout's Python sources).
 
-1. Load (``peers_load.py``): chat POST bodies of 1 KB, 16 KB and 200 KB at 1, 32 and 256
+1. Load (``load.py``): chat POST bodies of 1 KB, 16 KB and 200 KB at 1, 32 and 256
    connections, each cell ``--seconds`` per arm, the arms in rotated order cell by cell so that
    drift hits them alike; p50/p99 from ``wrk --latency``, requests/s, errors.
-2. Streaming (``peers_load.py``): 256 concurrent streams from the llm-d simulator at 10 ms and
+2. Streaming (``load.py``): 256 concurrent streams from the llm-d simulator at 10 ms and
    at 0 ms inter-token latency, through both sidecars and through nginx; server CPU per chunk.
 3. Memory: the sidecar's RSS per 1,000 idle keep-alive connections, and with 256 streams open.
 
@@ -21,7 +21,7 @@ the run, with the aiohttp leg's figure beside it), and replaces its section of
 ``docs/benchmarks.md`` (``--no-write`` leaves the file alone). It refuses, exit status 1,
 before it measures anything and again before it writes, when text it did not write sits between
 the section's markers (:mod:`kvgate_bench.kit.doc_block`: move that text outside them, or
-``--force``). It installs what the peers need on first use (``peers_arms.py``: nginx and wrk
+``--force``). It installs what the peers need on first use (``tools.py``: nginx and wrk
 from Debian, LiteLLM from PyPI into its own venv).
 ``--quick``: two body sizes × two concurrencies, short windows (about 2 minutes).
 """
@@ -45,21 +45,7 @@ from typing import TypeVar
 from kvgate_bench import compiled
 from kvgate_bench.kit.doc_block import BlockError
 from kvgate_bench.kit.toolkit import free_port, machine
-from kvgate_bench.peers_arms import (
-    CHAT_PATH,
-    PASSTHROUGH_PATH,
-    Fleet,
-    Server,
-    Tools,
-    commit,
-    ensure_tools,
-    fleet,
-    nginx_direct_conf,
-    nginx_proxy_conf,
-    version,
-    wait_answer,
-)
-from kvgate_bench.peers_load import (
+from kvgate_bench.peers.load import (
     IdleResult,
     StreamResult,
     StreamRow,
@@ -70,7 +56,7 @@ from kvgate_bench.peers_load import (
     run_wrk,
     wrk_command,
 )
-from kvgate_bench.peers_report import (
+from kvgate_bench.peers.report import (
     ARMS,
     DIRECT,
     KVGATE,
@@ -84,8 +70,21 @@ from kvgate_bench.peers_report import (
     replace_section,
     size_label,
 )
+from kvgate_bench.peers.servers import (
+    CHAT_PATH,
+    PASSTHROUGH_PATH,
+    Fleet,
+    Server,
+    commit,
+    fleet,
+    nginx_direct_conf,
+    nginx_proxy_conf,
+    version,
+    wait_answer,
+)
+from kvgate_bench.peers.tools import Tools, ensure_tools
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DOCS = REPO / "docs" / "benchmarks.md"
 _T = TypeVar("_T")
 TITLE = "## kvgate next to nginx and LiteLLM (`python -m kvgate_bench.peers`)"
@@ -391,7 +390,3 @@ def docs_refusal(docs: Path, body: str | None, *, force: bool) -> str | None:
     if body is not None:
         docs.write_text(new, encoding="utf-8")
     return None
-
-
-if __name__ == "__main__":
-    sys.exit(main())
