@@ -147,6 +147,23 @@ async def test_a_half_closed_client_gets_its_answer(
 
 
 @pytest.mark.parametrize("leg", LEGS)
+async def test_a_half_closed_client_of_the_sidecar_process_gets_its_answer(
+    leg: str, upstream: Upstream, sidecar_process: Any
+) -> None:
+    """The real ``kvgate-agent sidecar`` (on uvloop, which reports the client's FIN again when
+    reading resumes): the answer still comes, on both legs."""
+    upstream.token_delay = 0.05
+    proc = await asyncio.to_thread(sidecar_process, upstream.url, {}, "--server-leg", leg)
+    for stream in (False, True):
+        got = await half_closed_exchange(
+            proc.url, chat_request(json.dumps({**CHAT, "stream": stream}).encode())
+        )
+        assert got.startswith(b"HTTP/1.1 200 "), (stream, got[:200])
+        assert not stream or got.endswith(b"\r\n0\r\n\r\n"), got[-200:]
+    assert len(upstream.bodies) == 2
+
+
+@pytest.mark.parametrize("leg", LEGS)
 async def test_a_client_gone_while_queued_is_still_dropped_at_once(
     leg: str,
     upstream: Upstream,

@@ -160,7 +160,9 @@ class HeaderDeadlineHandler(RequestHandler):
         aborted, its handler cancelled). Otherwise (nothing complete to answer, a body cut
         short, an answer begun: the client leaving) False: closed now, as aiohttp does."""
         transport, last, current = self.transport, self._last, self._current_request
-        if transport is None or self._half_closed or self._pending <= 0 or last is None:
+        if self._half_closed:  # said again (uvloop re-reads the EOF when reading resumes)
+            return transport is not None
+        if transport is None or self._pending <= 0 or last is None:
             return False
         if not last[1].is_eof():
             return False
