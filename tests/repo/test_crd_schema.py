@@ -1,6 +1,7 @@
 """The CRDs in crds/ against the pydantic contract models, without a cluster.
 
-The CRD schemas are hand-written; these tests keep them equal to the models they mirror:
+The CRD schemas are generated from these models and the sources in crds/source/
+(scripts/gen-crds, tests/repo/test_crdgen.py); these tests check the result against the models:
 
 - every model field (by its camelCase alias, recursively) is a schema property and vice versa;
 - types, enums, bounds, patterns, required fields and defaults agree, and defaulting an empty
