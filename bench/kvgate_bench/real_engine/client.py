@@ -72,7 +72,7 @@ from kvgate_bench.sim.steptime import constant_profile
 
 TENANT_HEADER = "x-kvgate-tenant"
 #: The client's largest 99th-percentile send lag for a run that kept up, seconds (the
-#: real-time benchmark's bound, ``effectiveness.realtime.KEPT_UP_SEND_LAG_S``).
+#: real-time benchmark's bound, ``effectiveness.realtime.run.KEPT_UP_SEND_LAG_S``).
 KEPT_UP_SEND_LAG_S = 0.05
 
 
