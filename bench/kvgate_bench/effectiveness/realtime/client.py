@@ -35,8 +35,6 @@ SIM_CHAT_OVERHEAD = 6
 PROMPT_WORD = "hi"
 #: The token id completions prompts are made of.
 PROMPT_TOKEN_ID = 1000
-
-
 #: The sidecar's default priority header (``spec.priority.header``).
 PRIORITY_HEADER = "x-kvgate-priority"
 

@@ -35,6 +35,7 @@ from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.sequences import EngineConfig
 from kvgate_bench.sim.server import SIM_KEY, start_sim
 
+#: The model kvgate-sim serves and the client asks for.
 MODEL = "kvgate-sim-model"
 
 
