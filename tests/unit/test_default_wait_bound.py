@@ -13,6 +13,7 @@ import pytest
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AdmissionRequest, Outcome
 from kvgate_agent.admission.decision import Reason
+from kvgate_agent.admission.slo import UNLOADED_WAIT_FACTOR
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.contract.queue import DEFAULT_WAIT_SECONDS, MAX_WAIT_CAP_SECONDS
 from kvgate_bench.kit.toolkit import FakeClock
@@ -112,3 +113,26 @@ def test_a_stated_max_wait_applies() -> None:
     clock.advance(0.2)
     c.pump()
     assert w.decision is not None and w.decision.reason is Reason.QUEUE_TIMEOUT
+
+
+def test_on_a_slow_first_token_the_bound_follows_the_engine() -> None:
+    """A CPU server whose first token comes 2 s after admission: the empty spec's requests may
+    wait UNLOADED_WAIT_FACTOR x 2 s, not 0.5 s (which would refuse every one that has to wait
+    behind another)."""
+    clock = FakeClock(100.0)
+    c = make({}, clock)
+    for _ in range(3):  # requests whose first token takes 2 s, one at a time
+        t = c.submit(req("a")).ticket
+        assert t is not None
+        clock.advance(2.0)
+        c.live.observe_tokens(t, 1)
+        clock.advance(0.5)
+        c.live.observe_tokens(t, 10)
+        c.release(t, completion_tokens=10)
+    c.pump()  # closes the interval: the table has the first-token times
+    bound = UNLOADED_WAIT_FACTOR * 2.0
+    assert c.slo.default_wait(DEFAULT_WAIT_SECONDS) == pytest.approx(bound)
+    assert c.submit(req("a")).ticket is not None
+    w = c.submit(req("b")).waiter
+    assert w is not None  # queued, not refused: 2.5 s of service left < 2 x the bound
+    assert w.deadline - w.enqueued_at == pytest.approx(bound)

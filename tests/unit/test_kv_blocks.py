@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 
-from kvgate_agent.admission import AdmissionConfig
+from kvgate_agent.admission import AdmissionConfig, AdmissionRequest
 from kvgate_agent.admission.limits import Limits, kv_for, round_up
 from kvgate_agent.engines.scrape import parse_engine_metrics
 
@@ -47,3 +47,18 @@ def test_vllm_block_usage_is_read_as_token_slots_of_whole_blocks() -> None:
     sample = parse_engine_metrics(text)
     assert sample.kv_capacity_tokens == 48000
     assert sample.kv_used_tokens == 32016 == 2001 * 16  # 2,001 blocks, not 36.5 % of 48,000
+
+
+def test_mean_age_of_the_requests_in_flight() -> None:
+    """The mean seconds since admission of what is in flight (the expected wait's input), kept
+    in O(1) by the sum of admission times and back to exactly 0 when the pod is idle."""
+    limits = Limits(AdmissionConfig(block_size=BLOCK), 0.0, 16)
+    assert limits.mean_age(5.0) == 0.0
+    a = limits.reserve(AdmissionRequest("t", 10, 10), 10, 100.0)
+    b = limits.reserve(AdmissionRequest("t", 10, 10), 10, 102.0)
+    assert limits.mean_age(104.0) == 3.0  # (4 + 2) / 2
+    limits.release(a, 105.0, 0.0, 1.0)
+    assert limits.mean_age(105.0) == 3.0  # b alone
+    limits.release(b, 106.0, 0.0, 1.0)
+    assert limits.in_flight == 0 and limits.admitted_at_sum == 0.0
+    assert limits.mean_age(200.0) == 0.0

@@ -264,17 +264,20 @@ def test_slo_request_queued_while_the_expected_wait_fits() -> None:
 
 def test_slo_request_refused_when_the_queue_is_long() -> None:
     c, _clock = slo_controller()
-    for k in range(14):  # expected waits up to 3.5 s: within SHED_FACTOR x the 1.8 s budget
+    # The two in flight were just admitted (mean age 0, so a residual of the whole 0.5 s
+    # service time): the k-th newcomer waits 2 x 0.5 x min(k, 2) / 3 s for the first two
+    # slots, then 0.5 / 2 s for each one more.
+    for k in range(13):  # expected waits up to 3.42 s: within SHED_FACTOR x the 1.8 s budget
         assert c.submit(req(max_tokens=10, priority=1)).outcome is Outcome.QUEUED, k
-    expected = c.slo.expected_wait(c.stats().queue_length, c.stats().in_flight)
+    expected = c.slo.expected_wait(c.stats().queue_length, c.stats().in_flight, age_s=0.0)
     assert expected is not None
-    assert expected == pytest.approx(3.75)  # (14 + 1) x 0.5 s / 2 > 2 x 1.8 s
+    assert expected == pytest.approx(2.0 / 3.0 + 12 * 0.25)  # 3.67 s > 2 x 1.8 s
     assert expected > SHED_FACTOR * 1.8
     d = c.submit(req(max_tokens=10, priority=1))
     assert d.outcome is Outcome.REJECTED and d.reason is Reason.SLO, d
     assert d.status == 429
     assert d.retry_after == retry_after_seconds(expected)
-    assert c.stats().queue_length == 14  # not queued
+    assert c.stats().queue_length == 13  # not queued
 
 
 def test_below_min_priority_never_slo_shed() -> None:

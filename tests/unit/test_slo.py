@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate_agent.admission.slo import INTERVAL_S, MIN_WAIT_SHARE, SloState
+from kvgate_agent.admission.slo import (
+    INTERVAL_S,
+    MIN_WAIT_SHARE,
+    RESIDUAL_FLOOR,
+    UNLOADED_WAIT_FACTOR,
+    SloState,
+)
 from kvgate_agent.admission.step_table import bucket_of
+from kvgate_agent.contract.queue import DEFAULT_WAIT_SECONDS
 
 
 class Driver:
@@ -75,6 +82,43 @@ def test_expected_wait_is_k_plus_one_times_service_over_in_flight() -> None:
     s.observe_departure(1.5)  # smoothed 0.5 + 0.05 x (1.5 - 0.5)
     assert s.service_s == pytest.approx(0.55)
     assert s.expected_wait(1, 5) == pytest.approx(2 * 0.55 / 5)
+
+
+def test_expected_wait_from_the_age_of_the_requests_in_flight() -> None:
+    s = SloState(None, 1.0, None, 0.0)
+    for _ in range(3):
+        s.observe_departure(4.0)
+    assert s.service_s == pytest.approx(4.0)
+    # One llama.cpp slot, its request 3 s into a 4 s service time: it ends in about 1 s, not 4.
+    assert s.expected_wait(0, 1, age_s=3.0) == pytest.approx(1.0)
+    assert s.expected_wait(0, 1) == pytest.approx(4.0)  # without the age: a whole service time
+    # Past the mean service time it is a long one, not one about to end.
+    assert s.expected_wait(0, 1, age_s=10.0) == pytest.approx(RESIDUAL_FLOOR * 4.0)
+    # Steady state (mean age S / 2): residuals spread over [0, S], the k-th of n ends at
+    # S k / (n + 1), about the drain k S / n.
+    assert s.expected_wait(1, 7, age_s=2.0) == pytest.approx(4.0 * 2 / 8)
+    # Beyond the n-th request in flight, one more per S / n.
+    assert s.expected_wait(4, 2, age_s=0.0) == pytest.approx(2 * 4.0 * 2 / 3 + 3 * 4.0 / 2)
+    # The engine's own waiting requests are ahead of all.
+    s.observe_engine_waiting(2, until=10.0)
+    assert s.expected_wait(0, 4, now=5.0, age_s=2.0) == pytest.approx(4.0 * 3 / 5)
+
+
+def test_default_wait_follows_a_slow_first_token() -> None:
+    s = SloState(None, None, None, 0.0)
+    assert s.default_wait(DEFAULT_WAIT_SECONDS) == DEFAULT_WAIT_SECONDS  # nothing measured
+    d = Driver(s)
+    for _ in range(3):  # a GPU: first tokens in 40 ms; the default bound stays
+        s.observe_first_token(0.04, 1, d.now)
+        d.interval(0.01, in_flight=1)
+    assert s.lowest_ttft_s == pytest.approx(0.04)
+    assert s.default_wait(DEFAULT_WAIT_SECONDS) == DEFAULT_WAIT_SECONDS
+    s2 = SloState(None, None, None, 0.0)
+    d2 = Driver(s2)
+    for _ in range(3):  # a CPU server: 0.8 s of prefill before the first token
+        s2.observe_first_token(0.8, 1, d2.now)
+        d2.interval(0.02, in_flight=1)
+    assert s2.default_wait(DEFAULT_WAIT_SECONDS) == pytest.approx(UNLOADED_WAIT_FACTOR * 0.8)
 
 
 def test_wait_budget_is_ttft_less_prefill_floored() -> None:

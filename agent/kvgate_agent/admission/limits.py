@@ -86,6 +86,8 @@ class Limits:
         config: the thresholds enforced now.
         rates: the rate limits' buckets (:mod:`.rate_limits`).
         in_flight: admitted requests not yet released.
+        admitted_at_sum: the sum of their admission times, clock seconds (their mean age:
+            :meth:`mean_age`).
         kv_reserved_tokens: KV tokens reserved by them (block-rounded).
         tickets: the live tickets by ``id``.
         predictor: the output-length predictor (learned at release).
@@ -101,6 +103,7 @@ class Limits:
     """
 
     __slots__ = (
+        "admitted_at_sum",
         "concurrency_limit",
         "config",
         "engine_kv_until",
@@ -121,6 +124,7 @@ class Limits:
         self.config = config
         self.rates = RateLimits(config.limits, started_at, max_tenants)
         self.in_flight = 0
+        self.admitted_at_sum = 0.0
         self.kv_reserved_tokens = 0
         self.tickets: dict[int, Ticket] = {}
         self.predictor = LengthPredictor(
@@ -256,6 +260,12 @@ class Limits:
         cost_room = self.rates.cost_room(req.tenant, now)
         return self.max_tokens_within(req.prompt_tokens, req.n, kv_room, cost_room)
 
+    def mean_age(self, now: float) -> float:
+        """The mean seconds since admission of the requests in flight at clock time ``now``
+        (0 with none). O(1)."""
+        n = self.in_flight
+        return max(0.0, now - self.admitted_at_sum / n) if n > 0 else 0.0
+
     # ------------------------------------------------------------------ reservations
 
     def reserve(
@@ -306,6 +316,7 @@ class Limits:
         if kv < kv_max:
             self.predicted_in_flight += 1
         self.in_flight += 1
+        self.admitted_at_sum += now
         self.kv_reserved_tokens += kv
         self.tickets[id(ticket)] = ticket
         return ticket
@@ -323,6 +334,8 @@ class Limits:
                 bucket.charge(used - amount, now)
             bucket.pins -= 1
         self.in_flight -= 1
+        # (back to exactly 0 when the pod is idle: no rounding carried from one busy spell on)
+        self.admitted_at_sum = self.admitted_at_sum - ticket.admitted_at if self.in_flight else 0.0
         self.kv_reserved_tokens -= ticket.kv_tokens
         if ticket.kv_reserved_at_admission < ticket.kv_max:
             self.predicted_in_flight -= 1

@@ -165,17 +165,19 @@ def _expected_wait(
 ) -> float | None:
     """Seconds ``req`` would wait in the queue: its own bucket's refill time when only that
     blocks it, else the drain time of the waiters the fair order serves before it
-    (:meth:`WaitQueue.ahead_of`, :meth:`SloState.expected_wait`; the engine's own waiting
-    requests are ahead of all)."""
+    (:meth:`WaitQueue.ahead_of`, :meth:`SloState.expected_wait`, from the mean age of the
+    requests in flight; the engine's own waiting requests are ahead of all)."""
     if blocker is not None and blocker.tenant_scoped and blocker.bucket is not None:
         return blocker.bucket.seconds_until(blocker.amount, now)
-    return r.slo.expected_wait(r.queue.ahead_of(req), r.limits.in_flight, now)
+    limits = r.limits
+    return r.slo.expected_wait(r.queue.ahead_of(req), limits.in_flight, now, limits.mean_age(now))
 
 
 def _wait_budget(r: Resources, req: AdmissionRequest) -> float | None:
     """Seconds ``req`` may still wait under its TTFT SLO: its class's (``req.ttft_slo_seconds``;
     infinite: none), else the policy's for priorities >= ``slo.minPriority``; where the policy
-    states no TTFT SLO, the default wait bound (``AdmissionConfig.default_wait_seconds``); less
+    states no TTFT SLO, the default wait bound (``AdmissionConfig.default_wait_seconds``, or
+    longer on an engine whose first token is slow: :meth:`SloState.default_wait`); less
     what it waited before it reached this pod (``req.waited_seconds``, never below 0); None
     when no budget applies to it."""
     budget = _full_wait_budget(r, req)
@@ -189,7 +191,7 @@ def _full_wait_budget(r: Resources, req: AdmissionRequest) -> float | None:
     if ttft is None:
         cfg = r.limits.config
         if cfg.default_wait_seconds is not None:
-            return cfg.default_wait_seconds
+            return r.slo.default_wait(cfg.default_wait_seconds)
         if req.priority < cfg.slo_min_priority:
             return None
         return r.slo.wait_budget()

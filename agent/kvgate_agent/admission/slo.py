@@ -46,6 +46,16 @@ SMOOTHING = 0.1
 #: is final, so only the clearly hopeless are refused unqueued. Chosen on the effectiveness
 #: benchmark (1, 1.5, 2 and 2.5 tried; the table is in docs/benchmarks.md, "What kvgate does").
 SHED_FACTOR = 2.0
+#: Without a TTFT SLO or a stated wait bound, a request may wait in the queue the default bound
+#: or this many times the lowest admission-to-first-token time measured, whichever is longer:
+#: on an engine whose own first token takes seconds (a CPU server's prefill) a fixed 0.5 s
+#: refuses every request that would have to wait behind one other, while on a GPU (tens of
+#: milliseconds) the default stays. The same tolerance as the empty spec's TPOT knee
+#: (:data:`~.concurrency_limit.TOLERANCE`).
+UNLOADED_WAIT_FACTOR = 2.5
+#: The mean residual service time of the requests in flight is never taken below this share of
+#: the service time: one that ran past the mean is a long one, not one about to end.
+RESIDUAL_FLOOR = 0.25
 #: Weight of each release in the mean service time.
 SERVICE_ALPHA = 0.05
 #: Seconds between two raises of the limit before any service time is known.
@@ -72,6 +82,8 @@ class SloState:
         gap_s: smoothed inter-token time over all requests, seconds (None before any sample).
         prefill_s: smoothed admission-to-first-token time, seconds (0 before any sample).
         service_s: smoothed admission-to-release time, seconds (None before any sample).
+        lowest_ttft_s: the lowest measured admission-to-first-token time of any concurrency,
+            seconds, as of the last control interval (0: none).
     """
 
     DEFAULT_START = 64
@@ -86,6 +98,7 @@ class SloState:
         "_interval_end",
         "_reached",
         "gap_s",
+        "lowest_ttft_s",
         "max_limit",
         "prefill_s",
         "service_s",
@@ -113,6 +126,7 @@ class SloState:
         self.gap_s: float | None = None
         self.prefill_s = 0.0
         self.service_s: float | None = None
+        self.lowest_ttft_s = 0.0
         self._gap_sum = 0.0
         self._gap_n = 0.0
         self._reached = False
@@ -188,6 +202,7 @@ class SloState:
         self._gap_sum, self._gap_n = 0.0, 0.0
         self.table.fold(now)
         self.tpot.fold()
+        self.lowest_ttft_s = self.table.lowest_ttft(now)
         reached, self._reached = self._reached or in_flight >= self.limit, False
         sv = self.service_s
         self._control.decide(
@@ -212,17 +227,41 @@ class SloState:
         than its lifetime."""
         return self._engine_waiting if now <= self._engine_waiting_until else 0
 
-    def expected_wait(self, ahead: int, in_flight: int, now: float | None = None) -> float | None:
+    def expected_wait(
+        self, ahead: int, in_flight: int, now: float | None = None, age_s: float | None = None
+    ) -> float | None:
         """Seconds a newcomer with ``ahead`` requests waiting before it would wait while
-        ``in_flight`` requests hold the server: ``(ahead + w + 1) x service_s / in_flight``, with
-        ``w`` the engine's own waiting requests at clock time ``now`` (:meth:`engine_waiting`;
-        0 when ``now`` is None); None before any request was released or with nothing in
-        flight."""
-        if self.service_s is None or in_flight <= 0:
+        ``in_flight`` requests hold the server, ``w`` of the engine's own waiting requests at
+        clock time ``now`` ahead of all (:meth:`engine_waiting`; 0 when ``now`` is None); None
+        before any request was released or with nothing in flight.
+
+        With ``k = ahead + w + 1`` and ``S`` the service time: without ``age_s`` (the mean
+        seconds the requests in flight have run), ``k x S / in_flight``, the drain of a server
+        that frees ``in_flight`` slots per ``S``. With it, the requests in flight end first:
+        their mean residual is ``R = max(RESIDUAL_FLOOR x S, S - age_s)`` and, taken as spread
+        evenly over ``[0, 2R]``, the ``k``-th of ``n`` ends after ``2R x k / (n + 1)``; beyond
+        the ``n``-th, one more per ``S / n``. In the steady state (``age_s`` about ``S / 2``)
+        this is the drain above; where few requests hold a slow server (one llama.cpp slot
+        busy for seconds), a newcomer arriving near the end of the running request is not
+        told to wait a whole service time."""
+        sv = self.service_s
+        if sv is None or in_flight <= 0:
             return None
         if now is not None:
             ahead += self.engine_waiting(now)
-        return (ahead + 1) * self.service_s / in_flight
+        k = ahead + 1
+        if age_s is None:
+            return k * sv / in_flight
+        residual = max(RESIDUAL_FLOOR * sv, sv - age_s)
+        if k <= in_flight:
+            return 2.0 * residual * k / (in_flight + 1)
+        return 2.0 * residual * in_flight / (in_flight + 1) + (k - in_flight) * sv / in_flight
+
+    def default_wait(self, default_s: float) -> float:
+        """The queue wait bound of a request under no TTFT SLO, seconds: ``default_s`` or
+        :data:`UNLOADED_WAIT_FACTOR` times the lowest measured admission-to-first-token time
+        (as of the last control interval), whichever is longer."""
+        return max(default_s, UNLOADED_WAIT_FACTOR * self.lowest_ttft_s)
 
     def wait_budget(self, ttft_seconds: float | None = None) -> float | None:
         """Seconds a request under a TTFT SLO (``ttft_seconds``, its class's; default the

@@ -23,10 +23,7 @@ time within a tolerance of it.
 **Smoothing.** A gap is added to its bucket's interval sums in O(1); once per control interval
 (:meth:`StepTable.fold`) each touched bucket moves towards the interval's mean by the interval's
 share of the tokens seen (a running mean at first, then at least ``1 / WEIGHT_CAP`` per token,
-never more than :data:`ALPHA_MAX` in one interval). A gap counts at most :data:`CLIP` times the
-bucket's mean (or the recent mean over all buckets, if lower: a level seen only in a
-transient): a newcomer's prefill that stalls every stream is paid by the requests (their own
-TPOT teaches the limit how much), not a property of the batch size. A bucket is *measured* once
+never more than :data:`ALPHA_MAX` in one interval). A bucket is *measured* once
 it holds :data:`MIN_TOKENS` tokens over :data:`MIN_FOLDS` intervals and was updated within the
 last :data:`STALE_S` seconds: a stale bucket is forgotten (its next samples start it again), so
 a level found too slow once is tried again later (the workload's prompts or the model may have
@@ -53,8 +50,6 @@ MIN_TOKENS = 8.0
 #: Intervals a bucket needs before it counts as measured (one interval can be a transient: a
 #: burst of newcomers' prefills).
 MIN_FOLDS = 2
-#: A gap counts at most this many times the bucket's mean per token.
-CLIP = 1000.0
 #: Seconds without a new sample after which a bucket is no longer measured.
 STALE_S = 60.0
 #: Share of the distance to the interval's mean inter-token time the floor rises by per
@@ -105,7 +100,6 @@ class StepTable:
             levels unmeasured (a run that starts under load sees it only in its first
             intervals).
         folded: the buckets the last :meth:`fold` updated.
-        recent_s: the recent intervals' mean seconds per token over all buckets (0: none).
     """
 
     __slots__ = (
@@ -116,7 +110,6 @@ class StepTable:
         "folded",
         "folds",
         "mean",
-        "recent_s",
         "seen",
         "ttft",
         "ttft_n",
@@ -135,25 +128,16 @@ class StepTable:
         self._acc_tokens: list[float] = [0.0] * BUCKETS
         self._touched: list[int] = []
         self.floor_s = 0.0
-        self.recent_s = 0.0
         self.folds: list[int] = [0] * BUCKETS
         self.folded: list[int] = []
 
     def observe(self, in_flight: int, seconds: float, tokens: float) -> None:
         """``tokens`` (> 0) output tokens of one request arrived over ``seconds`` while
-        ``in_flight`` requests were in flight. A gap longer than :data:`CLIP` times the lower
-        of the bucket's mean and the table's recent mean counts as that much: a newcomer's
-        prefill stalling every stream is a cost of admitting, not of running, ``n`` (what
-        requests pay for it is learned from their own TPOT: :mod:`.concurrency_limit`). O(1)."""
+        ``in_flight`` requests were in flight (a newcomer's prefill that stalls every stream
+        counts: it is what running beside ``n - 1`` others costs while they arrive). O(1)."""
         i = bucket_of(in_flight)
         if self._acc_tokens[i] == 0.0:
             self._touched.append(i)
-        ref = self.recent_s
-        own = self.mean[i]
-        if self.weight[i] >= MIN_TOKENS and (ref == 0.0 or own < ref):
-            ref = own
-        if ref > 0.0 and seconds > CLIP * ref * tokens:
-            seconds = CLIP * ref * tokens
         self._acc_s[i] += seconds
         self._acc_tokens[i] += tokens
 
@@ -201,8 +185,6 @@ class StepTable:
             self.floor_s = interval
         else:
             self.floor_s = floor + FLOOR_DRIFT * (interval - floor)
-        recent = self.recent_s
-        self.recent_s = interval if recent == 0.0 else recent + ALPHA_MAX * (interval - recent)
 
     def measured(self, i: int, now: float) -> bool:
         """Whether bucket ``i``'s step time counts at clock time ``now``."""
