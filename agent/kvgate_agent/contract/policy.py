@@ -133,7 +133,8 @@ class SloSpec(ContractModel):
     never below 1 nor above ``concurrency.maxRequests`` or the engine's slots. Unset, the limit
     is the knee of throughput against concurrency instead: the most requests in flight whose
     inter-token time stays within 2.5 x the fastest measured, and with ``ttftSeconds`` unset
-    too a request waits at most 0.5 s in the queue unless ``queue.maxWaitSeconds`` says
+    too a request waits at most 0.5 s in the queue (or 2.5x the engine's lowest measured
+    admission-to-first-token time, where longer) unless ``queue.maxWaitSeconds`` says
     otherwise
     (:class:`~kvgate_agent.contract.queue.QueueSpec`). ``minPriority``: in [-1000, 1000], the
     priority header's range;

@@ -53,7 +53,9 @@ class QueueSpec(ContractModel):
     ``maxWaitSeconds``: the longest any request waits in the queue, seconds, in (0, 3600]; then
     it is degraded if allowed, else refused with 429 and Retry-After. Unset (the default):
     :data:`DEFAULT_WAIT_SECONDS` (0.5 s) for a request under no TTFT SLO while the policy states
-    no ``slo.ttftSeconds`` (one expected to wait more than twice that is refused at once, with
+    no ``slo.ttftSeconds``, or 2.5x the lowest admission-to-first-token time measured where
+    that is longer (an engine whose own first token takes seconds, such as llama.cpp on a CPU:
+    :meth:`kvgate_agent.admission.slo.SloState.default_wait`) (one expected to wait more than twice that is refused at once, with
     its expected wait as Retry-After, as under a TTFT SLO); a request under a TTFT SLO waits at
     most its wait budget, and a ``batch`` class's request at most
     :data:`MAX_WAIT_CAP_SECONDS` (30 s), as every request did before the default bound. Set, it
