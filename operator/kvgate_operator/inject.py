@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from kvgate_operator.inject_patch import PatchError, apply_patch, injection_ops
 from kvgate_operator.inject_pod import (
+    ANNOTATION_ADMIN_PORT,
     ANNOTATION_INJECT,
     ANNOTATION_INJECTED,
     ANNOTATION_MODEL_PORT,
@@ -32,9 +33,16 @@ from kvgate_operator.inject_pod import (
     show,
     tcp_ports,
 )
-from kvgate_operator.template import PORT_NAME, SIDECAR_NAME, TOKEN_VOLUME, InjectionConfig
+from kvgate_operator.template import (
+    ADMIN_PORT_NAME,
+    PORT_NAME,
+    SIDECAR_NAME,
+    TOKEN_VOLUME,
+    InjectionConfig,
+)
 
 __all__ = [
+    "ANNOTATION_ADMIN_PORT",
     "ANNOTATION_INJECT",
     "ANNOTATION_INJECTED",
     "ANNOTATION_MODEL_PORT",
@@ -81,17 +89,32 @@ class Injection:
 
 @dataclass(frozen=True)
 class _Ports:
-    """The ports the sidecar is wired with, and where each came from (for messages)."""
+    """The ports the sidecar is wired with, and where each came from (for messages). ``admin``
+    is None only for a pod injected by a template before the admin port (0.3.0)."""
 
     model: int
     model_from: str
     sidecar: int
     sidecar_annotated: bool
+    admin: int | None
+    admin_annotated: bool = False
 
     @property
     def sidecar_what(self) -> str:
         annotated = f" (annotation {ANNOTATION_SIDECAR_PORT})" if self.sidecar_annotated else ""
         return f"sidecar port {self.sidecar}{annotated}"
+
+    @property
+    def admin_what(self) -> str:
+        annotated = f" (annotation {ANNOTATION_ADMIN_PORT})" if self.admin_annotated else ""
+        return f"sidecar admin port {self.admin}{annotated}"
+
+    def own(self) -> list[tuple[int, str, str]]:
+        """The sidecar's ports: (port, what it is in a message, the annotation that moves it)."""
+        out = [(self.sidecar, self.sidecar_what, ANNOTATION_SIDECAR_PORT)]
+        if self.admin is not None:
+            out.append((self.admin, self.admin_what, ANNOTATION_ADMIN_PORT))
+        return out
 
 
 @dataclass(frozen=True)
@@ -100,6 +123,7 @@ class _Annotations:
 
     model_port: int | None
     sidecar_port: int | None
+    admin_port: int | None
     policy: str | None
 
 
@@ -161,16 +185,22 @@ def _rule_already_injected(pod: PodView, config: InjectionConfig) -> Injection |
 
 
 def _clash_after_injection(pod: PodView) -> Injection | None:
-    """The clash (rule 10's checks, volumes aside) between the injected sidecar's port (its
-    port named ``kvgate-http``) and the pod's other containers, or None (also for a pod whose
-    shape cannot be checked: the API server's own validation refuses it)."""
+    """The clash (rule 10's checks, volumes aside) between the injected sidecar's ports (those
+    named ``kvgate-http`` and ``kvgate-admin``; a template before 0.3.0 had no admin port) and
+    the pod's other containers, or None (also for a pod whose shape cannot be checked: the API
+    server's own validation refuses it)."""
     if shape_error(pod.src) is not None:
         return None
     sidecar = next(c for _, g in pod.groups() for c in g if c.get("name") == SIDECAR_NAME)
     ports = sidecar.get("ports")
     own = [p for p in ports if isinstance(p, dict)] if isinstance(ports, list) else []
-    port = next((p.get("containerPort") for p in own if p.get("name") == PORT_NAME), None)
-    if not isinstance(port, int) or isinstance(port, bool):
+
+    def port_named(name: str) -> int | None:
+        port = next((p.get("containerPort") for p in own if p.get("name") == name), None)
+        return port if isinstance(port, int) and not isinstance(port, bool) else None
+
+    port, admin = port_named(PORT_NAME), port_named(ADMIN_PORT_NAME)
+    if port is None:
         return None
     spec = {
         key: [c for c in containers(pod.spec, key) if c.get("name") != SIDECAR_NAME]
@@ -178,7 +208,8 @@ def _clash_after_injection(pod: PodView) -> Injection | None:
     }
     others = PodView({**pod.src, "spec": spec}, pod.namespace, pod.namespace_opt_in)
     annotated = ANNOTATION_SIDECAR_PORT in pod.annotations
-    clash = _container_clashes(others, _Ports(0, "", port, annotated))
+    admin_annotated = ANNOTATION_ADMIN_PORT in pod.annotations
+    clash = _container_clashes(others, _Ports(0, "", port, annotated, admin, admin_annotated))
     return None if clash is None else replace(clash, pod=pod.src)
 
 
@@ -272,20 +303,21 @@ def _port_annotation(pod: PodView, key: str) -> int | Injection | None:
 
 
 def _rule_annotations(pod: PodView) -> _Annotations | Injection:
-    """8. ``bad_annotation`` (refused): ``kvgate.io/model-port`` or ``kvgate.io/sidecar-port``
-    is not a port 1..65535, or ``kvgate.io/policy`` is not a RateLimitPolicy name (a lower-case
-    DNS subdomain)."""
-    model_port = _port_annotation(pod, ANNOTATION_MODEL_PORT)
-    if isinstance(model_port, Injection):
-        return model_port
-    sidecar_port = _port_annotation(pod, ANNOTATION_SIDECAR_PORT)
-    if isinstance(sidecar_port, Injection):
-        return sidecar_port
+    """8. ``bad_annotation`` (refused): ``kvgate.io/model-port``, ``kvgate.io/sidecar-port`` or
+    ``kvgate.io/admin-port`` is not a port 1..65535, or ``kvgate.io/policy`` is not a
+    RateLimitPolicy name (a lower-case DNS subdomain)."""
+    ports: list[int | None] = []
+    for key in (ANNOTATION_MODEL_PORT, ANNOTATION_SIDECAR_PORT, ANNOTATION_ADMIN_PORT):
+        port = _port_annotation(pod, key)
+        if isinstance(port, Injection):
+            return port
+        ports.append(port)
+    model_port, sidecar_port, admin_port = ports
     if ANNOTATION_POLICY not in pod.annotations:
-        return _Annotations(model_port, sidecar_port, None)
+        return _Annotations(model_port, sidecar_port, admin_port, None)
     policy = pod.annotations[ANNOTATION_POLICY]
     if isinstance(policy, str) and len(policy) <= 253 and _DNS_SUBDOMAIN_RE.fullmatch(policy):
-        return _Annotations(model_port, sidecar_port, policy)
+        return _Annotations(model_port, sidecar_port, admin_port, policy)
     return _refuse(
         pod,
         "bad_annotation",
@@ -301,13 +333,16 @@ def _rule_ports(pod: PodView, ann: _Annotations, config: InjectionConfig) -> _Po
     blocked)."""
     sidecar = config.sidecar_port if ann.sidecar_port is None else ann.sidecar_port
     annotated = ann.sidecar_port is not None
+    admin = config.admin_port if ann.admin_port is None else ann.admin_port
+    admin_annotated = ann.admin_port is not None
     if ann.model_port is not None:
-        return _Ports(ann.model_port, f"annotation {ANNOTATION_MODEL_PORT}", sidecar, annotated)
+        model_from = f"annotation {ANNOTATION_MODEL_PORT}"
+        return _Ports(ann.model_port, model_from, sidecar, annotated, admin, admin_annotated)
     first = containers(pod.spec, "containers")
     found = next(((c, p[0]) for c in first if (p := tcp_ports(c))), None)
     if found is not None:
         model_from = f"the first containerPort of container {show(found[0].get('name'))}"
-        return _Ports(found[1], model_from, sidecar, annotated)
+        return _Ports(found[1], model_from, sidecar, annotated, admin, admin_annotated)
     hint = (
         f"kvgate: cannot tell the model server's port: no container declares a TCP "
         f"containerPort; set annotation {ANNOTATION_MODEL_PORT}"
@@ -318,16 +353,25 @@ def _rule_ports(pod: PodView, ann: _Annotations, config: InjectionConfig) -> _Po
 
 
 def _rule_clashes(pod: PodView, ports: _Ports) -> Injection | None:
-    """10. ``port_clash`` (refused): the sidecar port is the model port or a TCP port of a
-    container. ``name_clash`` (refused): a container already has a port named ``kvgate-http``,
-    or the pod a volume named ``kvgate-token``. Containers are checked in order (containers,
-    then init containers), each for its ports then its port names; volumes last."""
-    if ports.sidecar == ports.model:
+    """10. ``port_clash`` (refused): the sidecar port or its admin port is the model port, the
+    two are one port, or either is a TCP port of a container. ``name_clash`` (refused): a
+    container already has a port named ``kvgate-http`` or ``kvgate-admin``, or the pod a volume
+    named ``kvgate-token``. Containers are checked in order (containers, then init containers),
+    each for its ports then its port names; volumes last."""
+    for port, what, key in ports.own():
+        if port == ports.model:
+            return _refuse(
+                pod,
+                "port_clash",
+                f"kvgate: {what} is the model server's port ({ports.model_from}); "
+                f"set annotation {key} to a free port",
+            )
+    if ports.admin == ports.sidecar:
         return _refuse(
             pod,
             "port_clash",
-            f"kvgate: {ports.sidecar_what} is the model server's port ({ports.model_from}); "
-            f"set annotation {ANNOTATION_SIDECAR_PORT} to a free port",
+            f"kvgate: {ports.admin_what} is the {ports.sidecar_what}; set annotation "
+            f"{ANNOTATION_ADMIN_PORT} to a free port",
         )
     clash = _container_clashes(pod, ports)
     if clash is not None:
@@ -346,23 +390,27 @@ def _rule_clashes(pod: PodView, ports: _Ports) -> Injection | None:
 def _container_clashes(pod: PodView, ports: _Ports) -> Injection | None:
     """Rule 10's checks of the containers (then init containers), in order: each for its TCP
     ports (``port_clash``), then its port names (``name_clash``)."""
-    fix = f"set annotation {ANNOTATION_SIDECAR_PORT} to a free port"
+    own = ports.own()
+    names = (PORT_NAME, ADMIN_PORT_NAME)
     for kind, group in pod.groups():
         for c in group:
             name = show(c.get("name"))
-            if ports.sidecar in tcp_ports(c):
-                return _refuse(
-                    pod,
-                    "port_clash",
-                    f"kvgate: {ports.sidecar_what} is already used by {kind} {name}; {fix}",
-                )
-            if any(
-                isinstance(p, dict) and p.get("name") == PORT_NAME for p in c.get("ports") or []
-            ):
+            used = tcp_ports(c)
+            for port, what, key in own:
+                if port in used:
+                    return _refuse(
+                        pod,
+                        "port_clash",
+                        f"kvgate: {what} is already used by {kind} {name}; "
+                        f"set annotation {key} to a free port",
+                    )
+            declared = {p.get("name") for p in c.get("ports") or [] if isinstance(p, dict)}
+            taken = next((n for n in names if n in declared), None)
+            if taken is not None:
                 return _refuse(
                     pod,
                     "name_clash",
-                    f"kvgate: {kind} {name} already has a port named {PORT_NAME!r}, which the "
+                    f"kvgate: {kind} {name} already has a port named {taken!r}, which the "
                     f"sidecar needs; rename it",
                 )
     return None
@@ -376,14 +424,21 @@ def _rule_inject(
     last), the token volume, the Secret volumes (store, keys, JWKS) and the EPP engine-type
     label (:func:`~kvgate_operator.inject_patch.injection_ops`). The patch is the single source of
     truth: the returned pod is the patch applied."""
+    assert ports.admin is not None  # None only for a pod injected before, never injected again
     ops = injection_ops(
-        pod, config, model_port=ports.model, sidecar_port=ports.sidecar, policy=policy
+        pod,
+        config,
+        model_port=ports.model,
+        sidecar_port=ports.sidecar,
+        admin_port=ports.admin,
+        policy=policy,
     )
     mode = "native sidecar (init container)" if config.native_sidecar else "container"
     return Injection(
         "injected",
         "injected",
-        f"kvgate: sidecar injected as a {mode}: port {ports.sidecar} -> model port {ports.model}",
+        f"kvgate: sidecar injected as a {mode}: port {ports.sidecar} -> model port {ports.model}"
+        f" (admin port {ports.admin})",
         apply_patch(pod.src, ops),
         ops,
     )

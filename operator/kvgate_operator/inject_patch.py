@@ -86,6 +86,7 @@ def injection_ops(
     *,
     model_port: int,
     sidecar_port: int,
+    admin_port: int,
     policy: str | None,
 ) -> list[dict[str, Any]]:
     """The operations that inject the sidecar into ``pod`` (a pod whose shape can be patched:
@@ -100,13 +101,20 @@ def injection_ops(
         config: how to inject.
         model_port: the model server's port (1..65535), which the sidecar forwards to.
         sidecar_port: the port the sidecar listens on (1..65535).
+        admin_port: the port of the sidecar's admin listener (1..65535).
         policy: the RateLimitPolicy named by the pod's annotation, or None.
     """
     native, files = config.native_sidecar, config.identity_files()
     container = sidecar_container(
-        config, model_port=model_port, sidecar_port=sidecar_port, policy=policy
+        config,
+        model_port=model_port,
+        sidecar_port=sidecar_port,
+        policy=policy,
+        admin_port=admin_port,
     )
-    marker = injected_annotation(model_port=model_port, sidecar_port=sidecar_port, native=native)
+    marker = injected_annotation(
+        model_port=model_port, sidecar_port=sidecar_port, admin_port=admin_port, native=native
+    )
     ops = [
         _marker_op(pod, marker),
         _append_op(pod.spec, "initContainers" if native else "containers", container),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "ANNOTATION_ADMIN_PORT",
     "ANNOTATION_INJECT",
     "ANNOTATION_INJECTED",
     "ANNOTATION_MODEL_PORT",
@@ -33,12 +34,16 @@ ANNOTATION_INJECT = "kvgate.io/inject"
 """Pod annotation: ``"false"`` opts out, ``"true"`` is accepted, anything else is refused."""
 ANNOTATION_INJECTED = "kvgate.io/injected"
 """Written on injection: compact JSON, sorted keys, e.g.
-``{"modelPort":8000,"native":true,"sidecarPort":8001,"version":"0.2.0"}``."""
+``{"adminPort":9471,"modelPort":8000,"native":true,"sidecarPort":8001,"version":"0.3.0"}``
+(templates before 0.3.0 had no admin port and no ``adminPort``)."""
 ANNOTATION_MODEL_PORT = "kvgate.io/model-port"
 """The model server's port, 1..65535. Default: the first TCP ``containerPort`` of the first
 container that has one."""
 ANNOTATION_SIDECAR_PORT = "kvgate.io/sidecar-port"
 """The sidecar's port, 1..65535. Default ``InjectionConfig.sidecar_port``."""
+ANNOTATION_ADMIN_PORT = "kvgate.io/admin-port"
+"""The port of the sidecar's admin listener (per-tenant metrics), 1..65535. Default
+``InjectionConfig.admin_port``."""
 ANNOTATION_POLICY = "kvgate.io/policy"
 """The RateLimitPolicy expected to govern the pod (informational; the sidecar's
 ``KVGATE_EXPECTED_POLICY``)."""

@@ -1,5 +1,6 @@
 """The injected sidecar's template: its settings (:class:`InjectionConfig`), the
-``kvgate-sidecar`` container, its token volume and the ``kvgate.io/injected`` marker.
+``kvgate-sidecar`` container (its clients' port ``kvgate-http`` and its admin port
+``kvgate-admin``), its token volume and the ``kvgate.io/injected`` marker.
 
 Pure: no I/O. Invariant: :data:`TEMPLATE_VERSION` changes whenever what these functions build
 changes, so the operator can tell pods injected with an older template.
@@ -20,11 +21,15 @@ from kvgate_operator.inject_store import StoreInjection, store_env, store_mounts
 
 SIDECAR_NAME = "kvgate-sidecar"
 PORT_NAME = "kvgate-http"
+"""The sidecar's clients' port: a model Service's ``targetPort``."""
+ADMIN_PORT_NAME = "kvgate-admin"
+"""The sidecar's admin port (``KVGATE_ADMIN_LISTEN``): ``/metrics`` with every series, each
+tenant's included, ``/healthz`` and ``/readyz``; what the chart's PodMonitor scrapes."""
 TOKEN_VOLUME = "kvgate-token"
 TOKEN_DIR = "/var/run/secrets/kvgate"
 TOKEN_FILE = TOKEN_DIR + "/token"
 RUN_AS_USER = 65532
-TEMPLATE_VERSION = "0.2.0"
+TEMPLATE_VERSION = "0.3.0"
 """Version of the injected container's template: bump it whenever the template changes, so the
 operator can tell pods injected with an older one (``kvgate.io/injected``)."""
 
@@ -58,6 +63,14 @@ class InjectionConfig(BaseModel):
     ``spec.containers``."""
     sidecar_port: int = Field(8001, ge=1, le=65535)
     """TCP port the sidecar listens on, unless the pod annotates ``kvgate.io/sidecar-port``."""
+    admin_port: int = Field(9471, ge=1, le=65535)
+    """TCP port of the sidecar's admin listener (``KVGATE_ADMIN_LISTEN``, the container port
+    named ``kvgate-admin``), unless the pod annotates ``kvgate.io/admin-port``: ``/metrics``
+    with every series (where the policy names tenants by credentials the clients' port leaves
+    each tenant's out), ``/healthz``, ``/readyz``; the chart's PodMonitor scrapes it. 9471 sits
+    beside the node agent's 9470, clear of the sidecar's 8001 and of the engines' usual ports
+    (vLLM and TensorRT-LLM 8000, TGI 80 and 8080, llama.cpp 8080, SGLang 30000, Triton
+    8000-8002, Ollama 11434)."""
     agent_port: int = Field(9470, ge=1, le=65535)
     """The node agent's hostPort; the sidecar syncs with
     ``http://$(KVGATE_HOST_IP):<agent_port>``."""
@@ -156,10 +169,16 @@ def _probe(path: str, port: int, period: int, failures: int) -> dict[str, Any]:
 
 
 def sidecar_container(
-    config: InjectionConfig, *, model_port: int, sidecar_port: int, policy: str | None
+    config: InjectionConfig,
+    *,
+    model_port: int,
+    sidecar_port: int,
+    policy: str | None,
+    admin_port: int | None = None,
 ) -> dict[str, Any]:
     """The ``kvgate-sidecar`` container: ``kvgate-agent sidecar`` in cluster mode (thresholds
-    from the node agent), proxying ``0.0.0.0:<sidecar_port>`` to ``127.0.0.1:<model_port>``.
+    from the node agent), proxying ``0.0.0.0:<sidecar_port>`` to ``127.0.0.1:<model_port>``,
+    with its admin listener on ``0.0.0.0:<admin_port>`` (None: ``config.admin_port``).
 
     The env order is fixed: ``KVGATE_HOST_IP`` precedes ``KVGATE_AGENT_URL``, which refers to
     it as ``$(KVGATE_HOST_IP)`` (Kubernetes expands only variables defined earlier)."""
@@ -167,9 +186,11 @@ def sidecar_container(
     def field_ref(name: str, path: str) -> dict[str, Any]:
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
+    admin = config.admin_port if admin_port is None else admin_port
     env: list[dict[str, Any]] = [
         {"name": "KVGATE_UPSTREAM", "value": f"http://127.0.0.1:{model_port}"},
         {"name": "KVGATE_LISTEN", "value": f"0.0.0.0:{sidecar_port}"},
+        {"name": "KVGATE_ADMIN_LISTEN", "value": f"0.0.0.0:{admin}"},
         field_ref("KVGATE_HOST_IP", "status.hostIP"),
         {"name": "KVGATE_AGENT_URL", "value": f"http://$(KVGATE_HOST_IP):{config.agent_port}"},
         field_ref("KVGATE_POD_NAMESPACE", "metadata.namespace"),
@@ -194,7 +215,10 @@ def sidecar_container(
         "image": config.sidecar_image,
         "imagePullPolicy": config.image_pull_policy,
         "args": ["sidecar"],
-        "ports": [{"name": PORT_NAME, "containerPort": sidecar_port, "protocol": "TCP"}],
+        "ports": [
+            {"name": PORT_NAME, "containerPort": sidecar_port, "protocol": "TCP"},
+            {"name": ADMIN_PORT_NAME, "containerPort": admin, "protocol": "TCP"},
+        ],
         "env": env,
         "resources": copy.deepcopy(config.resources),
         "volumeMounts": [{"name": TOKEN_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],
@@ -239,10 +263,13 @@ def token_volume(config: InjectionConfig) -> dict[str, Any]:
     }
 
 
-def injected_annotation(*, model_port: int, sidecar_port: int, native: bool) -> str:
+def injected_annotation(
+    *, model_port: int, sidecar_port: int, admin_port: int, native: bool
+) -> str:
     """The value of ``kvgate.io/injected``: compact JSON, sorted keys."""
     return json.dumps(
         {
+            "adminPort": admin_port,
             "modelPort": model_port,
             "native": native,
             "sidecarPort": sidecar_port,

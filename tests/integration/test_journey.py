@@ -292,7 +292,7 @@ def test_install_inject_enforce_and_rbac(
     cp.kubectl("apply", "-f", "-", input=yaml.safe_dump(
         {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}
     ))  # fmt: skip
-    model_port, sidecar_port = free_port(), free_port()
+    model_port, sidecar_port, admin_port = free_port(), free_port(), free_port()
 
     def model_pod(name: str, ns: str, labels: dict[str, str], **annotations: str) -> Any:
         pod = {
@@ -302,7 +302,11 @@ def test_install_inject_enforce_and_rbac(
                 "name": name,
                 "namespace": ns,
                 "labels": labels,
-                "annotations": {"kvgate.io/sidecar-port": str(sidecar_port), **annotations},
+                "annotations": {
+                    "kvgate.io/sidecar-port": str(sidecar_port),
+                    "kvgate.io/admin-port": str(admin_port),  # the PodMonitor scrapes it
+                    **annotations,
+                },
             },
             "spec": {
                 "nodeName": NODE,
@@ -333,6 +337,7 @@ def test_install_inject_enforce_and_rbac(
     sc = sidecars[0]
     record = json.loads(pod["metadata"]["annotations"]["kvgate.io/injected"])
     assert record["modelPort"] == model_port and record["sidecarPort"] == sidecar_port
+    assert record["adminPort"] == admin_port
     assert sc["securityContext"]["runAsNonRoot"] and sc["securityContext"]["readOnlyRootFilesystem"]
     assert sc["readinessProbe"]["httpGet"]["path"] == "/readyz"
     token_vol = next(v for v in pod["spec"]["volumes"] if v["name"] == "kvgate-token")
@@ -410,7 +415,9 @@ def test_install_inject_enforce_and_rbac(
     token_file = j.work / "token"
     token_file.write_text(token)
     env["KVGATE_TOKEN_FILE"] = str(token_file)
+    assert env["KVGATE_ADMIN_LISTEN"] == f"0.0.0.0:{admin_port}"
     env["KVGATE_LISTEN"] = f"127.0.0.1:{sidecar_port}"
+    env["KVGATE_ADMIN_LISTEN"] = f"127.0.0.1:{admin_port}"
     j.spawn(
         kvgate_agent_argv(*sc["args"]),
         {**dict(os.environ), **env},

@@ -26,12 +26,11 @@ import pytest
 import yaml
 from aiohttp import web
 
-from kvgate_agent.contract.sync import SYNC_PATH
 from kvgate_bench.kit.processes import Proc, start_sidecar
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import SidecarFactory, policy_doc
 from tests.identity_keys import AUDIENCE, ISSUER, jwks, rsa_key, write_keys
-from tests.sync_answers import answer
+from tests.sync_answers import serve_thresholds
 from tests.upstream import CHAT, Upstream
 
 JWT_SPEC = {"tenants": {"header": "authorization", "jwt": {"issuer": ISSUER, "audience": AUDIENCE}}}
@@ -228,24 +227,6 @@ async def test_an_undeclared_class_is_reported_when_the_keys_file_is_loaded(
         await wait_until_async(warned, 10, "the undeclared class reported at load")
     assert "names no class of the policy's tenants.classes" in warned()[0]
     assert upstream.bodies == []
-
-
-async def serve_thresholds(spec: dict[str, Any]) -> tuple[str, web.AppRunner]:
-    """A node agent's sync endpoint on a free loopback port answering pod ``ns/model-0`` with
-    ``spec`` as its thresholds (:func:`tests.sync_answers.answer`); its URL and runner."""
-
-    async def sync(request: web.Request) -> web.Response:
-        await request.read()
-        body = answer(spec, interval=0.2).model_dump(by_alias=True, mode="json")
-        return web.json_response(body, headers={"ETag": "e1"})
-
-    app = web.Application()
-    app.router.add_post(SYNC_PATH, sync)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return f"http://127.0.0.1:{port}", runner
 
 
 @pytest.mark.parametrize("mode", ["standalone", "agent"])

@@ -34,6 +34,8 @@ import yaml
 from cryptography import x509
 from kopf._cogs.structs import bodies
 
+from kvgate_agent.sidecar.tenants import tenant_of
+from kvgate_bench.kit.processes import kvgate_agent_argv, start
 from kvgate_bench.kit.toolkit import (
     fetch_text,
     free_port,
@@ -41,17 +43,20 @@ from kvgate_bench.kit.toolkit import (
     poll_until_async,
     samples_by_labels,
     wait_until,
+    wait_until_async,
 )
 from kvgate_operator.cert_issue import new_ca, new_serving_cert
-from kvgate_operator.inject import ANNOTATION_INJECTED, inject
+from kvgate_operator.inject import ANNOTATION_ADMIN_PORT, ANNOTATION_INJECTED, inject
 from kvgate_operator.metrics import OperatorMetrics
-from kvgate_operator.template import SIDECAR_NAME, InjectionConfig
+from kvgate_operator.template import ADMIN_PORT_NAME, PORT_NAME, SIDECAR_NAME, InjectionConfig
 from kvgate_operator.webhook import (
     InjectionWebhook,
     NamespaceLabels,
     ReloadingWebhookServer,
     merge_patch,
 )
+from tests.sync_answers import serve_thresholds
+from tests.upstream import CHAT, Upstream
 
 CONFIG_NAME = "kvgate-test-sidecar-injector"
 UNGUARDED_CONFIG_NAME = "kvgate-test-unguarded-injector"
@@ -661,6 +666,123 @@ def test_a_port_clash_is_refused_with_the_message_in_kubectls_error(
     gone = kube.kubectl("get", "pod", "clash", "-n", ns, check=False)
     assert gone.returncode != 0
     assert webhook.metric("kvgate_webhook_injections_total", action="refused", reason="port_clash")
+
+
+def test_an_injected_sidecar_has_an_admin_port_and_a_clash_with_it_names_its_annotation(
+    crds: Any, webhook: WebhookOperator
+) -> None:
+    """The webhook gives the sidecar its admin listener (per-tenant metrics, what the chart's
+    PodMonitor scrapes): the container port ``kvgate-admin``, 9471 unless the pod annotates
+    ``kvgate.io/admin-port``, as ``KVGATE_ADMIN_LISTEN``; a container already on it is refused
+    with the annotation to set."""
+    kube = crds
+    ns = namespace(kube, "wh-admin-port", {"kvgate.io/inject": "true"})
+    for name, marks, admin in (
+        ("default-admin", {}, 9471),
+        ("moved-admin", {ANNOTATION_ADMIN_PORT: "19471"}, 19471),
+    ):
+        create(kube, model_pod(name, ns, annotations=marks))
+        pod = get_pod(kube, ns, name)
+        sc = sidecar_of(pod)
+        assert sc["ports"] == [
+            {"name": PORT_NAME, "containerPort": 8001, "protocol": "TCP"},
+            {"name": ADMIN_PORT_NAME, "containerPort": admin, "protocol": "TCP"},
+        ]
+        env = {e["name"]: e.get("value") for e in sc["env"]}
+        assert env["KVGATE_ADMIN_LISTEN"] == f"0.0.0.0:{admin}"
+        assert env["KVGATE_LISTEN"] == "0.0.0.0:8001"
+        marker = json.loads(pod["metadata"]["annotations"][ANNOTATION_INJECTED])
+        assert (marker["adminPort"], marker["sidecarPort"]) == (admin, 8001)
+    clash = model_pod("admin-clash", ns)
+    clash["spec"]["containers"].append(
+        {"name": "exporter", "image": "exporter", "ports": [{"containerPort": 9471}]}
+    )
+    out = create(kube, clash, check=False)
+    assert out.returncode != 0
+    assert "kvgate: sidecar admin port 9471 is already used by container 'exporter'" in out.stderr
+    assert "set annotation kvgate.io/admin-port to a free port" in out.stderr
+    assert kube.kubectl("get", "pod", "admin-clash", "-n", ns, check=False).returncode != 0
+
+
+def kubelet_env(container: dict[str, Any], fields: dict[str, str]) -> dict[str, str]:
+    """A container's ``env`` as the kubelet gives it: each ``value`` with ``$(VAR)`` of the
+    variables before it expanded, each ``fieldRef`` from ``fields`` (its field path -> value)."""
+    out: dict[str, str] = {}
+    for item in container["env"]:
+        if "value" in item:
+            value = str(item["value"])
+            for k, v in out.items():
+                value = value.replace(f"$({k})", v)
+        else:
+            value = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        out[item["name"]] = value
+    return out
+
+
+async def test_an_injected_sidecar_serves_each_tenant_on_its_admin_port_only(
+    crds: Any, webhook: WebhookOperator, upstream: Upstream, tmp_path: Path
+) -> None:
+    """The real ``kvgate-agent sidecar`` run with the command and environment the webhook wrote
+    into a pod (ports moved by annotation to free ones: this machine is the node), under a
+    policy naming tenants by credentials (the node agent's answer, ``tenants.header:
+    authorization``): a tenant's series are on the admin port's ``/metrics``, where the chart's
+    PodMonitor scrapes, and not on the clients' port's ``/kvgate/metrics``; the clients' port
+    keeps the router gauges on ``/metrics``."""
+    kube = crds
+    ns = await asyncio.to_thread(namespace, kube, "wh-admin-http", {"kvgate.io/inject": "true"})
+    sidecar_port, admin_port = free_port(), free_port()
+    model_port = int(upstream.url.rsplit(":", 1)[1])
+    annotations = {
+        "kvgate.io/model-port": str(model_port),
+        "kvgate.io/sidecar-port": str(sidecar_port),
+        ANNOTATION_ADMIN_PORT: str(admin_port),
+    }
+    await asyncio.to_thread(create, kube, model_pod("served", ns, annotations=annotations))
+    pod = await asyncio.to_thread(get_pod, kube, ns, "served")
+    sc = sidecar_of(pod)
+    named = {p["name"]: p["containerPort"] for p in sc["ports"]}
+    assert named == {PORT_NAME: sidecar_port, ADMIN_PORT_NAME: admin_port}
+    env = kubelet_env(sc, {
+        "metadata.namespace": ns, "metadata.name": "served", "metadata.uid": pod["metadata"]["uid"],
+        "status.podIP": "127.0.0.1", "status.hostIP": "127.0.0.1",
+    })  # fmt: skip
+    assert env["KVGATE_UPSTREAM"] == upstream.url
+    agent_url, agent = await serve_thresholds({"tenants": {"header": "authorization"}})
+    (tmp_path / "token").write_text("tok")
+    # Only where the node agent and the projected token are: this test's, not the node's.
+    env.update(KVGATE_AGENT_URL=agent_url, KVGATE_TOKEN_FILE=str(tmp_path / "token"))
+    proc = await asyncio.to_thread(
+        start, kvgate_agent_argv(*sc["args"]), tmp_path / "sidecar.log",
+        env={**os.environ, **env}, url=f"http://127.0.0.1:{sidecar_port}", ready="/healthz",
+        timeout=30.0,
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as s:
+            chat = f"{proc.url}/v1/chat/completions"
+            bearer = {"Authorization": "Bearer sk-team-secret"}
+
+            async def live() -> bool:
+                async with s.post(chat, json=CHAT, headers=bearer) as r:
+                    await r.read()
+                    return r.headers.get("x-kvgate-thresholds") == "live" and r.status == 200
+
+            await wait_until_async(live, 20, "the node agent's policy enforced", interval=0.2)
+            tenant = tenant_of({"authorization": bearer["Authorization"]}, "authorization")
+            assert tenant.startswith("key-")
+            async with s.get(f"{proc.url}/kvgate/metrics") as r:
+                public = await r.text()
+            async with s.get(f"http://127.0.0.1:{admin_port}/metrics") as r:
+                assert r.status == 200
+                admin = await r.text()
+            async with s.get(f"{proc.url}/metrics") as r:
+                router = await r.text()
+    finally:
+        await asyncio.to_thread(proc.stop)
+        await agent.cleanup()
+    assert f'tenant="{tenant}"' in admin
+    assert 'kvgate_admission_decisions_total{outcome="admitted"' in admin
+    assert tenant not in public and "kvgate_in_flight_requests" in public
+    assert "kvgate_queue_depth" in router and tenant not in router
 
 
 class PortAdder:

@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 from kvgate_operator.settings import OperatorSettings
-from kvgate_operator.template import PORT_NAME, InjectionConfig
+from kvgate_operator.template import ADMIN_PORT_NAME, InjectionConfig
 from tests.conftest import REPO, k8s_bin_dir
 
 CHART = REPO / "charts" / "kvgate"
@@ -58,6 +58,7 @@ INJECTION_KEYS = {
     "imagePullPolicy",
     "nativeSidecar",
     "sidecarPort",
+    "adminPort",
     "agentPort",
     "tokenAudience",
     "tokenExpirationSeconds",
@@ -844,6 +845,7 @@ def test_injection_settings(docs: dict[str, Docs], scenario: str) -> None:
     assert SYSTEM_NAMESPACES | {NAMESPACE} <= set(inj["excludedNamespaces"])
     assert inj["nativeSidecar"] is (scenario != "plain-container")
     assert isinstance(inj["sidecarPort"], int) and isinstance(inj["tokenExpirationSeconds"], int)
+    assert inj["adminPort"] == 9471 != inj["sidecarPort"]
     assert set(inj["resources"]) <= {"requests", "limits"}
     # The operator's own model of these settings accepts them as rendered.
     cfg = InjectionConfig.model_validate(inj)
@@ -861,7 +863,7 @@ def test_injection_tracks_values(helm: Helm) -> None:
             "--set",
             "agent.image.repository=reg/agent,agent.image.tag=t1,agent.port=9999",
             "--set",
-            "injector.sidecarPort=8001,injector.logLevel=DEBUG",
+            "injector.sidecarPort=8001,injector.adminPort=9090,injector.logLevel=DEBUG",
             "--set",
             "injector.drainSeconds=12,injector.headerTimeoutSeconds=5,"
             "injector.bodyTimeoutSeconds=0,injector.upstreamTimeoutSeconds=120",
@@ -881,7 +883,7 @@ def test_injection_tracks_values(helm: Helm) -> None:
         _env(dep["spec"]["template"]["spec"]["containers"][0])["KVGATE_OPERATOR_INJECTION"]
     )
     assert inj["sidecarImage"] == "reg/agent:t1"
-    assert (inj["agentPort"], inj["sidecarPort"]) == (9999, 8001)
+    assert (inj["agentPort"], inj["sidecarPort"], inj["adminPort"]) == (9999, 8001, 9090)
     assert (inj["drainSeconds"], inj["logLevel"]) == (12, "DEBUG")
     timeouts = ("headerTimeoutSeconds", "bodyTimeoutSeconds", "upstreamTimeoutSeconds")
     assert tuple(inj[k] for k in timeouts) == (5, 0, 120)
@@ -1126,11 +1128,13 @@ def test_monitoring_objects(docs: dict[str, Docs]) -> None:
         assert len(services) == 1, [s["metadata"]["name"] for s in services]
         assert services[0]["spec"]["selector"]["app.kubernetes.io/component"] == component
     assert _one(d, "Service", "kvgate-agent")["spec"]["clusterIP"] == "None"
-    # The sidecars: the port the webhook names, the path the sidecar serves, every namespace.
+    # The sidecars: their admin port as the webhook names it, the path the admin listener
+    # serves (the whole registry, every tenant's series included), every namespace.
     pm = _one(d, "PodMonitor", "kvgate-sidecars")["spec"]
     (ep,) = pm["podMetricsEndpoints"]
-    assert ep["port"] == PORT_NAME and pm["namespaceSelector"] == {"any": True}
-    assert f'add_get("{ep["path"]}", self.client_metrics_endpoint)' in SIDECAR_APP.read_text()
+    assert ep["port"] == ADMIN_PORT_NAME and pm["namespaceSelector"] == {"any": True}
+    admin_app = SIDECAR_APP.read_text().split("def build_admin_app", 1)[1].split("\n    def ", 1)
+    assert f'add_get("{ep["path"]}", self.metrics_endpoint)' in admin_app[0]
     cm = _one(d, "ConfigMap", "kvgate-dashboard")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"]["kvgate.json"] == (CHART / "dashboards" / "kvgate.json").read_text().rstrip(

@@ -1,7 +1,7 @@
 """The identity examples in examples/identity/ (kept out of examples/, which is applied whole
 with ``kubectl apply -f examples/`` and read as policies): each parses, the policies as
 RateLimitPolicies, the keys file as the sidecar reads it (its commented keys hash to its
-entries), and the NetworkPolicy opens only the injected sidecar's port (schema-free checks)."""
+entries), and the NetworkPolicy opens only the injected sidecar's two ports (schema-free checks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kvgate_agent.contract.identity import UnknownKeys
 from kvgate_agent.contract.policy import load_policy
 from kvgate_agent.sidecar.classes import class_names
 from kvgate_agent.sidecar.keyfiles import key_digest, parse_api_keys
-from kvgate_operator.template import PORT_NAME
+from kvgate_operator.template import ADMIN_PORT_NAME, PORT_NAME
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "identity"
 
@@ -48,15 +48,22 @@ def test_each_class_of_the_keys_file_is_declared_by_the_paired_policy() -> None:
     assert batch.priority < 0 and batch.batch  # sheddable, as the comments say
 
 
-def test_the_network_policy_admits_only_the_sidecar_port() -> None:
+def test_the_network_policy_admits_only_the_sidecars_ports() -> None:
+    """The sidecar's clients' port to the gateway and the agents; its admin port (every tenant's
+    series) to Prometheus alone; nothing else, the model server's own port included."""
     (doc,) = list(yaml.safe_load_all((EXAMPLES / "networkpolicy-gateway-only.yaml").read_text()))
     assert (doc["apiVersion"], doc["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
     spec = doc["spec"]
     assert spec["podSelector"]["matchLabels"]
     assert spec["policyTypes"] == ["Ingress"]
-    (rule,) = spec["ingress"]
-    assert rule["ports"] == [{"port": PORT_NAME, "protocol": "TCP"}]
-    peers = rule["from"]
-    assert peers and all(set(p) == {"namespaceSelector", "podSelector"} for p in peers)
-    assert all(p["namespaceSelector"]["matchLabels"] for p in peers)  # no namespace is "any"
+    clients, admin = spec["ingress"]
+    assert clients["ports"] == [{"port": PORT_NAME, "protocol": "TCP"}]
+    assert admin["ports"] == [{"port": ADMIN_PORT_NAME, "protocol": "TCP"}]
+    for rule in (clients, admin):
+        peers = rule["from"]
+        assert peers and all(set(p) == {"namespaceSelector", "podSelector"} for p in peers)
+        assert all(p["namespaceSelector"]["matchLabels"] for p in peers)  # no namespace is "any"
+    (prometheus,) = admin["from"]
+    assert prometheus["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert prometheus not in clients["from"]
     assert "egress" not in spec

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvgate_operator.inject import (
+    ANNOTATION_ADMIN_PORT,
     ANNOTATION_INJECT,
     ANNOTATION_INJECTED,
     ANNOTATION_MODEL_PORT,
@@ -36,6 +37,7 @@ from kvgate_operator.inject import (
     apply_patch,
     inject,
 )
+from kvgate_operator.inject_pod import tcp_ports
 from kvgate_operator.inject_router import ENGINE_TYPE_LABEL
 from kvgate_operator.inject_store import ANNOTATION_STORE, STORE_KIND, store_volumes
 from kvgate_operator.template import (
@@ -223,9 +225,26 @@ def check_result(
         assert mounts[f.volume] == {"name": f.volume, "mountPath": f.directory, "readOnly": True}
         assert {"name": f.variable, "value": f"{f.directory}/{f.key}"} in sidecar["env"]
     assert restricted_violations(r.pod, sidecar) == []
+    # The sidecar's two ports, named, each its own and used by no other container of the pod;
+    # the admin listener is on the port named kvgate-admin.
+    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    assert set(ports) == {"kvgate-http", "kvgate-admin"}
+    assert ports["kvgate-http"] != ports["kvgate-admin"]
+    others = [
+        c
+        for k in ("initContainers", "containers")
+        for c in r.pod["spec"].get(k) or []
+        if c.get("name") != SIDECAR_NAME
+    ]
+    assert not set(ports.values()) & {n for c in others for n in tcp_ports(c)}
+    taken = {p.get("name") for c in others for p in c.get("ports") or [] if isinstance(p, dict)}
+    assert not set(ports) & taken
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env["KVGATE_ADMIN_LISTEN"] == f"0.0.0.0:{ports['kvgate-admin']}"
     marker = json.loads(r.pod["metadata"]["annotations"][ANNOTATION_INJECTED])
     assert marker["native"] == config.native_sidecar
     assert marker["sidecarPort"] == sidecar["ports"][0]["containerPort"]
+    assert marker["adminPort"] == sidecar["ports"][1]["containerPort"]
     env = {e["name"]: e for e in sidecar["env"]}
     assert env["KVGATE_UPSTREAM"]["value"] == f"http://127.0.0.1:{marker['modelPort']}"
     names = [e["name"] for e in sidecar["env"]]
@@ -411,7 +430,11 @@ def test_port_annotations_at_the_limits() -> None:
     r = inject(
         vllm_pod(
             labels={LABEL_INJECT: "true"},
-            annotations={ANNOTATION_MODEL_PORT: "1", ANNOTATION_SIDECAR_PORT: "65535"},
+            annotations={
+                ANNOTATION_MODEL_PORT: "1",
+                ANNOTATION_SIDECAR_PORT: "65535",
+                ANNOTATION_ADMIN_PORT: "2",
+            },
         ),
         namespace="m",
         namespace_opt_in=False,
@@ -419,6 +442,7 @@ def test_port_annotations_at_the_limits() -> None:
     )
     assert r.action == "injected"
     assert json.loads(r.pod["metadata"]["annotations"][ANNOTATION_INJECTED]) == {
+        "adminPort": 2,
         "modelPort": 1,
         "native": True,
         "sidecarPort": 65535,
@@ -609,9 +633,12 @@ KEYS = [
     ANNOTATION_INJECTED,
     ANNOTATION_MODEL_PORT,
     ANNOTATION_SIDECAR_PORT,
+    ANNOTATION_ADMIN_PORT,
     ANNOTATION_POLICY,
 ]
-VALUES = ["true", "false", "", "8000", "8001", "0", "65535", "65536", "llama", "{}", "True"]
+VALUES = [
+    "true", "false", "", "8000", "8001", "9471", "0", "65535", "65536", "llama", "{}", "True",
+]  # fmt: skip
 any_value = st.one_of(
     st.sampled_from(VALUES),
     st.text(max_size=20),
@@ -623,10 +650,14 @@ meta_dict = st.dictionaries(
     st.one_of(st.sampled_from(KEYS), st.text(max_size=20)), any_value, max_size=6
 )
 port = st.fixed_dictionaries(
-    {"containerPort": st.one_of(st.integers(-1, 70000), st.sampled_from([8000, 8001]), any_value)},
+    {
+        "containerPort": st.one_of(
+            st.integers(-1, 70000), st.sampled_from([8000, 8001, 9471]), any_value
+        )
+    },
     optional={
         "protocol": st.sampled_from(["TCP", "UDP", "SCTP", None]),
-        "name": st.sampled_from(["http", "kvgate-http", "m"]),
+        "name": st.sampled_from(["http", "kvgate-http", "kvgate-admin", "m"]),
     },
 )
 container = st.fixed_dictionaries(

@@ -104,6 +104,7 @@ operator reads exactly these keys.
   "imagePullPolicy" $i.imagePullPolicy
   "nativeSidecar" $i.nativeSidecar
   "sidecarPort" $i.sidecarPort
+  "adminPort" $i.adminPort
   "agentPort" .Values.agent.port
   "tokenAudience" "kvgate-agent"
   "tokenExpirationSeconds" $i.tokenExpirationSeconds
