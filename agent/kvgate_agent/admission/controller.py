@@ -32,7 +32,7 @@ from kvgate_agent.admission.decision import (
 )
 from kvgate_agent.admission.fair_reserve import what_blocks
 from kvgate_agent.admission.holds import Hold, Holds
-from kvgate_agent.admission.limits import Limits
+from kvgate_agent.admission.limits import Limits, expect_prefix, settle_prefix
 from kvgate_agent.admission.live import LiveCorrection
 from kvgate_agent.admission.overload import (
     Resources,
@@ -220,7 +220,7 @@ class AdmissionController:
                 return h.refusal(now, req.max_tokens)
         clamped = False
         if req.prefix_blocks is not None:
-            limits.expect_prefix(req)
+            expect_prefix(limits, req)
         kv = limits.kv_tokens(req.prompt_tokens, req.max_tokens, req.n)
         cost = cfg.cost(req.prompt_tokens, req.n * req.max_tokens)
         if not limits.fits_ever(kv, cost):
@@ -327,7 +327,7 @@ class AdmissionController:
         if reached_upstream:
             prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
             limits.release(ticket, now, limits.config.cost(prompt, completion_tokens), 1.0)
-            cached = limits.settle_prefix(ticket, cached_tokens)
+            cached = settle_prefix(limits, ticket, cached_tokens)
             limits.fair.settle(ticket, prompt - cached, completion_tokens)
             if completion_tokens > 0:
                 self._speed.observe(now - ticket.admitted_at, completion_tokens)

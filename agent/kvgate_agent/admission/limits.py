@@ -29,7 +29,7 @@ so it is not newly allocated but it does leave the free pool while the request r
 is exact for a prefix that running requests share, and otherwise it stands on the engine's
 reported KV use (which counts here where it exceeds the reservations) and the live growth of
 the reservation. At release the fair-share counter and the learned overrun settle against the
-engine's reported cached tokens, which also confirm the index (:meth:`Limits.settle_prefix`).
+engine's reported cached tokens, which also confirm the index (:func:`settle_prefix`).
 """
 
 from __future__ import annotations
@@ -362,23 +362,26 @@ class Limits:
             )
             self.overrun_mean += OVERRUN_ALPHA * (max(0, final - base) - self.overrun_mean)
 
-    def expect_prefix(self, req: AdmissionRequest) -> None:
-        """Set ``req.prefix_run`` and ``req.cached_prefix_tokens`` from its ``prefix_blocks``
-        (:class:`~kvgate_agent.admission.prefix_index.PrefixIndex`); a no-op without them."""
-        blocks = req.prefix_blocks
-        if blocks is None:
-            return
-        bs = self.config.block_size
-        run = self.prefixes.run(blocks, req.prompt_tokens, bs)
-        req.prefix_run = run
-        req.cached_prefix_tokens = self.prefixes.expect(run, bs)
 
-    def settle_prefix(self, ticket: Ticket, cached_tokens: int | None) -> int:
-        """The cached prompt tokens ``ticket`` settles with: the engine's report
-        (``cached_tokens``, within the prompt; it confirms the prefix index's run), else the
-        expectation it was admitted on."""
-        if cached_tokens is None:
-            return ticket.cached_tokens
-        cached = min(max(0, cached_tokens), ticket.prompt_tokens)
-        self.prefixes.confirm(ticket.prefix_run, cached)
-        return cached
+def expect_prefix(limits: Limits, req: AdmissionRequest) -> None:
+    """Set ``req.prefix_run`` and ``req.cached_prefix_tokens`` from its ``prefix_blocks`` and
+    ``limits``' prefix index (:class:`~kvgate_agent.admission.prefix_index.PrefixIndex`); a
+    no-op without them."""
+    blocks = req.prefix_blocks
+    if blocks is None:
+        return
+    bs = limits.config.block_size
+    run = limits.prefixes.run(blocks, req.prompt_tokens, bs)
+    req.prefix_run = run
+    req.cached_prefix_tokens = limits.prefixes.expect(run, bs)
+
+
+def settle_prefix(limits: Limits, ticket: Ticket, cached_tokens: int | None) -> int:
+    """The cached prompt tokens ``ticket`` settles with: the engine's report (``cached_tokens``,
+    within the prompt; it confirms ``limits``' prefix index's run), else the expectation it was
+    admitted on."""
+    if cached_tokens is None:
+        return ticket.cached_tokens
+    cached = min(max(0, cached_tokens), ticket.prompt_tokens)
+    limits.prefixes.confirm(ticket.prefix_run, cached)
+    return cached

@@ -55,10 +55,10 @@ class QueueSpec(ContractModel):
     :data:`DEFAULT_WAIT_SECONDS` (0.5 s) for a request under no TTFT SLO while the policy states
     no ``slo.ttftSeconds``, or 2.5x the lowest admission-to-first-token time measured where
     that is longer (an engine whose own first token takes seconds, such as llama.cpp on a CPU:
-    :meth:`kvgate_agent.admission.slo.SloState.default_wait`) (one expected to wait more than twice that is refused at once, with
-    its expected wait as Retry-After, as under a TTFT SLO); a request under a TTFT SLO waits at
-    most its wait budget, and a ``batch`` class's request at most
-    :data:`MAX_WAIT_CAP_SECONDS` (30 s), as every request did before the default bound. Set, it
+    :meth:`kvgate_agent.admission.slo.SloState.default_wait`); one expected to wait more than
+    twice that is refused at once, with its expected wait as Retry-After, as under a TTFT SLO; a
+    request under a TTFT SLO waits at most its wait budget, and a ``batch`` class's request at
+    most :data:`MAX_WAIT_CAP_SECONDS` (30 s), as every request did before the default bound. Set, it
     applies to every request as stated (a TTFT budget below it still ends the wait sooner).
     """
 
