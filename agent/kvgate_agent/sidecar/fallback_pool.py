@@ -21,7 +21,7 @@ from multidict import CIMultiDict
 from kvgate_agent.admission import Decision
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar import responses
-from kvgate_agent.sidecar.apis.base import Api
+from kvgate_agent.sidecar.apis.traits import ApiTraits
 from kvgate_agent.sidecar.hop_headers import dropped, identity_names
 from kvgate_agent.sidecar.request import ParsedRequest
 from kvgate_agent.sidecar.wire import ClientRequest, ResponseStream, new_stream
@@ -57,7 +57,7 @@ async def send_to_pool(
     upstream: str,
     body: bytes,
     d: Decision,
-    api: Api,
+    api: ApiTraits,
     headers: dict[str, str],
     drop: frozenset[str] = frozenset(),
 ) -> tuple[ResponseStream, bool]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from kvgate_agent.sidecar.apis.base import Api
+from kvgate_agent.sidecar.apis.traits import ApiTraits
 from kvgate_agent.sidecar.jsonbody import decode_object, encode
 from kvgate_agent.sidecar.openai_errors import RequestError
 
@@ -163,7 +163,7 @@ class ParsedRequest:
     Attributes:
         body: the decoded JSON object (not modified by this module).
         model: the ``model`` field.
-        api: the generation API (:class:`~kvgate_agent.sidecar.apis.base.Api`) the request
+        api: the generation API (:class:`~kvgate_agent.sidecar.apis.traits.ApiTraits`) the request
             came in on: its usage reader, its fields' names in a 400.
         stream: the ``stream`` field (False when absent).
         client_wants_usage: the client set ``stream_options.include_usage`` true.
@@ -198,7 +198,7 @@ class ParsedRequest:
 
     body: dict[str, Any]
     model: str
-    api: Api
+    api: ApiTraits
     stream: bool
     client_wants_usage: bool
     max_tokens: int

@@ -11,8 +11,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvgate_agent.admission import Decision, Outcome, Reason
-from kvgate_agent.sidecar.apis.base import Api
 from kvgate_agent.sidecar.apis.openai import CHAT
+from kvgate_agent.sidecar.apis.traits import ApiTraits
 from kvgate_agent.sidecar.openai_errors import (
     INVALID_REQUEST_ERROR,
     RATE_LIMIT_ERROR,
@@ -64,12 +64,12 @@ def json_response(status: int, body: bytes, headers: dict[str, str] | None = Non
     return web.Response(status=status, body=body, content_type=JSON, headers=headers)
 
 
-def refusal(d: Decision, api: Api = CHAT) -> web.Response:
+def refusal(d: Decision, api: ApiTraits = CHAT) -> web.Response:
     """The answer to a refused decision (``d.ticket`` is None): its status (400, 429 or 503),
     ``Retry-After`` (seconds) when the decision gives one, ``RateLimit-Policy`` and ``RateLimit``
     when a bucket refused, and an OpenAI error body (a 400 names the offending field as the
-    ``api`` calls it, :attr:`~kvgate_agent.sidecar.apis.base.Api.prompt_param` and
-    :attr:`~kvgate_agent.sidecar.apis.base.Api.limit_param`: ``prompt`` is ``messages`` for
+    ``api`` calls it, :attr:`~kvgate_agent.sidecar.apis.traits.ApiTraits.prompt_param` and
+    :attr:`~kvgate_agent.sidecar.apis.traits.ApiTraits.limit_param`: ``prompt`` is ``messages`` for
     chat, ``max_tokens`` is ``parameters.max_new_tokens`` for TGI...); ``x-envoy-ratelimited:
     true`` when a fleet-wide budget refused it (``d.fleet_wide``), never otherwise; and llm-d's
     ``x-llm-d-request-dropped-reason`` for a 429 or 503 (:data:`LLMD_DROPPED_REASONS`)."""

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-if TYPE_CHECKING:  # both import this module for the type
-    from kvgate_agent.sidecar.request import ParsedRequest
-    from kvgate_agent.sidecar.usage import EventReader
+from kvgate_agent.sidecar.apis.traits import ApiTraits
 
-__all__ = ["Api", "Route"]
+if TYPE_CHECKING:
+    from kvgate_agent.sidecar.request import ParsedRequest
+
+__all__ = ["Api", "ApiTraits", "Route"]
 
 
 @runtime_checkable
@@ -53,38 +54,7 @@ class Route(Protocol):
 
 
 @runtime_checkable
-class Api(Route, Protocol):
+class Api(Route, ApiTraits, Protocol):
     """One generation API: how its requests are parsed (:meth:`parse`, the API's length,
-    sequence and prompt fields), what its 400s name, and how its usage is read."""
-
-    @property
-    def prompt_param(self) -> str:
-        """The request field holding the prompt: the ``param`` of a "prompt too long" 400."""
-        ...
-
-    @property
-    def limit_param(self) -> str:
-        """The request field holding the output limit: the ``param`` of a "too long" 400."""
-        ...
-
-    @property
-    def stream_usage_option(self) -> bool:
-        """The API asks for a stream's usage with OpenAI's ``stream_options.include_usage``
-        (chat, completions): the sidecar adds it when the client did not, and strips the usage
-        chunk on the way back."""
-        ...
-
-    def body_usage(self, data: bytes) -> tuple[int | None, int | None, int | None]:
-        """(prompt_tokens, completion_tokens, cached_tokens) a whole response body reports,
-        each None when absent or not a non-negative integer (a batch's list of results summed).
-        ``cached_tokens``: the prompt tokens the engine found in its prefix cache (vLLM's
-        ``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``,
-        Anthropic's ``cache_read_input_tokens``, SGLang's ``meta_info.cached_tokens``). Never
-        raises on upstream content."""
-        ...
-
-    def event_reader(self) -> EventReader | None:
-        """A new reader of one stream's JSON events; None when
-        :class:`~kvgate_agent.sidecar.sse.StreamAccountant` reads the stream itself (OpenAI
-        chat and completions)."""
-        ...
+    sequence and prompt fields), what its 400s name, and how its usage is read (the last two
+    are :class:`~kvgate_agent.sidecar.apis.traits.ApiTraits`, what a parsed request carries)."""
