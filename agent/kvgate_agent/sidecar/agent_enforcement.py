@@ -20,10 +20,10 @@ from kvgate_agent.admission import AdmissionConfig, AsyncAdmission, Reason
 from kvgate_agent.contract.nodeadmission import PodThresholds, PolicyRef
 from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED, SafetyNet, SyncAnswer, SyncReport
+from kvgate_agent.sidecar.agent_settings import AgentSettings
 from kvgate_agent.sidecar.identity import Authenticator
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.probe import EngineProbe
-from kvgate_agent.sidecar.settings import AgentSettings
 from kvgate_agent.sidecar.sync_state import Mode, SyncResult, SyncState
 
 log = logging.getLogger("kvgate.sidecar")

@@ -24,7 +24,7 @@ from kvgate_agent.contract.sync import (
     SyncAnswer,
     SyncReport,
 )
-from kvgate_agent.sidecar.settings import AgentSettings as AgentSettings  # re-exported
+from kvgate_agent.sidecar.agent_settings import AgentSettings as AgentSettings  # re-exported
 from kvgate_agent.sidecar.sync_state import SUCCESSES, SyncResult, SyncState, broken_hold_credit
 
 log = logging.getLogger("kvgate.sidecar.agent")

@@ -8,7 +8,6 @@ they can never drift from the truth.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -17,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvgate_agent.admission import AdmissionStats, AsyncAdmission, TenantStats
 from kvgate_agent.contract.nodeadmission import PolicyRef
+from kvgate_agent.sidecar.engine_health import Flag as Flag  # re-exported
 from kvgate_agent.sidecar.sync_state import Mode, SyncResult, SyncState
 from kvgate_agent.sidecar.tenants import TenantLabels
 
@@ -47,13 +47,6 @@ class _PromptCountCollector(Collector):
         for source, n in self.answered.items():
             c.add_metric([source], n)
         yield c
-
-
-@dataclass(slots=True)
-class Flag:
-    """A yes/no the sidecar sets on its paths and a 0/1 gauge reads at scrape time."""
-
-    value: bool
 
 
 class _AdmissionCollector(Collector):

@@ -25,10 +25,9 @@ from kvgate_agent.contract.sync import MAX_REPORTED
 from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
 from kvgate_agent.engines.scrape import KV_CAPACITY, parse_engine_metrics
 from kvgate_agent.sidecar.engine_context import EngineContext, models_context
-from kvgate_agent.sidecar.engine_health import EngineHealth
+from kvgate_agent.sidecar.engine_health import EngineHealth, Flag
 from kvgate_agent.sidecar.engine_load import EngineLoadPoll
 from kvgate_agent.sidecar.engine_reads import PROBE_TIMEOUT, EngineReads
-from kvgate_agent.sidecar.metrics import Flag
 from kvgate_agent.sidecar.model_server import ModelServer
 
 log = logging.getLogger("kvgate.sidecar")

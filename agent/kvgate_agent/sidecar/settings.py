@@ -1,9 +1,11 @@
-"""The sidecar's settings: :class:`SidecarSettings`, with :class:`AgentSettings` (cluster mode)
-and :class:`StoreSettings` (shared limits) inside it.
+"""The sidecar's settings: :class:`SidecarSettings`, with :class:`AgentSettings` (cluster mode,
+defined by the node link) and :class:`StoreSettings` (shared limits, defined by the store) inside
+it, both re-exported here.
 
-Each field's default is written here once, with its docstring under it. A field that is also a
-``kvgate-agent sidecar`` flag carries :func:`~kvgate_agent.args.flag` metadata, from which
-:mod:`kvgate_agent.sidecar.cli` derives the flag, its ``KVGATE_*`` variable and its default.
+Each field's default is written once (here, or beside its room), with its docstring under it. A
+field that is also a ``kvgate-agent sidecar`` flag carries :func:`~kvgate_agent.args.flag`
+metadata, from which :mod:`kvgate_agent.sidecar.cli` derives the flag, its ``KVGATE_*``
+variable and its default.
 """
 
 from __future__ import annotations
@@ -11,15 +13,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from kvgate_agent.args import flag, hostport, hostport_text, non_negative_seconds, positive, url
-from kvgate_agent.contract.policy import FailureMode, RateLimitPolicy
-from kvgate_agent.contract.sync import DEFAULT_SYNC_INTERVAL_SECONDS, MAX_WAIT_SECONDS
+from kvgate_agent.args import flag, hostport, hostport_text, non_negative_seconds, positive
+from kvgate_agent.contract.policy import RateLimitPolicy
+from kvgate_agent.sidecar.agent_settings import AgentSettings as AgentSettings  # re-exported
 from kvgate_agent.sidecar.endpoints import Passthrough
 from kvgate_agent.sidecar.engine_tokens import DEFAULT_TIMEOUT_SECONDS
 from kvgate_agent.sidecar.model_server import base_url_problem
-
-#: Bound on one sync call, seconds (connect + answer).
-DEFAULT_SYNC_TIMEOUT_SECONDS = 2.0
+from kvgate_agent.sidecar.store_settings import StoreSettings as StoreSettings  # re-exported
 
 
 def passthrough_path(value: str) -> str:
@@ -43,169 +43,6 @@ def upstream_url(value: str) -> str:
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{value!r}: {problem}")
     return value.strip()
-
-
-def store_url(value: str) -> str:
-    """An argparse type: a ``redis://`` or ``rediss://`` URL."""
-    if not value.startswith(("redis://", "rediss://")):
-        raise argparse.ArgumentTypeError(f"expected a redis:// or rediss:// URL, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class AgentSettings:
-    """How the sidecar reaches its node agent and who it is (cluster mode)."""
-
-    url: str = field(
-        metadata=flag(
-            "node agent base URL, e.g. http://$(HOST_IP):9470: thresholds come from it "
-            "(cluster mode; give this or --policy)",
-            name="--agent-url",
-            parse=url,
-        )
-    )
-    """The agent's base URL, e.g. ``http://10.0.0.5:9470`` (``/v1/sync`` is appended)."""
-
-    pod_namespace: str = field(
-        metadata=flag("this pod's namespace (downward API); required with --agent-url")
-    )
-    """The pod's namespace (downward API); required."""
-
-    pod_name: str = field(
-        metadata=flag("this pod's name (downward API); required with --agent-url")
-    )
-    """The pod's name (downward API); required."""
-
-    token_file: str = field(
-        default="/var/run/secrets/kvgate/token",
-        metadata=flag(
-            "projected service-account token (audience kvgate-agent) sent to the node agent, "
-            "re-read before every sync"
-        ),
-    )
-    """The projected service-account token (audience ``kvgate-agent``), read before every
-    call; the default is where the operator's webhook mounts it."""
-
-    pod_uid: str | None = field(
-        default=None,
-        metadata=flag("this pod's uid (downward API), checked by the node agent"),
-    )
-    """The pod's uid (downward API), checked against the token by the agent."""
-
-    pod_ip: str | None = field(
-        default=None,
-        metadata=flag(
-            "this pod's IP (downward API): the node agent scrapes the engine's metrics "
-            "through http://POD_IP:PORT/metrics"
-        ),
-    )
-    """The pod's IP (downward API), from which :attr:`metrics_url` is made."""
-
-    failure_mode: FailureMode = field(
-        default=FailureMode.FAIL_OPEN,
-        metadata=flag(
-            "with --agent-url: what applies until the node agent's first answer (FailOpen: no "
-            "limits; FailClosed: 503), and past the TTL when no policy selects the pod",
-            choices=[m.value for m in FailureMode],
-            to_field=FailureMode,
-        ),
-    )
-    """What applies before the first answer (and past the TTL when the last answer carried no
-    policy)."""
-
-    expected_policy: str | None = field(
-        default=None,
-        metadata=flag(
-            "with --agent-url: the RateLimitPolicy this pod should be governed by (the "
-            "webhook sets it from the kvgate.io/policy annotation); a different or no policy "
-            "is logged and shown in kvgate_policy_mismatch"
-        ),
-    )
-    """The RateLimitPolicy name the pod should be governed by (annotation
-    ``kvgate.io/policy``); informational: a mismatch is logged and exported."""
-
-    ttl_override: float | None = field(
-        default=None,
-        metadata=flag(
-            "with --agent-url: seconds the last thresholds stay enforced while the node "
-            "agent is unreachable, then the policy's failureMode applies (default: the agent's "
-            "ttlSeconds, 30 before its first answer)",
-            name="--thresholds-ttl",
-            parse=positive(float),
-        ),
-    )
-    """Seconds the last thresholds stay enforced without a successful sync; None = the
-    answer's ``ttlSeconds`` (30 before any answer)."""
-
-    sync_wait: float = field(
-        default=MAX_WAIT_SECONDS,
-        metadata=flag(
-            "with --agent-url: seconds the node agent may hold a sync until the thresholds "
-            "change (long poll; capped below the TTL); 0 = poll every sync interval",
-            parse=non_negative_seconds,
-        ),
-    )
-    """Seconds the agent may hold a sync until the answer changes (long poll, ``Prefer:
-    wait``); capped so a held call ends well within the TTL (see
-    :meth:`~kvgate_agent.sidecar.sync_state.SyncState.wait_seconds`); 0 = plain polling
-    every sync interval."""
-
-    metrics_url: str | None = None
-    """Reported so the agent can scrape the engine through the sidecar; None = do not scrape
-    (see :func:`~kvgate_agent.sidecar.agent_link.sidecar_metrics_url`)."""
-
-    gpu_uuids: tuple[str, ...] = ()
-    """The pod's GPUs when known (see :func:`~kvgate_agent.sidecar.agent_link.gpu_uuids_from_env`,
-    ``KVGATE_GPU_UUIDS``)."""
-
-    sync_timeout: float = DEFAULT_SYNC_TIMEOUT_SECONDS
-    """Bound on one sync call, seconds."""
-
-    sync_interval: float = DEFAULT_SYNC_INTERVAL_SECONDS
-    """Seconds between syncs until an answer gives its own."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoreSettings:
-    """Where the shared buckets live (a Redis; see :mod:`kvgate_agent.sidecar.store`)."""
-
-    url: str = field(
-        metadata=flag(
-            "Redis holding the budgets of shared limits, redis://HOST:PORT/DB or rediss:// "
-            "(TLS); without it shared limits are enforced per pod",
-            name="--store",
-            env="STORE_URL",
-            parse=store_url,
-        )
-    )
-    """``redis://HOST:PORT/DB`` or ``rediss://HOST:PORT/DB``."""
-
-    password_file: str | None = field(
-        default=None,
-        metadata=flag(
-            "file holding the store's password (a mounted Secret)", name="--store-password-file"
-        ),
-    )
-    """File holding the password (read at start; trailing newline dropped)."""
-
-    ca_file: str | None = field(
-        default=None,
-        metadata=flag("CA bundle verifying a rediss:// store", name="--store-ca-file"),
-    )
-    """CA bundle to verify a ``rediss://`` server with (default: the system's)."""
-
-    timeout: float = field(
-        default=1.0,
-        metadata=flag(
-            "seconds one store command may take before the sync counts as failed",
-            name="--store-timeout",
-            parse=positive(float),
-        ),
-    )
-    """Seconds any one command (and connecting) may take."""
-
-    member: str = ""
-    """This sidecar's name among its peers (pod name, or host and pid)."""
 
 
 @dataclass(slots=True)

@@ -43,7 +43,7 @@ from kvgate_agent.admission.lease import (
     StoreState,
 )
 from kvgate_agent.contract.policy import FailureMode
-from kvgate_agent.sidecar.settings import StoreSettings as StoreSettings  # re-exported
+from kvgate_agent.sidecar.store_settings import StoreSettings as StoreSettings  # re-exported
 
 log = logging.getLogger("kvgate.store")
 
