@@ -15,6 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Protocol
+
+from prometheus_client import Counter
 
 from kvgate_agent.admission import AdmissionConfig, AsyncAdmission, Reason
 from kvgate_agent.contract.nodeadmission import PodThresholds, PolicyRef
@@ -22,7 +25,7 @@ from kvgate_agent.contract.policy import FailureMode, RateLimitPolicySpec
 from kvgate_agent.contract.sync import MAX_REPORTED, SafetyNet, SyncAnswer, SyncReport
 from kvgate_agent.sidecar.agent_settings import AgentSettings
 from kvgate_agent.sidecar.identity import Authenticator
-from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.model_server import Flag
 from kvgate_agent.sidecar.probe import EngineProbe
 from kvgate_agent.sidecar.sync_state import Mode, SyncResult, SyncState
 
@@ -37,6 +40,18 @@ HOLD_GPU_MEMORY = "gpu_memory"
 #: Least delay of the mode timer (seconds): a timer that fires a hair before the TTL's end (the
 #: mode not yet changed) waits this long again rather than spin.
 MIN_TIMER_SECONDS = 0.001
+
+
+class LinkMetrics(Protocol):
+    """What the node link counts, sets and reports (the sidecar's
+    :class:`~kvgate_agent.sidecar.metrics.SidecarMetrics` is one)."""
+
+    @property
+    def agent_sync(self) -> Counter | None: ...
+    @property
+    def policy_mismatch(self) -> Flag: ...
+    @property
+    def decision_counts(self) -> dict[str, int]: ...
 
 
 class AgentEnforcement:
@@ -61,7 +76,7 @@ class AgentEnforcement:
         settings: AgentSettings,
         clock: Callable[[], float],
         admission: AsyncAdmission,
-        metrics: SidecarMetrics,
+        metrics: LinkMetrics,
         probe: EngineProbe,
         identity: Authenticator,
     ) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kvgate_agent.sidecar.model_server import Flag as Flag  # re-exported
 from kvgate_agent.sidecar.model_server import ModelServer
 
 #: How long a ``/health`` answer is reused, seconds.
@@ -18,13 +19,6 @@ HEALTH_CACHE_SECONDS = 1.0
 class _HealthCheck:
     at: float  # time.monotonic() of the check, seconds
     ok: bool
-
-
-@dataclass(slots=True)
-class Flag:
-    """A yes/no the sidecar sets on its paths and a 0/1 gauge reads at scrape time."""
-
-    value: bool
 
 
 class EngineHealth:

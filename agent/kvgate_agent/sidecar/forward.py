@@ -20,10 +20,11 @@ import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import Counter, Histogram
 from yarl import URL
 
 from kvgate_agent.admission import AsyncAdmission, Ticket
@@ -32,8 +33,7 @@ from kvgate_agent.sidecar.body import too_large
 from kvgate_agent.sidecar.engine_stall import EngineStall
 from kvgate_agent.sidecar.hop_headers import HOP_BY_HOP as HOP_BY_HOP  # re-exported
 from kvgate_agent.sidecar.hop_headers import admitted_request_headers, forward_headers
-from kvgate_agent.sidecar.metrics import SidecarMetrics
-from kvgate_agent.sidecar.model_server import ModelServer
+from kvgate_agent.sidecar.model_server import Flag, ModelServer
 from kvgate_agent.sidecar.openai_errors import body_too_slow
 from kvgate_agent.sidecar.prefix_blocks import PrefixNaming
 from kvgate_agent.sidecar.relay import (
@@ -55,6 +55,26 @@ class _BodyTooSlow(Exception):
     """A pass-through request's body did not arrive within the body deadline, or grew past the
     body limit (not an ``OSError``, unlike ``TimeoutError``, so aiohttp's client reports it as
     a payload error)."""
+
+
+class ForwardMetrics(Protocol):
+    """What forwarding counts and sets (the sidecar's
+    :class:`~kvgate_agent.sidecar.metrics.SidecarMetrics` is one)."""
+
+    @property
+    def ttft(self) -> Histogram: ...
+    @property
+    def upstream_errors(self) -> Counter: ...
+    @property
+    def upstream_ok(self) -> Flag: ...
+    @property
+    def client_timeouts(self) -> Counter: ...
+    @property
+    def client_disconnects(self) -> Counter: ...
+    @property
+    def prefix_cached_tokens(self) -> Counter: ...
+    def count_decision(self, outcome: str, reason: str, tenant_label: str) -> None: ...
+    def count_tokens(self, kind: str, tenant_label: str, tokens: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -105,7 +125,7 @@ class Forwarder:
     def __init__(
         self,
         server: ModelServer,
-        metrics: SidecarMetrics,
+        metrics: ForwardMetrics,
         admission: AsyncAdmission,
         counter: PromptCounter,
         *,

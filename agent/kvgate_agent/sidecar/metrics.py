@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvgate_agent.admission import AdmissionStats, AsyncAdmission, TenantStats
 from kvgate_agent.contract.nodeadmission import PolicyRef
-from kvgate_agent.sidecar.engine_health import Flag as Flag  # re-exported
+from kvgate_agent.sidecar.model_server import Flag as Flag  # re-exported
 from kvgate_agent.sidecar.sync_state import Mode, SyncResult, SyncState
 from kvgate_agent.sidecar.tenants import TenantLabels
 

@@ -19,6 +19,7 @@ object when they are built; none holds a client of its own or has one set later.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -49,6 +50,13 @@ def base_url_problem(url: str) -> str | None:
             f"{root}/metrics"
         )
     return None
+
+
+@dataclass(slots=True)
+class Flag:
+    """A yes/no the sidecar sets on its paths and a 0/1 gauge reads at scrape time."""
+
+    value: bool
 
 
 class ModelServer:
