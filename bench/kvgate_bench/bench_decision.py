@@ -9,7 +9,7 @@ Measures, in one process and one run:
 * baselines: an empty timed region (the timer's own cost), an empty Python function call, and a
   dict lookup + one :meth:`TokenBucket.take` (the least any bucket limiter does);
 * the request path around the decision: parsing a typical ~1 KB chat body
-  (:meth:`~kvgate_agent.sidecar.apis.openai.OpenAI.parse`) and counting its prompt
+  (:meth:`~kvgate_agent.sidecar.reading.apis.openai.OpenAI.parse`) and counting its prompt
   (:meth:`PromptCounter.count`).
 
 Every operation is timed one call at a time with ``time.perf_counter_ns`` (p50, p99) after a
@@ -47,8 +47,8 @@ from kvgate_agent.admission import (
     TokenBucket,
 )
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_agent.sidecar.apis.openai import CHAT
-from kvgate_agent.sidecar.tokens import PromptCounter
+from kvgate_agent.sidecar.reading.apis.openai import CHAT
+from kvgate_agent.sidecar.reading.tokens import PromptCounter
 from kvgate_bench import compiled
 from kvgate_bench.decision_inputs import POLICY, typical_chat_body
 from kvgate_bench.kit.toolkit import percentile_of

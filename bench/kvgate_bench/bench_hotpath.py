@@ -3,7 +3,8 @@ chunk, outside the HTTP legs, in microseconds of CPU.
 
 Measures, in one process and one run, each operation as the sidecar calls it:
 
-* body parsing: :meth:`~kvgate_agent.sidecar.apis.openai.OpenAI.parse` (chat) of a ~1 KB and a
+* body parsing: :meth:`~kvgate_agent.sidecar.reading.apis.openai.OpenAI.parse` (chat) of a ~1 KB and
+a
   ~16 KB streaming chat body as the OpenAI SDKs send it (compact JSON), and of the 1 KB body as
   Python's ``json.dumps`` writes it by default (spaces, ``\\u`` escapes: the repeated-key check's
   slower branch);
@@ -37,8 +38,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvgate_agent.sidecar.apis.openai import CHAT
-from kvgate_agent.sidecar.sse import StreamAccountant
+from kvgate_agent.sidecar.reading.apis.openai import CHAT
+from kvgate_agent.sidecar.reading.sse import StreamAccountant
 from kvgate_bench.decision_inputs import typical_chat_body
 
 #: A 1 KB body parsed in at most this many microseconds (issue 12).

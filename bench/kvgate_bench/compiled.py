@@ -212,10 +212,10 @@ BODIES: tuple[bytes, ...] = (
 
 def body_trace() -> list[list[object]]:
     """Each of :data:`BODIES` through the sidecar's body decoding
-    (:func:`~kvgate_agent.sidecar.jsonbody.decode_object`): ``["ok", keys]`` or ``[status,
+    (:func:`~kvgate_agent.sidecar.reading.jsonbody.decode_object`): ``["ok", keys]`` or ``[status,
     param, message]`` of the 400, as JSON-ready rows."""
-    from kvgate_agent.sidecar.jsonbody import decode_object
-    from kvgate_agent.sidecar.openai_errors import RequestError
+    from kvgate_agent.sidecar.reading.jsonbody import decode_object
+    from kvgate_agent.sidecar.reading.openai_errors import RequestError
 
     rows: list[list[object]] = []
     for raw in BODIES:

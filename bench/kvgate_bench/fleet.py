@@ -1,6 +1,7 @@
 """``python -m kvgate_bench.fleet``: shared limits across a fleet of sidecars on a real Redis.
 
-For 1, 3 and 10 sidecars (each an admission core with its :class:`~kvgate_agent.sidecar.store.
+For 1, 3 and 10 sidecars (each an admission core with its
+:class:`~kvgate_agent.sidecar.store.buckets.
 StoreLink`, in one process, the lease loop talking to a real ``redis-server`` on loopback):
 
 * accuracy: one tenant offered 3x its shared budget, spread evenly over the sidecars, for
@@ -40,7 +41,7 @@ from kvgate_agent.admission.bucket import WARMUP_START_FRACTION
 from kvgate_agent.admission.lease import MAX_LEASE_FRACTION
 from kvgate_agent.contract.api import API_VERSION
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_agent.sidecar.store import StoreLink, StoreSettings
+from kvgate_agent.sidecar.store.buckets import StoreLink, StoreSettings
 from kvgate_bench.kit.redisserver import RedisServer, find_redis_server
 
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import aiohttp
 
-from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
-from kvgate_agent.sidecar.tokens import PromptCounter
+from kvgate_agent.sidecar.engine.engine_tokens import EngineTokenizer
+from kvgate_agent.sidecar.reading.tokens import PromptCounter
 from kvgate_bench.kit.processes import Proc, start
 from kvgate_bench.kit.toolkit import free_port, percentile
 

@@ -22,11 +22,11 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_agent.sidecar.client_body import READ_HIGH_WATER
-from kvgate_agent.sidecar.client_listener import ClientListener
-from kvgate_agent.sidecar.client_request import Request
+from kvgate_agent.sidecar.edge.client_body import READ_HIGH_WATER
+from kvgate_agent.sidecar.edge.client_listener import ClientListener
+from kvgate_agent.sidecar.edge.client_request import Request
+from kvgate_agent.sidecar.edge.wire import Handler
 from kvgate_agent.sidecar.server import SidecarServer
-from kvgate_agent.sidecar.wire import Handler
 from kvgate_bench.kit.toolkit import poll_until_async, wait_until_async
 from tests.conftest import SidecarFactory, gauges, policy_doc
 from tests.upstream import CHAT, Upstream, serve_handler

@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 
 from kvgate_agent.admission import Reason
-from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
-from kvgate_agent.sidecar.tokens import PromptCounter
+from kvgate_agent.sidecar.engine.engine_tokens import EngineTokenizer
+from kvgate_agent.sidecar.reading.tokens import PromptCounter
 from kvgate_bench import tokenizer_error
 from kvgate_bench.kit.processes import Proc
 from kvgate_bench.kit.toolkit import free_port, wait_until_async

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate_agent.sidecar.store import StoreSettings
+from kvgate_agent.sidecar.store.buckets import StoreSettings
 from kvgate_bench.kit.processes import Proc
 from kvgate_bench.kit.redisserver import RedisServer
 from kvgate_bench.kit.toolkit import wait_until_async

@@ -25,9 +25,9 @@ from aiohttp import web
 from kvgate_agent import cli
 from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.contract.sync import SYNC_PATH, SyncAnswer, SyncReport
-from kvgate_agent.sidecar.agent_link import AgentSettings
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_agent.sidecar.sync_state import Mode
+from kvgate_agent.sidecar.node_link.agent_link import AgentSettings
+from kvgate_agent.sidecar.node_link.sync_state import Mode
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import gauges, serve_sidecar
 from tests.upstream import CHAT, Upstream

@@ -22,7 +22,7 @@ from kvgate_agent.admission import (
 )
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
 from kvgate_agent.contract.policy import OverloadAction
-from kvgate_agent.sidecar.engine_load import EngineLoadPoll
+from kvgate_agent.sidecar.engine.engine_load import EngineLoadPoll
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from kvgate_bench.sim.config import SimConfig
 from kvgate_bench.sim.server import start_sim

@@ -21,9 +21,9 @@ import aiohttp
 import pytest
 
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_agent.sidecar import relay
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_agent.sidecar.slowclients import KEEPALIVE_TIMEOUT_S
+from kvgate_agent.sidecar.edge.slowclients import KEEPALIVE_TIMEOUT_S
+from kvgate_agent.sidecar.upstream import relay
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import gauges, policy_doc, raw_exchange, serve_sidecar
 from tests.upstream import CHAT, Faulty, serve_faulty

@@ -39,7 +39,7 @@ from prometheus_client import generate_latest
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_agent.sidecar.endpoints import GENERATION_PATHS
+from kvgate_agent.sidecar.reading.endpoints import GENERATION_PATHS
 from kvgate_agent.sidecar.server import SidecarServer
 from kvgate_bench.kit.toolkit import free_port, parse_samples, series
 from tests.conftest import policy_doc

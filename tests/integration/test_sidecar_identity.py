@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 import yaml
 
-from kvgate_agent.sidecar.keyfiles import key_digest
+from kvgate_agent.sidecar.identity.keyfiles import key_digest
 from kvgate_bench.kit.toolkit import free_port, wait_until_async
 from tests.conftest import ADMIN, SidecarFactory, gauges
 from tests.identity_keys import (

@@ -26,7 +26,7 @@ from kvgate_agent.admission import (
 from kvgate_agent.admission.bucket import WARMUP_START_FRACTION
 from kvgate_agent.admission.lease import LEASE_SECONDS, MAX_LEASE_FRACTION
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_agent.sidecar.store import StoreLink, StoreSettings, key_prefix
+from kvgate_agent.sidecar.store.buckets import StoreLink, StoreSettings, key_prefix
 from kvgate_bench import fleet as fleet_bench
 from kvgate_bench.kit.redisserver import RedisServer, make_tls
 from kvgate_bench.kit.toolkit import wait_until_async

@@ -27,9 +27,9 @@ from kvgate_agent.gpu.monitor import GpuMonitor
 from kvgate_agent.node.api import build_app
 from kvgate_agent.node.auth import Authenticator, PodIdentity, Review
 from kvgate_agent.node.service import NodeAgent, NodeSettings
-from kvgate_agent.sidecar.agent_link import AgentSettings
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_agent.sidecar.sync_state import Mode
+from kvgate_agent.sidecar.node_link.agent_link import AgentSettings
+from kvgate_agent.sidecar.node_link.sync_state import Mode
 from kvgate_bench.kit.toolkit import free_port, wait_until_async
 from tests.conftest import serve_sidecar
 from tests.upstream import CHAT, Upstream
@@ -237,7 +237,7 @@ async def test_a_held_sync_that_hangs_past_its_wait_is_a_failed_sync(
     from aiohttp import web
 
     from kvgate_agent.contract.sync import SyncAnswer
-    from kvgate_agent.sidecar.sync_state import SyncResult
+    from kvgate_agent.sidecar.node_link.sync_state import SyncResult
 
     calls: list[str | None] = []
     hang = asyncio.Event()

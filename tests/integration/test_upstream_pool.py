@@ -1,4 +1,4 @@
-"""The admitted requests' upstream leg (:mod:`kvgate_agent.sidecar.upstream`) against raw
+"""The admitted requests' upstream leg (:mod:`kvgate_agent.sidecar.upstream.upstream`) against raw
 loopback servers that send exactly the bytes each case needs: keep-alive reuse, the three ways a
 body ends, a model server that breaks the answer, read deadlines and connect failures."""
 
@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from kvgate_agent.sidecar.upstream import (
+from kvgate_agent.sidecar.upstream.upstream import (
     RESEND_WINDOW_S,
     UpstreamBroken,
     UpstreamConnectError,

@@ -34,7 +34,7 @@ import yaml
 from cryptography import x509
 from kopf._cogs.structs import bodies
 
-from kvgate_agent.sidecar.tenants import tenant_of
+from kvgate_agent.sidecar.identity.tenants import tenant_of
 from kvgate_bench.kit.processes import kvgate_agent_argv, start
 from kvgate_bench.kit.toolkit import (
     fetch_text,

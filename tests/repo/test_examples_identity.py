@@ -12,8 +12,8 @@ import yaml
 
 from kvgate_agent.contract.identity import UnknownKeys
 from kvgate_agent.contract.policy import load_policy
-from kvgate_agent.sidecar.classes import class_names
-from kvgate_agent.sidecar.keyfiles import key_digest, parse_api_keys
+from kvgate_agent.sidecar.identity.classes import class_names
+from kvgate_agent.sidecar.identity.keyfiles import key_digest, parse_api_keys
 from kvgate_operator.template import ADMIN_PORT_NAME, PORT_NAME
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "identity"

@@ -14,9 +14,9 @@ import pytest
 from kvgate_agent.admission import AdmissionRequest, Outcome, Reason
 from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.contract.sync import SyncAnswer
-from kvgate_agent.sidecar.agent_link import AgentSettings
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_agent.sidecar.sync_state import Mode, SyncResult
+from kvgate_agent.sidecar.node_link.agent_link import AgentSettings
+from kvgate_agent.sidecar.node_link.sync_state import Mode, SyncResult
 from kvgate_bench.kit.toolkit import FakeClock
 from tests.sync_answers import answer
 

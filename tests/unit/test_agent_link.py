@@ -4,7 +4,7 @@ at once."""
 from __future__ import annotations
 
 from kvgate_agent.contract.sync import SyncReport
-from kvgate_agent.sidecar.agent_link import (
+from kvgate_agent.sidecar.node_link.agent_link import (
     gpu_uuids_from_env,
     material_change,
     sidecar_metrics_url,

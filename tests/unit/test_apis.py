@@ -1,4 +1,4 @@
-"""The generation APIs behind one protocol (sidecar/apis/) and the one route table
+"""The generation APIs behind one protocol (sidecar/reading/apis/) and the one route table
 (endpoints.GENERATION_PATHS): every path the string-keyed table had, on the same API, and every
 API object the protocol's whole."""
 
@@ -8,18 +8,18 @@ import json
 
 import pytest
 
-from kvgate_agent.sidecar.apis.base import Api, Route
-from kvgate_agent.sidecar.apis.generate import GENERATE
-from kvgate_agent.sidecar.apis.llamacpp import LLAMACPP
-from kvgate_agent.sidecar.apis.messages import MESSAGES
-from kvgate_agent.sidecar.apis.openai import CHAT, COMPLETIONS
-from kvgate_agent.sidecar.apis.responses import RESPONSES
-from kvgate_agent.sidecar.apis.sglang import SGLANG
-from kvgate_agent.sidecar.apis.tgi import TGI, TGI_STREAM
-from kvgate_agent.sidecar.endpoints import GENERATION_PATHS
-from kvgate_agent.sidecar.request import ParsedRequest
-from kvgate_agent.sidecar.sse import StreamAccountant
-from kvgate_agent.sidecar.usage import EventReader
+from kvgate_agent.sidecar.reading.apis.base import Api, Route
+from kvgate_agent.sidecar.reading.apis.generate import GENERATE
+from kvgate_agent.sidecar.reading.apis.llamacpp import LLAMACPP
+from kvgate_agent.sidecar.reading.apis.messages import MESSAGES
+from kvgate_agent.sidecar.reading.apis.openai import CHAT, COMPLETIONS
+from kvgate_agent.sidecar.reading.apis.responses import RESPONSES
+from kvgate_agent.sidecar.reading.apis.sglang import SGLANG
+from kvgate_agent.sidecar.reading.apis.tgi import TGI, TGI_STREAM
+from kvgate_agent.sidecar.reading.endpoints import GENERATION_PATHS
+from kvgate_agent.sidecar.reading.request import ParsedRequest
+from kvgate_agent.sidecar.reading.sse import StreamAccountant
+from kvgate_agent.sidecar.reading.usage import EventReader
 
 #: The table as it was keyed by strings (``generate``: TGI's or SGLang's by the body;
 #: ``tgi_stream``: TGI's, always streaming).

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate_agent.sidecar.sse import StreamAccountant
+from kvgate_agent.sidecar.reading.sse import StreamAccountant
 from kvgate_bench import bench_decision, bench_hotpath
 
 

@@ -1,6 +1,6 @@
 """The cached prompt tokens each API's usage reports, whole bodies
-(:meth:`~kvgate_agent.sidecar.apis.base.Api.body_usage`'s third figure) and streams
-(:attr:`~kvgate_agent.sidecar.sse.StreamAccountant.cached_tokens`): OpenAI's
+(:meth:`~kvgate_agent.sidecar.reading.apis.base.Api.body_usage`'s third figure) and streams
+(:attr:`~kvgate_agent.sidecar.reading.sse.StreamAccountant.cached_tokens`): OpenAI's
 ``usage.prompt_tokens_details.cached_tokens`` else llama.cpp's ``timings.cache_n``, Responses'
 ``usage.input_tokens_details.cached_tokens``, Anthropic's ``cache_read_input_tokens``, SGLang's
 ``meta_info.cached_tokens``, llama.cpp's native ``timings.cache_n``; malformed content reads as
@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from kvgate_agent.sidecar.apis.base import Api
-from kvgate_agent.sidecar.apis.llamacpp import LLAMACPP
-from kvgate_agent.sidecar.apis.messages import MESSAGES
-from kvgate_agent.sidecar.apis.openai import CHAT, COMPLETIONS
-from kvgate_agent.sidecar.apis.responses import RESPONSES
-from kvgate_agent.sidecar.apis.sglang import SGLANG
-from kvgate_agent.sidecar.apis.tgi import TGI
-from kvgate_agent.sidecar.sse import StreamAccountant
+from kvgate_agent.sidecar.reading.apis.base import Api
+from kvgate_agent.sidecar.reading.apis.llamacpp import LLAMACPP
+from kvgate_agent.sidecar.reading.apis.messages import MESSAGES
+from kvgate_agent.sidecar.reading.apis.openai import CHAT, COMPLETIONS
+from kvgate_agent.sidecar.reading.apis.responses import RESPONSES
+from kvgate_agent.sidecar.reading.apis.sglang import SGLANG
+from kvgate_agent.sidecar.reading.apis.tgi import TGI
+from kvgate_agent.sidecar.reading.sse import StreamAccountant
 
 
 def sse(*events: Any, done: bool = False) -> bytes:

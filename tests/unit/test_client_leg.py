@@ -1,6 +1,6 @@
 """kvgate's own server leg, piece by piece, without sockets: request targets, llhttp's parse into
-:class:`~kvgate_agent.sidecar.client_request.Request`, the refusals while parsing, request bodies
-(decoding, the decompression bound, flow control, ``Expect: 100-continue``), the bytes of an
+:class:`~kvgate_agent.sidecar.edge.client_request.Request`, the refusals while parsing, request
+bodies (decoding, the decompression bound, flow control, ``Expect: 100-continue``), the bytes of an
 answer (:func:`head_bytes`, :func:`response_bytes`, :class:`StreamOut`) and a connection's
 serving on a fake transport."""
 
@@ -18,10 +18,10 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from kvgate_agent.sidecar.client_body import READ_HIGH_WATER, BodyStream, MalformedBody
-from kvgate_agent.sidecar.client_conn import ClientConnection, LegConfig
-from kvgate_agent.sidecar.client_parse import Refused, RequestParser, target
-from kvgate_agent.sidecar.client_request import (
+from kvgate_agent.sidecar.edge.client_body import READ_HIGH_WATER, BodyStream, MalformedBody
+from kvgate_agent.sidecar.edge.client_conn import ClientConnection, LegConfig
+from kvgate_agent.sidecar.edge.client_parse import Refused, RequestParser, target
+from kvgate_agent.sidecar.edge.client_request import (
     Request,
     StreamOut,
     head_bytes,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_agent.sidecar.tokens import PromptCounter
+from kvgate_agent.sidecar.reading.tokens import PromptCounter
 from kvgate_bench.effectiveness.arms.context import ArmContext
 from kvgate_bench.effectiveness.model.driver import engine_config
 from kvgate_bench.effectiveness.model.gate import RunResult

@@ -1,5 +1,6 @@
-"""The engines' generation APIs parsed into admission inputs (each route's parse, sidecar/apis),
-their upstream rewrites, the pass-through allowlist, and the usage each API reports."""
+"""The engines' generation APIs parsed into admission inputs (each route's parse,
+sidecar/reading/apis), their upstream rewrites, the pass-through allowlist, and the usage each API
+reports."""
 
 from __future__ import annotations
 
@@ -8,19 +9,19 @@ from typing import Any
 
 import pytest
 
-from kvgate_agent.sidecar.apis.base import Api, Route
-from kvgate_agent.sidecar.apis.generate import GENERATE
-from kvgate_agent.sidecar.apis.llamacpp import LLAMACPP
-from kvgate_agent.sidecar.apis.messages import MESSAGES
-from kvgate_agent.sidecar.apis.openai import CHAT, COMPLETIONS
-from kvgate_agent.sidecar.apis.responses import RESPONSES
-from kvgate_agent.sidecar.apis.sglang import SGLANG
-from kvgate_agent.sidecar.apis.tgi import TGI, TGI_STREAM
-from kvgate_agent.sidecar.endpoints import Passthrough
-from kvgate_agent.sidecar.openai_errors import RequestError
-from kvgate_agent.sidecar.request import ParsedRequest
-from kvgate_agent.sidecar.sse import StreamAccountant
-from kvgate_agent.sidecar.tokens import NON_TEXT_PART_TOKENS, PromptCounter
+from kvgate_agent.sidecar.reading.apis.base import Api, Route
+from kvgate_agent.sidecar.reading.apis.generate import GENERATE
+from kvgate_agent.sidecar.reading.apis.llamacpp import LLAMACPP
+from kvgate_agent.sidecar.reading.apis.messages import MESSAGES
+from kvgate_agent.sidecar.reading.apis.openai import CHAT, COMPLETIONS
+from kvgate_agent.sidecar.reading.apis.responses import RESPONSES
+from kvgate_agent.sidecar.reading.apis.sglang import SGLANG
+from kvgate_agent.sidecar.reading.apis.tgi import TGI, TGI_STREAM
+from kvgate_agent.sidecar.reading.endpoints import Passthrough
+from kvgate_agent.sidecar.reading.openai_errors import RequestError
+from kvgate_agent.sidecar.reading.request import ParsedRequest
+from kvgate_agent.sidecar.reading.sse import StreamAccountant
+from kvgate_agent.sidecar.reading.tokens import NON_TEXT_PART_TOKENS, PromptCounter
 
 #: Each route by the name the cases below use (``tgi_stream``: ``/generate_stream``).
 ROUTES: dict[str, Route] = {

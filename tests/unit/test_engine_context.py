@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from kvgate_agent.sidecar.engine_context import EngineContext, models_context
-from kvgate_agent.sidecar.tokens import output_within_context
+from kvgate_agent.sidecar.reading.engine_context import EngineContext, models_context
+from kvgate_agent.sidecar.reading.tokens import output_within_context
 
 
 def test_the_smaller_of_the_policys_and_the_engines_wins() -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from kvgate_agent.contract.policy import MAX_PRIORITY, MIN_PRIORITY, PriorityTarget
-from kvgate_agent.sidecar.tenants import engine_priority
+from kvgate_agent.sidecar.identity.tenants import engine_priority
 
 PRIORITIES = [MIN_PRIORITY, -7, -1, 0, 1, 3, 250, MAX_PRIORITY]
 

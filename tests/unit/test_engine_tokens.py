@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from kvgate_agent.sidecar.engine_tokens import EngineTokenizer, tokenize_query
-from kvgate_agent.sidecar.tokens import PromptCounter
+from kvgate_agent.sidecar.engine.engine_tokens import EngineTokenizer, tokenize_query
+from kvgate_agent.sidecar.reading.tokens import PromptCounter
 
 MSGS: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
 

@@ -1,5 +1,6 @@
-"""A request's tenant from credentials the sidecar checks (sidecar/identity.py) and the files
-they come from (sidecar/keyfiles.py): parsing, reloading, and every refusal, without HTTP."""
+"""A request's tenant from credentials the sidecar checks (sidecar/identity/identity.py) and the
+files they come from (sidecar/identity/keyfiles.py): parsing, reloading, and every refusal, without
+HTTP."""
 
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ import pytest
 from multidict import CIMultiDict
 
 from kvgate_agent.contract.policy import PolicyError, TenantsSpec, parse_policy
-from kvgate_agent.sidecar.identity import Authenticator, verify_jwt
-from kvgate_agent.sidecar.keyfiles import (
+from kvgate_agent.sidecar.identity.identity import Authenticator, verify_jwt
+from kvgate_agent.sidecar.identity.keyfiles import (
     KeyFileError,
     WatchedFile,
     key_digest,
     parse_api_keys,
     parse_jwks,
 )
-from kvgate_agent.sidecar.openai_errors import RequestError
+from kvgate_agent.sidecar.reading.openai_errors import RequestError
 from tests.conftest import policy_doc
 from tests.identity_keys import (
     AUDIENCE,

@@ -1,5 +1,5 @@
 """Leases of shared limits, pure: the lease book against an in-memory model of the store's script
-(the same arithmetic as ``sidecar/store.py``'s Lua), on a fake clock."""
+(the same arithmetic as ``sidecar/store/buckets.py``'s Lua), on a fake clock."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import pytest
 
 from kvgate_agent.engines.llamacpp import LayoutError, SlotLayout, parse_props
 from kvgate_agent.engines.scrape import parse_engine_metrics
-from kvgate_agent.sidecar.engine_context import context_of as _context_of
-from kvgate_agent.sidecar.tokens import PromptCount, prompt_over_context
+from kvgate_agent.sidecar.reading.engine_context import context_of as _context_of
+from kvgate_agent.sidecar.reading.tokens import PromptCount, prompt_over_context
 
 
 def props(n_ctx: Any = 512, total_slots: Any = 4) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate_agent.sidecar.model_server import ModelServer
-from kvgate_agent.sidecar.upstream import UpstreamConnectError
+from kvgate_agent.sidecar.upstream.model_server import ModelServer
+from kvgate_agent.sidecar.upstream.upstream import UpstreamConnectError
 
 
 def server() -> ModelServer:

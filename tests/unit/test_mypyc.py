@@ -99,5 +99,5 @@ def test_the_overlay_puts_a_builds_extension_modules_over_this_checkouts_sources
     assert (dest / "abc__mypyc.cpython-311-x86_64-linux-gnu.so").read_bytes() == b"runtime"
     checkout = compiled.AGENT / "admission" / "controller.py"
     assert (pkg / "admission" / "controller.py").read_text() == checkout.read_text()
-    assert (pkg / "sidecar" / "client_conn.py").exists()
+    assert (pkg / "sidecar" / "edge" / "client_conn.py").exists()
     assert not list(pkg.rglob("__pycache__"))

@@ -1,4 +1,5 @@
-"""The prompt's leading full-block chained hashes (:mod:`kvgate_agent.sidecar.prefix_blocks`):
+"""The prompt's leading full-block chained hashes
+(:mod:`kvgate_agent.sidecar.reading.prefix_blocks`):
 same prefix, same hashes; a divergence ends the shared run at its block; the model and the
 template fields seed separate chains; token ids are cut into blocks of ``B`` ids, text into
 blocks of ``4B`` bytes; the number of blocks is capped; and the gate names nothing until the
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvgate_agent.sidecar.prefix_blocks import (
+from kvgate_agent.sidecar.reading.prefix_blocks import (
     BYTES_PER_TOKEN,
     MAX_BLOCKS,
     PrefixNaming,

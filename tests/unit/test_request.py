@@ -10,15 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate_agent.sidecar.apis import openai
-from kvgate_agent.sidecar.jsonbody import _decode_strict, decode_object
-from kvgate_agent.sidecar.openai_errors import (
+from kvgate_agent.sidecar.reading.apis import openai
+from kvgate_agent.sidecar.reading.jsonbody import _decode_strict, decode_object
+from kvgate_agent.sidecar.reading.openai_errors import (
     RATE_LIMIT_ERROR,
     RATE_LIMIT_EXCEEDED,
     RequestError,
     error_body,
 )
-from kvgate_agent.sidecar.request import ParsedRequest
+from kvgate_agent.sidecar.reading.request import ParsedRequest
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 CMPL: dict[str, Any] = {"model": "m", "prompt": "hi"}

@@ -7,7 +7,7 @@ import pytest
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AdmissionRequest, Outcome
 from kvgate_agent.admission.decision import Reason
 from kvgate_agent.contract.policy import RateLimitPolicySpec
-from kvgate_agent.sidecar.request_start import MAX_WAIT_S, stamp_seconds, waited_seconds
+from kvgate_agent.sidecar.reading.request_start import MAX_WAIT_S, stamp_seconds, waited_seconds
 from kvgate_bench.kit.toolkit import FakeClock
 
 NOW = 1_796_000_000.0  # epoch seconds, late 2026

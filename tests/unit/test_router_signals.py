@@ -21,8 +21,7 @@ from kvgate_agent.admission import (
 from kvgate_agent.admission.bucket import SharedBucket
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.engines.scrape import EngineSample, parse_engine_metrics
-from kvgate_agent.sidecar.responses import ENVOY_RATELIMITED_HEADER, refusal
-from kvgate_agent.sidecar.router_signals import (
+from kvgate_agent.sidecar.engine.router_signals import (
     KV_RESERVED_FRACTION,
     QUEUE_DEPTH,
     RouterGauges,
@@ -30,6 +29,7 @@ from kvgate_agent.sidecar.router_signals import (
     router_gauges,
     with_gauges,
 )
+from kvgate_agent.sidecar.reading.responses import ENVOY_RATELIMITED_HEADER, refusal
 from kvgate_bench.kit.toolkit import FakeClock
 from tests.unit.test_engine_scrape import vllm_text
 

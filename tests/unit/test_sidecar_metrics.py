@@ -24,7 +24,7 @@ def test_every_upstream_error_kind_is_exported_at_zero_from_the_start() -> None:
         assert sample_value(samples, "kvgate_upstream_errors_total", kind=kind) == 0.0
     # Every kind the sidecar counts is one of them.
     used = set()
-    for path in (REPO / "agent" / "kvgate_agent" / "sidecar").glob("*.py"):
+    for path in (REPO / "agent" / "kvgate_agent" / "sidecar").rglob("*.py"):
         calls = re.findall(r"upstream_errors\.labels\(([^)]*)\)", path.read_text())
         used |= {k for c in calls for k in re.findall(r'"([a-z0-9_]+)"', c)}
     assert used and used <= set(UPSTREAM_ERROR_KINDS), used

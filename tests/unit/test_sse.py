@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgate_agent.sidecar import sse
-from kvgate_agent.sidecar.sse import StreamAccountant, Usage
+from kvgate_agent.sidecar.reading import sse
+from kvgate_agent.sidecar.reading.sse import StreamAccountant, Usage
 
 # -- helpers -------------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate_agent.contract.policy import FailureMode
-from kvgate_agent.sidecar.sync_state import (
+from kvgate_agent.sidecar.node_link.sync_state import (
     MIN_SYNC_GAP_SECONDS,
     Mode,
     SyncResult,

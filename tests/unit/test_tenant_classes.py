@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from kvgate_agent.admission import AdmissionConfig
 from kvgate_agent.contract.classes import DEFAULT_CLASS
 from kvgate_agent.contract.policy import PolicyError, RateLimitPolicySpec, TenantsSpec, parse_policy
-from kvgate_agent.sidecar.classes import IMPLICIT_DEFAULT, ClassResolver, TenantClass
-from kvgate_agent.sidecar.openai_errors import RequestError
-from kvgate_agent.sidecar.tenants import Identifier, priority_of, request_priority
+from kvgate_agent.sidecar.identity.classes import IMPLICIT_DEFAULT, ClassResolver, TenantClass
+from kvgate_agent.sidecar.identity.tenants import Identifier, priority_of, request_priority
+from kvgate_agent.sidecar.reading.openai_errors import RequestError
 from kvgate_operator.desired import Policy, compute
 from tests.conftest import policy_doc
 from tests.unit.test_operator_desired import entries, pod, snap

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from kvgate_agent.sidecar.tokens import (
+from kvgate_agent.sidecar.reading.tokens import (
     DEFAULT_BYTES_PER_TOKEN,
     NON_TEXT_PART_TOKENS,
     REPLY_PRIMER_TOKENS,

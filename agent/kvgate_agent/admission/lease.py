@@ -4,7 +4,7 @@ A shared limit's budget lives in one token bucket in the store (a Redis); each s
 local :class:`~kvgate_agent.admission.bucket.SharedBucket` per key, holding a slice (a lease) of
 it, and admission decides on that local level alone: no request waits on the store. The
 :class:`LeaseBook` here is pure (clock injected, no I/O): each :meth:`LeaseBook.tick` says
-whether a sync is due and what it carries, the store module (``kvgate_agent.sidecar.store``)
+whether a sync is due and what it carries, the store module (``kvgate_agent.sidecar.store.buckets``)
 sends it as one atomic script call and hands the answer to :meth:`LeaseBook.done` (or reports
 :meth:`LeaseBook.failed`).
 

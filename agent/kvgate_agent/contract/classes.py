@@ -38,7 +38,7 @@ MAX_CLASSES = 16
 MAX_CLASS_TENANTS = 32
 MAX_CLASS_PREFIXES = 16
 #: Longest tenant name a class can match (a longer header value is hashed, see
-#: ``kvgate_agent.sidecar.tenants.MAX_TENANT_LEN``).
+#: ``kvgate_agent.sidecar.identity.tenants.MAX_TENANT_LEN``).
 MAX_TENANT_NAME = 128
 
 ClassName = Annotated[

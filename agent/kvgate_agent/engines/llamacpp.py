@@ -1,5 +1,6 @@
 """llama.cpp's ``llama-server``: its KV layout from ``GET /props`` (and ``GET /slots``), parsed
-into a :class:`SlotLayout` (pure: the HTTP is the sidecar's, :mod:`kvgate_agent.sidecar.probe`).
+into a :class:`SlotLayout` (pure: the HTTP is the sidecar's,
+:mod:`kvgate_agent.sidecar.engine.probe`).
 
 llama-server serves ``total_slots`` requests at once (``--parallel N``; "auto" is 4 slots with a
 unified KV cache). Without a unified KV cache (``--no-kv-unified``, the default when

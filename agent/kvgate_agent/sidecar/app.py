@@ -2,13 +2,13 @@
 server (settings, wiring, routes, health and lifecycle).
 
 Every generation API of the supported engines goes through admission (the table in
-:mod:`kvgate_agent.sidecar.endpoints`); another method on one of those paths gets 405. Any other
-mutating request is refused with 404 unless its path is on the pass-through allowlist; GET, HEAD
-and OPTIONS pass through untouched. The sidecar's own endpoints are ``/healthz``, ``/readyz`` and
-``/kvgate/metrics`` on the same port, and ``/metrics`` on the optional admin port; the same port's
-``GET /metrics`` is the model server's own with kvgate's router gauges appended
-(:mod:`kvgate_agent.sidecar.router_metrics`). Thresholds come from a policy file (standalone) or
-from the node agent (:mod:`kvgate_agent.sidecar.agent_enforcement`).
+:mod:`kvgate_agent.sidecar.reading.endpoints`); another method on one of those paths gets 405. Any
+other mutating request is refused with 404 unless its path is on the pass-through allowlist; GET,
+HEAD and OPTIONS pass through untouched. The sidecar's own endpoints are ``/healthz``, ``/readyz``
+and ``/kvgate/metrics`` on the same port, and ``/metrics`` on the optional admin port; the same
+port's ``GET /metrics`` is the model server's own with kvgate's router gauges appended
+(:mod:`kvgate_agent.sidecar.engine.router_metrics`). Thresholds come from a policy file (standalone)
+or from the node agent (:mod:`kvgate_agent.sidecar.node_link.agent_enforcement`).
 """
 
 from __future__ import annotations
@@ -22,26 +22,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.policy import FailureMode
-from kvgate_agent.sidecar.agent_enforcement import NO_LIMITS, AgentEnforcement
-from kvgate_agent.sidecar.agent_link import AgentLink
-from kvgate_agent.sidecar.client_request import Request
-from kvgate_agent.sidecar.endpoints import GENERATION_PATHS
-from kvgate_agent.sidecar.enforced import EnforcedPolicy
-from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
-from kvgate_agent.sidecar.forward import Forwarder
+from kvgate_agent.sidecar.edge import GuardedAppRunner, Handler, Request, track_requests
+from kvgate_agent.sidecar.engine import EngineProbe, EngineTokenizer, RouterMetrics
 from kvgate_agent.sidecar.identity import Authenticator
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.metrics_view import MetricsView
-from kvgate_agent.sidecar.model_server import ModelServer
+from kvgate_agent.sidecar.node_link import NO_LIMITS, AgentEnforcement, AgentLink, EnforcedPolicy
 from kvgate_agent.sidecar.pipeline import RequestPipeline
 from kvgate_agent.sidecar.policy_control import PolicyControl
-from kvgate_agent.sidecar.probe import EngineProbe
-from kvgate_agent.sidecar.router_metrics import RouterMetrics
+from kvgate_agent.sidecar.reading import GENERATION_PATHS, PromptCounter
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
-from kvgate_agent.sidecar.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.store import StoreLink, register_metrics
-from kvgate_agent.sidecar.tokens import PromptCounter
-from kvgate_agent.sidecar.wire import Handler
+from kvgate_agent.sidecar.upstream import Forwarder, ModelServer
 
 
 class Sidecar:
@@ -164,7 +156,7 @@ class Sidecar:
         return app
 
     def client_route(self) -> Callable[[Request], Handler]:
-        """The own server leg's routes (:mod:`kvgate_agent.sidecar.client_listener`), as
+        """The own server leg's routes (:mod:`kvgate_agent.sidecar.edge.client_listener`), as
         :meth:`build_app`'s: a request's handler by its raw path (a generation path only as
         sent, canonical; anything else goes to ``pipeline.other``, which refuses what only
         normalises to one) and, for the sidecar's own endpoints, its method (GET or HEAD)."""
@@ -273,7 +265,7 @@ class Sidecar:
     async def readyz(self, request: web.Request) -> web.Response:
         """Readiness: not draining; with a node agent, a first answer arrived or the TTL has
         passed since start; the model server answers its ``/health`` and has not stalled
-        (:mod:`~kvgate_agent.sidecar.engine_stall`); and, under FailClosed,
+        (:mod:`~kvgate_agent.sidecar.upstream.engine_stall`); and, under FailClosed,
         the engine's KV capacity is known (FailOpen serves without it, and says why in the
         body: ``ok, but the engine's KV capacity is not known: ...``)."""
         if self.pipeline.draining:
@@ -317,7 +309,8 @@ class Sidecar:
 
 def _aiohttp(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """``handler`` as aiohttp's router types it: on aiohttp's leg its answers are aiohttp's
-    responses (:func:`~kvgate_agent.sidecar.wire.new_stream` opens a ``web.StreamResponse``)."""
+    responses (:func:`~kvgate_agent.sidecar.edge.wire.new_stream` opens a
+    ``web.StreamResponse``)."""
     return cast(Callable[[web.Request], Awaitable[web.StreamResponse]], handler)
 
 

@@ -20,9 +20,10 @@ import sys
 
 from kvgate_agent.args import add_flags, add_log_level, configure_logging, from_args
 from kvgate_agent.contract.policy import PolicyError, RateLimitPolicy, load_policy
-from kvgate_agent.sidecar.agent_link import gpu_uuids_from_env, sidecar_metrics_url
 from kvgate_agent.sidecar.app import Sidecar
-from kvgate_agent.sidecar.keyfiles import KeyFileError
+from kvgate_agent.sidecar.identity import KeyFileError
+from kvgate_agent.sidecar.node_link import gpu_uuids_from_env, sidecar_metrics_url
+from kvgate_agent.sidecar.reading import TokenizerError
 from kvgate_agent.sidecar.server import SidecarServer
 from kvgate_agent.sidecar.settings import (
     AgentSettings,
@@ -30,7 +31,6 @@ from kvgate_agent.sidecar.settings import (
     StoreSettings,
     passthrough_path,
 )
-from kvgate_agent.sidecar.tokens import TokenizerError
 
 log = logging.getLogger("kvgate")
 

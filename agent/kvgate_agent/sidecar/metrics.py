@@ -16,9 +16,9 @@ from prometheus_client.registry import Collector
 
 from kvgate_agent.admission import AdmissionStats, AsyncAdmission, TenantStats
 from kvgate_agent.contract.nodeadmission import PolicyRef
-from kvgate_agent.sidecar.model_server import Flag as Flag  # re-exported
-from kvgate_agent.sidecar.sync_state import Mode, SyncResult, SyncState
-from kvgate_agent.sidecar.tenants import TenantLabels
+from kvgate_agent.sidecar.identity import TenantLabels
+from kvgate_agent.sidecar.node_link import Mode, SyncResult, SyncState
+from kvgate_agent.sidecar.upstream import Flag as Flag  # re-exported
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created series only add noise to every counter
 

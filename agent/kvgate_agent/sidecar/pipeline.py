@@ -18,44 +18,48 @@ from yarl import URL
 
 from kvgate_agent.admission import AsyncAdmission, Decision, Reason
 from kvgate_agent.contract.policy import RateLimitPolicySpec
-from kvgate_agent.sidecar import responses
-from kvgate_agent.sidecar.body import read_body
-from kvgate_agent.sidecar.endpoints import GENERATION_PATHS, SAFE_METHODS, Passthrough
-from kvgate_agent.sidecar.enforced import EnforcedPolicy
-from kvgate_agent.sidecar.engine_tokens import EngineTokenizer
-from kvgate_agent.sidecar.fallback_pool import already_degraded, degrade_to_pool
-from kvgate_agent.sidecar.forward import Forwarder
-from kvgate_agent.sidecar.hop_headers import identity_headers
-from kvgate_agent.sidecar.identity import INVALID_API_KEY, Authenticator
+from kvgate_agent.sidecar.edge import ClientRequest, ResponseStream, identity_headers, read_body
+from kvgate_agent.sidecar.engine import EngineProbe, EngineTokenizer
+from kvgate_agent.sidecar.identity import (
+    INVALID_API_KEY,
+    Authenticator,
+    Identifier,
+    Identity,
+    engine_priority,
+)
 from kvgate_agent.sidecar.metrics import SidecarMetrics
-from kvgate_agent.sidecar.model_server import ModelServer
-from kvgate_agent.sidecar.openai_errors import RequestError
-from kvgate_agent.sidecar.probe import EngineProbe
-from kvgate_agent.sidecar.request import ParsedRequest, canonical_path, is_json
-from kvgate_agent.sidecar.request_start import HEADER as REQUEST_START
-from kvgate_agent.sidecar.request_start import waited_seconds
-from kvgate_agent.sidecar.settings import SidecarSettings
-from kvgate_agent.sidecar.store import StoreLink
-from kvgate_agent.sidecar.tenants import Identifier, Identity, engine_priority
-from kvgate_agent.sidecar.tokens import (
+from kvgate_agent.sidecar.node_link import EnforcedPolicy
+from kvgate_agent.sidecar.reading import (
+    GENERATION_PATHS,
+    SAFE_METHODS,
+    ParsedRequest,
+    Passthrough,
     PromptCount,
     PromptCounter,
+    RequestError,
+    canonical_path,
     default_within_context,
+    is_json,
     optimistic_prompt_tokens,
     output_within_context,
     prompt_over_context,
+    responses,
+    waited_seconds,
 )
-from kvgate_agent.sidecar.wire import ClientRequest, ResponseStream
+from kvgate_agent.sidecar.reading import HEADER as REQUEST_START
+from kvgate_agent.sidecar.settings import SidecarSettings
+from kvgate_agent.sidecar.store import StoreLink
+from kvgate_agent.sidecar.upstream import Forwarder, ModelServer, already_degraded, degrade_to_pool
 
 
 class RequestPipeline:
     """The aiohttp handlers of the model server's paths: :meth:`completion` for the generation
-    paths (:data:`~kvgate_agent.sidecar.endpoints.GENERATION_PATHS`), :meth:`other` for the
+    paths (:data:`~kvgate_agent.sidecar.reading.endpoints.GENERATION_PATHS`), :meth:`other` for the
     rest, :meth:`pathless` (a middleware) for an absolute-form target without a path.
 
     Holds :attr:`draining` (set on shutdown: new generation requests get 503), the pass-through
-    allowlist, the request classifier (:class:`~kvgate_agent.sidecar.tenants.Identifier`) and
-    the parts a request passes through, built by :class:`~kvgate_agent.sidecar.app.Sidecar`.
+    allowlist, the request classifier (:class:`~kvgate_agent.sidecar.identity.tenants.Identifier`)
+    and the parts a request passes through, built by :class:`~kvgate_agent.sidecar.app.Sidecar`.
 
     Args:
         settings: the sidecar's settings (body limits and timeouts, the allowlist).
@@ -264,11 +268,12 @@ class RequestPipeline:
     ) -> Decision:
         """Admission's decision on a request whose prompt counts ``prompt`` and whose choices
         may each produce ``reserved`` output tokens. Once the engine has reported cached prompt
-        tokens (:class:`~kvgate_agent.sidecar.prefix_blocks.PrefixNaming`), the prompt's leading
-        full KV blocks are named (``prefix_blocks``), so that its expected cached prefix is
+        tokens (:class:`~kvgate_agent.sidecar.reading.prefix_blocks.PrefixNaming`), the prompt's
+        leading full KV blocks are named (``prefix_blocks``), so that its expected cached prefix is
         neither reserved nor charged (``kvgate_prefix_cached_tokens_total{source="expected"}``
         counts it). The proxy's ``X-Request-Start`` says how long a retry already waited
-        (:mod:`~kvgate_agent.sidecar.request_start`): that comes off its TTFT wait budget."""
+        (:mod:`~kvgate_agent.sidecar.reading.request_start`): that comes off its TTFT wait
+        budget."""
         areq = who.admission_request(
             prompt.tokens,
             reserved,

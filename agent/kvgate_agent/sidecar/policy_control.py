@@ -1,6 +1,6 @@
 """What changes a running sidecar's admission besides the node agent: its policy file re-read on
 SIGHUP (standalone), and an engine that stopped producing tokens
-(:mod:`kvgate_agent.sidecar.engine_stall`)."""
+(:mod:`kvgate_agent.sidecar.upstream.engine_stall`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import logging
 
 from kvgate_agent.admission import AdmissionConfig, AsyncAdmission, Reason
 from kvgate_agent.contract.policy import FailureMode, PolicyError, RateLimitPolicy, load_policy
-from kvgate_agent.sidecar.enforced import EnforcedPolicy
-from kvgate_agent.sidecar.engine_stall import EngineStall
-from kvgate_agent.sidecar.identity import Authenticator
-from kvgate_agent.sidecar.keyfiles import KeyFileError
-from kvgate_agent.sidecar.probe import EngineProbe
+from kvgate_agent.sidecar.engine import EngineProbe
+from kvgate_agent.sidecar.identity import Authenticator, KeyFileError
+from kvgate_agent.sidecar.node_link import EnforcedPolicy
 from kvgate_agent.sidecar.settings import SidecarSettings
+from kvgate_agent.sidecar.upstream import EngineStall
 
 log = logging.getLogger("kvgate")
 

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from kvgate_agent.admission import Reason
 from kvgate_agent.sidecar.app import Sidecar
-from kvgate_agent.sidecar.client_listener import ClientListener
+from kvgate_agent.sidecar.edge import ClientListener
 
 log = logging.getLogger("kvgate")
 
@@ -29,7 +29,8 @@ BACKLOG = 1024
 
 class SidecarServer:
     """The listeners of one sidecar and its drain (see the module docstring): the clients'
-    port on kvgate's own server leg (:class:`~kvgate_agent.sidecar.client_listener.ClientListener`)
+    port on kvgate's own server leg
+    (:class:`~kvgate_agent.sidecar.edge.client_listener.ClientListener`)
     or, with ``settings.server_leg == "aiohttp"``, on aiohttp's; the admin port on aiohttp's."""
 
     def __init__(self, sidecar: Sidecar) -> None:

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 
 from kvgate_agent.args import flag, hostport, hostport_text, non_negative_seconds, positive
 from kvgate_agent.contract.policy import RateLimitPolicy
-from kvgate_agent.sidecar.agent_settings import AgentSettings as AgentSettings  # re-exported
-from kvgate_agent.sidecar.endpoints import Passthrough
-from kvgate_agent.sidecar.engine_tokens import DEFAULT_TIMEOUT_SECONDS
-from kvgate_agent.sidecar.model_server import base_url_problem
-from kvgate_agent.sidecar.store_settings import StoreSettings as StoreSettings  # re-exported
+from kvgate_agent.sidecar.engine import DEFAULT_TIMEOUT_SECONDS
+from kvgate_agent.sidecar.node_link import AgentSettings as AgentSettings  # re-exported
+from kvgate_agent.sidecar.reading import Passthrough
+from kvgate_agent.sidecar.store import StoreSettings as StoreSettings  # re-exported
+from kvgate_agent.sidecar.upstream import base_url_problem
 
 
 def passthrough_path(value: str) -> str:
     """An argparse type: one allowlist entry, refused (exit 2) when it could never match (see
-    :class:`~kvgate_agent.sidecar.endpoints.Passthrough`)."""
+    :class:`~kvgate_agent.sidecar.reading.endpoints.Passthrough`)."""
     path = value.strip()
     if not path.startswith("/"):
         raise argparse.ArgumentTypeError(f"expected a path starting with '/', got {value!r}")
@@ -37,7 +37,7 @@ def passthrough_path(value: str) -> str:
 
 def upstream_url(value: str) -> str:
     """An argparse type: the model server's root URL (``http://host:8000``; exit 2 for a path
-    such as ``/v1``, a query or a fragment: :func:`~kvgate_agent.sidecar.model_server.
+    such as ``/v1``, a query or a fragment: :func:`~kvgate_agent.sidecar.upstream.model_server.
     base_url_problem`)."""
     problem = base_url_problem(value.strip())
     if problem is not None:
@@ -93,8 +93,8 @@ class SidecarSettings:
         ),
     )
     """Which HTTP server leg serves :attr:`listen`: ``kvgate`` (its own,
-    :mod:`kvgate_agent.sidecar.client_conn`) or ``aiohttp`` (``web.AppRunner`` with the
-    slow-client guards of :mod:`kvgate_agent.sidecar.slowclients`). The admin port is always
+    :mod:`kvgate_agent.sidecar.edge.client_conn`) or ``aiohttp`` (``web.AppRunner`` with the
+    slow-client guards of :mod:`kvgate_agent.sidecar.edge.slowclients`). The admin port is always
     aiohttp's."""
 
     admin_listen: tuple[str, int] | None = field(
@@ -122,7 +122,7 @@ class SidecarSettings:
 
     engine_tokenizer: bool = False
     """Count prompts with the engine's own ``/tokenize`` (cached; the estimate as the fallback:
-    :mod:`kvgate_agent.sidecar.engine_tokens`)."""
+    :mod:`kvgate_agent.sidecar.engine.engine_tokens`)."""
 
     engine_tokenize_timeout: float = field(
         default=DEFAULT_TIMEOUT_SECONDS,
@@ -163,7 +163,7 @@ class SidecarSettings:
     )
     """Seconds a client connection may take to send a request's headers (from the connection's
     opening, or a later request's first byte); then it gets 408 and is closed (0: no limit;
-    :mod:`kvgate_agent.sidecar.slowclients`)."""
+    :mod:`kvgate_agent.sidecar.edge.slowclients`)."""
 
     body_timeout_seconds: float = field(
         default=30.0,
@@ -203,7 +203,8 @@ class SidecarSettings:
         ),
     )
     """Paths added to the pass-through allowlist for mutating methods (exact, or a prefix
-    ending in ``*``), besides :data:`~kvgate_agent.sidecar.endpoints.DEFAULT_PASSTHROUGH`."""
+    ending in ``*``), besides
+    :data:`~kvgate_agent.sidecar.reading.endpoints.DEFAULT_PASSTHROUGH`."""
 
     engine_poll_seconds: float = 15.0
     """How often the engine's KV capacity is re-read when ``capacity.fromEngineMetrics`` is
@@ -234,7 +235,7 @@ class SidecarSettings:
         ),
     )
     """Seconds with streams in flight and no token from the engine that make a stall
-    (:mod:`kvgate_agent.sidecar.engine_stall`; 0: never judged)."""
+    (:mod:`kvgate_agent.sidecar.upstream.engine_stall`; 0: never judged)."""
 
     api_keys_file: str | None = field(
         default=None,
@@ -244,7 +245,7 @@ class SidecarSettings:
             "authorization (tenants.unknownKeys: what other keys get); re-read when it changes"
         ),
     )
-    """The keys file (:mod:`kvgate_agent.sidecar.keyfiles`; None: no keys file)."""
+    """The keys file (:mod:`kvgate_agent.sidecar.identity.keyfiles`; None: no keys file)."""
 
     jwks_file: str | None = field(
         default=None,
@@ -253,7 +254,7 @@ class SidecarSettings:
             "tenants.jwt; re-read when it changes"
         ),
     )
-    """The JWKS file (:mod:`kvgate_agent.sidecar.keyfiles`; None: no JWT is accepted)."""
+    """The JWKS file (:mod:`kvgate_agent.sidecar.identity.keyfiles`; None: no JWT is accepted)."""
 
     identity_poll_seconds: float = 2.0
     """How often the keys and JWKS files are checked for changes, seconds."""

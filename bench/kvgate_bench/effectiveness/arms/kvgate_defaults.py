@@ -16,7 +16,8 @@ takes nothing from the benchmark's measured capacity, and clients that send no p
     The README's recommended policy (:func:`recommended_policy`: the ``slo`` stanza, a
     ShortestFirst queue with Degrade before it, and the workload's tenant classes: interactive
     with the SLO, batch with none), each request's weight, priority and TTFT SLO resolved from
-    its tenant's class by the sidecar's own :class:`~kvgate_agent.sidecar.classes.ClassResolver`.
+    its tenant's class by the sidecar's own
+    :class:`~kvgate_agent.sidecar.identity.classes.ClassResolver`.
     Prefix-aware: a request with content keys (``multi-turn``) carries its prompt's block hashes
     and settles with the engine's reported cached tokens (``AdmissionRequest.prefix_blocks``).
 ``kvgate-prefix-blind``
@@ -24,7 +25,7 @@ takes nothing from the benchmark's measured capacity, and clients that send no p
 
 What the sidecar learns from the engine itself (and nothing else) completes the resolved
 configuration, as ``AdmissionConfig.from_policy(spec, kv_capacity_tokens=...)`` in
-``kvgate_agent.sidecar.agent_enforcement`` does: the engine's KV pool (``num_gpu_blocks x
+``kvgate_agent.sidecar.node_link.agent_enforcement`` does: the engine's KV pool (``num_gpu_blocks x
 block_size`` tokens, vLLM's ``vllm:cache_config_info``) and, where the spec sets no
 ``concurrency.maxRequests``, the engine's ``max_num_seqs`` as the concurrency cap; a client's
 unset max_tokens becomes ``tenants.defaultMaxTokens`` (1024) within the engine's context.
@@ -36,7 +37,7 @@ import dataclasses
 from typing import Any
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionRequest
-from kvgate_agent.sidecar.classes import ClassResolver
+from kvgate_agent.sidecar.identity.classes import ClassResolver
 from kvgate_bench.effectiveness.arms.context import ArmContext
 from kvgate_bench.effectiveness.arms.kvgate_arms import KvgateArm
 from kvgate_bench.effectiveness.model.metrics import TPOT_SLO_S, TTFT_SLO_S

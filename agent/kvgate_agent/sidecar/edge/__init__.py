@@ -1,0 +1,43 @@
+"""The edge: the clients' side of the sidecar. Its own HTTP/1.1 server leg (the listener, each
+connection's parse, deadlines and keep-alive, the request and its body stream, the answer on the
+socket), aiohttp's leg with its slow-client guard, the neutral request/answer protocols both legs
+serve (``wire``), the body limit and the hop-by-hop headers.
+
+Other rooms import what they use from here (``__all__``); modules of this room import
+each other directly.
+"""
+
+from __future__ import annotations
+
+from kvgate_agent.sidecar.edge.body import read_body, too_large
+from kvgate_agent.sidecar.edge.client_listener import ClientListener
+from kvgate_agent.sidecar.edge.client_request import Request
+from kvgate_agent.sidecar.edge.hop_headers import (
+    HOP_BY_HOP,
+    admitted_request_headers,
+    dropped,
+    forward_headers,
+    identity_headers,
+    identity_names,
+)
+from kvgate_agent.sidecar.edge.slowclients import GuardedAppRunner, track_requests
+from kvgate_agent.sidecar.edge.wire import ClientRequest, Handler, ResponseStream, new_stream
+
+__all__ = [
+    "HOP_BY_HOP",
+    "ClientListener",
+    "ClientRequest",
+    "GuardedAppRunner",
+    "Handler",
+    "Request",
+    "ResponseStream",
+    "admitted_request_headers",
+    "dropped",
+    "forward_headers",
+    "identity_headers",
+    "identity_names",
+    "new_stream",
+    "read_body",
+    "too_large",
+    "track_requests",
+]

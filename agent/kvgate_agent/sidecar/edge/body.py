@@ -1,0 +1,52 @@
+"""Reading an admission-controlled request's body within the sidecar's size and time bounds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from kvgate_agent.sidecar.edge.wire import ClientRequest
+from kvgate_agent.sidecar.reading import RequestError, body_too_slow
+
+
+def too_large(limit: int) -> RequestError:
+    """413 for a request body over ``limit`` bytes (``--max-body-bytes``), declared or read."""
+    return RequestError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+
+
+async def read_body(
+    request: ClientRequest, limit: int, seconds: float, on_timeout: Callable[[], None]
+) -> bytes:
+    """The request body (bytes), at most ``limit`` bytes decoded, arriving within ``seconds``
+    (0: no deadline; ``on_timeout`` is called when it passes).
+
+    Raises:
+        RequestError: 413 above ``limit``, 408 when the body takes longer than ``seconds``.
+    """
+    content = request.content
+    if content.is_eof() and request.content_length is not None:
+        # The whole body came with the headers (a small request): no waiting, no deadline.
+        # The size checked is the decoded one, as below (a compressed body may grow).
+        data = content.read_nowait(-1)
+        if request.content_length > limit or len(data) > limit:
+            raise too_large(limit)
+        return data
+    try:
+        async with asyncio.timeout(seconds or None):
+            return await _read_unbounded(request, limit)
+    except TimeoutError:
+        on_timeout()
+        raise body_too_slow() from None
+
+
+async def _read_unbounded(request: ClientRequest, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(limit)
+    chunks = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,139 @@
+"""What the request pipeline needs of a client's request and of the answer it streams, whichever
+server leg parsed the request: kvgate's own (:mod:`kvgate_agent.sidecar.edge.client_conn`, llhttp
+through ``httptools``) or aiohttp's web server (``--server-leg aiohttp``).
+
+:class:`ClientRequest` and :class:`ResponseStream` are structural: ``aiohttp.web.Request`` and
+``aiohttp.web.StreamResponse`` satisfy them as they are, and so do the own leg's
+:class:`~kvgate_agent.sidecar.edge.client_request.Request` and
+:class:`~kvgate_agent.sidecar.edge.client_request.StreamOut`. A handler answers with a finished
+``web.Response`` (a plain holder of status, headers and body: the own leg writes it itself) or
+with the stream it opened with :func:`new_stream`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+from aiohttp import web
+from multidict import CIMultiDictProxy
+from yarl import URL
+
+
+class BodyReader(Protocol):
+    """A request body as it arrives (decoded from its ``Content-Encoding``), bytes."""
+
+    async def readany(self) -> bytes:
+        """The next bytes that came (b"" at the end)."""
+        ...
+
+    def iter_any(self) -> AsyncIterator[bytes]:
+        """The bytes as they come, until the end."""
+        ...
+
+    def read_nowait(self, n: int = -1) -> bytes:
+        """What is buffered now (at most ``n`` bytes; -1: all)."""
+        ...
+
+    def is_eof(self) -> bool:
+        """The whole body has been received (some of it may still be buffered)."""
+        ...
+
+
+class ClientRequest(Protocol):
+    """A client's request as the pipeline reads it (``aiohttp.web.Request`` satisfies it)."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def path(self) -> str:
+        """The request target's path (aiohttp: percent-decoded; the own leg: as sent)."""
+        ...
+
+    @property
+    def path_qs(self) -> str:
+        """The path and the query, ``/a?b=c``."""
+        ...
+
+    @property
+    def rel_url(self) -> URL:
+        """The target as sent, relative (an absolute-form target's path and query)."""
+        ...
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]: ...
+
+    @property
+    def content(self) -> BodyReader: ...
+
+    @property
+    def content_length(self) -> int | None:
+        """The declared ``Content-Length`` (bytes), None when not given (chunked, no body)."""
+        ...
+
+    @property
+    def body_exists(self) -> bool:
+        """The request carries a body (a length or chunked framing was declared)."""
+        ...
+
+
+class ResponseStream(Protocol):
+    """An answer the pipeline returns: a finished ``web.Response``, or a stream it opened with
+    :func:`new_stream` and wrote (``aiohttp.web.StreamResponse`` satisfies it)."""
+
+    @property
+    def prepared(self) -> bool:
+        """The status line and headers were sent."""
+        ...
+
+    @property
+    def headers(self) -> Any: ...
+
+    async def prepare(self, request: Any) -> Any:
+        """Send the status line and headers."""
+        ...
+
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` (a body part); raises ``ConnectionResetError`` when the client is gone."""
+        ...
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        """Send ``data`` and end the body."""
+        ...
+
+    def force_close(self) -> None:
+        """Close the client's connection once this answer ends."""
+        ...
+
+
+#: A handler of the clients' port: a request in, its answer out.
+Handler = Callable[[Any], Awaitable[ResponseStream]]
+
+
+class StreamOpener(Protocol):
+    """The own leg's request: it opens its answer's stream itself."""
+
+    def new_stream(
+        self, status: int, headers: Mapping[str, str], content_length: int | None
+    ) -> ResponseStream: ...
+
+
+def new_stream(
+    request: ClientRequest,
+    status: int,
+    headers: Mapping[str, str],
+    content_length: int | None = None,
+) -> ResponseStream:
+    """A streamed answer to ``request`` with ``status`` and ``headers`` (``content_length``
+    bytes when known, else chunked), not yet sent: ``await out.prepare(request)`` sends its
+    head. On aiohttp's leg an ``aiohttp.web.StreamResponse``; on the own leg the request's own
+    writer (no per-chunk objects)."""
+    opener = getattr(request, "new_stream", None)
+    if opener is not None:
+        out: ResponseStream = opener(status, headers, content_length)
+        return out
+    resp = web.StreamResponse(status=status, headers=headers)
+    if content_length is not None:
+        resp.content_length = content_length
+    return resp

@@ -1,0 +1,28 @@
+"""Who is asking: the tenant named from a credential (``identity``: API keys by their SHA-256,
+trusted headers), the keys file (``keyfiles``), tenant labels and engine priority (``tenants``)
+and the tenant classes (``classes``).
+
+Other rooms import what they use from here (``__all__``); modules of this room import
+each other directly.
+"""
+
+from __future__ import annotations
+
+from kvgate_agent.sidecar.identity.identity import INVALID_API_KEY, Authenticator
+from kvgate_agent.sidecar.identity.keyfiles import KeyFileError
+from kvgate_agent.sidecar.identity.tenants import (
+    Identifier,
+    Identity,
+    TenantLabels,
+    engine_priority,
+)
+
+__all__ = [
+    "INVALID_API_KEY",
+    "Authenticator",
+    "Identifier",
+    "Identity",
+    "KeyFileError",
+    "TenantLabels",
+    "engine_priority",
+]

@@ -1,0 +1,13 @@
+"""The store of ``shared`` limits: the Redis link holding one token bucket per key
+(``buckets``) and where it lives (``settings``).
+
+Other rooms import what they use from here (``__all__``); modules of this room import
+each other directly.
+"""
+
+from __future__ import annotations
+
+from kvgate_agent.sidecar.store.buckets import StoreLink, register_metrics
+from kvgate_agent.sidecar.store.settings import StoreSettings
+
+__all__ = ["StoreLink", "StoreSettings", "register_metrics"]

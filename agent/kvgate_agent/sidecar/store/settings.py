@@ -1,0 +1,64 @@
+"""Where the shared buckets live: :class:`StoreSettings` (a Redis), part of
+:class:`~kvgate_agent.sidecar.settings.SidecarSettings`. Each field's default is written here
+once, with its docstring under it; a field that is also a flag carries
+:func:`~kvgate_agent.args.flag` metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from kvgate_agent.args import flag, positive
+
+__all__ = ["StoreSettings", "store_url"]
+
+
+def store_url(value: str) -> str:
+    """An argparse type: a ``redis://`` or ``rediss://`` URL."""
+    if not value.startswith(("redis://", "rediss://")):
+        raise argparse.ArgumentTypeError(f"expected a redis:// or rediss:// URL, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    """Where the shared buckets live (a Redis; see :mod:`kvgate_agent.sidecar.store.buckets`)."""
+
+    url: str = field(
+        metadata=flag(
+            "Redis holding the budgets of shared limits, redis://HOST:PORT/DB or rediss:// "
+            "(TLS); without it shared limits are enforced per pod",
+            name="--store",
+            env="STORE_URL",
+            parse=store_url,
+        )
+    )
+    """``redis://HOST:PORT/DB`` or ``rediss://HOST:PORT/DB``."""
+
+    password_file: str | None = field(
+        default=None,
+        metadata=flag(
+            "file holding the store's password (a mounted Secret)", name="--store-password-file"
+        ),
+    )
+    """File holding the password (read at start; trailing newline dropped)."""
+
+    ca_file: str | None = field(
+        default=None,
+        metadata=flag("CA bundle verifying a rediss:// store", name="--store-ca-file"),
+    )
+    """CA bundle to verify a ``rediss://`` server with (default: the system's)."""
+
+    timeout: float = field(
+        default=1.0,
+        metadata=flag(
+            "seconds one store command may take before the sync counts as failed",
+            name="--store-timeout",
+            parse=positive(float),
+        ),
+    )
+    """Seconds any one command (and connecting) may take."""
+
+    member: str = ""
+    """This sidecar's name among its peers (pod name, or host and pid)."""
