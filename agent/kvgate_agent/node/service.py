@@ -11,7 +11,6 @@ Invariant: nothing here decides anything: the decisions are in ``node.state``, `
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import logging
 import time
@@ -29,6 +28,7 @@ from kvgate_agent.node.settings import NodeSettings as NodeSettings  # re-export
 from kvgate_agent.node.state import NodeState
 from kvgate_agent.node.status import StatusPublisher
 from kvgate_agent.node.sync import SyncHandler
+from kvgate_agent.tasks import cancel_and_wait
 
 log = logging.getLogger("kvgate.node")
 
@@ -124,11 +124,7 @@ class NodeAgent:
 
     async def stop(self) -> None:
         """Stop the loops (a last status write is attempted by the status loop's owner)."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(*self._tasks)
         await self.scraper.close()
         self._gpu_executor.shutdown(wait=False, cancel_futures=True)
 

@@ -14,7 +14,6 @@ figure decides anything.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import aiohttp
@@ -22,6 +21,7 @@ import aiohttp
 from kvgate_agent.admission import AsyncAdmission
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
 from kvgate_agent.engines.scrape import EngineSample, parse_engine_metrics
+from kvgate_agent.tasks import cancel_and_wait
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -63,11 +63,8 @@ class EngineLoadPoll:
 
     async def stop(self) -> None:
         """Stop polling (waits for the task to end)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
 
     async def read(self, session: aiohttp.ClientSession) -> EngineSample | None:
         """One read: the engine's metrics (KV tokens in use, requests waiting), or None

@@ -29,6 +29,7 @@ from kvgate_agent.sidecar.engine.engine_load import EngineLoadPoll
 from kvgate_agent.sidecar.engine.engine_reads import PROBE_TIMEOUT, EngineReads
 from kvgate_agent.sidecar.reading import EngineContext, models_context
 from kvgate_agent.sidecar.upstream import ModelServer
+from kvgate_agent.tasks import cancel_and_wait
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -123,10 +124,7 @@ class EngineProbe:
         """Stop polling (both polls)."""
         if self.usage is not None:
             await self.usage.stop()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     def set_capacity_known(self, known: bool) -> None:
         """After new thresholds: whether their KV capacity is known; if not, read the engine's

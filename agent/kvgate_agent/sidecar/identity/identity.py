@@ -26,7 +26,6 @@ reaches admission or the model server. Verification uses PyJWT
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -54,6 +53,7 @@ from kvgate_agent.sidecar.identity.tenants import (
     tenant_of,
 )
 from kvgate_agent.sidecar.reading import RequestError
+from kvgate_agent.tasks import cancel_and_wait
 
 log = logging.getLogger("kvgate.identity")
 
@@ -272,10 +272,7 @@ class Authenticator:
     async def stop(self) -> None:
         """Stop re-reading the files."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
 
     async def _poll_forever(self) -> None:
         while True:

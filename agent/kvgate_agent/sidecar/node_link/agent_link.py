@@ -8,7 +8,6 @@ material change). Units: seconds; tokens in the report.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 from collections.abc import Callable, Mapping
@@ -31,6 +30,7 @@ from kvgate_agent.sidecar.node_link.sync_state import (
     SyncState,
     broken_hold_credit,
 )
+from kvgate_agent.tasks import cancel_and_wait
 
 log = logging.getLogger("kvgate.sidecar.agent")
 
@@ -156,11 +156,8 @@ class AgentLink:
 
     async def stop(self) -> None:
         """Stop the loop and close the session."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         if self.session is not None:
             await self.session.close()
             self.session = None
@@ -185,15 +182,11 @@ class AgentLink:
                     return task.result()
                 held = self.state.clock() - started >= self.settings.sync_timeout
                 if wait > 0 and held and material_change(sent, self.report()):
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                    await cancel_and_wait(task)
                     return None
         finally:
             if not task.done():  # we were cancelled (stop()): so is the call
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
 
     def _token(self) -> str | None:
         """The bearer token, read fresh (projected tokens rotate); None when unreadable."""

@@ -44,6 +44,7 @@ from kvgate_agent.admission.lease import (
 )
 from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.sidecar.store.settings import StoreSettings as StoreSettings  # re-exported
+from kvgate_agent.tasks import cancel_and_wait
 
 log = logging.getLogger("kvgate.store")
 
@@ -172,11 +173,8 @@ class StoreLink:
     async def stop(self) -> None:
         """Stop the loop, hand every slice back and charge every debt (one last sync, bounded
         by the timeout), leave the peer set, close the connection."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         if self.client is None:
             return
         if self.book.up:

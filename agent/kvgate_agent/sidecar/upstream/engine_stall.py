@@ -18,10 +18,11 @@ alone in flight is not a stall (its end still counts as the engine's progress).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
+
+from kvgate_agent.tasks import cancel_and_wait
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -115,7 +116,4 @@ class EngineStall:
     async def stop(self) -> None:
         """Stop checking."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(task)
