@@ -1135,7 +1135,13 @@ def test_a_pod_created_while_the_operator_is_down_is_reported_as_missed(
     events = wait_for(lambda: warned(uid), 30, "an InjectionMissed event")
     assert events[0]["type"] == "Warning"
     assert "namespace label kvgate.io/inject=true" in events[0]["message"]
-    assert webhook.metric("kvgate_webhook_missed_injections_total") >= 1
+    # The counter moves once the Event's POST has returned: read it until it does (the full
+    # suite's load once caught the scrape between the two).
+    wait_for(
+        lambda: webhook.metric("kvgate_webhook_missed_injections_total") >= 1,
+        10,
+        "the missed-injection counter",
+    )
     assert webhook.metric("kvgate_webhook_uninjected_pods") >= 1
 
     # Hung: the operator frozen; the create waits out timeoutSeconds (5 s), then passes.
@@ -1154,7 +1160,11 @@ def test_a_pod_created_while_the_operator_is_down_is_reported_as_missed(
     assert 4 <= took < 30, took  # the webhook's timeoutSeconds, not a hang of the API server
     print(f"webhook hung: the create took {took:.1f}s and passed uninjected")
     wait_for(lambda: warned(hung["metadata"]["uid"]), 30, "an InjectionMissed event (hung)")
-    assert webhook.metric("kvgate_webhook_missed_injections_total") == missed_before + 1
+    wait_for(
+        lambda: webhook.metric("kvgate_webhook_missed_injections_total") == missed_before + 1,
+        10,
+        "the missed-injection counter (hung)",
+    )
     assert webhook.listening()  # the thawed operator serves again
     create(kube, model_pod("after-thaw", ns))
     assert injected(get_pod(kube, ns, "after-thaw"))
