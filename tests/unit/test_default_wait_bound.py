@@ -136,3 +136,12 @@ def test_on_a_slow_first_token_the_bound_follows_the_engine() -> None:
     w = c.submit(req("b")).waiter
     assert w is not None  # queued, not refused: 2.5 s of service left < 2 x the bound
     assert w.deadline - w.enqueued_at == pytest.approx(bound)
+    # Far behind a long queue it is refused, and the message names the bound applied.
+    refused = None
+    for _ in range(20):
+        d = c.submit(req("c"))
+        if d.waiter is None:
+            refused = d
+            break
+    assert refused is not None and refused.outcome is Outcome.REJECTED
+    assert f"exceeds the {bound:g}s a request under no time-to-first-token SLO" in refused.message

@@ -319,7 +319,7 @@ def reject(
         and r.limits.config.default_wait_seconds
     ):
         # No TTFT SLO applies: the default wait bound refused it, so the reason is what blocks.
-        bound = r.limits.config.default_wait_seconds
+        bound = r.slo.default_wait(r.limits.config.default_wait_seconds)  # the one applied
         message = (
             f"the expected wait ({slo_wait:.2f}s) exceeds the {bound:g}s a request under no "
             f"time-to-first-token SLO may wait: {message}"
