@@ -20,9 +20,8 @@ from kvgate_agent.admission import (
     Reason,
     Ticket,
 )
-from kvgate_agent.admission.fairness import FairShare
+from kvgate_agent.admission.fairqueue import MAX_SKIPS, FairShare, WaitQueue
 from kvgate_agent.admission.limits import Limits
-from kvgate_agent.admission.queue import MAX_SKIPS, WaitQueue
 from kvgate_agent.contract.policy import QueueOrder
 from kvgate_bench.kit.toolkit import FakeClock
 

@@ -36,11 +36,12 @@ def test_the_list_names_pure_agent_modules_covering_the_decision() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module:
                 imported.add(node.module.split(".")[0])
         assert not imported & FRAMEWORKS, (rel, imported & FRAMEWORKS)
-    # every admission module that AdmissionController.submit/release runs through is compiled
-    # (async_admission.py is the asyncio driver, __init__ re-exports)
+    # every admission module that AdmissionController.submit/release runs through is compiled,
+    # its sub-packages' (fairqueue/) included (async_admission.py is the asyncio driver, the
+    # __init__ faces re-export)
     admission = sorted(
-        f"kvgate_agent/admission/{p.name}"
-        for p in (compiled.AGENT / "admission").glob("*.py")
+        f"kvgate_agent/{p.relative_to(compiled.AGENT).as_posix()}"
+        for p in (compiled.AGENT / "admission").rglob("*.py")
         if p.name not in ("__init__.py", "async_admission.py")
     )
     assert [p for p in paths if p.startswith("kvgate_agent/admission/")] == admission

@@ -6,13 +6,13 @@ directly on a virtual clock by the benchmark), :class:`AdmissionStats` and
 :class:`TenantStats` (read-only snapshots), :class:`AdmissionConfig` (resolved thresholds), and
 the decision types.
 Inside: :mod:`.bucket` (token buckets), :mod:`.rate_limits` (the rate limits' buckets),
-:mod:`.limits` (what is counted and reserved), :mod:`.fairness` (the tenants' fair-share
-counters), :mod:`.fair_reserve` (the fair reserve, and ``what_blocks``: the one check),
-:mod:`.holds` (stops on all admission), :mod:`.live` (tokens streamed, the engine's reports),
-:mod:`.retry` (Retry-After), :mod:`.fair_order` (who waits in which order), :mod:`.queue`
-(the wait queue), :mod:`.waiting` (queueing, expiring and pumping it), :mod:`.overload`
-(Degrade, Queue, Reject), :mod:`.controller` (composes them), :mod:`.async_admission` (the
-asyncio side).
+:mod:`.limits` (what is counted and reserved), :mod:`.fairqueue` (the fair queue, a
+sub-package by role: ``share``, the tenants' fair-share counters; ``order``, who waits in which
+order; ``reserve``, the fair reserve and ``what_blocks``, the one check; ``waitqueue``, the wait
+queue), :mod:`.holds` (stops on all admission), :mod:`.live` (tokens streamed, the engine's
+reports), :mod:`.retry` (Retry-After), :mod:`.waiting` (queueing, expiring and pumping the wait
+queue), :mod:`.overload` (Degrade, Queue, Reject), :mod:`.controller` (composes them),
+:mod:`.async_admission` (the asyncio side).
 """
 
 from kvgate_agent.admission.async_admission import AsyncAdmission

@@ -10,7 +10,7 @@ and only here, whenever one of the three moves.
 from __future__ import annotations
 
 from kvgate_agent.admission.config import AdmissionConfig
-from kvgate_agent.admission.fair_reserve import PREFILL_SHARE
+from kvgate_agent.admission.fairqueue import PREFILL_SHARE
 from kvgate_agent.admission.limits import Limits
 from kvgate_agent.admission.slo import SloState
 

@@ -1,8 +1,8 @@
 """The admission controller of one pod: admit each request now, queue it, degrade it or refuse it.
 
 It composes the limit bookkeeping (:mod:`.limits`, asked what stops a request through
-:func:`.fair_reserve.what_blocks`), the holds (:mod:`.holds`, public as :attr:`holds`), the wait
-queue (:mod:`.queue`) and its driving (:mod:`.waiting`), the concurrency ceiling
+:func:`.fairqueue.what_blocks`), the holds (:mod:`.holds`, public as :attr:`holds`), the fair
+queue (:mod:`.fairqueue`'s wait queue) and its driving (:mod:`.waiting`), the concurrency ceiling
 (:mod:`.ceiling`), the live corrections (:mod:`.live`, public as :attr:`live`) and the policy's
 overload actions (:mod:`.overload`: Degrade, Queue, Reject, in the policy's order, with
 Retry-After from :mod:`.retry`). A request that can never fit is refused with 400 at once, never
@@ -30,7 +30,7 @@ from kvgate_agent.admission.decision import (
     Ticket,
     Waiter,
 )
-from kvgate_agent.admission.fair_reserve import what_blocks
+from kvgate_agent.admission.fairqueue import WaitQueue, what_blocks
 from kvgate_agent.admission.holds import Hold, Holds
 from kvgate_agent.admission.limits import Limits, expect_prefix, settle_prefix
 from kvgate_agent.admission.live import LiveCorrection
@@ -39,7 +39,6 @@ from kvgate_agent.admission.overload import (
     exceeds_capacity,
     refused_by_count,
 )
-from kvgate_agent.admission.queue import WaitQueue
 from kvgate_agent.admission.retry import DecodeSpeed
 from kvgate_agent.admission.slo import SloState
 from kvgate_agent.admission.stats import AdmissionStats, TenantStats

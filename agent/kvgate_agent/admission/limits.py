@@ -39,7 +39,7 @@ import math
 
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import AdmissionRequest, BucketCharge, Ticket
-from kvgate_agent.admission.fairness import FairShare
+from kvgate_agent.admission.fairqueue.share import FairShare
 from kvgate_agent.admission.predictor import LengthPredictor
 from kvgate_agent.admission.prefix_index import PrefixIndex
 from kvgate_agent.admission.rate_limits import RateLimits

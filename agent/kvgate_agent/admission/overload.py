@@ -8,7 +8,7 @@ is refused with that wait as its Retry-After (:mod:`.slo`). Queue itself is not 
 :func:`act` answers :class:`Enqueue` and the controller queues the request.
 
 Invariant: pure and clock-injected, like the controller; a reservation is taken only after
-:func:`~kvgate_agent.admission.fair_reserve.what_blocks` found that it fits, in the same call.
+:func:`~kvgate_agent.admission.fairqueue.what_blocks` found that it fits, in the same call.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from kvgate_agent.admission.decision import (
     Reason,
     Waiter,
 )
-from kvgate_agent.admission.fair_reserve import what_blocks
+from kvgate_agent.admission.fairqueue import WaitQueue, what_blocks
 from kvgate_agent.admission.limits import Limits
-from kvgate_agent.admission.queue import WaitQueue
 from kvgate_agent.admission.retry import DecodeSpeed, refusal, wait_seconds
 from kvgate_agent.admission.slo import SHED_FACTOR, SloState
 from kvgate_agent.contract.policy import OverloadAction

@@ -1,7 +1,8 @@
 """The controller's queue side: a request the overload actions queue, the passes that move
 waiters out of the queue, and when the next pass is due.
 
-:class:`Waiting` puts a request in :class:`~kvgate_agent.admission.queue.WaitQueue` when
+:class:`Waiting` puts a request in the fair queue's
+:class:`~kvgate_agent.admission.fairqueue.WaitQueue` when
 :func:`~kvgate_agent.admission.overload.act` answers Queue (refusing the waiter it evicts in its
 place), and on each :meth:`Waiting.pump` decides on the waiters past their deadline (their
 remaining overload actions, or an active hold's 503) before admitting those that fit.
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 from kvgate_agent.admission.ceiling import ConcurrencyCeiling
 from kvgate_agent.admission.decision import AdmissionRequest, Blocker, Decision, Outcome, Reason
-from kvgate_agent.admission.fair_reserve import what_blocks
+from kvgate_agent.admission.fairqueue import what_blocks
 from kvgate_agent.admission.holds import Hold, Holds
 from kvgate_agent.admission.overload import Enqueue, Resources, act, evicted
 from kvgate_agent.contract.policy import OverloadAction

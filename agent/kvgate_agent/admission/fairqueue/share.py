@@ -5,7 +5,7 @@ Each tenant has a counter of the service it received, weighted by its share (She
 https://www.usenix.org/conference/osdi24/presentation/sheng): a request of ``p`` prompt tokens
 and ``o`` output tokens adds ``(w_in x p + w_out x o) / weight`` to its tenant's counter
 (``w_in``, ``w_out``: the policy's ``queue.fairness`` token weights, 1 and 2 by default as in
-the paper; ``weight``: the tenant class's share). The wait queue (:mod:`.queue`) serves the
+the paper; ``weight``: the tenant class's share). The wait queue (:mod:`.waitqueue`) serves the
 backlogged tenant with the smallest counter first.
 
 How the counters move (the pitfalls of earlier attempts are cited):
@@ -28,7 +28,7 @@ How the counters move (the pitfalls of earlier attempts are cited):
 
 **What a tenant holds.** A queue fair among waiters cannot take back what a tenant already
 holds: the accounts here also count each tenant's requests in flight and the KV they hold, and
-:mod:`.fair_reserve` keeps the last of the KV capacity and of the concurrency limit from a
+:mod:`.reserve` keeps the last of the KV capacity and of the concurrency limit from a
 tenant holding far more than its fair share.
 
 Memory is bounded by ``max_tenants`` accounts: an account neither backlogged nor in flight whose
@@ -117,7 +117,7 @@ class FairShare:
         self.mean_charge = 0.0
         #: Sum of the weights of the active tenants (requests waiting or in flight).
         self.active_weight = 0.0
-        #: The engine's prefill is congested (``fair_reserve.PREFILL_SHARE``; set by the
+        #: The engine's prefill is congested (``reserve.PREFILL_SHARE``; set by the
         #: concurrency ceiling): tenants above their share of the concurrency limit wait.
         self.congested = False
         #: The prompt tokens admitted and not yet prefilled (charged here at every admission).

@@ -2,7 +2,7 @@
 
 :class:`WaitQueue` owns the waiters' lifecycle: their deadlines, the pass that admits those
 that fit now, and the decisions collected for the asyncio side. The order it serves them in is
-:class:`.fair_order.FairOrder`'s: priority bands strictly, then tenants by fair share (VTC),
+:class:`.order.FairOrder`'s: priority bands strictly, then tenants by fair share (VTC),
 then each tenant's own order.
 
 Work-conserving: when the head the order chooses is blocked by a shared resource (KV, the
@@ -12,7 +12,7 @@ concurrency cap, a pod-wide bucket), the next heads that fit are admitted past i
 would fit; Kubernetes API Priority and Fairness and the VTC artifact block on the head).
 
 It admits through the :class:`.Limits` it is given (the check,
-:func:`.fair_reserve.what_blocks`, and the reservation in one call) and hands back the ones past
+:func:`.reserve.what_blocks`, and the reservation in one call) and hands back the ones past
 their deadline for the overload actions to decide (:mod:`.waiting`); it never decides a refusal
 itself.
 
@@ -38,8 +38,8 @@ from kvgate_agent.admission.decision import (
     Reason,
     Waiter,
 )
-from kvgate_agent.admission.fair_order import Entry, FairOrder
-from kvgate_agent.admission.fair_reserve import what_blocks
+from kvgate_agent.admission.fairqueue.order import Entry, FairOrder
+from kvgate_agent.admission.fairqueue.reserve import what_blocks
 from kvgate_agent.admission.limits import Limits
 from kvgate_agent.admission.retry import refusal
 

@@ -1,13 +1,13 @@
 """The waiting requests of one pod in service order: priority bands, tenants by fair share,
 each tenant's own order.
 
-:class:`FairOrder` holds the waiters (no decisions: :class:`.queue.WaitQueue` decides who
+:class:`FairOrder` holds the waiters (no decisions: :class:`.waitqueue.WaitQueue` decides who
 leaves). Three levels:
 
 1. **Priority bands**, strictly: a higher priority is always looked at first (as Kubernetes
    API Priority and Fairness, https://kubernetes.io/docs/concepts/cluster-administration/flow-control/,
    and llm-d's flow control do).
-2. **Tenants by virtual counter** within a band (VTC, :mod:`.fairness`): the backlogged tenant
+2. **Tenants by virtual counter** within a band (VTC, :mod:`.share`): the backlogged tenant
    that received the least weighted service first.
 3. **Within a tenant** in the policy's ``queue.order``: arrival (FIFO, Priority), or reservation
    size less aging (ShortestFirst: after half the maximum wait a request outranks any new one).
@@ -25,7 +25,7 @@ import math
 
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import AdmissionRequest, Waiter
-from kvgate_agent.admission.fairness import FairShare
+from kvgate_agent.admission.fairqueue.share import FairShare
 from kvgate_agent.contract.policy import QueueOrder
 
 #: Tenants whose counters are within this many mean charges of the smallest are taken in the

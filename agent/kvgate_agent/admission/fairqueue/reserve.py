@@ -5,7 +5,7 @@ holds: a tenant flooding an idle server fills its KV and its concurrency limit, 
 tenant's request then waits for a departure, past a TTFT budget of a few hundred milliseconds.
 So the last :data:`KV_RESERVE` of the KV capacity and of the concurrency limit are kept from a
 tenant holding more than :data:`HOG` times its fair share (capacity x its weight / the active
-tenants' weights, from :mod:`.fairness`'s accounts), and while the engine's prefill is congested
+tenants' weights, from :mod:`.share`'s accounts), and while the engine's prefill is congested
 (:data:`PREFILL_SHARE`, flagged by :mod:`.ceiling`) such a tenant waits at any level. A tenant
 alone, or holding nothing, is never held back: the server stays work-conserving for whoever is
 there.
@@ -21,7 +21,7 @@ Invariant: pure, no clock of its own (``now`` is passed in, seconds); O(rate lim
 from __future__ import annotations
 
 from kvgate_agent.admission.decision import AdmissionRequest, Blocker, BucketCharge, Reason
-from kvgate_agent.admission.fairness import FairShare
+from kvgate_agent.admission.fairqueue.share import FairShare
 from kvgate_agent.admission.limits import Limits
 
 #: Share of the KV capacity (and of the concurrency limit) a tenant above its fair share of it
