@@ -1,6 +1,7 @@
-"""The sidecar's layout (issue 35): a thin top of at most 8 modules, and every sub-package a room
-with a curated face: an ``__init__`` whose docstring says what the room does and whose
-``__all__`` names what it re-exports, each name bound."""
+"""The sidecar's layout (issue 35): a thin top of at most 8 modules, every sub-package a room
+with a curated face (an ``__init__`` whose docstring says what the room does and whose
+``__all__`` names what it re-exports, each name bound), and one admission object: nothing
+outside ``admission/`` reaches its controller through ``AsyncAdmission.core``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import kvgate_agent.sidecar
 
 SIDECAR = Path(kvgate_agent.sidecar.__file__).parent
+AGENT = SIDECAR.parent
 ROOMS = sorted(p.name for p in SIDECAR.iterdir() if (p / "__init__.py").is_file())
 
 
@@ -30,3 +32,14 @@ def test_every_room_has_a_curated_face() -> None:
         names = getattr(module, "__all__", None)
         assert names, f"sidecar/{room}/__init__.py: __all__ naming what other rooms use"
         assert all(hasattr(module, n) for n in names), room
+
+
+def test_nothing_outside_admission_reaches_its_core() -> None:
+    reach = [
+        f"{path.relative_to(AGENT).as_posix()}:{node.lineno}"
+        for path in sorted(AGENT.rglob("*.py"))
+        if "admission" not in path.relative_to(AGENT).parts[:1]
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "core"
+    ]
+    assert not reach, f"read admission through AsyncAdmission's own methods: {reach}"

@@ -20,16 +20,19 @@ from collections.abc import Callable
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.controller import AdmissionController
 from kvgate_agent.admission.decision import AdmissionRequest, Decision, Reason, Ticket
-from kvgate_agent.admission.stats import AdmissionStats
+from kvgate_agent.admission.lease import LeaseBook
+from kvgate_agent.admission.stats import AdmissionStats, TenantStats
+from kvgate_agent.contract.policy import FailureMode
 
 
 class AsyncAdmission:
     """Awaitable admission over one :class:`AdmissionController` on the running event loop.
 
     Args:
-        controller: the pure decisions. Kept as :attr:`core` for reads (bucket levels, the SLO
-            state) and the shared limits' lease book; its own mutators do not wake the queue,
-            so callers change admission state through this wrapper.
+        controller: the pure decisions, kept as :attr:`core` for admission's own package and
+            tests: the sidecar reads admission through this wrapper (:meth:`stats`,
+            :meth:`tenant_stats`, :meth:`engine_waiting`, :meth:`lease_book`), and changes it
+            through it too (the controller's own mutators do not wake the queue).
     """
 
     def __init__(self, controller: AdmissionController) -> None:
@@ -55,6 +58,33 @@ class AsyncAdmission:
     def stats(self) -> AdmissionStats:
         """The admission state now (:meth:`AdmissionController.stats`)."""
         return self.core.stats()
+
+    def tenant_stats(self) -> TenantStats:
+        """The per-tenant state now (:meth:`AdmissionController.tenant_stats`: bucket levels,
+        tenants tracked, fair shares)."""
+        return self.core.tenant_stats()
+
+    def engine_waiting(self) -> int:
+        """Requests the engine reported waiting in its own queue now, 0 once that report is
+        older than its lifetime (:meth:`~kvgate_agent.admission.slo.SloState.engine_waiting`)."""
+        core = self.core
+        return core.slo.engine_waiting(core.clock())
+
+    def lease_book(self, now: float) -> LeaseBook:
+        """Hold ``shared`` limits as slices of fleet-wide budgets from now on (across new
+        thresholds: :meth:`AdmissionController.attach_store`), and the book of their leases the
+        store link keeps (:class:`~kvgate_agent.admission.lease.LeaseBook`, created at clock
+        time ``now``, seconds; it reads the shared limits' buckets, the retired slices, the
+        ``failureMode`` and this pod's fleet share as they are when asked)."""
+        core = self.core
+        core.attach_store()
+        return LeaseBook(
+            core.shared_maps,
+            lambda: core.config.failure_mode is FailureMode.FAIL_CLOSED,
+            now,
+            retired=core.take_retired_slices,
+            share=lambda: core.config.fleet_share,
+        )
 
     def refused_whatever_the_prompt(self, req: AdmissionRequest) -> bool:
         """Whether :meth:`admit` would refuse ``req`` now whatever its prompt's count (see

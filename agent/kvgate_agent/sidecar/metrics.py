@@ -57,7 +57,6 @@ class _AdmissionCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         c = self.admission.stats()
-        core = self.admission.core
         yield GaugeMetricFamily(
             "kvgate_in_flight_requests", "Admitted requests not yet finished", value=c.in_flight
         )
@@ -70,7 +69,7 @@ class _AdmissionCollector(Collector):
             value=c.kv_reserved_tokens,
         )
         cap = c.kv_capacity_tokens
-        bpt = core.config.bytes_per_token
+        bpt = self.admission.config.bytes_per_token
         if cap is not None:
             yield GaugeMetricFamily(
                 "kvgate_kv_capacity_tokens", "KV capacity admission enforces, tokens", value=cap
@@ -98,7 +97,7 @@ class _AdmissionCollector(Collector):
             "Effective capacity of a rate-limit bucket",
             labels=["limit", "unit", "tenant"],
         )
-        ts = core.tenant_stats()
+        ts = self.admission.tenant_stats()
         for name, unit, key, lvl, cp in ts.bucket_levels:
             tenant = "" if key == "" else self.labels(key)
             if tenant == TenantLabels.OTHER:

@@ -58,8 +58,8 @@ class RouterMetrics:
         on every path the sidecar passes on."""
         text, content_type, problem = await self._engine(request)
         sample = None if text is None else parse_engine_metrics(core_lines(text))
-        core = self.admission.core
-        gauges = router_gauges(core.stats(), sample, core.slo.engine_waiting(core.clock()))
+        a = self.admission
+        gauges = router_gauges(a.stats(), sample, a.engine_waiting())
         body = with_gauges(text or "", gauges, problem)
         headers = {"Content-Type": content_type, DECISION_HEADER: "passthrough"}
         return web.Response(body=body.encode(), headers=headers)

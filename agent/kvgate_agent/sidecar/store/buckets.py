@@ -42,7 +42,6 @@ from kvgate_agent.admission.lease import (
     SliceOp,
     StoreState,
 )
-from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.sidecar.store.settings import StoreSettings as StoreSettings  # re-exported
 from kvgate_agent.tasks import cancel_and_wait
 
@@ -132,7 +131,7 @@ class StoreLink:
 
     Args:
         settings: the store.
-        admission: the admission whose shared limits are leased (its core holds the slices).
+        admission: the admission whose shared limits are leased (:meth:`AsyncAdmission.lease_book`).
         policy: returns the governing policy's ``namespace/name`` (the keys' hash tag).
         clock: monotonic seconds (the book's; the store's own clock decides refills).
     """
@@ -148,15 +147,8 @@ class StoreLink:
         self.admission = admission
         self._policy = policy
         self.clock = clock
-        controller = admission.core
-        controller.attach_store()
-        self.book = LeaseBook(
-            controller.shared_maps,
-            lambda: controller.config.failure_mode is FailureMode.FAIL_CLOSED,
-            clock(),
-            retired=controller.take_retired_slices,
-            share=lambda: controller.config.fleet_share,
-        )
+        #: The leases of the shared limits admission now holds as slices.
+        self.book: LeaseBook = admission.lease_book(clock())
         self.client: aioredis.Redis | None = None
         self._script: Any = None
         self._task: asyncio.Task[None] | None = None
