@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict
 
-from kvgate_agent.contract.policy import PolicyError, TenantsSpec, parse_policy
+from kvgate_agent.contract.policy import (
+    PolicyError,
+    RateLimitPolicySpec,
+    TenantsSpec,
+    parse_policy,
+)
 from kvgate_agent.sidecar.identity.identity import Authenticator, verify_jwt
 from kvgate_agent.sidecar.identity.keyfiles import (
     KeyFileError,
@@ -285,6 +290,35 @@ def test_a_keys_class_is_given_and_an_undeclared_one_warned_of_once_per_load(
         identity.poll()
         assert identity.credential(bearer(KEY_A), spec) == ("team-a", "batch")
     assert len(caplog.records) == 2
+
+
+def test_who_is_one_call_credential_class_and_priority(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    entries = [{"sha256": DIGEST_A, "tenant": "team-a", "class": "batch"}]
+    path.write_text(json.dumps({"keys": entries}))
+    identity = Authenticator(api_keys_file=str(path))
+    spec = RateLimitPolicySpec.model_validate(
+        {
+            "tenants": {
+                "header": "authorization",
+                "unknownKeys": "Refuse",
+                "classes": [{"name": "batch", "priority": 3, "weight": 2}],
+            },
+            "priority": {"header": "x-p"},
+        }
+    )
+    who = identity.who(bearer(KEY_A), spec)  # the key's class, its priority
+    assert (who.tenant, who.tenant_class.name, who.priority) == ("team-a", "batch", 3)
+    lower = CIMultiDict({"Authorization": f"Bearer {KEY_A}", "x-p": "-1"})
+    assert identity.who(lower, spec).priority == -1  # untrusted: it may only lower it
+    raised = CIMultiDict({"Authorization": f"Bearer {KEY_A}", "x-p": "9"})
+    assert identity.who(raised, spec).priority == 3
+    with pytest.raises(RequestError) as err:  # the credential first: 401
+        identity.who(CIMultiDict({"Authorization": "Bearer sk-other", "x-p": "x"}), spec)
+    assert err.value.status == 401
+    with pytest.raises(RequestError) as err:  # then the priority header: 400 naming it
+        identity.who(CIMultiDict({"Authorization": f"Bearer {KEY_A}", "x-p": "x"}), spec)
+    assert (err.value.status, err.value.param) == (400, "x-p")
 
 
 def test_the_header_mode_ignores_the_keys_file(keyed: Authenticator) -> None:

@@ -1,6 +1,8 @@
-"""Who is asking: the tenant named from a credential (``identity``: API keys by their SHA-256,
-trusted headers), the keys file (``keyfiles``), tenant labels and engine priority (``tenants``)
-and the tenant classes (``classes``).
+"""Who is asking, in one call: :meth:`Authenticator.who` (headers and the policy enforced now ->
+:class:`Identity`: tenant, class, priority). Inside: the tenant named from a credential
+(``identity``: API keys by their SHA-256, verified JWTs, trusted headers), the keys and JWKS
+files (``keyfiles``), the class and priority, tenant labels and engine priority (``tenants``) and
+the tenant classes (``classes``).
 
 Other rooms import what they use from here (``__all__``); modules of this room import
 each other directly.

@@ -33,7 +33,7 @@ from typing import Any
 import jwt
 
 from kvgate_agent.contract.identity import JwtSpec, UnknownKeys
-from kvgate_agent.contract.policy import TenantsSpec
+from kvgate_agent.contract.policy import RateLimitPolicySpec, TenantsSpec
 from kvgate_agent.sidecar.identity.classes import class_names
 from kvgate_agent.sidecar.identity.keyfiles import (
     ALGORITHMS,
@@ -48,6 +48,8 @@ from kvgate_agent.sidecar.identity.keyfiles import (
 from kvgate_agent.sidecar.identity.tenants import (
     ANONYMOUS,
     UNKNOWN,
+    Identifier,
+    Identity,
     bearer_token,
     tenant_name,
     tenant_of,
@@ -127,8 +129,10 @@ def verify_jwt(token: str, spec: JwtSpec, keys: Jwks, leeway: float = LEEWAY_SEC
 
 
 class Authenticator:
-    """Resolves each request's tenant (:meth:`tenant`) from the policy's ``tenants`` and the
-    credential files, which a background task re-reads every ``poll_seconds`` while started.
+    """The identity room's one entry point: :meth:`who` answers who a request is (its tenant
+    from its credential, its class, its priority) under the policy enforced now, from the
+    policy's ``tenants`` and ``priority`` and the credential files, which a background task
+    re-reads every ``poll_seconds`` while started.
 
     Raises:
         KeyFileError: a file given cannot be read or parsed at construction.
@@ -151,6 +155,7 @@ class Authenticator:
         self._checked: TenantsSpec | None = None  # the policy's tenants last checked
         self._said: set[str] = set()
         self._undeclared: set[tuple[int, str]] = set()  # (keys file load, class) warned of
+        self._identify = Identifier()  # the class and priority, its class table per policy
 
     def check(self, spec: TenantsSpec) -> None:
         """Refuse a policy whose tenants these files cannot name: ``tenants.jwt`` without a
@@ -165,6 +170,22 @@ class Authenticator:
                 "tenants.jwt needs --jwks-file (KVGATE_JWKS_FILE), the issuer's signing keys: "
                 "without them every request would get 401"
             )
+
+    def who(self, headers: Mapping[str, str], spec: RateLimitPolicySpec) -> Identity:
+        """Who a request with ``headers`` is under the policy ``spec`` enforced now, in one call:
+        its tenant from its credential (:meth:`credential`), its class (its API key's entry's
+        ``class`` where the policy declares it, else the classes' match rules) and its priority
+        (its class's; the priority header's as sent under ``priority.trusted``, else only ever
+        lower): :class:`~kvgate_agent.sidecar.identity.tenants.Identifier`. Reads headers only,
+        so the pipeline asks before reading the body.
+
+        Raises:
+            RequestError: 401 (code ``invalid_api_key``) for a credential that is refused; 400
+                (``param`` the header's name) for a priority header that is not an integer in
+                [-1000, 1000].
+        """
+        tenant, key_class = self.credential(headers, spec.tenants)
+        return self._identify(headers, spec, tenant, key_class)
 
     def tenant(self, headers: Mapping[str, str], spec: TenantsSpec) -> str:
         """The tenant of a request with ``headers`` under the policy's ``spec``.
