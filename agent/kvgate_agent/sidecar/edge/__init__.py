@@ -9,7 +9,7 @@ each other directly.
 
 from __future__ import annotations
 
-from kvgate_agent.sidecar.edge.body import read_body, too_large
+from kvgate_agent.sidecar.edge.body import StreamedBody, read_body, too_large
 from kvgate_agent.sidecar.edge.client_listener import ClientListener
 from kvgate_agent.sidecar.edge.client_request import Request
 from kvgate_agent.sidecar.edge.hop_headers import (
@@ -31,6 +31,7 @@ __all__ = [
     "Handler",
     "Request",
     "ResponseStream",
+    "StreamedBody",
     "admitted_request_headers",
     "dropped",
     "forward_headers",

@@ -1,6 +1,7 @@
 """Forwarding to the model server: the admitted request (its trip upstream, its failures, the
-reservation settled; the answer relayed by :mod:`kvgate_agent.sidecar.upstream.relay`), and
-pass-through for every other path.
+reservation settled; the answer relayed by :mod:`kvgate_agent.sidecar.upstream.relay`), the
+degraded one (to the fallback pool: :mod:`kvgate_agent.sidecar.upstream.fallback_pool`), and
+pass-through for every other path (its allowlist); every forwarded body within the same bounds.
 
 Invariant: an admitted request releases exactly what it reserved on every path (success,
 upstream error, timeout, client disconnect before or during the stream, cancellation): the
@@ -18,51 +19,44 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import Counter, Histogram
-from yarl import URL
 
-from kvgate_agent.admission import AsyncAdmission, Ticket
+from kvgate_agent.admission import AsyncAdmission, Decision, Ticket
+from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar.edge import HOP_BY_HOP as HOP_BY_HOP  # re-exported
 from kvgate_agent.sidecar.edge import (
     ClientRequest,
     ResponseStream,
     admitted_request_headers,
     forward_headers,
-    new_stream,
-    too_large,
+    read_body,
 )
 from kvgate_agent.sidecar.reading import (
     ParsedRequest,
+    Passthrough,
     PrefixNaming,
     PromptCount,
     PromptCounter,
-    body_too_slow,
     responses,
 )
 from kvgate_agent.sidecar.upstream.engine_stall import EngineStall
+from kvgate_agent.sidecar.upstream.fallback_pool import degrade_to_pool
 from kvgate_agent.sidecar.upstream.model_server import Flag, ModelServer
+from kvgate_agent.sidecar.upstream.passthrough import pass_through
 from kvgate_agent.sidecar.upstream.relay import (
     ClientGone,
     Exchange,
     read_capped,
     relay_stream,
-    to_client,
 )
 from kvgate_agent.sidecar.upstream.upstream import UpstreamConnectError
 
 log = logging.getLogger("kvgate.sidecar")
-
-
-class _BodyTooSlow(Exception):
-    """A pass-through request's body did not arrive within the body deadline, or grew past the
-    body limit (not an ``OSError``, unlike ``TimeoutError``, so aiohttp's client reports it as
-    a payload error)."""
 
 
 class ForwardMetrics(Protocol):
@@ -85,39 +79,6 @@ class ForwardMetrics(Protocol):
     def count_tokens(self, kind: str, tenant_label: str, tokens: int) -> None: ...
 
 
-@dataclass(slots=True)
-class _BodyDeadline:
-    """A pass-through request body streamed upstream, ending with :class:`_BodyTooSlow` when
-    it is not complete ``timeout`` seconds (0: no limit) after ``start`` (``loop.time()``:
-    ``expired``) or grows past ``limit`` bytes (0: no limit; ``too_large``)."""
-
-    request: ClientRequest
-    timeout: float
-    start: float
-    limit: int = 0
-    expired: bool = False
-    too_large: bool = False
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        loop = asyncio.get_running_loop()
-        size = 0
-        while True:
-            left = self.start + self.timeout - loop.time() if self.timeout > 0 else None
-            try:
-                async with asyncio.timeout(left):
-                    chunk = await self.request.content.readany()
-            except TimeoutError:
-                self.expired = True
-                raise _BodyTooSlow() from None
-            if not chunk:
-                return
-            size += len(chunk)
-            if self.limit and size > self.limit:
-                self.too_large = True
-                raise _BodyTooSlow()
-            yield chunk
-
-
 def _is_error_object(data: bytes) -> bool:
     """``data`` is an OpenAI-style error body (``{"error": {...}}``)."""
     try:
@@ -128,7 +89,14 @@ def _is_error_object(data: bytes) -> bool:
 
 class Forwarder:
     """Sends requests to the model server (``server``: admitted ones over its pool, pass-through
-    ones over its kept-alive client)."""
+    ones over its kept-alive client, degraded ones to the fallback pool over its client): the
+    upstream room's object for the request pipeline.
+
+    Args:
+        allowlist: the paths a mutating pass-through request may take (:meth:`allows`).
+        body_timeout: seconds a forwarded body may take to arrive; 0: no limit.
+        max_body: bytes a forwarded body may hold; 0: no limit (a pass-through body's only).
+    """
 
     def __init__(
         self,
@@ -137,16 +105,19 @@ class Forwarder:
         admission: AsyncAdmission,
         counter: PromptCounter,
         *,
+        allowlist: Passthrough | None = None,
         body_timeout: float = 0.0,
         max_body: int = 0,
         stall: EngineStall | None = None,
     ) -> None:
         self.server = server
-        self.max_body = max_body  # bytes a pass-through body may hold; 0: no limit
+        self.allowlist = Passthrough.of() if allowlist is None else allowlist
+        self.max_body = max_body
         #: What the engine produced, for the stall watch (a disabled one when not given).
         self.stall = EngineStall(0.0, lambda _: None) if stall is None else stall
-        self.body_timeout = body_timeout  # seconds a pass-through body may take; 0: no limit
+        self.body_timeout = body_timeout
         self.metrics = metrics
+        self._body_timeouts = metrics.client_timeouts.labels("body")
         self.admission = admission
         self.counter = counter
         self._running: set[asyncio.Task[Any]] = set()  # admitted requests' handler tasks
@@ -170,6 +141,40 @@ class Forwarder:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=grace)
+
+    # ------------------------------------------------------------------ what goes upstream
+
+    def allows(self, path: str) -> bool:
+        """Whether a mutating request may pass through to ``path`` (canonical): the allowlist
+        (:class:`~kvgate_agent.sidecar.reading.endpoints.Passthrough`)."""
+        return self.allowlist.allows(path)
+
+    async def read_body(self, request: ClientRequest) -> bytes:
+        """A generation request's body (bytes), read whole within :attr:`max_body` bytes and
+        :attr:`body_timeout` seconds (a timeout counts in ``kvgate_client_timeouts_total{phase=
+        "body"}``).
+
+        Raises:
+            RequestError: 413 over the limit, 408 past the deadline.
+        """
+        return await read_body(request, self.max_body, self.body_timeout, self._body_timeouts.inc)
+
+    async def degrade(
+        self,
+        request: ClientRequest,
+        spec: RateLimitPolicySpec,
+        parsed: ParsedRequest,
+        raw: bytes,
+        d: Decision,
+        mode: str | None,
+        count: Callable[[Decision], None],
+    ) -> ResponseStream:
+        """Send a request admission answered ``fallback_pool`` (``d``) to the pool over the
+        pass-through client (:func:`~kvgate_agent.sidecar.upstream.fallback_pool.
+        degrade_to_pool`: ``raw`` is its body as received, ``mode`` the thresholds header,
+        ``count`` counts the decision that stands)."""
+        session = self.server.session()
+        return await degrade_to_pool(session, request, spec, parsed, raw, d, mode, count)
 
     # ------------------------------------------------------------------ admitted requests
 
@@ -329,78 +334,13 @@ class Forwarder:
     # ------------------------------------------------------------------ pass-through
 
     async def passthrough(self, request: ClientRequest) -> ResponseStream:
-        """A request the routes let through (see ``RequestPipeline.other``): forwarded as is
-        (the raw path, not re-normalised), body streamed both ways. An absolute-form target
-        (``GET http://host/v1/models``, RFC 9112 §3.2.2) is sent as its path and query: the
-        upstream is always the sidecar's own. The body must be complete within
-        :attr:`body_timeout` seconds of the handler's start, else the upstream request is
-        aborted and the client gets 408 (``client_timeouts{phase="body"}``) and is closed. A
-        body over :attr:`max_body` bytes gets 413: at once when its ``Content-Length`` says so
-        (never sent upstream; counted as an ``invalid_request`` refusal), else when the bytes
-        streamed pass it (the upstream request aborted)."""
-        if self.max_body and (request.content_length or 0) > self.max_body:
-            self.metrics.count_decision("rejected", "invalid_request", "")
-            return responses.bad_request(too_large(self.max_body))
-        rel = request.rel_url  # request.raw_path is the whole URL of an absolute-form target
-        raw_path = rel.raw_path + (f"?{rel.raw_query_string}" if rel.raw_query_string else "")
-        fwd = forward_headers(request.headers)
-        fwd.popall("Content-Encoding", None)  # the body is decoded on the way in
-        loop = asyncio.get_running_loop()
-        body = _BodyDeadline(request, self.body_timeout, loop.time(), self.max_body)
-        data = body.chunks() if request.body_exists else None
-        url = URL(self.server.url + raw_path, encoded=True)
-        try:
-            resp = await self.server.session().request(request.method, url, headers=fwd, data=data)
-        except aiohttp.ClientConnectorError:
-            self.metrics.upstream_errors.labels("connect").inc()
-            return responses.passthrough_unreachable()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            if body.expired or body.too_large:
-                return self._body_refused(body)
-            self.metrics.upstream_errors.labels("upstream_error").inc()
-            return responses.passthrough_failed(exc)
-        return await self._relay_passthrough(request, resp, body)
-
-    def _body_refused(self, body: _BodyDeadline) -> web.Response:
-        """408 for a pass-through body that came too slowly (``client_timeouts{phase="body"}``;
-        the connection is closed), 413 for one that grew past ``--max-body-bytes``."""
-        if body.too_large:
-            resp = responses.bad_request(too_large(self.max_body))
-            resp.force_close()  # the rest of the body is not read
-            return resp
-        self.metrics.client_timeouts.labels("body").inc()
-        return responses.bad_request(body_too_slow())
-
-    async def _relay_passthrough(
-        self, request: ClientRequest, resp: aiohttp.ClientResponse, body: _BodyDeadline
-    ) -> ResponseStream:
-        clean = False
-        try:
-            out_headers = forward_headers(resp.headers)
-            out_headers[responses.DECISION_HEADER] = "passthrough"
-            out = new_stream(request, resp.status, out_headers, resp.content_length)
-            await to_client(out.prepare(request))
-            async for chunk in resp.content.iter_any():
-                await to_client(out.write(chunk))
-            await to_client(out.write_eof())
-            clean = True
-            return out
-        except ClientGone:
-            self.metrics.client_disconnects.inc()
-            return out
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            if (body.expired or body.too_large) and not out.prepared:
-                return self._body_refused(body)
-            if body.expired or body.too_large:
-                if body.expired:
-                    self.metrics.client_timeouts.labels("body").inc()
-                out.force_close()
-            else:
-                self.metrics.upstream_errors.labels("upstream_error").inc()
-                log.warning("upstream failed during pass-through: %r", exc)
-            return out
-        finally:
-            if clean:
-                resp.release()
-            else:
-                resp.close()
+        """A request the routes let through (see ``RequestPipeline.other``), forwarded as is
+        within :attr:`max_body` bytes and :attr:`body_timeout` seconds
+        (:func:`~kvgate_agent.sidecar.upstream.passthrough.pass_through`)."""
+        return await pass_through(
+            request,
+            self.server,
+            self.metrics,
+            max_body=self.max_body,
+            body_seconds=self.body_timeout,
+        )
