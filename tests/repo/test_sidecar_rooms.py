@@ -1,15 +1,18 @@
 """The sidecar's layout (issue 35): a thin top of at most 8 modules, every sub-package a room
 with a curated face (an ``__init__`` whose docstring says what the room does and whose
-``__all__`` names what it re-exports, each name bound), and one admission object: nothing
-outside ``admission/`` reaches its controller through ``AsyncAdmission.core``."""
+``__all__`` names what it re-exports, each name bound), a request pipeline of at most 6
+collaborators, and one admission object: nothing outside ``admission/`` reaches its controller
+through ``AsyncAdmission.core``."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 from pathlib import Path
 
 import kvgate_agent.sidecar
+from kvgate_agent.sidecar.pipeline import RequestPipeline
 
 SIDECAR = Path(kvgate_agent.sidecar.__file__).parent
 AGENT = SIDECAR.parent
@@ -32,6 +35,11 @@ def test_every_room_has_a_curated_face() -> None:
         names = getattr(module, "__all__", None)
         assert names, f"sidecar/{room}/__init__.py: __all__ naming what other rooms use"
         assert all(hasattr(module, n) for n in names), room
+
+
+def test_the_pipeline_takes_one_object_per_room() -> None:
+    params = inspect.signature(RequestPipeline.__init__).parameters
+    assert len(params) - 1 <= 6, list(params)
 
 
 def test_nothing_outside_admission_reaches_its_core() -> None:

@@ -12,12 +12,14 @@ from typing import Any
 import pytest
 
 from kvgate_agent.admission import AdmissionRequest, Outcome, Reason
-from kvgate_agent.contract.policy import FailureMode
+from kvgate_agent.contract.policy import FailureMode, parse_policy
 from kvgate_agent.contract.sync import SyncAnswer
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
 from kvgate_agent.sidecar.node_link.agent_link import AgentSettings
+from kvgate_agent.sidecar.node_link.enforced import EnforcedPolicy
 from kvgate_agent.sidecar.node_link.sync_state import Mode, SyncResult
 from kvgate_bench.kit.toolkit import FakeClock
+from tests.conftest import policy_doc
 from tests.sync_answers import answer
 
 # ---------------------------------------------------------------- the sidecar enforcing modes
@@ -60,6 +62,19 @@ LIMITED = {
 def test_sidecar_needs_exactly_one_source_of_thresholds() -> None:
     with pytest.raises(ValueError):
         Sidecar(SidecarSettings(upstream="http://127.0.0.1:2"))
+
+
+async def test_the_thresholds_header_says_the_mode_and_where_a_store_stands() -> None:
+    standalone = EnforcedPolicy(parse_policy(policy_doc({})), None)
+    assert not standalone.headed and standalone.header() is None
+    standalone.attach_store(lambda: "local")
+    assert standalone.headed and standalone.header() == "store=local"
+    sc = agent_sidecar(FakeClock(500.0))
+    assert sc.policy.headed and sc.policy.header() is None  # no mode before it starts
+    sc.policy.refresh_mode(force=True)
+    sync(sc, answer(LIMITED, ttl=5, interval=0.5))
+    sc.policy.attach_store(lambda: "closed")
+    assert sc.policy.header() == "live, store=closed"
 
 
 async def test_sidecar_follows_the_modes_without_dropping_in_flight_work() -> None:

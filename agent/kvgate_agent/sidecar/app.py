@@ -23,14 +23,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.sidecar.edge import GuardedAppRunner, Handler, Request, track_requests
-from kvgate_agent.sidecar.engine import EngineProbe, EngineTokenizer, RouterMetrics
+from kvgate_agent.sidecar.engine import EngineProbe, EngineTokenizer, PromptReads, RouterMetrics
 from kvgate_agent.sidecar.identity import Authenticator
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.metrics_view import MetricsView
 from kvgate_agent.sidecar.node_link import NO_LIMITS, AgentEnforcement, AgentLink, EnforcedPolicy
 from kvgate_agent.sidecar.pipeline import RequestPipeline
 from kvgate_agent.sidecar.policy_control import PolicyControl
-from kvgate_agent.sidecar.reading import GENERATION_PATHS, PromptCounter
+from kvgate_agent.sidecar.reading import GENERATION_PATHS, Passthrough, PromptCounter
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
 from kvgate_agent.sidecar.store import StoreLink, register_metrics
 from kvgate_agent.sidecar.upstream import Forwarder, ModelServer
@@ -115,19 +115,23 @@ class Sidecar:
         #: The policy re-read on SIGHUP, and what a stalled engine changes.
         self.control = PolicyControl(s, self.policy, self.admission, self.engine, self.identity)
         self.stall = self.control.stall  #: whether the engine stopped producing tokens
+        #: The model server's side: every forwarded body's bounds, the pass-through allowlist.
         self.forwarder = Forwarder(
             self.model_server, self.metrics, self.admission, self.counter,
-            body_timeout=s.body_timeout_seconds, max_body=s.max_body_bytes, stall=self.stall,
+            allowlist=Passthrough.of(s.passthrough_paths), body_timeout=s.body_timeout_seconds,
+            max_body=s.max_body_bytes, stall=self.stall,
         )  # fmt: skip
         #: The leases of shared limits (None without a store: shared limits are per pod).
         self.store: StoreLink | None = None
         if settings.store is not None:
-            self.store = StoreLink(settings.store, self.admission, self.policy.name, clock)
+            store = self.store = StoreLink(settings.store, self.admission, self.policy.name, clock)
+            self.policy.attach_store(lambda: store.book.state.value)  # x-kvgate-thresholds
         register_metrics(self.metrics.registry, self.admission, self.store)
+        #: A request's path: one object per room it passes through, admission, the metrics.
+        prompts = PromptReads(self.engine, self.counter, self.engine_tokens)
         self.pipeline = RequestPipeline(
-            settings, self.policy, self.store, self.admission, self.metrics, self.identity,
-            self.counter, self.engine_tokens, self.engine, self.model_server, self.forwarder,
-        )  # fmt: skip
+            self.policy, self.identity, prompts, self.admission, self.forwarder, self.metrics
+        )
 
     @property
     def capacity_known(self) -> bool:

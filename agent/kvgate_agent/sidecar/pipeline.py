@@ -17,25 +17,16 @@ from aiohttp import web
 from yarl import URL
 
 from kvgate_agent.admission import AsyncAdmission, Decision, Reason
-from kvgate_agent.contract.policy import RateLimitPolicySpec
-from kvgate_agent.sidecar.edge import ClientRequest, ResponseStream, identity_headers, read_body
-from kvgate_agent.sidecar.engine import EngineProbe, EngineTokenizer
-from kvgate_agent.sidecar.identity import (
-    INVALID_API_KEY,
-    Authenticator,
-    Identifier,
-    Identity,
-    engine_priority,
-)
+from kvgate_agent.sidecar.edge import ClientRequest, ResponseStream, identity_headers
+from kvgate_agent.sidecar.engine import PromptReads
+from kvgate_agent.sidecar.identity import INVALID_API_KEY, Authenticator, Identity, engine_priority
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.node_link import EnforcedPolicy
 from kvgate_agent.sidecar.reading import (
     GENERATION_PATHS,
     SAFE_METHODS,
     ParsedRequest,
-    Passthrough,
     PromptCount,
-    PromptCounter,
     RequestError,
     canonical_path,
     default_within_context,
@@ -47,9 +38,7 @@ from kvgate_agent.sidecar.reading import (
     waited_seconds,
 )
 from kvgate_agent.sidecar.reading import HEADER as REQUEST_START
-from kvgate_agent.sidecar.settings import SidecarSettings
-from kvgate_agent.sidecar.store import StoreLink
-from kvgate_agent.sidecar.upstream import Forwarder, ModelServer, already_degraded, degrade_to_pool
+from kvgate_agent.sidecar.upstream import Forwarder, already_degraded
 
 
 class RequestPipeline:
@@ -57,68 +46,45 @@ class RequestPipeline:
     paths (:data:`~kvgate_agent.sidecar.reading.endpoints.GENERATION_PATHS`), :meth:`other` for the
     rest, :meth:`pathless` (a middleware) for an absolute-form target without a path.
 
-    Holds :attr:`draining` (set on shutdown: new generation requests get 503), the pass-through
-    allowlist, the request classifier (:class:`~kvgate_agent.sidecar.identity.tenants.Identifier`)
-    and the parts a request passes through, built by :class:`~kvgate_agent.sidecar.app.Sidecar`.
+    Holds :attr:`draining` (set on shutdown: new generation requests get 503) and one object
+    per room a request passes through, built by :class:`~kvgate_agent.sidecar.app.Sidecar`.
 
     Args:
-        settings: the sidecar's settings (body limits and timeouts, the allowlist).
-        policy: the policy enforced now.
-        store: the leases of shared limits (None without a store).
-        admission: the admission core.
-        metrics: the sidecar's metrics.
-        identity: names each request's tenant from its credentials.
-        counter: counts prompts (estimates).
-        engine_tokens: the engine's own prompt counts (``--tokenizer engine``), or None.
-        engine: the engine probe (its context length).
-        model_server: the connections to the model server (the fallback pool's session).
-        forwarder: forwards admitted and passed-through requests.
+        policy: the policy enforced now and where it stands (the node link's
+            :class:`~kvgate_agent.sidecar.node_link.enforced.EnforcedPolicy`: its spec, the
+            ``x-kvgate-thresholds`` header).
+        identity: who each request is, in one call (the identity room's
+            :meth:`~kvgate_agent.sidecar.identity.identity.Authenticator.who`).
+        engine: what a request reads of the engine: the context per request, the prompt's
+            count (the engine room's :class:`~kvgate_agent.sidecar.engine.probe.PromptReads`).
+        admission: the one admission object.
+        upstream: the model server's side: the body bounds, the pass-through allowlist, the
+            admitted, degraded and passed-through trips (the upstream room's
+            :class:`~kvgate_agent.sidecar.upstream.forward.Forwarder`).
+        metrics: the sidecar's metrics (decisions, queue wait, the expected cached prefix).
     """
 
     def __init__(
         self,
-        settings: SidecarSettings,
         policy: EnforcedPolicy,
-        store: StoreLink | None,
-        admission: AsyncAdmission,
-        metrics: SidecarMetrics,
         identity: Authenticator,
-        counter: PromptCounter,
-        engine_tokens: EngineTokenizer | None,
-        engine: EngineProbe,
-        model_server: ModelServer,
-        forwarder: Forwarder,
+        engine: PromptReads,
+        admission: AsyncAdmission,
+        upstream: Forwarder,
+        metrics: SidecarMetrics,
     ) -> None:
-        self.settings = settings
         self.policy = policy
-        self.store = store
-        self.admission = admission
-        self.metrics = metrics
         self.identity = identity
-        self.counter = counter
-        self.engine_tokens = engine_tokens
         self.engine = engine
-        self.model_server = model_server
-        self.forwarder = forwarder
+        self.admission = admission
+        self.upstream = upstream
+        self.metrics = metrics
         self.draining = False
-        self.passthrough = Passthrough.of(settings.passthrough_paths)
-        self.identify = Identifier()  # each request's tenant, class and priority
-        self._body_timeouts = metrics.client_timeouts.labels("body")
-
-    def mode_header(self) -> str | None:
-        """``x-kvgate-thresholds``: the thresholds mode (agent mode) and, with a store, where
-        shared limits stand (``store=shared|local|closed``); None when neither applies."""
-        mode = self.policy.mode
-        parts = [] if mode is None else [mode.value]
-        if self.store is not None:
-            parts.append(f"store={self.store.book.state.value}")
-        return ", ".join(parts) or None
 
     def generation_handler(self) -> Callable[[ClientRequest], Awaitable[ResponseStream]]:
         """The handler of the generation paths: :meth:`completion`, or standalone without a
         store (no mode header to add) the request's path itself."""
-        wrap = self.policy.enforcement is not None or self.store is not None
-        return self.completion if wrap else self._completion
+        return self.completion if self.policy.headed else self._completion
 
     @web.middleware
     async def pathless(
@@ -147,12 +113,12 @@ class RequestPipeline:
         if path in GENERATION_PATHS:
             return self._refused_early(responses.non_canonical_path())
         if request.method in SAFE_METHODS:
-            return await self.forwarder.passthrough(request)
-        if not self.passthrough.allows(path):
+            return await self.upstream.passthrough(request)
+        if not self.upstream.allows(path):
             return self._refused_early(responses.not_allowed_path(request.method, path))
         if raw != path:
             return self._refused_early(responses.non_canonical_path())
-        return await self.forwarder.passthrough(request)
+        return await self.upstream.passthrough(request)
 
     def _refused_early(self, resp: web.Response) -> web.Response:
         """``resp`` (a 4xx refusal before admission), counted in
@@ -164,10 +130,10 @@ class RequestPipeline:
     async def completion(self, request: ClientRequest) -> ResponseStream:
         """A generation path (:data:`GENERATION_PATHS`): validate, admit, forward. With a node
         agent, every answer says the thresholds mode in ``x-kvgate-thresholds``."""
-        if self.policy.enforcement is None and self.store is None:
+        if not self.policy.headed:
             return await self._completion(request)
         resp = await self._completion(request)
-        value = self.mode_header()
+        value = self.policy.header()
         if not resp.prepared and value is not None:  # streams got it with the admission headers
             resp.headers[responses.THRESHOLDS_HEADER] = value
         return resp
@@ -178,7 +144,7 @@ class RequestPipeline:
         JSON 415), or None for a JSON POST."""
         if request.method != "POST":
             if request.method == "OPTIONS":
-                return await self.forwarder.passthrough(request)
+                return await self.upstream.passthrough(request)
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.method_not_allowed(request.method, request.path)
         content_type = request.headers.get("Content-Type")
@@ -193,32 +159,34 @@ class RequestPipeline:
             return early
         if self.draining:
             return responses.draining()
-        spec, st = self.policy.spec, self.settings
+        spec = self.policy.spec
         try:
-            tenant, key_class = self.identity.credential(request.headers, spec.tenants)
-        except RequestError as exc:  # 401: nothing read, admitted or forwarded
-            self.metrics.count_decision("rejected", INVALID_API_KEY, "")
-            return responses.unauthorized(exc)
+            who = self.identity.who(request.headers, spec)  # tenant, class, priority
+        except RequestError as exc:  # nothing read, admitted or forwarded
+            if exc.status == 401:
+                self.metrics.count_decision("rejected", INVALID_API_KEY, "")
+                return responses.unauthorized(exc)
+            self.metrics.count_decision("rejected", "invalid_request", "")
+            return responses.bad_request(exc)
         try:
-            slow = self._body_timeouts.inc
-            raw = await read_body(request, st.max_body_bytes, st.body_timeout_seconds, slow)
+            raw = await self.upstream.read_body(request)
             parsed = GENERATION_PATHS[request.path].parse(
                 raw,
                 default_max_tokens=spec.tenants.default_max_tokens,
                 max_tokens_cap=spec.tenants.max_tokens_cap,
                 max_model_len=spec.model.max_model_len,
             )
-            who = self.identify(request.headers, spec, tenant, key_class)  # class, priority
         except RequestError as exc:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.bad_request(exc)
         prompt = await self._prompt(parsed, who)
+        context = self.engine.context_tokens(spec)  # tokens per request; None: not known
         try:
-            max_tokens, reserved = self._output_tokens(spec, parsed, prompt)
+            max_tokens, reserved = self._output_tokens(parsed, prompt, context)
         except RequestError as exc:
             self.metrics.count_decision("rejected", "invalid_request", "")
             return responses.bad_request(exc)
-        d = await self._admit(request, parsed, who, prompt, reserved)
+        d = await self._admit(request, parsed, who, prompt, reserved, context)
         if d.max_tokens >= reserved:  # admitted as asked: the engine is sent what it would be
             d.max_tokens = max_tokens
         m = self.metrics
@@ -226,15 +194,14 @@ class RequestPipeline:
         if d.queue_seconds > 0:
             m.queue_wait.observe(d.queue_seconds)
         if d.reason is Reason.FALLBACK_POOL:
-            return await degrade_to_pool(
-                self.model_server.session(), request, self.policy.spec, parsed, raw, d,
-                self.mode_header(),
+            return await self.upstream.degrade(
+                request, self.policy.spec, parsed, raw, d, self.policy.header(),
                 lambda x: m.count_decision(x.outcome.value, x.reason.value, label),
             )  # fmt: skip
         m.count_decision(d.outcome.value, d.reason.value, label)
         if d.ticket is None:
             return responses.refusal(d, parsed.api)
-        headers = responses.admitted_headers(d, self.mode_header(), parsed.max_tokens_clamped)
+        headers = responses.admitted_headers(d, self.policy.header(), parsed.max_tokens_clamped)
         body = (
             parsed.upstream_body(
                 max_tokens=d.max_tokens,
@@ -244,7 +211,7 @@ class RequestPipeline:
             )
             or raw
         )
-        return await self.forwarder.admitted(
+        return await self.upstream.admitted(
             request,
             body,
             d.ticket,
@@ -265,10 +232,12 @@ class RequestPipeline:
         who: Identity,
         prompt: PromptCount,
         reserved: int,
+        context: int | None,
     ) -> Decision:
         """Admission's decision on a request whose prompt counts ``prompt`` and whose choices
-        may each produce ``reserved`` output tokens. Once the engine has reported cached prompt
-        tokens (:class:`~kvgate_agent.sidecar.reading.prefix_blocks.PrefixNaming`), the prompt's
+        may each produce ``reserved`` output tokens, within ``context`` tokens per request.
+        Once the engine has reported cached prompt tokens
+        (:class:`~kvgate_agent.sidecar.reading.prefix_blocks.PrefixNaming`), the prompt's
         leading full KV blocks are named (``prefix_blocks``), so that its expected cached prefix is
         neither reserved nor charged (``kvgate_prefix_cached_tokens_total{source="expected"}``
         counts it). The proxy's ``X-Request-Start`` says how long a retry already waited
@@ -281,13 +250,13 @@ class RequestPipeline:
             parsed.model,
             model_rewritable=parsed.model_field,
             degraded=already_degraded(request.headers),
-            prompt_tokens_min=optimistic_prompt_tokens(prompt, self.counter.bytes_per_token),
+            prompt_tokens_min=optimistic_prompt_tokens(prompt, self.engine.bytes_per_token),
         )
-        areq.prefix_blocks = self.forwarder.prefixes.blocks(
+        areq.prefix_blocks = self.upstream.prefixes.blocks(
             parsed.body if parsed.count_body is None else parsed.count_body,
             parsed.model,
             self.admission.config.block_size,
-            self.engine.context_tokens(self.policy.spec),
+            context,
         )
         areq.waited_seconds = waited_seconds(request.headers.get(REQUEST_START), time.time())
         d = await self.admission.admit(areq)
@@ -296,24 +265,23 @@ class RequestPipeline:
         return d
 
     def _output_tokens(
-        self, spec: RateLimitPolicySpec, parsed: ParsedRequest, prompt: PromptCount
+        self, parsed: ParsedRequest, prompt: PromptCount, context: int | None
     ) -> tuple[int, int]:
-        """(max_tokens to send, output tokens per choice to reserve KV for) within the context
-        per request (the smaller of ``model.maxModelLen`` and the engine's: the probe's
-        :meth:`~EngineProbe.context_tokens`): a defaulted max_tokens is lowered to fit it
-        (:func:`default_within_context`) and the reservation never holds more than the context
-        leaves after the prompt (:func:`output_within_context`); a client's own max_tokens goes
-        to the engine as sent, which cuts it (llama.cpp) or refuses it (vLLM) as it would
-        without kvgate.
+        """(max_tokens to send, output tokens per choice to reserve KV for) within ``context``
+        tokens per request (the smaller of ``model.maxModelLen`` and the engine's:
+        :meth:`PromptReads.context_tokens`; None: unbounded): a defaulted max_tokens is lowered
+        to fit it (:func:`default_within_context`) and the reservation never holds more than
+        the context leaves after the prompt (:func:`output_within_context`); a client's own
+        max_tokens goes to the engine as sent, which cuts it (llama.cpp) or refuses it (vLLM)
+        as it would without kvgate.
 
         Raises:
             RequestError: 400 ``context_length_exceeded``, the prompt leaves no room for output.
         """
         max_tokens = parsed.max_tokens
-        context = self.engine.context_tokens(spec)
         if context is None:
             return max_tokens, max_tokens
-        if over := prompt_over_context(prompt, self.counter.bytes_per_token, context):
+        if over := prompt_over_context(prompt, self.engine.bytes_per_token, context):
             raise RequestError(400, over, code="context_length_exceeded")
         if parsed.max_tokens_defaulted:
             max_tokens = default_within_context(max_tokens, prompt, context)
@@ -324,9 +292,9 @@ class RequestPipeline:
         engine's own, asked only when admission could take the request (not draining, no hold,
         not over its request-count rate limit with no way around)."""
         count_body = parsed.body if parsed.count_body is None else parsed.count_body
-        prompt = self.counter.count(count_body)
-        if self.engine_tokens is not None:
+        prompt = self.engine.estimate(count_body)
+        if self.engine.asks_engine:
             est = who.admission_request(prompt.tokens, parsed.max_tokens, parsed.n)
             if not (self.draining or self.admission.refused_whatever_the_prompt(est)):
-                prompt = await self.engine_tokens.count(count_body, prompt)
+                prompt = await self.engine.exact(count_body, prompt)
         return prompt

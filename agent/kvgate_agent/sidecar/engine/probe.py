@@ -2,7 +2,8 @@
 and ``/slots``), the requests it serves at once (llama.cpp's slots), context length
 (``/v1/models``; llama.cpp: the slot's context), liveness (``/health``) and, every
 ``usage_seconds``, the KV tokens in use and the engine's own queue
-(:mod:`kvgate_agent.sidecar.engine.engine_load`).
+(:mod:`kvgate_agent.sidecar.engine.engine_load`); and what one request reads of it
+(:class:`PromptReads`: its context per request, its prompt's count).
 
 Invariant: an implausible or unreadable KV capacity is never enforced; until one is read,
 ``failureMode`` decides (FailOpen admits under the policy's explicit figure, FailClosed answers
@@ -15,7 +16,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import aiohttp
 
@@ -27,7 +29,13 @@ from kvgate_agent.engines.scrape import KV_CAPACITY, parse_engine_metrics
 from kvgate_agent.sidecar.engine.engine_health import EngineHealth, Flag
 from kvgate_agent.sidecar.engine.engine_load import EngineLoadPoll
 from kvgate_agent.sidecar.engine.engine_reads import PROBE_TIMEOUT, EngineReads
-from kvgate_agent.sidecar.reading import EngineContext, models_context
+from kvgate_agent.sidecar.engine.engine_tokens import EngineTokenizer
+from kvgate_agent.sidecar.reading import (
+    EngineContext,
+    PromptCount,
+    PromptCounter,
+    models_context,
+)
 from kvgate_agent.sidecar.upstream import ModelServer
 from kvgate_agent.tasks import cancel_and_wait
 
@@ -321,3 +329,47 @@ class EngineProbe:
                 await self.refresh_capacity()
             else:
                 await self.refresh_slots()
+
+
+class PromptReads:
+    """What one request reads of the engine, the engine room's object for the request
+    pipeline: the context per request (the probe's, :meth:`context_tokens`) and the prompt's
+    count: kvgate's estimate (:meth:`estimate`) or, with ``--tokenizer engine``, the engine's
+    own (:meth:`exact`).
+
+    Args:
+        probe: the engine probe (its context length).
+        counter: kvgate's prompt estimate, calibrated by the engine's reported usage.
+        tokenizer: the engine's own counts (``--tokenizer engine``), or None.
+    """
+
+    def __init__(
+        self, probe: EngineProbe, counter: PromptCounter, tokenizer: EngineTokenizer | None
+    ) -> None:
+        self.probe = probe
+        self.counter = counter
+        self.tokenizer = tokenizer
+        #: Whether :meth:`exact` asks the engine (``--tokenizer engine``).
+        self.asks_engine = tokenizer is not None
+
+    @property
+    def bytes_per_token(self) -> float:
+        """The estimate's calibrated bytes of prompt text per token (> 0)."""
+        return self.counter.bytes_per_token
+
+    def context_tokens(self, spec: RateLimitPolicySpec) -> int | None:
+        """The context per request under ``spec``, tokens (:meth:`EngineProbe.context_tokens`);
+        None when neither the policy nor the engine says."""
+        return self.probe.context_tokens(spec)
+
+    def estimate(self, body: Mapping[str, Any]) -> PromptCount:
+        """kvgate's count of ``body``'s prompt (:meth:`PromptCounter.count`; tokens)."""
+        return self.counter.count(body)
+
+    async def exact(self, body: Mapping[str, Any], estimate: PromptCount) -> PromptCount:
+        """The engine's own count of ``body``'s prompt where it answers in time
+        (:meth:`EngineTokenizer.count`), else ``estimate``; ``estimate`` without
+        ``--tokenizer engine``. Never raises for the engine's faults."""
+        if self.tokenizer is None:
+            return estimate
+        return await self.tokenizer.count(body, estimate)

@@ -1,11 +1,14 @@
 """Which policy a sidecar enforces now: its policy file's (standalone), or the node agent's
 thresholds in the mode their age puts them (agent mode:
-:mod:`kvgate_agent.sidecar.node_link.agent_enforcement`).
+:mod:`kvgate_agent.sidecar.node_link.agent_enforcement`); and where they stand, as answers say
+it (``x-kvgate-thresholds``: the mode, and with a store where shared limits stand).
 
 Invariant: exactly one of the two sources is given, for the sidecar's lifetime.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvgate_agent.contract.policy import RateLimitPolicy, RateLimitPolicySpec
 from kvgate_agent.sidecar.node_link.agent_enforcement import NO_LIMITS, AgentEnforcement
@@ -30,6 +33,28 @@ class EnforcedPolicy:
         self._standalone_spec = NO_LIMITS if policy is None else policy.spec
         #: Agent mode only: what the node agent's answers enforce (their sync state, the mode).
         self.enforcement = enforcement
+        self._store_state: Callable[[], str] | None = None  # with a store: where it stands
+
+    def attach_store(self, state: Callable[[], str]) -> None:
+        """Shared limits are leased from a store: :meth:`header` says ``store=<state()>``
+        (``state()``: ``shared``, ``local`` or ``closed``, read at each answer)."""
+        self._store_state = state
+
+    @property
+    def headed(self) -> bool:
+        """Whether answers to generation requests carry :meth:`header` (agent mode, or a
+        store); fixed once the sidecar is built."""
+        return self.enforcement is not None or self._store_state is not None
+
+    def header(self) -> str | None:
+        """``x-kvgate-thresholds``: the thresholds mode (agent mode) and, with a store, where
+        shared limits stand (``store=shared|local|closed``), comma-separated; None when neither
+        applies."""
+        mode = self.mode
+        parts = [] if mode is None else [mode.value]
+        if self._store_state is not None:
+            parts.append(f"store={self._store_state()}")
+        return ", ".join(parts) or None
 
     def replace(self, policy: RateLimitPolicy) -> None:
         """Enforce ``policy`` from now on (standalone: a policy file re-read on SIGHUP).
