@@ -358,9 +358,10 @@ class PromptReads:
         return self.counter.bytes_per_token
 
     def context_tokens(self, spec: RateLimitPolicySpec) -> int | None:
-        """The context per request under ``spec``, tokens (:meth:`EngineProbe.context_tokens`);
-        None when neither the policy nor the engine says."""
-        return self.probe.context_tokens(spec)
+        """The context per request under ``spec``, tokens: the smaller of its
+        ``model.maxModelLen`` and the engine's (:meth:`EngineContext.per_request`, as
+        :meth:`EngineProbe.context_tokens`); None when neither says."""
+        return self.probe.context.per_request(spec.model.max_model_len)
 
     def estimate(self, body: Mapping[str, Any]) -> PromptCount:
         """kvgate's count of ``body``'s prompt (:meth:`PromptCounter.count`; tokens)."""
