@@ -4,9 +4,10 @@
 in (a release, new thresholds, a hold lifted, a new KV capacity or engine ceiling, the engine's
 usage, slices granted by the store) re-runs the queue itself: no caller has to remember to.
 Waiting is event-driven: a single timer (``loop.call_at``) fires at the controller's
-:meth:`~AdmissionController.next_wake` (a queue deadline or a bucket refill), never a polling
-loop. A waiter whose task is cancelled (client gone) leaves the queue; if it had just been
-admitted, its reservation is released before the cancellation propagates.
+:attr:`~AdmissionController.next_wake` (the queue side's own :meth:`Waiting.next_wake`: a queue
+deadline, a bucket refill or a hold's end), never a polling loop. A waiter whose task is
+cancelled (client gone) leaves the queue; if it had just been admitted, its reservation is
+released before the cancellation propagates.
 
 The virtual-time benchmark drives the pure controller itself (no event loop), pumping where
 this wrapper wakes.

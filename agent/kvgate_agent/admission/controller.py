@@ -92,6 +92,18 @@ class AdmissionController:
         r = Resources(self._limits, self._queue, self._slo, self._speed)
         #: The queue side: queueing, the passes over the queue, the next wake (:mod:`.waiting`).
         self._waiting = Waiting(r, self.holds, self._ceiling, clock)
+        # The queue's wake cycle (pump, take the decisions, ask when to pump next) is asked of
+        # the objects that know, handed out here rather than forwarded.
+        #: Move waiters out of the queue now (:meth:`Waiting.pump`); their decisions are
+        #: collected for :attr:`take_resolved`.
+        self.pump: Callable[[], None] = self._waiting.pump
+        #: Waiters that left the queue (``decision`` set) since the last call, in order
+        #: (:meth:`WaitQueue.take_resolved`).
+        self.take_resolved: Callable[[], list[Waiter]] = self._queue.take_resolved
+        #: Clock time at which :attr:`pump` should next run even if nothing is released: a
+        #: queue deadline, a bucket refill or the end of a hold (:meth:`Waiting.next_wake`);
+        #: None when nobody waits.
+        self.next_wake: Callable[[], float | None] = self._waiting.next_wake
 
     # ------------------------------------------------------------------ observation
 
@@ -148,7 +160,7 @@ class AdmissionController:
         with fresh (full) buckets; removed limits are dropped, and tickets still holding their
         buckets release into them harmlessly. A new KV capacity or concurrency cap below what
         is already reserved admits nothing until enough is released. Waiters are re-examined
-        on the next :meth:`pump` (``AsyncAdmission`` runs it at once); nothing is decided here.
+        on the next :attr:`pump` (``AsyncAdmission`` runs it at once); nothing is decided here.
         """
         self._limits.reconfigure(config, self.clock())
         self._queue.retune(config)
@@ -207,7 +219,7 @@ class AdmissionController:
 
         Returns a :class:`Decision`: admitted/degraded with a ticket, rejected with status and
         Retry-After, or queued with a waiter (await it through the asyncio driver, or call
-        :meth:`pump` and read ``waiter.decision``). ``req.max_tokens`` must be ≥ 1; it is
+        :attr:`pump` and read ``waiter.decision``). ``req.max_tokens`` must be ≥ 1; it is
         lowered in place when clamped, and ``req.prompt_tokens`` when the lowest count decides.
         """
         now = self.clock()
@@ -261,31 +273,18 @@ class AdmissionController:
         return self._waiting.act(req, blocker, cfg.actions, now, clamped, 0.0)
 
     # ------------------------------------------------------------------ queue
-
-    def take_resolved(self) -> list[Waiter]:
-        """Waiters that left the queue (``decision`` set) since the last call, in order."""
-        return self._queue.take_resolved()
-
-    def pump(self) -> None:
-        """Move waiters out of the queue now (see :meth:`Waiting.pump`); their decisions are
-        collected for :meth:`take_resolved`."""
-        self._waiting.pump()
+    # (pump, take_resolved and next_wake: the queue side's own, bound in __init__)
 
     def reject_waiting(self, reason: Reason, status: int, retry_after: float, message: str) -> None:
         """Refuse everybody still waiting (e.g. shutting down): each waiter's decision becomes
         a rejection with ``status`` and ``retry_after`` seconds, collected for
-        :meth:`take_resolved`."""
+        :attr:`take_resolved`."""
         self._queue.reject_all(self.clock(), reason, status, retry_after, message)
 
     def cancel(self, waiter: Waiter) -> None:
         """Remove a waiter whose client went away. If it had already been admitted, the caller
         must :meth:`release` its ticket (this method does not, to keep ownership clear)."""
         self._queue.cancel(waiter)
-
-    def next_wake(self) -> float | None:
-        """Clock time at which :meth:`pump` should next run even if nothing is released (see
-        :meth:`Waiting.next_wake`); None when nobody waits."""
-        return self._waiting.next_wake()
 
     # ------------------------------------------------------------------ release
 

@@ -106,6 +106,18 @@ class FairOrder:
             for f in band.flows.values()
         ]
 
+    def next_retry(self) -> float:
+        """The earliest clock time a tenant flow's head may be let in by a bucket's refill
+        (:attr:`Flow.retry_at`, set by the wait queue's passes); ``math.inf`` when no flow
+        waits for one. O(tenant flows)."""
+        t = math.inf
+        for band in self._bands.values():
+            for flow in band.flows.values():
+                at = flow.retry_at
+                if at is not None and at < t:
+                    t = at
+        return t
+
     # ------------------------------------------------------------------ in and out
 
     def add(self, w: Waiter) -> None:

@@ -314,7 +314,7 @@ class WaitQueue:
         while heap and not self.order.live(heap[0][2]):
             heapq.heappop(heap)
         t = heap[0][0] if heap else math.inf
-        for flow in self.order.flows():
-            if flow.retry_at is not None and flow.retry_at < t:
-                t = flow.retry_at
+        retry = self.order.next_retry()
+        if retry < t:
+            t = retry
         return None if t == math.inf else t

@@ -152,8 +152,8 @@ class KvgateMaxTokensArm(Arm):
         return float(st.queue_length + self.gate.engine.num_waiting), kv
 
     def next_wake(self) -> float | None:
-        """The controller's :meth:`~AdmissionController.next_wake`, as the sidecar's timer
-        uses it."""
+        """The controller's :attr:`~AdmissionController.next_wake` (the queue side's own), as
+        the sidecar's timer uses it."""
         return self.controller.next_wake()
 
     def on_wake(self, now: float) -> None:
