@@ -107,6 +107,8 @@ ARM_PARAMS: list[tuple[str, dict[str, Any]]] = [
     ("flow-control", {"ttl_s": 2.0, "queue_threshold": 5, "kv_threshold": 0.8}),
     ("vllm-queue-limit", {"max_num_queued_reqs": 16, "max_num_queued_tokens": 8192}),
     ("codel-gate", {"cap": 8, "target_s": 0.25}),
+    ("dynamo-drr", {"classes": "tenant", "quantum": 512, "queue_limit": 8, "busy_frac": 1.0}),
+    ("occupancy-budget", {"budget_kv": 0.5}),
     ("kvgate-slo-only", {}),
     ("kvgate-empty", {}),
     ("kvgate-bench-policy", {}),

@@ -48,10 +48,12 @@ workload and load, and the sweep with it):
     (seeded per request): a much worse predictor than the learned one.
 ``oracle``
     ``kvgate`` told each request's true output length (capped by its max_tokens).
-``flow-control``, ``vllm-queue-limit``, ``codel-gate``
+``flow-control``, ``vllm-queue-limit``, ``codel-gate``, ``dynamo-drr``, ``occupancy-budget``
     llm-d's flow control (:mod:`.flow_control`), vLLM's own queue caps
-    (:mod:`.vllm_queue_limit`) and NVIDIA Dynamo's CoDel admission gate (:mod:`.codel_gate`),
-    each in its own module with its sources and sweep.
+    (:mod:`.vllm_queue_limit`), NVIDIA Dynamo's CoDel admission gate (:mod:`.codel_gate`) and
+    policy-class queues (:mod:`.dynamo_drr`: weighted DRR across classes, EDF within), and
+    hivenet_router's token-weighted occupancy budget (:mod:`.occupancy_budget`), each in its
+    own module with its sources and sweep.
 ``kvgate-slo-only``, ``kvgate-empty``, ``kvgate-classes``
     kvgate with what a platform engineer knows on day one: a spec with only ``slo``, an empty
     spec, and ``slo`` plus the workload's tenant classes (:mod:`.kvgate_defaults`).
@@ -70,7 +72,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvgate_bench.effectiveness.arms import codel_gate, flow_control, vllm_queue_limit
+from kvgate_bench.effectiveness.arms import (
+    codel_gate,
+    dynamo_drr,
+    flow_control,
+    occupancy_budget,
+    vllm_queue_limit,
+)
 from kvgate_bench.effectiveness.arms.baselines import (
     ConcurrencyCapArm,
     NoneArm,
@@ -98,6 +106,8 @@ ARM_NAMES: tuple[str, ...] = (
     "flow-control",
     "vllm-queue-limit",
     "codel-gate",
+    "dynamo-drr",
+    "occupancy-budget",
     "kvgate-maxtokens",
     "kvgate",
     "kvgate-slo-only",
@@ -122,6 +132,8 @@ BASELINES: tuple[str, ...] = (
     "flow-control",
     "vllm-queue-limit",
     "codel-gate",
+    "dynamo-drr",
+    "occupancy-budget",
 )
 
 
@@ -154,6 +166,16 @@ ARM_FACTORIES: dict[str, ArmFactory] = {
     ),
     "codel-gate": lambda ctx, p: codel_gate.CodelGateArm(
         int(p.get("cap", 384)), float(p.get("target_s", 0.25)), p.get("interval_s")
+    ),
+    "dynamo-drr": lambda ctx, p: dynamo_drr.DynamoDrrArm(
+        ctx,
+        str(p.get("classes", "tier")),
+        int(p.get("quantum", 1024)),
+        int(p.get("queue_limit", 64)),
+        float(p.get("busy_frac", 4.0)),
+    ),
+    "occupancy-budget": lambda ctx, p: occupancy_budget.OccupancyBudgetArm(
+        ctx, float(p.get("budget_kv", 1.0))
     ),
     "kvgate-slo-only": lambda ctx, p: KvgateDefaultsArm(ctx, "slo-only"),
     "kvgate-prefix-blind": lambda ctx, p: KvgateDefaultsArm(ctx, "prefix-blind"),
@@ -190,6 +212,8 @@ def candidates(
         "flow-control": flow_control.candidates,
         "vllm-queue-limit": vllm_queue_limit.candidates,
         "codel-gate": codel_gate.candidates,
+        "dynamo-drr": dynamo_drr.candidates,
+        "occupancy-budget": occupancy_budget.candidates,
     }
     if name in sweeps:
         return sweeps[name](short)
