@@ -134,6 +134,17 @@ def test_drr_refuses_over_the_class_queue_limit_and_dispatches_while_not_busy() 
     assert gate.order == ["r0", "r1", "r2", "r3", "r4"] and arm.queued() == 0
 
 
+def test_drr_with_a_kv_threshold_holds_while_the_engine_reports_more() -> None:
+    c = ctx(Tenant("a", INTERACTIVE))
+    arm = DynamoDrrArm(c, classes="tenant", busy_frac=16.0, kv_frac=0.01)  # 327 tokens of KV
+    rs = [req("r0", prompt=1000), req("r1", prompt=1000)]
+    gate = started(arm, rs[:1])
+    assert gate.order == ["r0"] and not arm.busy()
+    gate.engine.step()  # r0's prompt takes its blocks: KV usage 1000 / 32768 > 0.01
+    arm.on_arrival(rs[1], 0.1)
+    assert arm.busy() and arm.queued() == 1 and gate.order == ["r0"]
+
+
 # --- occupancy-budget -----------------------------------------------------------------------
 
 
@@ -184,7 +195,8 @@ def test_the_new_baselines_are_swept_registered_and_default() -> None:
     assert {"dynamo-drr", "occupancy-budget"} <= set(BASELINES)
     dd = candidates("dynamo-drr", ten, short=True)
     assert {c["classes"] for c in dd} == {"default", "tier", "tenant"}
-    assert {c["busy_frac"] for c in dd} >= {4.0} and len({c["queue_limit"] for c in dd}) > 1
+    assert {c["kv_frac"] for c in dd} == {None, 0.3} and len({c["queue_limit"] for c in dd}) > 1
+    assert {c["quantum"] for c in candidates("dynamo-drr", ten, short=False)} >= {256, 16384}
     ob = candidates("occupancy-budget", ten, short=False)
     assert {c["budget_kv"] for c in ob} >= {0.5, 1.0, 2.0}
     arm = make_arm("occupancy-budget", ctx(*ten.values()), {"budget_kv": 0.5})

@@ -173,6 +173,7 @@ ARM_FACTORIES: dict[str, ArmFactory] = {
         int(p.get("quantum", 1024)),
         int(p.get("queue_limit", 64)),
         float(p.get("busy_frac", 4.0)),
+        None if p.get("kv_frac") is None else float(p["kv_frac"]),
     ),
     "occupancy-budget": lambda ctx, p: occupancy_budget.OccupancyBudgetArm(
         ctx, float(p.get("budget_kv", 1.0))
