@@ -195,7 +195,7 @@ def test_the_new_baselines_are_swept_registered_and_default() -> None:
     assert {"dynamo-drr", "occupancy-budget"} <= set(BASELINES)
     dd = candidates("dynamo-drr", ten, short=True)
     assert {c["classes"] for c in dd} == {"default", "tier", "tenant"}
-    assert {c["kv_frac"] for c in dd} == {None, 0.3} and len({c["queue_limit"] for c in dd}) > 1
+    assert {c["kv_frac"] for c in dd} == {0.3, 0.5} and len({c["queue_limit"] for c in dd}) > 1
     assert {c["quantum"] for c in candidates("dynamo-drr", ten, short=False)} >= {256, 16384}
     ob = candidates("occupancy-budget", ten, short=False)
     assert {c["budget_kv"] for c in ob} >= {0.5, 1.0, 2.0}

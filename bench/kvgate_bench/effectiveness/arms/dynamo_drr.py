@@ -42,10 +42,14 @@ Not modelled: pool mode (the router's queues in front of several replicas, each 
 its own state, DEP #15187) and WSPT ordering (FCFS/EDF is the class default).
 
 Swept (what a user tunes): ``classes`` (default, tier, tenant), ``queue_limit`` (requests per
-class: 4, 32; full 2 to 256), ``busy_frac`` (0.25, 1; full 0.25 to 16), ``kv_frac`` (unset,
-0.3; full unset, 0.2 to 0.8) and, in the full sweep, ``quantum`` (uncached tokens per round and
-unit weight, 256 to 16384; ``--short`` keeps 1024: 512 and 4096 moved goodput by at most 7 output
-tokens/s in the first tuning run, where the queue limit and the busy gate decided).
+class: 1, 4; full 1 to 256), ``busy_frac`` (0.125, 0.25; full 0.125 to 16), ``kv_frac`` (0.3,
+0.5; full unset, 0.2 to 0.8) and, in the full sweep, ``quantum`` (uncached tokens per round and
+unit weight, 256 to 16384; ``--short`` keeps 1024: 512 and 4096 moved goodput by at most 7
+output tokens/s in the first tuning run). The short grid is where a 0.5 s TTFT lives on the
+``h100-llama3-8b`` profile at 2x: in the tuning runs on seed 1 (docs/benchmarks.md, issue 34)
+queue limits of 32 and 256, busy thresholds of 1 and 4 and no KV threshold left every workload
+at <= 1,058 output tokens/s, and limits of 1-4, thresholds of 0.125-0.25 and a KV threshold of
+0.3 (over 0.2 and unset) won.
 """
 
 from __future__ import annotations
@@ -227,12 +231,12 @@ class DynamoDrrArm(Arm):
 #: Swept settings. Queue limits in requests per class, busy thresholds x max_num_batched_tokens
 #: (to the router's default 4 and the sample config's 16), KV fractions (None: unset), quanta
 #: in uncached prompt tokens (a short prompt to several long ones).
-SHORT_LIMITS: tuple[int, ...] = (4, 32)
-SHORT_BUSY: tuple[float, ...] = (0.25, 1.0)
-SHORT_KV: tuple[float | None, ...] = (None, 0.3)
+SHORT_LIMITS: tuple[int, ...] = (1, 4)
+SHORT_BUSY: tuple[float, ...] = (0.125, 0.25)
+SHORT_KV: tuple[float | None, ...] = (0.3, 0.5)
 SHORT_QUANTA: tuple[int, ...] = (1024,)
-FULL_LIMITS: tuple[int, ...] = (2, 4, 8, 32, 256)
-FULL_BUSY: tuple[float, ...] = (0.25, 0.5, 1.0, 4.0, 16.0)
+FULL_LIMITS: tuple[int, ...] = (1, 2, 4, 8, 32, 256)
+FULL_BUSY: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0, 4.0, 16.0)
 FULL_KV: tuple[float | None, ...] = (None, 0.2, 0.3, 0.5, 0.8)
 FULL_QUANTA: tuple[int, ...] = (256, 1024, 4096, 16384)
 
