@@ -289,3 +289,21 @@ def test_one_lucky_gap_does_not_set_the_floor() -> None:
     t.observe(1, 0.001, 1.0)  # a quiet interval: one token, 1 ms after the one before
     t.fold(1.5)
     assert t.floor_s == pytest.approx(0.04)
+
+
+def test_a_raise_extends_the_slope_over_a_span_not_two_neighbours_noise() -> None:
+    # Levels 40-63 measured on 10 ms + 0.2 ms a sequence, but 63's mean came out 4 ms high (its
+    # noise): the line through 62 and 63 climbs 4 ms a level and would forbid even 64, where
+    # the line through 48 and 63 (SLOPE_SPAN: a quarter lower) allows 68 under the SLO.
+    t = StepTable()
+    for now in (0.5, 1.0):
+        for n in range(40, 64):
+            mean = 0.010 + 0.0002 * n + (0.004 if n == 63 else 0.0)
+            for _ in range(5):
+                t.observe(n, mean, 1.0)
+        t.fold(now)
+    c = ConcurrencyLimit(63)
+    tp = TpotTable()  # no completions: the gaps decide, with the prior p90 factor
+    slo = 0.0299 * tp.factor  # the target the gaps' mean must meet: 29.9 ms
+    c.decide(t, tp, 1.0, tpot_s=slo, ttft_s=None, reached=True, hold_s=5.0, cap=None)
+    assert c.limit == 68
