@@ -63,7 +63,7 @@ class AdmissionConfig:
     of the other pool (``overload.degrade.fallback``) a request this pod cannot take may be
     sent to; its upstream URL stays with the sidecar (the core does no I/O).
     ``fair_prompt_weight``/``fair_output_weight``: the fair queue's charge per prompt and per
-    output token (``queue.fairness``, :mod:`.fairness`). ``default_wait_seconds``: the wait
+    output token (``queue.fairness``, :mod:`.fairqueue.share`). ``default_wait_seconds``: the wait
     budget, seconds, of a request under no TTFT SLO (``DEFAULT_WAIT_SECONDS`` of
     :mod:`kvgate_agent.contract.queue` when the policy states neither ``slo.ttftSeconds`` nor
     ``queue.maxWaitSeconds``, else None: no budget). ``queue_max_wait_seconds``: the policy's

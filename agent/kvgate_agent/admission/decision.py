@@ -157,11 +157,11 @@ class Ticket:
     its inter-token gaps (its mean concurrency x its decode time: :mod:`.slo`). ``weight``:
     the tenant's fair-share weight; ``fair_charged``, ``fair_output``: what its tenant's
     fair-share counter was charged for it so far (token-weighted units) and the output tokens
-    that covers
-    (:mod:`.fairness`); ``prefill_pending``: its prompt counts in the engine's prefill backlog
-    (:mod:`.prefill`). ``cached_tokens``: prompt tokens expected in the engine's prefix cache
-    at admission (not reserved, not charged: :mod:`.prefix_index`); ``prefix_run``: the prefix
-    index's run for the prompt, tokens (what the engine's report confirms).
+    that covers (:mod:`.fairqueue.share`); ``prefill_pending``: its prompt counts in the
+    engine's prefill backlog (:mod:`.prefill`). ``cached_tokens``: prompt tokens expected in
+    the engine's prefix cache at admission (not reserved, not charged: :mod:`.prefix_index`);
+    ``prefix_run``: the prefix index's run for the prompt, tokens (what the engine's report
+    confirms).
     """
 
     tenant: str

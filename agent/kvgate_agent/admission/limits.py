@@ -2,7 +2,7 @@
 rate limits' buckets (built and rebuilt by :mod:`.rate_limits`).
 
 Invariant: a reservation is taken only right after
-:func:`~kvgate_agent.admission.fair_reserve.what_blocks` found that it fits, in the same call
+:func:`~kvgate_agent.admission.fairqueue.what_blocks` found that it fits, in the same call
 (only live correction, :meth:`Limits.grow`, extends one unconditionally: its sequence runs
 already), and given back exactly once by :meth:`Limits.release`; so ``in_flight`` and
 ``kv_reserved_tokens`` are always the sums over the live tickets, and no bucket goes below 0.
@@ -75,7 +75,7 @@ def kv_for(prompt: int, output: int, n: int, block_size: int) -> int:
 class Limits:
     """Everything one pod's admission counts against: the rate limits' buckets, requests in
     flight (concurrency) and KV tokens reserved, with the live tickets. What stops a request
-    is asked of :func:`~kvgate_agent.admission.fair_reserve.what_blocks`.
+    is asked of :func:`~kvgate_agent.admission.fairqueue.what_blocks`.
 
     Args:
         config: resolved thresholds.
@@ -278,7 +278,7 @@ class Limits:
         kv: int | None = None,
     ) -> Ticket:
         """Take the reservations for ``req``; only after
-        :func:`~kvgate_agent.admission.fair_reserve.what_blocks` said it fits, in the same call
+        :func:`~kvgate_agent.admission.fairqueue.what_blocks` said it fits, in the same call
         (so every bucket holds at least what is taken). ``found`` and ``kv`` as that call left
         them, when the caller has them."""
         if kv is None:
