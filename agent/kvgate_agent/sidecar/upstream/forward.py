@@ -22,8 +22,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-import aiohttp
-from aiohttp import web
+from aiohttp import ClientError, web
 from prometheus_client import Counter, Histogram
 
 from kvgate_agent.admission import AsyncAdmission, Decision, Ticket
@@ -45,6 +44,11 @@ from kvgate_agent.sidecar.reading import (
     responses,
 )
 from kvgate_agent.sidecar.upstream.engine_stall import EngineStall
+from kvgate_agent.sidecar.upstream.errors import (
+    UPSTREAM_FAILURES,
+    UpstreamConnectError,
+    UpstreamError,
+)
 from kvgate_agent.sidecar.upstream.fallback_pool import degrade_to_pool
 from kvgate_agent.sidecar.upstream.model_server import Flag, ModelServer
 from kvgate_agent.sidecar.upstream.passthrough import pass_through
@@ -54,7 +58,6 @@ from kvgate_agent.sidecar.upstream.relay import (
     read_capped,
     relay_stream,
 )
-from kvgate_agent.sidecar.upstream.upstream import UpstreamConnectError
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -219,7 +222,7 @@ class Forwarder:
             m.client_disconnects.inc()
             assert ex.out is not None
             return ex.out  # nobody to answer; the finally below releases everything
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except UPSTREAM_FAILURES as exc:
             return await self._failed(ex, exc)
         finally:
             if task is not None:
@@ -285,7 +288,7 @@ class Forwarder:
         return web.Response(status=resp.status, body=data, headers=out_headers)
 
     async def _failed(
-        self, ex: Exchange, exc: TimeoutError | aiohttp.ClientError
+        self, ex: Exchange, exc: TimeoutError | UpstreamError | ClientError
     ) -> ResponseStream:
         """The model server failed (or timed out) after the connection was made."""
         m = self.metrics

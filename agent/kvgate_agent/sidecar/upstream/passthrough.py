@@ -24,6 +24,7 @@ from kvgate_agent.sidecar.edge import (
     too_large,
 )
 from kvgate_agent.sidecar.reading import body_too_slow, responses
+from kvgate_agent.sidecar.upstream.errors import UPSTREAM_FAILURES
 from kvgate_agent.sidecar.upstream.model_server import ModelServer
 from kvgate_agent.sidecar.upstream.relay import ClientGone, to_client
 
@@ -75,7 +76,7 @@ async def pass_through(
     except aiohttp.ClientConnectorError:
         metrics.upstream_errors.labels("connect").inc()
         return responses.passthrough_unreachable()
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except UPSTREAM_FAILURES as exc:
         if body.expired or body.too_large:
             return _body_refused(metrics, body)
         metrics.upstream_errors.labels("upstream_error").inc()
@@ -112,7 +113,7 @@ async def _relay(
     except ClientGone:
         metrics.client_disconnects.inc()
         return out
-    except (TimeoutError, aiohttp.ClientError) as exc:
+    except UPSTREAM_FAILURES as exc:
         if (body.expired or body.too_large) and not out.prepared:
             return _body_refused(metrics, body)
         if body.expired or body.too_large:

@@ -14,12 +14,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
 from multidict import CIMultiDict
 
 from kvgate_agent.admission import Ticket
 from kvgate_agent.sidecar.edge import ClientRequest, ResponseStream, new_stream
 from kvgate_agent.sidecar.reading import ParsedRequest, StreamAccountant
+from kvgate_agent.sidecar.upstream.errors import MalformedStream
 from kvgate_agent.sidecar.upstream.upstream import UpstreamResponse
 
 #: Bytes one SSE event of a relayed stream may reach before the stream counts as malformed
@@ -31,11 +31,6 @@ MAX_EVENT_BYTES = 1024 * 1024
 #: whole, to read its usage): far above any real completion body; a larger one is cut with 502
 #: ``upstream_error``.
 MAX_UPSTREAM_BODY_BYTES = 64 * 1024 * 1024
-
-
-class MalformedStream(aiohttp.ClientPayloadError):
-    """The model server's event stream cannot be SSE (an event over :data:`MAX_EVENT_BYTES`),
-    or its non-streamed answer is over :data:`MAX_UPSTREAM_BODY_BYTES`."""
 
 
 async def read_capped(resp: UpstreamResponse) -> bytes:

@@ -9,7 +9,7 @@ once. :class:`UpstreamPool` writes the request head and body in one ``writelines
 the answer's body on as the bytes arrive (what is buffered is coalesced into one read).
 Each connection is an :class:`~kvgate_agent.sidecar.upstream.upstream_conn.UpstreamConnection` (its
 errors, :class:`UpstreamConnectError` and :class:`UpstreamBroken`, and the timeouts are
-described there).
+described there; the errors live in :mod:`kvgate_agent.sidecar.upstream.errors`).
 
 Pool: idle connections are reused last-in first-out; one the model server closed is dropped as
 soon as the loss is seen (never handed to a request), and one idle for ``keepalive_s`` seconds
@@ -37,11 +37,8 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
-from kvgate_agent.sidecar.upstream.upstream_conn import (
-    UpstreamBroken,
-    UpstreamConnectError,
-    UpstreamConnection,
-)
+from kvgate_agent.sidecar.upstream.errors import UpstreamBroken, UpstreamConnectError
+from kvgate_agent.sidecar.upstream.upstream_conn import UpstreamConnection
 
 __all__ = [
     "KEEPALIVE_S",

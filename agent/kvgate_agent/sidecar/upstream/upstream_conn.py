@@ -6,8 +6,7 @@ arrive (what is buffered is coalesced into one read; reading pauses above
 :class:`~kvgate_agent.sidecar.upstream.upstream.UpstreamPool`
 owns the connections and sends on them.
 
-Errors (both ``aiohttp.ClientError`` subclasses, so the forwarder treats them as it treats
-aiohttp's own):
+Errors (the upstream room's own, :mod:`kvgate_agent.sidecar.upstream.errors`):
 
 * :class:`UpstreamConnectError`: the connection could not be opened (refused, unreachable, or
   not within ``connect_timeout`` seconds): the model server never saw the request.
@@ -22,20 +21,13 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
-import aiohttp
 import httptools
+
+from kvgate_agent.sidecar.upstream.errors import UpstreamBroken
 
 #: Buffered answer bytes above which a connection stops reading until they are consumed (flow
 #: control against a model server faster than the client).
 READ_HIGH_WATER = 1024 * 1024
-
-
-class UpstreamConnectError(aiohttp.ClientConnectionError):
-    """The connection to the model server could not be opened."""
-
-
-class UpstreamBroken(aiohttp.ClientPayloadError):
-    """The model server closed the connection mid-answer or answered with malformed HTTP."""
 
 
 class UpstreamConnection(asyncio.Protocol):
