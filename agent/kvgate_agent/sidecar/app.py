@@ -97,7 +97,6 @@ class Sidecar:
             )
             enforcement = e
             self.agent_link = AgentLink(settings.agent, e.state, e.sync_report, e.on_sync)
-            self.metrics.attach_sync(e.state, e.enforced_mode, lambda: e.policy_ref)
         self.policy = EnforcedPolicy(settings.policy, enforcement)
         self.counter = PromptCounter(settings.tokenizer_file)
         self.engine_tokens = (

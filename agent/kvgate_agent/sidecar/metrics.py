@@ -7,7 +7,7 @@ they can never drift from the truth.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
@@ -15,9 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgate_agent.admission import AdmissionStats, AsyncAdmission, TenantStats
-from kvgate_agent.contract.nodeadmission import PolicyRef
 from kvgate_agent.sidecar.identity import TenantLabels
-from kvgate_agent.sidecar.node_link import Mode, SyncResult, SyncState
 from kvgate_agent.sidecar.upstream import Flag as Flag  # re-exported
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created series only add noise to every counter
@@ -170,52 +168,6 @@ class _AdmissionCollector(Collector):
             )
 
 
-class _SyncCollector(Collector):
-    """The sync's state and the mode enforced, read at scrape time."""
-
-    def __init__(
-        self,
-        state: SyncState,
-        mode: Callable[[], Mode],
-        policy: Callable[[], PolicyRef | None],
-    ) -> None:
-        self.state = state
-        self.mode = mode
-        self.policy = policy
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        now = self.mode()
-        g = GaugeMetricFamily(
-            "kvgate_thresholds_mode",
-            "Where the enforced thresholds stand: 1 for the current mode",
-            labels=["mode"],
-        )
-        for m in Mode:
-            g.add_metric([m.value], 1.0 if m is now else 0.0)
-        yield g
-        age = self.state.age_seconds()
-        if age is not None:
-            yield GaugeMetricFamily(
-                "kvgate_thresholds_age_seconds",
-                "Seconds since the last successful sync with the node agent",
-                value=age,
-            )
-        yield GaugeMetricFamily(
-            "kvgate_thresholds_ttl_seconds",
-            "How long thresholds stay enforced without a successful sync, seconds",
-            value=self.state.ttl_seconds,
-        )
-        ref = self.policy()
-        if ref is not None:
-            g = GaugeMetricFamily(
-                "kvgate_policy_generation",
-                "Generation of the RateLimitPolicy the enforced thresholds come from",
-                labels=["namespace", "name"],
-            )
-            g.add_metric([ref.namespace, ref.name], float(ref.generation))
-            yield g
-
-
 class _FlagCollector(Collector):
     """A 0/1 gauge read from a :class:`Flag` at scrape time."""
 
@@ -253,7 +205,10 @@ class SidecarMetrics:
             (``kvgate_policy_mismatch``).
         engine_unknown: the engine's KV capacity is asked for but unreadable although it
             answers (``kvgate_engine_capacity_unknown``).
-        agent_sync: ``kvgate_agent_sync_total{result}``, once :meth:`attach_sync` was called.
+
+    The node link's own metrics (the sync: ``kvgate_agent_sync_total``,
+    ``kvgate_thresholds_*``, ``kvgate_policy_generation``) are
+    :class:`~kvgate_agent.sidecar.node_link.sync_metrics.SyncMetrics`, on :attr:`registry`.
     """
 
     def __init__(self, admission: AsyncAdmission, tenant_label_limit: int = 50) -> None:
@@ -335,7 +290,6 @@ class SidecarMetrics:
         self.decision_counts: dict[str, int] = {}
         self._decision_children: dict[tuple[str, str, str], Any] = {}  # series by labels
         self._token_children: dict[tuple[str, str], Any] = {}
-        self.agent_sync: Counter | None = None
 
     def count_decision(self, outcome: str, reason: str, tenant_label: str) -> None:
         """Count one admission decision (the Prometheus counter and the per-outcome totals)."""
@@ -358,25 +312,3 @@ class SidecarMetrics:
     def attach_prompt_counts(self, answered: Mapping[str, int]) -> None:
         """Export ``--tokenizer engine``'s tallies by source (read at scrape time)."""
         self.registry.register(_PromptCountCollector(answered))
-
-    def attach_sync(
-        self,
-        state: SyncState,
-        mode: Callable[[], Mode],
-        policy: Callable[[], PolicyRef | None],
-    ) -> None:
-        """Export the sync with the node agent: ``kvgate_agent_sync_total{result}`` (every
-        result pre-set to 0), and at scrape time ``kvgate_thresholds_mode{mode}`` (1 for the
-        mode ``mode()`` returns: the one enforced, read, never changed, by the scrape),
-        ``kvgate_thresholds_age_seconds`` (since the last successful sync),
-        ``kvgate_thresholds_ttl_seconds`` and
-        ``kvgate_policy_generation{namespace, name}`` (from ``policy()``)."""
-        self.agent_sync = Counter(
-            "kvgate_agent_sync",
-            "Syncs with the node agent by result",
-            ["result"],
-            registry=self.registry,
-        )
-        for r in SyncResult:
-            self.agent_sync.labels(r.value)
-        self.registry.register(_SyncCollector(state, mode, policy))

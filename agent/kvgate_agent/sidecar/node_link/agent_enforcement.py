@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry
 
 from kvgate_agent.admission import AdmissionConfig, AsyncAdmission, Reason
 from kvgate_agent.contract.nodeadmission import PodThresholds, PolicyRef
@@ -26,6 +26,7 @@ from kvgate_agent.contract.sync import MAX_REPORTED, SafetyNet, SyncAnswer, Sync
 from kvgate_agent.sidecar.engine import EngineProbe
 from kvgate_agent.sidecar.identity import Authenticator
 from kvgate_agent.sidecar.node_link.settings import AgentSettings
+from kvgate_agent.sidecar.node_link.sync_metrics import SyncMetrics
 from kvgate_agent.sidecar.node_link.sync_state import Mode, SyncResult, SyncState
 from kvgate_agent.sidecar.upstream import Flag
 
@@ -43,11 +44,12 @@ MIN_TIMER_SECONDS = 0.001
 
 
 class LinkMetrics(Protocol):
-    """What the node link counts, sets and reports (the sidecar's
+    """What the node link sets and reports, and the registry its own metrics
+    (:class:`~kvgate_agent.sidecar.node_link.sync_metrics.SyncMetrics`) join (the sidecar's
     :class:`~kvgate_agent.sidecar.metrics.SidecarMetrics` is one)."""
 
     @property
-    def agent_sync(self) -> Counter | None: ...
+    def registry(self) -> CollectorRegistry: ...
     @property
     def policy_mismatch(self) -> Flag: ...
     @property
@@ -98,6 +100,10 @@ class AgentEnforcement:
         self._mismatch_seen: tuple[bool, str | None] = (False, None)
         self._applied: tuple[PodThresholds | None, bool] | None = None
         self.listeners: list[Callable[[Mode], object]] = []
+        #: The sync's metrics, on the sidecar's registry.
+        self.sync_metrics = SyncMetrics(
+            metrics.registry, self.state, self.enforced_mode, lambda: self.policy_ref
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None  # the clock's deadline the timer is armed for
@@ -259,8 +265,7 @@ class AgentEnforcement:
 
     def on_sync(self, result: SyncResult, answer: SyncAnswer | None) -> None:
         """After every sync: count it; on a new answer, take its safety net and policy."""
-        if self.metrics.agent_sync is not None:
-            self.metrics.agent_sync.labels(result.value).inc()
+        self.sync_metrics.agent_sync.labels(result.value).inc()
         if answer is not None:
             self.safety_net = answer.safety_net
             self.policy_ref = None if answer.pod is None else answer.pod.policy
