@@ -10,37 +10,10 @@ from kvgate_bench.effectiveness.arms.context import ArmContext
 from kvgate_bench.effectiveness.arms.dynamo_drr import DynamoDrrArm
 from kvgate_bench.effectiveness.arms.occupancy_budget import OccupancyBudgetArm
 from kvgate_bench.effectiveness.arms.registry import BASELINES, candidates, make_arm
-from kvgate_bench.effectiveness.model.gate import PENDING, REJECTED, Gate, RequestRecord
+from kvgate_bench.effectiveness.model.gate import PENDING, REJECTED
 from kvgate_bench.effectiveness.model.schedule import BATCH, INTERACTIVE, Request, Tenant
 from kvgate_bench.effectiveness.model.workloads import tenants_of
-from kvgate_bench.sim.engine import SimEngine
-from kvgate_bench.sim.sequences import EngineConfig
-from kvgate_bench.sim.steptime import profile
-
-#: 2048 blocks of 16: a KV pool of 32,768 tokens; 8192 tokens per step.
-ENGINE = EngineConfig(
-    num_gpu_blocks=2048, max_model_len=8192, max_num_batched_tokens=8192, chunked_prefill=True
-)
-
-
-class OrderGate(Gate):
-    """A gate over an engine that never steps, recording the order of dispatches."""
-
-    def __init__(self, requests: list[Request]) -> None:
-        super().__init__(
-            SimEngine(ENGINE, profile("h100-llama3-8b")),
-            {r.rid: RequestRecord(r) for r in requests},
-        )
-        self.order: list[str] = []
-
-    def dispatch(
-        self, req: Request, now: float, max_tokens: int | None = None, degraded: bool = False
-    ) -> None:
-        self.order.append(req.rid)
-        super().dispatch(req, now, max_tokens, degraded)
-
-    def record(self, rid: str) -> RequestRecord:
-        return self._records[rid]
+from tests.order_gate import ENGINE, OrderGate
 
 
 def ctx(*tenants: Tenant) -> ArmContext:

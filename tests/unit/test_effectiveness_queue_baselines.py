@@ -13,36 +13,10 @@ from kvgate_bench.effectiveness.arms.flow_control import FlowControlArm
 from kvgate_bench.effectiveness.arms.kvgate_defaults import KvgateDefaultsArm
 from kvgate_bench.effectiveness.arms.registry import candidates, make_arm
 from kvgate_bench.effectiveness.arms.vllm_queue_limit import VllmQueueLimitArm
-from kvgate_bench.effectiveness.model.gate import PENDING, REJECTED, Gate, RequestRecord
+from kvgate_bench.effectiveness.model.gate import PENDING, REJECTED
 from kvgate_bench.effectiveness.model.schedule import BATCH, INTERACTIVE, Request
 from kvgate_bench.effectiveness.model.workloads import tenants_of
-from kvgate_bench.sim.engine import SimEngine
-from kvgate_bench.sim.sequences import EngineConfig
-from kvgate_bench.sim.steptime import profile
-
-ENGINE = EngineConfig(
-    num_gpu_blocks=2048, max_model_len=8192, max_num_batched_tokens=8192, chunked_prefill=True
-)
-
-
-class OrderGate(Gate):
-    """A gate that records the order of dispatches (request ids)."""
-
-    def __init__(self, requests: list[Request]) -> None:
-        super().__init__(
-            SimEngine(ENGINE, profile("h100-llama3-8b")),
-            {r.rid: RequestRecord(r) for r in requests},
-        )
-        self.order: list[str] = []
-
-    def dispatch(
-        self, req: Request, now: float, max_tokens: int | None = None, degraded: bool = False
-    ) -> None:
-        self.order.append(req.rid)
-        super().dispatch(req, now, max_tokens, degraded)
-
-    def outcome(self, rid: str) -> str:
-        return self._records[rid].outcome
+from tests.order_gate import ENGINE, OrderGate
 
 
 def req(
