@@ -51,7 +51,7 @@ from kvgate_agent.sidecar.upstream.errors import (
 )
 from kvgate_agent.sidecar.upstream.fallback_pool import degrade_to_pool
 from kvgate_agent.sidecar.upstream.model_server import Flag, ModelServer
-from kvgate_agent.sidecar.upstream.passthrough import pass_through
+from kvgate_agent.sidecar.upstream.passthrough import PassMetrics, pass_through
 from kvgate_agent.sidecar.upstream.relay import (
     ClientGone,
     Exchange,
@@ -62,23 +62,16 @@ from kvgate_agent.sidecar.upstream.relay import (
 log = logging.getLogger("kvgate.sidecar")
 
 
-class ForwardMetrics(Protocol):
-    """What forwarding counts and sets (the sidecar's
-    :class:`~kvgate_agent.sidecar.metrics.SidecarMetrics` is one)."""
+class ForwardMetrics(PassMetrics, Protocol):
+    """What forwarding counts and sets: pass-through's (:class:`PassMetrics`) and the admitted
+    requests' (the sidecar's :class:`~kvgate_agent.sidecar.metrics.SidecarMetrics` is one)."""
 
     @property
     def ttft(self) -> Histogram: ...
     @property
-    def upstream_errors(self) -> Counter: ...
-    @property
     def upstream_ok(self) -> Flag: ...
     @property
-    def client_timeouts(self) -> Counter: ...
-    @property
-    def client_disconnects(self) -> Counter: ...
-    @property
     def prefix_cached_tokens(self) -> Counter: ...
-    def count_decision(self, outcome: str, reason: str, tenant_label: str) -> None: ...
     def count_tokens(self, kind: str, tenant_label: str, tokens: int) -> None: ...
 
 
