@@ -7,6 +7,7 @@ Usage::
         [--jobs J] [--arms A,...] [--replays K] [--noisy-load K,...] [--progress]
     python -m kvgate_bench.effectiveness --replicas N[,N...] [--routers random,least-request,epp]
         [--arms none,concurrency-cap,kvgate,flow-control] [--loads ...] [--seeds N] [--json F]
+        (``--routers`` also takes ``epp-affinity``, ``--arms`` ``dynamo-drr``: run when named)
 
 Calibrates the ``none`` arm's goodput capacity per workload, runs every arm setting on the same
 seeded schedules, prints per workload and load each arm's best setting with its figures and
@@ -51,7 +52,7 @@ from pathlib import Path
 from kvgate_bench.effectiveness.arms.registry import ABLATIONS, ARM_NAMES
 from kvgate_bench.effectiveness.calibration import Calibration, calibrate_all, calibration_json
 from kvgate_bench.effectiveness.model.engines import engine_of, is_builtin
-from kvgate_bench.effectiveness.model.workloads import WORKLOADS
+from kvgate_bench.effectiveness.model.workloads import ALL_WORKLOADS, WORKLOADS
 from kvgate_bench.effectiveness.pool.report import json_path_problem, run_pool_mode
 from kvgate_bench.effectiveness.replay import DEFAULT_REPLAYS, PROBE_DELTAS_S
 from kvgate_bench.effectiveness.report.progress import Progress
@@ -95,7 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="a quick run (< 5 min on 2 cores; pool mode: 120 s schedules, fewer settings)",
     )
-    p.add_argument("--workloads", help=f"comma-separated, from {','.join(WORKLOADS)}")
+    p.add_argument(
+        "--workloads",
+        help=f"comma-separated, from {','.join(ALL_WORKLOADS)} (default: all but tiers)",
+    )
     p.add_argument(
         "--loads",
         help="comma-separated loads (x the none arm's goodput capacity; pool mode: x N pods', "
@@ -148,7 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--routers",
-        help="pool mode: comma-separated, from random,least-request,epp (default: all)",
+        help="pool mode: comma-separated, from random,least-request,epp,epp-affinity "
+        "(default: all but epp-affinity)",
     )
     p.add_argument(
         "--retry-after-cap",
@@ -205,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
     for w in workloads:
-        if w not in WORKLOADS:
-            print(f"unknown workload {w!r}; choose from {','.join(WORKLOADS)}", file=sys.stderr)
+        if w not in ALL_WORKLOADS:
+            print(f"unknown workload {w!r}; choose from {','.join(ALL_WORKLOADS)}", file=sys.stderr)
             return 2
     if "none" not in arms:
         arms.insert(0, "none")

@@ -8,7 +8,8 @@ https://github.com/ai-dynamo/dynamo/issues/9755) and dispatches them while a wor
   The operator maps the workload's tenants to classes in one of three ways, which the sweep
   tries (``classes``): ``default``, one class for all (Dynamo's synthetic ``default`` queue
   when no policy config is given); ``tier``, one class per (tier, weight), the classes kvgate's
-  recommended policy declares (``interactive``, ``batch``); ``tenant``, one class per tenant
+  recommended policy declares (``interactive``, ``batch``; where the workload declares its
+  classes, ``tiers``' ``premium`` and ``regular``, those); ``tenant``, one class per tenant
   (the flows ``flow-control`` sees). A class's weight is its tenants' weight (1 in every
   workload but those that say otherwise; ``default``: 1).
 * **Across classes**: work-conserving weighted deficit round robin. Each active class (one
@@ -38,8 +39,10 @@ https://github.com/ai-dynamo/dynamo/issues/9755) and dispatches them while a wor
   https://github.com/ai-dynamo/dynamo/pull/4837): the only check on decode load, since the
   prefill one lets a server full of long decodes take more.
 
-Not modelled: pool mode (the router's queues in front of several replicas, each replica with
-its own state, DEP #15187) and WSPT ordering (FCFS/EDF is the class default).
+Not modelled: the router's queues in front of several replicas (DEP #15187); in pool mode the
+arm stands in front of each replica, each with its own state (the per-replica queues of the
+DEP's skewed-ingress case: ``--arms dynamo-drr`` with ``--replicas``, classes ``tier``), and
+WSPT ordering (FCFS/EDF is the class default).
 
 Swept (what a user tunes): ``classes`` (default, tier, tenant), ``queue_limit`` (requests per
 class: 1, 4; full 1 to 256), ``busy_frac`` (0.125, 0.25; full 0.125 to 16), ``kv_frac`` (0.3,
@@ -64,7 +67,7 @@ from typing import Any
 from kvgate_bench.effectiveness.arms.context import ArmContext
 from kvgate_bench.effectiveness.model.gate import Arm
 from kvgate_bench.effectiveness.model.metrics import BATCH_SLO_S, TTFT_SLO_S
-from kvgate_bench.effectiveness.model.schedule import BATCH, Request
+from kvgate_bench.effectiveness.model.schedule import BATCH, Request, Tenant
 from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
 
 #: How tenants map to policy classes.
@@ -122,7 +125,7 @@ class DynamoDrrArm(Arm):
             if classes == "default":
                 key, weight = "default", 1.0
             else:
-                key = t.name if classes == "tenant" else f"{t.tier}-w{round(t.weight * 100)}"
+                key = t.name if classes == "tenant" else _tier_class(t)
                 weight = t.weight
             self._class_of[t.name] = by_name.setdefault(key, PolicyClass(key, weight))
         self._active: deque[PolicyClass] = deque()  # classes with queued requests, in turn
@@ -226,6 +229,12 @@ class DynamoDrrArm(Arm):
     def on_finish(self, req: Request, output_tokens: int, now: float) -> None:
         self._left_prefill(req.rid)
         self._dispatch(now)
+
+
+def _tier_class(t: Tenant) -> str:
+    """The policy class of ``t`` in the ``tier`` mapping: the class the workload declares for
+    it (``tiers``: ``premium``, ``regular``), else its (tier, weight)."""
+    return t.class_name or f"{t.tier}-w{round(t.weight * 100)}"
 
 
 #: Swept settings. Queue limits in requests per class, busy thresholds x max_num_batched_tokens

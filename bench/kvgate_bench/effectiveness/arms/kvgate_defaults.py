@@ -105,16 +105,19 @@ def recommended_policy(ctx: ArmContext) -> dict[str, Any]:
     a ShortestFirst queue of at most 10 s with Degrade (to 128 tokens) before it, and one tenant
     class per tier, matched by tenant name: ``interactive`` (the TTFT and TPOT SLO) and, where
     the workload has batch tenants, ``batch`` (no latency SLO); each tenant's weight its own
-    (classes per distinct weight). Nothing from the measured capacity. The SLO is
+    (classes per distinct weight). A workload that declares its classes (``tiers``:
+    :attr:`~kvgate_bench.effectiveness.model.schedule.Tenant.class_name`) gets them by that
+    name, with their tenants' weight (the class's ``weight`` is each of its tenants' weight
+    in kvgate's fair queue). Nothing from the measured capacity. The SLO is
     :func:`slo_stanza`'s."""
     slo = slo_stanza(ctx)
-    classes: dict[tuple[str, float], list[str]] = {}
+    classes: dict[tuple[str, float, str], list[str]] = {}
     for t in ctx.tenants.values():
-        classes.setdefault((t.tier, t.weight), []).append(t.name)
+        classes.setdefault((t.tier, t.weight, t.class_name or ""), []).append(t.name)
     specs: list[dict[str, Any]] = []
-    for (tier, weight), names in sorted(classes.items()):
+    for (tier, weight, declared), names in sorted(classes.items()):
         c: dict[str, Any] = {
-            "name": f"{tier}-w{round(weight * 100)}",
+            "name": declared or f"{tier}-w{round(weight * 100)}",
             "match": {"tenants": sorted(names)},
             "weight": weight,
         }

@@ -22,6 +22,14 @@ Definitions (times in seconds, lengths in tokens):
   the engine's queue or its prefill) during at least half of the window, or one arriving in
   the window was refused. A tenant whose requests all start promptly is not backlogged: it got
   what it asked for, whatever its share.
+* **Class service ratio** (``class_service_ratio``; schedules whose tenants declare two
+  classes of different weights, ``tiers``: premium weight 4 over regular weight 1; None
+  otherwise): over the 60-second windows where both classes are backlogged (at least one
+  tenant of each backlogged, as for Jain's index), the heavier class's output tokens served
+  (all its tenants', spread as above) / the lighter class's, summed over those windows. Not
+  divided by the weights: the shares hold when it is the weights' ratio (4 for ``tiers``;
+  issue 34's target >= 3.5). None when no window has both backlogged or the lighter class got
+  nothing in them. In the pool it is pool-wide: the records are the client requests'.
 * **Isolation** (schedules with a tenant named ``noisy``; None otherwise): the *well-behaved*
   tenants are all the others. ``well_behaved_slo_attainment`` = their requests that met their
   SLO / their requests; ``well_behaved_min_tenant_slo_attainment`` = the lowest of the same
@@ -137,13 +145,23 @@ def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def windowed_jain(
+@dataclass(frozen=True)
+class WindowService:
+    """Per tenant and ``window_s`` window: output tokens served (``service``) and whether it
+    was backlogged (``backlogged``), as the module docstring defines both."""
+
+    window_s: float
+    service: dict[str, list[float]]
+    backlogged: dict[str, list[bool]]
+
+
+def window_service(
     records: list[RequestRecord],
     tenants: dict[str, Tenant],
     span_s: float,
     window_s: float = JAIN_WINDOW_S,
-) -> float | None:
-    """Mean Jain's index of backlogged tenants' weighted service per window (module docstring)."""
+) -> WindowService | None:
+    """Each tenant's service and backlog per whole window of the span; None for no window."""
     n_windows = int(span_s // window_s)
     if n_windows < 1:
         return None
@@ -172,21 +190,68 @@ def windowed_jain(
             if hi > lo:
                 sv[k] += rate * (hi - lo)
             k += 1
-    merged = {name: _merged(iv) for name, iv in waiting.items()}
-    scores: list[float] = []
-    for k in range(n_windows):
-        lo, hi = k * window_s, (k + 1) * window_s
-        xs = [
-            service[name][k] / tenants[name].weight
-            for name, iv in merged.items()
-            if refused[name][k]
-            or sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in iv) >= BACKLOG_FRACTION * window_s
+    backlogged: dict[str, list[bool]] = {}
+    for name, iv in waiting.items():
+        spans = _merged(iv)
+        backlogged[name] = [
+            refused[name][k]
+            or sum(max(0.0, min(b, (k + 1) * window_s) - max(a, k * window_s)) for a, b in spans)
+            >= BACKLOG_FRACTION * window_s
+            for k in range(n_windows)
         ]
+    return WindowService(window_s, service, backlogged)
+
+
+def windowed_jain(
+    records: list[RequestRecord],
+    tenants: dict[str, Tenant],
+    span_s: float,
+    window_s: float = JAIN_WINDOW_S,
+) -> float | None:
+    """Mean Jain's index of backlogged tenants' weighted service per window (module docstring)."""
+    ws = window_service(records, tenants, span_s, window_s)
+    if ws is None:
+        return None
+    scores: list[float] = []
+    for k in range(int(span_s // window_s)):
+        xs = [ws.service[n][k] / tenants[n].weight for n in tenants if ws.backlogged[n][k]]
         if len(xs) >= 2:
             j = jain(xs)
             if j is not None:
                 scores.append(j)
     return sum(scores) / len(scores) if scores else None
+
+
+def class_service_ratio(
+    records: list[RequestRecord],
+    tenants: dict[str, Tenant],
+    span_s: float,
+    window_s: float = JAIN_WINDOW_S,
+) -> float | None:
+    """The heavier class's output service over the lighter's, over the windows where both are
+    backlogged (module docstring); None without two declared classes of different weights,
+    without such a window, or when the lighter class got nothing in them."""
+    weights: dict[str, float] = {}
+    for t in tenants.values():
+        if t.class_name is not None:
+            weights[t.class_name] = max(weights.get(t.class_name, 0.0), t.weight)
+    if len(weights) != 2 or len(set(weights.values())) != 2:
+        return None
+    light, heavy = sorted(weights, key=lambda c: weights[c])
+    ws = window_service(records, tenants, span_s, window_s)
+    if ws is None:
+        return None
+    members = {c: [n for n, t in tenants.items() if t.class_name == c] for c in weights}
+    served = {light: 0.0, heavy: 0.0}
+    windows = 0
+    for k in range(int(span_s // window_s)):
+        if all(any(ws.backlogged[n][k] for n in members[c]) for c in served):
+            windows += 1
+            for c in served:
+                served[c] += sum(ws.service[n][k] for n in members[c])
+    if windows == 0 or served[light] <= 0:
+        return None
+    return served[heavy] / served[light]
 
 
 @dataclass(frozen=True)
@@ -303,6 +368,7 @@ def summarize(run: RunResult, slo: Slo = DEFAULT_SLO) -> dict[str, Any]:
         "tpot_p50_s": headline.tpot_p50_s,
         "tpot_p99_s": headline.tpot_p99_s,
         "jain": windowed_jain(records, sched.tenants, span),
+        "class_service_ratio": class_service_ratio(records, sched.tenants, span),
         "reject_precision": None,  # by replay: kvgate_bench.effectiveness.runner.replay_best
         "reject_replays": 0,
         "retry_after_error_s": None,

@@ -39,12 +39,16 @@ class Tenant:
         tier: ``interactive`` (TTFT and TPOT SLO) or ``batch`` (completion SLO).
         weight: its entitled share of the server, relative to the others (fairness weight).
         demand: the share of the arrivals it sends, relative to the others.
+        class_name: the tenant class it belongs to where the workload declares classes
+            (``tiers``: ``premium``, ``regular``; the class's weight is its tenants'
+            ``weight``), else None (the policies group tenants by tier and weight).
     """
 
     name: str
     tier: str
     weight: float = 1.0
     demand: float = 1.0
+    class_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

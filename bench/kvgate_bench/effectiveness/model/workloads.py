@@ -35,6 +35,16 @@ Three workloads, each a list of :class:`Request` sorted by arrival time (seconds
     :mod:`kvgate_bench.effectiveness.model.sessions`. Its ``requests`` are the sessions' first
     turns;
     the later ones are made as the run goes (``Schedule.sessions``).
+``tiers``
+    Two tenant classes (:attr:`Tenant.class_name`): ``premium``, four ``interactive`` chat
+    tenants ``premium-0`` .. ``premium-3`` of weight :data:`PREMIUM_WEIGHT` (4), and
+    ``regular``, four ``regular-0`` .. ``regular-3`` of weight 1, so the classes' entitled
+    shares are 4:1 (0.8 and 0.2 of the server) whether a policy weighs tenants or classes.
+    Every tenant offers the same (demand 1): each class half the load, so at load 2 premium
+    offers 1.0x the capacity (1.25x its share) and regular 1.0x (5x its share); both are
+    over their share at any load above 1.6. Poisson arrivals, the conversation fits; measured
+    against ``conversation`` (:func:`calibration_workload`). Not run by default (name it in
+    ``--workloads``): it is the class-shares workload of the pool benchmark (issue 34).
 
 The records a schedule is made of (:class:`Request`, :class:`Schedule`, ...) and the draws the
 workloads share are :mod:`kvgate_bench.effectiveness.model.schedule`'s.
@@ -70,8 +80,12 @@ from kvgate_bench.effectiveness.model.schedule import (
 )
 from kvgate_bench.effectiveness.model.sessions import generate_multi_turn
 
-#: Workload names, in report order.
+#: Workload names, in report order (the default set of a single-pod run).
 WORKLOADS: tuple[str, ...] = ("conversation", "code", "multi-tenant", "isolation", "multi-turn")
+#: Workloads run only when named (``--workloads``).
+EXTRA_WORKLOADS: tuple[str, ...] = ("tiers",)
+#: Every workload name :func:`generate` knows.
+ALL_WORKLOADS: tuple[str, ...] = WORKLOADS + EXTRA_WORKLOADS
 #: The code trace's lognormal fits (mu, sigma of the natural log of tokens; the conversation's
 #: are :data:`~kvgate_bench.effectiveness.model.schedule.CONVERSATION_PROMPT` / ``_OUTPUT``).
 CODE_PROMPT = (7.00, 1.36)
@@ -88,6 +102,10 @@ NOISY_MAX_TOKENS = 4096
 ISOLATION_WELL_BEHAVED_LOAD = 0.6
 ISOLATION_TENANTS = 8
 DEFAULT_NOISY_LOAD = 3.0
+#: ``tiers``: tenants per class, and the classes' weights (premium:regular = 4:1).
+TIERS_TENANTS = 4
+PREMIUM_WEIGHT = 4.0
+REGULAR_WEIGHT = 1.0
 
 
 def isolation_load(noisy_load: float) -> float:
@@ -97,9 +115,10 @@ def isolation_load(noisy_load: float) -> float:
 
 
 def calibration_workload(workload: str) -> str:
-    """The workload whose ``none`` capacity defines ``workload``'s load: ``isolation`` is
-    measured against ``conversation`` (same lengths), every other workload against itself."""
-    return "conversation" if workload == "isolation" else workload
+    """The workload whose ``none`` capacity defines ``workload``'s load: ``isolation`` and
+    ``tiers`` are measured against ``conversation`` (same lengths), every other workload
+    against itself."""
+    return "conversation" if workload in ("isolation", "tiers") else workload
 
 
 def tenants_of(workload: str, noisy_load: float = DEFAULT_NOISY_LOAD) -> list[Tenant]:
@@ -115,6 +134,12 @@ def tenants_of(workload: str, noisy_load: float = DEFAULT_NOISY_LOAD) -> list[Te
         return [Tenant(f"chat-{i}", INTERACTIVE) for i in range(8)]
     if workload == "code":
         return [Tenant(f"code-{i}", INTERACTIVE) for i in range(4)]
+    if workload == "tiers":
+        return [
+            Tenant(f"{cls}-{i}", INTERACTIVE, weight=w, class_name=cls)
+            for cls, w in (("premium", PREMIUM_WEIGHT), ("regular", REGULAR_WEIGHT))
+            for i in range(TIERS_TENANTS)
+        ]
     if workload == "multi-tenant":
         return [
             Tenant("chat-a", INTERACTIVE),
@@ -123,7 +148,7 @@ def tenants_of(workload: str, noisy_load: float = DEFAULT_NOISY_LOAD) -> list[Te
             Tenant("batch", BATCH),
             Tenant("noisy", INTERACTIVE, demand=NOISY_DEMAND),
         ]
-    raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
+    raise ValueError(f"unknown workload {workload!r}; choose one of {', '.join(ALL_WORKLOADS)}")
 
 
 def _poisson_times(rng: random.Random, rate: float, start: float, end: float) -> list[float]:
@@ -197,7 +222,7 @@ def generate(
         rng = random.Random(f"{seed}/{workload}/{tenant.name}")
         rate = rate_rps * tenant.demand / total_demand
         times: list[float]
-        if workload in ("conversation", "isolation"):
+        if workload in ("conversation", "isolation", "tiers"):
             times = _poisson_times(rng, rate, 0.0, duration_s)
         elif workload == "code":
             times = _on_off_times(rng, rate, duration_s)

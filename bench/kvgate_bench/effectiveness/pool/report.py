@@ -1,5 +1,5 @@
 """The pool mode of ``python -m kvgate_bench.effectiveness``: ``--replicas N[,N...]`` with
-``--routers random,least-request,epp``.
+``--routers random,least-request,epp`` (and, when named, ``epp-affinity``).
 
 Calibrates one pod (the single-pod calibration: a pool of ``N`` is offered ``load x N x`` one
 pod's load-1 rate), runs every router x arm pair of :mod:`.pool_runner` on the same seeded
@@ -10,7 +10,9 @@ same run:
 * ``epp`` + per-pod ``kvgate`` (the EPP reading kvgate's gauges) against ``epp`` +
   ``flow-control`` (llm-d's flow control, tuned) and against the best other pair;
 * per router, ``kvgate`` against ``none`` behind the same router, and the share of requests
-  finally refused while another replica had room (``refused_while_room``).
+  finally refused while another replica had room (``refused_while_room``);
+* on a workload with tenant classes (``tiers``), each pair's ``class_service_ratio`` (a
+  ``c-ratio`` column, and a headline per router against issue 34's target, >= 3.5).
 
 ``--json`` writes ``{"results": [...], "sweeps": [...], "calibration": {...}, "meta": {...}}``
 with rows keyed as the single-pod rows plus ``replicas``, ``router``, ``refused_while_room``,
@@ -31,8 +33,9 @@ from typing import Any
 
 from kvgate_bench.effectiveness.calibration import Calibration, calibrate_all, calibration_json
 from kvgate_bench.effectiveness.model.metrics import ratio_text
-from kvgate_bench.effectiveness.pool.routers import ROUTER_NAMES, RetryPolicy
+from kvgate_bench.effectiveness.pool.routers import ALL_ROUTERS, ROUTER_NAMES, RetryPolicy
 from kvgate_bench.effectiveness.pool.runner import (
+    ALL_POOL_ARMS,
     POOL_ARMS,
     build_pool_tasks,
     pairs,
@@ -45,6 +48,8 @@ from kvgate_bench.effectiveness.pool.runner import (
 POOL_LOADS: tuple[float, ...] = (0.8, 1.5, 2.0, 3.0)
 #: The workload of a pool run when ``--workloads`` is not given.
 POOL_WORKLOAD = "conversation"
+#: Issue 34's target for ``class_service_ratio`` (weights 4:1).
+CLASS_RATIO_TARGET = 3.5
 
 
 def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -88,11 +93,12 @@ def pool_table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     points = sorted({(r["workload"], r["load"], r["replicas"]) for r in rows})
     for w, load, n in points:
         at = [r for r in rows if (r["workload"], r["load"], r["replicas"]) == (w, load, n)]
+        classes = any(r.get("class_service_ratio") is not None for r in at)
         lines.append(f"\n{w}, {n} replicas, load {load:g} (x {n} pods' capacity; means over seeds)")
-        lines.append(header)
-        lines.append("-" * len(header))
+        lines.append(header + (f" {'c-ratio':>7}" if classes else ""))
+        lines.append("-" * len(lines[-1]))
         gp: dict[tuple[str, str], float | None] = {}
-        for router, arm in pairs(ROUTER_NAMES, POOL_ARMS):
+        for router, arm in pairs(ALL_ROUTERS, ALL_POOL_ARMS):
             rs = [r for r in at if r["router"] == router and r["arm"] == arm]
             if not rs:
                 continue
@@ -110,8 +116,11 @@ def pool_table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
                 f"{_f(None if rwr is None else rwr / requests, '.2f', 100):>6} "
                 f"{_f(_mean(rs, 'retries')):>7} "
                 f"{ratio_text(gp[router, arm], gp.get((router, 'none'))):>7}"
+                + (f" {_f(_mean(rs, 'class_service_ratio'), '.2f'):>7}" if classes else "")
             )
         heads.extend(_headlines(w, load, n, gp, at))
+        if classes:
+            heads.extend(_class_headlines(w, load, n, at))
     return "\n".join(lines), heads
 
 
@@ -135,7 +144,7 @@ def _headlines(
             msg += f", {ratio_text(mine, others[best])} the best other pair ({'+'.join(best)} "
             msg += f"{_f(others[best])})"
         out.append(msg)
-    for router in ROUTER_NAMES:
+    for router in ALL_ROUTERS:
         k, none = gp.get((router, "kvgate")), gp.get((router, "none"))
         if k is None:
             continue
@@ -148,6 +157,23 @@ def _headlines(
             f"refused while another replica had room: {rwr} of {requests} requests "
             f"({100 * rwr / max(1, requests):.2f} %)"
         )
+    return out
+
+
+def _class_headlines(w: str, load: float, n: int, at: list[dict[str, Any]]) -> list[str]:
+    """Per router, each arm's ``class_service_ratio`` (mean over seeds) against the target."""
+    out: list[str] = []
+    for router in ALL_ROUTERS:
+        got = []
+        for arm in ALL_POOL_ARMS:
+            rs = [r for r in at if r["router"] == router and r["arm"] == arm]
+            if rs:
+                got.append(f"{arm} {_f(_mean(rs, 'class_service_ratio'), '.2f')}")
+        if got:
+            out.append(
+                f"{w}, {n} replicas, load {load:g}: {router} class_service_ratio "
+                f"(target >= {CLASS_RATIO_TARGET:g}): {', '.join(got)}"
+            )
     return out
 
 
@@ -213,8 +239,8 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
     started = time.monotonic()
     try:
         replicas = parse_list(args.replicas, "--replicas", int)
-        routers = parse_list(args.routers, "--routers", str, ROUTER_NAMES) or list(ROUTER_NAMES)
-        arms = parse_list(args.arms, "--arms", str, POOL_ARMS) or list(POOL_ARMS)
+        routers = parse_list(args.routers, "--routers", str, ALL_ROUTERS) or list(ROUTER_NAMES)
+        arms = parse_list(args.arms, "--arms", str, ALL_POOL_ARMS) or list(POOL_ARMS)
         loads = parse_list(args.loads, "--loads", float) or list(POOL_LOADS)
         workloads = parse_list(args.workloads, "--workloads", str) or [POOL_WORKLOAD]
     except ValueError as exc:

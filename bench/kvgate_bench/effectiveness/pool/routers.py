@@ -24,12 +24,23 @@
     Between scrapes nothing corrects them (the lag llm-d-router PR #2066 reports). A retry goes
     to the best-scored endpoint not tried yet (the EPP's fallback endpoints with
     ``override_host``).
+``epp-affinity``
+    ``epp`` where each tenant's requests share a prefix (its system prompt) that pins the
+    tenant to a home replica, the first hash of the tenant name (SHA-256, mod N), while that
+    replica's scraped queue gauge is below the EPP's queue threshold
+    (:data:`AFFINITY_QUEUE_THRESHOLD`, 5 waiting: the Gateway API Inference Extension's
+    ``queueThresholdCritical`` default, the same 5 as the saturation detector's); at or above
+    it, or when the home was tried, the request takes ``epp``'s choice. This is the skewed
+    ingress of Dynamo's DEP #15187 and of llm-d's prefix affinity: each replica's admission
+    sees a different mix of tenants (with ``tiers`` on 4 replicas: one replica homes only
+    premium tenants, one only a regular one). Run only when named (``--routers``).
 
 Times in seconds.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from abc import ABC, abstractmethod
@@ -43,8 +54,17 @@ from kvgate_bench.effectiveness.model.schedule import Request
 from kvgate_bench.sim.engine import SimEngine
 from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
 
-#: The routers, in report order (their names are an interface: ``--routers``, JSON ``router``).
+#: The routers run by default, in report order (their names are an interface: ``--routers``,
+#: JSON ``router``).
 ROUTER_NAMES: tuple[str, ...] = ("random", "least-request", "epp")
+#: Routers run only when named (``--routers``).
+EXTRA_ROUTERS: tuple[str, ...] = ("epp-affinity",)
+#: Every router, in report order.
+ALL_ROUTERS: tuple[str, ...] = ROUTER_NAMES + EXTRA_ROUTERS
+#: The routers that are llm-d's EPP (flow control stands in front of them only).
+EPP_ROUTERS: tuple[str, ...] = ("epp", "epp-affinity")
+#: ``epp-affinity``: a tenant stays on its home replica while its queue gauge is below this.
+AFFINITY_QUEUE_THRESHOLD = 5.0
 #: The EPP's scrape period, seconds (llm-d's default metrics refresh interval).
 SCRAPE_S = 0.05
 #: The EPP's scorer weights (llm-d's inference-scheduling guide).
@@ -221,9 +241,14 @@ class EppRouter(Router):
             out[h] = QUEUE_WEIGHT * q + KV_WEIGHT * kv + PREFIX_WEIGHT * p
         return out
 
-    def pick(self, req: Request, now: float, tried: frozenset[int]) -> int | None:
-        if now >= self._next:  # idle meanwhile (no scrape timer): the idle gauges, read now
+    def catch_up(self, now: float) -> None:
+        """Scrape now if the pool was idle past a scrape (no scrape timer then): the idle
+        gauges, read at the scrape time due."""
+        if now >= self._next:
             self.scrape(now - (now - self._next) % SCRAPE_S)
+
+    def pick(self, req: Request, now: float, tried: frozenset[int]) -> int | None:
+        self.catch_up(now)
         hosts = self._open(tried)
         if not hosts:
             return None
@@ -241,12 +266,44 @@ class EppRouter(Router):
             held.popitem(last=False)
 
 
+class EppAffinityRouter(EppRouter):
+    """``epp`` with each tenant pinned to a home replica while that replica's queue gauge is
+    below ``queue_threshold`` (see the module docstring)."""
+
+    name = "epp-affinity"
+
+    def __init__(
+        self,
+        seed: int,
+        block_size: int,
+        kvgate_gauges: bool = False,
+        queue_threshold: float = AFFINITY_QUEUE_THRESHOLD,
+    ) -> None:
+        super().__init__(seed, block_size, kvgate_gauges)
+        self.queue_threshold = queue_threshold
+
+    def home(self, tenant: str) -> int:
+        """``tenant``'s home replica: SHA-256 of its name, mod the pool's size."""
+        digest = hashlib.sha256(tenant.encode()).digest()
+        return int.from_bytes(digest, "big") % len(self.replicas)
+
+    def pick(self, req: Request, now: float, tried: frozenset[int]) -> int | None:
+        self.catch_up(now)
+        if self.replicas:
+            home = self.home(req.tenant)
+            if home not in tried and self._queue[home] < self.queue_threshold:
+                return home
+        return super().pick(req, now, tried)
+
+
 def make_router(name: str, seed: int, block_size: int, kvgate_gauges: bool = False) -> Router:
-    """A fresh router ``name`` (:data:`ROUTER_NAMES`). Raises ``ValueError`` for another name."""
+    """A fresh router ``name`` (:data:`ALL_ROUTERS`). Raises ``ValueError`` for another name."""
     if name == "random":
         return RandomRouter(seed)
     if name == "least-request":
         return LeastRequestRouter(seed)
     if name == "epp":
         return EppRouter(seed, block_size, kvgate_gauges)
-    raise ValueError(f"unknown router {name!r}; choose from {', '.join(ROUTER_NAMES)}")
+    if name == "epp-affinity":
+        return EppAffinityRouter(seed, block_size, kvgate_gauges)
+    raise ValueError(f"unknown router {name!r}; choose from {', '.join(ALL_ROUTERS)}")

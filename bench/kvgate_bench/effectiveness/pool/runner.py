@@ -8,7 +8,14 @@ of :mod:`kvgate_bench.effectiveness.runner`; every pod is the profile's engine):
   and ``kvgate`` (the recommended policy, :mod:`.kvgate_defaults`; behind ``epp`` the EPP
   reads kvgate's gauges, ``kvgate_queue_depth`` and ``kvgate_kv_reserved_fraction``);
 * at the router, behind ``epp`` only: ``flow-control``, llm-d's flow control
-  (:class:`PoolFlowControlArm`, tuned) with ``none`` per pod.
+  (:class:`PoolFlowControlArm`, tuned) with ``none`` per pod;
+* run only when named (``--arms``): ``dynamo-drr`` per pod (NVIDIA Dynamo's policy-class
+  queues in front of each replica, each with its own state: :mod:`..arms.dynamo_drr`), tuned
+  over its sweep with the classes the workload's users would give it (``tier``: the declared
+  classes, ``premium`` and ``regular`` on ``tiers``, with their weights).
+
+``epp-affinity`` (run only when named) is ``epp`` with each tenant pinned to a home replica
+(:mod:`kvgate_bench.effectiveness.pool.routers`); flow control stands in front of it too.
 
 ``least-request`` and ``epp`` retry refusals as Envoy does with the recipe of
 ``docs/routers.md`` (:class:`~kvgate_bench.effectiveness.pool.routers.RetryPolicy`); ``random``
@@ -24,6 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate_bench.effectiveness.arms import dynamo_drr
 from kvgate_bench.effectiveness.arms.flow_control import FlowControlArm
 from kvgate_bench.effectiveness.arms.flow_control import candidates as fc_candidates
 from kvgate_bench.effectiveness.arms.registry import make_arm
@@ -33,11 +41,20 @@ from kvgate_bench.effectiveness.model.gate import Arm, Gate
 from kvgate_bench.effectiveness.model.metrics import summarize
 from kvgate_bench.effectiveness.model.workloads import generate
 from kvgate_bench.effectiveness.pool.driver import FrontGate, Replica, simulate_pool
-from kvgate_bench.effectiveness.pool.routers import ROUTER_NAMES, RetryPolicy, make_router
+from kvgate_bench.effectiveness.pool.routers import (
+    ALL_ROUTERS,
+    EPP_ROUTERS,
+    RetryPolicy,
+    make_router,
+)
 from kvgate_bench.effectiveness.runner import run_parallel
 
-#: The arms of a pool run, in report order (names are an interface: JSON ``arm``).
+#: The arms of a pool run by default, in report order (names are an interface: JSON ``arm``).
 POOL_ARMS: tuple[str, ...] = ("none", "concurrency-cap", "kvgate", "flow-control")
+#: Pool arms run only when named (``--arms``).
+POOL_EXTRA_ARMS: tuple[str, ...] = ("dynamo-drr",)
+#: Every pool arm, in report order.
+ALL_POOL_ARMS: tuple[str, ...] = POOL_ARMS + POOL_EXTRA_ARMS
 #: The concurrency cap's settings swept per pod (``--short``: fewer).
 CAP_SWEEP = ((32, 0.25), (64, 0.25), (64, 1.0), (128, 0.25), (128, 1.0), (192, 1.0))
 SHORT_CAP_SWEEP = ((64, 0.25), (128, 0.25), (128, 1.0))
@@ -87,12 +104,14 @@ def pool_candidates(arm: str, short: bool) -> list[dict[str, Any]]:
         return [{"cap": c, "queue_timeout_s": q} for c, q in sweep]
     if arm == "flow-control":
         return fc_candidates(True)
+    if arm == "dynamo-drr":  # the classes as the workload's users declare them
+        return [c for c in dynamo_drr.candidates(short) if c["classes"] == "tier"]
     return [{}]
 
 
 def pairs(routers: Iterable[str], arms: Iterable[str]) -> list[tuple[str, str]]:
-    """The (router, arm) pairs run: every pair but ``flow-control`` off ``epp``."""
-    return [(r, a) for r in routers for a in arms if a != "flow-control" or r == "epp"]
+    """The (router, arm) pairs run: every pair but ``flow-control`` off the EPP routers."""
+    return [(r, a) for r in routers for a in arms if a != "flow-control" or r in EPP_ROUTERS]
 
 
 @dataclass(frozen=True)
@@ -173,11 +192,11 @@ def build_pool_tasks(
     ``ValueError`` for an unknown router or arm."""
     routers, arms = list(routers), list(arms)
     for r in routers:
-        if r not in ROUTER_NAMES:
-            raise ValueError(f"unknown router {r!r}; choose from {', '.join(ROUTER_NAMES)}")
+        if r not in ALL_ROUTERS:
+            raise ValueError(f"unknown router {r!r}; choose from {', '.join(ALL_ROUTERS)}")
     for a in arms:
-        if a not in POOL_ARMS:
-            raise ValueError(f"unknown pool arm {a!r}; choose from {', '.join(POOL_ARMS)}")
+        if a not in ALL_POOL_ARMS:
+            raise ValueError(f"unknown pool arm {a!r}; choose from {', '.join(ALL_POOL_ARMS)}")
     tasks = [
         PoolTask(
             w,
