@@ -1,8 +1,8 @@
 """Every metric the sidecar exposes keeps its name, type, labels and help text when a room
 takes over its own metrics (issue 35: each room owns its metrics on one registry; the chart's
 alert rules and dashboards read them). The pinned exposition is an agent-mode sidecar's,
-composed as ``app.py`` does: the sidecar's metrics, the node link's sync metrics on the same
-registry, the engine tokenizer's tallies."""
+composed as ``app.py`` does: the sidecar's metrics (with the upstream and engine rooms'), the
+node link's sync metrics on the same registry, the engine tokenizer's tallies."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ import ast
 import hashlib
 import re
 
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.nodeadmission import PolicyRef
 from kvgate_agent.contract.policy import parse_policy
+from kvgate_agent.sidecar.engine import EngineMetrics
 from kvgate_agent.sidecar.metrics import SidecarMetrics
 from kvgate_agent.sidecar.node_link import Mode, SyncResult, SyncState
 from kvgate_agent.sidecar.node_link.sync_metrics import SyncMetrics
+from kvgate_agent.sidecar.upstream import UpstreamMetrics
 from kvgate_bench.kit.toolkit import FakeClock
 from tests.conftest import REPO, policy_doc
 
@@ -63,7 +65,7 @@ def _exposition() -> str:
     ref = PolicyRef(namespace="ns", name="p", generation=3)
     sync = SyncMetrics(m.registry, SyncState(FakeClock(5.0)), lambda: next(iter(Mode)), lambda: ref)
     sync.agent_sync.labels(next(iter(SyncResult)).value).inc()
-    m.attach_prompt_counts({"engine": 2})
+    m.engine.attach_prompt_counts({"engine": 2})
     m.count_decision("admitted", "ok", "a")
     return generate_latest(m.registry).decode()
 
@@ -83,11 +85,28 @@ def test_the_exposed_metrics_keep_their_names_labels_and_help() -> None:
     assert hashlib.sha256(meta.encode()).hexdigest() == META_SHA256, meta
 
 
-def test_the_sidecar_metrics_do_not_import_the_node_link() -> None:
+def test_the_sidecar_metrics_import_only_the_rooms_they_compose() -> None:
+    """Not the node link (it builds its own), not identity (the tenant label bound is the
+    metrics'); the upstream and engine rooms' metrics objects, through their faces."""
     path = REPO / "agent" / "kvgate_agent" / "sidecar" / "metrics.py"
     imported = {
         node.module or ""
         for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.ImportFrom)
     }
-    assert not {m for m in imported if m.startswith("kvgate_agent.sidecar.node_link")}
+    rooms = {m for m in imported if m.startswith("kvgate_agent.sidecar.")}
+    assert rooms == {"kvgate_agent.sidecar.upstream", "kvgate_agent.sidecar.engine"}, rooms
+
+
+def test_each_room_registers_its_own_families() -> None:
+    registry = CollectorRegistry(auto_describe=True)
+    upstream = UpstreamMetrics(registry)
+    upstream.export_up()
+    EngineMetrics(registry).attach_prompt_counts({"engine": 1})
+    assert {family.name for family in registry.collect()} == {
+        "kvgate_upstream_errors",
+        "kvgate_upstream_resends",
+        "kvgate_upstream_up",
+        "kvgate_engine_capacity_unknown",
+        "kvgate_engine_prompt_counts",
+    }

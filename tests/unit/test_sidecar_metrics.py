@@ -9,7 +9,8 @@ from prometheus_client import generate_latest
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.policy import parse_policy
-from kvgate_agent.sidecar.metrics import UPSTREAM_ERROR_KINDS, SidecarMetrics
+from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.upstream import UPSTREAM_ERROR_KINDS
 from kvgate_bench.kit.toolkit import FakeClock, parse_samples, sample_value
 from tests.conftest import REPO, policy_doc
 
@@ -25,6 +26,6 @@ def test_every_upstream_error_kind_is_exported_at_zero_from_the_start() -> None:
     # Every kind the sidecar counts is one of them.
     used = set()
     for path in (REPO / "agent" / "kvgate_agent" / "sidecar").rglob("*.py"):
-        calls = re.findall(r"upstream_errors\.labels\(([^)]*)\)", path.read_text())
+        calls = re.findall(r"upstream\.errors\.labels\(([^)]*)\)", path.read_text())
         used |= {k for c in calls for k in re.findall(r'"([a-z0-9_]+)"', c)}
     assert used and used <= set(UPSTREAM_ERROR_KINDS), used

@@ -76,16 +76,16 @@ class Sidecar:
             settings.upstream,
             connect_timeout=settings.connect_timeout,
             upstream_timeout=settings.upstream_timeout,
-            on_resend=self.metrics.upstream_resends.inc,
+            on_resend=self.metrics.upstream.resends.inc,
         )
         self.engine = EngineProbe(
             self.model_server,
             self.admission,
             lambda: self.policy.spec,
-            self.metrics.upstream_ok,
+            self.metrics.upstream.ok,
             settings.engine_poll_seconds,
             settings.engine_usage_seconds,
-            self.metrics.engine_unknown,
+            self.metrics.engine.capacity_unknown,
             initial=initial,
         )
         enforcement: AgentEnforcement | None = None
@@ -110,7 +110,7 @@ class Sidecar:
             else None
         )
         if self.engine_tokens is not None:
-            self.metrics.attach_prompt_counts(self.engine_tokens.answered)
+            self.metrics.engine.attach_prompt_counts(self.engine_tokens.answered)
         #: The policy re-read on SIGHUP, and what a stalled engine changes.
         self.control = PolicyControl(s, self.policy, self.admission, self.engine, self.identity)
         self.stall = self.control.stall  #: whether the engine stopped producing tokens

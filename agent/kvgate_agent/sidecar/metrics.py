@@ -3,55 +3,60 @@
 Gauges that mirror admission state (in-flight, KV reserved, queue length, bucket levels) are read
 from admission at scrape time by a custom collector, so the hot path never updates them and
 they can never drift from the truth.
+
+Each room owns its metrics on that one registry (issue 35): the upstream room's
+(:class:`~kvgate_agent.sidecar.upstream.metrics.UpstreamMetrics`), the engine room's
+(:class:`~kvgate_agent.sidecar.engine.metrics.EngineMetrics`), both composed here, and the node
+link's (:class:`~kvgate_agent.sidecar.node_link.sync_metrics.SyncMetrics`, built by the node
+link itself). What stays here is the request's: admission, its decisions and queue, the tokens
+settled, the clients' side as the request path counts it, and the tenant label bound
+(:class:`TenantLabels`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgate_agent.admission import AdmissionStats, AsyncAdmission, TenantStats
-from kvgate_agent.sidecar.identity import TenantLabels
-from kvgate_agent.sidecar.upstream import Flag as Flag  # re-exported
+from kvgate_agent.sidecar.engine import EngineMetrics
+from kvgate_agent.sidecar.upstream import Flag, FlagGauge, UpstreamMetrics
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the _created series only add noise to every counter
 
 #: Queue wait buckets, seconds: from sub-millisecond to the 1-hour maxWaitSeconds bound.
 QUEUE_WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600)
-#: The kinds of ``kvgate_upstream_errors_total``, each exported at 0 from the start so that a
-#: rate over them is 0, not absent, before the first error
-#: (https://prometheus.io/docs/practices/instrumentation/#avoid-missing-metrics).
-UPSTREAM_ERROR_KINDS = ("connect", "timeout", "status_5xx", "upstream_error")
 
 
-class _PromptCountCollector(Collector):
-    """``kvgate_engine_prompt_counts_total{source}`` from ``--tokenizer engine``'s tallies."""
+class TenantLabels:
+    """Bounded tenant label values for metrics: the first ``limit`` tenants seen keep their own
+    label, every later one is reported as ``other``, so clients sending endless tenant ids cannot
+    blow up the metric series count."""
 
-    def __init__(self, answered: Mapping[str, int]) -> None:
-        self.answered = answered
+    OTHER = "other"
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        c = CounterMetricFamily(
-            "kvgate_engine_prompt_counts",
-            "Prompts counted with --tokenizer engine, by source: engine (its /tokenize), cache "
-            "(its earlier answer), estimate (the engine slow, down or failing), unsupported (a "
-            "prompt it cannot count: token ids, list prompts, images)",
-            labels=["source"],
-        )
-        for source, n in self.answered.items():
-            c.add_metric([source], n)
-        yield c
+    def __init__(self, limit: int = 50) -> None:
+        self.limit = limit
+        self._known: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        """The label value for ``tenant``."""
+        if tenant in self._known:
+            return tenant
+        if len(self._known) < self.limit:
+            self._known.add(tenant)
+            return tenant
+        return self.OTHER
 
 
 class _AdmissionCollector(Collector):
-    def __init__(self, admission: AsyncAdmission, labels: TenantLabels, upstream_ok: Flag) -> None:
+    def __init__(self, admission: AsyncAdmission, labels: TenantLabels) -> None:
         self.admission = admission
         self.labels = labels
-        self.upstream_ok = upstream_ok
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         c = self.admission.stats()
@@ -113,11 +118,6 @@ class _AdmissionCollector(Collector):
             "Observed decode time per output token (moving average), seconds",
             value=c.seconds_per_token,
         )
-        yield GaugeMetricFamily(
-            "kvgate_upstream_up",
-            "1 when the last upstream exchange succeeded",
-            value=1.0 if self.upstream_ok.value else 0.0,
-        )
 
     def _fair_shares(self, ts: TenantStats) -> Iterator[GaugeMetricFamily]:
         """Each tenant's fair-queue counter and attained service (tenant label bounded, as the
@@ -168,27 +168,19 @@ class _AdmissionCollector(Collector):
             )
 
 
-class _FlagCollector(Collector):
-    """A 0/1 gauge read from a :class:`Flag` at scrape time."""
-
-    def __init__(self, name: str, doc: str, flag: Flag) -> None:
-        self.name, self.doc, self.flag = name, doc, flag
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily(self.name, self.doc, value=1.0 if self.flag.value else 0.0)
-
-
 class SidecarMetrics:
-    """All sidecar metrics.
+    """All sidecar metrics, on one registry: the request path's own here, and the rooms' (their
+    objects composed here, each registering its families on :attr:`registry`).
 
     Attributes:
         registry: the registry to expose.
+        tenant_label: the bounded tenant label of a request's series (:class:`TenantLabels`).
         decisions: ``kvgate_admission_decisions_total{outcome, reason, tenant}``.
         queue_wait: ``kvgate_queue_wait_seconds`` histogram (requests that waited).
-        upstream_errors: ``kvgate_upstream_errors_total{kind}`` (:data:`UPSTREAM_ERROR_KINDS`:
-            connect, timeout, status_5xx, upstream_error), each 0 from the start.
-        upstream_resends: ``kvgate_upstream_resends_total``: admitted requests sent once more on
-            a fresh connection, the reused one having been closed at once with no byte of answer.
+        upstream: the upstream room's
+            (:class:`~kvgate_agent.sidecar.upstream.metrics.UpstreamMetrics`):
+            ``kvgate_upstream_errors_total{kind}``, ``kvgate_upstream_resends_total`` and
+            ``kvgate_upstream_up``.
         client_disconnects: ``kvgate_client_disconnects_total``.
         client_timeouts: ``kvgate_client_timeouts_total{phase}``: connections closed because the
             request headers (``phase="headers"``) or body (``"body"``) came too slowly.
@@ -199,22 +191,27 @@ class SidecarMetrics:
             request ended (``"reported"``), both 0 from the start.
         ttft: ``kvgate_time_to_first_token_seconds`` through the sidecar (streams only).
         decision_counts: decisions so far by outcome (for the node agent's sync report).
-        upstream_ok: whether the last exchange with the model server succeeded
-            (``kvgate_upstream_up``).
         policy_mismatch: the governing policy is not the annotated one
             (``kvgate_policy_mismatch``).
-        engine_unknown: the engine's KV capacity is asked for but unreadable although it
-            answers (``kvgate_engine_capacity_unknown``).
+        engine: the engine room's (:class:`~kvgate_agent.sidecar.engine.metrics.EngineMetrics`):
+            ``kvgate_engine_capacity_unknown`` and, with ``--tokenizer engine``,
+            ``kvgate_engine_prompt_counts_total{source}``.
 
-    The node link's own metrics (the sync: ``kvgate_agent_sync_total``,
+    The client metrics stay here: the upstream room counts the disconnects and the body
+    timeouts, the top the header timeouts, the edge only calls back. So does
+    ``kvgate_prefix_cached_tokens_total``: admission's expectation (counted by the pipeline)
+    and the engine's report settled by the upstream room, as ``kvgate_tokens_total``; the engine
+    room reads none of it. The node link's own metrics (the sync: ``kvgate_agent_sync_total``,
     ``kvgate_thresholds_*``, ``kvgate_policy_generation``) are
     :class:`~kvgate_agent.sidecar.node_link.sync_metrics.SyncMetrics`, on :attr:`registry`.
+    The rooms' families are registered where the exposition has always had them: the upstream
+    counters after the queue wait, ``kvgate_upstream_up`` after admission's gauges, the
+    engine's last.
     """
 
     def __init__(self, admission: AsyncAdmission, tenant_label_limit: int = 50) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.tenant_label = TenantLabels(tenant_label_limit)
-        self.upstream_ok = Flag(True)
         self.policy_mismatch = Flag(False)  # set by the sidecar after each agent answer
         r = self.registry
         self.decisions = Counter(
@@ -229,17 +226,7 @@ class SidecarMetrics:
             buckets=QUEUE_WAIT_BUCKETS,
             registry=r,
         )
-        self.upstream_errors = Counter(
-            "kvgate_upstream_errors", "Upstream failures by kind", ["kind"], registry=r
-        )
-        for kind in UPSTREAM_ERROR_KINDS:
-            self.upstream_errors.labels(kind)
-        self.upstream_resends = Counter(
-            "kvgate_upstream_resends",
-            "Admitted requests sent again on a fresh connection: the reused one was closed "
-            "at once, with no byte of answer (a stale keep-alive connection)",
-            registry=r,
-        )
+        self.upstream = UpstreamMetrics(r)
         self.client_disconnects = Counter(
             "kvgate_client_disconnects",
             "Admitted requests whose client went away before the response ended",
@@ -269,24 +256,17 @@ class SidecarMetrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
             registry=r,
         )
-        r.register(_AdmissionCollector(admission, self.tenant_label, self.upstream_ok))
+        r.register(_AdmissionCollector(admission, self.tenant_label))
+        self.upstream.export_up()
         r.register(
-            _FlagCollector(
+            FlagGauge(
                 "kvgate_policy_mismatch",
                 "1 while the governing RateLimitPolicy is not the one the pod's kvgate.io/policy "
                 "annotation names",
                 self.policy_mismatch,
             )
         )
-        self.engine_unknown = Flag(False)  # set by the sidecar's engine probe
-        r.register(
-            _FlagCollector(
-                "kvgate_engine_capacity_unknown",
-                "1 while capacity.fromEngineMetrics is asked but the model server answers "
-                "without a KV capacity kvgate can read (an unknown engine); /readyz says why",
-                self.engine_unknown,
-            )
-        )
+        self.engine = EngineMetrics(r)
         self.decision_counts: dict[str, int] = {}
         self._decision_children: dict[tuple[str, str, str], Any] = {}  # series by labels
         self._token_children: dict[tuple[str, str], Any] = {}
@@ -308,7 +288,3 @@ class SidecarMetrics:
         if child is None:
             child = self._token_children[key] = self.tokens.labels(*key)
         child.inc(tokens)
-
-    def attach_prompt_counts(self, answered: Mapping[str, int]) -> None:
-        """Export ``--tokenizer engine``'s tallies by source (read at scrape time)."""
-        self.registry.register(_PromptCountCollector(answered))

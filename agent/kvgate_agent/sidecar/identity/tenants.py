@@ -201,24 +201,3 @@ def engine_priority(priority: int, target: PriorityTarget) -> int | None:
     if target is PriorityTarget.SGLANG:
         return priority
     return None
-
-
-class TenantLabels:
-    """Bounded tenant label values for metrics: the first ``limit`` tenants seen keep their own
-    label, every later one is reported as ``other``, so clients sending endless tenant ids cannot
-    blow up the metric series count."""
-
-    OTHER = "other"
-
-    def __init__(self, limit: int = 50) -> None:
-        self.limit = limit
-        self._known: set[str] = set()
-
-    def __call__(self, tenant: str) -> str:
-        """The label value for ``tenant``."""
-        if tenant in self._known:
-            return tenant
-        if len(self._known) < self.limit:
-            self._known.add(tenant)
-            return tenant
-        return self.OTHER

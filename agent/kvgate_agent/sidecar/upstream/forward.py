@@ -50,7 +50,7 @@ from kvgate_agent.sidecar.upstream.errors import (
     UpstreamError,
 )
 from kvgate_agent.sidecar.upstream.fallback_pool import degrade_to_pool
-from kvgate_agent.sidecar.upstream.model_server import Flag, ModelServer
+from kvgate_agent.sidecar.upstream.model_server import ModelServer
 from kvgate_agent.sidecar.upstream.passthrough import PassMetrics, pass_through
 from kvgate_agent.sidecar.upstream.relay import (
     ClientGone,
@@ -68,8 +68,6 @@ class ForwardMetrics(PassMetrics, Protocol):
 
     @property
     def ttft(self) -> Histogram: ...
-    @property
-    def upstream_ok(self) -> Flag: ...
     @property
     def prefix_cached_tokens(self) -> Counter: ...
     def count_tokens(self, kind: str, tenant_label: str, tokens: int) -> None: ...
@@ -246,15 +244,15 @@ class Forwarder:
             ex.resp = resp = await self.server.pool.request("POST", target, fwd, body)
         except UpstreamConnectError as exc:
             ex.reached = False  # never connected: no work to charge
-            m.upstream_errors.labels("connect").inc()
-            m.upstream_ok.value = False
+            m.upstream.errors.labels("connect").inc()
+            m.upstream.ok.value = False
             log.warning("upstream connect failed: %s", exc)
             return responses.upstream_unreachable(ex.headers)
-        m.upstream_ok.value = True
+        m.upstream.ok.value = True
         out_headers = forward_headers(resp.headers)
         out_headers.update(ex.headers)
         if resp.status >= 500:
-            m.upstream_errors.labels("status_5xx").inc()
+            m.upstream.errors.labels("status_5xx").inc()
         if ex.parsed.stream and resp.status == 200 and resp.content_type == "text/event-stream":
             ttft = self.metrics.ttft.observe
             admission_observe, stall = self.admission.observe_tokens, self.stall
@@ -286,8 +284,8 @@ class Forwarder:
         """The model server failed (or timed out) after the connection was made."""
         m = self.metrics
         timeout = isinstance(exc, TimeoutError)
-        m.upstream_errors.labels("timeout" if timeout else "upstream_error").inc()
-        m.upstream_ok.value = False
+        m.upstream.errors.labels("timeout" if timeout else "upstream_error").inc()
+        m.upstream.ok.value = False
         log.warning("upstream failed mid-request: %r", exc)
         out = ex.out
         if out is None:  # nothing sent yet: a proper error response

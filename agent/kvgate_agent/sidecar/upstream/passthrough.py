@@ -25,6 +25,7 @@ from kvgate_agent.sidecar.edge import (
 )
 from kvgate_agent.sidecar.reading import body_too_slow, responses
 from kvgate_agent.sidecar.upstream.errors import UPSTREAM_FAILURES
+from kvgate_agent.sidecar.upstream.metrics import UpstreamMetrics
 from kvgate_agent.sidecar.upstream.model_server import ModelServer
 from kvgate_agent.sidecar.upstream.relay import ClientGone, to_client
 
@@ -33,10 +34,12 @@ log = logging.getLogger("kvgate.sidecar")
 
 class PassMetrics(Protocol):
     """What pass-through counts (the sidecar's
-    :class:`~kvgate_agent.sidecar.metrics.SidecarMetrics` is one)."""
+    :class:`~kvgate_agent.sidecar.metrics.SidecarMetrics` is one): the upstream room's own
+    metrics (:class:`~kvgate_agent.sidecar.upstream.metrics.UpstreamMetrics`), the clients'
+    and the decisions."""
 
     @property
-    def upstream_errors(self) -> Counter: ...
+    def upstream(self) -> UpstreamMetrics: ...
     @property
     def client_timeouts(self) -> Counter: ...
     @property
@@ -74,12 +77,12 @@ async def pass_through(
     try:
         resp = await server.session().request(request.method, url, headers=fwd, data=data)
     except aiohttp.ClientConnectorError:
-        metrics.upstream_errors.labels("connect").inc()
+        metrics.upstream.errors.labels("connect").inc()
         return responses.passthrough_unreachable()
     except UPSTREAM_FAILURES as exc:
         if body.expired or body.too_large:
             return _body_refused(metrics, body)
-        metrics.upstream_errors.labels("upstream_error").inc()
+        metrics.upstream.errors.labels("upstream_error").inc()
         return responses.passthrough_failed(exc)
     return await _relay(request, resp, body, metrics)
 
@@ -121,7 +124,7 @@ async def _relay(
                 metrics.client_timeouts.labels("body").inc()
             out.force_close()
         else:
-            metrics.upstream_errors.labels("upstream_error").inc()
+            metrics.upstream.errors.labels("upstream_error").inc()
             log.warning("upstream failed during pass-through: %r", exc)
         return out
     finally:
