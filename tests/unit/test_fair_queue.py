@@ -21,6 +21,7 @@ from kvgate_agent.admission import (
     Ticket,
 )
 from kvgate_agent.admission.fairqueue import MAX_SKIPS, FairShare, WaitQueue
+from kvgate_agent.admission.fairqueue.share import IN_FLIGHT_LAG
 from kvgate_agent.admission.limits import Limits
 from kvgate_agent.contract.policy import QueueOrder
 from kvgate_bench.kit.toolkit import FakeClock
@@ -87,6 +88,87 @@ def test_an_idle_tenant_is_lifted_and_an_over_served_one_is_not_forgiven() -> No
     assert f.counter("a") == 1000.0
     f.join("b")
     assert f.counter("b") == 10.0
+
+
+def test_a_heavier_tenant_still_in_flight_keeps_its_lag_behind_the_floor_up_to_a_bound() -> None:
+    f = FairShare(1.0, 2.0, 100)
+    f.join("idle")
+    t = ticket("idle", 10, 0)
+    f.admit(t)  # 10
+    f.leave("idle")
+    f.settle(t, 10, 0)  # and gone: nothing in flight
+    f.join("gold", 4.0)
+    f.admit(ticket("gold", 100, 100, weight=4.0))  # 10 + 75: in flight, its queue empty
+    f.leave("gold")
+    f.join("bronze")
+    for _ in range(3):
+        f.admit(ticket("bronze", 100, 100))  # from gold's 85 (the last departed) to 985
+    # gold rejoins while its request runs: it was never idle, so the service it is behind by
+    # (bronze's 900 units against its 75 x 4 weighted) is kept, not forgiven by a lift to 985,
+    # up to IN_FLIGHT_LAG mean charges x (1 - the active tenants' mean weight 2.5 / its 4).
+    lag = IN_FLIGHT_LAG * f.mean_charge * (1.0 - 2.5 / 4.0)
+    assert f.floor() == 985.0
+    assert f.counter("gold") < 985.0  # (lifted to the floor, it would read 985)
+    assert f.counter("gold") == 985.0 - lag > 85.0
+    f.join("gold", 4.0)
+    assert f.counter("gold") < f.counter("bronze")
+    # ... a tenant that lags further is lifted to the bound: it banks no more than that.
+    for _ in range(40):
+        f.admit(ticket("bronze", 100, 100))
+    f.leave("gold")
+    f.join("gold", 4.0)
+    lag = IN_FLIGHT_LAG * f.mean_charge * (1.0 - 2.5 / 4.0)
+    assert f.counter("gold") == f.floor() == f.counter("bronze") - lag
+    # Idle (nothing in flight): lifted to the floor itself, as before.
+    assert f.counter("idle") == f.floor() > 10.0
+    f.join("idle")
+    assert f.counter("idle") == f.floor()
+
+
+def test_a_tenant_no_heavier_than_the_mean_is_lifted_to_the_floor_even_in_flight() -> None:
+    f = FairShare(1.0, 2.0, 100)
+    f.join("a")
+    f.admit(ticket("a", 100, 100))  # 300, in flight
+    f.leave("a")
+    f.join("b")
+    f.admit(ticket("b", 1000, 0))  # b: 300 + 1000
+    f.join("a")  # equal weights: the lift forgives, as VTC's does
+    assert f.counter("a") == f.counter("b") == 1300.0
+
+
+def test_weights_hold_when_each_tenant_waits_one_request_at_a_time() -> None:
+    # Queues as short as a TTFT budget makes them: each tenant has one waiter, and a new one as
+    # soon as that one is admitted, while its earlier requests still run. Lifting gold to the
+    # floor whenever its queue empties resets it to bronze's counter at every request (about
+    # 3:1 here, less where the order's slack lets the shorter head go first); the weights say
+    # 4:1.
+    c, _ = controller(max_concurrency=4, queue_order=QueueOrder.FIFO)
+    running: list[Ticket] = []
+    waiting = {"gold": 0, "bronze": 0}
+    served: list[str] = []
+
+    def top_up() -> None:
+        for t, n in waiting.items():
+            if not n:
+                d = c.submit(req(t, weight=4.0 if t == "gold" else 1.0))
+                if d.ticket is not None:
+                    running.append(d.ticket)
+                else:
+                    waiting[t] = 1
+
+    top_up()
+    top_up()
+    for _ in range(200):
+        c.release(running.pop(0), completion_tokens=10)
+        c.pump()
+        for w in c.take_resolved():
+            assert w.decision is not None and w.decision.ticket is not None
+            running.append(w.decision.ticket)
+            waiting[w.request.tenant] -= 1
+            served.append(w.request.tenant)
+        top_up()
+    tail = Counter(served[100:])
+    assert 3.5 <= tail["gold"] / tail["bronze"] <= 4.5, tail
 
 
 def test_weights_divide_the_charge() -> None:
