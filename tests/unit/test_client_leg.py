@@ -1,8 +1,8 @@
 """kvgate's own server leg, piece by piece, without sockets: request targets, llhttp's parse into
 :class:`~kvgate_agent.sidecar.edge.client_request.Request`, the refusals while parsing, request
 bodies (decoding, the decompression bound, flow control, ``Expect: 100-continue``), the bytes of an
-answer (:func:`head_bytes`, :func:`response_bytes`, :class:`StreamOut`) and a connection's
-serving on a fake transport."""
+answer (:func:`head_bytes`, :func:`response_bytes`, :class:`StreamOut`, an answer the handler
+writes itself) and a connection's serving on a fake transport."""
 
 from __future__ import annotations
 
@@ -22,11 +22,13 @@ from kvgate_agent.sidecar.edge.client_body import READ_HIGH_WATER, BodyStream, M
 from kvgate_agent.sidecar.edge.client_conn import ClientConnection, LegConfig
 from kvgate_agent.sidecar.edge.client_parse import Refused, RequestParser, target
 from kvgate_agent.sidecar.edge.client_request import (
+    Answered,
     Request,
     StreamOut,
     head_bytes,
     response_bytes,
 )
+from kvgate_agent.sidecar.edge.wire import answer_now
 
 # ---------------------------------------------------------------- fakes
 
@@ -56,6 +58,11 @@ class FakeReceiver:
             raise ConnectionResetError("gone")
         if self.write_paused:
             await self.taken.wait()
+
+    def answer(self, req: Request, resp: web.Response) -> bool:
+        close = not req.keep_alive
+        self.send(response_bytes(resp, req, close))
+        return close
 
     def on_request(self, req: Request) -> None:
         self.requests.append(req)
@@ -638,6 +645,23 @@ async def test_stream_out_to_a_lost_client_raises() -> None:
         await gone.prepare(None)
 
 
+async def test_respond_writes_the_answer_whole_and_refuses_more() -> None:
+    link = FakeReceiver()
+    req = make_request(link)
+    resp = web.Response(text="hi", headers={"x-a": "1"})
+    out = req.respond(resp)
+    assert isinstance(out, Answered) and out.prepared and out.ended and not out.close
+    assert link.wire == response_bytes(resp, req, close=False)
+    await out.prepare(req)
+    await out.write_eof()
+    with pytest.raises(RuntimeError):
+        await out.write(b"more")
+    assert link.wire == response_bytes(resp, req, close=False)  # nothing more was sent
+    link.lost = True
+    with pytest.raises(ConnectionResetError):
+        make_request(link).respond(resp)
+
+
 # ---------------------------------------------------------------- a connection on a fake transport
 
 
@@ -897,3 +921,45 @@ def test_bytes_after_a_gzip_or_deflate_stream_are_refused() -> None:
         body.feed_eof()
         with pytest.raises(MalformedBody):
             body.read_nowait()
+
+
+async def test_an_answer_the_handler_writes_goes_out_before_it_returns() -> None:
+    """``answer_now`` from the handler (an admitted request's, before its release): the same
+    bytes as the answer returned, sent while the handler still runs; pipelining and keep-alive
+    as before."""
+    seen: list[bytes] = []
+
+    async def handler(req: Any) -> Any:
+        out = answer_now(req, web.Response(text=req.path, headers={"x-a": "1"}))
+        seen.append(t.out)  # what the client has, before the handler goes on
+        await asyncio.sleep(0)
+        return out
+
+    async def returned(req: Any) -> web.Response:
+        return web.Response(text=req.path, headers={"x-a": "1"})
+
+    requests = b"GET /a HTTP/1.1\r\nHost: h\r\n\r\nGET /b HTTP/1.1\r\nHost: h\r\n\r\n"
+    conn, t, _ = connection(handler)
+    conn.data_received(requests)
+    await settle()
+    plain, tp, _ = connection(returned)
+    plain.data_received(requests)
+    await settle()
+    assert t.out == tp.out and statuses(t.out) == [b"200", b"200"]
+    assert seen[0].endswith(b"\r\n\r\n/a") and seen[1] == t.out
+    assert not t.closing and conn.idle
+    conn.connection_lost(None)
+    plain.connection_lost(None)
+
+
+async def test_a_handler_failing_after_its_answer_leaves_it_whole() -> None:
+    async def handler(req: Any) -> Any:
+        answer_now(req, web.Response(text="done"))
+        raise RuntimeError("after the answer")
+
+    conn, t, _ = connection(handler)
+    conn.data_received(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n")
+    await settle()
+    assert statuses(t.out) == [b"200"] and t.out.endswith(b"done")  # no 500 after it
+    assert t.closing
+    conn.connection_lost(None)

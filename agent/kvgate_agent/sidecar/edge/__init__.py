@@ -21,7 +21,13 @@ from kvgate_agent.sidecar.edge.hop_headers import (
     identity_names,
 )
 from kvgate_agent.sidecar.edge.slowclients import GuardedAppRunner, track_requests
-from kvgate_agent.sidecar.edge.wire import ClientRequest, Handler, ResponseStream, new_stream
+from kvgate_agent.sidecar.edge.wire import (
+    ClientRequest,
+    Handler,
+    ResponseStream,
+    answer_now,
+    new_stream,
+)
 
 __all__ = [
     "HOP_BY_HOP",
@@ -33,6 +39,7 @@ __all__ = [
     "ResponseStream",
     "StreamedBody",
     "admitted_request_headers",
+    "answer_now",
     "dropped",
     "forward_headers",
     "identity_headers",

@@ -35,7 +35,13 @@ from aiohttp import web
 
 from kvgate_agent.sidecar.edge.client_body import MalformedBody
 from kvgate_agent.sidecar.edge.client_parse import Refused, RequestParser, Upgraded
-from kvgate_agent.sidecar.edge.client_request import Request, StreamOut, head_bytes, response_bytes
+from kvgate_agent.sidecar.edge.client_request import (
+    Answered,
+    Request,
+    StreamOut,
+    head_bytes,
+    response_bytes,
+)
 from kvgate_agent.sidecar.edge.client_transport import ClientTransport
 from kvgate_agent.sidecar.edge.wire import Handler
 from kvgate_agent.sidecar.reading import SERVER_ERROR, error_body, responses
@@ -224,25 +230,32 @@ class ClientConnection(ClientTransport):
         self._next(req, close)
 
     def _answer(self, req: Request, resp: object) -> bool:
-        """Write ``resp`` (a finished ``web.Response``; a stream is already written); whether
-        the connection must close after it."""
-        close = not req.keep_alive or self._upgraded or self._config.draining()
-        if isinstance(resp, StreamOut):
+        """Write ``resp`` (a finished ``web.Response``; a stream, or an answer the handler
+        wrote itself, is already written); whether the connection must close after it."""
+        if isinstance(resp, StreamOut | Answered):
             if not resp.ended:
                 return True  # cut short (the client went away, the model server failed)
-            return close or resp.close
+            return resp.close or not req.keep_alive or self._upgraded or self._config.draining()
         if isinstance(resp, web.Response):
-            close = close or resp.keep_alive is False or not req.content.is_eof()
-            self.send(response_bytes(resp, req, close))
-            return close
+            return self.answer(req, resp)
         raise TypeError(f"a handler answered {type(resp).__name__}")
 
+    def answer(self, req: Request, resp: web.Response) -> bool:
+        """Write ``resp`` (finished) in answer to ``req``, the request being served (by
+        :meth:`_answer`, or by its handler: :meth:`Request.respond`); whether the connection
+        must close after it (then its head says so)."""
+        close = not req.keep_alive or self._upgraded or self._config.draining()
+        close = close or resp.keep_alive is False or not req.content.is_eof()
+        self.send(response_bytes(resp, req, close))
+        return close
+
     def _fail(self, req: Request) -> None:
-        """A handler failed: 500 with an OpenAI body if nothing was sent yet."""
+        """A handler failed: 500 with an OpenAI body if nothing was sent yet (a handler that
+        wrote its answer, then failed, leaves it whole; the connection closes)."""
         body = error_body(
             "the sidecar failed on this request", SERVER_ERROR, None, "internal_error"
         )
-        if not self.lost:
+        if not self.lost and not self.answer_started:
             self.send(response_bytes(responses.json_response(500, body), req, True))
 
     def _next(self, req: Request, close: bool) -> None:

@@ -1,7 +1,9 @@
 """A client's request as kvgate's own server leg hands it to the pipeline (:class:`Request`), and
 the answers it writes straight to the connection: a finished ``web.Response`` serialised whole
-(:func:`response_bytes`), or a stream (:class:`StreamOut`) whose chunks are framed and written
-as they come, one transport write per chunk and no per-chunk object.
+(:func:`response_bytes`; by the connection once the handler returns it, or by the handler
+itself, :meth:`Request.respond`, which answers with the :class:`Answered` it gets back), or a
+stream (:class:`StreamOut`) whose chunks are framed and written as they come, one transport
+write per chunk and no per-chunk object.
 
 The connection itself (parsing, deadlines, keep-alive, order of pipelined answers) is
 :class:`~kvgate_agent.sidecar.edge.client_conn.ClientConnection`'s; what a request and its writer
@@ -23,7 +25,7 @@ from yarl import URL
 
 from kvgate_agent.sidecar.edge.client_body import BodyStream
 
-__all__ = ["Link", "Request", "StreamOut", "response_bytes"]
+__all__ = ["Answered", "Link", "Request", "StreamOut", "response_bytes"]
 
 
 class Link(Protocol):
@@ -46,6 +48,11 @@ class Link(Protocol):
     async def drain(self) -> None:
         """Until the client has taken what was written (above the transport's high-water
         mark); raises ``ConnectionResetError`` when it goes away meanwhile."""
+        ...
+
+    def answer(self, req: Request, resp: web.Response) -> bool:
+        """Write ``resp`` (finished) in answer to ``req`` (:func:`response_bytes`, one write);
+        whether the connection closes after it (then its head says so)."""
         ...
 
 
@@ -219,6 +226,37 @@ class StreamOut:
         self.ended = True
 
 
+class Answered:
+    """A finished answer the handler already wrote whole (:meth:`Request.respond`), handed back
+    as its answer (a :class:`~kvgate_agent.sidecar.edge.wire.ResponseStream`, ended): nothing
+    more may be written. ``close``: the connection closes after it."""
+
+    __slots__ = ("close", "ended", "headers", "prepared", "status")
+
+    def __init__(self, status: int, headers: Mapping[str, str], close: bool) -> None:
+        self.status = status
+        self.headers = headers
+        self.close = close
+        self.prepared = True
+        self.ended = True
+
+    def force_close(self) -> None:
+        """Close the connection after it (its head, already sent, may not say so)."""
+        self.close = True
+
+    async def prepare(self, request: Any = None) -> None:
+        """Sent already: nothing to do."""
+
+    async def write(self, data: bytes) -> None:
+        """Refused: the answer was written whole."""
+        raise RuntimeError("the answer was already written whole")
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        """Ended already: nothing more to send (``data`` is refused)."""
+        if data:
+            raise RuntimeError("the answer was already written whole")
+
+
 class Request:
     """A client's request as the own leg parsed it (see
     :class:`~kvgate_agent.sidecar.edge.wire.ClientRequest`).
@@ -290,3 +328,13 @@ class Request:
     ) -> StreamOut:
         """The writer of this request's streamed answer (its head is sent by ``prepare``)."""
         return StreamOut(self._link, self, status, headers, content_length)
+
+    def respond(self, resp: web.Response) -> Answered:
+        """Write ``resp`` (finished) now, as the connection would once the handler returned it
+        (the same bytes, one write), so that what the handler does after it (an admitted
+        request's release) is off the client's latency; the handler answers with what this
+        returns. Raises ``ConnectionResetError`` when the client is gone."""
+        link = self._link
+        if link.lost:
+            raise ConnectionResetError("the client closed the connection")
+        return Answered(resp.status, resp.headers, link.answer(self, resp))

@@ -7,7 +7,8 @@ through ``httptools``) or aiohttp's web server (``--server-leg aiohttp``).
 :class:`~kvgate_agent.sidecar.edge.client_request.Request` and
 :class:`~kvgate_agent.sidecar.edge.client_request.StreamOut`. A handler answers with a finished
 ``web.Response`` (a plain holder of status, headers and body: the own leg writes it itself) or
-with the stream it opened with :func:`new_stream`.
+with the stream it opened with :func:`new_stream`; one that has more to do once the client has
+its finished answer (an admitted request's release) writes it first with :func:`answer_now`.
 """
 
 from __future__ import annotations
@@ -137,3 +138,17 @@ def new_stream(
     if content_length is not None:
         resp.content_length = content_length
     return resp
+
+
+def answer_now(request: ClientRequest, resp: web.Response) -> ResponseStream:
+    """Write ``resp`` (finished) to the client of ``request`` now, before the handler goes on
+    (an admitted request's release then costs the client nothing), and answer with what this
+    returns. On the own leg the bytes it would have written after the handler, written by the
+    request (:meth:`~kvgate_agent.sidecar.edge.client_request.Request.respond`; raises
+    ``ConnectionResetError`` when the client is gone); on aiohttp's leg ``resp`` itself, which
+    aiohttp writes once the handler returns, as before."""
+    respond = getattr(request, "respond", None)
+    if respond is None:
+        return resp
+    out: ResponseStream = respond(resp)
+    return out

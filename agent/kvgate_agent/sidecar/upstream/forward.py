@@ -6,9 +6,12 @@ pass-through for every other path (its allowlist); every forwarded body within t
 Invariant: an admitted request releases exactly what it reserved on every path (success,
 upstream error, timeout, client disconnect before or during the stream, cancellation): the
 release sits in one ``finally`` and is idempotent, so no slot leaks when a streaming client
-cancels (https://github.com/BerriAI/litellm/issues/27955). When the client goes away the upstream
-connection is closed at once, so the model server stops generating into a dead socket
-(https://github.com/BerriAI/litellm/issues/30244). At the drain deadline
+cancels (https://github.com/BerriAI/litellm/issues/27955). It comes after the client's answer
+was written: a stream's last write, or a finished answer written from the handler
+(:func:`~kvgate_agent.sidecar.edge.wire.answer_now`, on the own server leg; aiohttp's leg writes
+it once the handler returns), so the release is off the client's latency. When the client goes
+away the upstream connection is closed at once, so the model server stops generating into a dead
+socket (https://github.com/BerriAI/litellm/issues/30244). At the drain deadline
 (:meth:`Forwarder.end_all`), what is still running ends cleanly: a stream with a terminal error
 event, a request not yet answered with 503.
 """
@@ -32,6 +35,7 @@ from kvgate_agent.sidecar.edge import (
     ClientRequest,
     ResponseStream,
     admitted_request_headers,
+    answer_now,
     forward_headers,
     read_body,
 )
@@ -79,6 +83,17 @@ def _is_error_object(data: bytes) -> bool:
         return isinstance(json.loads(data).get("error"), dict)
     except (ValueError, AttributeError):
         return False
+
+
+def _written(request: ClientRequest, ex: Exchange, resp: web.Response) -> ResponseStream:
+    """``resp`` written to the client now (:func:`~kvgate_agent.sidecar.edge.wire.answer_now`),
+    before :meth:`Forwarder.admitted`'s ``finally`` releases ``ex``'s ticket; what the handler
+    answers with. Raises :class:`ClientGone` (then ``ex.out`` is ``resp``, to answer with)."""
+    ex.out = resp
+    try:
+        return answer_now(request, resp)
+    except ConnectionResetError as exc:
+        raise ClientGone() from exc
 
 
 class Forwarder:
@@ -247,7 +262,7 @@ class Forwarder:
             m.upstream.errors.labels("connect").inc()
             m.upstream.ok.value = False
             log.warning("upstream connect failed: %s", exc)
-            return responses.upstream_unreachable(ex.headers)
+            return _written(request, ex, responses.upstream_unreachable(ex.headers))
         m.upstream.ok.value = True
         out_headers = forward_headers(resp.headers)
         out_headers.update(ex.headers)
@@ -275,8 +290,11 @@ class Forwarder:
             # The client gets an OpenAI body instead: keep what the model server said here.
             log.warning("the model server answered %d: %r", resp.status, data[:300])
             kept = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
-            return responses.upstream_error_status(resp.status, {**kept, **ex.headers})
-        return web.Response(status=resp.status, body=data, headers=out_headers)
+            answer = responses.upstream_error_status(resp.status, {**kept, **ex.headers})
+            return _written(request, ex, answer)
+        return _written(
+            request, ex, web.Response(status=resp.status, body=data, headers=out_headers)
+        )
 
     async def _failed(
         self, ex: Exchange, exc: TimeoutError | UpstreamError | ClientError
