@@ -235,7 +235,7 @@ class ClientConnection(ClientTransport):
         if isinstance(resp, StreamOut | Answered):
             if not resp.ended:
                 return True  # cut short (the client went away, the model server failed)
-            return resp.close or not req.keep_alive or self._upgraded or self._config.draining()
+            return resp.close or self._closing(req)
         if isinstance(resp, web.Response):
             return self.answer(req, resp)
         raise TypeError(f"a handler answered {type(resp).__name__}")
@@ -244,10 +244,13 @@ class ClientConnection(ClientTransport):
         """Write ``resp`` (finished) in answer to ``req``, the request being served (by
         :meth:`_answer`, or by its handler: :meth:`Request.respond`); whether the connection
         must close after it (then its head says so)."""
-        close = not req.keep_alive or self._upgraded or self._config.draining()
-        close = close or resp.keep_alive is False or not req.content.is_eof()
+        close = self._closing(req) or resp.keep_alive is False or not req.content.is_eof()
         self.send(response_bytes(resp, req, close))
         return close
+
+    def _closing(self, req: Request) -> bool:
+        """Whether the connection closes after ``req``'s answer for its own reasons."""
+        return not req.keep_alive or self._upgraded or self._config.draining()
 
     def _fail(self, req: Request) -> None:
         """A handler failed: 500 with an OpenAI body if nothing was sent yet (a handler that
