@@ -161,8 +161,9 @@ class CertificateManager:
     def provisional(self) -> None:
         """In-memory certificates, not stored (a follower that found no Secret yet); replaced
         by :meth:`follow` once the leader stores some, or stored by :meth:`check` if this
-        replica leads first."""
-        self.certs, _ = plan(None, self.hosts, self.clock())
+        replica leads first. They have the configured lifetimes, as stored ones would: a
+        follower that comes to lead renews them on the configured schedule."""
+        self.certs, _ = plan(None, self.hosts, self.clock(), self.lifetimes)
         self.persistent = False
 
     def _load(self) -> WebhookCerts | None:

@@ -332,7 +332,10 @@ class FakeCertObjects:
 
 
 def manager(
-    objects: FakeCertObjects, clock: FakeUtcClock, namespace: str | None = "kvgate-system"
+    objects: FakeCertObjects,
+    clock: FakeUtcClock,
+    namespace: str | None = "kvgate-system",
+    lifetimes: Lifetimes = Lifetimes(),
 ) -> Any:
     return CertificateManager(
         objects,
@@ -342,6 +345,7 @@ def manager(
         hosts=HOSTS,
         clock=clock,
         sleep=lambda _: None,
+        lifetimes=lifetimes,
     )
 
 
@@ -541,6 +545,22 @@ def test_a_follower_serves_the_leaders_certificates_and_writes_nothing() -> None
     assert leader.check() == ["serving_rotated"]
     assert follower.follow() == ["adopted_stored"] and follower.certs == leader.certs
     assert objects.secret_writes == 2 and len(objects.patches) == 0  # all by the leader
+
+
+def test_a_follower_that_comes_to_lead_renews_its_provisional_certificates_on_schedule() -> None:
+    """A follower that found no Secret serves provisional certificates; they have the configured
+    lifetimes (not the defaults), so once it leads it rotates them when they are due."""
+    s = dt.timedelta(seconds=1)
+    lt = Lifetimes(ca=14 * s, ca_renew_before=8 * s, serving=8 * s, serving_renew_before=6 * s)
+    objects, clock = FakeCertObjects(), FakeUtcClock(T0)
+    m = manager(objects, clock, lifetimes=lt)
+    assert m.follow() == []
+    m.provisional()
+    assert m.certs.serving.remaining(T0) == 8 * s and m.certs.ca.remaining(T0) == 14 * s
+    assert m.check() == []  # comes to lead: stores them, nothing due yet
+    assert objects.secret_writes == 1
+    clock.now = T0 + 3 * s  # 5 s left on the serving certificate: due
+    assert "serving_rotated" in m.check()
 
 
 def test_a_follower_keeps_its_certificates_when_the_api_server_does_not_answer() -> None:
