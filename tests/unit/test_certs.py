@@ -19,6 +19,7 @@ from kubernetes.client.exceptions import ApiException
 from kvgate_bench.kit.toolkit import FakeUtcClock
 from kvgate_operator.cert_issue import (
     CA_RENEW_BEFORE,
+    DEFAULT_LIFETIMES,
     SERVING_RENEW_BEFORE,
     Lifetimes,
     WebhookCerts,
@@ -335,7 +336,7 @@ def manager(
     objects: FakeCertObjects,
     clock: FakeUtcClock,
     namespace: str | None = "kvgate-system",
-    lifetimes: Lifetimes = Lifetimes(),
+    lifetimes: Lifetimes = DEFAULT_LIFETIMES,
 ) -> Any:
     return CertificateManager(
         objects,
