@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvgate_bench.effectiveness.model.gate import REJECTED, SERVED, RequestRecord, RunResult
+from kvgate_bench.effectiveness.model.metrics import NOISY_TENANT
 from kvgate_bench.effectiveness.model.workloads import generate
 from kvgate_bench.real_engine import limit_trace, plan, profile_fit, resume
 from kvgate_bench.real_engine.calibration import Slo
@@ -211,3 +212,21 @@ def test_rows_carry_intervals_and_per_request_vectors() -> None:
     assert row["refused_share"] == pytest.approx(sum(1 for i in range(n) if i % 4 == 3) / n)
     assert row["queue_wait_p50_s"] in (0.0, 0.2)
     assert row["profile"] == "llama-server" and row["cached_prompt_tokens"] == 0
+
+
+def test_an_isolation_alone_cell_is_isolation_without_the_noisy_tenant() -> None:
+    """``isolation-alone``: the same seed's ``isolation`` schedule, the noisy tenant's requests
+    taken out, run by the engine ungated and kvgate only, its baselines from multi-tenant:2."""
+    assert plan.parse_cells("isolation-alone:3") == [("isolation-alone", 3.0)]
+    kw = {"min_duration_s": 20.0, "min_requests": 200, "max_model_len": 1024}
+    iso = plan.sized_schedule("isolation", 3.0, 0.5, 3, **kw)  # type: ignore[arg-type]
+    alone = plan.sized_schedule("isolation-alone", 3.0, 0.5, 3, **kw)  # type: ignore[arg-type]
+    quiet = [r.rid for r in iso.requests if r.tenant != NOISY_TENANT]
+    assert [r.rid for r in alone.requests] == quiet and len(quiet) < len(iso.requests)
+    assert alone.duration_s == iso.duration_s and plan.counted("isolation-alone", alone) >= 120
+    assert plan.arms_of("isolation-alone") == (plan.NONE, plan.KVGATE)
+    assert plan.arms_of("isolation") == plan.ARMS and plan.arms_of("multi-tenant") == plan.ARMS
+    assert sorted(plan.arm_order(1, plan.arms_of("isolation-alone"))) == ["kvgate", "none"]
+    assert plan.tuned_on("isolation-alone", 3.0) == ("multi-tenant", 2.0)
+    assert plan.required("isolation-alone") == plan.required("isolation") == 120
+    assert plan.base_workload("isolation-alone") == "isolation"

@@ -85,6 +85,16 @@ def test_verdict_names_the_seeds_and_evaluates_the_targets() -> None:
     wb = {"well_behaved_requests": 130, "well_behaved_met": 126, "noisy_served": 40,
           "workload": "isolation", "load": 3.0}  # fmt: skip
     _cell(doc, "isolation:3", 2, [_row("kvgate", 2, [5.0] * 130, **wb)])
+    alone = {"workload": "isolation-alone", "load": 3.0}
+    _cell(
+        doc,
+        "isolation-alone:3",
+        2,
+        [
+            _row("none", 2, [5.0] * 110 + [0.0] * 10, **alone),
+            _row("kvgate", 2, [5.0] * 117 + [0.0] * 3, **alone),
+        ],
+    )
     bad = _row("none", 4, n, cached_prompt_tokens=57)
     _cell(doc, "multi-tenant:2", 4, [bad, _row("kvgate", 4, [1.0, 0.0] * 100)])
     v = verdict.verdict(doc)
@@ -104,10 +114,18 @@ def test_verdict_names_the_seeds_and_evaluates_the_targets() -> None:
     assert t["isolation:3: kvgate well-behaved SLO met"]["met"]
     wilson_lo = t["isolation:3: kvgate well-behaved Wilson lower bound"]
     assert wilson_lo["value"] == pytest.approx(0.923, abs=1e-3) and wilson_lo["met"]
+    ref = t["isolation-alone:3: kvgate's SLO met with no noisy tenant (the well-behaved alone)"]
+    assert ref["status"] == "reference" and ref["met"] is None and ref["note"] == "117/120"
+    assert ref["value"] == pytest.approx(117 / 120) and ref["ci95"][0] < 117 / 120 < ref["ci95"][1]
+    none_alone = t[
+        "isolation-alone:3: none's SLO met with no noisy tenant (the well-behaved alone)"
+    ]
+    assert none_alone["value"] == pytest.approx(110 / 120)
     assert t["cells with cached prompt tokens (invalid)"]["value"] == 1
     lines = verdict_text.verdict_lines(v)
     assert lines[0].startswith("verdict: baselines tuned on seed 1, reported on seeds 2, 3, 4")
     assert any("INVALID" in x and "multi-tenant:2@4" in x for x in lines)
+    assert any(x.lstrip().startswith("reference") and "117/120" in x for x in lines)
     only2 = verdict.verdict(doc, [2])
     assert only2["report_seeds"] == [2]
     ratio = next(r for r in only2["ratios"] if r["ratio"] == "kvgate / none")

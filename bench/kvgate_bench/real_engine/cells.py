@@ -173,7 +173,7 @@ class Runner:
     ) -> ArmRun:
         """``arm`` at ``params`` on ``sched`` against a llama-server of its own."""
         a, c = self.args, self.doc["calibration"]
-        ctx = arm_context(workload, a, float(c["capacity_rps"]),
+        ctx = arm_context(plan.base_workload(workload), a, float(c["capacity_rps"]),
                           float(c["mean_total_tokens"]), slo_of(c), load)  # fmt: skip
         self.units += 1
         log = self.workdir / f"llama-{self.units}.log"
@@ -240,7 +240,7 @@ class Runner:
         slo = slo_of(self.doc["calibration"])
         print(f"{key} seed {seed}: {sched.rate_rps:.3f} req/s, {len(sched.requests)} requests "
               f"over {sched.duration_s:.0f} s", flush=True)  # fmt: skip
-        order = plan.arm_order(seed)
+        order = plan.arm_order(seed, plan.arms_of(workload))
         left = [a for a in order if resume.run_row(self.doc, key, seed, a) is None]
         unit_s = plan.unit_estimate_s(sched.duration_s, self.args.drain)
         elapsed = time.monotonic() - self.t0
@@ -269,9 +269,9 @@ class Runner:
     def close(self, workload: str, load: float, seed: int, sched: Schedule) -> None:
         """The cell's twin and comparison; the cell moved into the file's ``cells``."""
         key, c = plan.cell_key(workload, load), self.doc["calibration"]
-        rows = [resume.run_row(self.doc, key, seed, arm) for arm in plan.ARMS]
+        rows = [resume.run_row(self.doc, key, seed, arm) for arm in plan.arms_of(workload)]
         real = [r for r in rows if r is not None]
-        ctx = arm_context(workload, self.args, float(c["capacity_rps"]),
+        ctx = arm_context(plan.base_workload(workload), self.args, float(c["capacity_rps"]),
                           float(c["mean_total_tokens"]), slo_of(c), load)  # fmt: skip
         vrows = virtual_rows(
             sched, real, ctx, profile_of(c), slo_of(c), workload=workload, load=load,
@@ -281,7 +281,8 @@ class Runner:
         resume.close_cell(self.doc, {
             "cell": key, "workload": workload, "load": load, "seed": seed,
             "rate_rps": sched.rate_rps, "duration_s": sched.duration_s,
-            "requests": len(sched.requests), "arm_order": plan.arm_order(seed),
+            "requests": len(sched.requests),
+            "arm_order": plan.arm_order(seed, plan.arms_of(workload)),
             "tuned_on": plan.cell_key(*plan.tuned_on(workload, load)),
             "rows": real, "virtual": vrows, "comparison": comp,
         })  # fmt: skip

@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cells",
-        help=f"WORKLOAD:LOAD,... of multi-tenant and isolation (default {DEFAULT_CELLS})",
+        help=f"WORKLOAD:LOAD,... of multi-tenant, isolation and isolation-alone (isolation's "
+        f"well-behaved tenants alone, through none and kvgate; default {DEFAULT_CELLS})",
     )
     p.add_argument("--resume", type=Path, help="JSON of finished cells: read, skipped, appended")
     p.add_argument(

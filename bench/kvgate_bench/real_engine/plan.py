@@ -2,7 +2,14 @@
 
 * **Cells** (:func:`parse_cells`): ``WORKLOAD:LOAD`` items, ``multi-tenant`` or
   ``isolation`` (its load is the noisy tenant's, x the calibrated capacity; the total offered
-  is :func:`kvgate_bench.effectiveness.model.workloads.isolation_load`).
+  is :func:`kvgate_bench.effectiveness.model.workloads.isolation_load`), or
+  ``isolation-alone``: the same seed's ``isolation`` schedule with the noisy tenant's requests
+  taken out, run through :data:`ALONE_ARMS` only. It is the reference the isolation target
+  is read against: what the well-behaved tenants get on this engine with no noisy tenant at
+  all (performance isolation as "attainment when sharing against attainment alone": Verma et
+  al., "Large-scale cluster management at Google with Borg", EuroSys 2015,
+  https://research.google/pubs/pub43438/, measure a workload's slowdown against running
+  alone the same way).
 * **Arms** (:data:`ARMS`) run in turn on a cell's schedule, on a freshly started llama-server
   each; the order is rotated per seed (:func:`arm_order`: seed s starts at index
   s mod len(ARMS)), so no arm always runs first or last.
@@ -26,6 +33,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,10 +54,14 @@ NONE, CAP, BUCKET, KVGATE, KVGATE_EMPTY = (
 )
 #: The arms of a cell, before the per-seed rotation.
 ARMS: tuple[str, ...] = (NONE, CAP, BUCKET, KVGATE, KVGATE_EMPTY)
+#: ``isolation`` with the noisy tenant's requests taken out (module docstring).
+ALONE = "isolation-alone"
+#: The arms of an ``isolation-alone`` cell: the engine ungated and kvgate.
+ALONE_ARMS: tuple[str, ...] = (NONE, KVGATE)
 #: The baselines (swept on the tune seed).
 BASELINES: tuple[str, ...] = (CAP, BUCKET)
 #: Workloads a cell may name.
-WORKLOADS: tuple[str, ...] = ("multi-tenant", "isolation")
+WORKLOADS: tuple[str, ...] = ("multi-tenant", "isolation", ALONE)
 #: Requests per arm per cell by default (isolation: this x 0.6 well-behaved ones).
 MIN_REQUESTS = 200
 #: Seconds an arm's run costs beyond its schedule and drain: llama-server's restart, the
@@ -101,6 +113,18 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def arms_of(workload: str) -> tuple[str, ...]:
+    """The arms a cell of ``workload`` runs: :data:`ALONE_ARMS` for ``isolation-alone``,
+    else :data:`ARMS`."""
+    return ALONE_ARMS if workload == ALONE else ARMS
+
+
+def base_workload(workload: str) -> str:
+    """The workload whose schedule and tenants a cell of ``workload`` uses: ``isolation``
+    for ``isolation-alone``, else ``workload``."""
+    return "isolation" if workload == ALONE else workload
+
+
 def arm_order(seed: int, arms: tuple[str, ...] = ARMS) -> list[str]:
     """``arms`` rotated to start at index ``seed mod len(arms)``."""
     k = seed % len(arms)
@@ -110,12 +134,13 @@ def arm_order(seed: int, arms: tuple[str, ...] = ARMS) -> list[str]:
 def total_load(workload: str, load: float) -> float:
     """The load offered in all (x capacity): ``isolation``'s noisy load plus its well-behaved
     tenants' 0.6, else ``load``."""
-    return isolation_load(load) if workload == "isolation" else load
+    return isolation_load(load) if base_workload(workload) == "isolation" else load
 
 
 def needed(workload: str, min_requests: int) -> int:
-    """Requests (``isolation``: well-behaved requests) a cell's schedule must hold."""
-    return round(0.6 * min_requests) if workload == "isolation" else min_requests
+    """Requests (``isolation``: well-behaved requests; ``isolation-alone`` holds no others) a
+    cell's schedule must hold."""
+    return round(0.6 * min_requests) if base_workload(workload) == "isolation" else min_requests
 
 
 def required(workload: str) -> int:
@@ -135,7 +160,7 @@ def row_requests(row: Mapping[str, Any]) -> int:
 
 def counted(workload: str, sched: Schedule) -> int:
     """The requests :func:`needed` counts in ``sched``."""
-    if workload == "isolation":
+    if base_workload(workload) == "isolation":
         return sum(1 for r in sched.requests if r.tenant != NOISY_TENANT)
     return len(sched.requests)
 
@@ -151,7 +176,15 @@ def sized_schedule(
     max_model_len: int,
 ) -> Schedule:
     """The cell's seeded schedule at ``total_load x capacity_rps`` requests/s, sized as the
-    module docstring says. Raises ``ValueError`` for a capacity <= 0."""
+    module docstring says (``isolation-alone``: ``isolation``'s, the noisy tenant's requests
+    taken out). Raises ``ValueError`` for a capacity <= 0."""
+    if workload == ALONE:
+        sched = sized_schedule(
+            "isolation", load, capacity_rps, seed, min_duration_s=min_duration_s,
+            min_requests=min_requests, max_model_len=max_model_len,
+        )  # fmt: skip
+        quiet = [r for r in sched.requests if r.tenant != NOISY_TENANT]
+        return dataclasses.replace(sched, requests=quiet)
     if capacity_rps <= 0:
         raise ValueError("the capacity must be > 0")
     rate = total_load(workload, load) * capacity_rps
@@ -175,7 +208,7 @@ def tuned_on(workload: str, load: float) -> tuple[str, float]:
     """The cell whose sweep sets ``workload`` at ``load``'s baselines (module docstring)."""
     if workload == "multi-tenant" and load >= 2.0:
         return (workload, load)
-    return ("multi-tenant", 2.0)
+    return ("multi-tenant", 2.0)  # isolation and isolation-alone included
 
 
 def sweeps(short: bool, parallel: int, ttft_slo_s: float) -> dict[str, list[dict[str, Any]]]:

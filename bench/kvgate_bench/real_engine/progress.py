@@ -111,7 +111,8 @@ def work_left(
             if (key, seed) in finished:
                 continue
             missing.append(f"{key}@{seed}")
-            n = sum(1 for a in plan.ARMS if resume.run_row(doc, key, seed, a) is None)
+            arms = plan.arms_of(w)
+            n = sum(1 for a in arms if resume.run_row(doc, key, seed, a) is None)
             est = _sized(doc, config, w, load, seed) if n else 0.0
             units += n
             secs += n * (est or 0.0)

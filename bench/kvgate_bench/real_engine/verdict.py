@@ -27,6 +27,10 @@ when the point estimate reaches the goal (``ci95`` says how sure), ``MISSED``, `
   ``not measured (N completions)`` when no run has one, else left out and named;
 * every row carries the issue's fields, and no real row had a cached prompt token.
 
+An ``isolation-alone`` cell adds no target: its arms' SLO attainment (status ``reference``,
+``met`` None, Wilson's interval, ``met/requests`` as its note) is what the well-behaved tenants
+get with no noisy tenant, the ceiling the isolation target reads against.
+
 A cell whose real rows counted a cached prompt token is *invalid*: listed, and left out of the
 ratios and targets. The printed form: :mod:`kvgate_bench.real_engine.verdict_text`.
 """
@@ -39,6 +43,8 @@ from typing import Any
 from kvgate_bench.real_engine.agreement import compare_cell
 from kvgate_bench.real_engine.limit_trace import COLD_START_COMPLETIONS
 from kvgate_bench.real_engine.plan import (
+    ALONE,
+    ALONE_ARMS,
     BUCKET,
     CAP,
     KVGATE,
@@ -199,6 +205,27 @@ def _isolation(cell: str, by_seed: Mapping[int, Mapping[str, Any]]) -> list[dict
     ]  # fmt: skip
 
 
+def _alone(cell: str, by_seed: Mapping[int, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The ``isolation-alone`` reference (no target of its own, status ``reference``): each
+    arm's SLO attainment over the cell's seeds, with Wilson's 95 % interval; every request of
+    such a cell is a well-behaved tenant's, so it reads against the isolation target."""
+    out: list[dict[str, Any]] = []
+    for arm in ALONE_ARMS:
+        rows = [r[arm] for r in by_seed.values() if arm in r]
+        n = sum(int(r.get("requests") or 0) for r in rows)
+        met = sum(round(float(r.get("slo_attainment") or 0.0) * int(r.get("requests") or 0))
+                  for r in rows)  # fmt: skip
+        if not n:
+            continue
+        bounds = wilson(met, n)
+        t = _target(f"{cell}: {arm}'s SLO met with no noisy tenant (the well-behaved alone)",
+                    met / n, 0.95, met / n >= 0.95, list(bounds) if bounds else None,
+                    cell=cell)  # fmt: skip
+        t.update(status="reference", met=None, note=f"{met}/{n}")
+        out.append(t)
+    return out
+
+
 def completions(row: Mapping[str, Any]) -> int:
     """Requests of ``row`` that finished served: its ``completions``, else (a row written before
     it was recorded) the requests with served tokens."""
@@ -274,6 +301,8 @@ def _targets(doc: Mapping[str, Any], seeds: Sequence[int]) -> list[dict[str, Any
             out.append(_ratio_target(rs, cell, "kvgate / none (throughput)", 0.97))
         if workload == "isolation" and load == 3.0:
             out += _isolation(cell, by_seed)
+        if workload == ALONE:
+            out += _alone(cell, by_seed)
     out.append(fields_target(doc))
     bad = invalid_cells(doc)
     out.append(_target("cells with cached prompt tokens (invalid)", len(bad), "== 0", not bad))

@@ -17,7 +17,13 @@ from kvgate_bench.real_engine import progress
 from kvgate_bench.real_engine.plan import MIN_REQUESTS, required
 
 #: The mark printed before a target, by status.
-MARKS = {"met": "met", "MISSED": "MISSED", "indicative": "indicative", "not measured": "-"}
+MARKS = {
+    "met": "met",
+    "MISSED": "MISSED",
+    "indicative": "indicative",
+    "not measured": "-",
+    "reference": "reference",
+}
 
 
 def _v(x: Any) -> str:
@@ -58,7 +64,7 @@ def _target_line(t: Mapping[str, Any]) -> str:
     value = t["note"] if status == "not measured" else f"{_v(t['value'])}{_ci(t['ci95'])}"
     # A met or missed target's note: the runs it left out (an indicative one's is its cell's
     # size, printed with the cells; a not measured one's is its value).
-    tail = f"; {t['note']}" if t.get("note") and status in ("met", "MISSED") else ""
+    tail = f"; {t['note']}" if t.get("note") and status in ("met", "MISSED", "reference") else ""
     return f"  {MARKS[status]:<10} {t['target']}: {value} (goal {t['goal']}{tail})"
 
 
