@@ -9,7 +9,8 @@ Inside: :mod:`.bucket` (token buckets), :mod:`.rate_limits` (the rate limits' bu
 :mod:`.limits` (what is counted and reserved), :mod:`.fairqueue` (the fair queue, a
 sub-package by role: ``share``, the tenants' fair-share counters; ``order``, who waits in which
 order; ``reserve``, the fair reserve and ``what_blocks``, the one check; ``waitqueue``, the wait
-queue), :mod:`.holds` (stops on all admission), :mod:`.live` (tokens streamed, the engine's
+queue; ``pool``, :class:`PoolShare`, the pool's view of the same tenants' service on other
+replicas), :mod:`.holds` (stops on all admission), :mod:`.live` (tokens streamed, the engine's
 reports), :mod:`.retry` (Retry-After), :mod:`.waiting` (queueing, expiring and pumping the wait
 queue), :mod:`.overload` (Degrade, Queue, Reject), :mod:`.controller` (composes them),
 :mod:`.async_admission` (the asyncio side).
@@ -27,6 +28,7 @@ from kvgate_agent.admission.decision import (
     Ticket,
     Waiter,
 )
+from kvgate_agent.admission.fairqueue import PoolShare
 from kvgate_agent.admission.holds import Hold
 from kvgate_agent.admission.limits import round_up
 from kvgate_agent.admission.retry import retry_after_seconds
@@ -42,6 +44,7 @@ __all__ = [
     "Decision",
     "Hold",
     "Outcome",
+    "PoolShare",
     "Reason",
     "ResolvedLimit",
     "TenantStats",

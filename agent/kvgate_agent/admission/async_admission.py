@@ -21,6 +21,7 @@ from collections.abc import Callable
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.controller import AdmissionController
 from kvgate_agent.admission.decision import AdmissionRequest, Decision, Reason, Ticket
+from kvgate_agent.admission.fairqueue import PoolShare
 from kvgate_agent.admission.lease import LeaseBook
 from kvgate_agent.admission.stats import AdmissionStats, TenantStats
 from kvgate_agent.contract.policy import FailureMode
@@ -196,6 +197,17 @@ class AsyncAdmission:
         live = self.core.live
         live.observe_engine_kv(kv_used_tokens)
         live.observe_engine_waiting(waiting, running)
+        self._wake()
+
+    def attach_pool(self, pool: PoolShare) -> None:
+        """Decide with the pool's view of the tenants' service on other replicas from now on
+        (:meth:`AdmissionController.attach_pool`; the store's share exchange keeps it)."""
+        self.core.attach_pool(pool)
+
+    def pool_synced(self, remote: dict[str, float]) -> None:
+        """The pool's sums were read (:meth:`AdmissionController.pool_synced`): who is over its
+        pool-wide share may have changed, so waiters may fit now."""
+        self.core.pool_synced(remote)
         self._wake()
 
     def slices_granted(self) -> None:

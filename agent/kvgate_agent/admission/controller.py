@@ -30,7 +30,7 @@ from kvgate_agent.admission.decision import (
     Ticket,
     Waiter,
 )
-from kvgate_agent.admission.fairqueue import WaitQueue, what_blocks
+from kvgate_agent.admission.fairqueue import PoolShare, WaitQueue, what_blocks
 from kvgate_agent.admission.holds import Hold, Holds
 from kvgate_agent.admission.limits import Limits, expect_prefix, settle_prefix
 from kvgate_agent.admission.live import LiveCorrection
@@ -171,6 +171,18 @@ class AdmissionController:
         :class:`~kvgate_agent.admission.lease.LeaseBook`), from now on and across
         :meth:`reconfigure`."""
         self._limits.rates.attach_store(self.clock())
+
+    def attach_pool(self, pool: PoolShare) -> None:
+        """Decide with the pool's view of the tenants' service on other replicas from now on
+        (:class:`~kvgate_agent.admission.fairqueue.PoolShare`: the order and the fair reserve
+        read it); the caller keeps it synced (:meth:`pool_synced`)."""
+        self._limits.fair.pool = pool
+
+    def pool_synced(self, remote: dict[str, float]) -> None:
+        """The pool's sums were read: add ``remote`` (weighted units per tenant got on other
+        replicas, from :meth:`PoolShare.update`) to the counters here. Waiters are re-examined
+        on the next :attr:`pump`."""
+        self._limits.fair.pool_synced(remote)
 
     def shared_maps(self) -> list[tuple[str, str, BucketMap]]:
         """(limit, unit, bucket map) of the limits held as fleet-wide slices."""

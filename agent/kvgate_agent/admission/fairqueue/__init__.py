@@ -1,6 +1,6 @@
 """The fair queue of one pod: who waits, in which order, and what a tenant may take.
 
-Four roles, one module each:
+Five roles, one module each:
 
 - :mod:`.share`: the fair share between tenants, the virtual token counters of VTC
   (:class:`FairShare`, held by :class:`~kvgate_agent.admission.limits.Limits` as ``fair``).
@@ -8,6 +8,8 @@ Four roles, one module each:
   counters, then each tenant's own order (``FairOrder``).
 - :mod:`.reserve`: the fair reserve kept from a tenant above its share, and
   :func:`what_blocks`, the one check every admission passes through.
+- :mod:`.pool`: the pool's view of the same tenants' service on other replicas
+  (:class:`PoolShare`, the exchange of service counters; attached to a pod's fair share).
 - :mod:`.waitqueue`: the wait queue (:class:`WaitQueue`): the waiters' deadlines, the pass
   that admits those that fit in the fair order, the decisions collected.
 
@@ -22,8 +24,9 @@ limits: the face would import back into them).
 
 from __future__ import annotations
 
+from kvgate_agent.admission.fairqueue.pool import PoolShare
 from kvgate_agent.admission.fairqueue.reserve import PREFILL_SHARE, what_blocks
 from kvgate_agent.admission.fairqueue.share import FairShare
 from kvgate_agent.admission.fairqueue.waitqueue import MAX_SKIPS, WaitQueue
 
-__all__ = ["MAX_SKIPS", "PREFILL_SHARE", "FairShare", "WaitQueue", "what_blocks"]
+__all__ = ["MAX_SKIPS", "PREFILL_SHARE", "FairShare", "PoolShare", "WaitQueue", "what_blocks"]

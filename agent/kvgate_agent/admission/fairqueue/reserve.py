@@ -10,6 +10,13 @@ tenants' weights, from :mod:`.share`'s accounts), and while the engine's prefill
 alone, or holding nothing, is never held back: the server stays work-conserving for whoever is
 there.
 
+**The pool's reserve.** With the pool's view attached (:mod:`.pool`, the exchange of service
+counters between replicas), the last :attr:`~.pool.PoolShare.reserve` of the concurrency limit
+and of the KV capacity are also kept from a tenant over its *pool-wide* share, alone here or
+not: behind a router that pins tenants to home replicas, the room is left for the requests of
+tenants under their share that spill here. Not work-conserving on its own pod, by design; off
+(nothing held) while the pool's figures are stale (:attr:`~.pool.PoolShare.stale_s`).
+
 **The check.** :func:`what_blocks` asks, in this order: the concurrency limit, its reserve, the
 KV capacity, its reserve, then the rate limits' buckets (:mod:`.rate_limits`); the first that
 stops the request is its :class:`~kvgate_agent.admission.decision.Blocker`. The controller, the
@@ -70,6 +77,18 @@ def slot_held_back(fair: FairShare, tenant: str, weight: float, in_flight: int, 
     return (a.in_flight + 1) * fair.active_weight > HOG * slots * weight
 
 
+def pool_held_back(fair: FairShare, tenant: str, used: float, capacity: float, now: float) -> bool:
+    """Whether a request of ``tenant`` bringing the pod's use of a limit to ``used`` (of
+    ``capacity``: requests in flight, or KV tokens) must leave the pool's reserve to others:
+    ``tenant`` is over its pool-wide share (:meth:`.pool.PoolShare.over_share`) and ``used``
+    reaches into the last :attr:`~.pool.PoolShare.reserve` of ``capacity``. False without the
+    pool's view. O(1)."""
+    pool = fair.pool
+    if pool is None or used <= capacity * (1.0 - pool.reserve):
+        return False
+    return pool.over_share(tenant, now)
+
+
 def what_blocks(
     limits: Limits,
     req: AdmissionRequest,
@@ -96,6 +115,8 @@ def what_blocks(
             return Blocker(Reason.CONCURRENCY, "concurrency")
         if slot_held_back(limits.fair, req.tenant, req.weight, limits.in_flight, limit):
             return Blocker(Reason.CONCURRENCY, "concurrency", True)
+        if pool_held_back(limits.fair, req.tenant, limits.in_flight + 1, limit, now):
+            return Blocker(Reason.CONCURRENCY, "concurrency", True)
     cfg = limits.config
     cap = cfg.kv_capacity_tokens
     if cap is not None:
@@ -105,6 +126,8 @@ def what_blocks(
         if used > cap:
             return Blocker(Reason.KV_CAPACITY, "kv")
         if kv_held_back(limits.fair, req.tenant, req.weight, kv, used, cap):
+            return Blocker(Reason.KV_CAPACITY, "kv", True)
+        if pool_held_back(limits.fair, req.tenant, used, cap, now):
             return Blocker(Reason.KV_CAPACITY, "kv", True)
     if not with_buckets:
         return None

@@ -54,6 +54,7 @@ from __future__ import annotations
 import heapq
 
 from kvgate_agent.admission.decision import Ticket
+from kvgate_agent.admission.fairqueue.pool import PoolShare
 from kvgate_agent.admission.prefill import PrefillBacklog
 
 #: Weight of each admission in :attr:`FairShare.mean_charge`.
@@ -117,6 +118,7 @@ class FairShare:
         "max_tenants",
         "mean_charge",
         "output_weight",
+        "pool",
         "prefill",
         "prompt_weight",
     )
@@ -141,6 +143,9 @@ class FairShare:
         self.congested = False
         #: The prompt tokens admitted and not yet prefilled (charged here at every admission).
         self.prefill = PrefillBacklog()
+        #: The pool's view of the same tenants' service on other replicas (:mod:`.pool`):
+        #: None (the default) for a pod on its own.
+        self.pool: PoolShare | None = None
 
     def retune(self, prompt_weight: float, output_weight: float) -> None:
         """New token weights for charges from now on (what is charged stays)."""
@@ -252,7 +257,7 @@ class FairShare:
         a.in_flight += 1
         a.kv_tokens += ticket.kv_tokens
         self.prefill.admitted(ticket)
-        self._charge(a, raw, ticket.weight)
+        self._charge(ticket.tenant, a, raw, ticket.weight)
         self.mean_charge += MEAN_ALPHA * (raw - self.mean_charge)
 
     def observe_output(self, ticket: Ticket, generated: int) -> None:
@@ -269,7 +274,7 @@ class FairShare:
         raw = self.output_weight * extra
         ticket.fair_output = generated
         ticket.fair_charged += raw
-        self._charge(a, raw, ticket.weight)
+        self._charge(ticket.tenant, a, raw, ticket.weight)
 
     def settle(self, ticket: Ticket, prompt_tokens: int, completion_tokens: int) -> None:
         """``ticket``'s request ended having used ``prompt_tokens`` (uncached: the engine's
@@ -289,14 +294,14 @@ class FairShare:
         delta = used - ticket.fair_charged
         ticket.fair_charged = used
         if delta > 0:
-            self._charge(a, delta, ticket.weight)
+            self._charge(ticket.tenant, a, delta, ticket.weight)
         else:
             a.credit += -delta / ticket.weight
             a.attained += delta
         if not a.queued and not a.in_flight:
             self._prune()
 
-    def _charge(self, a: Account, raw: float, weight: float) -> None:
+    def _charge(self, tenant: str, a: Account, raw: float, weight: float) -> None:
         a.attained += raw
         units = raw / weight
         if a.credit:
@@ -304,7 +309,20 @@ class FairShare:
             a.credit -= paid
             units -= paid
         a.counter += units
+        if self.pool is not None and units > 0:
+            self.pool.charged(tenant, units, units * weight)
         # (A backlogged tenant's entry in the floor heap is now stale: fixed when on top.)
+
+    def pool_synced(self, remote: dict[str, float]) -> None:
+        """Add the weighted service each tenant got on the other replicas since the last read
+        (:meth:`.pool.PoolShare.update`, units) to its counter here, for the tenants kept: the
+        order among this pod's waiters is then the pool's (counters only grow; stale heap
+        entries are fixed when they reach the top). O(tenants in ``remote``)."""
+        accounts = self._accounts
+        for tenant, units in remote.items():
+            a = accounts.get(tenant)
+            if a is not None:
+                a.counter += units
 
     # ------------------------------------------------------------------ memory
 
