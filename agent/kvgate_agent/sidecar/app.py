@@ -32,7 +32,7 @@ from kvgate_agent.sidecar.pipeline import RequestPipeline
 from kvgate_agent.sidecar.policy_control import PolicyControl
 from kvgate_agent.sidecar.reading import GENERATION_PATHS, Passthrough, PromptCounter
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
-from kvgate_agent.sidecar.store import StoreLink, register_metrics
+from kvgate_agent.sidecar.store import ShareExchange, StoreLink, register_metrics
 from kvgate_agent.sidecar.upstream import Forwarder, ModelServer
 
 
@@ -126,6 +126,13 @@ class Sidecar:
             store = self.store = StoreLink(settings.store, self.admission, self.policy.name, clock)
             self.policy.attach_store(lambda: store.book.state.value)  # x-kvgate-thresholds
         register_metrics(self.metrics.registry, self.admission, self.store)
+        #: The exchange of the tenants' service counters through the store, for fair shares
+        #: across the pool (None unless ``--share-sync``).
+        self.shares: ShareExchange | None = None
+        if settings.store is not None and settings.store.share_sync > 0:
+            self.shares = ShareExchange(
+                settings.store, self.admission, self.policy.name, settings.store.share_sync, clock
+            )
         #: A request's path: one object per room it passes through, admission, the metrics.
         prompts = PromptReads(self.engine, self.counter, self.engine_tokens)
         self.pipeline = RequestPipeline(
@@ -238,10 +245,14 @@ class Sidecar:
             await self.agent_link.start()
         if self.store is not None:
             await self.store.start()
+        if self.shares is not None:
+            await self.shares.start()
         self.stall.start()
 
     async def _on_cleanup(self, app: web.Application | None) -> None:
         await self.stall.stop()
+        if self.shares is not None:
+            await self.shares.stop()
         if self.store is not None:
             await self.store.stop()  # hands the leases back
         if self.agent_link is not None:

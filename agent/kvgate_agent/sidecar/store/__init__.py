@@ -1,5 +1,6 @@
 """The store of ``shared`` limits: the Redis link holding one token bucket per key
-(``buckets``) and where it lives (``settings``).
+(``buckets``), the exchange of the tenants' service counters between sidecars (``exchange``)
+and where the store lives (``settings``).
 
 Other rooms import what they use from here (``__all__``); modules of this room import
 each other directly.
@@ -8,6 +9,7 @@ each other directly.
 from __future__ import annotations
 
 from kvgate_agent.sidecar.store.buckets import StoreLink, register_metrics
+from kvgate_agent.sidecar.store.exchange import ShareExchange
 from kvgate_agent.sidecar.store.settings import StoreSettings
 
-__all__ = ["StoreLink", "StoreSettings", "register_metrics"]
+__all__ = ["ShareExchange", "StoreLink", "StoreSettings", "register_metrics"]

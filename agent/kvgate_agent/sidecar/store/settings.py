@@ -7,11 +7,12 @@ once, with its docstring under it; a field that is also a flag carries
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 
 from kvgate_agent.args import flag, positive
 
-__all__ = ["StoreSettings", "store_url"]
+__all__ = ["StoreSettings", "non_negative", "store_url"]
 
 
 def store_url(value: str) -> str:
@@ -19,6 +20,17 @@ def store_url(value: str) -> str:
     if not value.startswith(("redis://", "rediss://")):
         raise argparse.ArgumentTypeError(f"expected a redis:// or rediss:// URL, got {value!r}")
     return value
+
+
+def non_negative(value: str) -> float:
+    """An argparse type: a finite number >= 0 (seconds)."""
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not 0 <= v < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
+    return v
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +71,18 @@ class StoreSettings:
         ),
     )
     """Seconds any one command (and connecting) may take."""
+
+    share_sync: float = field(
+        default=0.0,
+        metadata=flag(
+            "seconds between exchanges of the tenants' service counters with the other "
+            "sidecars through the store, for fair shares across the pool (0.5 recommended); "
+            "0: off, each pod's fair queue sees its own pod only",
+            parse=non_negative,
+        ),
+    )
+    """The share exchange's sync period, seconds (:mod:`kvgate_agent.sidecar.store.exchange`);
+    0: off (the default)."""
 
     member: str = ""
     """This sidecar's name among its peers (pod name, or host and pid)."""
