@@ -7,7 +7,8 @@ Usage::
         [--jobs J] [--arms A,...] [--replays K] [--noisy-load K,...] [--progress]
     python -m kvgate_bench.effectiveness --replicas N[,N...] [--routers random,least-request,epp]
         [--arms none,concurrency-cap,kvgate,flow-control] [--loads ...] [--seeds N] [--json F]
-        (``--routers`` also takes ``epp-affinity``, ``--arms`` ``dynamo-drr``: run when named)
+        (``--routers`` also takes ``epp-affinity``, ``--arms`` ``dynamo-drr`` and
+        ``kvgate-exchange``: run when named)
 
 Calibrates the ``none`` arm's goodput capacity per workload, runs every arm setting on the same
 seeded schedules, prints per workload and load each arm's best setting with its figures and

@@ -12,7 +12,10 @@ of :mod:`kvgate_bench.effectiveness.runner`; every pod is the profile's engine):
 * run only when named (``--arms``): ``dynamo-drr`` per pod (NVIDIA Dynamo's policy-class
   queues in front of each replica, each with its own state: :mod:`..arms.dynamo_drr`), tuned
   over its sweep with the classes the workload's users would give it (``tier``: the declared
-  classes, ``premium`` and ``regular`` on ``tiers``, with their weights).
+  classes, ``premium`` and ``regular`` on ``tiers``, with their weights);
+* run only when named: ``kvgate-exchange``, ``kvgate`` with the replicas' exchange of service
+  counters on (pool-wide fair shares, one shared in-memory exchange per run:
+  :mod:`.exchange`).
 
 ``epp-affinity`` (run only when named) is ``epp`` with each tenant pinned to a home replica
 (:mod:`kvgate_bench.effectiveness.pool.routers`); flow control stands in front of it too.
@@ -41,6 +44,7 @@ from kvgate_bench.effectiveness.model.gate import Arm, Gate
 from kvgate_bench.effectiveness.model.metrics import summarize
 from kvgate_bench.effectiveness.model.workloads import generate
 from kvgate_bench.effectiveness.pool.driver import FrontGate, Replica, simulate_pool
+from kvgate_bench.effectiveness.pool.exchange import EXCHANGE_ARM, KvgateExchangeArm, MemoryExchange
 from kvgate_bench.effectiveness.pool.routers import (
     ALL_ROUTERS,
     EPP_ROUTERS,
@@ -52,7 +56,7 @@ from kvgate_bench.effectiveness.runner import run_parallel
 #: The arms of a pool run by default, in report order (names are an interface: JSON ``arm``).
 POOL_ARMS: tuple[str, ...] = ("none", "concurrency-cap", "kvgate", "flow-control")
 #: Pool arms run only when named (``--arms``).
-POOL_EXTRA_ARMS: tuple[str, ...] = ("dynamo-drr",)
+POOL_EXTRA_ARMS: tuple[str, ...] = ("dynamo-drr", EXCHANGE_ARM)
 #: Every pool arm, in report order.
 ALL_POOL_ARMS: tuple[str, ...] = POOL_ARMS + POOL_EXTRA_ARMS
 #: The concurrency cap's settings swept per pod (``--short``: fewer).
@@ -154,7 +158,11 @@ def run_pool_task(task: PoolTask) -> dict[str, Any]:
     router = make_router(task.router, task.seed, ctx.engine.block_size, kvgate_gauges)
     retry = RetryPolicy(max_interval_s=task.retry_after_cap_s) if router.retries else None
 
+    exchange = MemoryExchange()
+
     def arm_of(i: int) -> Arm:
+        if per_pod == EXCHANGE_ARM:  # the replicas share one exchange
+            return KvgateExchangeArm(ctx, exchange, params)
         return make_arm(per_pod, ctx, {} if front is not None else params)
 
     run, stats = simulate_pool(sched, arm_of, router, steptime, n, front=front, retry=retry)
