@@ -27,10 +27,12 @@ llama-server is pinned to the last CPU, this process and the sidecar to the othe
 3. **Reports** (:mod:`kvgate_bench.real_engine.verdict`): the ratios between arms with
    bootstrap 95 % intervals per seed and pooled, the issue's targets, the twin's agreement.
    ``--report FILE`` prints it from a resume file without running anything, with what is
-   left to run (:mod:`kvgate_bench.real_engine.progress`); ``--seeds`` chooses the report
-   seeds among those the file has (default every seed but the tune seed), ``--cells`` the
-   cells. A cell under the issue's size (200 requests an arm, isolation 120 well-behaved) or
-   a ``--short`` run is labelled "not a verdict", its targets "indicative".
+   left to run (:mod:`kvgate_bench.real_engine.progress`) and the twin recomputed on today's
+   fit, at the calibrated speed and at each arm's (:mod:`kvgate_bench.real_engine.twin`);
+   ``--seeds`` chooses the report seeds among those the file has (default every seed but the
+   tune seed), ``--cells`` the cells. A cell under the issue's size (200 requests an arm,
+   isolation 120 well-behaved) or a ``--short`` run is labelled "not a verdict", its targets
+   "indicative".
 
 ``--short`` is a plumbing run, not a verdict (one cell, ``multi-tenant:2``, of 20 requests an
 arm, one report seed, a smaller sweep: about 12 minutes on 2 cores). ``--json FILE`` writes
@@ -60,6 +62,7 @@ from kvgate_bench.real_engine.plan import cell_key
 from kvgate_bench.real_engine.progress import left_text, planned, work_left
 from kvgate_bench.real_engine.prompts import MODELS, corpus
 from kvgate_bench.real_engine.report import report_json
+from kvgate_bench.real_engine.twin import recompute
 from kvgate_bench.real_engine.verdict import verdict
 from kvgate_bench.real_engine.verdict_text import verdict_lines
 from kvgate_bench.sim.profile_file import write_profile
@@ -98,6 +101,7 @@ def _report(args: argparse.Namespace) -> int:
         resume.validate(doc)
         cells = [cell_key(w, load) for w, load in args.cell_list] if args.cells else None
         v = verdict(doc, args.seed_list if args.seeds else None, cells)
+        v["twin"] = recompute(doc, v["report_seeds"], cells)
         plan_of = planned(doc, args.cell_list if args.cells else None,
                           args.seed_list if args.seeds else None)  # fmt: skip
         v["left"] = work_left(doc, *plan_of, doc["config"])

@@ -114,7 +114,8 @@ def _fmt(x: Any) -> str:
 
 def compare(real: Mapping[str, Any], virt: Mapping[str, Any]) -> dict[str, Any]:
     """One comparison row of a real row and its twin: both goodputs, attainments and medians,
-    ``agrees``, ``interval_rule`` and ``rule`` (which rule applied, module docstring) and,
+    ``agrees`` (and its halves, ``goodput_agrees`` and ``attainment_agrees``),
+    ``interval_rule`` and ``rule`` (which rule applied, module docstring) and,
     where it does not agree, ``disagreement`` (:func:`diagnose`, or the two figures when every
     median agrees)."""
     g_ok, a_ok = goodput_agrees(real, virt), attainment_agrees(real, virt)
@@ -131,6 +132,8 @@ def compare(real: Mapping[str, Any], virt: Mapping[str, Any]) -> dict[str, Any]:
         "real_attainment": _share(attainment(real)),
         "virtual_attainment": _share(attainment(virt)),
         "agrees": g_ok and a_ok,
+        "goodput_agrees": g_ok,
+        "attainment_agrees": a_ok,
         "interval_rule": sized,
         "rule": "15 % or the real row's 95 % interval"
         if sized

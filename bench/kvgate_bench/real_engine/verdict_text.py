@@ -5,7 +5,8 @@ The first line says whether it is a verdict at all: ``verdict:`` when every cell
 the issue's size, ``not a verdict:`` when none has (or none is finished), ``verdict on N of M
 cells:`` otherwise; then what is left (:mod:`kvgate_bench.real_engine.progress`), the seeds and
 cells asked for but absent, each cell's size, the ratios, the targets (``met``, ``MISSED``,
-``indicative`` on a cell that is not a verdict, ``-`` when not measured) and the twin.
+``indicative`` on a cell that is not a verdict, ``-`` when not measured) and the twin (as the
+cells stored it; with ``--report``, also recomputed: :func:`twin_lines`).
 """
 
 from __future__ import annotations
@@ -104,4 +105,30 @@ def verdict_lines(v: Mapping[str, Any]) -> list[str]:
            "their 95 % intervals do not count)" if small else "")
     )  # fmt: skip
     lines += [f"  {d}" for d in a["disagreements"]]
+    return lines + twin_lines(v.get("twin"))
+
+
+def twin_lines(t: Mapping[str, Any] | None) -> list[str]:
+    """The twin recomputed by ``--report`` (:func:`kvgate_bench.real_engine.twin.recompute`):
+    on today's fit of the calibration, then at each arm's engine speed, each pair on a line
+    (goodput and attainment real/virtual, which half is off) and each disagreement; nothing
+    when not recomputed."""
+    if not t:
+        return []
+    p = t["profile"]
+    table = ", ".join(f"{k}: {ms:.1f}" for k, ms in p["decode_step_ms"].items())
+    lines = [
+        f"virtual twin recomputed on today's fit of the calibration (decode step ms "
+        f"{{{table}}}, prefill {p['prefill_ms_per_token']:.3f} ms/token):"
+    ]
+    if t["not_rebuilt"]:
+        lines.append(f"  schedule not rebuilt (left out): {', '.join(t['not_rebuilt'])}")
+    for key, what in (
+        ("calibrated", "at the calibrated speed"),
+        ("at_speed", "at each arm's engine speed (s_p prefill / s_d decode x the calibrated)"),
+    ):
+        a = t[key]
+        lines.append(f"  {what}: {a['agree']} of {a['pairs']} row pairs agree")
+        lines += [f"    {x}" for x in a["pairs_list"]]
+        lines += [f"    off: {d}" for d in a["disagreements"]]
     return lines

@@ -1,0 +1,129 @@
+"""The real-engine twin recomputed by ``--report`` (:mod:`kvgate_bench.real_engine.twin`), pure:
+the engine speed of a pair, leave-one-out over a cell's other arms, the speed from an arm's own
+engine check, the scaled profile, and a cell whose "real" rows come from a slower engine: the
+calibrated twin is optimistic, the twin at the arms' speed finds the slowdown from the other
+arms and agrees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvgate_bench.real_engine import plan, twin
+from kvgate_bench.real_engine.profile_fit import Burst, refit
+from kvgate_bench.real_engine.verdict_text import twin_lines
+
+
+def pair(
+    arm: str, ttft: float, wait: float, tpot: float, scale: tuple[float, float] = (1.0, 1.0)
+) -> dict[str, Any]:
+    return {
+        "arm": arm,
+        "real_ttft_p50_s": wait + (ttft - wait) * scale[0],
+        "virtual_ttft_p50_s": ttft,
+        "real_queue_wait_p50_s": wait,
+        "virtual_queue_wait_p50_s": wait,
+        "real_tpot_p50_s": tpot * scale[1],
+        "virtual_tpot_p50_s": tpot,
+    }
+
+
+def test_speed_ratios_take_the_engine_part_of_ttft_and_the_tpot() -> None:
+    assert twin.speed_ratios(pair("kvgate", 2.0, 0.5, 0.013, (1.4, 1.2))) == pytest.approx(
+        (1.4, 1.2)
+    )
+    assert twin.speed_ratios({"arm": "none", "real_tpot_p50_s": None}) == (None, None)
+
+
+def test_leave_one_out_never_reads_the_arm_compared() -> None:
+    pairs = [
+        pair("none", 3.0, 0.0, 0.08, (9.0, 9.0)),
+        pair("concurrency-cap", 2.0, 0.6, 0.013, (1.3, 1.5)),
+        pair("kvgate", 1.5, 0.0, 0.013, (1.4, 1.6)),
+        pair("token-bucket", 1.3, 0.0, 0.013, (1.5, 1.7)),
+    ]
+    assert twin.leave_one_out(pairs, "none") == pytest.approx((1.4, 1.6))
+    sp, sd = twin.leave_one_out(pairs, "kvgate")
+    assert sp == pytest.approx(1.5) and sd == pytest.approx(1.7)  # median of 9, 1.3, 1.5
+    assert twin.leave_one_out(pairs[:1], "none") == (1.0, 1.0)
+
+
+def test_check_speed_compares_the_arms_unloaded_request_with_the_calibrations() -> None:
+    ref = {"prompt_n": 100, "prompt_ms": 500.0, "predicted_n": 40, "predicted_per_token_ms": 13.0}
+    cal = {"unloaded": [{"timings": ref}]}
+    slow = {**ref, "prompt_ms": 700.0, "predicted_per_token_ms": 19.5}
+    assert twin.check_speed({"engine_check": [slow, ref]}, cal) == pytest.approx((1.2, 1.25))
+    assert twin.check_speed({}, cal) is None
+    assert twin.check_speed({"engine_check": [None]}, cal) is None
+
+
+def test_scaled_multiplies_prefill_table_and_context() -> None:
+    p = refit(calibration())
+    q = twin.scaled(p, (1.5, 2.0))
+    assert q.prefill_ms_per_token == pytest.approx(1.5 * p.prefill_ms_per_token)
+    assert q.decode_step_ms == pytest.approx({k: 2 * v for k, v in p.decode_step_ms.items()})
+    assert q.context_us_per_token == pytest.approx(2 * p.context_us_per_token)
+    assert q.name == p.name and q.max_num_seqs == p.max_num_seqs
+
+
+def calibration() -> dict[str, Any]:
+    """A calibration of a 4-slot engine: 5 ms/token prefill, decode 10/20/30/35 ms."""
+
+    def t(prompt: int) -> dict[str, Any]:
+        return {"prompt_n": prompt, "prompt_ms": 5.0 * prompt, "predicted_n": 40,
+                "predicted_per_token_ms": 10.0}  # fmt: skip
+
+    steps = ((1, 10.0), (2, 20.0), (3, 30.0), (4, 35.0))
+    bursts = [Burst(k, (124.0,) * k, (ms,) * k, 48) for k, ms in steps]
+    return {
+        "profile": {"name": "synthetic-p4", "max_num_seqs": 4, "kv_capacity_tokens": 4096},
+        "slo": {
+            "ttft_s": 5.0,
+            "tpot_s": 0.05,
+            "unloaded_ttft_p50_s": 0.5,
+            "unloaded_tpot_p50_s": 0.01,
+        },
+        "unloaded": [{"timings": t(p)} for p in (66, 156, 315)],
+        "bursts": [b.__dict__ for b in bursts],
+        "capacity_rps": 0.12,
+        "mean_total_tokens": 300.0,
+    }
+
+
+def test_a_cell_run_on_a_slower_engine_agrees_at_the_speed_of_its_other_arms() -> None:
+    cfg = {"parallel": 4, "ctx": 4096, "max_tokens": 256, "duration_s": 60.0, "min_requests": 40}
+    doc: dict[str, Any] = {"config": cfg, "calibration": calibration(), "cells": []}
+    cell: dict[str, Any] = {"cell": "multi-tenant:2", "workload": "multi-tenant", "load": 2.0,
+                            "seed": 3}  # fmt: skip
+    sched = plan.sized_schedule("multi-tenant", 2.0, 0.12, 3, min_duration_s=60.0,
+                                min_requests=40, max_model_len=1024)  # fmt: skip
+    cell["requests"] = len(sched.requests)
+    arms = [{"arm": a, "params": p} for a, p in (("none", {}), ("kvgate", {}),
+            ("concurrency-cap", {"cap": 1, "queue_timeout_s": 2.0}),
+            ("token-bucket", {"factor": 2.0, "burst_s": 10.0}))]  # fmt: skip
+    slow = twin.scaled(refit(doc["calibration"]), (1.5, 1.5))
+    cell["rows"] = twin.twin_rows(doc, cell, sched, slow, arms)
+    doc["cells"] = [cell]
+    assert twin.schedule_of(doc, cell) is not None
+    got = twin.recompute(doc, [3])
+    assert got is not None and got["not_rebuilt"] == []
+    cal, fast = got["calibrated"], got["at_speed"]
+    assert fast["pairs"] == cal["pairs"] == 4
+    assert cal["agree"] == 0 and fast["agree"] == 4
+    assert all("speed 1.5" in line and "(other arms)" in line for line in fast["pairs_list"])
+    assert any("the engine ran at" in d for d in cal["disagreements"])
+    lines = twin_lines(got)
+    assert lines[0].startswith("virtual twin recomputed on today's fit")
+    assert any(line.startswith("  at each arm's engine speed") for line in lines)
+    assert twin.recompute(doc, [4]) is None
+    assert twin.recompute({**doc, "calibration": None}, [3]) is None
+    assert twin_lines(None) == []
+
+
+def test_a_schedule_that_cannot_be_rebuilt_is_left_out() -> None:
+    cfg = {"parallel": 4, "ctx": 4096, "max_tokens": 256, "duration_s": 60.0, "min_requests": 40}
+    doc = {"config": cfg, "calibration": calibration()}
+    cell = {"cell": "multi-tenant:2", "workload": "multi-tenant", "load": 2.0, "seed": 3,
+            "requests": 1}  # fmt: skip
+    assert twin.schedule_of(doc, cell) is None
