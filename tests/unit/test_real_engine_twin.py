@@ -2,15 +2,19 @@
 the engine speed of a pair, leave-one-out over a cell's other arms, the speed from an arm's own
 engine check, the scaled profile, and a cell whose "real" rows come from a slower engine: the
 calibrated twin is optimistic, the twin at the arms' speed finds the slowdown from the other
-arms and agrees."""
+arms and agrees; and the engine check a new run takes on each arm's server."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import pytest
+from aiohttp import web
 
-from kvgate_bench.real_engine import plan, twin
+from kvgate_bench.real_engine import calibration_run, plan, twin
+from kvgate_bench.real_engine.calibration_run import engine_check
 from kvgate_bench.real_engine.profile_fit import Burst, refit
 from kvgate_bench.real_engine.verdict_text import twin_lines
 
@@ -127,3 +131,54 @@ def test_a_schedule_that_cannot_be_rebuilt_is_left_out() -> None:
     cell = {"cell": "multi-tenant:2", "workload": "multi-tenant", "load": 2.0, "seed": 3,
             "requests": 1}  # fmt: skip
     assert twin.schedule_of(doc, cell) is None
+
+
+TIMINGS = {"prompt_n": 150, "prompt_ms": 900.0, "predicted_n": 32, "predicted_per_token_ms": 16.0}
+
+
+async def _check_against_fake(busy: list[int]) -> dict[str, Any] | None:
+    """:func:`engine_check` against a fake llama-server whose ``/metrics`` says ``busy``
+    requests processing (then 0) and whose completions stream one token and ``TIMINGS``."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        n = busy.pop(0) if busy else 0
+        return web.Response(
+            text=f"llamacpp:requests_processing {n}\nllamacpp:requests_deferred 0\n"
+        )
+
+    async def chat(req: web.Request) -> web.StreamResponse:
+        body = await req.json()
+        resp = web.StreamResponse()
+        await resp.prepare(req)
+        for obj in (
+            {"choices": [{"delta": {"content": "hi"}}]},
+            {"choices": [{"delta": {"content": " there"}}]},
+            {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 150},
+             "timings": {**TIMINGS, "ignore_eos": body.get("ignore_eos", False)}},
+        ):  # fmt: skip
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        return await engine_check(f"http://127.0.0.1:{port}", ["word"] * 50, "m")
+    finally:
+        await runner.cleanup()
+
+
+def test_engine_check_waits_for_an_idle_engine_and_returns_its_timings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    got = asyncio.run(_check_against_fake([2, 0]))
+    assert got is not None and got["prompt_ms"] == 900.0 and got["ignore_eos"] is True
+    monkeypatch.setattr(calibration_run, "CHECK_IDLE_S", 0.2)
+    assert asyncio.run(_check_against_fake([1] * 100)) is None  # never idle
+    assert asyncio.run(engine_check("http://127.0.0.1:9", [], "m")) is None  # nothing there

@@ -40,7 +40,7 @@ from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.real_engine import calibration as cal
 from kvgate_bench.real_engine import profile_fit as pf
 from kvgate_bench.real_engine.client import run_arm
-from kvgate_bench.real_engine.engine import metric_totals
+from kvgate_bench.real_engine.engine import metric_totals, wait_idle
 from kvgate_bench.real_engine.plan import NONE
 from kvgate_bench.real_engine.prompts import MODELS, prompt_for, request_body
 from kvgate_bench.real_engine.virtual import arm_context, predicted_capacity
@@ -188,6 +188,35 @@ async def calibrate(
         "mean_total_tokens": mean_total,
         "output_tokens_p50": percentile([float(o) for o in outs], 50),
     }
+
+
+#: The engine check's prompt (nominal tokens, about 150 real) and output tokens (EOS ignored).
+CHECK_PROMPT_TOKENS = 320
+CHECK_OUTPUT_TOKENS = 32
+#: How long the engine check waits for an idle engine, seconds.
+CHECK_IDLE_S = 30.0
+
+
+async def engine_check(url: str, words: list[str], alias: str) -> dict[str, Any] | None:
+    """llama-server's ``timings`` of one unloaded request (once the engine is idle, after a
+    4-token warm-up), a prompt of :data:`CHECK_PROMPT_TOKENS` nominal tokens and
+    :data:`CHECK_OUTPUT_TOKENS` output tokens: the engine's speed at this moment, to set
+    against the calibration's unloaded requests
+    (:func:`kvgate_bench.real_engine.twin.check_speed`). None when the engine stays busy for
+    :data:`CHECK_IDLE_S` seconds (an arm's cut requests) or the request fails (the arm runs
+    regardless)."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    try:
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=60), connector=connector
+        ) as session:
+            await wait_idle(session, url, CHECK_IDLE_S)
+            await one_request(session, url, "Hello", 4, alias)
+            prompt = _prompt("engine-check", CHECK_PROMPT_TOKENS, words)
+            m = await one_request(session, url, prompt, CHECK_OUTPUT_TOKENS, alias, ignore_eos=True)
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+    return dict(m["timings"]) or None
 
 
 def slo_of(c: dict[str, Any]) -> cal.Slo:

@@ -36,7 +36,7 @@ from kvgate_bench.effectiveness.model.gate import DEGRADED, SERVED
 from kvgate_bench.effectiveness.model.schedule import Schedule
 from kvgate_bench.real_engine import plan, progress, resume
 from kvgate_bench.real_engine.agreement import compare_cell
-from kvgate_bench.real_engine.calibration_run import profile_of, slo_of
+from kvgate_bench.real_engine.calibration_run import engine_check, profile_of, slo_of
 from kvgate_bench.real_engine.cli import run_config
 from kvgate_bench.real_engine.client import ArmRun, run_arm
 from kvgate_bench.real_engine.engine import start_llama
@@ -72,13 +72,18 @@ def real_row(
     params: dict[str, Any],
     tuned: str,
     position: int,
+    engine_check: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
     """The JSON row of one arm's real run (:mod:`kvgate_bench.real_engine.rows`) with what only
     the real engine has: ``cached_prompt_tokens`` (must be 0), the timeouts, 5xx, statuses,
     send lag, llama-server's gauges, the load average, the outputs' lengths and EOS share, the
     sidecar's limit (``kvgate`` arms), the lengths by request id (for the twin), ``tuned``
-    (``swept``, ``reused`` or ``-``), ``params`` and ``position`` (its place in the order run)."""
+    (``swept``, ``reused`` or ``-``), ``params``, ``position`` (its place in the order run)
+    and ``engine_check`` (llama-server's ``timings`` of one unloaded request on the arm's
+    server before the arm and one after, None where it failed: the engine's speed while the
+    arm ran, which the twin runs at, :mod:`kvgate_bench.real_engine.twin`)."""
     extra: dict[str, Any] = {
+        "engine_check": list(engine_check or []),
         "params": params,
         "tuned": tuned,
         "position": position,
@@ -141,6 +146,8 @@ class Runner:
     budget_s: float
     t0: float = field(default_factory=time.monotonic)
     units: int = 0
+    #: The last unit's engine checks (before, after; :func:`engine_check`).
+    checks: list[dict[str, Any] | None] = field(default_factory=list)
 
     def save(self) -> None:
         if self.path is not None:
@@ -183,11 +190,14 @@ class Runner:
             cpus=self.engine_cpus,
         )  # fmt: skip
         try:
-            return await run_arm(
+            self.checks = [await engine_check(proc.url, self.words, self.model.alias)]
+            run = await run_arm(
                 proc.url, sched, arm, ctx, params, max_tokens=a.max_tokens, drain_s=a.drain,
                 words=self.words, workdir=self.workdir, alias=self.model.alias,
                 client_cpus=self.client_cpus,
             )  # fmt: skip
+            self.checks.append(await engine_check(proc.url, self.words, self.model.alias))
+            return run
         finally:
             await asyncio.to_thread(proc.stop)
 
@@ -217,7 +227,7 @@ class Runner:
                     run = await self.run_unit(sched, workload, load, arm, params)
                     row = real_row(run, self.args, slo.pair(), workload=workload, load=load,
                                    arm=arm, seed=seed, params=params, tuned="swept",
-                                   position=0)  # fmt: skip
+                                   position=0, engine_check=self.checks)  # fmt: skip
                     resume.add_sweep(self.doc, key, arm, params, row)
                     self.save()
                     print(f"  tune {key} seed {seed}: {row_text(row)}", flush=True)
@@ -259,7 +269,7 @@ class Runner:
             run = await self.run_unit(sched, workload, load, arm, params)
             row = real_row(run, self.args, slo.pair(), workload=workload, load=load, arm=arm,
                            seed=seed, params=params, tuned="reused" if params else "-",
-                           position=pos)  # fmt: skip
+                           position=pos, engine_check=self.checks)  # fmt: skip
             resume.add_run(self.doc, key, seed, arm, row)
             self.save()
             print(row_text(row), flush=True)
