@@ -22,8 +22,8 @@ run built it (:func:`schedule_of`), each real row's arm and setting simulated ag
    the prefill speed where the engine does not queue (the gated arms); an arm that overloads
    it (``none`` at 3x) amplifies it through llama-server's own queue, hence the median.
 
-Why the second: the calibration measures the engine once, on a quiet machine, and a cell runs
-hours later on a machine shared with other work. On the issue-33 file (``issue33-pass3``) the
+Why the second: the calibration measures the engine once, and a cell runs hours later on a
+machine shared with other work. On the issue-33 file (``issue33-pass3``) the
 cells' lone requests prefilled at about 1.3-1.5x and decoded at 1.1-1.6x the calibrated times,
 while the calibration's own loaded measurement (the bursts' prefill stalls,
 :func:`kvgate_bench.real_engine.profile_fit.stall_prefill`) found prefill beside decodes as
