@@ -125,6 +125,21 @@ def test_a_cell_run_on_a_slower_engine_agrees_at_the_speed_of_its_other_arms() -
     assert twin_lines(None) == []
 
 
+def test_an_isolation_alone_cell_is_simulated_on_isolations_tenants() -> None:
+    cfg = {"parallel": 4, "ctx": 4096, "max_tokens": 256, "duration_s": 60.0, "min_requests": 40}
+    doc: dict[str, Any] = {"config": cfg, "calibration": calibration()}
+    cell: dict[str, Any] = {"cell": "isolation-alone:3", "workload": "isolation-alone",
+                            "load": 3.0, "seed": 3}  # fmt: skip
+    sched = plan.sized_schedule("isolation-alone", 3.0, 0.12, 3, min_duration_s=60.0,
+                                min_requests=40, max_model_len=1024)  # fmt: skip
+    cell["requests"] = len(sched.requests)
+    cell["rows"] = twin.twin_rows(doc, cell, sched, refit(doc["calibration"]),
+                                  [{"arm": "none"}, {"arm": "kvgate"}])  # fmt: skip
+    doc["cells"] = [cell]
+    got = twin.recompute(doc, [3])
+    assert got is not None and got["at_speed"]["pairs"] == 2 == got["calibrated"]["agree"]
+
+
 def test_a_schedule_that_cannot_be_rebuilt_is_left_out() -> None:
     cfg = {"parallel": 4, "ctx": 4096, "max_tokens": 256, "duration_s": 60.0, "min_requests": 40}
     doc = {"config": cfg, "calibration": calibration()}

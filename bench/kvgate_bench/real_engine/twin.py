@@ -74,8 +74,8 @@ def twin_rows(
     cfg, c = doc["config"], doc["calibration"]
     args = argparse.Namespace(parallel=int(cfg["parallel"]), ctx=int(cfg["ctx"]))
     workload, load = str(cell["workload"]), float(cell["load"])
-    ctx = arm_context(workload, args, float(c["capacity_rps"]), float(c["mean_total_tokens"]),
-                      slo_of(c), load)  # fmt: skip
+    ctx = arm_context(plan.base_workload(workload), args, float(c["capacity_rps"]),
+                      float(c["mean_total_tokens"]), slo_of(c), load)  # fmt: skip
     return virtual_rows(
         sched, cell["rows"] if rows is None else rows, ctx, profile, slo_of(c),
         workload=workload, load=load, seed=int(cell["seed"]), max_tokens=int(cfg["max_tokens"]),
