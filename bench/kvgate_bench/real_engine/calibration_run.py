@@ -193,8 +193,9 @@ async def calibrate(
 #: The engine check's prompt (nominal tokens, about 150 real) and output tokens (EOS ignored).
 CHECK_PROMPT_TOKENS = 320
 CHECK_OUTPUT_TOKENS = 32
-#: How long the engine check waits for an idle engine, seconds.
-CHECK_IDLE_S = 30.0
+#: How long the engine check waits for an idle engine, seconds (the checks, about 2 s each,
+#: fit in the slack of :data:`kvgate_bench.real_engine.plan.RESTART_S`).
+CHECK_IDLE_S = 10.0
 
 
 async def engine_check(url: str, words: list[str], alias: str) -> dict[str, Any] | None:
