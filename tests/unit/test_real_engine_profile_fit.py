@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvgate_bench.real_engine import profile_fit as pf
+from kvgate_bench.real_engine.calibration_run import calibration_text
 
 #: A synthetic engine: table(k) ms, prefill ms/token, no context cost.
 TABLE = {1: 10.0, 2: 20.0, 3: 30.0, 4: 35.0}
@@ -105,3 +106,20 @@ def test_burst_from_timings_keeps_the_outputs() -> None:
     assert b.outputs == 48 and b.contexts == (124.0, 124.0) and b.k == 2
     with pytest.raises(ValueError):
         pf.burst_from_timings([])
+
+
+def test_the_calibration_line_shows_the_prefill_under_load() -> None:
+    b = burst(4, 100, [1, 3])
+    slo = {"ttft_s": 3.0, "tpot_s": 0.04, "unloaded_ttft_p50_s": 0.8, "unloaded_tpot_p50_s": 0.01}
+    cal = {
+        "profile": {"name": "llama-server-x-p4", "max_num_seqs": 4, "kv_capacity_tokens": 4096},
+        "slo": slo,
+        "unloaded": [{"timings": unloaded(100)}],
+        "bursts": [b.__dict__],
+        "capacity_rps": 0.15,
+        "mean_output_tokens": 70.0,
+    }
+    cal["profile"] = pf.refit(cal).to_json()
+    line = calibration_text(cal)
+    assert "prefill 5.000 ms/token (5.000 under load, 300 tokens)" in line
+    assert "under load" not in calibration_text({**cal, "bursts": []})
