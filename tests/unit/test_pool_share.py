@@ -135,7 +135,9 @@ def test_a_tenant_over_its_pool_share_leaves_the_pool_reserve_even_alone_here() 
     keep = round(10 * (1 - POOL_RESERVE))
     got = [c.submit(req("regular")) for _ in range(10)]
     assert sum(d.ticket is not None for d in got) == keep  # alone, yet the reserve is kept
-    assert all(d.waiter is not None for d in got[keep:])
+    # refused at once, not queued (a router retries elsewhere; the queue stays short)
+    assert all(d.waiter is None and d.status == 429 for d in got[keep:])
+    assert "share of the pool" in got[-1].message
     # a premium request spilled here finds room at once
     assert c.submit(req("premium", weight=4.0)).ticket is not None
 
@@ -149,8 +151,21 @@ def test_stale_pool_figures_fall_back_to_local_counters_only() -> None:
     assert all(t is not None for t in got)  # work-conserving, as with the exchange off
 
 
+def test_a_tenant_is_judged_by_its_class_the_tenants_of_its_weight() -> None:
+    for by_class in (True, False):
+        p, pool = PoolShare(tau_s=1e-6, by_class=by_class), Pool()
+        feed(p, pool, 0.0, p1=(0.0, 4.0), p2=(0.0, 4.0), r1=(0.0, 1.0))
+        # premium served 4:1 as a class (p1 + p2 = 200 raw against 50), unevenly inside it
+        feed(p, pool, 1.0, p1=(40.0, 4.0), p2=(10.0, 4.0), r1=(50.0, 1.0))
+        assert p.level == pytest.approx(250 / 9)
+        assert p.over_share("r1", 1.0)
+        # by class premium is under its share (25 / 27.8); on its own p1 is over (40 / 27.8)
+        assert p.over_share("p1", 1.0) is not by_class
+        assert not p.over_share("p2", 1.0)
+
+
 def test_unsent_deltas_go_with_the_next_sync_and_a_restarted_store_restarts_the_rates() -> None:
-    p, pool = PoolShare(tau_s=1e-6), Pool()
+    p, pool = PoolShare(tau_s=1e-6, by_class=False), Pool()
     p.charged("a", 5.0, 5.0)
     lost = p.take(0.0)
     p.unsent(lost)

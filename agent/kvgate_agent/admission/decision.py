@@ -73,6 +73,8 @@ class Blocker:
         bucket: the blocking bucket, for rate limits.
         amount: units the request needs from ``bucket``.
         resolved: the blocking rate limit, for rate limits.
+        pool_share: the pool's fair reserve blocks (the tenant is over its pool-wide share:
+            ``fairqueue/pool.py``): the request is refused at once, not queued.
     """
 
     reason: Reason
@@ -81,6 +83,7 @@ class Blocker:
     bucket: Bucket | None = None
     amount: float = 0.0
     resolved: ResolvedLimit | None = None
+    pool_share: bool = False
 
 
 @dataclass(slots=True)

@@ -124,6 +124,8 @@ def act(
         elif action == _QUEUE:
             if req.priority < 0 or waited > 0:  # sheddable, or already timed out once
                 continue
+            if blocker is not None and blocker.pool_share:  # over its pool-wide share
+                continue
             evict: Waiter | None = None
             reason = Reason.QUEUE_FULL
             if len(r.queue) >= r.limits.config.queue_max_length:
@@ -302,6 +304,8 @@ def reject(
             req, blocker, now, r.limits, r.queue.waiters(), r.speed.seconds_per_token
         )
     message = _REFUSAL_TEXT[blocker.reason].format(limit=blocker.limit)
+    if blocker.pool_share:
+        message += " (the rest is kept for tenants under their share of the pool)"
     reason = blocker.reason
     if waited > 0:
         reason = Reason.QUEUE_TIMEOUT

@@ -18,8 +18,12 @@ beside one pod's :class:`~.share.FairShare` (its ``pool``; None, the default, ch
   weighted service (units/s, an exponential average over :attr:`tau_s`) and the *fair level*
   ``L = sum of raw rates / sum of weights`` over the tenants served in the pool (weights read
   off as raw rate / weighted rate): where every such tenant is served by its weight, each one's
-  weighted rate is ``L``. A tenant's *excess* is its weighted rate / ``L``; above
-  :attr:`over` it is **over its pool-wide share**.
+  weighted rate is ``L``. A tenant's *excess* is its class's mean weighted rate / ``L`` (the
+  tenants of one weight form a class; ``by_class`` False: its own rate); above :attr:`over`
+  it is **over its pool-wide share**. By class, because behind an affinity router the tenants
+  of one class are not served alike (one alone on its home replica, two sharing another): held
+  to their own shares, the one alone was held back at home where nobody else came to use the
+  room (measured: docs/benchmarks.md, issue 34).
 - **Used.** (a) The weighted service a tenant got on the other replicas since the last read
   (the sums' growth less what this replica sent) is added to its counter here
   (:meth:`.share.FairShare.pool_synced`), so the order among this pod's waiters is the
@@ -49,15 +53,18 @@ import math
 SYNC_S = 0.5
 #: With no read for this long, the pool's figures are not used (local counters only), seconds.
 STALE_S = 5.0
-#: Time constant of the pool-wide rates' exponential average, seconds.
-TAU_S = 10.0
+#: Time constant of the pool-wide rates' exponential average, seconds. Chosen on ``tiers``,
+#: seed 1 (5, 10, 15, 20, 30 tried: shorter holds the class share less, longer costs goodput;
+#: docs/benchmarks.md, issue 34).
+TAU_S = 15.0
 #: A tenant whose pool-wide weighted rate is above this times the fair level is over its share.
 #: Below 5/4.5 = 1.11 so that a 4:1 pair held at the threshold still splits >= 3.5:1
 #: (premium p, regular r, four tenants each: L = (p + r) / 5, and r = OVER x L gives
 #: p / r = (5 - OVER) / OVER). Chosen on the benchmark's ``tiers``, seed 1 (docs/benchmarks.md).
 OVER = 1.05
 #: The share of the concurrency limit and of the KV capacity kept from a tenant over its
-#: pool-wide share. Chosen on ``tiers``, seed 1 (docs/benchmarks.md, issue 34).
+#: pool-wide share. Chosen on ``tiers``, seed 1 (0.3 to 0.7 tried: the class share for
+#: goodput; docs/benchmarks.md, issue 34).
 POOL_RESERVE = 0.5
 #: Weighted rates below this (units/s) count as not served (their weight is not read).
 MIN_RATE = 1e-9
@@ -76,6 +83,8 @@ class PoolShare:
         over: excess above which a tenant is over its pool-wide share (> 0).
         reserve: the share of the limits kept from such a tenant (0: none, < 1).
         add_remote: add the service got elsewhere to the local counters (the order's part).
+        by_class: judge each tenant by its class's mean weighted rate (tenants of one weight
+            form a class), not by its own.
     """
 
     __slots__ = (
@@ -86,6 +95,7 @@ class PoolShare:
         "_rate",
         "_read_at",
         "add_remote",
+        "by_class",
         "level",
         "over",
         "reserve",
@@ -103,11 +113,13 @@ class PoolShare:
         over: float = OVER,
         reserve: float = POOL_RESERVE,
         add_remote: bool = True,
+        by_class: bool = True,
     ) -> None:
         if sync_s <= 0 or stale_s <= 0 or tau_s <= 0 or over <= 0 or not 0 <= reserve < 1:
             raise ValueError("sync_s, stale_s, tau_s, over > 0 and 0 <= reserve < 1")
         self.sync_s, self.stale_s, self.tau_s = sync_s, stale_s, tau_s
         self.over, self.reserve, self.add_remote = over, reserve, add_remote
+        self.by_class = by_class
         #: What this replica charged since the last :meth:`take`, per tenant: [weighted, raw].
         self._pending: dict[str, list[float]] = {}
         #: The pool's sums at the last read, per tenant.
@@ -192,13 +204,26 @@ class PoolShare:
 
     def _levels(self) -> None:
         raw = weights = 0.0
+        #: weight (rounded) -> [sum of weighted rates, tenants]: the classes
+        classes: dict[float, list[float]] = {}
         for u, r in self._rate.values():
             if u > MIN_RATE:
                 raw += r
                 weights += r / u
-        self.level = raw / weights if weights > 0 else 0.0
-        lvl = self.level
-        self._excess = {t: (u / lvl if lvl > 0 else 0.0) for t, (u, _) in self._rate.items()}
+                c = classes.setdefault(round(r / u, 3), [0.0, 0.0])
+                c[0] += u
+                c[1] += 1
+        self.level = lvl = raw / weights if weights > 0 else 0.0
+        excess: dict[str, float] = {}
+        for t, (u, r) in self._rate.items():
+            if lvl <= 0 or u <= MIN_RATE:
+                excess[t] = 0.0
+            elif self.by_class:
+                c = classes[round(r / u, 3)]
+                excess[t] = c[0] / c[1] / lvl
+            else:
+                excess[t] = u / lvl
+        self._excess = excess
 
     # ------------------------------------------------------------------ reading
 

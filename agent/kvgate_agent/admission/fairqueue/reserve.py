@@ -15,7 +15,11 @@ counters between replicas), the last :attr:`~.pool.PoolShare.reserve` of the con
 and of the KV capacity are also kept from a tenant over its *pool-wide* share, alone here or
 not: behind a router that pins tenants to home replicas, the room is left for the requests of
 tenants under their share that spill here. Not work-conserving on its own pod, by design; off
-(nothing held) while the pool's figures are stale (:attr:`~.pool.PoolShare.stale_s`).
+(nothing held) while the pool's figures are stale (:attr:`~.pool.PoolShare.stale_s`). A newcomer
+held back by it is refused at once rather than queued (``Blocker.pool_share``;
+:mod:`kvgate_agent.admission.overload`): waiting here would only time out while the pod keeps
+the room for others, and a queue of such waiters would turn the router's queue-depth signal
+away from the very pod keeping room (measured: docs/benchmarks.md, issue 34).
 
 **The check.** :func:`what_blocks` asks, in this order: the concurrency limit, its reserve, the
 KV capacity, its reserve, then the rate limits' buckets (:mod:`.rate_limits`); the first that
@@ -116,7 +120,7 @@ def what_blocks(
         if slot_held_back(limits.fair, req.tenant, req.weight, limits.in_flight, limit):
             return Blocker(Reason.CONCURRENCY, "concurrency", True)
         if pool_held_back(limits.fair, req.tenant, limits.in_flight + 1, limit, now):
-            return Blocker(Reason.CONCURRENCY, "concurrency", True)
+            return Blocker(Reason.CONCURRENCY, "concurrency", True, pool_share=True)
     cfg = limits.config
     cap = cfg.kv_capacity_tokens
     if cap is not None:
@@ -128,7 +132,7 @@ def what_blocks(
         if kv_held_back(limits.fair, req.tenant, req.weight, kv, used, cap):
             return Blocker(Reason.KV_CAPACITY, "kv", True)
         if pool_held_back(limits.fair, req.tenant, used, cap, now):
-            return Blocker(Reason.KV_CAPACITY, "kv", True)
+            return Blocker(Reason.KV_CAPACITY, "kv", True, pool_share=True)
     if not with_buckets:
         return None
     return limits.rates.blocker(req, max_tokens, now, cfg, found, cost)

@@ -14,7 +14,7 @@ The replicas' syncs happen at their own events (an arrival, a step's tokens, a f
 wake-up) once the period has passed, and at a wake-up of their own each period while they have
 requests waiting or in flight (the sidecar's loop runs on its own timer). Parameters
 (``params``, for tuning only; the defaults are :mod:`kvgate_agent.admission.fairqueue.pool`'s):
-``sync_s``, ``over``, ``reserve``, ``tau_s``, ``add_remote``.
+``sync_s``, ``over``, ``reserve``, ``tau_s``, ``add_remote``, ``by_class``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kvgate_bench.effectiveness.model.schedule import Request
 #: The pool arm's name (an interface: ``--arms``, JSON ``arm``).
 EXCHANGE_ARM = "kvgate-exchange"
 #: The parameters ``params`` may set (:class:`~kvgate_agent.admission.PoolShare`'s).
-POOL_PARAMS = ("sync_s", "over", "reserve", "tau_s", "add_remote")
+POOL_PARAMS = ("sync_s", "over", "reserve", "tau_s", "add_remote", "by_class")
 
 
 class MemoryExchange:
