@@ -17,9 +17,10 @@ not: behind a router that pins tenants to home replicas, the room is left for th
 tenants under their share that spill here. Not work-conserving on its own pod, by design; off
 (nothing held) while the pool's figures are stale (:attr:`~.pool.PoolShare.stale_s`). A newcomer
 held back by it is refused at once rather than queued (``Blocker.pool_share``;
-:mod:`kvgate_agent.admission.overload`): waiting here would only time out while the pod keeps
-the room for others, and a queue of such waiters would turn the router's queue-depth signal
-away from the very pod keeping room (measured: docs/benchmarks.md, issue 34).
+:mod:`kvgate_agent.admission.overload`): a router retries it on another pod at once instead of
+it waiting out its budget on the pod that keeps its room for others, and such waiters do not
+count in the queue depth the router scores pods by (on the benchmark's ``tiers``, no worse than
+queueing them: docs/benchmarks.md, issue 34).
 
 **The check.** :func:`what_blocks` asks, in this order: the concurrency limit, its reserve, the
 KV capacity, its reserve, then the rate limits' buckets (:mod:`.rate_limits`); the first that
