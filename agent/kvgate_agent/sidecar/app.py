@@ -32,7 +32,7 @@ from kvgate_agent.sidecar.pipeline import RequestPipeline
 from kvgate_agent.sidecar.policy_control import PolicyControl
 from kvgate_agent.sidecar.reading import GENERATION_PATHS, Passthrough, PromptCounter
 from kvgate_agent.sidecar.settings import SidecarSettings as SidecarSettings  # re-exported
-from kvgate_agent.sidecar.store import ShareExchange, StoreLink, register_metrics
+from kvgate_agent.sidecar.store import StoreLink, register_metrics, share_exchange
 from kvgate_agent.sidecar.upstream import Forwarder, ModelServer
 
 
@@ -44,7 +44,8 @@ class Sidecar:
     goes through :attr:`pipeline` (:class:`~kvgate_agent.sidecar.pipeline.RequestPipeline`);
     the parts are the admission core (:attr:`admission`), the engine probe (:attr:`engine`),
     the policy enforced now (:attr:`policy`: the policy file's, or the node agent's thresholds
-    in agent mode) and the forwarder.
+    in agent mode) and the forwarder; with a store, its leases (:attr:`store`) and, with
+    ``--share-sync``, the exchange of service counters for pool-wide shares (:attr:`shares`).
 
     Raises ``ValueError`` unless exactly one of ``settings.policy`` (standalone) and
     ``settings.agent`` (thresholds from the node agent) is given; ``KeyFileError`` when a keys
@@ -126,13 +127,7 @@ class Sidecar:
             store = self.store = StoreLink(settings.store, self.admission, self.policy.name, clock)
             self.policy.attach_store(lambda: store.book.state.value)  # x-kvgate-thresholds
         register_metrics(self.metrics.registry, self.admission, self.store)
-        #: The exchange of the tenants' service counters through the store, for fair shares
-        #: across the pool (None unless ``--share-sync``).
-        self.shares: ShareExchange | None = None
-        if settings.store is not None and settings.store.share_sync > 0:
-            self.shares = ShareExchange(
-                settings.store, self.admission, self.policy.name, settings.store.share_sync, clock
-            )
+        self.shares = share_exchange(settings.store, self.admission, self.policy.name, clock)
         #: A request's path: one object per room it passes through, admission, the metrics.
         prompts = PromptReads(self.engine, self.counter, self.engine_tokens)
         self.pipeline = RequestPipeline(

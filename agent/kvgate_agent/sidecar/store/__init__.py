@@ -9,7 +9,7 @@ each other directly.
 from __future__ import annotations
 
 from kvgate_agent.sidecar.store.buckets import StoreLink, register_metrics
-from kvgate_agent.sidecar.store.exchange import ShareExchange
+from kvgate_agent.sidecar.store.exchange import ShareExchange, share_exchange
 from kvgate_agent.sidecar.store.settings import StoreSettings
 
-__all__ = ["ShareExchange", "StoreLink", "StoreSettings", "register_metrics"]
+__all__ = ["ShareExchange", "StoreLink", "StoreSettings", "register_metrics", "share_exchange"]

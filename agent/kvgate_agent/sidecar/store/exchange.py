@@ -178,3 +178,16 @@ class ShareExchange:
         pipe.hgetall(key)
         out = await asyncio.wait_for(pipe.execute(), self.settings.timeout * 2)
         return parse_totals(out[-1])
+
+
+def share_exchange(
+    settings: StoreSettings | None,
+    admission: AsyncAdmission,
+    policy: Callable[[], str],
+    clock: Callable[[], float] = time.monotonic,
+) -> ShareExchange | None:
+    """The share exchange of a sidecar with the store ``settings``, when they ask for one
+    (``share_sync`` > 0); None without a store or with the exchange off."""
+    if settings is None or settings.share_sync <= 0:
+        return None
+    return ShareExchange(settings, admission, policy, settings.share_sync, clock)
