@@ -22,7 +22,7 @@ from kvgate_agent.sidecar.store import ShareExchange, StoreSettings
 from kvgate_agent.sidecar.store.exchange import parse_totals, shares_key
 from kvgate_bench.kit.redisserver import RedisServer
 from kvgate_bench.kit.toolkit import wait_until_async
-from tests.conftest import SidecarFactory
+from tests.conftest import SidecarFactory, gauges
 from tests.upstream import CHAT
 
 SPEC: dict[str, Any] = {
@@ -103,6 +103,10 @@ async def test_pool_shares_through_the_store_survive_it_hanging_and_restarting(
         assert set(totals) == {"plain", "gold"}, totals
         assert totals["gold"][1] > totals["plain"][1] > 0  # raw: two replicas against one
         assert totals["gold"][0] < totals["plain"][0]  # weighted: a quarter each
+        g = await gauges(client, u0)
+        assert g["kvgate_share_exchange_fresh"] == 1
+        assert g["kvgate_share_exchange_over_share_tenants"] <= 1  # plain (or none just now)
+        assert g['kvgate_share_exchange_syncs_total{result="ok"}'] > 0
 
         assert server.proc is not None
         server.proc.send_signal(signal.SIGSTOP)  # the store hangs: commands time out
@@ -110,6 +114,7 @@ async def test_pool_shares_through_the_store_survive_it_hanging_and_restarting(
         ex0 = exchange(sc0)
         await wait_until_async(lambda: not ex0.pool.fresh(ex0.clock()), 15, "stale")
         assert not plain_over_share(sc0)  # local counters only
+        assert (await gauges(client, u0))["kvgate_share_exchange_fresh"] == 0
         assert exchange(sc0).syncs_failed > 0
         server.proc.send_signal(signal.SIGCONT)
         back = time.monotonic()

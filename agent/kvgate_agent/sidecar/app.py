@@ -126,8 +126,8 @@ class Sidecar:
         if settings.store is not None:
             store = self.store = StoreLink(settings.store, self.admission, self.policy.name, clock)
             self.policy.attach_store(lambda: store.book.state.value)  # x-kvgate-thresholds
-        register_metrics(self.metrics.registry, self.admission, self.store)
         self.shares = share_exchange(settings.store, self.admission, self.policy.name, clock)
+        register_metrics(self.metrics.registry, self.admission, self.store, self.shares)
         #: A request's path: one object per room it passes through, admission, the metrics.
         prompts = PromptReads(self.engine, self.counter, self.engine_tokens)
         self.pipeline = RequestPipeline(

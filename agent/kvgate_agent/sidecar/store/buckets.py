@@ -307,7 +307,13 @@ class StoreCollector(Collector):
 
 
 def register_metrics(
-    registry: CollectorRegistry, admission: AsyncAdmission, store: StoreLink | None
+    registry: CollectorRegistry,
+    admission: AsyncAdmission,
+    store: StoreLink | None,
+    shares: Collector | None = None,
 ) -> None:
-    """Add the store's metrics to the sidecar's ``registry``."""
+    """Add the store's metrics to the sidecar's ``registry`` (and the share exchange's, when
+    there is one: :class:`~kvgate_agent.sidecar.store.exchange.ShareExchange`)."""
     registry.register(StoreCollector(admission, store))
+    if shares is not None:
+        registry.register(shares)

@@ -35,10 +35,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kvgate_agent.admission import AsyncAdmission, PoolShare
 from kvgate_agent.sidecar.store.buckets import connect, key_prefix
@@ -80,8 +82,12 @@ def parse_totals(raw: Mapping[Any, Any]) -> dict[str, Counters]:
     return {t: (u, r) for t, (u, r) in out.items()}
 
 
-class ShareExchange:
-    """The background exchange of one sidecar's service counters (see the module docstring).
+class ShareExchange(Collector):
+    """The background exchange of one sidecar's service counters (see the module docstring),
+    and its metrics (a Prometheus collector): ``kvgate_share_exchange_fresh`` (1 while the
+    pool's figures are used, 0 while each pod decides on its own counters),
+    ``kvgate_share_exchange_syncs{result}`` and ``kvgate_share_exchange_over_share_tenants``
+    (tenants over their pool-wide share now).
 
     Args:
         settings: the store (its URL, credentials and timeout).
@@ -165,6 +171,27 @@ class ShareExchange:
         remote = pool.update(totals, sent, self.clock())
         self.admission.pool_synced(remote)
         return True
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        now, pool = self.clock(), self.pool
+        yield GaugeMetricFamily(
+            "kvgate_share_exchange_fresh",
+            "1 while the pool's service counters are used (read within the staleness bound)",
+            value=1.0 if pool.fresh(now) else 0.0,
+        )
+        c = CounterMetricFamily(
+            "kvgate_share_exchange_syncs",
+            "Share exchanges with the store by result",
+            labels=["result"],
+        )
+        c.add_metric(["ok"], self.syncs_ok)
+        c.add_metric(["failed"], self.syncs_failed)
+        yield c
+        yield GaugeMetricFamily(
+            "kvgate_share_exchange_over_share_tenants",
+            "Tenants over their pool-wide fair share now (held back from the pool's reserve)",
+            value=sum(1 for t in pool.rates() if pool.over_share(t, now)),
+        )
 
     async def _call(self, sent: dict[str, Counters]) -> dict[str, Counters]:
         """One round trip: add ``sent`` to the pool's hash, refresh its TTL, read it back."""
