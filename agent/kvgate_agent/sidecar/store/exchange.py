@@ -15,8 +15,9 @@ replicas, and no peer list to read), a replica that restarts or leaves loses not
 count (its past service stays in the sums), and there is nothing to expire per replica. The
 price: a sync whose answer is lost after the store applied it is sent again, so up to one sync
 period of this replica's service may be counted twice; that only holds a tenant back a little
-longer, and the rates are averaged over ten seconds. The hash expires a day after the last
-sync (:data:`TTL_S`).
+longer, and the rates are averaged over fifteen seconds. The hash expires a day after the last
+sync (:data:`TTL_S`); until then it keeps a pair of fields for every tenant the policy's sidecars
+charged (two per tenant: the hash grows with the tenants seen, until it expires).
 
 **The store away or hanging.** Nothing on a request's path waits on the store: the loop runs
 on its own task, each round trip bounded by the store's timeout (``--store-timeout``), and a
