@@ -287,3 +287,26 @@ def test_kvgate_is_prefix_aware_on_multi_turn_and_leaks_nothing() -> None:
     prefixes = aware.controller._limits.prefixes
     assert len(prefixes) > 0 and prefixes.trust != TRUST_START  # confirmed by the engine
     assert len(blind.controller._limits.prefixes) == 0
+
+
+def test_kvgate_reserves_a_shared_prefix_once_on_a_kv_bound_engine() -> None:
+    """``shared-prefix`` on the small pool: the engine shares each application's prefix
+    between running requests, prefix-aware ``kvgate`` names those blocks and so admits more
+    than its prefix-blind ablation, which reserves every prompt whole; both leak nothing."""
+    sched = generate("shared-prefix", 6.0, 60.0, 11)
+    ctx = context("shared-prefix")
+    aware = make_arm("kvgate", ctx, {})
+    blind = make_arm("kvgate-prefix-blind", ctx, {})
+    assert isinstance(aware, KvgateMaxTokensArm) and isinstance(blind, KvgateMaxTokensArm)
+    first = sched.requests[0]
+    assert len(aware.admission_request(first).prefix_blocks or []) == first.prefix_tokens // 16
+    assert blind.admission_request(first).prefix_blocks is None
+    runs = {a.name: simulate(sched, a, STEPTIME, SMALL) for a in (aware, blind)}
+    for arm in (aware, blind):
+        run = runs[arm.name]
+        assert not run.engine.has_work and run.engine.used_blocks == 0
+        st = arm.controller.stats()
+        assert st.in_flight == 0 and st.kv_reserved_tokens == 0 and st.queue_length == 0
+    served = {n: sum(1 for r in run.records if r.outcome != REJECTED) for n, run in runs.items()}
+    assert sum(r.cached_tokens for r in runs["kvgate"].records) > 0
+    assert served["kvgate"] > served["kvgate-prefix-blind"]

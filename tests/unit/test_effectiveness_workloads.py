@@ -16,11 +16,13 @@ from kvgate_bench.effectiveness.model.schedule import (
     MAX_TOKENS_CHOICES,
     PROMPT_HEADROOM,
     Schedule,
+    content_keys,
 )
 from kvgate_bench.effectiveness.model.workloads import (
     CODE_OUTPUT,
     CODE_PROMPT,
     NOISY_MAX_TOKENS,
+    SHARED_PREFIX_TOKENS,
     generate,
 )
 
@@ -96,6 +98,30 @@ def test_multi_tenant_shares_tiers_and_gamma_arrivals() -> None:
     noisy = [r for r in s.requests if r.tenant == "noisy"]
     assert all(r.max_tokens == min(NOISY_MAX_TOKENS, MML - r.prompt_tokens) for r in noisy)
     assert {r.tier for r in s.requests if r.tenant == "batch"} == {BATCH}
+
+
+def test_shared_prefix_prompts_start_with_their_applications_prefix() -> None:
+    """``shared-prefix``: four applications of equal demand, each prompt its application's
+    2,048-token prefix (named for the engine's prefix cache by the application, up to the
+    prefix's last full block) plus the user's part; the other workloads carry no prefix."""
+    s = generate("shared-prefix", 8.0, 600.0, 3, max_model_len=MML)
+    apps = {r.tenant for r in s.requests}
+    assert apps == {"app-0", "app-1", "app-2", "app-3"} == set(s.tenants)
+    for r in s.requests:
+        assert r.prefix_group == r.tenant and r.prefix_tokens == SHARED_PREFIX_TOKENS
+        assert SHARED_PREFIX_TOKENS < r.prompt_tokens <= MML - PROMPT_HEADROOM
+    user = [r.prompt_tokens - SHARED_PREFIX_TOKENS for r in s.requests]
+    assert statistics.median(user) == pytest.approx(math.exp(CONVERSATION_PROMPT[0]), rel=0.1)
+    a, b = [r for r in s.requests if r.tenant == "app-1"][:2]
+    ka, kb = content_keys(a, 16), content_keys(b, 16)
+    assert ka is not None and kb is not None
+    full = SHARED_PREFIX_TOKENS // 16
+    assert [ka(i) for i in range(full)] == [kb(i) for i in range(full)]
+    assert ka(full) is None  # the user's part is the request's own
+    other = next(r for r in s.requests if r.tenant == "app-2")
+    assert content_keys(other, 16)(0) != ka(0)  # type: ignore[misc]
+    conv = generate("conversation", 8.0, 60.0, 3)
+    assert all(r.prefix_group is None and content_keys(r, 16) is None for r in conv.requests)
 
 
 def test_rejects_bad_arguments() -> None:

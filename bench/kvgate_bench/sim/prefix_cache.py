@@ -73,6 +73,20 @@ class SessionKeys:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupKeys:
+    """The blocks of a prompt that starts with a prefix a group of requests shares (an
+    application's system prompt and tools): block ``i`` is ``(group, i)`` for the first
+    ``blocks`` blocks (the prefix's full blocks: the engine hashes full blocks only), and the
+    request's own content after (no key: the chain stops there)."""
+
+    group: str
+    blocks: int
+
+    def __call__(self, index: int) -> Hashable | None:
+        return (self.group, index) if index < self.blocks else None
+
+
+@dataclass(frozen=True, slots=True)
 class ListedKeys:
     """Explicit content keys for the first ``len(keys)`` blocks (e.g. the prompt's full blocks
     of tokens); every later block is the sequence's own."""

@@ -67,8 +67,8 @@ from typing import Any
 from kvgate_bench.effectiveness.arms.context import ArmContext
 from kvgate_bench.effectiveness.model.gate import Arm
 from kvgate_bench.effectiveness.model.metrics import BATCH_SLO_S, TTFT_SLO_S
-from kvgate_bench.effectiveness.model.schedule import BATCH, Request, Tenant
-from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
+from kvgate_bench.effectiveness.model.schedule import BATCH, Request, Tenant, content_keys
+from kvgate_bench.sim.prefix_cache import extend_chain
 
 #: How tenants map to policy classes.
 CLASS_MODES: tuple[str, ...] = ("default", "tier", "tenant")
@@ -139,9 +139,10 @@ class DynamoDrrArm(Arm):
         """The request's cost: its prompt less what the engine's prefix cache holds of it now
         (at least 1)."""
         cached = 0
-        if req.session is not None:
+        keys = content_keys(req, self.block_size)
+        if keys is not None:
             blocks = req.prompt_tokens // self.block_size
-            chain = extend_chain([], SessionKeys(req.session), blocks)
+            chain = extend_chain([], keys, blocks)
             cached = self.gate.engine.pool.lookup(chain) * self.block_size
         return max(1, req.prompt_tokens - cached)
 

@@ -22,9 +22,9 @@ from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_bench.effectiveness.arms.context import ArmContext
 from kvgate_bench.effectiveness.model.gate import Arm
 from kvgate_bench.effectiveness.model.metrics import TPOT_SLO_S, TTFT_SLO_S
-from kvgate_bench.effectiveness.model.schedule import BATCH, Request
+from kvgate_bench.effectiveness.model.schedule import BATCH, Request, content_keys
 from kvgate_bench.kit.toolkit import FakeClock
-from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
+from kvgate_bench.sim.prefix_cache import extend_chain
 
 
 class KvgateMaxTokensArm(Arm):
@@ -90,13 +90,14 @@ class KvgateMaxTokensArm(Arm):
 
     def prefix_blocks(self, req: Request) -> list[int] | None:
         """The chained hashes of ``req``'s prompt's full blocks, as the engine names them
-        (:func:`~kvgate_bench.sim.prefix_cache.extend_chain` over the session's
-        :class:`~kvgate_bench.sim.prefix_cache.SessionKeys`); None for a request without
-        content keys (never a hit)."""
-        if req.session is None:
-            return None
+        (:func:`~kvgate_bench.sim.prefix_cache.extend_chain` over
+        :func:`~kvgate_bench.effectiveness.model.schedule.content_keys`); None for a request
+        without content keys (never a hit)."""
         bs = self.ctx.engine.block_size
-        return extend_chain([], SessionKeys(req.session), req.prompt_tokens // bs)
+        keys = content_keys(req, bs)
+        if keys is None:
+            return None
+        return extend_chain([], keys, req.prompt_tokens // bs)
 
     def _apply(self, req: Request, d: Decision, now: float) -> None:
         if d.ticket is not None:

@@ -15,9 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgate_bench.effectiveness.model.schedule import Request, Schedule
+from kvgate_bench.effectiveness.model.schedule import Request, Schedule, content_keys
 from kvgate_bench.sim.engine import SimEngine
-from kvgate_bench.sim.prefix_cache import SessionKeys
 from kvgate_bench.sim.sequences import RequestRejected, Sequence
 
 SERVED = "served"
@@ -103,7 +102,7 @@ class Gate:
         rec.max_tokens_sent = mt
         if self._on_decided is not None:
             self._on_decided(req, True, now)
-        keys = SessionKeys(req.session) if req.session is not None else None
+        keys = content_keys(req, self.engine.config.block_size)
         try:
             seq = self.engine.submit(
                 req.rid, req.prompt_tokens, mt, req.tenant, req.output_tokens, keys

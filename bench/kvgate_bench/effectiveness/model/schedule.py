@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from kvgate_bench.sim.prefix_cache import BlockKeys, GroupKeys, SessionKeys
+
 #: Tenant tiers: ``interactive`` (TTFT and TPOT SLO) or ``batch`` (completion SLO).
 INTERACTIVE = "interactive"
 BATCH = "batch"
@@ -67,6 +69,9 @@ class Request:
         session: the conversation whose turn this is (``multi-turn``), or None: a prompt of
             its own (never found in the prefix cache).
         turn: the turn's index in its session, from 0.
+        prefix_group: the group whose shared prompt prefix (a system prompt) this prompt
+            starts with (``shared-prefix``), or None.
+        prefix_tokens: that shared prefix's length, tokens (0 without a group).
     """
 
     rid: str
@@ -78,6 +83,24 @@ class Request:
     output_tokens: int
     session: str | None = None
     turn: int = 0
+    prefix_group: str | None = None
+    prefix_tokens: int = 0
+
+
+def content_keys(req: Request, block_size: int) -> BlockKeys | None:
+    """What ``req``'s prompt is made of, block by block of ``block_size`` tokens, as the
+    engine's prefix cache names it:
+    its session's blocks (:class:`~kvgate_bench.sim.prefix_cache.SessionKeys`) for a
+    conversation's turn, the group's shared prefix
+    (:class:`~kvgate_bench.sim.prefix_cache.GroupKeys`, then the request's own blocks) for a
+    ``shared-prefix`` prompt, None (its own content, never a hit) otherwise. Every part that
+    names the engine's blocks (the engine, kvgate's prefix-aware reservation, the EPP's prefix
+    scorer, Dynamo's uncached-token quantum) reads it here."""
+    if req.session is not None:
+        return SessionKeys(req.session)
+    if req.prefix_group is not None and req.prefix_tokens > 0:
+        return GroupKeys(req.prefix_group, req.prefix_tokens // block_size)
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Seeded, generated request schedules for the admission-effectiveness benchmark (no download).
 
-Three workloads, each a list of :class:`Request` sorted by arrival time (seconds from 0):
+The workloads, each a list of :class:`Request` sorted by arrival time (seconds from 0):
 
 ``conversation``
     Eight chat tenants of equal weight, all ``interactive``; Poisson arrivals. Prompt tokens
@@ -45,6 +45,15 @@ Three workloads, each a list of :class:`Request` sorted by arrival time (seconds
     over their share at any load above 1.6. Poisson arrivals, the conversation fits; measured
     against ``conversation`` (:func:`calibration_workload`). Not run by default (name it in
     ``--workloads``): it is the class-shares workload of the pool benchmark (issue 34).
+``shared-prefix``
+    Four ``interactive`` application tenants ``app-0`` .. ``app-3`` of equal weight, each
+    prompt its application's system prompt and tools (:data:`SHARED_PREFIX_TOKENS`, the same
+    tokens for every request of that tenant: the prefix the engine's prefix cache shares
+    between running requests) followed by the user's part (the conversation prompt fit);
+    outputs from the conversation fit; Poisson arrivals. Its capacity is its own ``none``'s (a
+    prefix-caching engine prefills the shared part once). Not run by default: it is where
+    prefix-aware reservations matter (issue 34, item 4), as the shared prefix is held by
+    running requests, where a conversation's earlier turns are not.
 
 The records a schedule is made of (:class:`Request`, :class:`Schedule`, ...) and the draws the
 workloads share are :mod:`kvgate_bench.effectiveness.model.schedule`'s.
@@ -83,7 +92,7 @@ from kvgate_bench.effectiveness.model.sessions import generate_multi_turn
 #: Workload names, in report order (the default set of a single-pod run).
 WORKLOADS: tuple[str, ...] = ("conversation", "code", "multi-tenant", "isolation", "multi-turn")
 #: Workloads run only when named (``--workloads``).
-EXTRA_WORKLOADS: tuple[str, ...] = ("tiers",)
+EXTRA_WORKLOADS: tuple[str, ...] = ("tiers", "shared-prefix")
 #: Every workload name :func:`generate` knows.
 ALL_WORKLOADS: tuple[str, ...] = WORKLOADS + EXTRA_WORKLOADS
 #: The code trace's lognormal fits (mu, sigma of the natural log of tokens; the conversation's
@@ -106,6 +115,12 @@ DEFAULT_NOISY_LOAD = 3.0
 TIERS_TENANTS = 4
 PREMIUM_WEIGHT = 4.0
 REGULAR_WEIGHT = 1.0
+#: ``shared-prefix``: applications, and each one's system prompt and tool definitions, tokens
+#: (agentic prompts carry several thousand tokens of tool schemas before the user's turn:
+#: SGLang's RadixAttention paper, https://arxiv.org/abs/2312.07104, measures such shared
+#: prefixes in agent and few-shot workloads).
+SHARED_PREFIX_APPS = 4
+SHARED_PREFIX_TOKENS = 2048
 
 
 def isolation_load(noisy_load: float) -> float:
@@ -140,6 +155,8 @@ def tenants_of(workload: str, noisy_load: float = DEFAULT_NOISY_LOAD) -> list[Te
             for cls, w in (("premium", PREMIUM_WEIGHT), ("regular", REGULAR_WEIGHT))
             for i in range(TIERS_TENANTS)
         ]
+    if workload == "shared-prefix":
+        return [Tenant(f"app-{i}", INTERACTIVE) for i in range(SHARED_PREFIX_APPS)]
     if workload == "multi-tenant":
         return [
             Tenant("chat-a", INTERACTIVE),
@@ -217,19 +234,20 @@ def generate(
     else:
         prompt_fit, output_fit = CONVERSATION_PROMPT, CONVERSATION_OUTPUT
     prompt_max = max(1, max_model_len - PROMPT_HEADROOM)
+    shared = SHARED_PREFIX_TOKENS if workload == "shared-prefix" else 0
     drafts: list[tuple[float, str, str, int, int | None, int]] = []
     for tenant in tenants:
         rng = random.Random(f"{seed}/{workload}/{tenant.name}")
         rate = rate_rps * tenant.demand / total_demand
         times: list[float]
-        if workload in ("conversation", "isolation", "tiers"):
+        if workload in ("conversation", "isolation", "tiers", "shared-prefix"):
             times = _poisson_times(rng, rate, 0.0, duration_s)
         elif workload == "code":
             times = _on_off_times(rng, rate, duration_s)
         else:
             times = _gamma_times(rng, rate, MULTI_TENANT_CV, duration_s)
         for t in times:
-            prompt = min(prompt_max, lognormal_tokens(rng, prompt_fit))
+            prompt = min(prompt_max, shared + lognormal_tokens(rng, prompt_fit))
             room = max_model_len - prompt
             output = min(room, lognormal_tokens(rng, output_fit))
             max_tokens = rng.choice(MAX_TOKENS_CHOICES)
@@ -240,9 +258,10 @@ def generate(
             drafts.append((t, tenant.name, tenant.tier, prompt, max_tokens, output))
     drafts.sort(key=lambda d: (d[0], d[1]))
     requests = [
-        Request(f"{workload}-{seed}-{i}", t, name, tier, prompt, mt, out)
+        Request(f"{workload}-{seed}-{i}", t, name, tier, prompt, mt, out,
+                prefix_group=name if shared else None, prefix_tokens=min(shared, prompt))
         for i, (t, name, tier, prompt, mt, out) in enumerate(drafts)
-    ]
+    ]  # fmt: skip
     return Schedule(workload, rate_rps, duration_s, seed, {t.name: t for t in tenants}, requests)
 
 

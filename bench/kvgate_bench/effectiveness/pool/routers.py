@@ -50,9 +50,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvgate_bench.effectiveness.model.gate import Arm
-from kvgate_bench.effectiveness.model.schedule import Request
+from kvgate_bench.effectiveness.model.schedule import Request, content_keys
 from kvgate_bench.sim.engine import SimEngine
-from kvgate_bench.sim.prefix_cache import SessionKeys, extend_chain
+from kvgate_bench.sim.prefix_cache import extend_chain
 
 #: The routers run by default, in report order (their names are an interface: ``--routers``,
 #: JSON ``router``).
@@ -216,9 +216,10 @@ class EppRouter(Router):
         self._next = now + SCRAPE_S
 
     def _blocks(self, req: Request) -> list[int]:
-        if req.session is None:
+        keys = content_keys(req, self.block_size)
+        if keys is None:
             return []
-        return extend_chain([], SessionKeys(req.session), req.prompt_tokens // self.block_size)
+        return extend_chain([], keys, req.prompt_tokens // self.block_size)
 
     def scores(self, req: Request, hosts: list[int]) -> dict[int, float]:
         """Each host's weighted score for ``req`` (higher is better)."""
