@@ -426,6 +426,13 @@ async def test_wrong_pod_token_is_counted_and_enforcement_waits(
         (["--agent-url", "127.0.0.1:9"], {}, "expected an http:// or https:// URL"),
         (["--failure-mode", "Maybe"], {"KVGATE_AGENT_URL": "http://127.0.0.1:9"}, "Maybe"),
         (["--thresholds-ttl", "0"], {}, "must be a finite number > 0"),
+        (
+            ["--policy", "p.yaml", "--share-sync", "0.5"],
+            {},
+            "--share-sync (KVGATE_SHARE_SYNC) needs --store",
+        ),
+        (["--policy", "p.yaml"], {"KVGATE_SHARE_SYNC": "0.5"}, "needs --store (KVGATE_STORE_URL)"),
+        (["--policy", "p.yaml", "--share-sync", "-1"], {}, "expected a number >= 0"),
     ],
 )
 def test_cli_mode_errors_are_clear(

@@ -148,7 +148,9 @@ def agent_settings(args: argparse.Namespace) -> AgentSettings:
 
 def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``kvgate-agent sidecar``: check the mode (exactly one of ``--policy`` and
-    ``--agent-url``; exit 2 otherwise), then serve until signalled."""
+    ``--agent-url``; exit 2 otherwise) and that ``--share-sync`` comes with ``--store`` (exit 2
+    otherwise: without a store there is nothing to exchange through), then serve until
+    signalled."""
     if (args.policy is None) == (args.agent_url is None):
         parser.error(
             "sidecar: give exactly one of --policy (standalone) or --agent-url (thresholds "
@@ -158,6 +160,11 @@ def sidecar_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         parser.error(
             "sidecar: --agent-url needs --pod-namespace and --pod-name (KVGATE_POD_NAMESPACE, "
             "KVGATE_POD_NAME from the downward API)"
+        )
+    if args.share_sync > 0 and not args.store:
+        parser.error(
+            "sidecar: --share-sync (KVGATE_SHARE_SYNC) needs --store (KVGATE_STORE_URL): the "
+            "service counters are exchanged through the store"
         )
     try:  # the flags went through the type already, the environment's entries did not
         passthrough = tuple(passthrough_path(p) for p in args.passthrough_path)
