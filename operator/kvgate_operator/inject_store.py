@@ -1,5 +1,7 @@
 """What the injected sidecar gets for the store of ``shared`` limits (the chart's ``store.*``
-values): ``KVGATE_STORE_URL``, and the password and CA files mounted from Secrets.
+values): ``KVGATE_STORE_URL``, the password and CA files mounted from Secrets, and the share
+exchange's sync period ``KVGATE_SHARE_SYNC`` (``store.shareSync``, the sidecar's
+``--share-sync``) when it is on.
 
 The Secrets are mounted from the model pod's own namespace (a pod can mount no other), so
 ``store.existingSecret`` and ``store.tls.caSecret`` must exist in every namespace whose pods are
@@ -24,6 +26,10 @@ PASSWORD_DIR = "/var/run/secrets/kvgate-store"
 #: Volume and mount of the store's CA Secret.
 CA_VOLUME = "kvgate-store-ca"
 CA_DIR = "/var/run/secrets/kvgate-store-ca"
+#: ``store.shareSync`` must stay below this, seconds: the sidecar's pool view goes stale after
+#: 5 s without a read (``kvgate_agent.admission.fairqueue.pool.STALE_S``), so a longer sync
+#: period would leave each pod on its own counters between syncs.
+SHARE_SYNC_MAX = 5.0
 
 
 class _Model(BaseModel):
@@ -48,12 +54,17 @@ class StoreInjection(_Model):
         existing_secret: Secret holding the password under ``password_key`` (None: no AUTH).
         password_key: the key in that Secret.
         tls: the CA for ``rediss://``.
+        share_sync: seconds between the sidecars' exchanges of the tenants' service counters
+            through the store, for fair shares across the pool (the sidecar's
+            ``--share-sync``, ``KVGATE_SHARE_SYNC``; 0.5 recommended); 0: off, each pod's fair
+            queue sees its own pod only (the sidecar's default). Below :data:`SHARE_SYNC_MAX`.
     """
 
     url: str
     existing_secret: str | None = Field(None, min_length=1)
     password_key: str = Field("password", min_length=1)
     tls: StoreTls = Field(default_factory=StoreTls)
+    share_sync: float = 0.0
 
     @field_validator("url")
     @classmethod
@@ -62,9 +73,21 @@ class StoreInjection(_Model):
             raise ValueError(f"expected a redis:// or rediss:// URL, got {v!r}")
         return v
 
+    @field_validator("share_sync")
+    @classmethod
+    def _share_sync(cls, v: float) -> float:
+        if not 0 <= v < SHARE_SYNC_MAX:
+            raise ValueError(
+                f"store.shareSync: expected seconds >= 0 and < {SHARE_SYNC_MAX:g} (0: off; 0.5 "
+                f"recommended; past {SHARE_SYNC_MAX:g} s without a read each pod uses its own "
+                f"counters), got {v!r}"
+            )
+        return v
+
 
 def store_env(store: StoreInjection) -> list[dict[str, Any]]:
-    """The sidecar's ``KVGATE_STORE_*`` variables."""
+    """The sidecar's ``KVGATE_STORE_*`` variables, and ``KVGATE_SHARE_SYNC`` when the share
+    exchange is on."""
     env: list[dict[str, Any]] = [{"name": "KVGATE_STORE_URL", "value": store.url}]
     if store.existing_secret is not None:
         env.append(
@@ -72,6 +95,8 @@ def store_env(store: StoreInjection) -> list[dict[str, Any]]:
         )
     if store.tls.ca_secret is not None:
         env.append({"name": "KVGATE_STORE_CA_FILE", "value": f"{CA_DIR}/{store.tls.ca_key}"})
+    if store.share_sync > 0:  # 0 is the sidecar's default: the exchange off
+        env.append({"name": "KVGATE_SHARE_SYNC", "value": f"{store.share_sync:g}"})
     return env
 
 

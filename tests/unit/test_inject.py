@@ -750,6 +750,28 @@ def test_store_settings_need_a_redis_url_and_add_only_what_is_set() -> None:
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["KVGATE_STORE_URL"] == "redis://redis:6379/0"
     assert "KVGATE_STORE_PASSWORD_FILE" not in env and "KVGATE_STORE_CA_FILE" not in env
+    assert "KVGATE_SHARE_SYNC" not in env  # the exchange off: the sidecar's default
+
+
+def test_share_sync_reaches_the_sidecar_beside_the_store_and_bad_periods_are_refused() -> None:
+    def env(store: dict[str, object]) -> dict[str, str | None]:
+        cfg = InjectionConfig.model_validate({"store": store})
+        c = sidecar_container(cfg, model_port=8000, sidecar_port=8001, policy=None)
+        return {e["name"]: e.get("value") for e in c["env"]}
+
+    url = "redis://redis:6379/0"
+    assert env({"url": url, "shareSync": 0.5})["KVGATE_SHARE_SYNC"] == "0.5"
+    assert env({"url": url, "shareSync": 2})["KVGATE_SHARE_SYNC"] == "2"
+    assert env({"url": url, "share_sync": 0.25})["KVGATE_SHARE_SYNC"] == "0.25"
+    assert "KVGATE_SHARE_SYNC" not in env({"url": url, "shareSync": 0})
+    for bad in (-0.5, 5, 60, float("nan"), float("inf")):
+        with pytest.raises(ValidationError, match=r"store\.shareSync: expected seconds >= 0"):
+            InjectionConfig.model_validate({"store": {"url": url, "shareSync": bad}})
+    with pytest.raises(ValidationError):
+        InjectionConfig.model_validate({"store": {"url": url, "shareSync": "fast"}})
+    # The pod's other store pieces are the same with the exchange on.
+    on = InjectionConfig.model_validate({"store": {"url": url, "shareSync": 0.5}})
+    assert on.store is not None and store_volumes(on.store) == []
 
 
 def test_the_epp_engine_type_label_on_a_pod_without_labels_or_metadata() -> None:

@@ -18,7 +18,7 @@ import yaml
 from pydantic.alias_generators import to_camel
 
 from kvgate_agent.cli import build_parser
-from kvgate_agent.sidecar.settings import AgentSettings
+from kvgate_agent.sidecar.settings import AgentSettings, StoreSettings
 from kvgate_operator.inject_store import StoreInjection
 from kvgate_operator.template import TOKEN_FILE, InjectionConfig, sidecar_container
 from tests.conftest import REPO
@@ -74,6 +74,7 @@ def test_the_template_sets_only_sidecar_variables_with_values_they_accept() -> N
             "existingSecret": "s",
             "passwordKey": "pw",
             "tls": {"caSecret": "ca", "caKey": "ca.crt"},
+            "shareSync": 0.5,
         }
     )
     config = chart_injection().model_copy(
@@ -87,7 +88,7 @@ def test_the_template_sets_only_sidecar_variables_with_values_they_accept() -> N
     container = sidecar_container(config, model_port=8000, sidecar_port=8001, policy="p")
     flags = flags_by_env("sidecar")
     names = {e["name"] for e in container["env"]}
-    assert {"KVGATE_API_KEYS_FILE", "KVGATE_JWKS_FILE"} <= names
+    assert {"KVGATE_API_KEYS_FILE", "KVGATE_JWKS_FILE", "KVGATE_SHARE_SYNC"} <= names
     assert names - TEMPLATE_ONLY <= set(flags), names - TEMPLATE_ONLY - set(flags)
     for name, text in literal_env(config).items():
         if name in flags and "$(" not in text:
@@ -134,6 +135,43 @@ def test_the_charts_sidecar_defaults_are_the_settings_defaults() -> None:
     }
     assert set(checked) <= set(values()["injector"]), "each is a values.yaml key"
     assert AgentSettings.__dataclass_fields__["token_file"].default == TOKEN_FILE
+
+
+def chart_store(**update: Any) -> dict[str, Any]:
+    """values.yaml's ``store`` with ``url`` set and ``update`` applied, as the chart's
+    ``kvgate.injection`` helper passes it: the empty Secret names (none) left out."""
+    store = {**values()["store"], "url": "redis://r:6379/0", **update}
+    store["tls"] = {k: v for k, v in store["tls"].items() if v != ""}
+    return {k: v for k, v in store.items() if v != ""}
+
+
+def changed_store_env(update: dict[str, Any]) -> set[str]:
+    """The variables that move when the chart's ``store`` values (``url`` set) get ``update``."""
+    base = chart_injection().model_copy(
+        update={"store": StoreInjection.model_validate(chart_store())}
+    )
+    before = literal_env(base)
+    new = StoreInjection.model_validate(chart_store(**update))
+    after = literal_env(base.model_copy(update={"store": new}))
+    return {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+
+
+def test_the_charts_store_values_are_the_store_injection_and_share_sync_defaults_off() -> None:
+    """``store`` of values.yaml has a key per :class:`StoreInjection` field; ``shareSync``'s
+    default is the sidecar's ``--share-sync`` default (0: the exchange off, no variable), and the
+    sidecar's flag reads what the template writes from it."""
+    assert set(values()["store"]) == {to_camel(n) for n in StoreInjection.model_fields}
+    injection = StoreInjection.model_validate(chart_store())
+    default = StoreSettings.__dataclass_fields__["share_sync"].default
+    assert values()["store"]["shareSync"] == injection.share_sync == default == 0
+    assert changed_store_env({}) == set()
+    assert changed_store_env({"shareSync": 0.5}) == {"KVGATE_SHARE_SYNC"}
+    flag = flags_by_env("sidecar")["KVGATE_SHARE_SYNC"]
+    assert flag.option_strings == ["--share-sync"]
+    assert parse(flag, flag.default) == default
+    on = StoreInjection.model_validate(chart_store(shareSync=0.5))
+    config = chart_injection().model_copy(update={"store": on})
+    assert parse(flag, literal_env(config)["KVGATE_SHARE_SYNC"]) == 0.5
 
 
 def test_the_injection_helper_passes_values_keys_as_injection_fields() -> None:
