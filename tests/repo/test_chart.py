@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvgate_operator.inject_store import store_env
 from kvgate_operator.settings import OperatorSettings
 from kvgate_operator.template import ADMIN_PORT_NAME, InjectionConfig
 from tests.conftest import REPO, k8s_bin_dir
@@ -263,6 +264,24 @@ BAD_VALUES = {
     "token expiry below 10 minutes": ["--set", "injector.tokenExpirationSeconds=60"],
     "issuerRef without name": ["--set", "webhook.certManager.issuerRef.kind=ClusterIssuer"],
     "store url not redis": ["--set", "store.url=http://redis:6379"],
+    "shareSync negative": [
+        "--set",
+        "store.url=redis://r:6379/0",
+        "--set-json",
+        "store.shareSync=-1",
+    ],
+    "shareSync 5 or more": [
+        "--set",
+        "store.url=redis://r:6379/0",
+        "--set-json",
+        "store.shareSync=5",
+    ],
+    "shareSync not a number": [
+        "--set",
+        "store.url=redis://r:6379/0",
+        "--set",
+        "store.shareSync=on",
+    ],
     "keys file key a path": ["--set", "injector.apiKeysKey=../keys.yaml"],
     "jwks key empty": ["--set", "injector.jwksKey="],
     # Cross-field checks (templates/validate.yaml).
@@ -278,6 +297,7 @@ BAD_VALUES = {
         "--set",
         "webhook.url=https://127.0.0.1:9443/inject-sidecar",
     ],
+    "shareSync without a store": ["--set-json", "store.shareSync=0.5"],
     # Chart.yaml's kubeVersion: the default values' own-node policy needs 1.30.
     "Kubernetes 1.29": ["--kube-version", "1.29.0"],
     "Kubernetes 1.29, own-node policy off": [
@@ -302,7 +322,7 @@ def test_bad_values_rejected(
 ) -> None:
     r = bad_renders[case]
     assert r.returncode != 0, f"{case}: helm template accepted {BAD_VALUES[case]}"
-    whys = ("schema", "exclude each other", "incompatible with Kubernetes v1.29")
+    whys = ("schema", "exclude each other", "needs store.url", "incompatible with Kubernetes v1.29")
     assert any(why in r.stderr for why in whys), r.stderr
 
 
@@ -853,6 +873,9 @@ def test_injection_settings(docs: dict[str, Docs], scenario: str) -> None:
     # The keys file's Secret only where the values name one; an empty name is none.
     files = [f.variable for f in cfg.identity_files()]
     assert files == (["KVGATE_API_KEYS_FILE"] if scenario == "plain-container" else [])
+    # The share exchange's period beside the store's URL (the scenario sets store.shareSync).
+    if scenario == "plain-container":
+        assert cfg.store is not None and cfg.store.share_sync == inj["store"]["shareSync"] == 0.5
 
 
 def test_injection_tracks_values(helm: Helm) -> None:
@@ -892,6 +915,33 @@ def test_injection_tracks_values(helm: Helm) -> None:
     assert (inj["apiKeysSecret"], inj["apiKeysKey"]) == ("keys", "keys.yaml")
     assert (inj["jwksSecret"], inj["jwksKey"]) == ("idp", "idp.json")
     assert InjectionConfig.model_validate(inj).epp_engine_type == "kvgate"
+
+
+def test_share_sync_tracks_values_beside_the_store(helm: Helm) -> None:
+    """``store.shareSync`` reaches the injection settings (and so the sidecar's
+    KVGATE_SHARE_SYNC) only when on, beside ``store.url``; without a store it is refused by
+    name."""
+    show = ("--show-only", "templates/operator-deployment.yaml", "--set", "store.url=redis://r/0")
+    on, off, integral, alone = helm(
+        _template_args(*show, "--set-json", "store.shareSync=0.5"),
+        _template_args(*show),
+        _template_args(*show, "--set", "store.shareSync=2"),
+        _template_args("--set-json", "store.shareSync=0.5"),
+    )
+
+    def store(r: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+        assert r.returncode == 0, r.stderr
+        (dep,) = [d for d in yaml.safe_load_all(r.stdout) if d]
+        env = _env(dep["spec"]["template"]["spec"]["containers"][0])
+        inj = InjectionConfig.model_validate(json.loads(env["KVGATE_OPERATOR_INJECTION"]))
+        assert inj.store is not None
+        return {e["name"]: e.get("value") for e in store_env(inj.store)}
+
+    assert store(on)["KVGATE_SHARE_SYNC"] == "0.5"
+    assert store(integral)["KVGATE_SHARE_SYNC"] == "2"
+    assert "KVGATE_SHARE_SYNC" not in store(off)  # the default: off, the sidecar's own default
+    assert alone.returncode != 0
+    assert "store.shareSync needs store.url" in alone.stderr, alone.stderr
 
 
 # ----------------------------------------------------------------------------------------------

@@ -127,6 +127,7 @@ operator reads exactly these keys.
 {{- $s := dict "url" .url "passwordKey" .passwordKey "tls" (dict "caKey" .tls.caKey) }}
 {{- if .existingSecret }}{{- $_ := set $s "existingSecret" .existingSecret }}{{- end }}
 {{- if .tls.caSecret }}{{- $_ := set $s.tls "caSecret" .tls.caSecret }}{{- end }}
+{{- if .shareSync }}{{- $_ := set $s "shareSync" .shareSync }}{{- end }}
 {{- $_ := set $inj "store" $s }}
 {{- end }}
 {{- end }}
@@ -155,5 +156,8 @@ Checks across values that the schema cannot express; fails the render with the r
 {{- end }}
 {{- if and $w.certManager.enabled $w.url }}
 {{- fail "webhook.url and webhook.certManager.enabled exclude each other: the certificate is for the in-cluster Service" }}
+{{- end }}
+{{- if and .Values.store.shareSync (not .Values.store.url) }}
+{{- fail "store.shareSync needs store.url: the sidecars exchange their service counters through the store" }}
 {{- end }}
 {{- end }}
