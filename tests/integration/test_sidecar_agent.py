@@ -433,6 +433,7 @@ async def test_wrong_pod_token_is_counted_and_enforcement_waits(
         ),
         (["--policy", "p.yaml"], {"KVGATE_SHARE_SYNC": "0.5"}, "needs --store (KVGATE_STORE_URL)"),
         (["--policy", "p.yaml", "--share-sync", "-1"], {}, "expected a number >= 0"),
+        (["--policy", "p.yaml", "--share-sync", "5"], {}, "expected seconds below 5"),
     ],
 )
 def test_cli_mode_errors_are_clear(

@@ -9,6 +9,7 @@ are read as text and YAML.)"""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from typing import Any
@@ -17,9 +18,10 @@ import pytest
 import yaml
 from pydantic.alias_generators import to_camel
 
+from kvgate_agent.admission import POOL_STALE_S
 from kvgate_agent.cli import build_parser
 from kvgate_agent.sidecar.settings import AgentSettings, StoreSettings
-from kvgate_operator.inject_store import StoreInjection
+from kvgate_operator.inject_store import SHARE_SYNC_MAX, StoreInjection
 from kvgate_operator.template import TOKEN_FILE, InjectionConfig, sidecar_container
 from tests.conftest import REPO
 
@@ -172,6 +174,13 @@ def test_the_charts_store_values_are_the_store_injection_and_share_sync_defaults
     on = StoreInjection.model_validate(chart_store(shareSync=0.5))
     config = chart_injection().model_copy(update={"store": on})
     assert parse(flag, literal_env(config)["KVGATE_SHARE_SYNC"]) == 0.5
+    # One bound for the period: the chart's schema, the operator's and the sidecar's flag all
+    # stop below the age at which the pod reads the pool's figures as stale.
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    bound = schema["properties"]["store"]["properties"]["shareSync"]["exclusiveMaximum"]
+    assert bound == SHARE_SYNC_MAX == POOL_STALE_S
+    with pytest.raises(argparse.ArgumentTypeError, match="below 5"):
+        parse(flag, str(POOL_STALE_S))
 
 
 def test_the_injection_helper_passes_values_keys_as_injection_fields() -> None:

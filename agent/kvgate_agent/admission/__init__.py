@@ -28,6 +28,7 @@ from kvgate_agent.admission.decision import (
     Ticket,
     Waiter,
 )
+from kvgate_agent.admission.fairqueue import STALE_S as POOL_STALE_S
 from kvgate_agent.admission.fairqueue import PoolShare
 from kvgate_agent.admission.holds import Hold
 from kvgate_agent.admission.limits import round_up
@@ -35,6 +36,7 @@ from kvgate_agent.admission.retry import retry_after_seconds
 from kvgate_agent.admission.stats import AdmissionStats, TenantStats
 
 __all__ = [
+    "POOL_STALE_S",
     "AdmissionConfig",
     "AdmissionController",
     "AdmissionRequest",

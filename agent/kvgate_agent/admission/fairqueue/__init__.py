@@ -24,9 +24,17 @@ limits: the face would import back into them).
 
 from __future__ import annotations
 
-from kvgate_agent.admission.fairqueue.pool import PoolShare
+from kvgate_agent.admission.fairqueue.pool import STALE_S, PoolShare
 from kvgate_agent.admission.fairqueue.reserve import PREFILL_SHARE, what_blocks
 from kvgate_agent.admission.fairqueue.share import FairShare
 from kvgate_agent.admission.fairqueue.waitqueue import MAX_SKIPS, WaitQueue
 
-__all__ = ["MAX_SKIPS", "PREFILL_SHARE", "FairShare", "PoolShare", "WaitQueue", "what_blocks"]
+__all__ = [
+    "MAX_SKIPS",
+    "PREFILL_SHARE",
+    "STALE_S",
+    "FairShare",
+    "PoolShare",
+    "WaitQueue",
+    "what_blocks",
+]

@@ -10,9 +10,10 @@ import argparse
 import math
 from dataclasses import dataclass, field
 
+from kvgate_agent.admission import POOL_STALE_S as STALE_S
 from kvgate_agent.args import flag, positive
 
-__all__ = ["StoreSettings", "non_negative", "store_url"]
+__all__ = ["StoreSettings", "non_negative", "share_period", "store_url"]
 
 
 def store_url(value: str) -> str:
@@ -30,6 +31,20 @@ def non_negative(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
     if not 0 <= v < math.inf:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}")
+    return v
+
+
+def share_period(value: str) -> float:
+    """An argparse type: the share exchange's sync period, seconds, >= 0 and below
+    :data:`~kvgate_agent.admission.fairqueue.pool.STALE_S` (past which a pod reads the pool's
+    figures as stale and decides on its own counters: a longer period would leave the
+    exchange on in name only). 0: off."""
+    v = non_negative(value)
+    if v >= STALE_S:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds below {STALE_S:g} (the pool's figures are stale after "
+            f"{STALE_S:g} s without a sync), got {value!r}"
+        )
     return v
 
 
@@ -77,8 +92,8 @@ class StoreSettings:
         metadata=flag(
             "seconds between exchanges of the tenants' service counters with the other "
             "sidecars through the store, for fair shares across the pool (0.5 recommended); "
-            "0: off, each pod's fair queue sees its own pod only",
-            parse=non_negative,
+            f"0: off, each pod's fair queue sees its own pod only; below {STALE_S:g}",
+            parse=share_period,
         ),
     )
     """The share exchange's sync period, seconds (:mod:`kvgate_agent.sidecar.store.exchange`);
