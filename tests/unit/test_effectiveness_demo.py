@@ -168,3 +168,13 @@ def test_the_kvgate_arm_is_described_from_its_own_policy() -> None:
     assert "ShortestFirst fair queue of 100, waits up to 10 s" in text
     assert "Degrade to 128 tokens" in text and "no rate limit" in text
     assert "interactive-w100 (weight 1, the SLO)" in text
+
+
+def test_the_setup_text_describes_every_workload_the_demo_offers() -> None:
+    """Every ``--workload`` choice has its arrivals described (``isolation`` crashed the demo
+    after its runs with a KeyError before this)."""
+    from kvgate_bench.demo.virtual_report import ARRIVALS
+    from kvgate_bench.effectiveness.model.workloads import WORKLOADS
+
+    for workload in WORKLOADS:
+        assert demo.parse_args(["--workload", workload]).workload in ARRIVALS

@@ -36,6 +36,7 @@ WIDTH = 100
 #: How each workload's arrivals come (for the setup text).
 ARRIVALS: dict[str, str] = {
     "conversation": "Poisson arrivals",
+    "isolation": "Poisson arrivals (the noisy tenant's too, at its own rate)",
     "code": (
         f"on/off bursts (ON {CODE_ON_MEAN_S:g} s, OFF {CODE_OFF_MEAN_S:g} s on average: "
         f"{(CODE_ON_MEAN_S + CODE_OFF_MEAN_S) / CODE_ON_MEAN_S:g}x the mean rate while ON)"
