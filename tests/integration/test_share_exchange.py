@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 
 from kvgate_agent.sidecar.app import Sidecar
@@ -131,3 +132,29 @@ async def test_pool_shares_through_the_store_survive_it_hanging_and_restarting(
     assert set(load.statuses) <= {200, 429}, load.statuses  # never a 5xx for the store
     assert load.statuses[200] > 0
     assert load.slowest < 2.0, load.slowest  # no request waited on the hung store
+
+
+async def test_a_store_unreachable_from_the_start_is_said_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A mistyped store URL: the first failed sync logs a warning (the exchange was never up,
+    and before this nothing was logged at all), later failures do not repeat it; the syncs
+    count as failed and the pod decides on its own counters."""
+    from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
+
+    now = [0.0]
+    admission = AsyncAdmission(AdmissionController(AdmissionConfig()))
+    ex = ShareExchange(
+        StoreSettings(url="redis://127.0.0.1:1/0", timeout=0.2), admission,
+        lambda: "ns/policy", 0.5, clock=lambda: now[0],
+    )  # fmt: skip
+    ex.client = aioredis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.2)
+    try:
+        with caplog.at_level("WARNING", logger="kvgate.store.shares"):
+            for _ in range(3):
+                now[0] += 1.0
+                assert await ex.step() is False
+        warned = [r for r in caplog.records if "store unreachable" in r.getMessage()]
+        assert len(warned) == 1 and ex.syncs_failed == 3 and ex.syncs_ok == 0
+    finally:
+        await ex.client.aclose()

@@ -119,7 +119,10 @@ class ShareExchange(Collector):
         self._task: asyncio.Task[None] | None = None
         self.syncs_ok = 0
         self.syncs_failed = 0
-        self._up = False
+        #: None until the first sync ends; then whether the last one reached the store (a
+        #: warning is logged when the first fails and on every loss of the store, not at every
+        #: failed sync).
+        self._up: bool | None = None
 
     async def start(self) -> None:
         """Connect (lazily: an unreachable store only fails syncs) and start the loop."""
@@ -161,12 +164,12 @@ class ShareExchange(Collector):
         except Exception as exc:  # any store failure is a failed sync
             pool.unsent(sent)
             self.syncs_failed += 1
-            if self._up:
+            if self._up is not False:
                 log.warning("store unreachable for the share exchange (%s): local shares", exc)
             self._up = False
             return False
         self.syncs_ok += 1
-        if not self._up:
+        if self._up is not True:
             log.info("share exchange synced with the store: pool-wide shares")
         self._up = True
         remote = pool.update(totals, sent, self.clock())

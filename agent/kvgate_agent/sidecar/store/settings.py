@@ -91,7 +91,8 @@ class StoreSettings:
         default=0.0,
         metadata=flag(
             "seconds between exchanges of the tenants' service counters with the other "
-            "sidecars through the store, for fair shares across the pool (0.5 recommended); "
+            "sidecars through the store (needs --store), for fair shares across the pool (0.5 "
+            "recommended); "
             f"0: off, each pod's fair queue sees its own pod only; below {STALE_S:g}",
             parse=share_period,
         ),
