@@ -53,7 +53,7 @@ from pathlib import Path
 from kvgate_bench.effectiveness.arms.registry import ABLATIONS, ARM_NAMES
 from kvgate_bench.effectiveness.calibration import Calibration, calibrate_all, calibration_json
 from kvgate_bench.effectiveness.model.engines import engine_of, is_builtin
-from kvgate_bench.effectiveness.model.workloads import ALL_WORKLOADS, WORKLOADS
+from kvgate_bench.effectiveness.model.workloads import ALL_WORKLOADS, EXTRA_WORKLOADS, WORKLOADS
 from kvgate_bench.effectiveness.pool.report import json_path_problem, run_pool_mode
 from kvgate_bench.effectiveness.replay import DEFAULT_REPLAYS, PROBE_DELTAS_S
 from kvgate_bench.effectiveness.report.progress import Progress
@@ -99,12 +99,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--workloads",
-        help=f"comma-separated, from {','.join(ALL_WORKLOADS)} (default: all but tiers)",
+        help=f"comma-separated, from {','.join(ALL_WORKLOADS)} (default {','.join(WORKLOADS)}; "
+        f"--short: conversation,multi-tenant; {' and '.join(EXTRA_WORKLOADS)} only when named)",
     )
     p.add_argument(
         "--loads",
-        help="comma-separated loads (x the none arm's goodput capacity; pool mode: x N pods', "
-        "default 0.8,1.5,2,3)",
+        help="comma-separated loads (x the none arm's goodput capacity; default 0.5,1,1.5,2,3, "
+        "--short 1,2; pool mode: x N pods', default 0.8,1.5,2,3)",
     )
     p.add_argument("--seeds", type=int, help="seeds per point (default 3, pool mode 2; --short 1)")
     p.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     short = args.short
     workloads = (
-        args.workloads.split(",") if args.workloads else
+        args.workloads.split(",") if args.workloads is not None else
         (["conversation", "multi-tenant"] if short else list(WORKLOADS))
     )  # fmt: skip
     loads = [float(x) for x in args.loads.split(",")] if args.loads else (
