@@ -124,8 +124,12 @@ def test_planned_cells_and_seeds() -> None:
     resume.add_run(doc, "isolation:2", 7, plan.NONE, {})  # a cell and seed outside the defaults
     cells, seeds = progress.planned(doc)
     assert cells[-1] == ("isolation", 2.0) and seeds == [2, 3, 4, 7]
-    doc["invocations"].append({"cells": ["multi-tenant:3"], "seeds": [5]})  # what a run asked
-    assert progress.planned(doc) == ([("multi-tenant", 3.0), ("isolation", 2.0)], [5, 7])
+    # What a run asked adds to the verdict's plan, never shrinks it.
+    doc["invocations"].append({"cells": ["multi-tenant:3", "isolation-alone:3"], "seeds": [5]})
+    cells, seeds = progress.planned(doc)
+    default = plan.parse_cells(plan.DEFAULT_CELLS)
+    assert cells == [*default, ("isolation-alone", 3.0), ("isolation", 2.0)]
+    assert seeds == [2, 3, 4, 5, 7]
     assert progress.planned(doc, [("multi-tenant", 1.0)], [9]) == ([("multi-tenant", 1.0)], [9])
 
 

@@ -3,10 +3,11 @@ seed's sweeps done and left, and the arm runs left with their estimated hours. E
 prints the last two as ``left: N arm runs, about X h``; ``--report FILE`` says all of it.
 
 * **Planned** (:func:`planned`): the cells and seeds given (``--cells``, ``--seeds``), else
-  those the file's invocations ran with (each records its ``cells`` and ``seeds``), else the
-  run's defaults (:data:`~kvgate_bench.real_engine.plan.DEFAULT_CELLS` on seeds 2, 3, 4; a
-  ``--short`` file's :data:`~kvgate_bench.real_engine.plan.SHORT_CELLS` on seed 2); every
-  cell and report seed the file already holds added.
+  the verdict's (:data:`~kvgate_bench.real_engine.plan.DEFAULT_CELLS` on seeds 2, 3, 4; a
+  ``--short`` file's :data:`~kvgate_bench.real_engine.plan.SHORT_CELLS` on seed 2) with
+  those the file's invocations ran with (each records its ``cells`` and ``seeds``) and every
+  cell and report seed the file already holds added: a file whose invocations asked for part
+  of the verdict is not reported as having nothing left.
 * **Sweeps**: per cell that tunes a planned one
   (:func:`~kvgate_bench.real_engine.plan.tuned_on`), the settings of
   :func:`~kvgate_bench.real_engine.plan.sweeps` the file has a row for, and those it lacks
@@ -39,10 +40,8 @@ def planned(
     held = [*doc["cells"], *doc["runs"]]
     ran = [i for i in doc.get("invocations", ()) if isinstance(i, dict) and "cells" in i]
     if cells is None:
-        names = [x for i in ran for x in i["cells"]] or [
-            plan.SHORT_CELLS if short else plan.DEFAULT_CELLS
-        ]
-        names += [str(c["cell"]) for c in held]
+        names = [plan.SHORT_CELLS if short else plan.DEFAULT_CELLS]
+        names += [x for i in ran for x in i["cells"]] + [str(c["cell"]) for c in held]
         out_cells: list[tuple[str, float]] = []
         for name in names:
             for cell in plan.parse_cells(name):
@@ -53,8 +52,7 @@ def planned(
     if seeds is None:
         tune = int(doc["tune_seed"])
         found = {int(c["seed"]) for c in held} | {int(x) for i in ran for x in i.get("seeds") or ()}
-        if not ran:
-            found |= set(DEFAULT_SEEDS[:1] if short else DEFAULT_SEEDS)
+        found |= set(DEFAULT_SEEDS[:1] if short else DEFAULT_SEEDS)
         out_seeds = sorted(found - {tune})
     else:
         out_seeds = list(seeds)
