@@ -43,7 +43,7 @@ from kvgate_agent.admission.lease import (
     StoreState,
 )
 from kvgate_agent.sidecar.store.settings import StoreSettings as StoreSettings  # re-exported
-from kvgate_agent.tasks import cancel_and_wait
+from kvgate_agent.tasks import cancel_and_wait, every
 
 log = logging.getLogger("kvgate.store")
 
@@ -160,7 +160,9 @@ class StoreLink:
         """Connect (lazily: an unreachable store only fails syncs) and start the loop."""
         self.client = connect(self.settings)
         self._script = self.client.register_script(LUA)
-        self._task = asyncio.create_task(self._loop(), name="kvgate-store")
+        self._task = asyncio.create_task(
+            every(self.step, TICK_S, log, "shared store loop"), name="kvgate-store"
+        )
 
     async def stop(self) -> None:
         """Stop the loop, hand every slice back and charge every debt (one last sync, bounded
@@ -174,16 +176,6 @@ class StoreLink:
                 await self._call(self.book.hand_back_all(), leaving=True)
         await self.client.aclose()
         self.client = None
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug here must not silently stop leasing
-                log.exception("shared store loop step failed")
-            await asyncio.sleep(TICK_S)
 
     async def step(self) -> None:
         """One turn of the loop: the sync due now (if any), then hold or lift admission as the

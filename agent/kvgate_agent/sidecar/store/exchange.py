@@ -46,7 +46,7 @@ from prometheus_client.registry import Collector
 from kvgate_agent.admission import AsyncAdmission, PoolShare
 from kvgate_agent.sidecar.store.buckets import connect, key_prefix
 from kvgate_agent.sidecar.store.settings import StoreSettings
-from kvgate_agent.tasks import cancel_and_wait
+from kvgate_agent.tasks import cancel_and_wait, every
 
 log = logging.getLogger("kvgate.store.shares")
 
@@ -128,7 +128,9 @@ class ShareExchange(Collector):
         """Connect (lazily: an unreachable store only fails syncs) and start the loop."""
         if self.client is None:
             self.client = connect(self.settings)
-        self._task = asyncio.create_task(self._loop(), name="kvgate-share-exchange")
+        self._task = asyncio.create_task(
+            every(self.step, TICK_S, log, "share exchange"), name="kvgate-share-exchange"
+        )
 
     async def stop(self) -> None:
         """Stop the loop (what was not sent is dropped: the others' shares lose at most one
@@ -139,16 +141,6 @@ class ShareExchange(Collector):
             with contextlib.suppress(Exception):
                 await self.client.aclose()
         self.client = None
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a bug here must not silently stop the exchange
-                log.exception("share exchange step failed")
-            await asyncio.sleep(TICK_S)
 
     async def step(self) -> bool:
         """The sync due now, if one is: returns whether one was tried and succeeded."""
