@@ -63,6 +63,9 @@ async def serve_sidecar(sc: Sidecar, runners: list[Any]) -> str:
     await server.start(("127.0.0.1", 0), sc.settings.admin_listen)
     runners.append(server)
     url = f"http://127.0.0.1:{server.port}"
+    # A port is reused once its earlier sidecar closed: an entry left by that one would send
+    # gauges() to its closed admin port (connection refused, seen on a busy machine).
+    ADMIN_URLS.pop(url, None)
     if server.admin_port is not None:
         ADMIN_URLS[url] = f"http://127.0.0.1:{server.admin_port}"
     return url
