@@ -146,8 +146,6 @@ class Runner:
     budget_s: float
     t0: float = field(default_factory=time.monotonic)
     units: int = 0
-    #: The last unit's engine checks (before, after; :func:`engine_check`).
-    checks: list[dict[str, Any] | None] = field(default_factory=list)
 
     def save(self) -> None:
         if self.path is not None:
@@ -177,8 +175,9 @@ class Runner:
 
     async def run_unit(
         self, sched: Schedule, workload: str, load: float, arm: str, params: dict[str, Any]
-    ) -> ArmRun:
-        """``arm`` at ``params`` on ``sched`` against a llama-server of its own."""
+    ) -> tuple[ArmRun, list[dict[str, Any] | None]]:
+        """``arm`` at ``params`` on ``sched`` against a llama-server of its own; with the
+        engine's checks on that server before the arm and after (:func:`engine_check`)."""
         a, c = self.args, self.doc["calibration"]
         ctx = arm_context(plan.base_workload(workload), a, float(c["capacity_rps"]),
                           float(c["mean_total_tokens"]), slo_of(c), load)  # fmt: skip
@@ -190,14 +189,14 @@ class Runner:
             cpus=self.engine_cpus,
         )  # fmt: skip
         try:
-            self.checks = [await engine_check(proc.url, self.words, self.model.alias)]
+            checks = [await engine_check(proc.url, self.words, self.model.alias)]
             run = await run_arm(
                 proc.url, sched, arm, ctx, params, max_tokens=a.max_tokens, drain_s=a.drain,
                 words=self.words, workdir=self.workdir, alias=self.model.alias,
                 client_cpus=self.client_cpus,
             )  # fmt: skip
-            self.checks.append(await engine_check(proc.url, self.words, self.model.alias))
-            return run
+            checks.append(await engine_check(proc.url, self.words, self.model.alias))
+            return run, checks
         finally:
             await asyncio.to_thread(proc.stop)
 
@@ -224,10 +223,10 @@ class Runner:
                 if row is None:
                     if not self.fits(sched, f"tuning {key} {arm} {params}"):
                         return False
-                    run = await self.run_unit(sched, workload, load, arm, params)
+                    run, checks = await self.run_unit(sched, workload, load, arm, params)
                     row = real_row(run, self.args, slo.pair(), workload=workload, load=load,
                                    arm=arm, seed=seed, params=params, tuned="swept",
-                                   position=0, engine_check=self.checks)  # fmt: skip
+                                   position=0, engine_check=checks)  # fmt: skip
                     resume.add_sweep(self.doc, key, arm, params, row)
                     self.save()
                     print(f"  tune {key} seed {seed}: {row_text(row)}", flush=True)
@@ -266,10 +265,10 @@ class Runner:
             params = dict(self.doc["tuned"][tuned_key].get(arm, {}))
             if not self.fits(sched, f"{key} seed {seed} {arm}"):
                 return False
-            run = await self.run_unit(sched, workload, load, arm, params)
+            run, checks = await self.run_unit(sched, workload, load, arm, params)
             row = real_row(run, self.args, slo.pair(), workload=workload, load=load, arm=arm,
                            seed=seed, params=params, tuned="reused" if params else "-",
-                           position=pos, engine_check=self.checks)  # fmt: skip
+                           position=pos, engine_check=checks)  # fmt: skip
             resume.add_run(self.doc, key, seed, arm, row)
             self.save()
             print(row_text(row), flush=True)
