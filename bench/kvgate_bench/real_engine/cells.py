@@ -153,11 +153,9 @@ class Runner:
 
     def schedule(self, workload: str, load: float, seed: int) -> Schedule:
         c = self.doc["calibration"]
-        return plan.sized_schedule(
-            workload, load, float(c["capacity_rps"]), seed,
-            min_duration_s=self.args.duration, min_requests=self.args.min_requests,
-            max_model_len=self.args.ctx // self.args.parallel,
-        )  # fmt: skip
+        return plan.configured_schedule(
+            run_config(self.args), float(c["capacity_rps"]), workload, load, seed
+        )
 
     def fits(self, sched: Schedule, what: str) -> bool:
         """Whether a unit on ``sched`` fits the budget; says so when it does not."""

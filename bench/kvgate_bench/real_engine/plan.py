@@ -204,6 +204,19 @@ def sized_schedule(
     return sched
 
 
+def configured_schedule(
+    config: Mapping[str, Any], capacity_rps: float, workload: str, load: float, seed: int
+) -> Schedule:
+    """:func:`sized_schedule` with the sizes of a resume file's ``config`` (its ``duration_s``,
+    ``min_requests``, ``ctx`` and ``parallel``: what ``cli.run_config`` records): the cell's
+    schedule as its run built it."""
+    return sized_schedule(
+        workload, load, capacity_rps, seed,
+        min_duration_s=float(config["duration_s"]), min_requests=int(config["min_requests"]),
+        max_model_len=int(config["ctx"]) // int(config["parallel"]),
+    )  # fmt: skip
+
+
 def tuned_on(workload: str, load: float) -> tuple[str, float]:
     """The cell whose sweep sets ``workload`` at ``load``'s baselines (module docstring)."""
     if workload == "multi-tenant" and load >= 2.0:

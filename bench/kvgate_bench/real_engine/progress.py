@@ -66,11 +66,7 @@ def _sized(
     c = doc.get("calibration")
     if not c:
         return None
-    sched = plan.sized_schedule(
-        workload, load, float(c["capacity_rps"]), seed,
-        min_duration_s=float(config["duration_s"]), min_requests=int(config["min_requests"]),
-        max_model_len=int(config["ctx"]) // int(config["parallel"]),
-    )  # fmt: skip
+    sched = plan.configured_schedule(config, float(c["capacity_rps"]), workload, load, seed)
     return plan.unit_estimate_s(sched.duration_s, float(config["drain_s"]))
 
 

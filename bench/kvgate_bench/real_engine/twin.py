@@ -53,11 +53,9 @@ def schedule_of(doc: Mapping[str, Any], cell: Mapping[str, Any]) -> Schedule | N
     """The cell's schedule as the run built it (:func:`kvgate_bench.real_engine.plan.
     sized_schedule` from the calibration's capacity and the file's ``config``); None when the
     rebuilt one has not the cell's ``requests`` (another version of the generator)."""
-    cfg, c = doc["config"], doc["calibration"]
-    sched = plan.sized_schedule(
-        str(cell["workload"]), float(cell["load"]), float(c["capacity_rps"]), int(cell["seed"]),
-        min_duration_s=float(cfg["duration_s"]), min_requests=int(cfg["min_requests"]),
-        max_model_len=int(cfg["ctx"]) // int(cfg["parallel"]),
+    sched = plan.configured_schedule(
+        doc["config"], float(doc["calibration"]["capacity_rps"]), str(cell["workload"]),
+        float(cell["load"]), int(cell["seed"]),
     )  # fmt: skip
     return sched if len(sched.requests) == int(cell["requests"]) else None
 
