@@ -150,6 +150,11 @@ class PoolShare:
         """Whether a sync is due at clock time ``now`` (seconds)."""
         return now >= self._next_sync
 
+    @property
+    def next_sync(self) -> float:
+        """When the next sync is due, clock seconds (-inf before the first :meth:`take`)."""
+        return self._next_sync
+
     def take(self, now: float) -> dict[str, Counters]:
         """What this replica charged since the last take, per tenant (to add to the pool's
         sums); the next sync is due :attr:`sync_s` after ``now``. O(tenants charged)."""

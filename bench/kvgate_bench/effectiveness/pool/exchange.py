@@ -71,7 +71,6 @@ class KvgateExchangeArm(KvgateDefaultsArm):
         self.pool = PoolShare(**params)
         self.controller.attach_pool(self.pool)
         self.params = dict(params)
-        self._next_sync = 0.0
 
     def _sync(self, now: float) -> None:
         pool = self.pool
@@ -79,7 +78,6 @@ class KvgateExchangeArm(KvgateDefaultsArm):
             return
         sent = pool.take(now)
         remote = pool.update(self.exchange.sync(sent), sent, now)
-        self._next_sync = now + pool.sync_s
         self.controller.pool_synced(remote)
         self.controller.pump()  # who is over its share may have changed
         self._settle(now)
@@ -107,5 +105,5 @@ class KvgateExchangeArm(KvgateDefaultsArm):
     def next_wake(self) -> float | None:
         w = self.controller.next_wake()
         if self._tickets or self._waiting:
-            return min(math.inf if w is None else w, self._next_sync)
+            return min(math.inf if w is None else w, self.pool.next_sync)
         return w
