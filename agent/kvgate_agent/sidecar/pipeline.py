@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from functools import partial
+from typing import cast
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from yarl import URL
 
 from kvgate_agent.admission import AsyncAdmission, Decision, Reason
@@ -86,13 +88,17 @@ class RequestPipeline:
         store (no mode header to add) the request's path itself."""
         return self.completion if self.policy.headed else self._completion
 
-    @web.middleware
-    async def pathless(
-        self, request: web.Request, handler: Callable[[web.Request], Any]
-    ) -> web.StreamResponse:
-        """An absolute-form target without a path (``GET http://host HTTP/1.1``) is the root
-        (RFC 9112 §3.2.2): served by :meth:`other` as ``/`` (aiohttp's router matches no route
-        for an empty path, and would answer a plain-text 404)."""
+    @property
+    def pathless(self) -> Middleware:
+        """aiohttp's middleware (its server leg) for an absolute-form target without a path
+        (``GET http://host HTTP/1.1``), the root (RFC 9112 §3.2.2): served by :meth:`other` as
+        ``/`` (aiohttp's router matches no route for an empty path, and would answer a
+        plain-text 404). A ``partial`` marked by ``web.middleware``: this module is compiled
+        by mypyc (``scripts/mypyc-modules.txt``), whose functions take no attribute."""
+        return web.middleware(partial(self._pathless))
+
+    async def _pathless(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """:attr:`pathless`'s work."""
         rel = request.rel_url
         if rel.raw_path == "":
             root = URL.build(path="/", query_string=rel.raw_query_string, encoded=True)

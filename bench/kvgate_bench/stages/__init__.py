@@ -18,4 +18,9 @@ client's figures as shipped, so the probe's own cost shows), ``uvloop`` (the sta
 ``asyncio`` (the stages on asyncio's loop, whose iterations can be counted).
 
 ``--json FILE`` writes every figure, and each raw key's median (what the remainder is made of).
+``--compiled`` serves the sidecar from the mypyc build instead (:mod:`kvgate_bench.compiled`:
+its extension modules beside this checkout's sources, first on the sidecar process's
+``sys.path``, as the agent image has them; ``--build DIR`` names a build), where the probe
+stamps only the calls Python's attribute lookup makes and the compiled code's edges
+(:meth:`~kvgate_bench.stages.probe.Probe.boundary`).
 """

@@ -10,6 +10,17 @@ The wrappers replace class attributes and module globals, so they take effect on
 Python sources only (a mypyc-compiled module calls its functions natively) and must be in place
 before the sidecar is built (some methods are bound at construction). Each wrapped call costs
 about 0.3-0.6 µs of its own; the run measures the same load without the probe to say how much.
+
+On a compiled build (``--compiled``) only the calls made through Python's attribute lookup are
+stamped: the loop's into the protocols (``data_received``), the compiled code's into the
+modules that stay interpreted (identity, the estimate, ``AsyncAdmission``, the metrics) and the
+interpreted code's into compiled ones (``AdmissionController.submit``). :meth:`Probe.boundary`
+then stamps the rest at the edges of the compiled code: the handler task's coroutine
+(:data:`END`, through the task factory), the client transport's ``write`` (:data:`SEND`), the
+upstream transport's ``writelines`` (``up.write``, then a :data:`WAIT` until the upstream's
+first bytes arrive), each transport handed to the compiled protocol wrapped in a stamping
+proxy; the compiled code between them is its enclosing stamped call's (mostly
+``RequestPipeline._completion``'s: the route hands the listener the bound method).
 """
 
 from __future__ import annotations
@@ -96,6 +107,10 @@ class Probe:
     missing: list[str] = field(default_factory=list)
     _undo: list[tuple[object, str, object]] = field(default_factory=list)
 
+    #: Stamp at the edges of compiled code too (:meth:`boundary`).
+    edges: bool = False
+    _waiting: bool = False
+
     def clear(self) -> None:
         """Forget what was recorded (the wrappers stay)."""
         self.marks.clear()
@@ -122,16 +137,86 @@ class Probe:
                 continue
             if label == START:
                 wrapped = self._reads(fn)
+            elif self.edges and label == "up.read":
+                wrapped = self._upstream_reads(fn)
             else:
                 wrapped = self._coro(fn, label) if is_async else self._sync(fn, label)
             self._undo.append((owner, name, fn))
             setattr(owner, name, wrapped)
+
+    def boundary(self) -> None:
+        """Stamp at the edges of compiled code (see the module docstring): the client and
+        upstream connections' ``connection_made`` hand the compiled protocol a stamping proxy
+        of their transport, and :meth:`watch_loop`'s task factory wraps the handler's
+        coroutine in :data:`END`. Call before :meth:`install`."""
+        self.edges = True
+        for module, path, make in (
+            ("kvgate_agent.sidecar.edge.client_conn", "ClientConnection", self._client_side),
+            ("kvgate_agent.sidecar.upstream.upstream_conn", "UpstreamConnection",
+             self._upstream_side),
+        ):  # fmt: skip
+            cls = getattr(importlib.import_module(module), path)
+            fn = cls.__dict__["connection_made"]
+
+            def connection_made(proto: Any, transport: Any, fn: Any = fn, make: Any = make) -> None:
+                fn(proto, make(transport))
+
+            self._undo.append((cls, "connection_made", fn))
+            setattr(cls, "connection_made", connection_made)  # noqa: B010
+
+    def _client_side(self, transport: Any) -> Any:
+        now, add = time.perf_counter_ns, self.marks.append
+        inner = transport.write
+
+        def write(data: bytes) -> None:
+            add((now(), 1, SEND))
+            try:
+                inner(data)
+            finally:
+                add((now(), -1, SEND))
+
+        return _Stamped(transport, {"write": write})
+
+    def _upstream_side(self, transport: Any) -> Any:
+        now, add = time.perf_counter_ns, self.marks.append
+        inner = transport.writelines
+
+        def writelines(data: Any) -> None:
+            add((now(), 1, "up.write"))
+            try:
+                inner(data)
+            finally:
+                add((now(), -1, "up.write"))
+                add((now(), 1, WAIT))
+                self._waiting = True
+
+        return _Stamped(transport, {"writelines": writelines})
+
+    def _upstream_reads(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The upstream connection's ``data_received`` on a compiled build: it ends the
+        :data:`WAIT` its request's write began."""
+        now, add = time.perf_counter_ns, self.marks.append
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = now()
+            if self._waiting:
+                self._waiting = False
+                add((t, -1, WAIT))
+            add((t, 1, "up.read"))
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                add((now(), -1, "up.read"))
+
+        return wrapper
 
     def uninstall(self) -> None:
         """Put every wrapped function back."""
         for owner, name, fn in reversed(self._undo):
             setattr(owner, name, fn)
         self._undo.clear()
+        self.edges = self._waiting = False
 
     def _sync(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
         now, add = time.perf_counter_ns, self.marks.append
@@ -186,6 +271,7 @@ class Probe:
         """Count ``loop``'s tasks (a task factory) and, on asyncio's own loop, its
         iterations (``_run_once`` wrapped)."""
         now, tasks = time.perf_counter_ns, self.tasks
+        serve = self._coro(_await, END) if self.edges else None
 
         def factory(
             loop: asyncio.AbstractEventLoop,
@@ -193,6 +279,8 @@ class Probe:
             context: contextvars.Context | None = None,
         ) -> asyncio.Task[Any]:
             tasks.append(now())
+            if serve is not None and "_serve" in type(coro).__name__:
+                coro = serve(coro)  # the compiled ClientConnection._serve
             return asyncio.Task(coro, loop=loop, context=context)
 
         loop.set_task_factory(factory)  # type: ignore[arg-type]
@@ -205,6 +293,21 @@ class Probe:
                 run_once()
 
             loop._run_once = counted  # type: ignore[attr-defined]
+
+
+async def _await(coro: Coroutine[Any, Any, Any]) -> Any:
+    return await coro
+
+
+class _Stamped:
+    """A transport with some methods replaced (:meth:`Probe.boundary`), the rest its own."""
+
+    def __init__(self, transport: Any, methods: dict[str, Callable[..., Any]]) -> None:
+        self.__dict__.update(methods)
+        self._transport = transport
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def wrapper_cost_ns(calls: int = 20000) -> float:

@@ -62,7 +62,36 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--passes", default="plain,uvloop,asyncio",
                    help="which passes, comma-separated (default: all three)")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the figures here")
+    p.add_argument("--compiled", action="store_true",
+                   help="serve the sidecar from the mypyc build of scripts/mypyc-modules.txt "
+                   "(python -m kvgate_bench.compiled; its extension modules beside this "
+                   "checkout's sources, first on the sidecar process's sys.path, as the agent "
+                   "image has them) instead of the Python sources")  # fmt: skip
+    p.add_argument("--build", type=Path,
+                   help="with --compiled: this build folder (a kvgate_bench.compiled cache "
+                   "entry) rather than the one for the current sources")  # fmt: skip
     return p.parse_args(argv)
+
+
+#: Set in the process :func:`main` re-runs on a compiled build (``--compiled``).
+ON_BUILD = "KVGATE_STAGES_ON_BUILD"
+
+
+def on_build(argv: Sequence[str] | None, given: Path | None) -> int:
+    """Run this command again in a process whose ``kvgate_agent`` is the compiled build (see
+    ``--compiled``; ``given``, or the build made or found by :mod:`kvgate_bench.compiled`); its
+    exit code."""
+    import tempfile
+
+    from kvgate_bench import compiled
+
+    build = compiled.build() if given is None else given.resolve()
+    with tempfile.TemporaryDirectory(prefix="kvgate-stages-") as tmp:
+        path = compiled.overlay(build, Path(tmp) / "agent")
+        env = {**os.environ, ON_BUILD: str(build), "PYTHONPATH": str(path)}
+        args = list(sys.argv[1:] if argv is None else argv)
+        cmd = [sys.executable, "-m", "kvgate_bench.stages", *args]
+        return subprocess.run(cmd, env=env, check=False).returncode
 
 
 async def one_pass(upstream: int, args: argparse.Namespace, probe: Probe | None) -> list[Any]:
@@ -191,7 +220,14 @@ def _shown(stage: str, cols: Sequence[dict[str, tuple[float, float]]]) -> bool:
 
 def render(result: dict[str, Any]) -> str:
     """The printed report (Markdown tables)."""
-    lines = []
+    lines = [f"sidecar: {result.get('build', 'pure Python sources')}", ""]
+    if result.get("build", "").startswith("compiled"):
+        lines += ["(compiled: only calls made through Python's attribute lookup and the "
+                  "transports' writes are stamped; the compiled code between them is in the "
+                  "rows of the calls around it: the request head (the parse's callback, up to "
+                  "the task's creation), serve glue, pipeline glue (_completion's whole "
+                  "compiled path: the pipeline, the forward and the relay, the upstream pool; "
+                  "for a stream, its events' waits too) and the reads)", ""]  # fmt: skip
     stage_names = [name for name, _ in timeline.STAGES] + [timeline.UNATTRIBUTED]
     top = [CLIENT_TOTAL, DIRECT_TOTAL, ADDED, FIRST, FIRST_DIRECT]
     for name, p in result["passes"].items():
@@ -230,6 +266,16 @@ def render(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Start the upstream, run each pass, print the tables, write ``--json``."""
     args = parse_args(argv)
+    if args.compiled and ON_BUILD not in os.environ:
+        return on_build(argv, args.build)
+    build = "pure Python sources"
+    if args.compiled:
+        from kvgate_bench import compiled
+
+        if plain := compiled.plain_modules():
+            print(f"--compiled, but these import as sources: {plain}", file=sys.stderr)
+            return 2
+        build = f"compiled ({os.environ[ON_BUILD]})"
     names = [n.strip() for n in args.passes.split(",") if n.strip()]
     if unknown := [n for n in names if n not in PASSES]:
         print(f"unknown passes {unknown}; choose from {list(PASSES)}", file=sys.stderr)
@@ -241,6 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     probe = Probe()
     result: dict[str, Any] = {
+        "build": build,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": dict(machine()),
         "cpus": sorted(os.sched_getaffinity(0)),
@@ -253,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in names:
             loop, probed = PASSES[name]
             if probed:
+                if args.compiled:
+                    probe.boundary()
                 probe.install()
             print(f"pass {name}: {loop}, probe {'on' if probed else 'off'}", file=sys.stderr)
             records = run_pass(loop, port, args, probe if probed else None)

@@ -55,7 +55,12 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("build upstream request (body, headers, head)", ("up.build",)),
     ("upstream connection from the pool", ("up.acquire",)),
     ("upstream write (writelines)", ("up.write",)),
-    ("wait for upstream first byte", ("wait[up.write]:idle", "wait[up.write]:mid")),
+    # (wait[pipeline], wait[serve]: on a compiled build, where the wait begins as the upstream
+    # write returns, inside the outermost stamped call)
+    (
+        "wait for upstream first byte",
+        ("wait[up.write]:idle", "wait[up.write]:mid", "wait[pipeline]:idle", "wait[serve]:idle"),
+    ),
     ("upstream read + llhttp parse", ("up.read",)),
     ("loop turn: resume after upstream headers", ("wait[up.write]:wake",)),
     ("forward glue (admitted, _exchange)", ("forward",)),

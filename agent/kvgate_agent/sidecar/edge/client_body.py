@@ -206,10 +206,28 @@ class BodyStream:
                 self._waiter = None
         return self.read_nowait()
 
-    async def iter_any(self) -> AsyncIterator[bytes]:
+    def iter_any(self) -> AsyncIterator[bytes]:
         """The bytes as they come, until the end."""
-        while chunk := await self.readany():
-            yield chunk
+        return _Chunks(self)
+
+
+class _Chunks:
+    """:meth:`BodyStream.iter_any`'s iterator: an async iterator class, not an async
+    generator, which mypyc does not compile (``scripts/mypyc-modules.txt``)."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: BodyStream) -> None:
+        self._body = body
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._body.readany()
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
 
 
 def _wbits(encoding: str, first: int) -> int:

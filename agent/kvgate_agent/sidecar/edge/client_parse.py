@@ -14,7 +14,7 @@ bytes arrive: llhttp holds a field whole until it ends), with 431 (RFC 9110 §15
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import httptools
 from multidict import CIMultiDict
@@ -246,7 +246,9 @@ def target(url: bytes) -> tuple[str, str]:
     if b"://" not in url:
         return url.decode("latin-1"), ""
     try:
-        parsed = httptools.parse_url(url)
+        # Any: httptools' stub types the URL's parts as bytes, but an absent part is None
+        # (``http://host``: no path), which compiled code (mypyc) would refuse as a TypeError.
+        parsed: Any = httptools.parse_url(url)
     except httptools.HttpParserInvalidURLError:
         raise Refused(400, "the request target is not a URL") from None
     return (parsed.path or b"/").decode("latin-1"), (parsed.query or b"").decode("latin-1")
