@@ -17,16 +17,16 @@ Invariant: pure and clock-injected (times are passed in, seconds); O(1) amortise
 
 from __future__ import annotations
 
-from collections import deque
+from typing import Final
 
 from kvgate_agent.admission.decision import Ticket
 
 #: Length of one rate sample, seconds.
-INTERVAL_S = 0.5
+INTERVAL_S: Final = 0.5
 #: Per-interval decay of the peak rate (so a slower engine, or a smaller one, is learned).
-DECAY = 0.98
+DECAY: Final = 0.98
 #: Longest a ticket counts as pending prefill, seconds.
-HORIZON_S = 5.0
+HORIZON_S: Final = 5.0
 
 
 class PrefillBacklog:
@@ -38,20 +38,45 @@ class PrefillBacklog:
         rate: the engine's prefill rate, prompt tokens per second (0 before any sample).
     """
 
-    __slots__ = ("_done", "_entries", "_interval_end", "pending", "rate")
+    __slots__ = ("_done", "_entries", "_head", "_interval_end", "pending", "rate")
 
     def __init__(self) -> None:
-        self._entries: deque[Ticket] = deque()
+        #: The tickets admitted, oldest first, from index ``_head`` on (those before it are
+        #: gone: a list and an index rather than a deque, whose methods mypyc calls as
+        #: Python methods, on every admission).
+        self._entries: list[Ticket] = []
+        self._head = 0
         self.pending = 0
         self.rate = 0.0
         self._done = 0
         self._interval_end: float | None = None
 
     def admitted(self, ticket: Ticket) -> None:
-        """``ticket``'s prompt waits for its prefill from now (its ``admitted_at``)."""
+        """``ticket``'s prompt waits for its prefill from now (its ``admitted_at``).
+
+        Entries at the front that no longer count (prefilled or released) are dropped first:
+        :meth:`delay` would drop them unchanged, but it runs only under a TTFT SLO, and without
+        one every ticket ever admitted stayed (unbounded memory)."""
+        entries = self._entries
+        head, n = self._head, len(entries)
+        while head < n and not entries[head].prefill_pending:
+            head += 1
+        self._forget(head)
         ticket.prefill_pending = True
         self.pending += ticket.uncached_prompt_tokens
-        self._entries.append(ticket)
+        entries.append(ticket)
+
+    def _forget(self, head: int) -> None:
+        """The entries before index ``head`` are gone: drop them once they are all the list, or
+        at least half of it (amortised O(1) per entry)."""
+        entries = self._entries
+        if head == len(entries):
+            entries.clear()
+            head = 0
+        elif head >= 64 and 2 * head >= len(entries):
+            del entries[:head]
+            head = 0
+        self._head = head
 
     def prefilled(self, ticket: Ticket) -> None:
         """``ticket``'s first token streamed (its prompt is prefilled)."""
@@ -79,8 +104,11 @@ class PrefillBacklog:
             self._done = 0
             self._interval_end = now + INTERVAL_S
         entries = self._entries
-        while entries and (
-            not entries[0].prefill_pending or now - entries[0].admitted_at > HORIZON_S
+        head, n = self._head, len(entries)
+        while head < n and (
+            not entries[head].prefill_pending or now - entries[head].admitted_at > HORIZON_S
         ):
-            self.ended(entries.popleft())
+            self.ended(entries[head])
+            head += 1
+        self._forget(head)
         return self.pending / self.rate if self.rate > 0 else 0.0
