@@ -8,10 +8,13 @@ import random
 import pytest
 
 from kvgate_agent.admission.predictor import (
+    _EDGES,
     BIN_RATIO,
+    BINS,
     DECAY,
     MIN_SAMPLES,
     LengthPredictor,
+    _bin,
     band,
 )
 
@@ -178,3 +181,23 @@ def test_zero_output_counts_as_one_token() -> None:
     p = LengthPredictor()
     feed(p, [0] * MIN_SAMPLES)
     assert p.predict("a", "m", 4096) == 1
+
+
+def test_bin_is_the_log_formula() -> None:
+    """The binary search over the bin edges gives the bin the logarithm gave (the smallest
+    ``i`` >= ``ceil(log(tokens) / log(BIN_RATIO))`` whose edge holds ``tokens``, at most the
+    last): every length up to 20 000, every edge and its neighbours, and lengths past the last
+    edge (checked for every length up to twice the last edge when the search replaced it)."""
+
+    def by_log(tokens: int) -> int:
+        if tokens <= 1:
+            return 0
+        i = math.ceil(math.log(tokens) / math.log(BIN_RATIO) - 1e-9)
+        while i < BINS - 1 and _EDGES[i] < tokens:
+            i += 1
+        return min(i, BINS - 1)
+
+    lengths = set(range(-2, 20_001))
+    lengths |= {e + d for e in _EDGES for d in (-1, 0, 1)}
+    lengths |= {_EDGES[-1] * k for k in (2, 10, 1000)}
+    assert [t for t in sorted(lengths) if _bin(t) != by_log(t)] == []

@@ -21,23 +21,23 @@ Memory is bounded: at most ``max_keys`` keys, the least recently updated evicted
 from __future__ import annotations
 
 import math
+from typing import Final
 
 #: Geometric bin ratio: a prediction is at most 12.5 % above the true quantile (bin upper edge).
-BIN_RATIO = 1.125
+BIN_RATIO: Final = 1.125
 #: Bins: lengths up to 1.125^BINS (about 1.9 million tokens) are told apart.
-BINS = 124
+BINS: Final = 124
 #: Weight kept by older samples on each new one: an effective window of about 1 / (1 - DECAY) =
 #: 100 samples.
-DECAY = 0.99
+DECAY: Final = 0.99
 #: Samples (undecayed count) a key needs before its quantile is trusted.
-MIN_SAMPLES = 20
+MIN_SAMPLES: Final = 20
 #: The cached quantile is re-read every this many samples.
-REFRESH = 8
+REFRESH: Final = 8
 #: Weights are rescaled to 1 once a new sample's weight passes this.
-_RESCALE_AT = 1e100
-_LOG_RATIO = math.log(BIN_RATIO)
+_RESCALE_AT: Final = 1e100
 #: Upper edge of each bin, tokens (bin 0 holds lengths <= 1).
-_EDGES = tuple(math.floor(BIN_RATIO**i) for i in range(BINS))
+_EDGES: Final = tuple(math.floor(BIN_RATIO**i) for i in range(BINS))
 
 
 def band(max_tokens: int) -> int:
@@ -49,12 +49,20 @@ def band(max_tokens: int) -> int:
 
 
 def _bin(tokens: int) -> int:
+    """The bin of ``tokens``: the first whose upper edge (:data:`_EDGES`) holds it, the last
+    for longer outputs. A binary search over the edges in integers (no ``math.log``, which
+    mypyc calls as a Python function; tests/unit/test_predictor.py checks it against
+    ``ceil(log(tokens) / log(BIN_RATIO))`` for every length up to past the last edge)."""
     if tokens <= 1:
         return 0
-    i = math.ceil(math.log(tokens) / _LOG_RATIO - 1e-9)
-    while i < BINS - 1 and _EDGES[i] < tokens:
-        i += 1
-    return min(i, BINS - 1)
+    lo, hi = 0, BINS - 1
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if _EDGES[mid] < tokens:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 class _Histogram:
@@ -145,14 +153,21 @@ class LengthPredictor:
         ``max_tokens``. Counted under the tenant's key and the pooled key."""
         b = band(max_tokens)
         tokens = max(1, output_tokens)
-        for key in ((tenant, model, b), (None, model, b)):
-            h = self._keys.pop(key, None)
-            if h is None:
-                h = _Histogram()
-                if len(self._keys) >= self.max_keys:
-                    del self._keys[next(iter(self._keys))]
-            self._keys[key] = h  # most recently updated last
-            h.add(tokens, self.quantile)
+        self._sample((tenant, model, b), tokens)
+        self._sample((None, model, b), tokens)
+
+    def _sample(self, key: tuple[str | None, str | None, int], tokens: int) -> None:
+        """Count ``tokens`` under ``key``, which becomes the most recently updated."""
+        keys = self._keys
+        h = keys.get(key)
+        if h is None:
+            h = _Histogram()
+            if len(keys) >= self.max_keys:
+                del keys[next(iter(keys))]
+        else:
+            del keys[key]  # (a dict's get and del: mypyc calls pop as a Python method)
+        keys[key] = h  # most recently updated last
+        h.add(tokens, self.quantile)
 
     def reset_quantile(self, quantile: float) -> None:
         """Read ``quantile`` from now on (a changed policy); the samples stay. O(keys x
