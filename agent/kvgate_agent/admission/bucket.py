@@ -17,15 +17,16 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Final
 
 #: A warming bucket starts at this fraction of its capacity and ramps linearly to full over
 #: ``warmup_seconds`` (cold-start protection; the fraction is kvgate's choice, documented in
 #: ``RateLimitSpec``).
-WARMUP_START_FRACTION = 0.25
+WARMUP_START_FRACTION: Final = 0.25
 #: A slice holding less than a request asks never offers a wait below this (seconds): only a
 #: sync can top it up, so looking again sooner is wasted work.
-SHORT_SLICE_WAIT_S = 0.05
+SHORT_SLICE_WAIT_S: Final = 0.05
 
 
 class Bucket(ABC):
@@ -286,6 +287,8 @@ class BucketMap:
 
     __slots__ = (
         "_buckets",
+        "_last",
+        "_touch",
         "capacity",
         "evicted",
         "first_slice",
@@ -312,6 +315,12 @@ class BucketMap:
         self.max_keys = max_keys
         self.idle_seconds = idle_seconds
         self._buckets: OrderedDict[str, Bucket] = OrderedDict()
+        # The bound method, kept: mypyc calls an OrderedDict's methods by name otherwise (a
+        # method lookup on every admission, per bucket).
+        self._touch: Callable[[str], None] = self._buckets.move_to_end
+        #: The key last returned by :meth:`get`, at the end of the order (None: unknown): the
+        #: same key again needs no move.
+        self._last: str | None = None
         #: None: local buckets. A number: the buckets are :class:`SharedBucket` slices of a
         #: fleet-wide budget, a new one starting with this many units (charged later).
         self.first_slice: float | None = None
@@ -331,8 +340,9 @@ class BucketMap:
             else:
                 b = SharedBucket(self.capacity, self.rate, now, self.first_slice)
             self._buckets[key] = b
-        else:
-            self._buckets.move_to_end(key)
+        elif key != self._last:
+            self._touch(key)
+        self._last = key
         return b
 
     def _evict(self, now: float) -> None:
@@ -340,6 +350,7 @@ class BucketMap:
         # in-use bucket at the front cannot shield idle ones behind it. Over the hard cap, the
         # least recently used goes regardless (its in-flight tickets keep their own reference).
         buckets = self._buckets
+        self._last = None  # (the order changes here; get sets it again)
         for _ in range(2):
             if not buckets:
                 return

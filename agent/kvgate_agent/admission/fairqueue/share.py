@@ -52,19 +52,20 @@ lazy: entries are checked against the account when they reach the top).
 from __future__ import annotations
 
 import heapq
+from typing import Final
 
 from kvgate_agent.admission.decision import Ticket
 from kvgate_agent.admission.fairqueue.pool import PoolShare
 from kvgate_agent.admission.prefill import PrefillBacklog
 
 #: Weight of each admission in :attr:`FairShare.mean_charge`.
-MEAN_ALPHA = 0.05
+MEAN_ALPHA: Final = 0.05
 #: How far below the floor, in mean charges, a tenant heavier than the active tenants' mean
 #: weight may stay when it joins the backlog while its requests are still in flight, times
 #: ``1 - mean weight / its weight`` (an idle tenant, or one no heavier, is lifted to the floor).
 #: Chosen on the effectiveness benchmark's ``tiers`` workload, seed 1: 32 against 64 (the same
 #: class share for more goodput lost; docs/benchmarks.md, issue 34).
-IN_FLIGHT_LAG = 32.0
+IN_FLIGHT_LAG: Final = 32.0
 
 
 class Account:
@@ -95,7 +96,7 @@ class Account:
     @property
     def active(self) -> bool:
         """The tenant has requests waiting or in flight."""
-        return bool(self.queued or self.in_flight)
+        return self.queued != 0 or self.in_flight != 0
 
 
 class FairShare:
