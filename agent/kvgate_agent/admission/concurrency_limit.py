@@ -48,7 +48,7 @@ interval (on whichever call closes it) and scans the buckets up to about the lim
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Final, Protocol
 
 from kvgate_agent.admission.step_table import (
     BUCKETS,
@@ -63,36 +63,36 @@ from kvgate_agent.admission.tpot_table import TpotTable
 #: fastest measured (Gradient2's ``rttTolerance`` in Netflix's concurrency-limits).
 #: Chosen on the effectiveness benchmark, seed 1 (docs/benchmarks.md, "The claim on a real
 #: engine (issue 33)").
-TOLERANCE = 2.5
+TOLERANCE: Final = 2.5
 #: Intervals in a row a level must be found not good before it lowers the limit (a burst of
 #: newcomers' prefills is a transient of one or two).
-BAD_STREAK = 4
+BAD_STREAK: Final = 4
 #: Seconds since a level's last sample within which it may still lower the limit (after that
 #: it only stops raises, until stale).
-FRESH_S = 2.0
+FRESH_S: Final = 2.0
 #: Completions in a row at a level whose TPOT says it is not good before it lowers the limit
 #: (each is a whole request's TPOT: two suffice).
-COMPLETED_STREAK = 2
+COMPLETED_STREAK: Final = 2
 #: A level that lowered the limit is tried again by a raise only after this long at most, the
 #: wait doubling from :data:`~.step_table.STALE_S` each time it lowers the limit again (a
 #: probe of a level that is still too slow costs a service time of misses), seconds.
-MAX_BACKOFF_S = 960.0
+MAX_BACKOFF_S: Final = 960.0
 #: The limit may rise by at most this share of itself (at least 1) per raise.
-RAISE_STEP = 0.25
+RAISE_STEP: Final = 0.25
 #: Under a TTFT SLO, a level is good only while its admission-to-first-token time is at most
 #: this share of the SLO (a level where even a request admitted at once misses it on average
 #: serves nobody in time). Chosen on the effectiveness benchmark, seed 1 (h100 profile, load 2:
 #: 0.6 and 0.8 held the limit lower for the noise of a burst's prefills: ``isolation`` 2,886
 #: tokens/s at 0.8, 3,046 at 1.0; ``multi-tenant`` 2,405 and 2,446; ``conversation`` 2,981
 #: and 2,973).
-TTFT_SHARE = 1.0
+TTFT_SHARE: Final = 1.0
 #: The slope a raise extends is taken between the highest measured level and the highest
 #: measured at least this share of it lower (the lowest measured, if none is): two
 #: neighbouring levels' means differ by their noise more than by their step time (on the h100
 #: profile the limit sat at 63 for 45 s because 63's mean came out above 62's). Chosen on the
 #: effectiveness benchmark, seed 1 (``multi-tenant`` 2,425 -> 2,459 tokens/s, ``isolation``
 #: 3,163 -> 3,185; docs/benchmarks.md, "The raise's slope over a span").
-SLOPE_SPAN = 0.25
+SLOPE_SPAN: Final = 0.25
 
 
 class Levels(Protocol):

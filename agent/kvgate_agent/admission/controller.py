@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Final
 
 from kvgate_agent.admission.bucket import BucketMap, SharedBucket
 from kvgate_agent.admission.ceiling import ConcurrencyCeiling
@@ -48,11 +49,11 @@ from kvgate_agent.contract.policy import OverloadAction
 Clock = Callable[[], float]
 
 # Enum members bound once: attribute access on an Enum class is slow on the hot path.
-_ADMITTED = Outcome.ADMITTED
-_OK = Reason.OK
-_DEGRADE = OverloadAction.DEGRADE.value
+_ADMITTED: Final = Outcome.ADMITTED
+_OK: Final = Reason.OK
+_DEGRADE: Final = OverloadAction.DEGRADE.value
 #: Output tokens (per choice) a streamed request needs before its TPOT is learned.
-MIN_TPOT_TOKENS = 5
+MIN_TPOT_TOKENS: Final = 5
 
 
 class AdmissionController:

@@ -44,26 +44,27 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Final
 
 from kvgate_agent.admission.bucket import BucketMap, SharedBucket
 
 #: Lease period, seconds: a sidecar holding or needing slices syncs at least every half of it,
 #: and falls back (FailOpen/FailClosed) within it once the store stops answering.
-LEASE_SECONDS = 8.0
+LEASE_SECONDS: Final = 8.0
 #: A slice covers this many seconds of the key's recent demand.
-DEMAND_HORIZON_S = 8.0
+DEMAND_HORIZON_S: Final = 8.0
 #: Time constant of the demand average, seconds.
-DEMAND_TAU_S = 2.0
+DEMAND_TAU_S: Final = 2.0
 #: A slice never exceeds this fraction of the shared burst (bounds the overshoot per sidecar).
-MAX_LEASE_FRACTION = 0.1
+MAX_LEASE_FRACTION: Final = 0.1
 #: A slice is renewed once its level is below this fraction of its target.
-LOW_WATER = 0.5
+LOW_WATER: Final = 0.5
 #: A slice unused this long (seconds) is handed back.
-IDLE_SECONDS = 10.0
+IDLE_SECONDS: Final = 10.0
 #: After a failed sync, the next try comes this soon, seconds.
-RETRY_SECONDS = 0.5
+RETRY_SECONDS: Final = 0.5
 #: Consecutive failed syncs that mark the store down.
-FAILURES_DOWN = 2
+FAILURES_DOWN: Final = 2
 
 
 class StoreState(StrEnum):

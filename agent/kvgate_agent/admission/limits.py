@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Final
 
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import AdmissionRequest, BucketCharge, Ticket
@@ -46,14 +47,14 @@ from kvgate_agent.admission.rate_limits import RateLimits
 from kvgate_agent.contract.policy import ReservationMode
 
 #: Weight of each settled request in the mean overrun (tokens a reservation grew by).
-OVERRUN_ALPHA = 0.05
+OVERRUN_ALPHA: Final = 0.05
 #: An engine KV report counts for this long, seconds (a stale one must not hold admission).
-ENGINE_KV_TTL_S = 3.0
+ENGINE_KV_TTL_S: Final = 3.0
 #: Keys the length predictor keeps (tenant x model x band, and the pooled ones), about 1.5 KB
 #: each.
-PREDICTOR_KEYS = 10_000
+PREDICTOR_KEYS: Final = 10_000
 #: Headroom kept for the growth of predicted reservations never exceeds this share of the pool.
-MAX_HEADROOM_SHARE = 0.2
+MAX_HEADROOM_SHARE: Final = 0.2
 
 
 def round_up(tokens: int, block_size: int) -> int:

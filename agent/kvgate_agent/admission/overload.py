@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Final
 
 from kvgate_agent.admission.decision import (
     AdmissionRequest,
@@ -30,8 +31,8 @@ from kvgate_agent.admission.retry import DecodeSpeed, refusal, wait_seconds
 from kvgate_agent.admission.slo import SHED_FACTOR, SloState
 from kvgate_agent.contract.policy import OverloadAction
 
-_DEGRADE = OverloadAction.DEGRADE.value
-_QUEUE = OverloadAction.QUEUE.value
+_DEGRADE: Final = OverloadAction.DEGRADE.value
+_QUEUE: Final = OverloadAction.QUEUE.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,7 +358,7 @@ def reject(
 #: What may send a request to the fallback pool: this pod's capacity (KV, concurrency) or the
 #: tenant's budget here. A queue that is full or timed out, SLO shedding and fail-closed refuse
 #: as before (the pool's own sidecar applies its own admission to what it receives).
-_POOL_REASONS = frozenset(
+_POOL_REASONS: Final = frozenset(
     (
         Reason.KV_CAPACITY,
         Reason.CONCURRENCY,
@@ -366,7 +367,7 @@ _POOL_REASONS = frozenset(
     )
 )
 
-_REFUSAL_TEXT = {
+_REFUSAL_TEXT: Final = {
     Reason.RATE_LIMIT_REQUESTS: "request rate limit '{limit}' exceeded",
     Reason.RATE_LIMIT_TOKENS: "token rate limit '{limit}' exceeded",
     Reason.CONCURRENCY: "the model server is at its concurrency limit",

@@ -27,15 +27,16 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Final
 
 #: The trust in the index's runs before the engine confirmed any (the share of a run expected
 #: cached). Chosen on the multi-turn workload's seed 1 (docs/benchmarks.md, issue 23 part 4).
-TRUST_START = 0.5
+TRUST_START: Final = 0.5
 #: Weight of each settled request's confirmation (reported cached tokens / run) in ``trust``.
-TRUST_ALPHA = 0.05
+TRUST_ALPHA: Final = 0.05
 #: Block hashes the index keeps by default (16-token blocks: about 1M tokens of prompts; about
 #: 100 bytes each).
-MAX_BLOCKS = 65_536
+MAX_BLOCKS: Final = 65_536
 
 
 class PrefixIndex:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from typing import Final
 
 from kvgate_agent.admission.bucket import Bucket
 from kvgate_agent.admission.decision import (
@@ -24,11 +25,11 @@ from kvgate_agent.admission.limits import Limits
 #: Initial decode time per output token before any request has finished, seconds. 20 ms is a
 #: typical inter-token latency of a loaded vLLM server (vLLM benchmarks report ITL of 10–50 ms);
 #: it is replaced by the observed average as soon as responses complete.
-DEFAULT_SECONDS_PER_TOKEN = 0.02
+DEFAULT_SECONDS_PER_TOKEN: Final = 0.02
 #: Weight of each new observation in the seconds-per-token moving average.
-EMA_ALPHA = 0.2
+EMA_ALPHA: Final = 0.2
 #: Upper bound on a Retry-After, seconds (one day), so a tiny rate cannot produce absurd values.
-MAX_RETRY_AFTER = 86_400
+MAX_RETRY_AFTER: Final = 86_400
 
 
 def retry_after_seconds(wait: float) -> int:

@@ -31,37 +31,39 @@ Invariant: pure and clock-injected (times are passed in); every method is O(1) b
 
 from __future__ import annotations
 
+from typing import Final
+
 from kvgate_agent.admission.concurrency_limit import ConcurrencyLimit
 from kvgate_agent.admission.step_table import StepTable
 from kvgate_agent.admission.tpot_table import TpotTable
 
 #: Length of one measurement interval, seconds.
-INTERVAL_S = 0.5
+INTERVAL_S: Final = 0.5
 #: Smoothing of the per-interval mean inter-token time across intervals (weight of the newest;
 #: the overall figure reported as ``inter_token_seconds``).
-SMOOTHING = 0.1
+SMOOTHING: Final = 0.1
 #: A request under a TTFT SLO is refused at once when its expected wait exceeds this many times
 #: its wait budget; between one and this many, it is queued and its deadline (the budget)
 #: decides. The estimate is an upper bound (waiters ahead also leave by timing out) and a refusal
 #: is final, so only the clearly hopeless are refused unqueued. Chosen on the effectiveness
 #: benchmark (1, 1.5, 2 and 2.5 tried; the table is in docs/benchmarks.md, "What kvgate does").
-SHED_FACTOR = 2.0
+SHED_FACTOR: Final = 2.0
 #: Without a TTFT SLO or a stated wait bound, a request may wait in the queue the default bound
 #: or this many times the lowest admission-to-first-token time measured, whichever is longer:
 #: on an engine whose own first token takes seconds (a CPU server's prefill) a fixed 0.5 s
 #: refuses every request that would have to wait behind one other, while on a GPU (tens of
 #: milliseconds) the default stays. The same tolerance as the empty spec's TPOT knee
 #: (:data:`~.concurrency_limit.TOLERANCE`).
-UNLOADED_WAIT_FACTOR = 2.5
+UNLOADED_WAIT_FACTOR: Final = 2.5
 #: The mean residual service time of the requests in flight is never taken below this share of
 #: the service time: one that ran past the mean is a long one, not one about to end.
-RESIDUAL_FLOOR = 0.25
+RESIDUAL_FLOOR: Final = 0.25
 #: Weight of each release in the mean service time.
-SERVICE_ALPHA = 0.05
+SERVICE_ALPHA: Final = 0.05
 #: Seconds between two raises of the limit before any service time is known.
-DEFAULT_HOLD_S = 1.0
+DEFAULT_HOLD_S: Final = 1.0
 #: The wait budget is never below this share of the TTFT SLO (prefill estimates can be high).
-MIN_WAIT_SHARE = 0.2
+MIN_WAIT_SHARE: Final = 0.2
 
 
 class SloState:

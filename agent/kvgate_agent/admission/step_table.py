@@ -35,29 +35,31 @@ Invariant: pure and clock-injected (times are passed in); :meth:`StepTable.obser
 
 from __future__ import annotations
 
+from typing import Final
+
 #: Concurrency values below this each have their own bucket.
-EXACT = 64
+EXACT: Final = 64
 #: Buckets per doubling of the concurrency above :data:`EXACT`.
-PER_OCTAVE = 16
+PER_OCTAVE: Final = 16
 #: The highest concurrency the table tells apart (higher counts share its last bucket).
-MAX_CONCURRENCY = 1 << 16
+MAX_CONCURRENCY: Final = 1 << 16
 #: A bucket's smoothed mean takes at most this share of one interval's mean.
-ALPHA_MAX = 0.5
+ALPHA_MAX: Final = 0.5
 #: Tokens after which a bucket's mean is an exponential average over about this many tokens.
-WEIGHT_CAP = 200.0
+WEIGHT_CAP: Final = 200.0
 #: Tokens a bucket needs before it counts as measured.
-MIN_TOKENS = 8.0
+MIN_TOKENS: Final = 8.0
 #: Intervals a bucket needs before it counts as measured (one interval can be a transient: a
 #: burst of newcomers' prefills).
-MIN_FOLDS = 2
+MIN_FOLDS: Final = 2
 #: Seconds without a new sample after which a bucket is no longer measured.
-STALE_S = 60.0
+STALE_S: Final = 60.0
 #: Share of the distance to the interval's mean inter-token time the floor rises by per
 #: interval while above it (a time constant of 2,500 intervals, about 21 minutes; chosen on the
 #: effectiveness benchmark, seed 1, for the gradient limit this table replaced).
-FLOOR_DRIFT = 0.0002
+FLOOR_DRIFT: Final = 0.0002
 #: Weight of each first token in a bucket's admission-to-first-token mean (after the first few).
-TTFT_ALPHA = 0.2
+TTFT_ALPHA: Final = 0.2
 
 
 def bucket_of(n: int) -> int:
@@ -79,7 +81,7 @@ def bucket_low(i: int) -> int:
 
 
 #: Number of buckets (index 0 is never used).
-BUCKETS = bucket_of(MAX_CONCURRENCY) + 1
+BUCKETS: Final = bucket_of(MAX_CONCURRENCY) + 1
 
 
 class StepTable:

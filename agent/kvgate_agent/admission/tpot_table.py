@@ -21,21 +21,22 @@ Invariant: pure and clock-injected; :meth:`TpotTable.observe` is O(1).
 from __future__ import annotations
 
 import math
+from typing import Final
 
 from kvgate_agent.admission.step_table import BUCKETS, STALE_S, bucket_of
 
 #: z of the 90th percentile of a normal distribution (of ``ln TPOT``).
-Z90 = 1.2816
+Z90: Final = 1.2816
 #: Prior of the pooled standard deviation of ``ln TPOT`` around its bucket's mean, and the
 #: pseudo-samples behind it.
-PRIOR_SD = 0.1
-PRIOR_N = 4.0
+PRIOR_SD: Final = 0.1
+PRIOR_N: Final = 4.0
 #: Weight of a completion in the pooled variance once the prior is outweighed.
-SPREAD_ALPHA = 0.02
+SPREAD_ALPHA: Final = 0.02
 #: Weight of a completion in its bucket's mean once the first few are in.
-MEAN_ALPHA = 0.2
+MEAN_ALPHA: Final = 0.2
 #: Completions a bucket needs before it counts as measured.
-MIN_COMPLETIONS = 3
+MIN_COMPLETIONS: Final = 3
 
 
 class TpotTable:

@@ -14,6 +14,7 @@ exactly once, through the queue's ``resolve``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Final
 
 from kvgate_agent.admission.ceiling import ConcurrencyCeiling
 from kvgate_agent.admission.decision import AdmissionRequest, Blocker, Decision, Outcome, Reason
@@ -22,8 +23,8 @@ from kvgate_agent.admission.holds import Hold, Holds
 from kvgate_agent.admission.overload import Enqueue, Resources, act, evicted
 from kvgate_agent.contract.policy import OverloadAction
 
-_DEGRADE = OverloadAction.DEGRADE.value
-_REJECT = OverloadAction.REJECT.value
+_DEGRADE: Final = OverloadAction.DEGRADE.value
+_REJECT: Final = OverloadAction.REJECT.value
 
 
 class Waiting:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import Final
 
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import AdmissionRequest, Waiter
@@ -32,9 +33,9 @@ from kvgate_agent.contract.policy import QueueOrder
 #: within-tenant order (shortest first) rather than strictly by counter: the bound on how far
 #: a tenant may fall behind another for the sake of serving short requests first. Chosen on
 #: the effectiveness benchmark, seed 1 (docs/benchmarks.md, issue 22).
-SLACK = 4.0
+SLACK: Final = 4.0
 #: Tenants looked at within the slack for one choice (bounds its cost).
-MAX_SLACK_SCAN = 16
+MAX_SLACK_SCAN: Final = 16
 
 
 class Flow:
@@ -296,7 +297,7 @@ class FairOrder:
 #: The context length aging assumes when the policy states none (``model.maxModelLen``),
 #: tokens. Not the KV pool: a pool of 500,000 tokens would age requests so fast that
 #: ShortestFirst became arrival order.
-DEFAULT_CONTEXT = 8192
+DEFAULT_CONTEXT: Final = 8192
 
 
 def aging_rate(config: AdmissionConfig) -> float:

@@ -48,26 +48,27 @@ Invariant: pure (no I/O, no clock: times are passed in, seconds). :meth:`charged
 from __future__ import annotations
 
 import math
+from typing import Final
 
 #: The sync period: how often a replica sends its counters and reads the pool's, seconds.
-SYNC_S = 0.5
+SYNC_S: Final = 0.5
 #: With no read for this long, the pool's figures are not used (local counters only), seconds.
-STALE_S = 5.0
+STALE_S: Final = 5.0
 #: Time constant of the pool-wide rates' exponential average, seconds. Chosen on ``tiers``,
 #: seed 1 (5, 10, 15, 20, 30 tried: shorter holds the class share less, longer costs goodput;
 #: docs/benchmarks.md, issue 34).
-TAU_S = 15.0
+TAU_S: Final = 15.0
 #: A tenant whose pool-wide weighted rate is above this times the fair level is over its share.
 #: Below 5/4.5 = 1.11 so that a 4:1 pair held at the threshold still splits >= 3.5:1
 #: (premium p, regular r, four tenants each: L = (p + r) / 5, and r = OVER x L gives
 #: p / r = (5 - OVER) / OVER). Chosen on the benchmark's ``tiers``, seed 1 (docs/benchmarks.md).
-OVER = 1.05
+OVER: Final = 1.05
 #: The share of the concurrency limit and of the KV capacity kept from a tenant over its
 #: pool-wide share. Chosen on ``tiers``, seed 1 (0.3 to 0.7 tried: the class share for
 #: goodput; docs/benchmarks.md, issue 34).
-POOL_RESERVE = 0.5
+POOL_RESERVE: Final = 0.5
 #: Weighted rates below this (units/s) count as not served (their weight is not read).
-MIN_RATE = 1e-9
+MIN_RATE: Final = 1e-9
 
 #: One tenant's service counters: (weighted units, raw units).
 Counters = tuple[float, float]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Collection
+from typing import Final
 
 from kvgate_agent.admission.config import AdmissionConfig
 from kvgate_agent.admission.decision import (
@@ -45,10 +46,10 @@ from kvgate_agent.admission.retry import refusal
 
 #: Requests admitted past a head blocked by a shared resource before the queue holds still
 #: for it (the backfill bound).
-MAX_SKIPS = 8
+MAX_SKIPS: Final = 8
 #: Heads looked at after the first blocked one in one pass (bounds a pass's work when many
 #: tenants wait and nothing fits).
-MAX_SCAN = 32
+MAX_SCAN: Final = 32
 
 
 class WaitQueue:
