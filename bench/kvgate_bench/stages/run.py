@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,7 @@ async def one_pass(upstream: int, args: argparse.Namespace, probe: Probe | None)
     gc.set_threshold(*GC_THRESHOLDS)
     if probe is not None:
         probe.clear()
+    cpu = time.thread_time_ns()
     try:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvgate_bench.stages.ends", "client",
@@ -119,12 +121,16 @@ async def one_pass(upstream: int, args: argparse.Namespace, probe: Probe | None)
             stdout=asyncio.subprocess.PIPE,
         )  # fmt: skip
         out, _ = await proc.communicate()
+        cpu = time.thread_time_ns() - cpu
         if proc.returncode != 0:
             raise RuntimeError(f"the client exited with {proc.returncode}")
     finally:
         await server.cleanup()
         gc.unfreeze()
     records: list[Any] = json.loads(out)["records"]
+    # the sidecar's loop thread's CPU over the whole client run (warm-up included): a figure
+    # other processes' load on a shared CPU hardly moves, unlike the latencies
+    records.append(["cpu", True, 0, 0, cpu, 0])
     return records
 
 
@@ -233,6 +239,10 @@ def render(result: dict[str, Any]) -> str:
     for name, p in result["passes"].items():
         cols = {k: p["client"][k] for k in KINDS}
         lines += [f"### pass `{name}` ({p['loop']}, probe {'on' if p['probed'] else 'off'})", ""]
+        if p.get("cpu_us_per_round") is not None:
+            lines += [f"the sidecar's loop thread's CPU per round (a chat request, and a stream "
+                      f"every --stream-every rounds; warm-up included): "
+                      f"{p['cpu_us_per_round']:.0f} µs", ""]  # fmt: skip
         rows = list(top)
         if p["probed"]:
             for k in KINDS:
@@ -311,8 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 probe.install()
             print(f"pass {name}: {loop}, probe {'on' if probed else 'off'}", file=sys.stderr)
             records = run_pass(loop, port, args, probe if probed else None)
+            cpu = [r[4] for r in records if r[0] == "cpu"]
+            records = [r for r in records if r[0] != "cpu"]
+            rounds = sum(1 for r in records if r[0] == "chat")  # warm-up included
             entry: dict[str, Any] = {"loop": loop, "probed": probed,
                                      "client": client_rows(records)}  # fmt: skip
+            entry["cpu_us_per_round"] = cpu[0] / 1e3 / rounds if cpu and rounds else None
             if probed:
                 entry["stages"] = stage_rows(records, probe)
             entry["errors"] = sum(1 for r in records if r[5] != 200)
