@@ -3,15 +3,20 @@
 Usage::
 
     python -m kvgate_bench.effectiveness [--short] [--workloads W,...] [--loads 0.5,1,1.5,2,3]
-        [--seeds N] [--seed S] [--json FILE] [--plots DIR] [--profile P] [--duration S]
-        [--jobs J] [--arms A,...] [--replays K] [--noisy-load K,...] [--progress]
+        [--seeds N] [--seed S] [--tune-seed S] [--json FILE] [--plots DIR] [--profile P]
+        [--duration S] [--jobs J] [--arms A,...] [--replays K] [--noisy-load K,...] [--progress]
     python -m kvgate_bench.effectiveness --replicas N[,N...] [--routers random,least-request,epp]
-        [--arms none,concurrency-cap,kvgate,flow-control] [--loads ...] [--seeds N] [--json F]
+        [--arms none,concurrency-cap,kvgate,flow-control] [--loads ...] [--seeds N]
+        [--tune-seed S] [--json F]
         (``--routers`` also takes ``epp-affinity``, ``--arms`` ``dynamo-drr`` and
         ``kvgate-exchange``: run when named)
 
 Calibrates the ``none`` arm's goodput capacity per workload, runs every arm setting on the same
-seeded schedules, prints per workload and load each arm's best setting with its figures and
+seeded schedules, chooses each arm's best setting per workload and load on the tuning seed alone
+(``--tune-seed``, default ``--seed``; each reported row carries ``tuning_seed``, true on that
+seed's, and ``meta`` the ``tuning_seed``, the ``report_seeds`` and the rule in words), prints
+per workload and load each arm's best setting with its figures (with more than one seed, means
+over the report seeds, the seeds other than the tuning seed) and
 its goodput ratio to ``none`` measured in the same run, the headline ratios of ``kvgate`` (to
 ``none``, the best baseline, the oracle and ``kvgate-maxtokens``), and the sweeps. ``--json``
 writes ``{"results": [...], "sweeps": [...], "calibration": {...}, "meta": {...}}``.
@@ -58,7 +63,14 @@ from kvgate_bench.effectiveness.pool.report import json_path_problem, run_pool_m
 from kvgate_bench.effectiveness.replay import DEFAULT_REPLAYS, PROBE_DELTAS_S
 from kvgate_bench.effectiveness.report.progress import Progress
 from kvgate_bench.effectiveness.report.tables import sweep_table, table
-from kvgate_bench.effectiveness.runner import build_tasks, pick_best, replay_best, run_all
+from kvgate_bench.effectiveness.runner import (
+    build_tasks,
+    pick_best,
+    replay_best,
+    report_rows,
+    run_all,
+    tuning_text,
+)
 from kvgate_bench.sim.steptime import PROFILES
 
 #: Rejections replayed per reported row under ``--short`` (a replay costs about a run).
@@ -109,6 +121,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seeds", type=int, help="seeds per point (default 3, pool mode 2; --short 1)")
     p.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
+    p.add_argument(
+        "--tune-seed",
+        type=int,
+        help="the seed each baseline's setting is chosen on (default --seed; one of the seeds "
+        "run); with more than one seed the printed figures average the others (report seeds)",
+    )
     p.add_argument("--json", type=Path, help="write the results to this file")
     p.add_argument("--plots", type=Path, help="write PNG plots here (needs matplotlib)")
     p.add_argument(
@@ -226,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     show = Progress(sys.stderr, live=sys.stderr.isatty())
     shown = args.progress or sys.stderr.isatty()
     seeds = list(range(args.seed, args.seed + n_seeds))
+    tune_seed = args.seed if args.tune_seed is None else args.tune_seed
+    if tune_seed not in seeds:
+        print(f"--tune-seed {tune_seed} is not one of the seeds run {seeds}", file=sys.stderr)
+        return 2
+    report_seeds = [s for s in seeds if s != tune_seed] or [tune_seed]
+    tuning = tuning_text(tune_seed, report_seeds)
     print(
         f"effectiveness: profile {engine.name}, workloads {','.join(workloads)}, loads "
         f"{','.join(f'{x:g}' for x in loads)}, seeds {seeds}, {duration:g} s schedules, "
@@ -237,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         flush=True,
     )
+    if len(seeds) > 1:
+        print(tuning, flush=True)
     if shown:
         show("calibration", 0, len(workloads))
     if args.kv_capacity_tokens is not None:
@@ -267,11 +293,16 @@ def main(argv: list[str] | None = None) -> int:
         args.replays = SHORT_REPLAYS if short else DEFAULT_REPLAYS
     tasks = [replace(t, replays=max(0, args.replays)) for t in tasks]
     rows = run_all(tasks, args.jobs, show.phase("runs") if shown else None)
-    chosen, sweeps = pick_best(rows)
+    chosen, sweeps = pick_best(rows, tune_seed)
     replay_cpu = replay_best(
         tasks, rows, chosen, args.jobs, show.phase("replays") if shown else None
     )
-    text, heads = table(chosen, arms)
+    reported = report_rows(chosen)
+    if len(seeds) > 1:
+        print(f"\n{tuning}")
+        text, heads = table(reported, arms, f"report seeds {','.join(map(str, report_seeds))}")
+    else:
+        text, heads = table(chosen, arms)
     print(text)
     print(sweep_table(sweeps))
     elapsed = time.monotonic() - started
@@ -302,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                 "replays": max(0, args.replays),
                 "replay_cpu_s": replay_cpu,
                 "probe_deltas_s": list(PROBE_DELTAS_S),
+                "tuning_seed": tune_seed,
+                "report_seeds": report_seeds,
+                "tuning": tuning,
             },
         }
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
@@ -309,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plots is not None:
         from kvgate_bench.effectiveness.report.plots import write_plots
 
-        for path in write_plots(chosen, args.plots):
+        for path in write_plots(reported, args.plots):
             print(f"wrote {path}")
     return 0
 

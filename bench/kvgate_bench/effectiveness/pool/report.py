@@ -3,9 +3,11 @@
 
 Calibrates one pod (the single-pod calibration: a pool of ``N`` is offered ``load x N x`` one
 pod's load-1 rate), runs every router x arm pair of :mod:`.pool_runner` on the same seeded
-schedules, keeps each tuned arm's best setting (mean goodput over seeds), and prints per
-(workload, load, replicas) a table of the pairs and the headline ratios, all measured in the
-same run:
+schedules, keeps each tuned arm's best setting (its goodput on the tuning seed alone,
+``--tune-seed``, default ``--seed``; the reported rows of every seed carry ``tuning_seed``, true
+on that seed's), and prints per (workload, load, replicas) a table of the pairs and the headline
+ratios, all measured in the same run (with more than one seed, means over the report seeds, the
+seeds other than the tuning seed):
 
 * ``epp`` + per-pod ``kvgate`` (the EPP reading kvgate's gauges) against ``epp`` +
   ``flow-control`` (llm-d's flow control, tuned) and against the best other pair;
@@ -42,6 +44,7 @@ from kvgate_bench.effectiveness.pool.runner import (
     pick_best_pool,
     run_pool_all,
 )
+from kvgate_bench.effectiveness.runner import report_rows, tuning_seed_of, tuning_text
 
 #: Loads of a pool run when ``--loads`` is not given (the issue's: 0.8 for the refusal target,
 #: 1.5, 2 and 3 for the EPP target).
@@ -77,8 +80,9 @@ def parse_list(text: str | None, what: str, cast: Callable[[str], Any], allowed:
     return out
 
 
-def pool_table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    """The printed tables (means over seeds; one per workload, load, replicas) and headlines."""
+def pool_table(rows: list[dict[str, Any]], over: str = "seeds") -> tuple[str, list[str]]:
+    """The printed tables (means over the seeds of ``rows``, named ``over`` in each table's
+    title; one per workload, load, replicas) and headlines."""
     lines: list[str] = []
     heads: list[str] = []
     header = (
@@ -94,7 +98,9 @@ def pool_table(rows: list[dict[str, Any]]) -> tuple[str, list[str]]:
     for w, load, n in points:
         at = [r for r in rows if (r["workload"], r["load"], r["replicas"]) == (w, load, n)]
         classes = any(r.get("class_service_ratio") is not None for r in at)
-        lines.append(f"\n{w}, {n} replicas, load {load:g} (x {n} pods' capacity; means over seeds)")
+        lines.append(
+            f"\n{w}, {n} replicas, load {load:g} (x {n} pods' capacity; means over {over})"
+        )
         lines.append(header + (f" {'c-ratio':>7}" if classes else ""))
         lines.append("-" * len(lines[-1]))
         gp: dict[tuple[str, str], float | None] = {}
@@ -177,14 +183,18 @@ def _class_headlines(w: str, load: float, n: int, at: list[dict[str, Any]]) -> l
     return out
 
 
-def sweeps_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every setting's mean goodput per point (the tuned arms' sweeps)."""
+def sweeps_of(rows: list[dict[str, Any]], tune_seed: int | None = None) -> list[dict[str, Any]]:
+    """Every setting's mean goodput over all seeds per point (the tuned arms' sweeps), with its
+    goodput on the tuning seed (``tune_seed``, default the first seed), the one that chose."""
     acc: dict[tuple[Any, ...], list[float]] = {}
+    tuned: dict[tuple[Any, ...], list[float]] = {}
+    tune = tuning_seed_of(rows, tune_seed) if rows else None
     for r in rows:
         key = (r["workload"], r["load"], r["replicas"], r["router"], r["arm"])
-        acc.setdefault((*key, json.dumps(r["params"], sort_keys=True)), []).append(
-            float(r["goodput_tokens_per_s"])
-        )
+        full = (*key, json.dumps(r["params"], sort_keys=True))
+        acc.setdefault(full, []).append(float(r["goodput_tokens_per_s"]))
+        if r["seed"] == tune:
+            tuned.setdefault(full, []).append(float(r["goodput_tokens_per_s"]))
     return [
         {
             "workload": k[0],
@@ -194,6 +204,10 @@ def sweeps_of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "arm": k[4],
             "params": json.loads(k[5]),
             "goodput_tokens_per_s": sum(v) / len(v),
+            "tuning_seed": tune,
+            "tuning_goodput_tokens_per_s": (
+                sum(tuned[k]) / len(tuned[k]) if tuned.get(k) else None
+            ),
         }
         for k, v in sorted(acc.items())
     ]
@@ -256,6 +270,12 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
     n_seeds = args.seeds if args.seeds is not None else (1 if short else 2)
     duration = args.duration if args.duration is not None else (120.0 if short else 300.0)
     seeds = list(range(args.seed, args.seed + n_seeds))
+    tune_seed = args.seed if getattr(args, "tune_seed", None) is None else args.tune_seed
+    if tune_seed not in seeds:
+        print(f"--tune-seed {tune_seed} is not one of the seeds run {seeds}", file=sys.stderr)
+        return 2
+    report_seeds = [s for s in seeds if s != tune_seed] or [tune_seed]
+    tuning = tuning_text(tune_seed, report_seeds)
     print(
         f"effectiveness (pool): profile {args.profile}, workloads {','.join(workloads)}, "
         f"replicas {','.join(map(str, replicas))}, routers {','.join(routers)}, loads "
@@ -265,6 +285,8 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
         " s",
         flush=True,
     )
+    if len(seeds) > 1:
+        print(tuning, flush=True)
     try:
         found = calibrate_all(workloads, args.profile, duration, args.seed, args.jobs)
     except ValueError as exc:  # an unknown workload or profile
@@ -282,8 +304,14 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
         workloads, loads, seeds, replicas, routers, arms, cals, args.profile, duration, short, cap
     )
     rows = run_pool_all(tasks, args.jobs, progress)
-    chosen = pick_best_pool(rows)
-    text, heads = pool_table(chosen)
+    chosen = pick_best_pool(rows, tune_seed)
+    if len(seeds) > 1:
+        print(f"\n{tuning}")
+        text, heads = pool_table(
+            report_rows(chosen), f"report seeds {','.join(map(str, report_seeds))}"
+        )
+    else:
+        text, heads = pool_table(chosen)
     print(text)
     print("\nheadline (goodput ratios measured in this run):")
     for h in heads:
@@ -294,7 +322,7 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
     if args.json is not None:
         doc = {
             "results": chosen,
-            "sweeps": sweeps_of(rows),
+            "sweeps": sweeps_of(rows, tune_seed),
             "calibration": {w: calibration_json(c) for w, c in cals.items()},
             "meta": {
                 "mode": "pool",
@@ -308,6 +336,9 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
                 "wall_s": elapsed,
                 "runs": len(rows),
                 "cpu_s": cpu,
+                "tuning_seed": tune_seed,
+                "report_seeds": report_seeds,
+                "tuning": tuning,
             },
         }
         args.json.write_text(json.dumps(doc, indent=1) + "\n")

@@ -51,7 +51,7 @@ from kvgate_bench.effectiveness.pool.routers import (
     RetryPolicy,
     make_router,
 )
-from kvgate_bench.effectiveness.runner import run_parallel
+from kvgate_bench.effectiveness.runner import run_parallel, tuning_seed_of
 
 #: The arms of a pool run by default, in report order (names are an interface: JSON ``arm``).
 POOL_ARMS: tuple[str, ...] = ("none", "concurrency-cap", "kvgate", "flow-control")
@@ -241,16 +241,29 @@ def _point(r: dict[str, Any]) -> tuple[str, float, int, str, str]:
     return (r["workload"], r["load"], r["replicas"], r["router"], r["arm"])
 
 
-def pick_best_pool(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of each (workload, load, replicas, router, arm)'s best setting by mean goodput
-    over seeds (a tuned baseline, as its users would tune it)."""
-    means: dict[tuple[Any, ...], list[float]] = {}
+def pick_best_pool(
+    rows: list[dict[str, Any]], tune_seed: int | None = None
+) -> list[dict[str, Any]]:
+    """The rows (every seed's) of each (workload, load, replicas, router, arm)'s best setting by
+    goodput on the tuning seed alone (``tune_seed``, by default the first seed of ``rows``: a
+    tuned baseline, as its users would tune it, chosen without the seeds it is reported on),
+    each flagged ``tuning_seed``: true on the tuning seed's row. Raises ``ValueError`` when
+    ``rows`` hold no run of ``tune_seed``."""
+    if not rows:
+        return []
+    tune = tuning_seed_of(rows, tune_seed)
+    tuned: dict[tuple[Any, ...], list[float]] = {}
     for r in rows:
-        key = (*_point(r), json.dumps(r["params"], sort_keys=True))
-        means.setdefault(key, []).append(float(r["goodput_tokens_per_s"]))
-    best: dict[tuple[Any, ...], tuple[float, str]] = {}
-    for key, gs in means.items():
-        m = sum(gs) / len(gs)
-        if key[:-1] not in best or m > best[key[:-1]][0]:
-            best[key[:-1]] = (m, key[-1])
-    return [r for r in rows if json.dumps(r["params"], sort_keys=True) == best[_point(r)][1]]
+        gs = tuned.setdefault((*_point(r), json.dumps(r["params"], sort_keys=True)), [])
+        if r["seed"] == tune:
+            gs.append(float(r["goodput_tokens_per_s"]))
+    best: dict[tuple[Any, ...], tuple[float | None, str]] = {}
+    for key, gs in tuned.items():
+        g = sum(gs) / len(gs) if gs else None
+        held = best.get(key[:-1])
+        if held is None or (g is not None and (held[0] is None or g > held[0])):
+            best[key[:-1]] = (g, key[-1])
+    chosen = [r for r in rows if json.dumps(r["params"], sort_keys=True) == best[_point(r)][1]]
+    for r in chosen:
+        r["tuning_seed"] = r["seed"] == tune
+    return chosen

@@ -26,8 +26,11 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str]]:
-    """The printed table (means over seeds) and the headline lines."""
+def table(
+    results: list[dict[str, Any]], arms: list[str], over: str = "seeds"
+) -> tuple[str, list[str]]:
+    """The printed table (means over the seeds of ``results``, named ``over`` in each point's
+    title) and the headline lines."""
     lines: list[str] = []
     heads: list[str] = []
     header = (
@@ -38,7 +41,7 @@ def table(results: list[dict[str, Any]], arms: list[str]) -> tuple[str, list[str
     points = sorted({(r["workload"], r["load"]) for r in results}, key=lambda x: (x[0], x[1]))
     for w, load in points:
         at = [r for r in results if r["workload"] == w and r["load"] == load]
-        lines.append(f"\n{w} at load {load:g} (goodput etc. in output tokens/s; means over seeds)")
+        lines.append(f"\n{w} at load {load:g} (goodput etc. in output tokens/s; means over {over})")
         lines.append(header)
         lines.append("-" * len(header))
         gp: dict[str, float | None] = {}
@@ -139,7 +142,11 @@ def _headline(w: str, load: float, k: str, gp: dict[str, Any], igp: dict[str, An
 
 
 def sweep_table(sweeps: list[dict[str, Any]]) -> str:
-    """The tuned arms' sweeps: mean goodput of every setting."""
+    """The tuned arms' sweeps: mean goodput of every setting; with more than one seed, each
+    setting's goodput on the tuning seed (which chose the reported setting) and its means over
+    the report seeds."""
+    if any(s.get("report_goodput_tokens_per_s") is not None for s in sweeps):
+        return _tuned_sweep_table(sweeps)
     lines = ["\nsweeps (mean goodput, output tokens/s; the best setting is reported above)"]
     for s in sorted(sweeps, key=lambda s: (s["workload"], s["load"], s["arm"], str(s["params"]))):
         if not s["params"]:
@@ -150,5 +157,25 @@ def sweep_table(sweeps: list[dict[str, Any]]) -> str:
             f"goodput {_fmt(s['goodput_tokens_per_s']):>6}  interactive "
             f"{_fmt(s['interactive_goodput_tokens_per_s']):>6}  SLO "
             f"{_fmt(s['slo_attainment'], '.1f', 100)}%"
+        )
+    return "\n".join(lines)
+
+
+def _tuned_sweep_table(sweeps: list[dict[str, Any]]) -> str:
+    tune = next(s["tuning_seed"] for s in sweeps)
+    lines = [
+        f"\nsweeps (output tokens/s; 'tune': goodput on the tuning seed {tune}, the highest of "
+        "which chose the setting reported above; the rest: means over the report seeds)"
+    ]
+    for s in sorted(sweeps, key=lambda s: (s["workload"], s["load"], s["arm"], str(s["params"]))):
+        if not s["params"]:
+            continue
+        setting = ",".join(f"{k}={v}" for k, v in s["params"].items())
+        lines.append(
+            f"  {s['workload']:<13} load {s['load']:<4g} {s['arm']:<16} {setting:<30} "
+            f"tune {_fmt(s['tuning_goodput_tokens_per_s']):>6}  goodput "
+            f"{_fmt(s['report_goodput_tokens_per_s']):>6}  interactive "
+            f"{_fmt(s['report_interactive_goodput_tokens_per_s']):>6}  SLO "
+            f"{_fmt(s['report_slo_attainment'], '.1f', 100)}%"
         )
     return "\n".join(lines)
