@@ -32,6 +32,8 @@ Invariant: pure, no clock of its own (``now`` is passed in, seconds); O(rate lim
 
 from __future__ import annotations
 
+from typing import Final
+
 from kvgate_agent.admission.decision import AdmissionRequest, Blocker, BucketCharge, Reason
 from kvgate_agent.admission.fairqueue.share import FairShare
 from kvgate_agent.admission.limits import Limits
@@ -42,16 +44,16 @@ from kvgate_agent.admission.limits import Limits
 #: what a tenant already holds). Work-conserving for a tenant alone (it is never above its
 #: share). Chosen on the effectiveness benchmark's ``isolation`` workload, seed 1
 #: (docs/benchmarks.md, issue 22).
-KV_RESERVE = 0.2
+KV_RESERVE: Final = 0.2
 #: A tenant holding more than this many times its fair share is held back by the reserve
 #: (tenants about even with their shares are not: the reserve would idle capacity they share).
-HOG = 2.0
+HOG: Final = 2.0
 #: The engine's prefill is congested when a prompt admitted now would wait more than this
 #: share of the TTFT SLO behind the prompts admitted before it (:mod:`.prefill`): then a
 #: tenant above twice its share of the concurrency limit is not admitted (its prefills would
 #: delay everyone's first token; the engine serves prefills in arrival order). Chosen with
 #: :data:`KV_RESERVE`.
-PREFILL_SHARE = 0.5
+PREFILL_SHARE: Final = 0.5
 
 
 def kv_held_back(
