@@ -5,20 +5,20 @@ check that the compiled admission core decides exactly as the pure-Python one.
 The build goes to ``~/.cache/kvgate/mypyc/<hash>`` (``$KVGATE_MYPYC_CACHE`` overrides the
 parent), the hash covering the compiled modules and every kvgate_agent module they import, the
 module list, the build script and the mypy version, so a stale build is never reused; it takes
-about a minute of CPU. :func:`decision_trace` is a seeded workload on one controller with an
-injected clock (submits across tenants, priorities and sizes that reach admitted, degraded,
-queued and refused outcomes, releases, token observations, queue pumps); ``--compare`` runs it
-in a subprocess on the compiled build and in this process on the sources, and exits 1 if any
-decision differs; so with the request bodies' decoding (:func:`body_trace`) and with HTTP
-exchanges through a sidecar whose server leg, upstream leg and pipeline are the compiled
-modules (:func:`http_trace`, chat and streamed requests among them).
+about two and a half minutes of CPU. :func:`decision_trace` is a seeded workload on one
+controller with an injected clock (submits across tenants, priorities and sizes that reach
+admitted, degraded, queued and refused outcomes, releases, token observations, queue pumps);
+``--compare`` runs it in a subprocess on the compiled build and in this process on the sources,
+and exits 1 if any decision differs; so with the request bodies' decoding (:func:`body_trace`)
+and with HTTP exchanges through a sidecar whose server leg, upstream leg and pipeline are the
+compiled modules (:func:`kvgate_bench.compiled_http.http_trace`, chat and streamed requests
+among them).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import asyncio
 import hashlib
 import json
 import os
@@ -30,6 +30,8 @@ import tempfile
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
+
+from kvgate_bench.compiled_http import http_trace as http_trace
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = REPO / "agent" / "kvgate_agent"
@@ -244,142 +246,6 @@ def compiled_body_trace(build_dir: Path) -> list[list[object]]:
     """:func:`body_trace` run in a subprocess on the compiled build (see :func:`compiled_trace`;
     raises the same)."""
     return _on_build(build_dir, "compiled.body_trace()")
-
-
-#: The requests :func:`http_trace` sends through a sidecar, one connection each unless paired:
-#: (name, how the body is sent, body or None, extra header lines). ``pipelined``: the chat
-#: request twice in one write; ``pathless``: ``GET http://host`` (the root, passed through);
-#: ``malformed``: a header line llhttp refuses (400, closed).
-HTTP_CASES: tuple[tuple[str, str, bytes | None, str], ...] = (
-    ("chat", "length", None, ""),
-    ("stream", "length", None, ""),
-    ("chat-chunked", "chunked", None, ""),
-    ("chat-gzip", "gzip", None, ""),
-    ("chat-continue", "length", None, "Expect: 100-continue\r\n"),
-    ("pipelined", "length", None, ""),
-    ("bad-json", "length", b'{"model": "m", "messages": [', ""),
-    ("not-a-generation", "length", b"", ""),
-    ("passthrough-get", "get", None, ""),
-    ("pathless", "absolute", None, ""),
-    ("malformed", "malformed", None, ""),
-)  # fmt: skip
-
-
-def http_trace(itl_ms: float = 1.0) -> list[list[object]]:
-    """Each of :data:`HTTP_CASES` through a sidecar of this process's ``kvgate_agent`` (the own
-    server leg, the upstream pool, the pipeline: on a compiled build, their compiled modules;
-    then :data:`AIOHTTP_CASES` through one on aiohttp's server leg, named ``aiohttp-leg ...``;
-    ``SidecarServer`` as the CLI serves it, the ``peers`` policy) in front of a loopback model
-    server (``kvgate_bench.stages``' upstream: ``peers``' chat answer, or an SSE stream of 4
-    token events ``itl_ms`` apart), as JSON-ready rows: ``[case, [[status line, header
-    fields less Date, body], ...]]``, a chunked body de-chunked (the chunks' sizes follow the
-    upstream's timing, not the sidecar's code)."""
-    return asyncio.run(_http_trace(itl_ms, "kvgate")) + [
-        [f"aiohttp-leg {name}", answers]
-        for name, answers in asyncio.run(_http_trace(itl_ms, "aiohttp"))
-        if name in AIOHTTP_CASES
-    ]
-
-
-#: The cases :func:`http_trace` also sends through aiohttp's server leg (``--server-leg
-#: aiohttp``: the compiled pipeline and upstream leg behind it; aiohttp frames the answers).
-AIOHTTP_CASES = ("chat", "stream", "bad-json", "passthrough-get", "pathless")
-
-
-async def _http_trace(itl_ms: float, leg: str) -> list[list[object]]:
-    import gzip
-
-    import yaml
-
-    from kvgate_agent.contract.policy import parse_policy
-    from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-    from kvgate_agent.sidecar.server import SidecarServer
-    from kvgate_bench.peers.load import TENANT, chat_body
-    from kvgate_bench.peers.servers import CHAT_PATH, POLICY_YAML
-    from kvgate_bench.stages.ends import Upstream, sse_events
-
-    loop = asyncio.get_running_loop()
-    events = sse_events(4)
-    up = await loop.create_server(lambda: Upstream(events, itl_ms / 1000), "127.0.0.1", 0)
-    up_port = up.sockets[0].getsockname()[1]
-    settings = SidecarSettings(
-        upstream=f"http://127.0.0.1:{up_port}",
-        policy=parse_policy(yaml.safe_load(POLICY_YAML)),
-        engine_usage_seconds=0.0,
-        server_leg=leg,
-    )
-    server = SidecarServer(Sidecar(settings))
-    await server.start(("127.0.0.1", 0), None)
-    port = server.port
-    rows: list[list[object]] = []
-    try:
-        for name, framing, given, extra in HTTP_CASES:
-            if leg != "kvgate" and name not in AIOHTTP_CASES:
-                continue
-            body = chat_body(1024, stream=name == "stream") if given is None else given
-            head = f"Host: 127.0.0.1:{port}\r\nx-kvgate-tenant: {TENANT}\r\n{extra}"
-            if framing == "get":
-                data = f"GET /v1/models HTTP/1.1\r\n{head}\r\n".encode()
-            elif framing == "absolute":  # an absolute-form target without a path: the root
-                data = f"GET http://127.0.0.1:{port} HTTP/1.1\r\n{head}\r\n".encode()
-            elif framing == "malformed":
-                data = f"POST {CHAT_PATH} HTTP/1.1\r\n{head}Bad Header\r\n\r\n".encode()
-            else:
-                path = "/v1/embeddings-not" if name == "not-a-generation" else CHAT_PATH
-                head += "Content-Type: application/json\r\n"
-                if framing == "gzip":
-                    body = gzip.compress(body)
-                    head += "Content-Encoding: gzip\r\n"
-                if framing == "chunked":
-                    half = len(body) // 2
-                    payload = b"".join(
-                        b"%x\r\n%b\r\n" % (len(p), p) for p in (body[:half], body[half:])
-                    )
-                    payload += b"0\r\n\r\n"
-                    head += "Transfer-Encoding: chunked\r\n"
-                else:
-                    payload = body
-                    head += f"Content-Length: {len(body)}\r\n"
-                data = f"POST {path} HTTP/1.1\r\n{head}\r\n".encode() + payload
-            count = 2 if name == "pipelined" else 1
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(data * count)
-            answers = [await _read_answer(reader) for _ in range(count)]
-            writer.close()
-            rows.append([name, answers])
-    finally:
-        await server.cleanup()
-        up.close()
-    return rows
-
-
-async def _read_answer(reader: asyncio.StreamReader) -> list[object]:
-    """One HTTP/1.1 answer: [status line, header fields less ``Date`` (sorted, names in lower
-    case), body as text (de-chunked)]; a ``100 Continue`` before it is skipped but noted."""
-    interim = []
-    while True:
-        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).decode("latin-1")
-        status, *lines = head.removesuffix("\r\n\r\n").split("\r\n")
-        if not status.startswith("HTTP/1.1 1"):
-            break
-        interim.append(status)
-    fields = sorted(
-        (k.lower(), v.strip())
-        for k, _, v in (line.partition(":") for line in lines)
-        if k.lower() != "date"
-    )
-    got = dict(fields)
-    if "content-length" in got:
-        body = await reader.readexactly(int(got["content-length"]))
-    elif got.get("transfer-encoding") == "chunked":
-        body = b""
-        while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
-            body += await reader.readexactly(size)
-            await reader.readexactly(2)
-        await reader.readexactly(2)
-    else:
-        body = await reader.read()
-    return [*interim, status, [list(f) for f in fields], body.decode("utf-8", "replace")]
 
 
 def overlay(build_dir: Path, dest: Path) -> Path:
