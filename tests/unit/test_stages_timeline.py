@@ -5,6 +5,9 @@ clock), and the probe's wrappers' marks."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+
+import pytest
 
 from kvgate_bench.stages import timeline
 from kvgate_bench.stages.probe import Probe
@@ -160,3 +163,17 @@ def test_the_probe_wrappers_mark_calls_and_coroutines() -> None:
         (-1, "twice"),
     ]
     assert all(a[0] <= b[0] for a, b in zip(probe.marks, probe.marks[1:], strict=False))
+
+
+def test_a_build_folder_is_refused_without_compiled_or_without_compiled_modules(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--build`` names a compiled build: alone, or naming a folder with no compiled
+    ``kvgate_agent`` module, the run exits 2 before starting anything (instead of measuring the
+    sources under a "compiled" label)."""
+    from kvgate_bench.stages import run
+
+    assert run.main(["--build", str(tmp_path), "--passes", "plain"]) == 2
+    assert "use it with --compiled" in capsys.readouterr().err
+    assert run.main(["--compiled", "--build", str(tmp_path), "--passes", "plain"]) == 2
+    assert "no compiled kvgate_agent modules there" in capsys.readouterr().err

@@ -276,6 +276,12 @@ def render(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Start the upstream, run each pass, print the tables, write ``--json``."""
     args = parse_args(argv)
+    if args.build is not None and not args.compiled:
+        print("--build names a compiled build: use it with --compiled", file=sys.stderr)
+        return 2
+    if args.build is not None and not any(args.build.glob("kvgate_agent/**/*.so")):
+        print(f"--build {args.build}: no compiled kvgate_agent modules there", file=sys.stderr)
+        return 2
     if args.compiled and ON_BUILD not in os.environ:
         return on_build(argv, args.build)
     build = "pure Python sources"
