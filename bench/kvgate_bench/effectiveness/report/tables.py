@@ -145,37 +145,26 @@ def sweep_table(sweeps: list[dict[str, Any]]) -> str:
     """The tuned arms' sweeps: mean goodput of every setting; with more than one seed, each
     setting's goodput on the tuning seed (which chose the reported setting) and its means over
     the report seeds."""
-    if any(s.get("report_goodput_tokens_per_s") is not None for s in sweeps):
-        return _tuned_sweep_table(sweeps)
-    lines = ["\nsweeps (mean goodput, output tokens/s; the best setting is reported above)"]
-    for s in sorted(sweeps, key=lambda s: (s["workload"], s["load"], s["arm"], str(s["params"]))):
-        if not s["params"]:
-            continue
-        setting = ",".join(f"{k}={v}" for k, v in s["params"].items())
-        lines.append(
-            f"  {s['workload']:<13} load {s['load']:<4g} {s['arm']:<16} {setting:<30} "
-            f"goodput {_fmt(s['goodput_tokens_per_s']):>6}  interactive "
-            f"{_fmt(s['interactive_goodput_tokens_per_s']):>6}  SLO "
-            f"{_fmt(s['slo_attainment'], '.1f', 100)}%"
+    tuned = any(s.get("report_goodput_tokens_per_s") is not None for s in sweeps)
+    if tuned:
+        tune = next(s["tuning_seed"] for s in sweeps)
+        head = (
+            f"\nsweeps (output tokens/s; 'tune': goodput on the tuning seed {tune}, the highest "
+            "of which chose the setting reported above; the rest: means over the report seeds)"
         )
-    return "\n".join(lines)
-
-
-def _tuned_sweep_table(sweeps: list[dict[str, Any]]) -> str:
-    tune = next(s["tuning_seed"] for s in sweeps)
-    lines = [
-        f"\nsweeps (output tokens/s; 'tune': goodput on the tuning seed {tune}, the highest of "
-        "which chose the setting reported above; the rest: means over the report seeds)"
-    ]
+    else:
+        head = "\nsweeps (mean goodput, output tokens/s; the best setting is reported above)"
+    pre = "report_" if tuned else ""
+    lines = [head]
     for s in sorted(sweeps, key=lambda s: (s["workload"], s["load"], s["arm"], str(s["params"]))):
         if not s["params"]:
             continue
         setting = ",".join(f"{k}={v}" for k, v in s["params"].items())
+        tune_col = f"tune {_fmt(s['tuning_goodput_tokens_per_s']):>6}  " if tuned else ""
         lines.append(
             f"  {s['workload']:<13} load {s['load']:<4g} {s['arm']:<16} {setting:<30} "
-            f"tune {_fmt(s['tuning_goodput_tokens_per_s']):>6}  goodput "
-            f"{_fmt(s['report_goodput_tokens_per_s']):>6}  interactive "
-            f"{_fmt(s['report_interactive_goodput_tokens_per_s']):>6}  SLO "
-            f"{_fmt(s['report_slo_attainment'], '.1f', 100)}%"
+            f"{tune_col}goodput {_fmt(s[pre + 'goodput_tokens_per_s']):>6}  interactive "
+            f"{_fmt(s[pre + 'interactive_goodput_tokens_per_s']):>6}  SLO "
+            f"{_fmt(s[pre + 'slo_attainment'], '.1f', 100)}%"
         )
     return "\n".join(lines)
