@@ -163,3 +163,14 @@ def test_a_tuning_seed_not_run_is_refused(
 ) -> None:
     assert cli.main(["--short", *argv]) == 2
     assert "--tune-seed 5 is not one of the seeds run [1, 2]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seeds", ["0", "-1"])
+@pytest.mark.parametrize("pool", [[], ["--replicas", "2"]])
+def test_no_seed_to_run_is_refused_as_such(
+    seeds: str, pool: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--seeds 0`` names the option given, not the tuning seed it was never asked about."""
+    assert cli.main(["--short", *pool, "--seeds", seeds]) == 2
+    err = capsys.readouterr().err
+    assert "--seeds wants at least 1" in err and "--tune-seed" not in err

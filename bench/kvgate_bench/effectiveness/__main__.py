@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         args.plots = None
     show = Progress(sys.stderr, live=sys.stderr.isatty())
     shown = args.progress or sys.stderr.isatty()
+    if n_seeds < 1:
+        print("--seeds wants at least 1", file=sys.stderr)
+        return 2
     seeds = list(range(args.seed, args.seed + n_seeds))
     tune_seed = args.seed if args.tune_seed is None else args.tune_seed
     if tune_seed not in seeds:
