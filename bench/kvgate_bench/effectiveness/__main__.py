@@ -69,7 +69,7 @@ from kvgate_bench.effectiveness.runner import (
     replay_best,
     report_rows,
     run_all,
-    tuning_text,
+    tuning_plan,
 )
 from kvgate_bench.sim.steptime import PROFILES
 
@@ -247,12 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         print("--seeds wants at least 1", file=sys.stderr)
         return 2
     seeds = list(range(args.seed, args.seed + n_seeds))
-    tune_seed = args.seed if args.tune_seed is None else args.tune_seed
-    if tune_seed not in seeds:
-        print(f"--tune-seed {tune_seed} is not one of the seeds run {seeds}", file=sys.stderr)
+    try:
+        tune_seed, report_seeds, tuning = tuning_plan(seeds, args.tune_seed)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
-    report_seeds = [s for s in seeds if s != tune_seed] or [tune_seed]
-    tuning = tuning_text(tune_seed, report_seeds)
     print(
         f"effectiveness: profile {engine.name}, workloads {','.join(workloads)}, loads "
         f"{','.join(f'{x:g}' for x in loads)}, seeds {seeds}, {duration:g} s schedules, "

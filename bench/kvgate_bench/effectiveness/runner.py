@@ -300,6 +300,18 @@ def tuning_seed_of(rows: Iterable[dict[str, Any]], tune_seed: int | None = None)
     return seed
 
 
+def tuning_plan(seeds: list[int], tune_seed: int | None) -> tuple[int, list[int], str]:
+    """A run's tuning from its options: (the tuning seed, ``tune_seed`` or the first of
+    ``seeds``; the report seeds, the others, or the tuning seed alone when it is the only one;
+    the rule in words, :func:`tuning_text`). Raises ``ValueError`` (the message names
+    ``--tune-seed``) when the tuning seed is not one of ``seeds``."""
+    tune = seeds[0] if tune_seed is None else tune_seed
+    if tune not in seeds:
+        raise ValueError(f"--tune-seed {tune} is not one of the seeds run {seeds}")
+    report = [s for s in seeds if s != tune] or [tune]
+    return tune, report, tuning_text(tune, report)
+
+
 def tuning_text(tune_seed: int, report_seeds: list[int]) -> str:
     """The run's tuning rule in words (printed and in the JSON's ``meta.tuning``)."""
     if report_seeds == [tune_seed]:

@@ -44,7 +44,7 @@ from kvgate_bench.effectiveness.pool.runner import (
     pick_best_pool,
     run_pool_all,
 )
-from kvgate_bench.effectiveness.runner import report_rows, tuning_seed_of, tuning_text
+from kvgate_bench.effectiveness.runner import report_rows, tuning_plan, tuning_seed_of
 
 #: Loads of a pool run when ``--loads`` is not given (the issue's: 0.8 for the refusal target,
 #: 1.5, 2 and 3 for the EPP target).
@@ -270,12 +270,11 @@ def run_pool_mode(args: argparse.Namespace, progress: Any) -> int:
     n_seeds = args.seeds if args.seeds is not None else (1 if short else 2)
     duration = args.duration if args.duration is not None else (120.0 if short else 300.0)
     seeds = list(range(args.seed, args.seed + n_seeds))
-    tune_seed = args.seed if getattr(args, "tune_seed", None) is None else args.tune_seed
-    if tune_seed not in seeds:
-        print(f"--tune-seed {tune_seed} is not one of the seeds run {seeds}", file=sys.stderr)
+    try:
+        tune_seed, report_seeds, tuning = tuning_plan(seeds, getattr(args, "tune_seed", None))
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
-    report_seeds = [s for s in seeds if s != tune_seed] or [tune_seed]
-    tuning = tuning_text(tune_seed, report_seeds)
     print(
         f"effectiveness (pool): profile {args.profile}, workloads {','.join(workloads)}, "
         f"replicas {','.join(map(str, replicas))}, routers {','.join(routers)}, loads "
