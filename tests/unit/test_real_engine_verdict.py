@@ -70,6 +70,16 @@ def _cell(doc: dict[str, Any], cell: str, seed: int, rows: list[dict[str, Any]])
     close_cell(doc, {"cell": cell, "seed": seed, "rows": rows, "virtual": [], "comparison": []})
 
 
+@pytest.fixture
+def fast_bootstrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verdict's ratios on 50 resamples: these tests read sizes,
+    labels and intervals a bootstrap cannot widen (every pair's ratio the same), not widths."""
+    monkeypatch.setattr(
+        verdict, "ratio_ci95", lambda pairs, seed: stats.ratio_ci95(pairs, seed, 50)
+    )
+
+
+@pytest.mark.usefixtures("fast_bootstrap")
 def test_verdict_names_the_seeds_and_evaluates_the_targets() -> None:
     doc = new_doc({"model": "smollm2"}, tune_seed=1)
     doc["tuned"]["multi-tenant:2"] = {"concurrency-cap": {"cap": 2, "queue_timeout_s": 1.0}}
@@ -103,7 +113,7 @@ def test_verdict_names_the_seeds_and_evaluates_the_targets() -> None:
     t = {x["target"]: x for x in v["targets"]}
     best = t["multi-tenant:2: kvgate / best baseline"]
     assert best["value"] == pytest.approx(20 / 15) and best["met"]
-    assert best["ci95"] == pytest.approx([20 / 15, 20 / 15])
+    assert best["ci95"] == pytest.approx([20 / 15, 20 / 15]) and best["clears"] is True
     assert t["multi-tenant:2: kvgate / none"]["value"] == pytest.approx(2.0)
     assert t["multi-tenant:2: kvgate / none"]["met"]
     assert t["multi-tenant:2: kvgate-empty / tuned cap"]["value"] == pytest.approx(13 / 15)
@@ -124,12 +134,26 @@ def test_verdict_names_the_seeds_and_evaluates_the_targets() -> None:
     assert t["cells with cached prompt tokens (invalid)"]["value"] == 1
     lines = verdict_text.verdict_lines(v)
     assert lines[0].startswith("verdict: baselines tuned on seed 1, reported on seeds 2, 3, 4")
+    assert "; 5 cells x seeds finished" in lines[0]
+    best_line = next(x for x in lines if "kvgate / best baseline:" in x)
+    assert best_line.lstrip().startswith("met") and "interval clears the goal" in best_line
     assert any("INVALID" in x and "multi-tenant:2@4" in x for x in lines)
     assert any(x.lstrip().startswith("reference") and "117/120" in x for x in lines)
     only2 = verdict.verdict(doc, [2])
     assert only2["report_seeds"] == [2]
     ratio = next(r for r in only2["ratios"] if r["ratio"] == "kvgate / none")
     assert ratio["seeds"] == [2] and list(ratio["per_seed"]) == ["2"]
+
+
+def test_a_target_met_at_its_point_estimate_only_says_its_interval_reaches_below() -> None:
+    t = {"target": "multi-tenant:2: kvgate / best baseline", "value": 1.12, "goal": ">= 1",
+         "met": True, "ci95": [0.99, 1.25], "cell": "multi-tenant:2", "status": "met",
+         "clears": False}  # fmt: skip
+    line = verdict_text._target_line(t)
+    assert line.lstrip().startswith("met") and "1.12 [0.99, 1.25]" in line
+    assert line.endswith("(goal >= 1; the 95 % interval reaches below the goal: not separated)")
+    no_ci = verdict_text._target_line({**t, "ci95": None, "clears": None})
+    assert "interval" not in no_ci
 
 
 def _pair(**real_kw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -196,14 +220,9 @@ def test_the_report_judges_the_twin_afresh_and_says_which_rule() -> None:
     a = verdict.verdict(doc)["agreement"]
     assert a["pairs"] == 2 and a["agree"] == 0 and a["fifteen_percent_only"] == 2
     line = next(x for x in verdict_text.verdict_lines(verdict.verdict(doc)) if "virtual twin" in x)
-    assert line.startswith("virtual twin: 0 of 2 row pairs agree; 2 of them judged on the 15 %")
-
-
-@pytest.fixture
-def fast_bootstrap(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The verdict's ratios on 50 resamples: these tests read sizes and labels, not intervals."""
-    monkeypatch.setattr(
-        verdict, "ratio_ci95", lambda pairs, seed: stats.ratio_ci95(pairs, seed, 50)
+    assert line.startswith(
+        "virtual twin (as each cell's run recorded it): 0 of 2 row pairs agree; 2 of them judged "
+        "on the 15 %"
     )
 
 

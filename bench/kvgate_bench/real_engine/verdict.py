@@ -14,9 +14,10 @@ run; otherwise it is labelled ``not a verdict (N requests an arm, M required)``
 (:func:`sizes`) and the targets on it are ``indicative``, neither met nor missed.
 
 **Targets** (issue 33), each on the pooled figure of the report seeds; ``status``: ``met``
-when the point estimate reaches the goal (``ci95`` says how sure), ``MISSED``, ``indicative``
-(its cell is not a verdict; ``reached`` says what the point estimate did) or ``not measured``
-(``met`` None for the last two):
+when the point estimate reaches the goal (``ci95`` says how sure; a ratio target's
+``clears`` says whether the interval's low end reaches the goal too, None without an
+interval), ``MISSED``, ``indicative`` (its cell is not a verdict; ``reached`` says what the
+point estimate did) or ``not measured`` (``met`` None for the last two):
 
 * ``multi-tenant`` at 2 and 3: kvgate / best baseline >= 1.0, kvgate / none >= 1.5, no 5xx;
 * ``isolation`` at 3: the well-behaved tenants' SLO attainment >= 0.95 and its Wilson lower
@@ -166,9 +167,11 @@ def _ratio_target(rs: Sequence[Mapping[str, Any]], cell: str, name: str, goal: f
     for r in rs:
         if r["cell"] == cell and r["ratio"] == name:
             v = r["value"]
-            return _target(
+            t = _target(
                 f"{cell}: {name}", v, goal, v is not None and v >= goal, r["ci95"], cell=cell
             )
+            t["clears"] = bool(r["ci95"][0] >= goal) if r["ci95"] else None
+            return t
     return None
 
 

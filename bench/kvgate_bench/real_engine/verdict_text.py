@@ -5,8 +5,10 @@ The first line says whether it is a verdict at all: ``verdict:`` when every cell
 the issue's size, ``not a verdict:`` when none has (or none is finished), ``verdict on N of M
 cells:`` otherwise; then what is left (:mod:`kvgate_bench.real_engine.progress`), the seeds and
 cells asked for but absent, each cell's size, the ratios, the targets (``met``, ``MISSED``,
-``indicative`` on a cell that is not a verdict, ``-`` when not measured) and the twin (as the
-cells stored it; with ``--report``, also recomputed: :func:`twin_lines`).
+``indicative`` on a cell that is not a verdict, ``-`` when not measured; a ratio target met or
+missed says whether its 95 % interval clears the goal or reaches below it, "not separated")
+and the twin (as the cells stored it; with ``--report``, also recomputed: :func:`twin_lines`).
+``N cells x seeds finished`` counts each cell once per seed it finished on.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def headline(v: Mapping[str, Any]) -> str:
     open_runs = v["unfinished_runs"]
     return (
         f"{word}: baselines tuned on seed {v['tune_seed']}, reported on seeds "
-        f"{_ints(v['report_seeds']) or '-'}; {len(v['cells'])} cells finished"
+        f"{_ints(v['report_seeds']) or '-'}; {len(v['cells'])} cells x seeds finished"
         f"{f', {open_runs} arm runs of unfinished cells' if open_runs else ''}"
     )
 
@@ -66,6 +68,12 @@ def _target_line(t: Mapping[str, Any]) -> str:
     # A met or missed target's note: the runs it left out (an indicative one's is its cell's
     # size, printed with the cells; a not measured one's is its value).
     tail = f"; {t['note']}" if t.get("note") and status in ("met", "MISSED", "reference") else ""
+    if t.get("clears") is not None and status in ("met", "MISSED"):
+        tail += (
+            "; the 95 % interval clears the goal"
+            if t["clears"]
+            else "; the 95 % interval reaches below the goal: not separated"
+        )
     return f"  {MARKS[status]:<10} {t['target']}: {value} (goal {t['goal']}{tail})"
 
 
@@ -99,7 +107,8 @@ def verdict_lines(v: Mapping[str, Any]) -> list[str]:
     a = v["agreement"]
     small = a.get("fifteen_percent_only", 0)
     lines.append(
-        f"virtual twin: {a['agree']} of {a['pairs']} row pairs agree"
+        f"virtual twin (as each cell's run recorded it): {a['agree']} of {a['pairs']} row pairs "
+        "agree"
         + (f"; {small} of them judged on the 15 % rule only (real rows under the verdict's "
            f"{MIN_REQUESTS} requests an arm, isolation {required('isolation')} well-behaved: "
            "their 95 % intervals do not count)" if small else "")
