@@ -1,9 +1,9 @@
 """The HTTP exchanges :mod:`kvgate_bench.compiled` compares on the compiled build and on the
 sources: :data:`HTTP_CASES` through a sidecar whose own server leg, upstream leg and pipeline are
-this process's ``kvgate_agent`` modules (on a compiled build, their compiled modules), and
-:data:`AIOHTTP_CASES` through one on aiohttp's server leg; each answer as JSON-ready rows
-(:func:`http_trace`). Split from :mod:`kvgate_bench.compiled` (the build and the decision and
-body traces) by job.
+this process's ``kvgate_agent`` modules (on a compiled build, their compiled modules); each answer
+as JSON-ready rows (:func:`http_trace`); the cases once also sent through aiohttp's server leg
+went with that leg, retired. Split from :mod:`kvgate_bench.compiled` (the build and the decision
+and body traces) by job.
 """
 
 from __future__ import annotations
@@ -32,25 +32,15 @@ HTTP_CASES: tuple[tuple[str, str, bytes | None, str], ...] = (
 def http_trace(itl_ms: float = 1.0) -> list[list[object]]:
     """Each of :data:`HTTP_CASES` through a sidecar of this process's ``kvgate_agent`` (the own
     server leg, the upstream pool, the pipeline: on a compiled build, their compiled modules;
-    then :data:`AIOHTTP_CASES` through one on aiohttp's server leg, named ``aiohttp-leg ...``;
     ``SidecarServer`` as the CLI serves it, the ``peers`` policy) in front of a loopback model
     server (``kvgate_bench.stages``' upstream: ``peers``' chat answer, or an SSE stream of 4
     token events ``itl_ms`` apart), as JSON-ready rows: ``[case, [[status line, header
     fields less Date, body], ...]]``, a chunked body de-chunked (the chunks' sizes follow the
     upstream's timing, not the sidecar's code)."""
-    return asyncio.run(_http_trace(itl_ms, "kvgate")) + [
-        [f"aiohttp-leg {name}", answers]
-        for name, answers in asyncio.run(_http_trace(itl_ms, "aiohttp"))
-        if name in AIOHTTP_CASES
-    ]
+    return asyncio.run(_http_trace(itl_ms))
 
 
-#: The cases :func:`http_trace` also sends through aiohttp's server leg (``--server-leg
-#: aiohttp``: the compiled pipeline and upstream leg behind it; aiohttp frames the answers).
-AIOHTTP_CASES = ("chat", "stream", "bad-json", "passthrough-get", "pathless")
-
-
-async def _http_trace(itl_ms: float, leg: str) -> list[list[object]]:
+async def _http_trace(itl_ms: float) -> list[list[object]]:
     import gzip
 
     import yaml
@@ -70,7 +60,6 @@ async def _http_trace(itl_ms: float, leg: str) -> list[list[object]]:
         upstream=f"http://127.0.0.1:{up_port}",
         policy=parse_policy(yaml.safe_load(POLICY_YAML)),
         engine_usage_seconds=0.0,
-        server_leg=leg,
     )
     server = SidecarServer(Sidecar(settings))
     await server.start(("127.0.0.1", 0), None)
@@ -78,8 +67,6 @@ async def _http_trace(itl_ms: float, leg: str) -> list[list[object]]:
     rows: list[list[object]] = []
     try:
         for name, framing, given, extra in HTTP_CASES:
-            if leg != "kvgate" and name not in AIOHTTP_CASES:
-                continue
             body = chat_body(1024, stream=name == "stream") if given is None else given
             head = f"Host: 127.0.0.1:{port}\r\nx-kvgate-tenant: {TENANT}\r\n{extra}"
             if framing == "get":

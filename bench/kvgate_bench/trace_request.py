@@ -193,7 +193,7 @@ async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) 
     return int(status_line.split()[1])
 
 
-async def trace(warmup: int = 3, server_leg: str = "own") -> Trace:
+async def trace(warmup: int = 3) -> Trace:
     """Serve the stand-in and a sidecar in this event loop, send ``warmup`` requests, then
     trace one (see the module docstring)."""
     engine = web.Application()
@@ -206,7 +206,6 @@ async def trace(warmup: int = 3, server_leg: str = "own") -> Trace:
     settings = SidecarSettings(
         upstream=f"http://127.0.0.1:{port}",
         policy=parse_policy(POLICY),
-        server_leg=server_leg,
         engine_usage_seconds=0.0,
     )
     server = SidecarServer(Sidecar(settings))
@@ -253,11 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The entry point: trace, print, write ``--json``."""
     ap = argparse.ArgumentParser(prog="python -m kvgate_bench.trace_request", description=__doc__)
     ap.add_argument("--warmup", type=int, default=3, help="untraced requests first (default 3)")
-    ap.add_argument("--server-leg", choices=("own", "aiohttp"), default="own")
     ap.add_argument("--list", action="store_true", help="print every function and its calls")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
-    t = asyncio.run(trace(args.warmup, args.server_leg))
+    t = asyncio.run(trace(args.warmup))
     print(report(t, args.list))
     if args.json is not None:
         args.json.write_text(json.dumps(t.summary(), indent=2) + "\n")

@@ -1,8 +1,7 @@
 """kvgate's own server leg over real HTTP on loopback: what it does as an HTTP/1.1 server that
-the suites written against aiohttp's leg do not pin (pipelining, ``Expect: 100-continue``,
-lingering before closing, HTTP/1.0, absolute-form targets, HEAD, request-body encodings and
-their bounds, header limits, a client gone mid-stream, the idle keep-alive timeout), and a few of
-them again on the fallback leg (``server_leg="aiohttp"``)."""
+the other sidecar suites do not pin (pipelining, ``Expect: 100-continue``, lingering before
+closing, HTTP/1.0, absolute-form targets, HEAD, request-body encodings and their bounds, header
+limits, a client gone mid-stream, the idle keep-alive timeout)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import pytest
 from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
@@ -31,7 +29,6 @@ from kvgate_bench.kit.toolkit import poll_until_async, wait_until_async
 from tests.conftest import SidecarFactory, gauges, policy_doc
 from tests.upstream import CHAT, Upstream, serve_handler
 
-LEGS = ["kvgate", "aiohttp"]
 REFUSED_INVALID = (
     'kvgate_admission_decisions_total{outcome="rejected",reason="invalid_request",tenant=""}'
 )
@@ -137,12 +134,11 @@ async def all_released(client: aiohttp.ClientSession, url: str) -> dict[str, flo
 # ---------------------------------------------------------------- pipelining, 100-continue
 
 
-@pytest.mark.parametrize("leg", LEGS)
 async def test_pipelined_requests_are_answered_in_order_on_one_connection(
-    upstream: Upstream, sidecar_factory: SidecarFactory, leg: str
+    upstream: Upstream, sidecar_factory: SidecarFactory
 ) -> None:
     upstream.headers_delay = 0.2  # the chat completion is the slowest: answered second anyway
-    url, sc = await sidecar_factory(upstream.url, {}, server_leg=leg)
+    url, sc = await sidecar_factory(upstream.url, {})
     async with connect(url) as (reader, writer):
         writer.write(
             GET_HEALTHZ
@@ -162,11 +158,10 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(
     assert sc.admission.stats().in_flight == 0
 
 
-@pytest.mark.parametrize("leg", LEGS)
 async def test_expect_100_continue_gets_continue_then_the_answer(
-    upstream: Upstream, sidecar_factory: SidecarFactory, leg: str
+    upstream: Upstream, sidecar_factory: SidecarFactory
 ) -> None:
-    url, _ = await sidecar_factory(upstream.url, {}, server_leg=leg)
+    url, _ = await sidecar_factory(upstream.url, {})
     request = post(b"/v1/chat/completions", CHAT_BODY, extra=b"Expect: 100-continue\r\n")
     head, body = request[: -len(CHAT_BODY)], CHAT_BODY
     async with connect(url) as (reader, writer):
@@ -228,11 +223,10 @@ async def test_an_unread_whole_body_does_not_stall_a_kept_alive_connection(
 # ---------------------------------------------------------------- request forms
 
 
-@pytest.mark.parametrize("leg", LEGS)
 async def test_http10_request_is_answered_and_closed(
-    upstream: Upstream, sidecar_factory: SidecarFactory, leg: str
+    upstream: Upstream, sidecar_factory: SidecarFactory
 ) -> None:
-    url, _ = await sidecar_factory(upstream.url, {}, server_leg=leg)
+    url, _ = await sidecar_factory(upstream.url, {})
     async with connect(url) as (reader, writer):
         writer.write(b"GET /healthz HTTP/1.0\r\n\r\n")
         answer = await read_answer(reader)
@@ -281,11 +275,10 @@ async def test_absolute_form_target_is_admitted_as_its_path(
     await all_released(client, url)
 
 
-@pytest.mark.parametrize("leg", LEGS)
 async def test_head_healthz_has_a_length_but_no_body(
-    upstream: Upstream, sidecar_factory: SidecarFactory, leg: str
+    upstream: Upstream, sidecar_factory: SidecarFactory
 ) -> None:
-    url, _ = await sidecar_factory(upstream.url, {}, server_leg=leg)
+    url, _ = await sidecar_factory(upstream.url, {})
     async with connect(url) as (reader, writer):
         # Pipelined behind it: a body sent after HEAD's head would be read as the next answer.
         writer.write(b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + GET_HEALTHZ)
@@ -305,11 +298,10 @@ def gzip_bomb() -> bytes:
     return b"".join(c.compress(zeros) for _ in range(50)) + c.flush()
 
 
-@pytest.mark.parametrize("leg", LEGS)
 async def test_gzip_bomb_gets_413_and_never_reaches_the_model(
-    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession, leg: str
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
 ) -> None:
-    url, _ = await sidecar_factory(upstream.url, {}, server_leg=leg, max_body_bytes=1_000_000)
+    url, _ = await sidecar_factory(upstream.url, {}, max_body_bytes=1_000_000)
     bomb = gzip_bomb()
     assert len(bomb) < 1_000_000  # under the limit as sent: only decoding finds it over
     async with connect(url) as (reader, writer):
@@ -398,13 +390,12 @@ async def test_a_header_over_64_kib_gets_431(
 # ---------------------------------------------------------------- the client gone
 
 
-@pytest.mark.parametrize("leg", LEGS)
 async def test_client_gone_mid_stream_leaves_nothing_reserved(
-    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession, leg: str
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
 ) -> None:
     upstream.tokens = 300
     upstream.token_delay = 0.05  # a 15 s stream
-    url, sc = await sidecar_factory(upstream.url, {}, server_leg=leg)
+    url, sc = await sidecar_factory(upstream.url, {})
     body = json.dumps({**CHAT, "stream": True, "max_tokens": 1000}).encode()
     async with connect(url) as (reader, writer):
         writer.write(post(b"/v1/chat/completions", body))
@@ -479,8 +470,7 @@ async def test_slow_headers_get_408_at_the_header_deadline() -> None:
         assert counted == ["timeout"]
 
 
-@pytest.mark.parametrize("leg", LEGS)
-async def test_a_passthrough_request_in_flight_at_the_drain_is_answered(leg: str) -> None:
+async def test_a_passthrough_request_in_flight_at_the_drain_is_answered() -> None:
     """SIGTERM's drain (``SidecarServer.drain``) waits for pass-through requests too, not only
     for admitted ones: a slow ``/tokenize`` under way when the drain starts is answered 200
     before the sidecar stops."""
@@ -495,9 +485,7 @@ async def test_a_passthrough_request_in_flight_at_the_drain_is_answered(leg: str
 
     async with serve_handler(slow) as up:
         sc = Sidecar(
-            SidecarSettings(
-                upstream=up, policy=parse_policy(policy_doc({})), server_leg=leg, drain_seconds=10
-            )
+            SidecarSettings(upstream=up, policy=parse_policy(policy_doc({})), drain_seconds=10)
         )
         server = SidecarServer(sc)
         await server.start(("127.0.0.1", 0), None)

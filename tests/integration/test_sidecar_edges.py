@@ -56,10 +56,8 @@ async def text(client: aiohttp.ClientSession, url: str) -> tuple[int, str]:
 # 1. Tenant data is not public on the clients' port
 
 
-@pytest.mark.parametrize("leg", ["kvgate", "aiohttp"])
 @pytest.mark.parametrize("mode", ["keys", "jwt"])
 async def test_with_identity_on_the_clients_port_serves_no_tenant_series_the_admin_port_does(
-    leg: str,
     mode: str,
     tmp_path: Path,
     upstream: Upstream,
@@ -78,7 +76,7 @@ async def test_with_identity_on_the_clients_port_serves_no_tenant_series_the_adm
         good = signer.token({"sub": "team-secret"})
         spec = {**REFUSE_UNKNOWN, "tenants": {"header": "authorization", "jwt": {
             "issuer": ISSUER, "audience": AUDIENCE}}}  # fmt: skip
-    url, _ = await sidecar_factory(upstream.url, spec, server_leg=leg, **files, **ADMIN)
+    url, _ = await sidecar_factory(upstream.url, spec, **files, **ADMIN)
     assert (await post(client, url, {"Authorization": f"Bearer {good}"}))[0] == 200
     assert (await post(client, url, {"Authorization": f"Bearer {random_key()}"}))[0] == 401
 
@@ -238,11 +236,10 @@ def raw_request(path: str, headers: dict[str, str], body: bytes = b"") -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-@pytest.mark.parametrize("leg", ["kvgate", "aiohttp"])
 async def test_fields_named_in_connection_never_reach_the_model_server(
-    leg: str, upstream: Upstream, sidecar_factory: SidecarFactory
+    upstream: Upstream, sidecar_factory: SidecarFactory
 ) -> None:
-    url, _ = await sidecar_factory(upstream.url, {}, server_leg=leg)
+    url, _ = await sidecar_factory(upstream.url, {})
     sent = {
         "Connection": "close, X-Hop-One,x-hop-two",
         "X-Hop-One": "1",

@@ -9,6 +9,7 @@ free, and the upstream saw its streams cancelled.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import socket
@@ -22,7 +23,7 @@ import pytest
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
-from kvgate_agent.sidecar.edge.slowclients import KEEPALIVE_TIMEOUT_S
+from kvgate_agent.sidecar.edge.client_listener import KEEPALIVE_TIMEOUT_S, ClientListener
 from kvgate_agent.sidecar.upstream import relay
 from kvgate_bench.kit.toolkit import free_port, poll_until_async, wait_until_async
 from tests.conftest import gauges, policy_doc, raw_exchange, serve_sidecar
@@ -365,7 +366,7 @@ async def test_a_request_ended_at_the_drain_deadline_after_it_was_sent_is_charge
 async def test_malformed_http_gets_an_openai_error_and_never_reaches_the_model(
     faulty: Faulty, start: Start
 ) -> None:
-    """Requests aiohttp's parser refuses before any handler runs (request smuggling with both
+    """Requests the server leg's parser refuses before any handler runs (request smuggling with both
     Content-Length and Transfer-Encoding, a broken header line, a bad chunk size) get a 4xx
     with an OpenAI error body and a closed connection; idle kept-alive connections are bounded
     (75 s, not aiohttp's 3630 s)."""
@@ -392,8 +393,8 @@ async def test_malformed_http_gets_an_openai_error_and_never_reaches_the_model(
         async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
             assert r.status == 200  # the sidecar serves on
     assert faulty.reached == 1
-    runner = sc.runner()
-    assert runner._kwargs["keepalive_timeout"] == KEEPALIVE_TIMEOUT_S == 75.0
+    keepalive = inspect.signature(ClientListener).parameters["keepalive_timeout"].default
+    assert keepalive == KEEPALIVE_TIMEOUT_S == 75.0
 
 
 # ---------------------------------------------------------------- model servers that misbehave

@@ -24,8 +24,6 @@ from kvgate_bench.kit.toolkit import free_port, wait_until_async
 from tests.conftest import ADMIN, ADMIN_URLS, SidecarFactory, gauges, policy_doc, raw_exchange
 from tests.upstream import CHAT, Upstream
 
-LEGS = ["kvgate", "aiohttp"]
-
 
 def header(head: bytes, name: str) -> str | None:
     for line in head.split(b"\r\n")[1:]:
@@ -48,13 +46,10 @@ def chat_request(body: bytes | None = None, *, extra: bytes = b"") -> bytes:
 # 7. The 408 of slow headers has an OpenAI error body
 
 
-@pytest.mark.parametrize("leg", LEGS)
 async def test_the_408_of_slow_headers_has_an_openai_error_body(
-    leg: str, upstream: Upstream, sidecar_factory: SidecarFactory
+    upstream: Upstream, sidecar_factory: SidecarFactory
 ) -> None:
-    url, _ = await sidecar_factory(
-        upstream.url, {}, server_leg=leg, header_timeout_seconds=0.3, **ADMIN
-    )
+    url, _ = await sidecar_factory(upstream.url, {}, header_timeout_seconds=0.3, **ADMIN)
     for base, client_port in ((url, True), (ADMIN_URLS[url], False)):
         head, body = await raw_exchange(base, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
         assert head.startswith(b"HTTP/1.1 408 "), head
@@ -95,21 +90,17 @@ async def half_closed_exchange(url: str, request: bytes) -> bytes:
     return got.removeprefix(CONTINUE)
 
 
-@pytest.mark.parametrize("leg", LEGS)
 @pytest.mark.parametrize(
     "what", ["json", "stream", "queued", "pipelined", "refused"], ids=lambda w: w
 )
 async def test_a_half_closed_client_gets_its_answer(
     what: str,
-    leg: str,
     upstream: Upstream,
     sidecar_factory: SidecarFactory,
     client: aiohttp.ClientSession,
 ) -> None:
     upstream.token_delay = 0.05
-    url, sc = await sidecar_factory(
-        upstream.url, {"concurrency": {"maxRequests": 1}}, server_leg=leg
-    )
+    url, sc = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
     holder: asyncio.Future[Any] | None = None
     if what == "queued":  # behind a request holding the one slot
         upstream.hold = asyncio.Event()
@@ -146,14 +137,13 @@ async def test_a_half_closed_client_gets_its_answer(
     assert (await gauges(client, url))["kvgate_client_disconnects_total"] == 0
 
 
-@pytest.mark.parametrize("leg", LEGS)
 async def test_a_half_closed_client_of_the_sidecar_process_gets_its_answer(
-    leg: str, upstream: Upstream, sidecar_process: Any
+    upstream: Upstream, sidecar_process: Any
 ) -> None:
     """The real ``kvgate-agent sidecar`` (on uvloop, which reports the client's FIN again when
-    reading resumes): the answer still comes, on both legs."""
+    reading resumes): the answer still comes."""
     upstream.token_delay = 0.05
-    proc = await asyncio.to_thread(sidecar_process, upstream.url, {}, "--server-leg", leg)
+    proc = await asyncio.to_thread(sidecar_process, upstream.url, {})
     for stream in (False, True):
         got = await half_closed_exchange(
             proc.url, chat_request(json.dumps({**CHAT, "stream": stream}).encode())
@@ -163,9 +153,7 @@ async def test_a_half_closed_client_of_the_sidecar_process_gets_its_answer(
     assert len(upstream.bodies) == 2
 
 
-@pytest.mark.parametrize("leg", LEGS)
 async def test_a_client_gone_while_queued_is_still_dropped_at_once(
-    leg: str,
     upstream: Upstream,
     sidecar_factory: SidecarFactory,
     client: aiohttp.ClientSession,
@@ -174,9 +162,7 @@ async def test_a_client_gone_while_queued_is_still_dropped_at_once(
     a closed socket answers with a reset) and drops the queued request of a client that is gone,
     without waiting for its turn."""
     upstream.hold = asyncio.Event()
-    url, sc = await sidecar_factory(
-        upstream.url, {"concurrency": {"maxRequests": 1}}, server_leg=leg
-    )
+    url, sc = await sidecar_factory(upstream.url, {"concurrency": {"maxRequests": 1}})
     holder = asyncio.ensure_future(client.post(url + "/v1/chat/completions", json=CHAT))
     try:
         await wait_until_async(lambda: upstream.active == 1, 10, "the first request upstream")
@@ -226,7 +212,6 @@ async def test_a_body_completed_after_the_drain_began_is_refused_as_the_drain_re
     assert (stats.in_flight, stats.kv_reserved_tokens, stats.queue_length) == (0, 0, 0)
 
 
-@pytest.mark.parametrize("leg", LEGS)
 @pytest.mark.parametrize(
     "target",
     [
@@ -237,13 +222,13 @@ async def test_a_body_completed_after_the_drain_began_is_refused_as_the_drain_re
     ],
 )
 async def test_a_declared_body_over_the_limit_is_refused_at_once(
-    leg: str, target: str, upstream: Upstream, sidecar_factory: SidecarFactory
+    target: str, upstream: Upstream, sidecar_factory: SidecarFactory
 ) -> None:
     """A 10 GB ``Content-Length`` gets 413 as soon as its headers are in, on a generation path,
     an allowlisted one or one passed through alike (it was held for the body deadline, 30 s,
     then 408 on the others), and never reaches the model server."""
     method, path = target.split()
-    url, _ = await sidecar_factory(upstream.url, {}, server_leg=leg, body_timeout_seconds=30)
+    url, _ = await sidecar_factory(upstream.url, {}, body_timeout_seconds=30)
     reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
     started = time.monotonic()
     writer.write(
@@ -263,11 +248,10 @@ async def test_a_declared_body_over_the_limit_is_refused_at_once(
     assert path not in upstream.paths
 
 
-@pytest.mark.parametrize("leg", LEGS)
 async def test_a_chunked_pass_through_body_over_the_limit_is_cut_with_413(
-    leg: str, upstream: Upstream, sidecar_factory: SidecarFactory
+    upstream: Upstream, sidecar_factory: SidecarFactory
 ) -> None:
-    url, _ = await sidecar_factory(upstream.url, {}, server_leg=leg, max_body_bytes=1000)
+    url, _ = await sidecar_factory(upstream.url, {}, max_body_bytes=1000)
     chunk = b"x" * 600
     head, body = await raw_exchange(
         url,

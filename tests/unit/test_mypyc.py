@@ -135,12 +135,10 @@ def test_the_sidecar_answers_http_the_same_every_time() -> None:
     case answered, deterministic on the sources."""
     rows = compiled_http.http_trace()
     names = [c[0] for c in compiled_http.HTTP_CASES]
-    aio = [f"aiohttp-leg {n}" for n in compiled_http.AIOHTTP_CASES]
-    assert [r[0] for r in rows] == names + aio
+    assert [r[0] for r in rows] == names
     answers: dict[str, Any] = {str(r[0]): r[1] for r in rows}
     status = {name: [a[0] for a in got] for name, got in answers.items()}
     assert status["chat"] == status["stream"] == ["HTTP/1.1 200 OK"]
-    assert status["aiohttp-leg chat"] == status["aiohttp-leg stream"] == ["HTTP/1.1 200 OK"]
     assert status["pipelined"] == ["HTTP/1.1 200 OK"] * 2
     assert status["bad-json"] == status["malformed"] == ["HTTP/1.1 400 Bad Request"]
     stream = answers["stream"][0][2]

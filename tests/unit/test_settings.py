@@ -274,7 +274,7 @@ def test_the_readme_tells_every_operator_variable_and_its_default() -> None:
                 assert os_defaults[name] == want, (name, part)
 
 
-@pytest.mark.parametrize("variable", ["KVGATE_SERVER_LEG", "KVGATE_FAILURE_MODE"])
+@pytest.mark.parametrize("variable", ["KVGATE_FAILURE_MODE"])
 def test_a_variable_outside_a_flags_choices_exits_2_naming_them(
     variable: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -286,3 +286,24 @@ def test_a_variable_outside_a_flags_choices_exits_2_naming_them(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert variable in err and "'aiohtttp'" in err and "expected one of" in err
+
+
+@pytest.mark.parametrize("given", ["flag", "env"])
+def test_the_retired_aiohttp_server_leg_exits_2_saying_so(
+    given: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--server-leg aiohttp`` (kvgate 0.x's leg, retired) is refused, by flag or variable,
+    with a message saying it was retired; ``kvgate``, the only leg, is still accepted."""
+    line = "sidecar --upstream http://m:8000"
+    if given == "env":
+        monkeypatch.setenv("KVGATE_SERVER_LEG", "aiohttp")
+    else:
+        line += " --server-leg aiohttp"
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(words(line))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--server-leg" in err and "aiohttp server leg was retired" in err
+    monkeypatch.delenv("KVGATE_SERVER_LEG", raising=False)
+    args = build_parser().parse_args(words("sidecar --upstream http://m:8000 --server-leg kvgate"))
+    assert from_args(SidecarSettings, args).server_leg == "kvgate"

@@ -14,8 +14,8 @@ or from the node agent (:mod:`kvgate_agent.sidecar.node_link.agent_enforcement`)
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -40,8 +40,8 @@ class Sidecar:
     """One sidecar: its parts, built here, its applications, its lifecycle and its own
     endpoints.
 
-    Use :meth:`build_app` for the aiohttp application; a request on the model server's paths
-    goes through :attr:`pipeline` (:class:`~kvgate_agent.sidecar.pipeline.RequestPipeline`);
+    :meth:`client_route` routes the clients' port; a request on the model server's paths goes
+    through :attr:`pipeline` (:class:`~kvgate_agent.sidecar.pipeline.RequestPipeline`);
     the parts are the admission core (:attr:`admission`), the engine probe (:attr:`engine`),
     the policy enforced now (:attr:`policy`: the policy file's, or the node agent's thresholds
     in agent mode) and the forwarder; with a store, its leases (:attr:`store`) and, with
@@ -141,30 +141,11 @@ class Sidecar:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def build_app(self) -> web.Application:
-        """The aiohttp application (routes and startup/cleanup hooks)."""
-        app = web.Application(
-            client_max_size=self.settings.max_body_bytes + 1,
-            middlewares=[track_requests, self.pipeline.pathless],
-        )
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/readyz", self.readyz)
-        app.router.add_get("/kvgate/metrics", self.client_metrics_endpoint)
-        # The engine's metrics, with the router gauges appended.
-        app.router.add_get("/metrics", RouterMetrics(self.model_server, self.admission).handle)
-        handler = _aiohttp(self.pipeline.generation_handler())
-        for path in GENERATION_PATHS:
-            app.router.add_route("*", path, handler)
-        app.router.add_route("*", "/{tail:.*}", _aiohttp(self.pipeline.other))
-        app.on_startup.append(self._on_startup)
-        app.on_cleanup.append(self._on_cleanup)
-        return app
-
     def client_route(self) -> Callable[[Request], Handler]:
-        """The own server leg's routes (:mod:`kvgate_agent.sidecar.edge.client_listener`), as
-        :meth:`build_app`'s: a request's handler by its raw path (a generation path only as
-        sent, canonical; anything else goes to ``pipeline.other``, which refuses what only
-        normalises to one) and, for the sidecar's own endpoints, its method (GET or HEAD)."""
+        """The clients' port's routes (:mod:`kvgate_agent.sidecar.edge.client_listener`): a
+        request's handler by its raw path (a generation path only as sent, canonical; anything
+        else goes to ``pipeline.other``, which refuses what only normalises to one) and, for
+        the sidecar's own endpoints, its method (GET or HEAD)."""
         generation = self.pipeline.generation_handler()
         other = self.pipeline.other
         router_metrics = RouterMetrics(self.model_server, self.admission).handle
@@ -190,42 +171,7 @@ class Sidecar:
     async def open(self) -> None:
         """Start what the sidecar runs beside its listeners (the engine probe, the node link,
         the store's leases, the identity files' watch) and open the model server's
-        connections; what ``build_app``'s startup hook does on aiohttp's leg."""
-        await self._on_startup(None)
-
-    async def close(self) -> None:
-        """Stop what :meth:`open` started and close the model server's connections."""
-        await self._on_cleanup(None)
-
-    def runner(self, *, admin: bool = False, **kwargs: Any) -> GuardedAppRunner:
-        """The runner serving :meth:`build_app` (:meth:`build_admin_app` with ``admin``) with
-        the header deadline (``settings.header_timeout_seconds``); on the clients' port a
-        request aiohttp's parser refuses counts as ``invalid_request``; ``kwargs`` go to
-        ``web.AppRunner``."""
-        timeouts = self.metrics.client_timeouts.labels("headers")
-        return GuardedAppRunner(
-            self.build_admin_app() if admin else self.build_app(),
-            header_timeout=self.settings.header_timeout_seconds,
-            on_timeout=timeouts.inc,
-            on_malformed=None if admin else self.count_malformed,
-            **kwargs,
-        )
-
-    def count_malformed(self) -> None:
-        """A request refused by the HTTP parser: a refusal before admission."""
-        self.metrics.count_decision("rejected", "invalid_request", "")
-
-    def build_admin_app(self) -> web.Application:
-        """Admin port: ``/metrics``, ``/healthz``, ``/readyz``; its answers say ``Server:
-        kvgate``, not aiohttp's and Python's versions."""
-        app = web.Application(middlewares=[track_requests])
-        app.on_response_prepare.append(_server_header)
-        app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/readyz", self.readyz)
-        return app
-
-    async def _on_startup(self, app: web.Application | None) -> None:
+        connections."""
         spec = self.policy.spec
         # Agent mode: the policy is the node agent's, checked when its thresholds arrive.
         self.identity.start(spec.tenants if self.policy.enforcement is None else None)
@@ -244,7 +190,8 @@ class Sidecar:
             await self.shares.start()
         self.stall.start()
 
-    async def _on_cleanup(self, app: web.Application | None) -> None:
+    async def close(self) -> None:
+        """Stop what :meth:`open` started and close the model server's connections."""
         await self.stall.stop()
         if self.shares is not None:
             await self.shares.stop()
@@ -260,6 +207,32 @@ class Sidecar:
         if self.engine_tokens is not None:
             self.engine_tokens.close()
         await self.model_server.close()
+
+    def admin_runner(self, **kwargs: Any) -> GuardedAppRunner:
+        """The runner serving :meth:`build_admin_app` with the header deadline
+        (``settings.header_timeout_seconds``); ``kwargs`` go to ``web.AppRunner``."""
+        timeouts = self.metrics.client_timeouts.labels("headers")
+        return GuardedAppRunner(
+            self.build_admin_app(),
+            header_timeout=self.settings.header_timeout_seconds,
+            on_timeout=timeouts.inc,
+            on_malformed=None,
+            **kwargs,
+        )
+
+    def count_malformed(self) -> None:
+        """A request refused by the HTTP parser: a refusal before admission."""
+        self.metrics.count_decision("rejected", "invalid_request", "")
+
+    def build_admin_app(self) -> web.Application:
+        """Admin port: ``/metrics``, ``/healthz``, ``/readyz``; its answers say ``Server:
+        kvgate``, not aiohttp's and Python's versions."""
+        app = web.Application(middlewares=[track_requests])
+        app.on_response_prepare.append(_server_header)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        return app
 
     async def reload(self) -> None:
         """SIGHUP: re-read the policy, keys and JWKS files (:meth:`PolicyControl.reload`)."""
@@ -314,13 +287,6 @@ class Sidecar:
         port)."""
         body = self._metrics_view.clients(self.tenants_private)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _aiohttp(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """``handler`` as aiohttp's router types it: on aiohttp's leg its answers are aiohttp's
-    responses (:func:`~kvgate_agent.sidecar.edge.wire.new_stream` opens a
-    ``web.StreamResponse``)."""
-    return cast(Callable[[web.Request], Awaitable[web.StreamResponse]], handler)
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:

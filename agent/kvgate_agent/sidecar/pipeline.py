@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from functools import partial
-from typing import cast
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
-from yarl import URL
 
 from kvgate_agent.admission import AsyncAdmission, Decision, Reason
 from kvgate_agent.sidecar.edge import ClientRequest, ResponseStream, identity_headers
@@ -44,9 +40,9 @@ from kvgate_agent.sidecar.upstream import Forwarder, already_degraded
 
 
 class RequestPipeline:
-    """The aiohttp handlers of the model server's paths: :meth:`completion` for the generation
-    paths (:data:`~kvgate_agent.sidecar.reading.endpoints.GENERATION_PATHS`), :meth:`other` for the
-    rest, :meth:`pathless` (a middleware) for an absolute-form target without a path.
+    """The handlers of the model server's paths: :meth:`completion` for the generation paths
+    (:data:`~kvgate_agent.sidecar.reading.endpoints.GENERATION_PATHS`), :meth:`other` for the
+    rest (an absolute-form target without a path too: the own leg reads it as the root).
 
     Holds :attr:`draining` (set on shutdown: new generation requests get 503) and one object
     per room a request passes through, built by :class:`~kvgate_agent.sidecar.app.Sidecar`.
@@ -87,24 +83,6 @@ class RequestPipeline:
         """The handler of the generation paths: :meth:`completion`, or standalone without a
         store (no mode header to add) the request's path itself."""
         return self.completion if self.policy.headed else self._completion
-
-    @property
-    def pathless(self) -> Middleware:
-        """aiohttp's middleware (its server leg) for an absolute-form target without a path
-        (``GET http://host HTTP/1.1``), the root (RFC 9112 §3.2.2): served by :meth:`other` as
-        ``/`` (aiohttp's router matches no route for an empty path, and would answer a
-        plain-text 404). A ``partial`` marked by ``web.middleware``: this module is compiled
-        by mypyc (``scripts/mypyc-modules.txt``), whose functions take no attribute."""
-        return web.middleware(partial(self._pathless))
-
-    async def _pathless(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """:attr:`pathless`'s work."""
-        rel = request.rel_url
-        if rel.raw_path == "":
-            root = URL.build(path="/", query_string=rel.raw_query_string, encoded=True)
-            return cast(web.StreamResponse, await self.other(request.clone(rel_url=root)))
-        resp: web.StreamResponse = await handler(request)
-        return resp
 
     async def other(self, request: ClientRequest) -> ResponseStream:
         """Every path but the generation ones and the sidecar's own: GET, HEAD and OPTIONS pass

@@ -30,34 +30,29 @@ BACKLOG = 1024
 class SidecarServer:
     """The listeners of one sidecar and its drain (see the module docstring): the clients'
     port on kvgate's own server leg
-    (:class:`~kvgate_agent.sidecar.edge.client_listener.ClientListener`)
-    or, with ``settings.server_leg == "aiohttp"``, on aiohttp's; the admin port on aiohttp's."""
+    (:class:`~kvgate_agent.sidecar.edge.client_listener.ClientListener`, the only one: the
+    aiohttp leg of kvgate 0.x was retired); the admin port on aiohttp's.
+
+    Raises ``ValueError`` when ``settings.server_leg`` names another leg than ``kvgate``."""
 
     def __init__(self, sidecar: Sidecar) -> None:
         self.sidecar = sidecar
         st = sidecar.settings
-        self._runner: web.AppRunner | None = None
-        self._listener: ClientListener | None = None
-        if st.server_leg == "aiohttp":
-            self._runner = sidecar.runner(
-                handler_cancellation=True,
-                access_log=None,
-                shutdown_timeout=1.0,
-                max_field_size=MAX_FIELD_BYTES,
-                max_line_size=MAX_FIELD_BYTES,
+        if st.server_leg != "kvgate":
+            raise ValueError(
+                f"server leg {st.server_leg!r}: kvgate serves clients on its own leg only "
+                "('kvgate'; the aiohttp leg was retired)"
             )
-        else:
-            m = sidecar.metrics
-            self._listener = ClientListener(
-                sidecar.client_route(),
-                header_timeout=st.header_timeout_seconds,
-                max_field=MAX_FIELD_BYTES,
-                decoded_limit=st.max_body_bytes + 1,
-                on_timeout=m.client_timeouts.labels("headers").inc,
-                on_malformed=sidecar.count_malformed,
-                draining=lambda: sidecar.pipeline.draining,
-            )
-        self._site: web.TCPSite | None = None
+        m = sidecar.metrics
+        self._listener = ClientListener(
+            sidecar.client_route(),
+            header_timeout=st.header_timeout_seconds,
+            max_field=MAX_FIELD_BYTES,
+            decoded_limit=st.max_body_bytes + 1,
+            on_timeout=m.client_timeouts.labels("headers").inc,
+            on_malformed=sidecar.count_malformed,
+            draining=lambda: sidecar.pipeline.draining,
+        )
         self._admin_runner: web.AppRunner | None = None
         self._admin_site: web.TCPSite | None = None
         self._opened = False
@@ -65,11 +60,7 @@ class SidecarServer:
     @property
     def port(self) -> int:
         """The clients' port (the one the system chose for port 0)."""
-        if self._listener is not None:
-            return self._listener.port
-        assert self._site is not None and self._runner is not None
-        addr = self._runner.addresses[0]
-        return int(addr[1])
+        return self._listener.port
 
     @property
     def admin_port(self) -> int | None:
@@ -85,18 +76,12 @@ class SidecarServer:
             OSError: a port is taken; what had started is closed first.
         """
         try:
-            if self._listener is not None:
-                self._opened = True
-                await self.sidecar.open()
-                await self._listener.start(listen[0], listen[1], BACKLOG)
-            else:
-                assert self._runner is not None
-                await self._runner.setup()
-                self._site = web.TCPSite(self._runner, listen[0], listen[1], backlog=BACKLOG)
-                await self._site.start()
+            self._opened = True
+            await self.sidecar.open()
+            await self._listener.start(listen[0], listen[1], BACKLOG)
             if admin is not None:
-                self._admin_runner = self.sidecar.runner(
-                    admin=True, access_log=None, shutdown_timeout=1.0
+                self._admin_runner = self.sidecar.admin_runner(
+                    access_log=None, shutdown_timeout=1.0
                 )
                 await self._admin_runner.setup()
                 self._admin_site = web.TCPSite(self._admin_runner, admin[0], admin[1])
@@ -117,10 +102,7 @@ class SidecarServer:
         # A request whose body (or engine prompt count) completes from now on reaches
         # admission after the drain began: refused as the waiters were, 503 with Retry-After.
         sc.admission.hold(Reason.DRAINING, retry_after=1.0, message=why, key="draining")
-        if self._site is not None:
-            await self._site.stop()  # stop accepting new connections
-        if self._listener is not None:
-            self._listener.stop_accepting()
+        self._listener.stop_accepting()
         idle = asyncio.ensure_future(self._wait_idle(drain_seconds))
         cut = asyncio.ensure_future(hurry.wait())
         await asyncio.wait({idle, cut}, return_when=asyncio.FIRST_COMPLETED)
@@ -135,14 +117,12 @@ class SidecarServer:
         await self._close_runners()  # cancels what is still running: reservations released
 
     async def _wait_idle(self, seconds: float) -> bool:
-        """Until no admitted request is in flight and, on the own leg, no request at all is
-        being answered (pass-through ones too), at most ``seconds``; whether it came to that."""
+        """Until no admitted request is in flight and no request at all is being answered
+        (pass-through ones too), at most ``seconds``; whether it came to that."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
         if not await self.sidecar.admission.wait_idle(seconds):
             return False
-        if self._listener is None:
-            return True
         return await self._listener.wait_idle(max(0.0, deadline - loop.time()))
 
     async def cleanup(self) -> None:
@@ -151,12 +131,9 @@ class SidecarServer:
         await self._close_runners()
 
     async def _close_runners(self) -> None:
-        if self._listener is not None:
-            await self._listener.close()
-            if self._opened:
-                self._opened = False
-                await self.sidecar.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await self._listener.close()
+        if self._opened:
+            self._opened = False
+            await self.sidecar.close()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()

@@ -35,6 +35,20 @@ def passthrough_path(value: str) -> str:
     return path
 
 
+def server_leg(value: str) -> str:
+    """An argparse type: the clients' server leg, ``kvgate`` (its own, the only one); ``aiohttp``,
+    the leg of kvgate 0.x, was retired (exit 2, saying so)."""
+    leg = value.strip()
+    if leg == "aiohttp":
+        raise argparse.ArgumentTypeError(
+            "the aiohttp server leg was retired: kvgate serves clients on its own leg only "
+            "(drop --server-leg / KVGATE_SERVER_LEG, or give 'kvgate')"
+        )
+    if leg != "kvgate":
+        raise argparse.ArgumentTypeError(f"expected 'kvgate' (the only server leg), got {value!r}")
+    return leg
+
+
 def upstream_url(value: str) -> str:
     """An argparse type: the model server's root URL (``http://host:8000``; exit 2 for a path
     such as ``/v1``, a query or a fragment: :func:`~kvgate_agent.sidecar.upstream.model_server.
@@ -88,14 +102,14 @@ class SidecarSettings:
         default="kvgate",
         metadata=flag(
             "the HTTP server serving clients: kvgate's own (llhttp, answers written straight to "
-            "the socket) or aiohttp's web server (the leg of kvgate 0.x)",
-            choices=("kvgate", "aiohttp"),
+            "the socket), the only one ('aiohttp', the leg of kvgate 0.x, was retired)",
+            parse=server_leg,
         ),
     )
-    """Which HTTP server leg serves :attr:`listen`: ``kvgate`` (its own,
-    :mod:`kvgate_agent.sidecar.edge.client_conn`) or ``aiohttp`` (``web.AppRunner`` with the
-    slow-client guards of :mod:`kvgate_agent.sidecar.edge.slowclients`). The admin port is always
-    aiohttp's."""
+    """The HTTP server leg serving :attr:`listen`: ``kvgate``, its own
+    (:mod:`kvgate_agent.sidecar.edge.client_conn`), the only one; kept as a flag so that
+    deployments passing ``--server-leg kvgate`` still start (``aiohttp``, the leg of kvgate 0.x,
+    was retired: exit 2)."""
 
     admin_listen: tuple[str, int] | None = field(
         default=None,
@@ -163,7 +177,7 @@ class SidecarSettings:
     )
     """Seconds a client connection may take to send a request's headers (from the connection's
     opening, or a later request's first byte); then it gets 408 and is closed (0: no limit;
-    :mod:`kvgate_agent.sidecar.edge.slowclients`)."""
+    :mod:`kvgate_agent.sidecar.edge.client_conn`)."""
 
     body_timeout_seconds: float = field(
         default=30.0,

@@ -1,7 +1,7 @@
 """The edge: the clients' side of the sidecar. Its own HTTP/1.1 server leg (the listener, each
 connection's parse, deadlines and keep-alive, the request and its body stream, the answer on the
-socket), aiohttp's leg with its slow-client guard, the neutral request/answer protocols both legs
-serve (``wire``), the body limit and the hop-by-hop headers.
+socket), the neutral request/answer protocols the pipeline serves (``wire``), the body limit and
+the hop-by-hop headers; the admin port's aiohttp runner with its slow-client guard.
 
 Other rooms import what they use from here (``__all__``); modules of this room import
 each other directly.

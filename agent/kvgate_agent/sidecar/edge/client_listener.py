@@ -13,10 +13,14 @@ from collections.abc import Callable
 
 from kvgate_agent.sidecar.edge.client_conn import ClientConnection, LegConfig
 from kvgate_agent.sidecar.edge.client_request import Request
-from kvgate_agent.sidecar.edge.slowclients import KEEPALIVE_TIMEOUT_S
 from kvgate_agent.sidecar.edge.wire import Handler
 
-__all__ = ["ClientListener"]
+__all__ = ["KEEPALIVE_TIMEOUT_S", "ClientListener"]
+
+#: Seconds an idle kept-alive client connection stays open (aiohttp's server defaults to
+#: 3630 s, so a flood of idle connections would be bounded only by file descriptors); nginx's
+#: ``keepalive_timeout`` default, https://nginx.org/en/docs/http/ngx_http_core_module.html#keepalive_timeout
+KEEPALIVE_TIMEOUT_S = 75.0
 
 
 class ClientListener:

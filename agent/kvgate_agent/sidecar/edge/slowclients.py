@@ -42,15 +42,12 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from kvgate_agent.sidecar.edge.client_listener import KEEPALIVE_TIMEOUT_S
 from kvgate_agent.sidecar.edge.client_transport import STILL_THERE, PeerWatch
 from kvgate_agent.sidecar.reading import responses
 
 __all__ = ["KEEPALIVE_TIMEOUT_S", "GuardedAppRunner", "HeaderDeadlineHandler", "track_requests"]
 
-#: Seconds an idle kept-alive client connection stays open (aiohttp's default is 3630 s, so a
-#: flood of idle connections would be bounded only by file descriptors); nginx's
-#: ``keepalive_timeout`` default, https://nginx.org/en/docs/http/ngx_http_core_module.html#keepalive_timeout
-KEEPALIVE_TIMEOUT_S = 75.0
 
 #: What a connection that ran out of time gets before it is closed (RFC 9110 §15.5.9): 408 with
 #: an OpenAI error body, on the admin port.

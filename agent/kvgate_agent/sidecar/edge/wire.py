@@ -1,14 +1,15 @@
-"""What the request pipeline needs of a client's request and of the answer it streams, whichever
-server leg parsed the request: kvgate's own (:mod:`kvgate_agent.sidecar.edge.client_conn`, llhttp
-through ``httptools``) or aiohttp's web server (``--server-leg aiohttp``).
+"""What the request pipeline needs of a client's request and of the answer it streams, as kvgate's
+own server leg (:mod:`kvgate_agent.sidecar.edge.client_conn`, llhttp through ``httptools``)
+presents them: the edge's neutral request/answer types (as uvicorn presents ASGI's), the only
+server leg since the aiohttp one was retired.
 
-:class:`ClientRequest` and :class:`ResponseStream` are structural: ``aiohttp.web.Request`` and
-``aiohttp.web.StreamResponse`` satisfy them as they are, and so do the own leg's
+:class:`ClientRequest` and :class:`ResponseStream` are structural: the own leg's
 :class:`~kvgate_agent.sidecar.edge.client_request.Request` and
-:class:`~kvgate_agent.sidecar.edge.client_request.StreamOut`. A handler answers with a finished
-``web.Response`` (a plain holder of status, headers and body: the own leg writes it itself) or
-with the stream it opened with :func:`new_stream`; one that has more to do once the client has
-its finished answer (an admitted request's release) writes it first with :func:`answer_now`.
+:class:`~kvgate_agent.sidecar.edge.client_request.StreamOut` satisfy them. A handler answers with
+a finished ``web.Response`` (a plain holder of status, headers and body: the leg writes it
+itself) or with the stream it opened with :func:`new_stream`; one that has more to do once the
+client has its finished answer (an admitted request's release) writes it first with
+:func:`answer_now`.
 """
 
 from __future__ import annotations
@@ -42,14 +43,15 @@ class BodyReader(Protocol):
 
 
 class ClientRequest(Protocol):
-    """A client's request as the pipeline reads it (``aiohttp.web.Request`` satisfies it)."""
+    """A client's request as the pipeline reads it (the own leg's
+    :class:`~kvgate_agent.sidecar.edge.client_request.Request`)."""
 
     @property
     def method(self) -> str: ...
 
     @property
     def path(self) -> str:
-        """The request target's path (aiohttp: percent-decoded; the own leg: as sent)."""
+        """The request target's path, as sent."""
         ...
 
     @property
@@ -78,10 +80,21 @@ class ClientRequest(Protocol):
         """The request carries a body (a length or chunked framing was declared)."""
         ...
 
+    def new_stream(
+        self, status: int, headers: Mapping[str, str], content_length: int | None
+    ) -> ResponseStream:
+        """A streamed answer to this request, not yet sent (see :func:`new_stream`)."""
+        ...
+
+    def respond(self, resp: web.Response) -> ResponseStream:
+        """Write ``resp`` (finished) now (see :func:`answer_now`)."""
+        ...
+
 
 class ResponseStream(Protocol):
     """An answer the pipeline returns: a finished ``web.Response``, or a stream it opened with
-    :func:`new_stream` and wrote (``aiohttp.web.StreamResponse`` satisfies it)."""
+    :func:`new_stream` and wrote (the own leg's
+    :class:`~kvgate_agent.sidecar.edge.client_request.StreamOut`)."""
 
     @property
     def prepared(self) -> bool:
@@ -112,14 +125,6 @@ class ResponseStream(Protocol):
 Handler = Callable[[Any], Awaitable[ResponseStream]]
 
 
-class StreamOpener(Protocol):
-    """The own leg's request: it opens its answer's stream itself."""
-
-    def new_stream(
-        self, status: int, headers: Mapping[str, str], content_length: int | None
-    ) -> ResponseStream: ...
-
-
 def new_stream(
     request: ClientRequest,
     status: int,
@@ -128,27 +133,16 @@ def new_stream(
 ) -> ResponseStream:
     """A streamed answer to ``request`` with ``status`` and ``headers`` (``content_length``
     bytes when known, else chunked), not yet sent: ``await out.prepare(request)`` sends its
-    head. On aiohttp's leg an ``aiohttp.web.StreamResponse``; on the own leg the request's own
-    writer (no per-chunk objects)."""
-    opener = getattr(request, "new_stream", None)
-    if opener is not None:
-        out: ResponseStream = opener(status, headers, content_length)
-        return out
-    resp = web.StreamResponse(status=status, headers=headers)
-    if content_length is not None:
-        resp.content_length = content_length
-    return resp
+    head. The request's own writer (no per-chunk objects)."""
+    out: ResponseStream = request.new_stream(status, headers, content_length)
+    return out
 
 
 def answer_now(request: ClientRequest, resp: web.Response) -> ResponseStream:
     """Write ``resp`` (finished) to the client of ``request`` now, before the handler goes on
     (an admitted request's release then costs the client nothing), and answer with what this
-    returns. On the own leg the bytes it would have written after the handler, written by the
-    request (:meth:`~kvgate_agent.sidecar.edge.client_request.Request.respond`; raises
-    ``ConnectionResetError`` when the client is gone); on aiohttp's leg ``resp`` itself, which
-    aiohttp writes once the handler returns, as before."""
-    respond = getattr(request, "respond", None)
-    if respond is None:
-        return resp
-    out: ResponseStream = respond(resp)
+    returns: the bytes it would have written after the handler, written by the request
+    (:meth:`~kvgate_agent.sidecar.edge.client_request.Request.respond`; raises
+    ``ConnectionResetError`` when the client is gone)."""
+    out: ResponseStream = request.respond(resp)
     return out
