@@ -405,3 +405,24 @@ async def test_the_admin_port_names_no_library_versions(
     for path in ("/metrics", "/healthz", "/readyz", "/nowhere"):
         async with client.get(ADMIN_URLS[url] + path) as r:
             assert r.headers.get("Server") == "kvgate", (path, r.headers.get("Server"))
+
+
+async def test_the_admin_port_answers_its_three_paths_only(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    """The admin port (served by the own leg, as the clients' port): GET and HEAD on
+    ``/metrics``, ``/healthz``, ``/readyz``; 405 (``Allow: GET, HEAD``) for another method on
+    them, 404 elsewhere (the clients' port's paths included); no ``x-kvgate-*`` header."""
+    url, _ = await sidecar_factory(upstream.url, {}, **ADMIN)
+    admin = ADMIN_URLS[url]
+    async with client.head(admin + "/healthz") as r:
+        assert r.status == 200 and await r.read() == b""
+    async with client.get(admin + "/metrics?x=1") as r:
+        assert r.status == 200 and "kvgate_admission_decisions_total" in await r.text()
+    async with client.post(admin + "/metrics", data=b"x") as r:
+        assert (r.status, r.headers.get("Allow")) == (405, "GET, HEAD")
+    for path in ("/kvgate/metrics", "/v1/chat/completions", "/"):
+        async with client.get(admin + path) as r:
+            assert r.status == 404, path
+            assert not [h for h in r.headers if h.lower().startswith("x-kvgate")], path
+    assert not {"/kvgate/metrics", "/v1/chat/completions", "/"} & set(upstream.paths)

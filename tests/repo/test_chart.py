@@ -1183,8 +1183,8 @@ def test_monitoring_objects(docs: dict[str, Docs]) -> None:
     pm = _one(d, "PodMonitor", "kvgate-sidecars")["spec"]
     (ep,) = pm["podMetricsEndpoints"]
     assert ep["port"] == ADMIN_PORT_NAME and pm["namespaceSelector"] == {"any": True}
-    admin_app = SIDECAR_APP.read_text().split("def build_admin_app", 1)[1].split("\n    def ", 1)
-    assert f'add_get("{ep["path"]}", self.metrics_endpoint)' in admin_app[0]
+    admin_app = SIDECAR_APP.read_text().split("def admin_route", 1)[1].split("\n    def ", 1)
+    assert f'"{ep["path"]}": _server_named(self.metrics_endpoint)' in admin_app[0]
     cm = _one(d, "ConfigMap", "kvgate-dashboard")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"]["kvgate.json"] == (CHART / "dashboards" / "kvgate.json").read_text().rstrip(

@@ -14,7 +14,7 @@ or from the node agent (:mod:`kvgate_agent.sidecar.node_link.agent_enforcement`)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.policy import FailureMode
-from kvgate_agent.sidecar.edge import GuardedAppRunner, Handler, Request, track_requests
+from kvgate_agent.sidecar.edge import Handler, Request
 from kvgate_agent.sidecar.engine import EngineProbe, EngineTokenizer, PromptReads, RouterMetrics
 from kvgate_agent.sidecar.identity import Authenticator
 from kvgate_agent.sidecar.metrics import SidecarMetrics
@@ -208,31 +208,30 @@ class Sidecar:
             self.engine_tokens.close()
         await self.model_server.close()
 
-    def admin_runner(self, **kwargs: Any) -> GuardedAppRunner:
-        """The runner serving :meth:`build_admin_app` with the header deadline
-        (``settings.header_timeout_seconds``); ``kwargs`` go to ``web.AppRunner``."""
-        timeouts = self.metrics.client_timeouts.labels("headers")
-        return GuardedAppRunner(
-            self.build_admin_app(),
-            header_timeout=self.settings.header_timeout_seconds,
-            on_timeout=timeouts.inc,
-            on_malformed=None,
-            **kwargs,
-        )
-
     def count_malformed(self) -> None:
         """A request refused by the HTTP parser: a refusal before admission."""
         self.metrics.count_decision("rejected", "invalid_request", "")
 
-    def build_admin_app(self) -> web.Application:
-        """Admin port: ``/metrics``, ``/healthz``, ``/readyz``; its answers say ``Server:
-        kvgate``, not aiohttp's and Python's versions."""
-        app = web.Application(middlewares=[track_requests])
-        app.on_response_prepare.append(_server_header)
-        app.router.add_get("/metrics", self.metrics_endpoint)
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/readyz", self.readyz)
-        return app
+    def admin_route(self) -> Callable[[Request], Handler]:
+        """The admin port's routes, served by the same leg as the clients' port
+        (:mod:`kvgate_agent.sidecar.edge.client_listener`): ``/metrics`` (the whole registry),
+        ``/healthz``, ``/readyz`` for GET and HEAD (405 for another method, 404 for another
+        path); every answer says ``Server: kvgate``."""
+        own: dict[str, Handler] = {
+            "/metrics": _server_named(self.metrics_endpoint),
+            "/healthz": _server_named(self.healthz),
+            "/readyz": _server_named(self.readyz),
+        }
+
+        def route(request: Request) -> Handler:
+            handler = own.get(request.path)
+            if handler is None:
+                return _admin_not_found
+            if request.method not in ("GET", "HEAD"):
+                return _admin_not_allowed
+            return handler
+
+        return route
 
     async def reload(self) -> None:
         """SIGHUP: re-read the policy, keys and JWKS files (:meth:`PolicyControl.reload`)."""
@@ -289,7 +288,28 @@ class Sidecar:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
-    """``Server: kvgate`` on an answer about to be sent (aiohttp only sets its own, which names
-    its and Python's versions, when none is set)."""
-    response.headers["Server"] = "kvgate"
+#: The header every answer of the admin port carries (not a library's or Python's version).
+_SERVER = {"Server": "kvgate"}
+
+
+def _server_named(handler: Callable[[Any], Awaitable[web.Response]]) -> Handler:
+    """``handler``, its answers saying ``Server: kvgate`` (:meth:`Sidecar.admin_route`)."""
+
+    async def named(request: Any) -> web.Response:
+        resp = await handler(request)
+        resp.headers.update(_SERVER)
+        return resp
+
+    return named
+
+
+async def _admin_not_found(request: Any) -> web.Response:
+    """The admin port's answer to a path it does not serve."""
+    return web.Response(status=404, text="404: Not Found", headers=_SERVER)
+
+
+async def _admin_not_allowed(request: Any) -> web.Response:
+    """The admin port's answer to a method other than GET and HEAD on one of its paths."""
+    return web.Response(
+        status=405, text="405: Method Not Allowed", headers={**_SERVER, "Allow": "GET, HEAD"}
+    )

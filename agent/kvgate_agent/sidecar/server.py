@@ -13,16 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from aiohttp import web
-
 from kvgate_agent.admission import Reason
 from kvgate_agent.sidecar.app import Sidecar
 from kvgate_agent.sidecar.edge import ClientListener
 
 log = logging.getLogger("kvgate")
 
-#: The proxy listener's limits, as the sidecar has always run it: a request line and each
-#: header field up to 64 KiB (aiohttp's default is 8,190 bytes), an accept backlog of 1,024.
+#: The listeners' limits, as the sidecar has always run the proxy's: a request line and each
+#: header field up to 64 KiB (aiohttp's server defaulted to 8,190 bytes), an accept backlog of
+#: 1,024.
 MAX_FIELD_BYTES = 65536
 BACKLOG = 1024
 
@@ -31,7 +30,7 @@ class SidecarServer:
     """The listeners of one sidecar and its drain (see the module docstring): the clients'
     port on kvgate's own server leg
     (:class:`~kvgate_agent.sidecar.edge.client_listener.ClientListener`, the only one: the
-    aiohttp leg of kvgate 0.x was retired); the admin port on aiohttp's.
+    aiohttp leg of kvgate 0.x was retired), and the admin port on the same leg.
 
     Raises ``ValueError`` when ``settings.server_leg`` names another leg than ``kvgate``."""
 
@@ -53,8 +52,20 @@ class SidecarServer:
             on_malformed=sidecar.count_malformed,
             draining=lambda: sidecar.pipeline.draining,
         )
-        self._admin_runner: web.AppRunner | None = None
-        self._admin_site: web.TCPSite | None = None
+        #: The admin port's listener (``/metrics``, ``/healthz``, ``/readyz``): the same leg, its
+        #: answers without kvgate's refusal headers; it serves on through the drain (``/readyz``
+        #: says ``draining``) and closes with the rest.
+        self._admin = ClientListener(
+            sidecar.admin_route(),
+            header_timeout=st.header_timeout_seconds,
+            max_field=MAX_FIELD_BYTES,
+            decoded_limit=st.max_body_bytes + 1,
+            on_timeout=m.client_timeouts.labels("headers").inc,
+            on_malformed=_uncounted,
+            draining=_never,
+            client=False,
+        )
+        self._admin_started = False
         self._opened = False
 
     @property
@@ -65,9 +76,9 @@ class SidecarServer:
     @property
     def admin_port(self) -> int | None:
         """The admin port (the one the system chose for port 0); None without one."""
-        if self._admin_runner is None or not self._admin_runner.addresses:
+        if not self._admin_started:
             return None
-        return int(self._admin_runner.addresses[0][1])
+        return self._admin.port
 
     async def start(self, listen: tuple[str, int], admin: tuple[str, int] | None) -> None:
         """Listen on ``listen`` (and serve ``/metrics``, ``/healthz``, ``/readyz`` on ``admin``).
@@ -80,12 +91,8 @@ class SidecarServer:
             await self.sidecar.open()
             await self._listener.start(listen[0], listen[1], BACKLOG)
             if admin is not None:
-                self._admin_runner = self.sidecar.admin_runner(
-                    access_log=None, shutdown_timeout=1.0
-                )
-                await self._admin_runner.setup()
-                self._admin_site = web.TCPSite(self._admin_runner, admin[0], admin[1])
-                await self._admin_site.start()
+                await self._admin.start(admin[0], admin[1], BACKLOG)
+                self._admin_started = True
         except BaseException:  # a port taken: close what started (the upstream session) first
             await self._close_runners()
             raise
@@ -126,8 +133,7 @@ class SidecarServer:
         return await self._listener.wait_idle(max(0.0, deadline - loop.time()))
 
     async def cleanup(self) -> None:
-        """Close every listener and connection at once (no drain), as an aiohttp runner's
-        ``cleanup``."""
+        """Close every listener and connection at once (no drain)."""
         await self._close_runners()
 
     async def _close_runners(self) -> None:
@@ -135,5 +141,15 @@ class SidecarServer:
         if self._opened:
             self._opened = False
             await self.sidecar.close()
-        if self._admin_runner is not None:
-            await self._admin_runner.cleanup()
+        if self._admin_started:
+            self._admin_started = False
+            await self._admin.close()
+
+
+def _uncounted() -> None:
+    """A malformed request on the admin port: not a client's refusal, not counted."""
+
+
+def _never() -> bool:
+    """The admin port never drains: it answers (``/readyz``: ``draining``) until closed."""
+    return False

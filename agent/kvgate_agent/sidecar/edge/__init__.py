@@ -1,7 +1,7 @@
 """The edge: the clients' side of the sidecar. Its own HTTP/1.1 server leg (the listener, each
 connection's parse, deadlines and keep-alive, the request and its body stream, the answer on the
-socket), the neutral request/answer protocols the pipeline serves (``wire``), the body limit and
-the hop-by-hop headers; the admin port's aiohttp runner with its slow-client guard.
+socket; the clients' port and the admin one), the neutral request/answer protocols the pipeline
+serves (``wire``), the body limit and the hop-by-hop headers.
 
 Other rooms import what they use from here (``__all__``); modules of this room import
 each other directly.
@@ -20,7 +20,6 @@ from kvgate_agent.sidecar.edge.hop_headers import (
     identity_headers,
     identity_names,
 )
-from kvgate_agent.sidecar.edge.slowclients import GuardedAppRunner, track_requests
 from kvgate_agent.sidecar.edge.wire import (
     ClientRequest,
     Handler,
@@ -33,7 +32,6 @@ __all__ = [
     "HOP_BY_HOP",
     "ClientListener",
     "ClientRequest",
-    "GuardedAppRunner",
     "Handler",
     "Request",
     "ResponseStream",
@@ -47,5 +45,4 @@ __all__ = [
     "new_stream",
     "read_body",
     "too_large",
-    "track_requests",
 ]

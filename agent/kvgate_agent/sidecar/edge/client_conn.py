@@ -2,7 +2,7 @@
 (``httptools``) parses, each handed to its handler as a task, the answers written straight to
 the transport in the order the requests came (pipelining, RFC 9112 §9.3.2).
 
-What it guarantees, as the aiohttp leg did (:mod:`kvgate_agent.sidecar.edge.slowclients`):
+What it guarantees (as the retired aiohttp leg's slow-client guard did):
 
 * **Header deadline** (slow loris): a request's headers must be complete within
   ``header_timeout`` seconds, counted from the connection's opening (first request) or from
@@ -62,7 +62,9 @@ class LegConfig:
     no header deadline); ``max_field``: bytes of a request line or of one header field;
     ``decoded_limit``: bytes of a decoded (gzip, deflate) body kept at most;
     ``on_timeout``/``on_malformed``: counters' ``inc``; ``connections``: the open ones (the
-    drain closes them); ``draining``: answers say ``Connection: close`` once it returns True.
+    drain closes them); ``draining``: answers say ``Connection: close`` once it returns True;
+    ``client``: the port serving clients, whose 408 and malformed-HTTP answers carry kvgate's
+    refusal headers (False: the admin port, whose answers carry no ``x-kvgate-*``).
     """
 
     route: Callable[[Request], Handler]
@@ -74,11 +76,13 @@ class LegConfig:
     on_malformed: Callable[[], None]
     draining: Callable[[], bool]
     connections: set[ClientConnection]
+    client: bool = True
 
 
 #: What a connection whose headers came too slowly gets: 408, kvgate's refusal headers and an
-#: OpenAI error body.
+#: OpenAI error body; on the admin port the same without the refusal headers.
 _TIMEOUT_408 = responses.header_deadline_answer(client=True)
+_ADMIN_TIMEOUT_408 = responses.header_deadline_answer(client=False)
 
 
 class ClientConnection(ClientTransport):
@@ -315,7 +319,7 @@ class ClientConnection(ClientTransport):
     def _write_refusal(self, refused: Refused) -> None:
         log.debug("malformed HTTP request: %s", refused)
         self._config.on_malformed()
-        resp = responses.malformed_http(refused.status, str(refused), client=True)
+        resp = responses.malformed_http(refused.status, str(refused), client=self._config.client)
         body = resp.body
         assert isinstance(body, bytes)
         head = head_bytes(
@@ -378,5 +382,5 @@ class ClientConnection(ClientTransport):
         if headers:
             self._config.on_timeout()
             if self._parser.partial:
-                self.send(_TIMEOUT_408)
+                self.send(_TIMEOUT_408 if self._config.client else _ADMIN_TIMEOUT_408)
         self.close()

@@ -1,5 +1,5 @@
-"""kvgate's own server leg on the clients' port: the listening socket, its connections
-(:class:`~kvgate_agent.sidecar.edge.client_conn.ClientConnection`) and their end.
+"""kvgate's own server leg, on the clients' port and on the admin one: the listening socket, its
+connections (:class:`~kvgate_agent.sidecar.edge.client_conn.ClientConnection`) and their end.
 
 A drain stops accepting, closes the kept-alive connections that are idle and lets the others
 answer what they are answering (``Connection: close`` on each answer from then on); closing
@@ -35,6 +35,8 @@ class ClientListener:
         on_malformed: called for each request refused as malformed HTTP.
         draining: True once the sidecar drains (answers then close their connection).
         keepalive_timeout: seconds an idle kept-alive connection stays open.
+        client: the port serving clients (False: the admin port, whose 408 and malformed-HTTP
+            answers carry no ``x-kvgate-*`` refusal headers).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class ClientListener:
         on_malformed: Callable[[], None],
         draining: Callable[[], bool],
         keepalive_timeout: float = KEEPALIVE_TIMEOUT_S,
+        client: bool = True,
     ) -> None:
         self.connections: set[ClientConnection] = set()
         self.config = LegConfig(
@@ -60,6 +63,7 @@ class ClientListener:
             on_malformed=on_malformed,
             draining=draining,
             connections=self.connections,
+            client=client,
         )
         self._server: asyncio.Server | None = None
 

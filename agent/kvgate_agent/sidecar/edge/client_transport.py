@@ -27,9 +27,8 @@ class PeerWatch:
     """Checks the socket of a connection whose client shut its sending side for the reset a
     client gone whole answers a write with (``SO_ERROR``), after :data:`PEER_CHECKS_S` seconds,
     then doubling up to the last, until :meth:`cancel`; aborts ``transport`` when it comes (its
-    protocol's ``connection_lost`` then releases what the connection's handler holds). Both
-    server legs use it (:class:`ClientTransport`, and aiohttp's in
-    :mod:`kvgate_agent.sidecar.edge.slowclients`)."""
+    protocol's ``connection_lost`` then releases what the connection's handler holds); used by
+    :class:`ClientTransport`."""
 
     __slots__ = ("_handle", "_loop", "_transport")
 

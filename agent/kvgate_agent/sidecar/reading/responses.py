@@ -244,7 +244,7 @@ def header_deadline_answer(*, client: bool) -> bytes:
 
 
 def malformed_http(status: int, message: str, *, client: bool) -> web.Response:
-    """``status`` (the 4xx aiohttp's HTTP parser chose, 400 for a broken request line or
+    """``status`` (the 4xx the server leg's HTTP parser chose, 400 for a broken request line or
     header, ``Content-Length`` with ``Transfer-Encoding``) for a request the parser refused
     before any handler ran: ``code: malformed_http``, with ``message`` (the parser's reason).
     ``client``: on the port serving clients, so it carries :data:`REFUSED_INVALID` (not on the

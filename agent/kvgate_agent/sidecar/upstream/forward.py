@@ -8,8 +8,8 @@ upstream error, timeout, client disconnect before or during the stream, cancella
 release sits in one ``finally`` and is idempotent, so no slot leaks when a streaming client
 cancels (https://github.com/BerriAI/litellm/issues/27955). It comes after the client's answer
 was written: a stream's last write, or a finished answer written from the handler
-(:func:`~kvgate_agent.sidecar.edge.wire.answer_now`, on the own server leg; aiohttp's leg writes
-it once the handler returns), so the release is off the client's latency. When the client goes
+(:func:`~kvgate_agent.sidecar.edge.wire.answer_now`), so the release is off the client's
+latency. When the client goes
 away the upstream connection is closed at once, so the model server stops generating into a dead
 socket (https://github.com/BerriAI/litellm/issues/30244). At the drain deadline
 (:meth:`Forwarder.end_all`), what is still running ends cleanly: a stream with a terminal error

@@ -206,7 +206,7 @@ class UpstreamPool:
             TimeoutError: no byte of answer within ``read_timeout`` seconds.
         """
         head = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), self._host_header]
-        # aiohttp's server decodes header bytes as UTF-8 with surrogateescape: the same
+        # The server leg decodes header bytes as UTF-8 with surrogateescape: the same
         # encoding gives back the bytes the client sent.
         head.extend(f"{k}: {v}\r\n".encode("utf-8", "surrogateescape") for k, v in headers)
         head.append(b"Content-Length: %d\r\n\r\n" % len(body))
