@@ -4,20 +4,20 @@ One run, one machine, pinned CPUs: the load generator (wrk, one thread) and this
 stream client on ``--client-cpu`` (default 0), every server on ``--server-cpu`` (default 1),
 with ``taskset``. The arms (``servers.py``): ``direct`` (nginx ``return 200``), ``nginx`` as
 a keep-alive proxy in front of it, the ``litellm`` proxy (one worker, no database), the
-``kvgate`` sidecar of this checkout with a realistic policy, ``kvgate aiohttp leg`` (the same
-sidecar with ``--server-leg aiohttp``) and ``kvgate pass-through`` (the first sidecar on an
-allowlisted path: the proxy hop without admission). The sidecars run with the mypyc-compiled
+``kvgate`` sidecar of this checkout with a realistic policy and ``kvgate pass-through`` (the
+same sidecar on an allowlisted path: the proxy hop without admission); the ``kvgate aiohttp
+leg`` arm went with that leg (retired, issue 35). The sidecars run with the mypyc-compiled
 modules the agent image ships (``--pure``: this checkout's Python sources).
 
 1. Load (``load.py``): chat POST bodies of 1 KB, 16 KB and 200 KB at 1, 32 and 256
    connections, each cell ``--seconds`` per arm, the arms in rotated order cell by cell so that
    drift hits them alike; p50/p99 from ``wrk --latency``, requests/s, errors.
 2. Streaming (``load.py``): 256 concurrent streams from the llm-d simulator at 10 ms and
-   at 0 ms inter-token latency, through both sidecars and through nginx; server CPU per chunk.
+   at 0 ms inter-token latency, through the sidecar and through nginx; server CPU per chunk.
 3. Memory: the sidecar's RSS per 1,000 idle keep-alive connections, and with 256 streams open.
 
 It prints the tables, the ratios and the own server leg's targets (issue 25: each a ratio within
-the run, with the aiohttp leg's figure beside it), and replaces its section of
+the run), and replaces its section of
 ``docs/benchmarks.md`` (``--no-write`` leaves the file alone). It refuses, exit status 1,
 before it measures anything and again before it writes, when text it did not write sits between
 the section's markers (:mod:`kvgate_bench.kit.doc_block`: move that text outside them, or
@@ -60,7 +60,6 @@ from kvgate_bench.peers.report import (
     ARMS,
     DIRECT,
     KVGATE,
-    KVGATE_AIOHTTP,
     LITELLM,
     NGINX,
     PASSTHROUGH,
@@ -167,19 +166,14 @@ def header(tools: Tools, plan: Plan, args: argparse.Namespace) -> list[tuple[str
     return rows
 
 
-def arm_urls(
-    direct: int, proxy: int, litellm: int | None, kvgate: int, kvgate_aiohttp: int | None = None
-) -> dict[str, str]:
-    """The URL each arm's load is sent to (``kvgate_aiohttp``: the sidecar on
-    ``--server-leg aiohttp``, None: not run)."""
+def arm_urls(direct: int, proxy: int, litellm: int | None, kvgate: int) -> dict[str, str]:
+    """The URL each arm's load is sent to (``litellm`` None: not run)."""
     urls = {
         DIRECT: f"http://127.0.0.1:{direct}{CHAT_PATH}",
         NGINX: f"http://127.0.0.1:{proxy}{CHAT_PATH}",
         KVGATE: f"http://127.0.0.1:{kvgate}{CHAT_PATH}",
         PASSTHROUGH: f"http://127.0.0.1:{kvgate}{PASSTHROUGH_PATH}",
     }
-    if kvgate_aiohttp is not None:
-        urls[KVGATE_AIOHTTP] = f"http://127.0.0.1:{kvgate_aiohttp}{CHAT_PATH}"
     if litellm is not None:
         urls[LITELLM] = f"http://127.0.0.1:{litellm}{CHAT_PATH}"
     return {a: urls[a] for a in ARMS if a in urls}
@@ -260,16 +254,14 @@ def stream_phase(
     for itl, (sim_port, via_nginx) in sims.items():
         sim = f.llmd_sim(tools.llmd_sim, itl, port=sim_port)
         sidecar: Server = f.sidecar(f"kvgate-stream-itl{itl:g}", sim.port)
-        legacy = f.sidecar(f"kvgate-aiohttp-stream-itl{itl:g}", sim.port, "--server-leg", "aiohttp")
-        for sc in (sidecar, legacy):
-            wait_answer(f"http://127.0.0.1:{sc.port}{CHAT_PATH}", sc.proc, timeout=30)
+        wait_answer(f"http://127.0.0.1:{sidecar.port}{CHAT_PATH}", sidecar.proc, timeout=30)
         if idle is None:
             idle, failed = _run_async(
                 measure_idle(sidecar.port, sidecar.proc.pid, connections=plan.idle_connections)
             )
             if failed:
                 notes.append(f"Idle connections: {failed} of {plan.idle_connections} failed.")
-        arms = ((KVGATE, sidecar), (KVGATE_AIOHTTP, legacy), (NGINX, proxy))
+        arms = ((KVGATE, sidecar), (NGINX, proxy))
         for arm, server in arms:
             port = via_nginx if arm == NGINX else server.port
             result: StreamResult = _run_async(
@@ -287,7 +279,6 @@ def stream_phase(
                 file=sys.stderr,
             )
         f.stop(sidecar)
-        f.stop(legacy)
         f.stop(sim)
     return rows, idle, notes
 
@@ -318,8 +309,7 @@ def run(args: argparse.Namespace) -> Report:
         proxy = f.nginx(tools.nginx, "proxy", nginx_proxy_conf(workdir, routes), p_port)
         lite = f.litellm(tools.litellm, d_port) if tools.litellm else None
         kvgate = f.sidecar("kvgate", d_port)
-        old = f.sidecar("kvgate-aiohttp", d_port, "--server-leg", "aiohttp")
-        urls = arm_urls(d_port, p_port, lite.port if lite else None, kvgate.port, old.port)
+        urls = arm_urls(d_port, p_port, lite.port if lite else None, kvgate.port)
         for url in urls.values():
             wait_answer(url, kvgate.proc, timeout=30)
         print(f"arms up in {time.monotonic() - t0:.0f} s; load:", file=sys.stderr)
@@ -327,7 +317,6 @@ def run(args: argparse.Namespace) -> Report:
         if lite is not None:
             f.stop(lite)
         f.stop(kvgate)
-        f.stop(old)
         streams: list[StreamRow] = []
         idle = None
         notes: list[str] = []
@@ -338,9 +327,8 @@ def run(args: argparse.Namespace) -> Report:
         notes.append(f"**{errs} requests failed** (non-2xx or socket errors): see `errors`.")
     notes.append(
         "Targets: the bounds are issue 25's; '-' where this run has no such cell (`--quick` runs "
-        "no 16 KB body at c=256) and, for the idle memory, for the aiohttp leg (measured on the "
-        "own leg only). Stream `errors`: answers other than 200 or socket errors (each costs "
-        "its client 0.1 s, so a row with errors counts fewer chunks)."
+        "no 16 KB body at c=256). Stream `errors`: answers other than 200 or socket errors "
+        "(each costs its client 0.1 s, so a row with errors counts fewer chunks)."
     )
     notes.append(
         "Added = the arm's percentile minus direct's in the same cell. Streaming: server CPU "

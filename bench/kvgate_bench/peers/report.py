@@ -29,17 +29,17 @@ from kvgate_bench.peers.load import (
 #: the begin marker records a digest of what the run wrote; other text inside is refused).
 MARKERS = Markers("kvgate_bench.peers", "python -m kvgate_bench.peers")
 
-DIRECT, NGINX, LITELLM, KVGATE, KVGATE_AIOHTTP, PASSTHROUGH = (
+DIRECT, NGINX, LITELLM, KVGATE, PASSTHROUGH = (
     "direct",
     "nginx",
     "litellm",
     "kvgate",
-    "kvgate aiohttp leg",
     "kvgate pass-through",
 )
-#: ``kvgate aiohttp leg``: the same sidecar with ``--server-leg aiohttp`` (the server of
-#: earlier releases on the clients' port): the before of the own leg, in the same run.
-ARMS = (DIRECT, NGINX, LITELLM, KVGATE, KVGATE_AIOHTTP, PASSTHROUGH)
+#: The arms, in the tables' order. (``kvgate aiohttp leg``, the same sidecar with aiohttp's
+#: web server on the clients' port, the before of the own leg, went with that leg: retired,
+#: issue 35.)
+ARMS = (DIRECT, NGINX, LITELLM, KVGATE, PASSTHROUGH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +150,7 @@ TARGETS = (
     ("p99 at c=256 (16 KB) / nginx p99", "<= 5"),
     ("RSS per idle keep-alive connection", "<= 20 KiB"),
 )
-TARGET_HEAD = ["target", "bound", "kvgate", "kvgate aiohttp leg"]
+TARGET_HEAD = ["target", "bound", "kvgate"]
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:
@@ -183,12 +183,11 @@ def target_values(
 def target_rows(
     cells: Sequence[Cell], streams: Sequence[StreamRow], idle: IdleResult | None
 ) -> list[list[str]]:
-    """The targets table: each target's bound, the own leg's figure and the aiohttp leg's
-    (the before), with "met" or "missed" after the own leg's."""
+    """The targets table: each target's bound and the own leg's figure, with "met" or
+    "missed" after it."""
     own = target_values(cells, streams, idle, KVGATE)
-    old = target_values(cells, streams, idle, KVGATE_AIOHTTP)
     rows = []
-    for (what, bound), x, y in zip(TARGETS, own, old, strict=True):
+    for (what, bound), x in zip(TARGETS, own, strict=True):
         kib = bound.endswith("KiB")
         limit = float(bound.split()[1])
         ok = None if x is None else (x >= limit if bound.startswith(">=") else x <= limit)
@@ -199,7 +198,7 @@ def target_rows(
             return f"{v:.1f} KiB" if kib else f"{v:.2f}x" if v >= 0.995 else f"{v:.3f}"
 
         verdict = "" if ok is None else " (met)" if ok else " (missed)"
-        rows.append([what, bound, fmt(x) + verdict, fmt(y)])
+        rows.append([what, bound, fmt(x) + verdict])
     return rows
 
 
@@ -227,23 +226,23 @@ def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 #: What the section measures, written above its tables in ``docs/benchmarks.md``.
 HOW = """\
-Six arms side by side in one run, every server pinned to one CPU and the load generator to
+Five arms side by side in one run, every server pinned to one CPU and the load generator to
 another (`taskset`; see `pinning`): **direct** (nginx `return 200` with a small OpenAI chat
 response), **nginx** as a proxy in front of it (keep-alive upstream, `proxy_buffering off`),
 the **LiteLLM** proxy (one worker, no database, no master key; one model entry pointing at
 direct), the **kvgate** sidecar of this checkout with a realistic policy (per-tenant and pod
 rate limits, a concurrency cap, Predicted KV reservation, a queue; budgets large enough that
-every request is admitted; `bench/kvgate_bench/peers/servers.py`), **kvgate aiohttp leg** (the same
-sidecar with `--server-leg aiohttp`: aiohttp's web server on the clients' port, as kvgate served
-before its own leg) and **kvgate pass-through** (the same sidecar on an allowlisted path, forwarded
-without admission). Load: `wrk -t1 --latency`
+every request is admitted; `bench/kvgate_bench/peers/servers.py`) and **kvgate pass-through** (the
+same sidecar on an allowlisted path, forwarded without admission). A sixth arm, **kvgate aiohttp
+leg** (aiohttp's web server on the clients' port, as kvgate served before its own leg), ran
+until that leg was retired (issue 35). Load: `wrk -t1 --latency`
 with a Lua script POSTing a chat body of the given size at `c` connections, arms rotated cell
 by cell; added = the arm's percentile minus direct's in the same cell. Streaming: 256
 concurrent streams from the llm-d simulator (on the servers' CPU) at the given inter-token
-latency through the sidecar (both legs) and through nginx; CPU per chunk = the server's
+latency through the sidecar and through nginx; CPU per chunk = the server's
 utime + stime (`/proc/<pid>/stat`) over the window / SSE `data:` events counted by the client.
 Memory: the sidecar's VmRSS. The last table holds the own leg's targets (issue 25), each a
-ratio within the run, with the aiohttp leg's figure beside it. The sidecars run with the
+ratio within the run. The sidecars run with the
 mypyc-compiled modules the agent image ships (`--pure`: the checkout's Python sources).
 Options: `--quick`, `--seconds S`, `--client-cpu N`, `--server-cpu N`, `--no-litellm`,
 `--no-stream`, `--no-write`, `--pure`, `--docs FILE`, `--workdir DIR` (keeps the
