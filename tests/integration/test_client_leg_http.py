@@ -20,6 +20,7 @@ from aiohttp import web
 
 from kvgate_agent.contract.policy import parse_policy
 from kvgate_agent.sidecar.app import Sidecar, SidecarSettings
+from kvgate_agent.sidecar.edge import Answer as Finished
 from kvgate_agent.sidecar.edge.client_body import READ_HIGH_WATER
 from kvgate_agent.sidecar.edge.client_listener import ClientListener
 from kvgate_agent.sidecar.edge.client_request import Request
@@ -423,8 +424,8 @@ async def listener(**kw: Any) -> AsyncIterator[tuple[str, list[str]]]:
     URL and what its counters counted."""
     counted: list[str] = []
 
-    async def ok(req: Request) -> web.Response:
-        return web.Response(text="ok")
+    async def ok(req: Request) -> Finished:
+        return Finished(text="ok")
 
     def route(req: Request) -> Handler:
         return ok

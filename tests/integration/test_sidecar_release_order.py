@@ -13,12 +13,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from kvgate_agent.admission import AsyncAdmission, Ticket
 from kvgate_agent.sidecar.app import Sidecar
 from kvgate_agent.sidecar.edge.client_conn import ClientConnection
 from kvgate_agent.sidecar.edge.client_request import Request
+from kvgate_agent.sidecar.reading import Answer
 from kvgate_bench.kit.toolkit import wait_until_async
 from tests.conftest import SidecarFactory, gauges
 from tests.upstream import CHAT, Upstream
@@ -137,9 +137,9 @@ async def test_a_failed_client_write_still_releases_once(
     failed: list[bytes] = []
     answer = ClientConnection.answer
 
-    def failing(self: ClientConnection, req: Request, resp: web.Response) -> bool:
+    def failing(self: ClientConnection, req: Request, resp: Answer) -> bool:
         if not failed:  # the admitted answer's write, written from the handler
-            failed.append(bytes(resp.body or b""))  # type: ignore[arg-type]
+            failed.append(resp.body)
             raise error("the write to the client failed")
         return answer(self, req, resp)
 

@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from aiohttp import web
 from multidict import CIMultiDict
 
 from kvgate_agent.sidecar.edge.client_body import READ_HIGH_WATER, BodyStream, MalformedBody
@@ -29,6 +28,7 @@ from kvgate_agent.sidecar.edge.client_request import (
     response_bytes,
 )
 from kvgate_agent.sidecar.edge.wire import answer_now
+from kvgate_agent.sidecar.reading import Answer
 
 # ---------------------------------------------------------------- fakes
 
@@ -59,7 +59,7 @@ class FakeReceiver:
         if self.write_paused:
             await self.taken.wait()
 
-    def answer(self, req: Request, resp: web.Response) -> bool:
+    def answer(self, req: Request, resp: Answer) -> bool:
         close = not req.keep_alive
         self.send(response_bytes(resp, req, close))
         return close
@@ -501,7 +501,11 @@ def test_head_bytes_never_repeats_the_framing_headers_given() -> None:
 
 
 def test_response_bytes_has_its_length_and_body() -> None:
-    resp = web.json_response({"ok": True}, headers={"Content-Length": "1", "X-Y": "z"})
+    resp = Answer(
+        body=b'{"ok": true}',
+        content_type="application/json",
+        headers={"Content-Length": "1", "X-Y": "z"},
+    )
     status, h, rest = split(response_bytes(resp, make_request(), close=False))
     assert status == b"HTTP/1.1 200 OK"
     assert rest == b'{"ok": true}' and h["content-length"] == str(len(rest))
@@ -510,7 +514,7 @@ def test_response_bytes_has_its_length_and_body() -> None:
 
 
 def test_response_bytes_closing_and_to_http10() -> None:
-    resp = web.Response(text="hi")
+    resp = Answer(text="hi")
     _, h, rest = split(response_bytes(resp, make_request(), close=True))
     assert h["connection"] == "close" and rest == b"hi"
     _, h, _ = split(response_bytes(resp, make_request(http10=True), close=False))
@@ -518,7 +522,7 @@ def test_response_bytes_closing_and_to_http10() -> None:
 
 
 def test_response_bytes_to_head_has_the_length_but_no_body() -> None:
-    resp = web.Response(text="hello")
+    resp = Answer(text="hello")
     status, h, rest = split(response_bytes(resp, make_request(method="HEAD"), close=False))
     assert status == b"HTTP/1.1 200 OK"
     assert h["content-length"] == "5" and rest == b""
@@ -526,7 +530,7 @@ def test_response_bytes_to_head_has_the_length_but_no_body() -> None:
 
 @pytest.mark.parametrize("status", [204, 304])
 def test_response_bytes_without_a_body_status(status: int) -> None:
-    resp = web.Response(status=status, body=b"dropped", headers={"Content-Length": "7"})
+    resp = Answer(status=status, body=b"dropped", headers={"Content-Length": "7"})
     raw = response_bytes(resp, make_request(), close=False)
     _, h, rest = split(raw)
     assert rest == b"" and raw.endswith(b"\r\n\r\n")
@@ -534,7 +538,7 @@ def test_response_bytes_without_a_body_status(status: int) -> None:
 
 
 def test_response_bytes_gives_a_body_a_content_type() -> None:
-    resp = web.Response(body=b"\x00\x01")
+    resp = Answer(body=b"\x00\x01")
     resp.headers.popall("Content-Type", None)
     _, h, _ = split(response_bytes(resp, make_request(), close=False))
     assert "content-type" in h
@@ -648,7 +652,7 @@ async def test_stream_out_to_a_lost_client_raises() -> None:
 async def test_respond_writes_the_answer_whole_and_refuses_more() -> None:
     link = FakeReceiver()
     req = make_request(link)
-    resp = web.Response(text="hi", headers={"x-a": "1"})
+    resp = Answer(text="hi", headers={"x-a": "1"})
     out = req.respond(resp)
     assert isinstance(out, Answered) and out.prepared and out.ended and not out.close
     assert link.wire == response_bytes(resp, req, close=False)
@@ -731,10 +735,10 @@ def statuses(raw: bytes) -> list[bytes]:
 async def test_pipelined_requests_are_answered_in_order() -> None:
     released = asyncio.Event()
 
-    async def handler(req: Any) -> web.Response:
+    async def handler(req: Any) -> Answer:
         if req.path == "/slow":
             await released.wait()
-        return web.Response(text=req.path)
+        return Answer(text=req.path)
 
     conn, t, _ = connection(handler)
     conn.data_received(
@@ -752,8 +756,8 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
 
 
 async def test_malformed_request_gets_an_openai_400_and_the_connection_closes() -> None:
-    async def handler(req: Any) -> web.Response:
-        return web.Response(text="ok")
+    async def handler(req: Any) -> Answer:
+        return Answer(text="ok")
 
     conn, t, counted = connection(handler)
     conn.data_received(
@@ -767,8 +771,8 @@ async def test_malformed_request_gets_an_openai_400_and_the_connection_closes() 
 
 
 async def test_an_upgrade_request_is_served_plainly_and_the_connection_closes() -> None:
-    async def handler(req: Any) -> web.Response:
-        return web.Response(text=req.path)
+    async def handler(req: Any) -> Answer:
+        return Answer(text=req.path)
 
     conn, t, counted = connection(handler)
     conn.data_received(
@@ -786,7 +790,7 @@ async def test_client_gone_cancels_the_handler() -> None:
     started = asyncio.Event()
     cancelled = asyncio.Event()
 
-    async def handler(req: Any) -> web.Response:
+    async def handler(req: Any) -> Answer:
         started.set()
         try:
             await asyncio.Event().wait()
@@ -805,8 +809,8 @@ async def test_client_gone_cancels_the_handler() -> None:
 
 
 async def test_an_answer_before_an_unfinished_body_closes_after_lingering() -> None:
-    async def handler(req: Any) -> web.Response:
-        return web.Response(status=415, text="no")  # the body never read
+    async def handler(req: Any) -> Answer:
+        return Answer(status=415, text="no")  # the body never read
 
     conn, t, _ = connection(handler)
     conn.data_received(b"POST /a HTTP/1.1\r\nHost: h\r\nContent-Length: 10\r\n\r\nabc")
@@ -822,8 +826,8 @@ async def test_an_answer_before_an_unfinished_body_closes_after_lingering() -> N
 async def test_an_unread_whole_body_over_the_high_water_mark_does_not_stall_the_connection() -> (
     None
 ):
-    async def handler(req: Any) -> web.Response:
-        return web.Response(status=415, text="no")  # the body never read
+    async def handler(req: Any) -> Answer:
+        return Answer(status=415, text="no")  # the body never read
 
     conn, t, _ = connection(handler)
     big = b"x" * (READ_HIGH_WATER + 1)
@@ -889,9 +893,9 @@ async def test_an_upgrade_requests_body_is_read_past_where_llhttp_stops() -> Non
         b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\nContent-Length: 11\r\n\r\n"
     )
 
-    async def handler(req: Any) -> web.Response:
+    async def handler(req: Any) -> Answer:
         body = b"".join([chunk async for chunk in req.content.iter_any()])
-        return web.Response(body=body)
+        return Answer(body=body)
 
     for pieces in ([head + b"hello world"], [head + b"hello", b" world"], [head, b"hello world"]):
         conn, t, _ = connection(handler)
@@ -930,13 +934,13 @@ async def test_an_answer_the_handler_writes_goes_out_before_it_returns() -> None
     seen: list[bytes] = []
 
     async def handler(req: Any) -> Any:
-        out = answer_now(req, web.Response(text=req.path, headers={"x-a": "1"}))
+        out = answer_now(req, Answer(text=req.path, headers={"x-a": "1"}))
         seen.append(t.out)  # what the client has, before the handler goes on
         await asyncio.sleep(0)
         return out
 
-    async def returned(req: Any) -> web.Response:
-        return web.Response(text=req.path, headers={"x-a": "1"})
+    async def returned(req: Any) -> Answer:
+        return Answer(text=req.path, headers={"x-a": "1"})
 
     requests = b"GET /a HTTP/1.1\r\nHost: h\r\n\r\nGET /b HTTP/1.1\r\nHost: h\r\n\r\n"
     conn, t, _ = connection(handler)
@@ -954,7 +958,7 @@ async def test_an_answer_the_handler_writes_goes_out_before_it_returns() -> None
 
 async def test_a_handler_failing_after_its_answer_leaves_it_whole() -> None:
     async def handler(req: Any) -> Any:
-        answer_now(req, web.Response(text="done"))
+        answer_now(req, Answer(text="done"))
         raise RuntimeError("after the answer")
 
     conn, t, _ = connection(handler)
@@ -963,3 +967,21 @@ async def test_a_handler_failing_after_its_answer_leaves_it_whole() -> None:
     assert statuses(t.out) == [b"200"] and t.out.endswith(b"done")  # no 500 after it
     assert t.closing
     conn.connection_lost(None)
+
+
+def test_an_answer_is_kvgates_own_holder_of_status_headers_and_body() -> None:
+    """``Answer`` (issue 35: no longer aiohttp's ``web.Response``): text gives a UTF-8 body and
+    a text/plain type, headers are case-insensitive and mutable, ``force_close`` closes after."""
+    a = Answer(text="héllo", headers={"x-a": "1"})
+    assert (a.status, a.body, a.text) == (200, "héllo".encode(), "héllo")
+    assert a.headers["Content-Type"] == "text/plain; charset=utf-8" and a.headers["X-A"] == "1"
+    assert a.keep_alive is None
+    a.force_close()
+    assert a.keep_alive is False
+    _, h, rest = split(response_bytes(a, make_request(), close=True))
+    assert rest == "héllo".encode() and h["content-length"] == str(len(rest))
+    assert Answer(404).body == b""
+    with pytest.raises(ValueError, match="not both"):
+        Answer(body=b"x", text="y")
+    with pytest.raises(ValueError, match="twice"):
+        Answer(body=b"{}", content_type="application/json", headers={"content-type": "x"})

@@ -17,12 +17,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.policy import FailureMode
-from kvgate_agent.sidecar.edge import Handler, Request
+from kvgate_agent.sidecar.edge import Answer, ClientRequest, Handler, Request
 from kvgate_agent.sidecar.engine import EngineProbe, EngineTokenizer, PromptReads, RouterMetrics
 from kvgate_agent.sidecar.identity import Authenticator
 from kvgate_agent.sidecar.metrics import SidecarMetrics
@@ -239,38 +238,38 @@ class Sidecar:
 
     # ------------------------------------------------------------------ own endpoints
 
-    async def healthz(self, request: web.Request) -> web.Response:
+    async def healthz(self, request: ClientRequest) -> Answer:
         """Liveness: the process serves HTTP."""
-        return web.Response(text="ok")
+        return Answer(text="ok")
 
-    async def readyz(self, request: web.Request) -> web.Response:
+    async def readyz(self, request: ClientRequest) -> Answer:
         """Readiness: not draining; with a node agent, a first answer arrived or the TTL has
         passed since start; the model server answers its ``/health`` and has not stalled
         (:mod:`~kvgate_agent.sidecar.upstream.engine_stall`); and, under FailClosed,
         the engine's KV capacity is known (FailOpen serves without it, and says why in the
         body: ``ok, but the engine's KV capacity is not known: ...``)."""
         if self.pipeline.draining:
-            return web.Response(status=503, text="draining")
+            return Answer(status=503, text="draining")
         enforcement = self.policy.enforcement
         if enforcement is not None and not enforcement.state.ready():
-            return web.Response(status=503, text="waiting for thresholds from the node agent")
+            return Answer(status=503, text="waiting for thresholds from the node agent")
         if not self.capacity_known and self.policy.spec.failure_mode is FailureMode.FAIL_CLOSED:
-            return web.Response(status=503, text="waiting for the engine's KV capacity")
+            return Answer(status=503, text="waiting for the engine's KV capacity")
         if not await self.engine.healthy():
-            return web.Response(status=503, text="the model server is not answering")
+            return Answer(status=503, text="the model server is not answering")
         if self.stall.stalled:
-            return web.Response(
+            return Answer(
                 status=503,
                 text=f"the model server has produced no token for "
                 f"{self.stall.quiet_seconds():.0f}s with streams in flight",
             )
         problem = self.engine.capacity_problem
-        return web.Response(text="ok" if problem is None else f"ok, but {problem}")
+        return Answer(text="ok" if problem is None else f"ok, but {problem}")
 
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+    async def metrics_endpoint(self, request: ClientRequest) -> Answer:
         """Prometheus exposition of the sidecar's registry (the admin port's ``/metrics``)."""
         body = self._metrics_view.admin()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return Answer(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @property
     def tenants_private(self) -> bool:
@@ -279,23 +278,23 @@ class Sidecar:
         series are not for whoever can reach the clients' port."""
         return self.policy.spec.tenants.header.lower() == "authorization"
 
-    async def client_metrics_endpoint(self, request: web.Request) -> web.Response:
+    async def client_metrics_endpoint(self, request: ClientRequest) -> Answer:
         """``/kvgate/metrics`` on the clients' port: the registry's exposition, less every
         series of a named tenant while :attr:`tenants_private`
         (:class:`~kvgate_agent.sidecar.metrics_view.MetricsView`; those stay on the admin
         port)."""
         body = self._metrics_view.clients(self.tenants_private)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return Answer(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 #: The header every answer of the admin port carries (not a library's or Python's version).
 _SERVER = {"Server": "kvgate"}
 
 
-def _server_named(handler: Callable[[Any], Awaitable[web.Response]]) -> Handler:
+def _server_named(handler: Callable[[Any], Awaitable[Answer]]) -> Handler:
     """``handler``, its answers saying ``Server: kvgate`` (:meth:`Sidecar.admin_route`)."""
 
-    async def named(request: Any) -> web.Response:
+    async def named(request: Any) -> Answer:
         resp = await handler(request)
         resp.headers.update(_SERVER)
         return resp
@@ -303,13 +302,13 @@ def _server_named(handler: Callable[[Any], Awaitable[web.Response]]) -> Handler:
     return named
 
 
-async def _admin_not_found(request: Any) -> web.Response:
+async def _admin_not_found(request: Any) -> Answer:
     """The admin port's answer to a path it does not serve."""
-    return web.Response(status=404, text="404: Not Found", headers=_SERVER)
+    return Answer(status=404, text="404: Not Found", headers=_SERVER)
 
 
-async def _admin_not_allowed(request: Any) -> web.Response:
+async def _admin_not_allowed(request: Any) -> Answer:
     """The admin port's answer to a method other than GET and HEAD on one of its paths."""
-    return web.Response(
+    return Answer(
         status=405, text="405: Method Not Allowed", headers={**_SERVER, "Allow": "GET, HEAD"}
     )

@@ -12,10 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
-
 from kvgate_agent.admission import AsyncAdmission, Decision, Reason
-from kvgate_agent.sidecar.edge import ClientRequest, ResponseStream, identity_headers
+from kvgate_agent.sidecar.edge import Answer, ClientRequest, Reply, identity_headers
 from kvgate_agent.sidecar.engine import PromptReads
 from kvgate_agent.sidecar.identity import INVALID_API_KEY, Authenticator, Identity, engine_priority
 from kvgate_agent.sidecar.metrics import SidecarMetrics
@@ -79,12 +77,12 @@ class RequestPipeline:
         self.metrics = metrics
         self.draining = False
 
-    def generation_handler(self) -> Callable[[ClientRequest], Awaitable[ResponseStream]]:
+    def generation_handler(self) -> Callable[[ClientRequest], Awaitable[Reply]]:
         """The handler of the generation paths: :meth:`completion`, or standalone without a
         store (no mode header to add) the request's path itself."""
         return self.completion if self.policy.headed else self._completion
 
-    async def other(self, request: ClientRequest) -> ResponseStream:
+    async def other(self, request: ClientRequest) -> Reply:
         """Every path but the generation ones and the sidecar's own: GET, HEAD and OPTIONS pass
         through; another method only to a path on the allowlist (404 otherwise). A path that
         only normalises (dot segments, repeated slashes, escapes) to a generation or allowlisted
@@ -104,25 +102,26 @@ class RequestPipeline:
             return self._refused_early(responses.non_canonical_path())
         return await self.upstream.passthrough(request)
 
-    def _refused_early(self, resp: web.Response) -> web.Response:
+    def _refused_early(self, resp: Answer) -> Answer:
         """``resp`` (a 4xx refusal before admission), counted in
         ``kvgate_admission_decisions_total{outcome="rejected",reason="invalid_request"}`` with
         an empty tenant."""
         self.metrics.count_decision("rejected", "invalid_request", "")
         return resp
 
-    async def completion(self, request: ClientRequest) -> ResponseStream:
+    async def completion(self, request: ClientRequest) -> Reply:
         """A generation path (:data:`GENERATION_PATHS`): validate, admit, forward. With a node
         agent, every answer says the thresholds mode in ``x-kvgate-thresholds``."""
         if not self.policy.headed:
             return await self._completion(request)
         resp = await self._completion(request)
         value = self.policy.header()
-        if not resp.prepared and value is not None:  # streams got it with the admission headers
+        prepared = not isinstance(resp, Answer) and resp.prepared
+        if not prepared and value is not None:  # streams got it with the admission headers
             resp.headers[responses.THRESHOLDS_HEADER] = value
         return resp
 
-    async def _not_a_generation(self, request: ClientRequest) -> ResponseStream | None:
+    async def _not_a_generation(self, request: ClientRequest) -> Reply | None:
         """The answer to a request on a generation path that is not a JSON POST (OPTIONS, a CORS
         preflight, passes through; another method gets 405; a body declared as anything but
         JSON 415), or None for a JSON POST."""
@@ -137,7 +136,7 @@ class RequestPipeline:
             return responses.unsupported_media_type(content_type)
         return None
 
-    async def _completion(self, request: ClientRequest) -> ResponseStream:
+    async def _completion(self, request: ClientRequest) -> Reply:
         started = time.perf_counter()
         if (early := await self._not_a_generation(request)) is not None:
             return early

@@ -23,16 +23,20 @@ from kvgate_agent.sidecar.edge.hop_headers import (
 from kvgate_agent.sidecar.edge.wire import (
     ClientRequest,
     Handler,
+    Reply,
     ResponseStream,
     answer_now,
     new_stream,
 )
+from kvgate_agent.sidecar.reading import Answer
 
 __all__ = [
     "HOP_BY_HOP",
+    "Answer",
     "ClientListener",
     "ClientRequest",
     "Handler",
+    "Reply",
     "Request",
     "ResponseStream",
     "StreamedBody",

@@ -31,8 +31,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from aiohttp import web
-
 from kvgate_agent.sidecar.edge.client_body import MalformedBody
 from kvgate_agent.sidecar.edge.client_parse import Refused, RequestParser, Upgraded
 from kvgate_agent.sidecar.edge.client_request import (
@@ -44,7 +42,7 @@ from kvgate_agent.sidecar.edge.client_request import (
 )
 from kvgate_agent.sidecar.edge.client_transport import ClientTransport
 from kvgate_agent.sidecar.edge.wire import Handler
-from kvgate_agent.sidecar.reading import SERVER_ERROR, error_body, responses
+from kvgate_agent.sidecar.reading import SERVER_ERROR, Answer, error_body, responses
 
 log = logging.getLogger("kvgate.sidecar")
 
@@ -234,17 +232,17 @@ class ClientConnection(ClientTransport):
         self._next(req, close)
 
     def _answer(self, req: Request, resp: object) -> bool:
-        """Write ``resp`` (a finished ``web.Response``; a stream, or an answer the handler
+        """Write ``resp`` (a finished ``Answer``; a stream, or an answer the handler
         wrote itself, is already written); whether the connection must close after it."""
         if isinstance(resp, StreamOut | Answered):
             if not resp.ended:
                 return True  # cut short (the client went away, the model server failed)
             return resp.close or self._closing(req)
-        if isinstance(resp, web.Response):
+        if isinstance(resp, Answer):
             return self.answer(req, resp)
         raise TypeError(f"a handler answered {type(resp).__name__}")
 
-    def answer(self, req: Request, resp: web.Response) -> bool:
+    def answer(self, req: Request, resp: Answer) -> bool:
         """Write ``resp`` (finished) in answer to ``req``, the request being served (by
         :meth:`_answer`, or by its handler: :meth:`Request.respond`); whether the connection
         must close after it (then its head says so)."""

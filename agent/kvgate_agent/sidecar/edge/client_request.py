@@ -1,5 +1,5 @@
 """A client's request as kvgate's own server leg hands it to the pipeline (:class:`Request`), and
-the answers it writes straight to the connection: a finished ``web.Response`` serialised whole
+the answers it writes straight to the connection: a finished ``Answer`` serialised whole
 (:func:`response_bytes`; by the connection once the handler returns it, or by the handler
 itself, :meth:`Request.respond`, which answers with the :class:`Answered` it gets back), or a
 stream (:class:`StreamOut`) whose chunks are framed and written as they come, one transport
@@ -19,11 +19,11 @@ from functools import cached_property
 from http import HTTPStatus
 from typing import Any, Protocol
 
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from kvgate_agent.sidecar.edge.client_body import BodyStream
+from kvgate_agent.sidecar.reading import Answer
 
 __all__ = ["Answered", "Link", "Request", "StreamOut", "response_bytes"]
 
@@ -50,7 +50,7 @@ class Link(Protocol):
         mark); raises ``ConnectionResetError`` when it goes away meanwhile."""
         ...
 
-    def answer(self, req: Request, resp: web.Response) -> bool:
+    def answer(self, req: Request, resp: Answer) -> bool:
         """Write ``resp`` (finished) in answer to ``req`` (:func:`response_bytes`, one write);
         whether the connection closes after it (then its head says so)."""
         ...
@@ -110,11 +110,10 @@ def _no_body(status: int) -> bool:
     return status < 200 or status in (204, 304)
 
 
-def response_bytes(resp: web.Response, request: Request, close: bool) -> bytes:
+def response_bytes(resp: Answer, request: Request, close: bool) -> bytes:
     """``resp`` (finished: status, headers, body bytes) as it goes on the wire in answer to
     ``request`` (no body for HEAD, 1xx, 204 and 304; ``Content-Length`` otherwise)."""
-    body = resp.body
-    data = b"" if body is None else bytes(body)  # type: ignore[arg-type]
+    data = resp.body
     headers: Mapping[str, str] = resp.headers
     if data and "Content-Type" not in headers:
         headers = {**headers, "Content-Type": "application/octet-stream"}
@@ -329,7 +328,7 @@ class Request:
         """The writer of this request's streamed answer (its head is sent by ``prepare``)."""
         return StreamOut(self._link, self, status, headers, content_length)
 
-    def respond(self, resp: web.Response) -> Answered:
+    def respond(self, resp: Answer) -> Answered:
         """Write ``resp`` (finished) now, as the connection would once the handler returned it
         (the same bytes, one write), so that what the handler does after it (an admitted
         request's release) is off the client's latency; the handler answers with what this

@@ -6,7 +6,8 @@ server leg since the aiohttp one was retired.
 :class:`ClientRequest` and :class:`ResponseStream` are structural: the own leg's
 :class:`~kvgate_agent.sidecar.edge.client_request.Request` and
 :class:`~kvgate_agent.sidecar.edge.client_request.StreamOut` satisfy them. A handler answers with
-a finished ``web.Response`` (a plain holder of status, headers and body: the leg writes it
+a finished :class:`Answer` (kvgate's plain holder of status, headers and body, defined in the
+bottom room, :mod:`kvgate_agent.sidecar.reading.answer`, and re-exported here: the leg writes it
 itself) or with the stream it opened with :func:`new_stream`; one that has more to do once the
 client has its finished answer (an admitted request's release) writes it first with
 :func:`answer_now`.
@@ -17,9 +18,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from aiohttp import web
 from multidict import CIMultiDictProxy
 from yarl import URL
+
+from kvgate_agent.sidecar.reading import Answer
 
 
 class BodyReader(Protocol):
@@ -86,15 +88,15 @@ class ClientRequest(Protocol):
         """A streamed answer to this request, not yet sent (see :func:`new_stream`)."""
         ...
 
-    def respond(self, resp: web.Response) -> ResponseStream:
+    def respond(self, resp: Answer) -> ResponseStream:
         """Write ``resp`` (finished) now (see :func:`answer_now`)."""
         ...
 
 
 class ResponseStream(Protocol):
-    """An answer the pipeline returns: a finished ``web.Response``, or a stream it opened with
-    :func:`new_stream` and wrote (the own leg's
-    :class:`~kvgate_agent.sidecar.edge.client_request.StreamOut`)."""
+    """A streamed answer the pipeline returns: one it opened with :func:`new_stream` and wrote
+    (the own leg's :class:`~kvgate_agent.sidecar.edge.client_request.StreamOut`), or what
+    :func:`answer_now` gave back for a finished :class:`Answer` already written."""
 
     @property
     def prepared(self) -> bool:
@@ -121,8 +123,12 @@ class ResponseStream(Protocol):
         ...
 
 
+#: What a handler answers with: a finished :class:`Answer` (the leg writes it whole), or the
+#: stream it opened with :func:`new_stream` and wrote.
+Reply = Answer | ResponseStream
+
 #: A handler of the clients' port: a request in, its answer out.
-Handler = Callable[[Any], Awaitable[ResponseStream]]
+Handler = Callable[[Any], Awaitable[Reply]]
 
 
 def new_stream(
@@ -138,7 +144,7 @@ def new_stream(
     return out
 
 
-def answer_now(request: ClientRequest, resp: web.Response) -> ResponseStream:
+def answer_now(request: ClientRequest, resp: Answer) -> ResponseStream:
     """Write ``resp`` (finished) to the client of ``request`` now, before the handler goes on
     (an admitted request's release then costs the client nothing), and answer with what this
     returns: the bytes it would have written after the handler, written by the request

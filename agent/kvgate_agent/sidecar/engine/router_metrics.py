@@ -14,12 +14,11 @@ from __future__ import annotations
 import logging
 
 import aiohttp
-from aiohttp import web
 
 from kvgate_agent.admission import AsyncAdmission
 from kvgate_agent.admission.limits import ENGINE_KV_TTL_S
 from kvgate_agent.engines.scrape import parse_engine_metrics
-from kvgate_agent.sidecar.edge import ClientRequest
+from kvgate_agent.sidecar.edge import Answer, ClientRequest
 from kvgate_agent.sidecar.engine.router_signals import (
     TEXT_FORMAT,
     core_lines,
@@ -51,7 +50,7 @@ class RouterMetrics:
         self.admission = admission
         self.failing = False
 
-    async def handle(self, request: ClientRequest) -> web.Response:
+    async def handle(self, request: ClientRequest) -> Answer:
         """The engine's exposition (its content type; the client's query, ``Accept`` and
         ``Authorization`` passed on) with the gauges appended; the gauges alone, as text
         format 0.0.4, when the engine's cannot be read. ``x-kvgate-decision: passthrough``, as
@@ -62,7 +61,7 @@ class RouterMetrics:
         gauges = router_gauges(a.stats(), sample, a.engine_waiting())
         body = with_gauges(text or "", gauges, problem)
         headers = {"Content-Type": content_type, DECISION_HEADER: "passthrough"}
-        return web.Response(body=body.encode(), headers=headers)
+        return Answer(body=body.encode(), headers=headers)
 
     async def _engine(self, request: ClientRequest) -> tuple[str | None, str, str | None]:
         """(the engine's exposition, its content type, None), or (None, text format 0.0.4, why

@@ -1,8 +1,8 @@
 """Reading a request: the route table (``endpoints``) and each generation API's parse
 (``apis/``), the parsed request and the checks every API shares (``request``), body JSON,
-prompt token counting, prefix blocks, the engine context a prompt must fit, the error answers
-(``openai_errors``, ``responses``) and the readers of the usage an engine reports (``usage``,
-``sse``). No sockets: the bottom room, importing no other room.
+prompt token counting, prefix blocks, the engine context a prompt must fit, the finished answer
+(``answer``), the error answers (``openai_errors``, ``responses``) and the readers of the usage
+an engine reports (``usage``, ``sse``). No sockets: the bottom room, importing no other room.
 
 Other rooms import what they use from here (``__all__``); modules of this room import
 each other directly.
@@ -11,6 +11,7 @@ each other directly.
 from __future__ import annotations
 
 from kvgate_agent.sidecar.reading import responses
+from kvgate_agent.sidecar.reading.answer import Answer
 from kvgate_agent.sidecar.reading.apis.traits import ApiTraits
 from kvgate_agent.sidecar.reading.endpoints import GENERATION_PATHS, SAFE_METHODS, Passthrough
 from kvgate_agent.sidecar.reading.engine_context import EngineContext, models_context
@@ -41,6 +42,7 @@ __all__ = [
     "HEADER",
     "SAFE_METHODS",
     "SERVER_ERROR",
+    "Answer",
     "ApiTraits",
     "EngineContext",
     "ParsedRequest",

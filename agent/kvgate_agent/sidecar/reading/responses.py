@@ -8,9 +8,8 @@ kvgate's refusals like the model server's own.
 
 from __future__ import annotations
 
-from aiohttp import web
-
 from kvgate_agent.admission import Decision, Outcome, Reason
+from kvgate_agent.sidecar.reading.answer import Answer
 from kvgate_agent.sidecar.reading.apis.openai import CHAT
 from kvgate_agent.sidecar.reading.apis.traits import ApiTraits
 from kvgate_agent.sidecar.reading.openai_errors import (
@@ -59,12 +58,12 @@ LLMD_DROPPED_REASONS = {
 }
 
 
-def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
+def json_response(status: int, body: bytes, headers: dict[str, str] | None = None) -> Answer:
     """A response with a JSON ``body`` (already serialised)."""
-    return web.Response(status=status, body=body, content_type=JSON, headers=headers)
+    return Answer(status=status, body=body, content_type=JSON, headers=headers)
 
 
-def refusal(d: Decision, api: ApiTraits = CHAT) -> web.Response:
+def refusal(d: Decision, api: ApiTraits = CHAT) -> Answer:
     """The answer to a refused decision (``d.ticket`` is None): its status (400, 429 or 503),
     ``Retry-After`` (seconds) when the decision gives one, ``RateLimit-Policy`` and ``RateLimit``
     when a bucket refused, and an OpenAI error body (a 400 names the offending field as the
@@ -123,7 +122,7 @@ def admitted_headers(d: Decision, mode: str | None, max_tokens_clamped: bool) ->
     return headers
 
 
-def bad_request(exc: RequestError) -> web.Response:
+def bad_request(exc: RequestError) -> Answer:
     """A request the sidecar refuses before admission (invalid body, too large, bad header,
     body too slow). After a 408 the connection is closed (the rest of the body is not
     awaited)."""
@@ -137,7 +136,7 @@ def bad_request(exc: RequestError) -> web.Response:
     return resp
 
 
-def unauthorized(exc: RequestError) -> web.Response:
+def unauthorized(exc: RequestError) -> Answer:
     """401 for a credential the sidecar refuses (:mod:`kvgate_agent.sidecar.identity.identity`),
     with ``WWW-Authenticate: Bearer`` (RFC 6750 §3); reason ``invalid_api_key``."""
     return json_response(
@@ -151,7 +150,7 @@ def unauthorized(exc: RequestError) -> web.Response:
     )
 
 
-def draining() -> web.Response:
+def draining() -> Answer:
     """503 for a request while the sidecar shuts down (new, queued, or in flight and not yet
     answered at the drain deadline): ``code: draining``, as the queued refusal has it."""
     return json_response(
@@ -166,7 +165,7 @@ def draining() -> web.Response:
     )
 
 
-def non_canonical_path() -> web.Response:
+def non_canonical_path() -> Answer:
     """400 for a path that only normalises to an admission-controlled or allowlisted one."""
     return json_response(
         400,
@@ -180,7 +179,7 @@ def non_canonical_path() -> web.Response:
     )
 
 
-def not_a_path(target: str) -> web.Response:
+def not_a_path(target: str) -> Answer:
     """400 for a request target that is not a path (``*``, an authority): the sidecar serves
     and passes on paths only (RFC 9112 §3.2)."""
     return json_response(
@@ -195,7 +194,7 @@ def not_a_path(target: str) -> web.Response:
     )
 
 
-def method_not_allowed(method: str, path: str) -> web.Response:
+def method_not_allowed(method: str, path: str) -> Answer:
     """405 with ``Allow`` for a generation path asked with another method than POST (RFC 9110
     §15.5.6); never forwarded."""
     return json_response(
@@ -210,7 +209,7 @@ def method_not_allowed(method: str, path: str) -> web.Response:
     )
 
 
-def unsupported_media_type(content_type: str) -> web.Response:
+def unsupported_media_type(content_type: str) -> Answer:
     """415 for a generation request whose body is not declared as JSON (RFC 9110 §15.5.16)."""
     return json_response(
         415,
@@ -243,7 +242,7 @@ def header_deadline_answer(*, client: bool) -> bytes:
     return head.encode("ascii") + body
 
 
-def malformed_http(status: int, message: str, *, client: bool) -> web.Response:
+def malformed_http(status: int, message: str, *, client: bool) -> Answer:
     """``status`` (the 4xx the server leg's HTTP parser chose, 400 for a broken request line or
     header, ``Content-Length`` with ``Transfer-Encoding``) for a request the parser refused
     before any handler ran: ``code: malformed_http``, with ``message`` (the parser's reason).
@@ -256,7 +255,7 @@ def malformed_http(status: int, message: str, *, client: bool) -> web.Response:
     )
 
 
-def not_allowed_path(method: str, path: str) -> web.Response:
+def not_allowed_path(method: str, path: str) -> Answer:
     """404 for a mutating request on a path that is neither a generation API kvgate admits nor on
     its pass-through allowlist; never forwarded (``--passthrough-path`` adds paths)."""
     return json_response(
@@ -272,7 +271,7 @@ def not_allowed_path(method: str, path: str) -> web.Response:
     )
 
 
-def upstream_unreachable(headers: dict[str, str]) -> web.Response:
+def upstream_unreachable(headers: dict[str, str]) -> Answer:
     """502 when the model server cannot be connected to (admitted request); ``headers`` are the
     admission headers already decided."""
     code = "upstream_unreachable"
@@ -290,7 +289,7 @@ def upstream_failed_text(timeout: bool) -> tuple[str, str]:
     return "the model server failed while answering", "upstream_error"
 
 
-def upstream_failed(timeout: bool, headers: dict[str, str]) -> web.Response:
+def upstream_failed(timeout: bool, headers: dict[str, str]) -> Answer:
     """504 (timeout) or 502 when the model server failed before anything was sent on."""
     message, code = upstream_failed_text(timeout)
     return json_response(
@@ -300,7 +299,7 @@ def upstream_failed(timeout: bool, headers: dict[str, str]) -> web.Response:
     )
 
 
-def upstream_error_status(status: int, headers: dict[str, str]) -> web.Response:
+def upstream_error_status(status: int, headers: dict[str, str]) -> Answer:
     """The model server's own 5xx whose body is not an OpenAI error object (an HTML page from
     a proxy, a crash trace): the same status with an OpenAI-style body, so SDKs surface it."""
     code = "upstream_error"
@@ -323,7 +322,7 @@ def shutting_down_event() -> bytes:
     return b"data: " + body + b"\n\n"
 
 
-def passthrough_unreachable() -> web.Response:
+def passthrough_unreachable() -> Answer:
     """502 when a pass-through request cannot connect to the model server."""
     return json_response(
         502,
@@ -332,7 +331,7 @@ def passthrough_unreachable() -> web.Response:
     )
 
 
-def passthrough_failed(exc: BaseException) -> web.Response:
+def passthrough_failed(exc: BaseException) -> Answer:
     """502 when a pass-through request fails before the model server answered."""
     return json_response(
         502,

@@ -22,7 +22,7 @@ from kvgate_agent.admission import Decision
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar.edge import (
     ClientRequest,
-    ResponseStream,
+    Reply,
     dropped,
     identity_names,
     new_stream,
@@ -63,7 +63,7 @@ async def send_to_pool(
     api: ApiTraits,
     headers: dict[str, str],
     drop: frozenset[str] = frozenset(),
-) -> tuple[ResponseStream, bool]:
+) -> tuple[Reply, bool]:
     """Send ``request`` (its path and query kept, ``body`` already rewritten to the pool's model)
     to the pool at ``upstream`` and relay its answer, streamed as it comes.
 
@@ -122,7 +122,7 @@ async def degrade_to_pool(
     d: Decision,
     mode: str | None,
     count: Callable[[Decision], None],
-) -> ResponseStream:
+) -> Reply:
     """Send a request this pod cannot take (``d``, reason ``fallback_pool``) to ``spec``'s
     fallback pool, its body (``raw``, parsed as ``parsed``) rewritten to the pool's model;
     ``count`` is called once with the decision that stands: ``d`` when the pool takes it, this

@@ -25,15 +25,16 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from aiohttp import ClientError, web
+from aiohttp import ClientError
 from prometheus_client import Counter, Histogram
 
 from kvgate_agent.admission import AsyncAdmission, Decision, Ticket
 from kvgate_agent.contract.policy import RateLimitPolicySpec
 from kvgate_agent.sidecar.edge import HOP_BY_HOP as HOP_BY_HOP  # re-exported
 from kvgate_agent.sidecar.edge import (
+    Answer,
     ClientRequest,
-    ResponseStream,
+    Reply,
     admitted_request_headers,
     answer_now,
     forward_headers,
@@ -85,7 +86,7 @@ def _is_error_object(data: bytes) -> bool:
         return False
 
 
-def _written(request: ClientRequest, ex: Exchange, resp: web.Response) -> ResponseStream:
+def _written(request: ClientRequest, ex: Exchange, resp: Answer) -> Reply:
     """``resp`` written to the client now (:func:`~kvgate_agent.sidecar.edge.wire.answer_now`),
     before :meth:`Forwarder.admitted`'s ``finally`` releases ``ex``'s ticket; what the handler
     answers with. Raises :class:`ClientGone` (then ``ex.out`` is ``resp``, to answer with)."""
@@ -177,7 +178,7 @@ class Forwarder:
         d: Decision,
         mode: str | None,
         count: Callable[[Decision], None],
-    ) -> ResponseStream:
+    ) -> Reply:
         """Send a request admission answered ``fallback_pool`` (``d``) to the pool over the
         pass-through client (:func:`~kvgate_agent.sidecar.upstream.fallback_pool.
         degrade_to_pool`: ``raw`` is its body as received, ``mode`` the thresholds header,
@@ -199,7 +200,7 @@ class Forwarder:
         tenant_label: str,
         started: float,
         decided: Mapping[str, str] | None = None,
-    ) -> ResponseStream:
+    ) -> Reply:
         """Forward an admitted request (``body`` as it goes upstream, with the header fields of
         ``decided`` in place of the client's own of those names: :func:`~kvgate_agent.sidecar.
         hop_headers.identity_headers`) and relay the answer with ``headers`` added; then
@@ -236,11 +237,13 @@ class Forwarder:
             self.stall.end(stream)
             self._settle(ex, tenant_label, prompt)
 
-    async def _shutting_down(self, ex: Exchange) -> ResponseStream:
+    async def _shutting_down(self, ex: Exchange) -> Reply:
         """End ``ex`` because the sidecar stops (see :meth:`end_all`)."""
         out = ex.out
         if out is None:
             return responses.draining()
+        if isinstance(out, Answer):  # a finished answer, written already: nothing to add
+            return out
         with contextlib.suppress(ConnectionResetError, RuntimeError):
             await out.write(responses.shutting_down_event())
             await out.write_eof()
@@ -248,7 +251,7 @@ class Forwarder:
 
     async def _exchange(
         self, request: ClientRequest, body: bytes, ex: Exchange, decided: Mapping[str, str] | None
-    ) -> ResponseStream:
+    ) -> Reply:
         m = self.metrics
         fwd = admitted_request_headers(request.headers, decided)
         target = request.path_qs  # a generation path, canonical, and its query as sent
@@ -292,13 +295,9 @@ class Forwarder:
             kept = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
             answer = responses.upstream_error_status(resp.status, {**kept, **ex.headers})
             return _written(request, ex, answer)
-        return _written(
-            request, ex, web.Response(status=resp.status, body=data, headers=out_headers)
-        )
+        return _written(request, ex, Answer(status=resp.status, body=data, headers=out_headers))
 
-    async def _failed(
-        self, ex: Exchange, exc: TimeoutError | UpstreamError | ClientError
-    ) -> ResponseStream:
+    async def _failed(self, ex: Exchange, exc: TimeoutError | UpstreamError | ClientError) -> Reply:
         """The model server failed (or timed out) after the connection was made."""
         m = self.metrics
         timeout = isinstance(exc, TimeoutError)
@@ -308,6 +307,8 @@ class Forwarder:
         out = ex.out
         if out is None:  # nothing sent yet: a proper error response
             return responses.upstream_failed(timeout, ex.headers)
+        if isinstance(out, Answer):  # a finished answer, written already: nothing to add
+            return out
         # Mid-stream: tell the client in-band, as vLLM does, then end the stream.
         with contextlib.suppress(ConnectionResetError, RuntimeError):
             await out.write(responses.upstream_failed_event(timeout))
@@ -345,7 +346,7 @@ class Forwarder:
 
     # ------------------------------------------------------------------ pass-through
 
-    async def passthrough(self, request: ClientRequest) -> ResponseStream:
+    async def passthrough(self, request: ClientRequest) -> Reply:
         """A request the routes let through (see ``RequestPipeline.other``), forwarded as is
         within :attr:`max_body` bytes and :attr:`body_timeout` seconds
         (:func:`~kvgate_agent.sidecar.upstream.passthrough.pass_through`)."""

@@ -11,13 +11,13 @@ import logging
 from typing import Protocol
 
 import aiohttp
-from aiohttp import web
 from prometheus_client import Counter
 from yarl import URL
 
 from kvgate_agent.sidecar.edge import (
+    Answer,
     ClientRequest,
-    ResponseStream,
+    Reply,
     StreamedBody,
     forward_headers,
     new_stream,
@@ -54,7 +54,7 @@ async def pass_through(
     *,
     max_body: int,
     body_seconds: float,
-) -> ResponseStream:
+) -> Reply:
     """``request`` forwarded as is to ``server`` (the raw path, not re-normalised), body
     streamed both ways. An absolute-form target (``GET http://host/v1/models``, RFC 9112
     §3.2.2) is sent as its path and query: the upstream is always the sidecar's own. The body
@@ -87,7 +87,7 @@ async def pass_through(
     return await _relay(request, resp, body, metrics)
 
 
-def _body_refused(metrics: PassMetrics, body: StreamedBody) -> web.Response:
+def _body_refused(metrics: PassMetrics, body: StreamedBody) -> Answer:
     """408 for a pass-through body that came too slowly (``client_timeouts{phase="body"}``;
     the connection is closed), 413 for one that grew past ``--max-body-bytes``."""
     if body.too_large:
@@ -100,7 +100,7 @@ def _body_refused(metrics: PassMetrics, body: StreamedBody) -> web.Response:
 
 async def _relay(
     request: ClientRequest, resp: aiohttp.ClientResponse, body: StreamedBody, metrics: PassMetrics
-) -> ResponseStream:
+) -> Reply:
     """The model server's answer ``resp`` relayed to the client as it comes."""
     clean = False
     try:

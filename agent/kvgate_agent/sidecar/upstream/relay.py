@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from multidict import CIMultiDict
 
 from kvgate_agent.admission import Ticket
-from kvgate_agent.sidecar.edge import ClientRequest, ResponseStream, new_stream
+from kvgate_agent.sidecar.edge import ClientRequest, Reply, ResponseStream, new_stream
 from kvgate_agent.sidecar.reading import ParsedRequest, StreamAccountant
 from kvgate_agent.sidecar.upstream.errors import MalformedStream
 from kvgate_agent.sidecar.upstream.upstream import UpstreamResponse
@@ -82,7 +82,7 @@ class Exchange:
     reached: bool = False
     clean: bool = False
     resp: UpstreamResponse | None = None
-    out: ResponseStream | None = None
+    out: Reply | None = None
 
 
 async def relay_stream(
