@@ -426,3 +426,18 @@ async def test_the_admin_port_answers_its_three_paths_only(
             assert r.status == 404, path
             assert not [h for h in r.headers if h.lower().startswith("x-kvgate")], path
     assert not {"/kvgate/metrics", "/v1/chat/completions", "/"} & set(upstream.paths)
+
+
+async def test_the_metrics_expositions_say_text_format_0_0_4(
+    upstream: Upstream, sidecar_factory: SidecarFactory, client: aiohttp.ClientSession
+) -> None:
+    """The admin port's ``/metrics`` and the clients' ``/kvgate/metrics`` are Prometheus text
+    format 0.0.4 (classic metric names) and say so, as the clients' ``/metrics`` fallback does;
+    not prometheus_client's ``CONTENT_TYPE_LATEST`` (``version=1.0.0``, the UTF-8 names' format,
+    since its 0.22) for the same bytes (found by a new-user review)."""
+    url, _ = await sidecar_factory(upstream.url, {}, **ADMIN)
+    for endpoint in (ADMIN_URLS[url] + "/metrics", url + "/kvgate/metrics"):
+        async with client.get(endpoint) as r:
+            assert r.status == 200, endpoint
+            ct = r.headers.get("Content-Type")
+            assert ct == "text/plain; version=0.0.4; charset=utf-8", (endpoint, ct)

@@ -17,14 +17,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST
-
 from kvgate_agent.admission import AdmissionConfig, AdmissionController, AsyncAdmission
 from kvgate_agent.contract.policy import FailureMode
 from kvgate_agent.sidecar.edge import Answer, ClientRequest, Handler, Request
 from kvgate_agent.sidecar.engine import EngineProbe, EngineTokenizer, PromptReads, RouterMetrics
 from kvgate_agent.sidecar.identity import Authenticator
 from kvgate_agent.sidecar.metrics import SidecarMetrics
+from kvgate_agent.sidecar.metrics_view import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvgate_agent.sidecar.metrics_view import MetricsView
 from kvgate_agent.sidecar.node_link import NO_LIMITS, AgentEnforcement, AgentLink, EnforcedPolicy
 from kvgate_agent.sidecar.pipeline import RequestPipeline
@@ -269,7 +268,7 @@ class Sidecar:
     async def metrics_endpoint(self, request: ClientRequest) -> Answer:
         """Prometheus exposition of the sidecar's registry (the admin port's ``/metrics``)."""
         body = self._metrics_view.admin()
-        return Answer(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return Answer(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     @property
     def tenants_private(self) -> bool:
@@ -284,7 +283,7 @@ class Sidecar:
         (:class:`~kvgate_agent.sidecar.metrics_view.MetricsView`; those stay on the admin
         port)."""
         body = self._metrics_view.clients(self.tenants_private)
-        return Answer(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return Answer(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 #: The header every answer of the admin port carries (not a library's or Python's version).

@@ -13,9 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+#: The ``Content-Type`` of both expositions: what :func:`generate_latest` writes (its default
+#: escaping keeps every name classic) is text format 0.0.4, labelled so, as the clients' port's
+#: ``/metrics`` fallback is; not ``CONTENT_TYPE_LATEST``, which prometheus_client 0.22 moved to
+#: ``version=1.0.0`` (the UTF-8 names' format) for the same bytes.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 #: The comment line that opens the clients' port exposition when per-tenant series are left
 #: out (a ``#`` line that is neither HELP nor TYPE: ignored by Prometheus's text parser).
