@@ -60,4 +60,5 @@ class ConcurrencyCeiling:
     def _sync(self) -> None:
         cap = self._cap()
         adaptive = self._slo.limit
+        self._limits.concurrency_cap = cap
         self._limits.concurrency_limit = adaptive if cap is None else min(cap, adaptive)

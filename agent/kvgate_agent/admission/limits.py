@@ -94,6 +94,8 @@ class Limits:
         predictor: the output-length predictor (learned at release).
         concurrency_limit: the concurrency cap enforced now: the policy's, or the adaptive
             limit when lower (set by the controller); None = none.
+        concurrency_cap: the hard cap under the adaptive limit: the policy's, lowered to the
+            engine's slots (set by the controller); None = none.
         overrun_mean: mean tokens a predicted reservation grew by before release.
         predicted_in_flight: tickets in flight whose reservation is below their worst case.
         engine_kv_used: KV tokens the engine reports in use (None: not known).
@@ -105,6 +107,7 @@ class Limits:
 
     __slots__ = (
         "admitted_at_sum",
+        "concurrency_cap",
         "concurrency_limit",
         "config",
         "engine_kv_until",
@@ -133,6 +136,7 @@ class Limits:
         )
         self.predicted = config.reservation is ReservationMode.PREDICTED
         self.concurrency_limit = config.max_concurrency
+        self.concurrency_cap = config.max_concurrency
         self.overrun_mean = 0.0
         self.predicted_in_flight = 0
         self.engine_kv_used: int | None = None

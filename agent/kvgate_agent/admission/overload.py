@@ -138,6 +138,10 @@ def act(
             if budget is not None:
                 expected = _expected_wait(r, req, blocker, now)
                 if expected is not None and expected > budget * SHED_FACTOR:
+                    # A tenant with nothing in flight, behind a flooding one: a lent slot.
+                    lent = None if evict is not None else _lend(r, req, blocker, now)
+                    if lent is not None:
+                        return lent
                     # Refused for its SLO only when no other tenant is further above its share.
                     if evict is None:
                         evict, reason = r.queue.over_share(req), Reason.SLO
@@ -148,6 +152,22 @@ def act(
         else:
             break
     return reject(r, req, blocker, now, waited, queue_full, slo_wait)
+
+
+def _lend(
+    r: Resources, req: AdmissionRequest, blocker: Blocker | None, now: float
+) -> Decision | None:
+    """``req`` admitted on a slot above the adaptive concurrency limit
+    (:func:`~kvgate_agent.admission.fairqueue.reserve.slot_lent`: its tenant holds nothing
+    and a tenant far above its share holds the slots), when that limit is what stops it and
+    nothing else does; None otherwise."""
+    if blocker is None or blocker.reason is not Reason.CONCURRENCY or blocker.pool_share:
+        return None
+    limits = r.limits
+    if what_blocks(limits, req, req.max_tokens, now, lend=True) is not None:
+        return None
+    ticket = limits.reserve(req, req.max_tokens, now)
+    return Decision(Outcome.ADMITTED, Reason.OK, ticket=ticket, max_tokens=req.max_tokens)
 
 
 def evicted(r: Resources, w: Waiter, reason: Reason, now: float) -> Decision:

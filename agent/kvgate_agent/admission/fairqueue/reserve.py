@@ -22,6 +22,14 @@ it waiting out its budget on the pod that keeps its room for others, and such wa
 count in the queue depth the router scores pods by (on the benchmark's ``tiers``, no worse than
 queueing them: docs/benchmarks.md, issue 34).
 
+**The lent slot.** Where the adaptive concurrency limit is small (one or two requests on a
+slow server: a llama.cpp CPU server, issue 33), the reserve has no room to keep: a tenant
+flooding it holds the one slot, and a quiet tenant's request waits out that request's service
+time, past its TTFT budget, and is refused. A newcomer that would be refused for its TTFT SLO
+(:func:`kvgate_agent.admission.overload.act`) whose tenant holds nothing may take one slot
+above the adaptive limit (never above the policy's or the engine's cap) when a tenant far above
+its share holds the slots (:func:`slot_lent`).
+
 **The check.** :func:`what_blocks` asks, in this order: the concurrency limit, its reserve, the
 KV capacity, its reserve, then the rate limits' buckets (:mod:`.rate_limits`); the first that
 stops the request is its :class:`~kvgate_agent.admission.decision.Blocker`. The controller, the
@@ -84,6 +92,34 @@ def slot_held_back(fair: FairShare, tenant: str, weight: float, in_flight: int, 
     return (a.in_flight + 1) * fair.active_weight > HOG * slots * weight
 
 
+def slot_lent(limits: Limits, req: AdmissionRequest, limit: int) -> bool:
+    """Whether ``req`` may take one slot above the adaptive concurrency ``limit`` (a *lent*
+    slot; asked only for a request that would otherwise be refused for its TTFT SLO,
+    :func:`kvgate_agent.admission.overload.act`): the adaptive limit alone stops it (the
+    requests in flight are exactly ``limit``, below the hard cap, the policy's or the
+    engine's slots), its tenant has nothing in flight or waiting, and a tenant in flight holds
+    more than its fair share of the limit (``in_flight x active weights > limit x weight``)
+    having received more than :data:`HOG` times its service (attained service per weight).
+    A quiet tenant's request then starts at once beside a flooding tenant's instead of waiting
+    out that tenant's request (on a server of one or two slots, a whole service time of a few
+    seconds); the cost, the flooding tenant's request decoding beside it (and stalled by its
+    prefill), falls on the tenant above its share. At most one slot is lent at a time.
+    O(tenants kept)."""
+    cap = limits.concurrency_cap
+    if cap is None or limits.in_flight != limit or limit >= cap:
+        return False
+    fair = limits.fair
+    a = fair.account(req.tenant)
+    if a is not None and a.active:
+        return False
+    mine = 0.0 if a is None else a.attained / a.weight
+    weights = fair.active_weight + req.weight
+    return any(
+        b.in_flight * weights > limit * b.weight and b.attained > HOG * mine * b.weight
+        for _, b in fair.accounts()
+    )
+
+
 def pool_held_back(fair: FairShare, tenant: str, used: float, capacity: float, now: float) -> bool:
     """Whether a request of ``tenant`` bringing the pod's use of a limit to ``used`` (of
     ``capacity``: requests in flight, or KV tokens) must leave the pool's reserve to others:
@@ -105,6 +141,7 @@ def what_blocks(
     found: list[BucketCharge] | None = None,
     kv: int | None = None,
     cost: float | None = None,
+    lend: bool = False,
 ) -> Blocker | None:
     """What stops ``req`` with ``max_tokens`` now on the pod counted by ``limits``, or None if
     it fits (see the module docstring for the order). A reservation is taken only right after
@@ -115,10 +152,12 @@ def what_blocks(
         found: when given, the buckets checked are appended to it, so the reservation that
             follows in the same call needs no second lookup.
         kv, cost: the request's KV tokens and cost units, when the caller has them already.
+        lend: a request the adaptive concurrency limit alone stops may take a lent slot
+            (:func:`slot_lent`).
     """
     limit = limits.concurrency_limit
     if limit is not None:
-        if limits.in_flight >= limit:
+        if limits.in_flight >= limit and not (lend and slot_lent(limits, req, limit)):
             return Blocker(Reason.CONCURRENCY, "concurrency")
         if slot_held_back(limits.fair, req.tenant, req.weight, limits.in_flight, limit):
             return Blocker(Reason.CONCURRENCY, "concurrency", True)
