@@ -316,3 +316,27 @@ def test_seeds_and_cells_choose_what_is_reported() -> None:
         "multi-tenant:3"}  # fmt: skip
     assert only["absent_cells"] == ["isolation:3"] and only["report_seeds"] == [2]
     assert verdict.verdict(doc, [7])["report_seeds"] == []
+
+
+@pytest.mark.usefixtures("fast_bootstrap")
+def test_a_target_on_fewer_seeds_than_reported_names_its_seeds() -> None:
+    """A cell finished on some of the report seeds only: its targets (pooled over those) say
+    which, so 'the noisy tenant served on every seed: yes' or an isolation MISSED is not read
+    as over all three (found by a new-user review: pass 5's isolation:3, seed 3 alone)."""
+    doc = new_doc({"model": "smollm2"}, tune_seed=1)
+    for seed in (2, 3, 4):
+        _cell(doc, "multi-tenant:2", seed, [
+            _row("none", seed, [10.0, 0.0] * 100),
+            _row("kvgate", seed, [20.0, 0.0] * 100),
+        ])  # fmt: skip
+    wb = {"well_behaved_requests": 130, "well_behaved_met": 52, "noisy_served": 40,
+          "workload": "isolation", "load": 3.0}  # fmt: skip
+    _cell(doc, "isolation:3", 3, [_row("kvgate", 3, [5.0] * 130, **wb)])
+    v = verdict.verdict(doc, [2, 3, 4])
+    lines = verdict_text.verdict_lines(v)
+    served = next(x for x in lines if "noisy tenant served" in x)
+    assert served.endswith("(goal true; on seed 3 only, of report seeds 2, 3, 4)")
+    missed = next(x for x in lines if "well-behaved SLO met" in x)
+    assert missed.lstrip().startswith("MISSED") and "on seed 3 only, of report seeds" in missed
+    whole = next(x for x in lines if "multi-tenant:2: kvgate / none:" in x)
+    assert "only" not in whole  # on every report seed: nothing to say

@@ -17,7 +17,8 @@ run; otherwise it is labelled ``not a verdict (N requests an arm, M required)``
 when the point estimate reaches the goal (``ci95`` says how sure; a ratio target's
 ``clears`` says whether the interval's low end reaches the goal too, None without an
 interval), ``MISSED``, ``indicative`` (its cell is not a verdict; ``reached`` says what the
-point estimate did) or ``not measured`` (``met`` None for the last two):
+point estimate did) or ``not measured`` (``met`` None for the last two); a cell finished on
+some of the report seeds only pools those, and its targets' ``partial`` names them:
 
 * ``multi-tenant`` at 2 and 3: kvgate / best baseline >= 1.0, kvgate / none >= 1.5, no 5xx;
 * ``isolation`` at 3: the well-behaved tenants' SLO attainment >= 0.95 and its Wilson lower
@@ -290,6 +291,7 @@ def _targets(doc: Mapping[str, Any], seeds: Sequence[int]) -> list[dict[str, Any
     rs = ratios(doc, seeds)
     out: list[dict[str, Any] | None] = []
     for cell, by_seed in sorted(cells.items()):
+        first = len(out)
         workload, _, load_text = cell.partition(":")
         load = float(load_text)
         if workload == "multi-tenant" and load in (2.0, 3.0):
@@ -306,6 +308,13 @@ def _targets(doc: Mapping[str, Any], seeds: Sequence[int]) -> list[dict[str, Any
             out += _isolation(cell, by_seed)
         if workload == ALONE:
             out += _alone(cell, by_seed)
+        if len(by_seed) < len(seeds):
+            only = sorted(by_seed)
+            partial = (f"on seed{'s' if len(only) > 1 else ''} {', '.join(map(str, only))} "
+                       f"only, of report seeds {', '.join(map(str, sorted(seeds)))}")  # fmt: skip
+            for t in out[first:]:
+                if t is not None:
+                    t["partial"] = partial
     out.append(fields_target(doc))
     bad = invalid_cells(doc)
     out.append(_target("cells with cached prompt tokens (invalid)", len(bad), "== 0", not bad))

@@ -6,7 +6,8 @@ the issue's size, ``not a verdict:`` when none has (or none is finished), ``verd
 cells:`` otherwise; then what is left (:mod:`kvgate_bench.real_engine.progress`), the seeds and
 cells asked for but absent, each cell's size, the ratios, the targets (``met``, ``MISSED``,
 ``indicative`` on a cell that is not a verdict, ``-`` when not measured; a ratio target met or
-missed says whether its 95 % interval clears the goal or reaches below it, "not separated")
+missed says whether its 95 % interval clears the goal or reaches below it, "not separated";
+one whose cell finished on some of the report seeds only names them)
 and the twin (as the cells stored it; with ``--report``, also recomputed: :func:`twin_lines`).
 ``N cells x seeds finished`` counts each cell once per seed it finished on.
 """
@@ -74,6 +75,8 @@ def _target_line(t: Mapping[str, Any]) -> str:
             if t["clears"]
             else "; the 95 % interval reaches below the goal: not separated"
         )
+    if t.get("partial"):  # its cell finished on some of the report seeds only
+        tail += f"; {t['partial']}"
     return f"  {MARKS[status]:<10} {t['target']}: {value} (goal {t['goal']}{tail})"
 
 
