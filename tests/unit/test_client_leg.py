@@ -371,6 +371,23 @@ async def test_an_invalid_gzip_body_fails_the_read() -> None:
     assert bad.value.status == 400
 
 
+async def test_a_body_that_is_not_gzip_is_not_called_cut() -> None:
+    """The first fault found is the one the client reads: a body that is not gzip at all says
+    so, the end of the request not overwriting it with 'the stream is cut' (found by a
+    new-user review: `curl -H 'Content-Encoding: gzip' -d notgzip` was told its stream was
+    cut)."""
+    b, _ = body("gzip")
+    b.feed_data(b"this is not gzip at all")
+    b.feed_eof()
+    with pytest.raises(MalformedBody, match="not valid gzip or deflate"):
+        await b.readany()
+    cut, _ = body("gzip")
+    cut.feed_data(gzip.compress(b'{"a": 1}')[:-9])  # whole up to its trailer
+    cut.feed_eof()
+    with pytest.raises(MalformedBody, match="stream is cut"):
+        await read_all(cut)
+
+
 async def test_read_nowait_raises_what_stopped_the_body() -> None:
     b, _ = body("gzip")
     b.feed_data(b"this is not gzip at all")

@@ -149,9 +149,11 @@ class BodyStream:
 
     def feed_eof(self) -> None:
         """The body is complete; an encoded one whose stream did not end is refused
-        (:class:`MalformedBody` on read), not read as if whole."""
+        (:class:`MalformedBody` on read), not read as if whole; one already refused keeps its
+        first fault (not gzip at all is not a cut stream)."""
         d = self._decoder
-        if d is not None and not d.eof and self.decoded <= self._limit and not self._discard:
+        ended = d is None or d.eof or self._error is not None
+        if not ended and self.decoded <= self._limit and not self._discard:
             self._malformed("the request body's gzip or deflate stream is cut")
         self._eof = True
         self._wake()
