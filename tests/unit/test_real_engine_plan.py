@@ -15,6 +15,7 @@ from kvgate_bench.effectiveness.model.gate import REJECTED, SERVED, RequestRecor
 from kvgate_bench.effectiveness.model.metrics import NOISY_TENANT
 from kvgate_bench.effectiveness.model.workloads import generate
 from kvgate_bench.real_engine import limit_trace, plan, profile_fit, resume
+from kvgate_bench.real_engine.__main__ import main
 from kvgate_bench.real_engine.calibration import Slo
 from kvgate_bench.real_engine.cli import parse_args
 from kvgate_bench.real_engine.rows import build_row
@@ -135,6 +136,44 @@ def test_resume_document_merges_and_saves_atomically(tmp_path: Path) -> None:
     b["calibration"] = {"capacity_rps": 2.0}
     with pytest.raises(ValueError, match="calibrations"):
         resume.merge(a, b)
+
+
+def test_rerun_reopens_a_finished_cell_for_the_named_arms(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = resume.new_doc({"model": "smollm2"}, 1)
+    rows = [{"arm": a, "g": i} for i, a in enumerate(plan.ARMS)]
+    resume.close_cell(doc, {"cell": "multi-tenant:2", "seed": 2, "rows": rows})
+    resume.close_cell(doc, {"cell": "multi-tenant:2", "seed": 3, "rows": rows})
+    assert resume.reopen(doc, "multi-tenant:2", 4, ("kvgate",), "why") == []  # not finished
+    got = resume.reopen(doc, "multi-tenant:2", 2, ("kvgate", "kvgate-empty"), "admission changed")
+    assert got == ["kvgate", "kvgate-empty"]
+    assert resume.finished(doc) == {("multi-tenant:2", 3)}  # the other seed untouched
+    assert {r["arm"] for r in doc["runs"]} == {"none", "concurrency-cap", "token-bucket"}
+    assert resume.run_row(doc, "multi-tenant:2", 2, "kvgate") is None  # to run again
+    assert [(x["arm"], x["row"]["g"], x["why"]) for x in doc["replaced"]] == [
+        ("kvgate", 3, "admission changed"), ("kvgate-empty", 4, "admission changed")]  # fmt: skip
+    path = tmp_path / "real.json"
+    resume.write(path, doc)  # over the file, not merged
+    assert resume.load(path) == resume.jsonable(doc)
+    later = resume.new_doc({"model": "smollm2"}, 1)
+    resume.add_run(later, "multi-tenant:2", 2, "kvgate", {"arm": "kvgate", "g": 9})
+    merged = resume.save(path, later)  # the replaced rows and the kept runs survive a merge
+    assert len(merged["replaced"]) == 2 and len(merged["runs"]) == 4
+    # the command line: --rerun names arms, needs a resume file, and a finished cell in it
+    for bad, says in ((["--rerun", "kvgate,cap"], "not an arm"),
+                      (["--rerun", ","], "at least one arm"),
+                      (["--rerun", "kvgate"], "needs the --resume file"),
+                      (["--rerun", "kvgate", "--resume", str(path), "--report", str(path)],
+                       "give one of them")):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            parse_args(bad)
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    assert parse_args(["--rerun", "kvgate", "--resume", str(path)]).rerun_arms == ("kvgate",)
+    assert parse_args([]).rerun_arms == () and parse_args([]).commit is None
+    assert main(["--rerun", "kvgate", "--resume", str(path), "--cells", "isolation:3"]) == 2
+    assert "no finished cell of --cells/--seeds has kvgate" in capsys.readouterr().err
+    assert resume.load(path) == merged  # refused: the file untouched
 
 
 def test_limit_after_20_completions_and_the_trace_summary() -> None:

@@ -23,7 +23,11 @@ llama-server is pinned to the last CPU, this process and the sidecar to the othe
    order, each on a fresh llama-server with its prompt cache off (every request's cached
    prompt tokens counted: ``cached_prompt_tokens`` must be 0), then the cell's virtual twin on
    the fitted profile and the comparison. Every arm's row is saved to ``--resume`` as soon as
-   it is known (atomically); a unit that would end past the budget is not started.
+   it is known (atomically) with the commit it ran at (``commit``, ``-dirty`` when the
+   checkout had changes); a unit that would end past the budget is not started.
+   ``--rerun ARM,...`` first reopens the finished cells of ``--cells`` and ``--seeds`` so that
+   those arms run again (after their code changed; the old rows kept in the file's
+   ``replaced``: :func:`kvgate_bench.real_engine.resume.reopen`).
 3. **Reports** (:mod:`kvgate_bench.real_engine.verdict`): the ratios between arms with
    bootstrap 95 % intervals per seed and pooled, the issue's targets, the twin's agreement.
    ``--report FILE`` prints it from a resume file without running anything, with what is
@@ -47,6 +51,7 @@ import asyncio
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,6 +93,22 @@ def _meta(
         "machine": platform.machine(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def _commit() -> str | None:
+    """The git commit of the checkout this benchmark runs from (``git rev-parse HEAD`` in this
+    file's folder, ``-dirty`` appended when tracked files differ from it); None outside a git
+    checkout or without git."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, capture_output=True, text=True, timeout=10,
+                               check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}-dirty" if dirty else head
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -151,6 +172,21 @@ async def _main(args: argparse.Namespace) -> int:
         where = "" if str(e).startswith(str(args.resume)) else f"{args.resume}: "
         return error_line(f"--resume {where}{e}")
     doc = doc or resume.new_doc(run_config(args), args.tune_seed)
+    commit = args.commit = _commit()
+    if args.rerun_arms:
+        why = f"--rerun {','.join(args.rerun_arms)} at {commit or 'an unknown commit'}"
+        reopened = [
+            f"{cell}@{seed} ({', '.join(arms)})"
+            for seed in args.seed_list
+            for cell in (cell_key(w, load) for w, load in args.cell_list)
+            if (arms := resume.reopen(doc, cell, seed, args.rerun_arms, why))
+        ]
+        if not reopened:
+            return error_line(f"--rerun: no finished cell of --cells/--seeds has "
+                              f"{', '.join(args.rerun_arms)} in {args.resume}")  # fmt: skip
+        resume.write(args.resume, doc)
+        print(f"rerun: reopened {'; '.join(reopened)} (the old rows kept in 'replaced')",
+              flush=True)  # fmt: skip
     server, model_path = find_llama(model)
     cache_ram_off = has_flag(server, "--cache-ram")
     if not cache_ram_off:
@@ -159,6 +195,7 @@ async def _main(args: argparse.Namespace) -> int:
     cpus = pin_cpus(args.no_pin)
     meta = _meta(args, server, model_path, cpus)
     meta["cache_ram_off"] = cache_ram_off
+    meta["commit"] = commit
     print(f"real engine: {Path(server).name}, {Path(model_path).name}, --parallel "
           f"{args.parallel} -c {args.ctx} -t {args.threads}, engine on CPU {cpus[0]}, client on "
           f"{cpus[1]}; load average {meta['loadavg_start'][0]:.2f}", flush=True)  # fmt: skip

@@ -267,6 +267,7 @@ class Runner:
             row = real_row(run, self.args, slo.pair(), workload=workload, load=load, arm=arm,
                            seed=seed, params=params, tuned="reused" if params else "-",
                            position=pos, engine_check=checks)  # fmt: skip
+            row["commit"] = self.args.commit
             resume.add_run(self.doc, key, seed, arm, row)
             self.save()
             print(row_text(row), flush=True)

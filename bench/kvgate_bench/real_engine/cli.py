@@ -7,7 +7,8 @@ model's ceiling (SmolLM2 256, Gemma 96); ``--duration`` 60 s (``--short`` 20 s),
 schedule (a cell's is longer when it needs more time for ``--min-requests``); ``--drain`` 20 s
 (``--short`` 8 s); ``--probe-duration`` 20 s (``--short`` 15 s); ``--min-requests`` 200
 (``--short`` 20); ``--cells`` ``multi-tenant:2,multi-tenant:3,isolation:3,multi-tenant:1``
-(``--short``: ``multi-tenant:2``); ``--seeds`` 2,3,4 (``--short``: 2).
+(``--short``: ``multi-tenant:2``); ``--seeds`` 2,3,4 (``--short``: 2); ``rerun_arms`` the
+arms of ``--rerun`` (() without it).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from kvgate_bench.real_engine.plan import (
+    ARMS,
     DEFAULT_CELLS,
     MIN_REQUESTS,
     SHORT_CELLS,
@@ -101,6 +103,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="shortest capacity probe, s (a probe is long enough for 15 arrivals, up to 3x this)",
     )
+    p.add_argument(
+        "--rerun",
+        help="ARM,... to run again on the finished cells of --cells and --seeds in the --resume "
+        "file (after their code changed, e.g. kvgate,kvgate-empty after an admission change): "
+        "their rows are set aside in the file's 'replaced', the other arms' kept; no other "
+        "invocation may write the file meanwhile",
+    )
     p.add_argument("--no-pin", action="store_true", help="no taskset pinning")
     p.add_argument("--json", type=Path, help="also write this invocation's rows and verdict here")
     p.add_argument("--write-profile", type=Path, help="write the fitted engine profile (JSON) here")
@@ -141,6 +150,16 @@ def _check(p: _Refuse, a: argparse.Namespace) -> None:
         p.error(str(e))
     if a.tune_seed in a.seed_list:
         p.error(f"--tune-seed {a.tune_seed} is also a report seed: report on other seeds")
+    a.rerun_arms = tuple(x.strip() for x in (a.rerun or "").split(",") if x.strip())
+    unknown = [x for x in a.rerun_arms if x not in ARMS]
+    if unknown:
+        p.error(f"--rerun {','.join(unknown)}: not an arm (arms: {', '.join(ARMS)})")
+    if a.rerun is not None and not a.rerun_arms:
+        p.error("--rerun wants at least one arm")
+    if a.rerun_arms and (a.resume is None or not a.resume.is_file()):
+        p.error("--rerun needs the --resume file whose finished cells it reopens")
+    if a.rerun_arms and a.report is not None:
+        p.error("--rerun runs arms; --report runs nothing: give one of them")
     if a.report is not None and not a.report.is_file():
         p.error(f"--report {a.report}: no such file")
     for name in ("resume", "json", "write_profile"):
@@ -160,6 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.drain = a.drain or (8.0 if a.short else 20.0)
     a.probe_duration = a.probe_duration or (15.0 if a.short else 20.0)
     a.min_requests = a.min_requests or (20 if a.short else MIN_REQUESTS)
+    a.commit = None  # the checkout's commit, set by the run (each row records it)
     return a
 
 

@@ -13,12 +13,20 @@ The document (JSON)::
      "tuned": {"multi-tenant:2": {"concurrency-cap": {...}, "token-bucket": {...}}},
      "runs": [{"cell", "seed", "arm", "row"}, ...],   # arms of cells not finished yet
      "cells": [{"cell", "workload", "load", "seed", "rows", "virtual", "comparison", ...}],
+     "replaced": [{"cell", "seed", "arm", "row", "why"}, ...],  # rows --rerun set aside
      "invocations": [{"started", "wall_s", "units"}, ...]}
 
 A cell (one workload at one load on one seed) is finished when every arm ran; its ``runs``
 then move into ``cells`` with the virtual twin's rows. :func:`save` writes atomically (a
 temporary file in the same folder, then ``os.replace``) after merging what the file on disk
 holds (:func:`merge`), so a file is never half-written and two invocations' results add up.
+
+``--rerun ARMS`` (:func:`reopen`) reopens a finished cell: the named arms' rows move to
+``replaced`` (kept, with why), the other arms' rows back to ``runs``, and the next invocation
+runs only the named arms, on fresh servers, and closes the cell again (its twin recomputed).
+It is for an arm whose code changed after it ran (a kvgate arm after an admission change: the
+baselines' rows stay valid). A reopened file is written over, not merged (:func:`write`):
+no other invocation may be writing the same file then.
 """
 
 from __future__ import annotations
@@ -126,12 +134,33 @@ def close_cell(doc: dict[str, Any], entry: Mapping[str, Any]) -> None:
     doc["cells"].append(jsonable(entry))
 
 
+def reopen(doc: dict[str, Any], cell: str, seed: int, arms: tuple[str, ...], why: str) -> list[str]:
+    """Reopen the finished (``cell``, ``seed``) of ``doc`` so that ``arms`` run again (module
+    docstring): the arms' rows into ``replaced`` with ``why``, the other rows into ``runs``.
+    Returns the arms set aside (those the cell had); [] when the cell is not finished."""
+    found = [c for c in doc["cells"] if c["cell"] == cell and int(c["seed"]) == seed]
+    if not found:
+        return []
+    c = found[0]
+    doc["cells"] = [x for x in doc["cells"] if x is not c]
+    out: list[str] = []
+    for row in c["rows"]:
+        arm = row["arm"]
+        if arm in arms:
+            entry = {"cell": cell, "seed": seed, "arm": arm, "row": row, "why": why}
+            doc.setdefault("replaced", []).append(jsonable(entry))
+            out.append(arm)
+        else:
+            add_run(doc, cell, seed, arm, row)
+    return out
+
+
 def merge(base: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """``new`` merged into a copy of ``base`` (the file on disk): ``new``'s calibration,
     profile and tuning where ``base`` has none; finished cells, runs and sweep rows by key,
     ``new``'s replacing ``base``'s; a run whose cell is finished in either dropped;
-    invocations concatenated (each once). Raises ``ValueError`` when the two were made with
-    other configs or tune seeds, or hold different calibrations."""
+    invocations and replaced rows concatenated (each once). Raises ``ValueError`` when the
+    two were made with other configs or tune seeds, or hold different calibrations."""
     check(base, new["config"], int(new["tune_seed"]))
     out = copy.deepcopy(dict(base))
     for k in ("calibration", "profile"):
@@ -150,6 +179,10 @@ def merge(base: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     for r in new["runs"]:
         if (r["cell"], int(r["seed"])) not in done:
             add_run(out, r["cell"], int(r["seed"]), r["arm"], r["row"])
+    kept = {json.dumps(x, sort_keys=True) for x in out.get("replaced", ())}
+    for x in new.get("replaced", ()):
+        if json.dumps(x, sort_keys=True) not in kept:
+            out.setdefault("replaced", []).append(copy.deepcopy(x))
     seen = {json.dumps(i, sort_keys=True) for i in out["invocations"]}
     for inv in new["invocations"]:
         if json.dumps(inv, sort_keys=True) not in seen:
@@ -211,6 +244,13 @@ def save(path: Path, doc: Mapping[str, Any]) -> dict[str, Any]:
     docstring); returns what was written."""
     on_disk = load(path)
     out = merge(on_disk, doc) if on_disk is not None else copy.deepcopy(dict(doc))
+    return write(path, out)
+
+
+def write(path: Path, doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``doc`` to ``path`` atomically, over what it holds (no merge: a reopened file,
+    :func:`reopen`); returns what was written."""
+    out = copy.deepcopy(dict(doc))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or Path("."))
     try:
         with os.fdopen(fd, "w") as fh:
