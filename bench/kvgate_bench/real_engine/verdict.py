@@ -7,10 +7,11 @@ their intervals, the issue's targets that apply to a real engine, and the twin's
 ``token-bucket`` by goodput), ``kvgate / none``, ``kvgate-empty / tuned cap``, ``kvgate-empty /
 best baseline`` and ``kvgate / none (throughput)``.
 
-**Size.** A cell is a verdict only when each of its arms had the issue's requests on every
-report seed (:func:`kvgate_bench.real_engine.plan.required`: 200; ``isolation``: 120
-well-behaved; ``--min-requests`` sizes a run, not this) and the file is not a ``--short``
-run; otherwise it is labelled ``not a verdict (N requests an arm, M required)``
+**Size.** A cell is a verdict only when it finished on every report seed, each of its arms
+had the issue's requests on each (:func:`kvgate_bench.real_engine.plan.required`: 200;
+``isolation``: 120 well-behaved; ``--min-requests`` sizes a run, not this), and the file is
+not a ``--short`` run; otherwise it is labelled ``not a verdict (N requests an arm, M
+required)``, with ``; on seed 3 only, not 2, 4`` where seeds are missing,
 (:func:`sizes`) and the targets on it are ``indicative``, neither met nor missed.
 
 **Targets** (issue 33), each on the pooled figure of the report seeds; ``status``: ``met``
@@ -143,24 +144,34 @@ def ratios(doc: Mapping[str, Any], seeds: Sequence[int]) -> list[dict[str, Any]]
     return out
 
 
-def sizes(doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def sizes(doc: Mapping[str, Any], seeds: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
     """Per finished cell of ``doc``: ``requests`` (the fewest an arm had on a seed; isolation:
-    well-behaved ones), ``required``, ``verdict`` (enough, and not a ``--short`` run) and
-    ``label`` (module docstring)."""
+    well-behaved ones), ``required``, ``seeds`` (those it finished on), ``verdict`` (enough,
+    on every one of the report ``seeds`` when given, and not a ``--short`` run) and ``label``
+    (module docstring)."""
     short = bool((doc.get("config") or {}).get("short"))
     fewest: dict[str, int] = {}
+    on: dict[str, set[int]] = {}
     for c in doc["cells"]:
         n = min((row_requests(r) for r in c["rows"]), default=0)
         fewest[c["cell"]] = min(n, fewest.get(c["cell"], n))
+        on.setdefault(c["cell"], set()).add(int(c["seed"]))
     out: dict[str, dict[str, Any]] = {}
     for cell, n in sorted(fewest.items()):
         need = required(cell.partition(":")[0])
-        ok = n >= need and not short
+        missing = sorted(set(seeds) - on[cell])
+        ok = n >= need and not short and not missing
         label = f"{n} requests an arm ({need} required)"
         if not ok:
             why = "; a --short run" if short else ""
+            if missing:
+                have = ", ".join(map(str, sorted(on[cell])))
+                why += f"; on seed{'s' if len(on[cell]) > 1 else ''} {have} only, not " + (
+                    ", ".join(map(str, missing))
+                )
             label = f"not a verdict ({n} requests an arm, {need} required{why})"
-        out[cell] = {"requests": n, "required": need, "verdict": ok, "label": label}
+        out[cell] = {"requests": n, "required": need, "seeds": sorted(on[cell]), "verdict": ok,
+                     "label": label}  # fmt: skip
     return out
 
 
@@ -278,7 +289,7 @@ def targets(doc: Mapping[str, Any], seeds: Sequence[int]) -> list[dict[str, Any]
     """The targets of the module docstring that the finished cells allow, each cell's
     ``indicative`` where the cell is not a verdict (:func:`sizes`)."""
     found = [t for t in _targets(doc, seeds) if t is not None]
-    size = sizes({**doc, "cells": [c for c in doc["cells"] if int(c["seed"]) in seeds]})
+    size = sizes({**doc, "cells": [c for c in doc["cells"] if int(c["seed"]) in seeds]}, seeds)
     for t in found:
         cell = size.get(t.get("cell") or "")
         if cell is not None and not cell["verdict"] and t["status"] in ("met", "MISSED"):
@@ -377,7 +388,7 @@ def verdict(
         "tuned": doc["tuned"],
         "short": bool((doc.get("config") or {}).get("short")),
         "cells": sorted(f"{c['cell']}@{c['seed']}" for c in chosen["cells"]),
-        "sizes": sizes(chosen),
+        "sizes": sizes(chosen, rep),
         "unfinished_runs": len(doc["runs"]),
         "invalid": invalid_cells(chosen),
         "ratios": ratios(chosen, rep),

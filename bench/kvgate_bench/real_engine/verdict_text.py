@@ -38,8 +38,8 @@ def _v(x: Any) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
-def _ci(ci: Any) -> str:
-    return "" if not ci else f" [{ci[0]:.2f}, {ci[1]:.2f}]"
+def _ci(ci: Any, digits: int = 2) -> str:
+    return "" if not ci else f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
 
 def _ints(xs: Any) -> str:
@@ -65,7 +65,9 @@ def headline(v: Mapping[str, Any]) -> str:
 
 def _target_line(t: Mapping[str, Any]) -> str:
     status = t.get("status") or ("met" if t["met"] else "MISSED")
-    value = t["note"] if status == "not measured" else f"{_v(t['value'])}{_ci(t['ci95'])}"
+    # A ratio target's interval to 3 decimals: its low end against the goal can be read.
+    digits = 3 if t.get("clears") is not None else 2
+    value = t["note"] if status == "not measured" else f"{_v(t['value'])}{_ci(t['ci95'], digits)}"
     # A met or missed target's note: the runs it left out (an indicative one's is its cell's
     # size, printed with the cells; a not measured one's is its value).
     tail = f"; {t['note']}" if t.get("note") and status in ("met", "MISSED", "reference") else ""
