@@ -126,7 +126,7 @@ def test_one_tiny_cell_resumes_and_reports(
     assert "not a verdict (" in report and " requests an arm, 200 required)" in report
     assert "  indicative multi-tenant:1: kvgate / none (throughput)" in report
     assert "multi-tenant:1: kvgate / none (throughput)" in report
-    assert "virtual twin:" in report
+    assert "virtual twin (as each cell's run recorded it):" in report
 
 
 @pytest.fixture(scope="module")
