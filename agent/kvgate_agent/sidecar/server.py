@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 from kvgate_agent.admission import Reason
 from kvgate_agent.sidecar.app import Sidecar
@@ -43,27 +44,24 @@ class SidecarServer:
                 "('kvgate'; the aiohttp leg was retired)"
             )
         m = sidecar.metrics
-        self._listener = ClientListener(
-            sidecar.client_route(),
+        # Both ports' listeners: the same leg, header deadline, field and body bounds.
+        listener = partial(
+            ClientListener,
             header_timeout=st.header_timeout_seconds,
             max_field=MAX_FIELD_BYTES,
             decoded_limit=st.max_body_bytes + 1,
             on_timeout=m.client_timeouts.labels("headers").inc,
+        )
+        self._listener = listener(
+            sidecar.client_route(),
             on_malformed=sidecar.count_malformed,
             draining=lambda: sidecar.pipeline.draining,
         )
-        #: The admin port's listener (``/metrics``, ``/healthz``, ``/readyz``): the same leg, its
-        #: answers without kvgate's refusal headers; it serves on through the drain (``/readyz``
-        #: says ``draining``) and closes with the rest.
-        self._admin = ClientListener(
-            sidecar.admin_route(),
-            header_timeout=st.header_timeout_seconds,
-            max_field=MAX_FIELD_BYTES,
-            decoded_limit=st.max_body_bytes + 1,
-            on_timeout=m.client_timeouts.labels("headers").inc,
-            on_malformed=_uncounted,
-            draining=_never,
-            client=False,
+        #: The admin port's listener (``/metrics``, ``/healthz``, ``/readyz``): its answers
+        #: without kvgate's refusal headers; it serves on through the drain (``/readyz`` says
+        #: ``draining``) and closes with the rest.
+        self._admin = listener(
+            sidecar.admin_route(), on_malformed=_uncounted, draining=_never, client=False
         )
         self._admin_started = False
         self._opened = False
