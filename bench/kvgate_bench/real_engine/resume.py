@@ -179,15 +179,18 @@ def merge(base: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     for r in new["runs"]:
         if (r["cell"], int(r["seed"])) not in done:
             add_run(out, r["cell"], int(r["seed"]), r["arm"], r["row"])
-    kept = {json.dumps(x, sort_keys=True) for x in out.get("replaced", ())}
-    for x in new.get("replaced", ()):
-        if json.dumps(x, sort_keys=True) not in kept:
-            out.setdefault("replaced", []).append(copy.deepcopy(x))
-    seen = {json.dumps(i, sort_keys=True) for i in out["invocations"]}
-    for inv in new["invocations"]:
-        if json.dumps(inv, sort_keys=True) not in seen:
-            out["invocations"].append(copy.deepcopy(inv))
+    if new.get("replaced"):
+        _concat_once(out.setdefault("replaced", []), new["replaced"])
+    _concat_once(out["invocations"], new["invocations"])
     return out
+
+
+def _concat_once(into: list[Any], more: Any) -> None:
+    """Append to ``into`` each entry of ``more`` it does not hold yet (equal as JSON)."""
+    seen = {json.dumps(x, sort_keys=True) for x in into}
+    for x in more:
+        if json.dumps(x, sort_keys=True) not in seen:
+            into.append(copy.deepcopy(x))
 
 
 #: The top-level keys a resume document must hold, with their JSON types.
