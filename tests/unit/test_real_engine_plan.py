@@ -7,6 +7,7 @@ No clock, no server."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,27 @@ def test_an_isolation_alone_cell_is_isolation_without_the_noisy_tenant() -> None
     assert plan.tuned_on("isolation-alone", 3.0) == ("multi-tenant", 2.0)
     assert plan.required("isolation-alone") == plan.required("isolation") == 120
     assert plan.base_workload("isolation-alone") == "isolation"
+
+
+def test_a_rerun_holds_its_resume_file_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "real.json"
+    doc = resume.new_doc({"model": "smollm2"}, 1)
+    rows = [{"arm": a} for a in plan.ARMS]
+    resume.close_cell(doc, {"cell": "multi-tenant:2", "seed": 2, "rows": rows})
+    resume.write(path, doc)
+    runs = [resume.hold(path, exclusive=False), resume.hold(path, exclusive=False)]  # runs share
+    with pytest.raises(ValueError, match="another invocation runs on it"):
+        resume.hold(path, exclusive=True)
+    # --rerun refused while a run holds the file: nothing reopened, the file as it was
+    assert main(["--rerun", "kvgate", "--resume", str(path), "--cells", "multi-tenant:2"]) == 2
+    assert "another invocation runs on it" in capsys.readouterr().err
+    assert resume.load(path) == resume.jsonable(doc)
+    for fd in runs:
+        os.close(fd)
+    rerun = resume.hold(path, exclusive=True)
+    with pytest.raises(ValueError, match="a --rerun invocation holds it"):
+        resume.hold(path, exclusive=False)
+    os.close(rerun)
+    os.close(resume.hold(path, exclusive=True))  # released: free again

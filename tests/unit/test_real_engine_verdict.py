@@ -272,7 +272,7 @@ def test_an_undersized_or_short_cell_is_not_a_verdict() -> None:
         assert best["met"] is None and best["reached"] is True and best["value"] == 2.0
         lines = verdict_text.verdict_lines(v)
         assert lines[0].startswith("not a verdict: baselines tuned on seed 1")
-        assert f"  multi-tenant:2  {label}" in lines
+        assert f"  multi-tenant:2    {label}" in lines
         assert not any(x.startswith(("  met ", "  MISSED ")) and "multi-tenant:2:" in x
                        for x in lines)  # fmt: skip
         assert any(x.startswith("  indicative multi-tenant:2: kvgate / none: 2") for x in lines)

@@ -161,6 +161,21 @@ async def _calibrate(runner: Runner) -> None:
 async def _main(args: argparse.Namespace) -> int:
     if args.report is not None:
         return _report(args)
+    if args.resume is None:
+        return await _run(args)
+    # Held for the whole invocation: --rerun writes over the file (resume.hold).
+    try:
+        fd = resume.hold(args.resume, exclusive=bool(args.rerun_arms))
+    except ValueError as e:
+        return error_line(f"--resume {e}")
+    try:
+        return await _run(args)
+    finally:
+        os.close(fd)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    """One invocation, start to end (the module docstring's steps)."""
     t_start = time.monotonic()
     model = MODELS[args.model]
     try:

@@ -101,7 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--probe-duration",
         type=float,
-        help="shortest capacity probe, s (a probe is long enough for 15 arrivals, up to 3x this)",
+        help=(
+            "shortest capacity probe, s (a probe is long enough for 15 arrivals, up to 3x this;"
+            " default 20 s; --short 15 s)"
+        ),
     )
     p.add_argument(
         "--rerun",

@@ -1,6 +1,6 @@
 """The resume file of ``python -m kvgate_bench.real_engine --resume FILE``: what a run has
-finished, so that the next invocation goes on where it stopped (pure, but for :func:`load`
-and :func:`save`).
+finished, so that the next invocation goes on where it stopped (pure, but for :func:`load`,
+:func:`save` and :func:`hold`).
 
 The document (JSON)::
 
@@ -26,12 +26,13 @@ holds (:func:`merge`), so a file is never half-written and two invocations' resu
 runs only the named arms, on fresh servers, and closes the cell again (its twin recomputed).
 It is for an arm whose code changed after it ran (a kvgate arm after an admission change: the
 baselines' rows stay valid). A reopened file is written over, not merged (:func:`write`):
-no other invocation may be writing the same file then.
+no other invocation may be writing the same file then, and :func:`hold` makes sure of it.
 """
 
 from __future__ import annotations
 
 import copy
+import fcntl
 import json
 import os
 import tempfile
@@ -265,3 +266,21 @@ def write(path: Path, doc: Mapping[str, Any]) -> dict[str, Any]:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def hold(path: Path, exclusive: bool) -> int:
+    """Lock the resume file ``path`` for this invocation: an advisory ``flock`` on the file
+    ``.NAME.lock`` beside it, shared by invocations that merge their rows (:func:`save`, any
+    number at once), exclusive for one that reopens cells (``--rerun``: :func:`write` goes
+    over the file, so no other invocation may hold it). Returns the lock's file descriptor,
+    held until it is closed or the process ends. Raises ``ValueError`` (one line) when another
+    invocation holds the lock in a way this one cannot share."""
+    lock = path.with_name(f".{path.name}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        who = "another invocation runs on it" if exclusive else "a --rerun invocation holds it"
+        raise ValueError(f"{path}: {who} ({lock})") from None
+    return fd

@@ -38,8 +38,14 @@ def _v(x: Any) -> str:
     return f"{x:.3g}" if isinstance(x, float) else str(x)
 
 
-def _ci(ci: Any, digits: int = 2) -> str:
-    return "" if not ci else f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+def _ci(ci: Any, digits: int | None = None) -> str:
+    """An interval's bounds to ``digits`` decimals, or (None) to 3 significant figures as
+    :func:`_v` prints a value, so a ratio of 54.6 reads [23.3, 236], not [23.26, 236.27]."""
+    if not ci:
+        return ""
+    if digits is None:
+        return f" [{ci[0]:.3g}, {ci[1]:.3g}]"
+    return f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
 
 
 def _ints(xs: Any) -> str:
@@ -98,14 +104,14 @@ def verdict_lines(v: Mapping[str, Any]) -> list[str]:
             f"cells (the fewest requests an arm had on a seed; a verdict needs {MIN_REQUESTS}, "
             f"isolation {required('isolation')} well-behaved):"
         )
-        lines += [f"  {cell:<15} {s['label']}" for cell, s in v["sizes"].items()]
+        lines += [f"  {cell:<17} {s['label']}" for cell, s in v["sizes"].items()]
     if v["invalid"]:
         lines.append(f"  INVALID (cached prompt tokens): {', '.join(v['invalid'])}")
     lines.append("ratios (pooled over the report seeds, bootstrap 95 %; per seed):")
     for r in v["ratios"]:
         per = "  ".join(f"s{s} {_v(x['value'])}" for s, x in r["per_seed"].items())
         lines.append(
-            f"  {r['cell']:<15} {r['ratio']:<30} {_v(r['value'])}{_ci(r['ci95'])}  ({per})"
+            f"  {r['cell']:<17} {r['ratio']:<30} {_v(r['value'])}{_ci(r['ci95'])}  ({per})"
         )
     lines.append("targets:")
     lines += [_target_line(t) for t in v["targets"]]
