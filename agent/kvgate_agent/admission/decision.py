@@ -42,6 +42,10 @@ class Reason(StrEnum):
     free memory on one of the pod's GPUs below the policy's margin).
     ``slo``: the expected queue wait already exceeds the request's TTFT SLO (``slo.ttftSeconds``),
     so it is refused at once rather than queued to miss it.
+    ``lent_slot``: admitted on a slot lent above the adaptive concurrency limit (a quiet
+    tenant's request that would otherwise be refused for its TTFT SLO while a tenant far above
+    its share holds the slots: :func:`kvgate_agent.admission.fairqueue.reserve.slot_lent`), so
+    ``kvgate_admission_decisions_total{outcome="admitted",reason="lent_slot"}`` counts them.
     """
 
     OK = "ok"
@@ -55,6 +59,7 @@ class Reason(StrEnum):
     SLO = "slo"
     EXCEEDS_CAPACITY = "exceeds_capacity"
     MAX_TOKENS_CLAMPED = "max_tokens_clamped"
+    LENT_SLOT = "lent_slot"
     FALLBACK_MODEL = "fallback_model"
     FALLBACK_POOL = "fallback_pool"
     FAIL_CLOSED = "fail_closed"

@@ -167,7 +167,7 @@ def _lend(
     if what_blocks(limits, req, req.max_tokens, now, lend=True) is not None:
         return None
     ticket = limits.reserve(req, req.max_tokens, now)
-    return Decision(Outcome.ADMITTED, Reason.OK, ticket=ticket, max_tokens=req.max_tokens)
+    return Decision(Outcome.ADMITTED, Reason.LENT_SLOT, ticket=ticket, max_tokens=req.max_tokens)
 
 
 def evicted(r: Resources, w: Waiter, reason: Reason, now: float) -> Decision:
