@@ -114,6 +114,8 @@ def test_policy_reaches_both_sidecars_is_enforced_and_changes_propagate(stack: N
     ready = next(c for c in st["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "True"
     m = stack.agent_url + "/metrics"
+    with urllib.request.urlopen(m, timeout=5) as resp:  # labelled as the format it is
+        assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
     assert metric_value(m, "kvgate_node_sidecars_connected") == 2
     assert metric_value(m, "kvgate_node_pod_kv_tokens", pod="llm-a", kind="capacity") == 65536
     assert (metric_value(m, "kvgate_node_sync_requests_total", result="not_modified") or 0) > 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from starlette.types import Receive
 
 from kvgate_agent.contract.sync import PREFER_HEADER, SYNC_PATH, parse_wait
@@ -75,7 +75,11 @@ def build_app(agent: NodeAgent) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(agent.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # What generate_latest writes is text format 0.0.4 and is labelled so, as the sidecar's
+        # is; prometheus_client 0.22's CONTENT_TYPE_LATEST says version=1.0.0 for the same bytes.
+        return Response(
+            generate_latest(agent.metrics.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4
+        )
 
     @app.get("/healthz")
     async def healthz() -> Response:
