@@ -136,6 +136,7 @@ def test_verdict_names_the_seeds_and_evaluates_the_targets() -> None:
         "isolation-alone:3: none's SLO met with no noisy tenant (the well-behaved alone)"
     ]
     assert none_alone["value"] == pytest.approx(110 / 120)
+    assert none_alone["note"] == "110/120"  # within what the calibration promised: no remark
     assert t["cells with cached prompt tokens (invalid)"]["value"] == 1
     lines = verdict_text.verdict_lines(v)
     assert lines[0].startswith(
@@ -348,3 +349,20 @@ def test_a_target_on_fewer_seeds_than_reported_names_its_seeds() -> None:
     assert missed.lstrip().startswith("indicative") and "on seed 3 only, of report seeds" in missed
     whole = next(x for x in lines if "multi-tenant:2: kvgate / none:" in x)
     assert "only" not in whole  # on every report seed: nothing to say
+
+
+def test_the_alone_reference_says_when_the_calibration_overstates_the_engine() -> None:
+    doc = new_doc({}, 1)
+    alone = {"workload": "isolation-alone", "load": 3.0}
+    _cell(doc, "isolation-alone:3", 3, [
+        _row("none", 3, [5.0] * 87 + [0.0] * 35, **alone),
+        _row("kvgate", 3, [5.0] * 89 + [0.0] * 33, **alone),
+    ])  # fmt: skip
+    t = {x["target"]: x for x in verdict.verdict(doc, [3])["targets"]}
+    none = t["isolation-alone:3: none's SLO met with no noisy tenant (the well-behaved alone)"]
+    assert none["note"].startswith("87/122; below the 90% none met at the calibrated capacity")
+    assert "fall short of the isolation target alone" in none["note"]
+    kv = t["isolation-alone:3: kvgate's SLO met with no noisy tenant (the well-behaved alone)"]
+    assert kv["note"] == "89/122"  # the remark is about the calibration, said once
+    line = next(x for x in verdict_text.verdict_lines(verdict.verdict(doc, [3])) if "87/122" in x)
+    assert "the engine ran the arms slower than calibrated" in line
