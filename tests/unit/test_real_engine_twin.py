@@ -117,6 +117,7 @@ def test_a_cell_run_on_a_slower_engine_agrees_at_the_speed_of_its_other_arms() -
     assert cal["agree"] == 0 and fast["agree"] == 4
     assert all("speed 1.5" in line and "(other arms)" in line for line in fast["pairs_list"])
     assert any("the engine ran at" in d for d in cal["disagreements"])
+    assert got["speed_apart"] == []  # every arm at one speed
     lines = twin_lines(got)
     assert lines[0].startswith("virtual twin recomputed on today's fit")
     assert any(line.startswith("  at each arm's engine speed") for line in lines)
@@ -197,3 +198,22 @@ def test_engine_check_waits_for_an_idle_engine_and_returns_its_timings(
     monkeypatch.setattr(calibration_run, "CHECK_IDLE_S", 0.2)
     assert asyncio.run(_check_against_fake([1] * 100)) is None  # never idle
     assert asyncio.run(engine_check("http://127.0.0.1:9", [], "m")) is None  # nothing there
+
+
+def test_arms_on_engines_of_different_speeds_are_named() -> None:
+    def at(arm: str, sp: float) -> dict[str, Any]:
+        return {"arm": arm, "engine_speed": [sp, 1.0]}
+
+    assert twin.speed_apart([at("none", 1.3), at("kvgate", 1.6)]) is None  # within 1.25x
+    assert twin.speed_apart([at("none", 1.32), at("kvgate", 1.93), at("concurrency-cap", 1.5)]) == (
+        "1.32 (none) to 1.93 (kvgate), 1.46x apart"
+    )
+    assert twin.speed_apart([at("none", 2.0)]) is None
+    lines = twin_lines({"profile": {"decode_step_ms": {"1": 12.0}, "prefill_ms_per_token": 5.0},
+                        "not_rebuilt": [], "speed_apart": ["multi-tenant:2@3: 1.32 (none) to"],
+                        "calibrated": {"agree": 0, "pairs": 0, "pairs_list": [],
+                                       "disagreements": []},
+                        "at_speed": {"agree": 0, "pairs": 0, "pairs_list": [],
+                                     "disagreements": []}})  # fmt: skip
+    assert lines[1].startswith("  cells whose arms ran on engines of different speeds")
+    assert lines[2] == "    multi-tenant:2@3: 1.32 (none) to"

@@ -178,7 +178,8 @@ def recompute(
 ) -> dict[str, Any] | None:
     """Both twins of the finished ``cells`` (default all) of ``seeds``, on today's fit of the
     calibration: ``{"profile": its JSON, "calibrated": {...}, "at_speed": {...},
-    "not_rebuilt": ["cell@seed", ...]}``, each twin's ``pairs``, ``agree``, ``pairs_list``
+    "not_rebuilt": ["cell@seed", ...], "speed_apart": ["cell@seed: ...", ...]}``
+    (:func:`speed_apart`), each twin's ``pairs``, ``agree``, ``pairs_list``
     (arm, cell, goodput and attainment agreeing, the speed) and ``disagreements``; None when
     no such cell is finished or the calibration kept no raw data to refit from."""
     c = doc.get("calibration") or {}
@@ -190,7 +191,7 @@ def recompute(
     if not chosen or not c.get("unloaded") or not c.get("bursts") or not c.get("profile"):
         return None
     profile = refit(c)
-    out: dict[str, Any] = {"profile": profile.to_json(), "not_rebuilt": []}
+    out: dict[str, Any] = {"profile": profile.to_json(), "not_rebuilt": [], "speed_apart": []}
     found: dict[str, list[dict[str, Any]]] = {"calibrated": [], "at_speed": []}
     for cell in chosen:
         got = recompute_cell(doc, cell, profile)
@@ -199,6 +200,9 @@ def recompute(
             continue
         for k, xs in got.items():
             found[k] += xs
+        apart = speed_apart(got["at_speed"])
+        if apart is not None:
+            out["speed_apart"].append(f"{cell['cell']}@{cell['seed']}: {apart}")
     for k, xs in found.items():
         out[k] = {
             "pairs": len(xs),
@@ -207,6 +211,22 @@ def recompute(
             "disagreements": [f"{_where(x)}: {x['disagreement']}" for x in xs if not x["agrees"]],
         }
     return out
+
+
+#: Prefill speeds of one cell's arms further apart than this (max / min) are named by the report:
+#: its ratios then compare arms that ran on engines of different speeds.
+SPEED_APART = 1.25
+
+
+def speed_apart(at_speed: Sequence[Mapping[str, Any]]) -> str | None:
+    """The slowest and fastest arm of one cell by prefill speed ``s_p`` (``at_speed`` rows of
+    :func:`recompute_cell`), as ``"1.32 (kvgate) to 1.89 (none), 1.43x apart"``, when they are
+    more than :data:`SPEED_APART` apart; None otherwise."""
+    xs = sorted((float(x["engine_speed"][0]), str(x["arm"])) for x in at_speed)
+    if len(xs) < 2 or xs[-1][0] <= SPEED_APART * xs[0][0]:
+        return None
+    (lo, slow_arm), (hi, fast_arm) = xs[0], xs[-1]
+    return f"{lo:.2f} ({slow_arm}) to {hi:.2f} ({fast_arm}), {hi / lo:.2f}x apart"
 
 
 def _where(x: Mapping[str, Any]) -> str:

@@ -143,6 +143,12 @@ def twin_lines(t: Mapping[str, Any] | None) -> list[str]:
     ]
     if t["not_rebuilt"]:
         lines.append(f"  schedule not rebuilt (left out): {', '.join(t['not_rebuilt'])}")
+    if t.get("speed_apart"):
+        lines.append(
+            "  cells whose arms ran on engines of different speeds (prefill x the calibrated, "
+            "the slowest arm's to the fastest's):"
+        )
+        lines += [f"    {x}" for x in t["speed_apart"]]
     for key, what in (
         ("calibrated", "at the calibrated speed"),
         ("at_speed", "at each arm's engine speed (s_p prefill / s_d decode x the calibrated)"),
