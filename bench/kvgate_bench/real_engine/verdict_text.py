@@ -20,6 +20,8 @@ from typing import Any
 from kvgate_bench.real_engine import progress
 from kvgate_bench.real_engine.plan import MIN_REQUESTS, required
 
+#: The width of the cell column of the sizes and the ratios (``isolation-alone:3`` fits).
+CELL_WIDTH = 17
 #: The mark printed before a target, by status.
 MARKS = {
     "met": "met",
@@ -104,15 +106,14 @@ def verdict_lines(v: Mapping[str, Any]) -> list[str]:
             f"cells (the fewest requests an arm had on a seed; a verdict needs {MIN_REQUESTS}, "
             f"isolation {required('isolation')} well-behaved):"
         )
-        lines += [f"  {cell:<17} {s['label']}" for cell, s in v["sizes"].items()]
+        lines += [f"  {cell:<{CELL_WIDTH}} {s['label']}" for cell, s in v["sizes"].items()]
     if v["invalid"]:
         lines.append(f"  INVALID (cached prompt tokens): {', '.join(v['invalid'])}")
     lines.append("ratios (pooled over the report seeds, bootstrap 95 %; per seed):")
     for r in v["ratios"]:
         per = "  ".join(f"s{s} {_v(x['value'])}" for s, x in r["per_seed"].items())
-        lines.append(
-            f"  {r['cell']:<17} {r['ratio']:<30} {_v(r['value'])}{_ci(r['ci95'])}  ({per})"
-        )
+        value = f"{_v(r['value'])}{_ci(r['ci95'])}"
+        lines.append(f"  {r['cell']:<{CELL_WIDTH}} {r['ratio']:<30} {value}  ({per})")
     lines.append("targets:")
     lines += [_target_line(t) for t in v["targets"]]
     a = v["agreement"]
