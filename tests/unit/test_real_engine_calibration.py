@@ -103,10 +103,24 @@ def test_slot_kv_counts_the_busy_slots_tokens() -> None:
 
 
 def test_probe_duration_holds_enough_arrivals() -> None:
-    assert cal.probe_duration(0.5, 15.0, 45.0) == pytest.approx(30.0)  # 15 arrivals
-    assert cal.probe_duration(2.0, 15.0, 45.0) == 15.0  # at least the minimum
-    assert cal.probe_duration(0.1, 15.0, 45.0) == 45.0  # at most the maximum
-    assert cal.probe_duration(0.0, 15.0, 45.0) == 45.0
+    assert cal.probe_duration(0.5, 15.0, 45.0, 15) == pytest.approx(30.0)  # 15 arrivals
+    assert cal.probe_duration(2.0, 15.0, 45.0, 15) == 15.0  # at least the minimum
+    assert cal.probe_duration(0.1, 15.0, 45.0, 15) == 45.0  # at most the maximum
+    assert cal.probe_duration(0.0, 15.0, 45.0, 15) == 45.0
+    # A full calibration's probe at a CPU engine's rate: 40 arrivals, not cut at 3x 20 s.
+    assert cal.probe_duration(0.14, 20.0, cal.PROBE_MAX_S) == pytest.approx(40 / 0.14)
+    assert cal.probe_duration(0.01, 20.0, cal.PROBE_MAX_S) == cal.PROBE_MAX_S
+
+
+def test_calibration_stops_on_a_narrow_bracket() -> None:
+    assert not cal.bracketed([])
+    assert not cal.bracketed([(0.2, 0.95)])  # nothing missed yet
+    assert not cal.bracketed([(0.2, 0.5), (0.14, 0.7)])  # nothing met yet
+    assert not cal.bracketed([(0.2, 0.5), (0.1, 0.95)])  # 2x apart: probe between
+    assert cal.bracketed([(0.2, 0.5), (0.1, 0.95), (0.12, 0.92), (0.15, 0.8)])  # 1.25x
+    # A rate that met above one that missed (noise) is no bracket by itself.
+    assert not cal.bracketed([(0.1, 0.8), (0.12, 0.95)])
+    assert cal.bracketed([(0.2, 0.5), (0.1, 0.95)], ratio=2.0)
 
 
 def test_summarize_and_the_recommended_policy_take_the_calibrated_slo() -> None:

@@ -15,8 +15,11 @@ On a server of its own (prompt cache off, as for every arm), after a warm-up:
    rate the fitted profile predicts in virtual time
    (:func:`kvgate_bench.real_engine.virtual.predicted_capacity`), the next bracketing the rate
    at which ``none`` meets the SLO for 90 %
-   (:func:`kvgate_bench.real_engine.calibration.next_probe`; 2 probes with ``--short``, 3
-   without), each long enough for 15 arrivals.
+   (:func:`kvgate_bench.real_engine.calibration.next_probe`), each long enough for
+   :data:`~kvgate_bench.real_engine.calibration.PROBE_REQUESTS` (40) arrivals, up to
+   :data:`~kvgate_bench.real_engine.calibration.MAX_PROBES` (5) of them, stopping once a
+   rate that met 90 % lies within 1.3x below one that did not
+   (:func:`~kvgate_bench.real_engine.calibration.bracketed`); ``--short``: 2 probes of 15.
 
 Each request opens its own connection. The result is JSON-ready (:func:`calibrate`), so that a
 resume file keeps it and later invocations reuse it (:func:`slo_of`, :func:`profile_of`).
@@ -43,6 +46,7 @@ from kvgate_bench.real_engine.client import run_arm
 from kvgate_bench.real_engine.engine import metric_totals, wait_idle
 from kvgate_bench.real_engine.plan import NONE
 from kvgate_bench.real_engine.prompts import MODELS, prompt_for, request_body
+from kvgate_bench.real_engine.stats import wilson
 from kvgate_bench.real_engine.virtual import arm_context, predicted_capacity
 from kvgate_bench.sim.profile_file import EngineProfile
 
@@ -146,11 +150,18 @@ async def calibrate(
     mean_total = sum(outs) / len(outs) + sum(prompts.values()) / len(prompts)
     probes: list[tuple[float, float]] = []
     probe_rows = []
-    for i in range(2 if args.short else 3):
+    if args.short:
+        n_probes, need = 2, cal.SHORT_PROBE_REQUESTS
+        longest = cal.SHORT_PROBE_SPAN * args.probe_duration
+    else:
+        n_probes, need, longest = cal.MAX_PROBES, cal.PROBE_REQUESTS, cal.PROBE_MAX_S
+    for i in range(n_probes):
+        if cal.bracketed(probes):
+            break
         sched = generate(
             "conversation",
             rate,
-            cal.probe_duration(rate, args.probe_duration, 3 * args.probe_duration),
+            cal.probe_duration(rate, args.probe_duration, longest, need),
             args.tune_seed + 100 + i,
             max_model_len=args.ctx // args.parallel,
         )
@@ -163,13 +174,17 @@ async def calibrate(
         att = float(s["slo_attainment"] or 0.0)
         probes.append((rate, att))
         outs += list(run.output_tokens.values())
+        n = int(s["requests"])
+        interval = wilson(round(att * n), n)
         probe_rows.append(
-            {"rate_rps": rate, "slo_attainment": att, "requests": s["requests"],
+            {"rate_rps": rate, "slo_attainment": att, "requests": n,
+             "slo_attainment_wilson95": interval,
              "timeouts": run.timeouts, "send_lag_p99_s": run.send_lag_p99_s,
              "cached_prompt_tokens": run.cached_prompt_tokens}
         )  # fmt: skip
+        shown = f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
         print(
-            f"  capacity probe {rate:.3f} req/s: SLO met {att:.2f} ({s['requests']} requests)",
+            f"  capacity probe {rate:.3f} req/s: SLO met {att:.2f}{shown} ({n} requests)",
             flush=True,
         )
         rate = cal.next_probe(probes)

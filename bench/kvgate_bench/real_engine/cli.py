@@ -102,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
         "--probe-duration",
         type=float,
         help=(
-            "shortest capacity probe, s (a probe is long enough for 15 arrivals, up to 3x this;"
-            " default 20 s; --short 15 s)"
+            "shortest capacity probe, s (a probe is long enough for 40 arrivals, up to 900 s;"
+            " --short: 15 arrivals, up to 3x this; default 20 s; --short 15 s)"
         ),
     )
     p.add_argument(
