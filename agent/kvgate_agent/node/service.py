@@ -205,15 +205,21 @@ class NodeAgent:
         return True, "ok" if age is None else f"ok; the API server answered {age:.1f}s ago"
 
     def ready(self) -> tuple[bool, str]:
-        """Readiness: the NodeAdmission was read, and at least one GPU is usable."""
-        if not self.state.spec_known:
-            return False, "NodeAdmission not read yet"
+        """Readiness: the NodeAdmission was read, and at least one GPU is usable.
+
+        Returns ``(ready, reason)``; when both are missing the reason names both (the GPU's
+        first: a missing driver is what an operator can act on), so a probe's message does not
+        depend on which of the two loops answered first.
+        """
+        reasons = []
         snap = self.state.gpus
         if snap is None:
-            return False, "GPUs not read yet"
-        if not snap.ready:
-            return False, snap.reason or "no usable GPU"
-        return True, "ok"
+            reasons.append("GPUs not read yet")
+        elif not snap.ready:
+            reasons.append(snap.reason or "no usable GPU")
+        if not self.state.spec_known:
+            reasons.append("NodeAdmission not read yet")
+        return (False, "; ".join(reasons)) if reasons else (True, "ok")
 
     # ------------------------------------------------------------------ loops
 
