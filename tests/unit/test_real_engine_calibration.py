@@ -146,3 +146,22 @@ def test_summarize_and_the_recommended_policy_take_the_calibrated_slo() -> None:
     assert recommended_policy(ctx)["slo"] == {"ttftSeconds": 2.0, "tpotSeconds": 0.08}
     assert cfg.max_num_seqs == 4 and cfg.max_model_len == 1024
     assert cfg.num_gpu_blocks * cfg.block_size == 4096
+
+
+def test_a_probe_holds_the_requests_it_needs() -> None:
+    # Chat sessions arrive in bursts: rate x span alone fell short (25 of 40 at 0.102 req/s).
+    sched = cal.probe_schedule(0.102, 101, 20.0, cal.PROBE_MAX_S, max_model_len=1024)
+    assert len(sched.requests) >= cal.PROBE_REQUESTS
+    assert sched.duration_s <= cal.PROBE_MAX_S
+    # Cut at the longest probe when the rate is too low to hold them.
+    slow = cal.probe_schedule(0.01, 101, 20.0, 120.0, max_model_len=1024)
+    assert len(slow.requests) < cal.PROBE_REQUESTS and slow.duration_s == 120.0
+
+
+def test_the_ttft_slo_is_measured_at_the_workloads_median_prompt() -> None:
+    # conversation's prompts at a 1,024-token slot sit near the cap: the median is far above
+    # the 320 of the five profile-fit prompts the first verdict took the TTFT p50 over.
+    med = cal.median_prompt_tokens(1024, 1)
+    assert 600 <= med <= 1024
+    assert med == cal.median_prompt_tokens(1024, 1)  # seeded
+    assert cal.median_prompt_tokens(512, 1) < med  # follows the slot's context

@@ -365,4 +365,38 @@ def test_the_alone_reference_says_when_the_calibration_overstates_the_engine() -
     kv = t["isolation-alone:3: kvgate's SLO met with no noisy tenant (the well-behaved alone)"]
     assert kv["note"] == "89/122"  # the remark is about the calibration, said once
     line = next(x for x in verdict_text.verdict_lines(verdict.verdict(doc, [3])) if "87/122" in x)
+    assert "the capacity was overstated (see its probes)" in line
     assert "the engine ran the arms slower than calibrated" in line
+
+
+def test_the_report_names_the_capacity_and_its_thin_probes() -> None:
+    doc = new_doc({}, 1)
+    probe = {"timeouts": 0, "send_lag_p99_s": 0.002, "cached_prompt_tokens": 0}
+    doc["calibration"] = {
+        "capacity_rps": 0.145,
+        "probes": [  # the first verdict's: 11, 5 and 10 requests, in the order run
+            {"rate_rps": 0.199, "slo_attainment": 0.636, "requests": 11, **probe},
+            {"rate_rps": 0.1395, "slo_attainment": 1.0, "requests": 5, **probe},
+            {"rate_rps": 0.169, "slo_attainment": 0.5, "requests": 10, **probe},
+        ],
+    }
+    _cell(doc, "multi-tenant:2", 3, [_row("none", 3, [5.0] * 10)])
+    v = verdict.verdict(doc, [3])
+    assert v["capacity"] == {
+        "capacity_rps": 0.145,
+        "probes": [[0.1395, 1.0, 5], [0.169, 0.5, 10], [0.199, 0.636, 11]],
+        "thin": 3,
+    }
+    lines = verdict_text.verdict_lines(v)
+    assert lines[1].startswith("capacity 0.145 req/s (none's probes, req/s: 0.140 met 1.00 of 5")
+    assert lines[2].startswith("  3 of 3 probes held fewer than 40 requests")
+    # Probes of the size a calibration now runs: no warning; no probes kept: no line.
+    for p in doc["calibration"]["probes"]:
+        p["requests"] = 40
+    assert verdict.verdict(doc, [3])["capacity"]["thin"] == 0
+    assert not any("fewer than" in x for x in verdict_text.verdict_lines(verdict.verdict(doc, [3])))
+    doc["calibration"] = {}
+    assert verdict.verdict(doc, [3])["capacity"] is None
+    assert not any(
+        x.startswith("capacity") for x in verdict_text.verdict_lines(verdict.verdict(doc, [3]))
+    )

@@ -2,9 +2,11 @@
 
 On a server of its own (prompt cache off, as for every arm), after a warm-up:
 
-1. **Unloaded requests** of five prompt lengths (three with ``--short``), one at a time: TTFT,
-   TPOT and llama-server's ``timings``; the SLO
-   (:func:`kvgate_bench.real_engine.calibration.slo_from_unloaded`).
+1. **Unloaded requests** of five prompt lengths (three with ``--short``), one at a time, then
+   :data:`~kvgate_bench.real_engine.calibration.SLO_REQUESTS` (``--short`` 1) at
+   ``conversation``'s median prompt: TTFT, TPOT and llama-server's ``timings``; the SLO
+   (:func:`kvgate_bench.real_engine.calibration.slo_from_unloaded`: the TTFT p50 of the
+   median-prompt requests, the TPOT p50 of all).
 2. **Bursts**: for each batch size k = 1 .. ``parallel``,
    :data:`~kvgate_bench.real_engine.profile_fit.MIN_BURSTS` bursts of k equal requests sent
    together (a fresh prompt per burst, :data:`BURST_TOKENS` output tokens each, EOS ignored so
@@ -16,7 +18,8 @@ On a server of its own (prompt cache off, as for every arm), after a warm-up:
    (:func:`kvgate_bench.real_engine.virtual.predicted_capacity`), the next bracketing the rate
    at which ``none`` meets the SLO for 90 %
    (:func:`kvgate_bench.real_engine.calibration.next_probe`), each long enough for
-   :data:`~kvgate_bench.real_engine.calibration.PROBE_REQUESTS` (40) arrivals, up to
+   :data:`~kvgate_bench.real_engine.calibration.PROBE_REQUESTS` (40) requests
+   (:func:`~kvgate_bench.real_engine.calibration.probe_schedule`), up to
    :data:`~kvgate_bench.real_engine.calibration.MAX_PROBES` (5) of them, stopping once a
    rate that met 90 % lies within 1.3x below one that did not
    (:func:`~kvgate_bench.real_engine.calibration.bracketed`); ``--short``: 2 probes of 15.
@@ -37,7 +40,6 @@ import aiohttp
 
 from kvgate_bench.effectiveness.model.metrics import summarize
 from kvgate_bench.effectiveness.model.schedule import Request
-from kvgate_bench.effectiveness.model.workloads import generate
 from kvgate_bench.kit.sse import sse_json
 from kvgate_bench.kit.toolkit import percentile
 from kvgate_bench.real_engine import calibration as cal
@@ -90,9 +92,10 @@ def _prompt(name: str, tokens: int, words: list[str]) -> str:
 
 
 async def _measure(
-    url: str, args: argparse.Namespace, words: list[str], alias: str
+    url: str, args: argparse.Namespace, words: list[str], alias: str, median_prompt: int
 ) -> tuple[list[dict[str, Any]], list[pf.Burst]]:
-    """Steps 1 and 2 of the module docstring: the unloaded requests and the bursts."""
+    """Steps 1 and 2 of the module docstring: the unloaded requests (those at
+    ``median_prompt`` nominal tokens marked ``"slo": True``) and the bursts."""
     unloaded: list[dict[str, Any]] = []
     bursts: list[pf.Burst] = []
     # A fresh connection per request: llama-server may close one after a stream (a reused,
@@ -107,6 +110,11 @@ async def _measure(
                 session, url, _prompt(f"unloaded-{i}", pt, words), args.max_tokens, alias
             )
             unloaded.append(m)
+        for i in range(1 if args.short else cal.SLO_REQUESTS):
+            m = await one_request(
+                session, url, _prompt(f"slo-{i}", median_prompt, words), args.max_tokens, alias
+            )
+            unloaded.append({**m, "slo": True})
         for k in range(1, args.parallel + 1):
             for i in range(pf.MIN_BURSTS):
                 prompt = _prompt(f"burst-{k}-{i}", 320, words)
@@ -128,8 +136,11 @@ async def calibrate(
     engine profile's JSON), ``capacity_rps``, the probes, the unloaded requests and bursts,
     the outputs' mean and median length, llama-server's counters."""
     alias = MODELS[args.model].alias
-    unloaded, bursts = await _measure(url, args, words, alias)
-    slo = cal.slo_from_unloaded([m["ttft_s"] for m in unloaded], [m["tpot_s"] for m in unloaded])
+    median_prompt = cal.median_prompt_tokens(args.ctx // args.parallel, args.tune_seed)
+    unloaded, bursts = await _measure(url, args, words, alias, median_prompt)
+    slo = cal.slo_from_unloaded(
+        [m["ttft_s"] for m in unloaded if m.get("slo")], [m["tpot_s"] for m in unloaded]
+    )
     profile = pf.fit_profile(
         f"llama-server-{args.model}-p{args.parallel}",
         parallel=args.parallel,
@@ -158,13 +169,10 @@ async def calibrate(
     for i in range(n_probes):
         if cal.bracketed(probes):
             break
-        sched = generate(
-            "conversation",
-            rate,
-            cal.probe_duration(rate, args.probe_duration, longest, need),
-            args.tune_seed + 100 + i,
+        sched = cal.probe_schedule(
+            rate, args.tune_seed + 100 + i, args.probe_duration, longest, need,
             max_model_len=args.ctx // args.parallel,
-        )
+        )  # fmt: skip
         ctx = arm_context("conversation", args, rate, mean_total, slo)
         run = await run_arm(
             url, sched, NONE, ctx, {}, max_tokens=args.max_tokens, drain_s=args.drain,
@@ -196,7 +204,11 @@ async def calibrate(
         "capacity_rps": cal.capacity_rate(probes),
         "probes": probe_rows,
         "predicted_capacity_rps": predicted_rate,
-        "unloaded": [{k: m[k] for k in ("ttft_s", "tpot_s", "usage", "timings")} for m in unloaded],
+        "unloaded": [
+            {k: m[k] for k in ("ttft_s", "tpot_s", "usage", "timings", "slo") if k in m}
+            for m in unloaded
+        ],
+        "slo_prompt_tokens": median_prompt,
         "bursts": [b.__dict__ for b in bursts],
         "engine_totals": totals,
         "mean_output_tokens": sum(outs) / len(outs),
@@ -253,9 +265,11 @@ def calibration_text(c: dict[str, Any]) -> str:
     table = ", ".join(f"{k}: {ms:.1f}" for k, ms in p.decode_step_ms.items())
     ms, n = pf.stall_prefill([pf.burst_of(b) for b in c.get("bursts") or ()])
     loaded = f" ({ms / n:.3f} under load, {n:.0f} tokens)" if n > 0 else ""
+    med = c.get("slo_prompt_tokens")
+    at = f" at {cal.SLO_WORKLOAD}'s median prompt, {med} nominal tokens" if med else ""
     return (
         f"  SLO TTFT <= {slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms (unloaded "
-        f"p50 {slo.unloaded_ttft_p50_s:.3f} s, {slo.unloaded_tpot_p50_s * 1e3:.0f} ms); "
+        f"p50 {slo.unloaded_ttft_p50_s:.3f} s{at}, {slo.unloaded_tpot_p50_s * 1e3:.0f} ms); "
         f"capacity {c['capacity_rps']:.3f} req/s; mean output "
         f"{c['mean_output_tokens']:.0f} tokens; decode step ms by batch size {{{table}}}, "
         f"prefill {p.prefill_ms_per_token:.3f} ms/token{loaded}, context "

@@ -35,7 +35,8 @@ An ``isolation-alone`` cell adds no target: its arms' SLO attainment (status ``r
 get with no noisy tenant, the ceiling the isolation target reads against. Their load alone is
 ``ISOLATION_WELL_BEHAVED_LOAD`` (0.6) x the calibrated capacity, the rate at which ``none``
 met the SLO for ``CAPACITY_ATTAINMENT`` (90 %) of its requests, so ``none`` alone should meet
-at least that; where the top of its interval is below it, the note says the engine served the
+at least that; where the top of its interval is below it, the note says the capacity was
+overstated (probes too small: the verdict's ``capacity`` names them) or the engine served the
 arms slower than the calibration measured it, so that the well-behaved tenants fall short of
 the isolation target even alone.
 
@@ -50,7 +51,7 @@ from typing import Any
 
 from kvgate_bench.effectiveness.model.workloads import ISOLATION_WELL_BEHAVED_LOAD
 from kvgate_bench.real_engine.agreement import compare_cell
-from kvgate_bench.real_engine.calibration import CAPACITY_ATTAINMENT
+from kvgate_bench.real_engine.calibration import CAPACITY_ATTAINMENT, capacity_note
 from kvgate_bench.real_engine.limit_trace import COLD_START_COMPLETIONS
 from kvgate_bench.real_engine.plan import (
     ALONE,
@@ -247,8 +248,9 @@ def _alone(cell: str, by_seed: Mapping[int, Mapping[str, Any]]) -> list[dict[str
         if arm == "none" and bounds and bounds[1] < CAPACITY_ATTAINMENT:
             t["note"] += (
                 f"; below the {CAPACITY_ATTAINMENT:.0%} none met at the calibrated capacity, at"
-                f" {ISOLATION_WELL_BEHAVED_LOAD:g}x of it: the engine ran the arms slower than"
-                " calibrated, and the well-behaved tenants fall short of the isolation target alone"
+                f" {ISOLATION_WELL_BEHAVED_LOAD:g}x of it: the capacity was overstated (see its"
+                " probes) or the engine ran the arms slower than calibrated, and the well-behaved"
+                " tenants fall short of the isolation target alone"
             )
         out.append(t)
     return out
@@ -407,4 +409,5 @@ def verdict(
         "ratios": ratios(chosen, rep),
         "targets": targets(chosen, rep),
         "agreement": agreement(chosen, rep),
+        "capacity": capacity_note(doc.get("calibration") or {}),
     }

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvgate_bench.real_engine import progress
+from kvgate_bench.real_engine.calibration import PROBE_REQUESTS
 from kvgate_bench.real_engine.plan import MIN_REQUESTS, required
 
 #: The width of the cell column of the sizes and the ratios (``isolation-alone:3`` fits).
@@ -90,6 +91,22 @@ def _target_line(t: Mapping[str, Any]) -> str:
     return f"  {MARKS[status]:<10} {t['target']}: {value} (goal {t['goal']}{tail})"
 
 
+def capacity_lines(c: Mapping[str, Any] | None) -> list[str]:
+    """The capacity every load is a multiple of, and the probes it was read from
+    (:func:`kvgate_bench.real_engine.calibration.capacity_note`); a warning when some held fewer
+    requests than a probe needs."""
+    if not c:
+        return []
+    probes = ", ".join(f"{r:.3f} met {a:.2f} of {n}" for r, a, n in c["probes"])
+    out = [f"capacity {c['capacity_rps']:.3f} req/s (none's probes, req/s: {probes})"]
+    if c["thin"]:
+        out.append(
+            f"  {c['thin']} of {len(c['probes'])} probes held fewer than {PROBE_REQUESTS} "
+            "requests: the capacity is uncertain, and every cell's load is a multiple of it"
+        )
+    return out
+
+
 def verdict_lines(v: Mapping[str, Any]) -> list[str]:
     """The printed verdict of :func:`kvgate_bench.real_engine.verdict.verdict`'s document."""
     lines = [headline(v)]
@@ -101,6 +118,7 @@ def verdict_lines(v: Mapping[str, Any]) -> list[str]:
     if v.get("absent_cells"):
         lines.append("  cells asked but not finished on the report seeds, not reported: "
                      f"{', '.join(v['absent_cells'])}")  # fmt: skip
+    lines += capacity_lines(v.get("capacity"))
     if v["sizes"]:
         lines.append(
             f"cells (the fewest requests an arm had on a seed; a verdict needs {MIN_REQUESTS}, "
