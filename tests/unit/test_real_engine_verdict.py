@@ -386,6 +386,7 @@ def test_the_report_names_the_capacity_and_its_thin_probes() -> None:
         "capacity_rps": 0.145,
         "probes": [[0.1395, 1.0, 5], [0.169, 0.5, 10], [0.199, 0.636, 11]],
         "thin": 3,
+        "none_met": False,
     }
     lines = verdict_text.verdict_lines(v)
     assert lines[1].startswith("capacity 0.145 req/s (none's probes, req/s: 0.140 met 1.00 of 5")
@@ -395,6 +396,15 @@ def test_the_report_names_the_capacity_and_its_thin_probes() -> None:
         p["requests"] = 40
     assert verdict.verdict(doc, [3])["capacity"]["thin"] == 0
     assert not any("fewer than" in x for x in verdict_text.verdict_lines(verdict.verdict(doc, [3])))
+    # This session's: no probe of 42-51 requests met 90 %, from 0.047 to 0.096 requests/s.
+    for p, (rate, att) in zip(
+        doc["calibration"]["probes"], [(0.096, 0.86), (0.068, 0.89), (0.047, 0.81)], strict=True
+    ):
+        p.update(rate_rps=rate, slo_attainment=att)
+    doc["calibration"]["capacity_rps"] = 0.047 * 0.81 / 0.9
+    v = verdict.verdict(doc, [3])
+    assert v["capacity"]["none_met"]
+    assert any("no probe met the SLO for 90%" in x for x in verdict_text.verdict_lines(v))
     doc["calibration"] = {}
     assert verdict.verdict(doc, [3])["capacity"] is None
     assert not any(

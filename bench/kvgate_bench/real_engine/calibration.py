@@ -189,9 +189,11 @@ def bracketed(
 def capacity_note(calibration: Mapping[str, object]) -> dict[str, object] | None:
     """What the report says of a resume file's capacity: ``{"capacity_rps", "probes": [[rate
     requests/s, attainment 0..1, requests], ...] by rate, "thin": the probes that held fewer
-    than :data:`PROBE_REQUESTS` requests}``; None when the calibration kept no probes. A thin
-    probe's attainment is uncertain by +-0.2 or more, and every cell's load is a multiple of
-    the capacity read from it."""
+    than :data:`PROBE_REQUESTS` requests, "none_met": whether no probe reached
+    :data:`CAPACITY_ATTAINMENT` (the capacity is then :func:`capacity_rate`'s extrapolation
+    below the lowest probe)}``; None when the calibration kept no probes. A thin probe's
+    attainment is uncertain by +-0.2 or more, and every cell's load is a multiple of the
+    capacity read from it."""
     probes = calibration.get("probes")
     capacity = calibration.get("capacity_rps")
     if not isinstance(probes, list) or not probes or not isinstance(capacity, int | float):
@@ -203,6 +205,7 @@ def capacity_note(calibration: Mapping[str, object]) -> dict[str, object] | None
         "capacity_rps": float(capacity),
         "probes": rows,
         "thin": sum(1 for r in rows if r[2] < PROBE_REQUESTS),
+        "none_met": all(r[1] < CAPACITY_ATTAINMENT for r in rows),
     }
 
 

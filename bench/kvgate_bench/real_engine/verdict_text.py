@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvgate_bench.real_engine import progress
-from kvgate_bench.real_engine.calibration import PROBE_REQUESTS
+from kvgate_bench.real_engine.calibration import CAPACITY_ATTAINMENT, PROBE_REQUESTS
 from kvgate_bench.real_engine.plan import MIN_REQUESTS, required
 
 #: The width of the cell column of the sizes and the ratios (``isolation-alone:3`` fits).
@@ -103,6 +103,12 @@ def capacity_lines(c: Mapping[str, Any] | None) -> list[str]:
         out.append(
             f"  {c['thin']} of {len(c['probes'])} probes held fewer than {PROBE_REQUESTS} "
             "requests: the capacity is uncertain, and every cell's load is a multiple of it"
+        )
+    if c.get("none_met"):
+        out.append(
+            f"  no probe met the SLO for {CAPACITY_ATTAINMENT:.0%} of its requests: the capacity"
+            " is extrapolated below the lowest probe (attainment / 0.9 of its rate), and 'load"
+            " 1' is not a rate at which none was seen to meet it"
         )
     return out
 
