@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from kvgate_bench.effectiveness.model.schedule import Request, Schedule
 from kvgate_bench.effectiveness.model.workloads import generate
 from kvgate_bench.kit.toolkit import percentile
+from kvgate_bench.real_engine.plan import grown
 
 #: TTFT SLO / unloaded TTFT p50 (the issue's user's 1.42 s over 0.35 s).
 TTFT_SLO_FACTOR = 4.0
@@ -158,18 +159,16 @@ def probe_schedule(
     max_model_len: int,
 ) -> Schedule:
     """A capacity probe: ``conversation`` at ``rate_rps``, seeded, from :func:`probe_duration`'s
-    length grown by the shortfall (x 1.05) until it holds ``requests`` requests or reaches
-    ``maximum_s`` (chat sessions arrive in bursts, so a span can hold fewer requests than
-    rate x span: the first calibration of 40 wanted held 25)."""
-    duration = probe_duration(rate_rps, minimum_s, maximum_s, requests)
-    sched = generate("conversation", rate_rps, duration, seed, max_model_len=max_model_len)
-    for _ in range(20):
-        got = len(sched.requests)
-        if got >= requests or duration >= maximum_s:
-            break
-        duration = min(maximum_s, duration * 1.05 * requests / max(got, 1))
-        sched = generate("conversation", rate_rps, duration, seed, max_model_len=max_model_len)
-    return sched
+    length grown (:func:`kvgate_bench.real_engine.plan.grown`) until it holds ``requests``
+    requests or reaches ``maximum_s`` (chat sessions arrive in bursts, so a span can hold fewer
+    requests than rate x span: the first calibration of 40 wanted held 25)."""
+    return grown(
+        lambda d: generate(SLO_WORKLOAD, rate_rps, d, seed, max_model_len=max_model_len),
+        probe_duration(rate_rps, minimum_s, maximum_s, requests),
+        requests,
+        maximum_s=maximum_s,
+        tries=21,
+    )
 
 
 def bracketed(

@@ -34,7 +34,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvgate_bench.effectiveness.model.metrics import NOISY_TENANT
@@ -192,15 +193,32 @@ def sized_schedule(
     share = (
         ISOLATION_WELL_BEHAVED_LOAD / total_load(workload, load) if workload == "isolation" else 1.0
     )
-    duration = max(min_duration_s, want / (rate * share))
-    for _ in range(50):
-        sched = generate(
-            workload, rate, duration, seed, max_model_len=max_model_len, noisy_load=load
-        )
-        got = counted(workload, sched)
-        if got >= want:
-            return sched
-        duration *= 1.05 * want / max(got, 1)
+    return grown(
+        lambda d: generate(workload, rate, d, seed, max_model_len=max_model_len, noisy_load=load),
+        max(min_duration_s, want / (rate * share)),
+        want,
+        lambda sched: counted(workload, sched),
+    )
+
+
+def grown(
+    make: Callable[[float], Schedule],
+    duration_s: float,
+    want: int,
+    count: Callable[[Schedule], int] = lambda sched: len(sched.requests),
+    maximum_s: float = math.inf,
+    tries: int = 50,
+) -> Schedule:
+    """``make(duration)``, its duration grown by the shortfall (x 1.05) until ``count`` of the
+    schedule reaches ``want`` or the duration reaches ``maximum_s`` (seconds), at most ``tries``
+    schedules: seeded arrivals come in bursts, so a span can hold fewer than rate x span."""
+    sched = make(duration_s)
+    for _ in range(tries - 1):
+        got = count(sched)
+        if got >= want or duration_s >= maximum_s:
+            break
+        duration_s = min(maximum_s, duration_s * 1.05 * want / max(got, 1))
+        sched = make(duration_s)
     return sched
 
 
