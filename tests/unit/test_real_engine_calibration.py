@@ -32,18 +32,28 @@ def test_slo_is_the_issue_users_multiple_of_unloaded() -> None:
         cal.slo_from_unloaded([], [0.1])
 
 
-def test_capacity_interpolates_on_the_first_drop_below_90_percent() -> None:
-    assert cal.capacity_rate([(0.1, 1.0), (0.2, 0.95), (0.3, 0.85)]) == pytest.approx(0.25)
-    assert cal.capacity_rate([(0.2, 0.95), (0.1, 1.0)]) == 0.2  # none failed: the highest
-    assert cal.capacity_rate([(0.4, 0.45)]) == pytest.approx(0.2)  # all failed: scaled down
+def test_load1_is_the_peak_goodput_over_the_mean_output() -> None:
+    # As the virtual calibration: C / E[out], C the largest goodput over the probes.
+    assert cal.load1_rate([(0.1, 8.0), (0.15, 12.0), (0.225, 10.0)], 80.0) == pytest.approx(0.15)
+    assert cal.load1_rate([(0.3, 6.0)], 60.0) == pytest.approx(0.1)
     with pytest.raises(ValueError):
-        cal.capacity_rate([])
+        cal.load1_rate([], 80.0)
+    with pytest.raises(ValueError):
+        cal.load1_rate([(0.1, 8.0)], 0.0)
 
 
-def test_next_probe_brackets_the_capacity() -> None:
-    assert cal.next_probe([(0.2, 0.95)]) == pytest.approx(0.28)
-    assert cal.next_probe([(0.2, 0.5)]) == pytest.approx(0.14)
-    assert cal.next_probe([(0.2, 0.95), (0.28, 0.6)]) == pytest.approx(0.24)
+def test_goodput_probes_climb_to_the_peak_and_stop_there() -> None:
+    assert cal.next_goodput_probe([(0.1, 8.0)]) == pytest.approx(0.15)  # one probe: climb
+    assert cal.next_goodput_probe([(0.1, 8.0), (0.15, 12.0)]) == pytest.approx(0.225)  # grew
+    assert cal.next_goodput_probe([(0.1, 8.0), (0.15, 8.2)]) is None  # grew < 5 %: flat top
+    # The first probe was past the peak: step below the lowest.
+    assert cal.next_goodput_probe([(0.2, 9.0), (0.3, 6.0)]) == pytest.approx(0.2 / 1.5)
+    # A lower and a higher rate both did worse: the peak is bracketed.
+    assert cal.next_goodput_probe([(0.2, 9.0), (0.3, 6.0), (0.133, 7.0)]) is None
+    # Order does not matter.
+    assert cal.next_goodput_probe([(0.15, 12.0), (0.1, 8.0)]) == pytest.approx(0.225)
+    with pytest.raises(ValueError):
+        cal.next_goodput_probe([])
 
 
 def test_with_lengths_takes_the_engines_counts() -> None:
@@ -110,17 +120,6 @@ def test_probe_duration_holds_enough_arrivals() -> None:
     # A full calibration's probe at a CPU engine's rate: 40 arrivals, not cut at 3x 20 s.
     assert cal.probe_duration(0.14, 20.0, cal.PROBE_MAX_S) == pytest.approx(40 / 0.14)
     assert cal.probe_duration(0.01, 20.0, cal.PROBE_MAX_S) == cal.PROBE_MAX_S
-
-
-def test_calibration_stops_on_a_narrow_bracket() -> None:
-    assert not cal.bracketed([])
-    assert not cal.bracketed([(0.2, 0.95)])  # nothing missed yet
-    assert not cal.bracketed([(0.2, 0.5), (0.14, 0.7)])  # nothing met yet
-    assert not cal.bracketed([(0.2, 0.5), (0.1, 0.95)])  # 2x apart: probe between
-    assert cal.bracketed([(0.2, 0.5), (0.1, 0.95), (0.12, 0.92), (0.15, 0.8)])  # 1.25x
-    # A rate that met above one that missed (noise) is no bracket by itself.
-    assert not cal.bracketed([(0.1, 0.8), (0.12, 0.95)])
-    assert cal.bracketed([(0.2, 0.5), (0.1, 0.95)], ratio=2.0)
 
 
 def test_summarize_and_the_recommended_policy_take_the_calibrated_slo() -> None:

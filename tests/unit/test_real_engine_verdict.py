@@ -351,7 +351,7 @@ def test_a_target_on_fewer_seeds_than_reported_names_its_seeds() -> None:
     assert "only" not in whole  # on every report seed: nothing to say
 
 
-def test_the_alone_reference_says_when_the_calibration_overstates_the_engine() -> None:
+def test_the_alone_reference_says_when_the_engine_alone_misses_the_slo() -> None:
     doc = new_doc({}, 1)
     alone = {"workload": "isolation-alone", "load": 3.0}
     _cell(doc, "isolation-alone:3", 3, [
@@ -360,13 +360,12 @@ def test_the_alone_reference_says_when_the_calibration_overstates_the_engine() -
     ])  # fmt: skip
     t = {x["target"]: x for x in verdict.verdict(doc, [3])["targets"]}
     none = t["isolation-alone:3: none's SLO met with no noisy tenant (the well-behaved alone)"]
-    assert none["note"].startswith("87/122; below the 90% none met at the calibrated capacity")
-    assert "fall short of the isolation target alone" in none["note"]
+    assert none["note"].startswith("87/122; none misses the SLO for more than 10% of the")
+    assert "falls short of the isolation target with no noisy tenant" in none["note"]
     kv = t["isolation-alone:3: kvgate's SLO met with no noisy tenant (the well-behaved alone)"]
     assert kv["note"] == "89/122"  # the remark is about the calibration, said once
     line = next(x for x in verdict_text.verdict_lines(verdict.verdict(doc, [3])) if "87/122" in x)
-    assert "the capacity was overstated (see its probes)" in line
-    assert "the engine ran the arms slower than calibrated" in line
+    assert "well-behaved requests alone, at 0.6x load 1" in line
 
 
 def test_the_report_names_the_capacity_and_its_thin_probes() -> None:
@@ -384,12 +383,16 @@ def test_the_report_names_the_capacity_and_its_thin_probes() -> None:
     v = verdict.verdict(doc, [3])
     assert v["capacity"] == {
         "capacity_rps": 0.145,
-        "probes": [[0.1395, 1.0, 5], [0.169, 0.5, 10], [0.199, 0.636, 11]],
+        "definition": "attainment-90",  # a file written before the goodput peak
+        "probes": [[0.1395, 1.0, 5, None], [0.169, 0.5, 10, None], [0.199, 0.636, 11, None]],
         "thin": 3,
         "none_met": False,
+        "still_climbing": False,
     }
     lines = verdict_text.verdict_lines(v)
-    assert lines[1].startswith("capacity 0.145 req/s (none's probes, req/s: 0.140 met 1.00 of 5")
+    assert lines[1].startswith(
+        "capacity 0.145 req/s, where none met the SLO for 90% (probes, req/s: 0.140 met 1.00 of 5"
+    )
     assert lines[2].startswith("  3 of 3 probes held fewer than 40 requests")
     # Probes of the size a calibration now runs: no warning; no probes kept: no line.
     for p in doc["calibration"]["probes"]:
@@ -405,6 +408,23 @@ def test_the_report_names_the_capacity_and_its_thin_probes() -> None:
     v = verdict.verdict(doc, [3])
     assert v["capacity"]["none_met"]
     assert any("no probe met the SLO for 90%" in x for x in verdict_text.verdict_lines(v))
+    # The goodput peak: load 1 from the best probe; a climb cut short is named.
+    doc["calibration"]["capacity_definition"] = "goodput-peak"
+    for p, g in zip(doc["calibration"]["probes"], [9.0, 10.0, 6.0], strict=True):
+        p["goodput_tokens_per_s"] = g
+    doc["calibration"]["capacity_rps"] = 10.0 / 80.0
+    v = verdict.verdict(doc, [3])
+    assert not v["capacity"]["none_met"] and not v["capacity"]["still_climbing"]
+    lines = verdict_text.verdict_lines(v)
+    assert lines[1].startswith(
+        "load 1 0.125 req/s, none's peak goodput (probes, req/s: 0.047: goodput 6.00 tokens/s,"
+    )
+    assert not any("no probe met" in x for x in lines)
+    doc["calibration"]["probes"][0]["goodput_tokens_per_s"] = 12.0  # best at the highest rate
+    v = verdict.verdict(doc, [3])
+    assert v["capacity"]["still_climbing"]
+    lines = verdict_text.verdict_lines(v)
+    assert any("stopped while none's goodput still grew" in x for x in lines)
     doc["calibration"] = {}
     assert verdict.verdict(doc, [3])["capacity"] is None
     assert not any(

@@ -19,10 +19,17 @@ The first verdict took it over the five profile-fit prompts (48-640 nominal toke
 the workload's typical request took alone, and ``none`` met it for 76-78 % of the requests at
 0.07-0.10 requests/s, a fifth of the engine's busy time.
 
-**Capacity.** The engine's goodput capacity is the largest arrival rate (requests/s) at which the
-``none`` arm meets the SLO for :data:`CAPACITY_ATTAINMENT` (90 %) of the requests, as the issue's
-user measured it: :func:`capacity_rate` picks it from probes (rate, attainment), interpolating
-on the first drop below 90 %; load L offers L x that rate.
+**Capacity.** Load 1 is what it is in the virtual benchmark
+(:mod:`kvgate_bench.effectiveness.calibration`): the arrival rate whose output-token rate equals
+the ``none`` arm's peak goodput on ``conversation``, ``C / E[out]`` requests/s, where ``C`` is the
+largest goodput (output tokens/s of the requests that met the SLO) over ``none``'s probes and
+``E[out]`` the mean output of the probes' requests (:func:`load1_rate`). The probes climb by
+:data:`GOODPUT_STEP` while goodput grows by more than 5 % and step below the lowest when it
+already fell (:func:`next_goodput_probe`). The first verdicts took the largest rate at which
+``none`` met the SLO for 90 % of the requests; on this 2-vCPU llama-server no rate from 0.023 to
+0.096 requests/s reached 90 % (every miss a TPOT miss: a new prompt's prefill runs in the batch
+with the running decodes), so that capacity did not exist and its extrapolation put one arm past
+an hour. The goodput peak exists on every engine.
 
 **Step times** are the engine profile's (:mod:`kvgate_bench.real_engine.profile_fit`: a decode
 table by batch size, not a line).
@@ -47,8 +54,11 @@ TPOT_SLO_FACTOR = 3.0
 #: the unloaded requests of that length the TTFT p50 is taken over (``--short``: 1).
 SLO_WORKLOAD = "conversation"
 SLO_REQUESTS = 3
-#: The share of requests ``none`` must serve within the SLO at the capacity rate.
+#: The share of requests the first verdicts' capacity asked ``none`` to serve within the SLO
+#: (``capacity_definition`` ``attainment-90`` in their resume files).
 CAPACITY_ATTAINMENT = 0.9
+#: ``capacity_definition`` of a calibration whose load 1 is ``none``'s peak goodput.
+GOODPUT_PEAK = "goodput-peak"
 
 
 @dataclass(frozen=True)
@@ -85,39 +95,40 @@ def median_prompt_tokens(max_model_len: int, seed: int) -> int:
     return round(median)
 
 
-def capacity_rate(
-    probes: Iterable[tuple[float, float]], target: float = CAPACITY_ATTAINMENT
-) -> float:
-    """The capacity rate (requests/s) from ``none``'s probes, (rate requests/s, SLO attainment
-    0..1): the largest rate that met ``target`` below the lowest that did not, linearly
-    interpolated between the two (on attainment); the lowest probe's rate x attainment / target
-    when none met it. Raises ``ValueError`` without probes."""
+#: The climb between goodput probes (the virtual calibration doubles; a real probe costs minutes
+#: and the goodput curve is flat near its peak), and the growth that counts as still climbing.
+GOODPUT_STEP = 1.5
+GOODPUT_GROWTH = 1.05
+
+
+def next_goodput_probe(probes: Sequence[tuple[float, float]]) -> float | None:
+    """The rate (requests/s) of the next capacity probe after ``probes`` (rate requests/s,
+    ``none``'s goodput output tokens/s; at least one), or None when the peak is found: the
+    highest rate x :data:`GOODPUT_STEP` while the best goodput is at the highest rate and grew
+    by more than :data:`GOODPUT_GROWTH` over the rate below (or no rate is below); the lowest
+    rate / :data:`GOODPUT_STEP` when the best is at the lowest rate and a higher one fell;
+    None when a lower and a higher rate both did worse, or the climb flattened."""
     ps = sorted(probes)
     if not ps:
         raise ValueError("no capacity probes")
-    if ps[0][1] < target:
-        return ps[0][0] * ps[0][1] / target
-    last_ok = ps[0]
-    for rate, att in ps[1:]:
-        if att < target:
-            r0, a0 = last_ok
-            return r0 + (rate - r0) * (a0 - target) / (a0 - att)
-        last_ok = (rate, att)
-    return last_ok[0]
+    best = max(range(len(ps)), key=lambda i: ps[i][1])
+    if best == len(ps) - 1:
+        if best == 0 or ps[best][1] > GOODPUT_GROWTH * ps[best - 1][1]:
+            return ps[best][0] * GOODPUT_STEP
+        return None
+    if best == 0:
+        return ps[0][0] / GOODPUT_STEP
+    return None
 
 
-def next_probe(probes: Sequence[tuple[float, float]], target: float = CAPACITY_ATTAINMENT) -> float:
-    """The rate of the next capacity probe after ``probes`` (at least one): 1.4x the highest
-    rate that met ``target`` while none failed above it, 0.7x the lowest that failed while none
-    passed below it, else the midpoint of the bracket."""
-    ok = [r for r, a in probes if a >= target]
-    bad = [r for r, a in probes if a < target]
-    if not bad:
-        return 1.4 * max(ok)
-    below = [r for r in ok if r < min(bad)]
-    if not below:
-        return 0.7 * min(bad)
-    return (max(below) + min(bad)) / 2
+def load1_rate(probes: Iterable[tuple[float, float]], mean_output_tokens: float) -> float:
+    """The rate at load 1, requests/s: the largest goodput over ``probes`` (rate requests/s,
+    goodput output tokens/s) / ``mean_output_tokens``. Raises ``ValueError`` without probes or
+    with a mean output of 0 or less."""
+    peak = max((g for _, g in probes), default=None)
+    if peak is None or mean_output_tokens <= 0:
+        raise ValueError("no capacity probes, or no output to divide goodput by")
+    return peak / mean_output_tokens
 
 
 #: Requests a capacity probe should hold (at its rate) for its attainment to mean something:
@@ -134,10 +145,8 @@ SHORT_PROBE_REQUESTS = 15
 SHORT_PROBE_SPAN = 3.0
 #: The longest capacity probe, seconds (40 arrivals down to 0.044 requests/s).
 PROBE_MAX_S = 900.0
-#: Probes a calibration runs at most (``--short``: 2), and the bracket (lowest rate that missed
-#: over the highest that met, below it) narrow enough to stop at.
+#: Probes a calibration runs at most (``--short``: 2).
 MAX_PROBES = 5
-BRACKET_RATIO = 1.3
 
 
 def probe_duration(
@@ -171,40 +180,42 @@ def probe_schedule(
     )
 
 
-def bracketed(
-    probes: Sequence[tuple[float, float]],
-    target: float = CAPACITY_ATTAINMENT,
-    ratio: float = BRACKET_RATIO,
-) -> bool:
-    """Whether ``probes`` (rate requests/s, attainment 0..1) hold a rate that met ``target``
-    below one that did not, the two within ``ratio`` of each other: the calibration stops."""
-    bad = [r for r, a in probes if a < target]
-    if not bad:
-        return False
-    ok = [r for r, a in probes if a >= target and r < min(bad)]
-    return bool(ok) and min(bad) <= ratio * max(ok)
-
-
 def capacity_note(calibration: Mapping[str, object]) -> dict[str, object] | None:
-    """What the report says of a resume file's capacity: ``{"capacity_rps", "probes": [[rate
-    requests/s, attainment 0..1, requests], ...] by rate, "thin": the probes that held fewer
-    than :data:`PROBE_REQUESTS` requests, "none_met": whether no probe reached
-    :data:`CAPACITY_ATTAINMENT` (the capacity is then :func:`capacity_rate`'s extrapolation
-    below the lowest probe)}``; None when the calibration kept no probes. A thin probe's
-    attainment is uncertain by +-0.2 or more, and every cell's load is a multiple of the
-    capacity read from it."""
+    """What the report says of a resume file's capacity: ``{"capacity_rps", "definition":
+    :data:`GOODPUT_PEAK` or ``attainment-90`` (a file written before it: the rate at which none
+    met the SLO for :data:`CAPACITY_ATTAINMENT`), "probes": [[rate requests/s, attainment 0..1,
+    requests, goodput output tokens/s or None], ...] by rate, "thin": the probes that held fewer
+    than :data:`PROBE_REQUESTS` requests, "none_met": (``attainment-90``) whether no probe
+    reached 90 %, "still_climbing": (:data:`GOODPUT_PEAK`) whether the probes stopped while
+    goodput still grew (:func:`next_goodput_probe` wanted another: load 1 may be understated)}``;
+    None when the calibration kept no probes. A thin probe's attainment is uncertain by +-0.2
+    or more, and every cell's load is a multiple of the capacity read from it."""
     probes = calibration.get("probes")
     capacity = calibration.get("capacity_rps")
     if not isinstance(probes, list) or not probes or not isinstance(capacity, int | float):
         return None
-    rows = sorted(
-        [float(p["rate_rps"]), float(p["slo_attainment"]), int(p["requests"])] for p in probes
+    rows: list[tuple[float, float, int, float | None]] = sorted(
+        (
+            float(p["rate_rps"]),
+            float(p["slo_attainment"]),
+            int(p["requests"]),
+            None if p.get("goodput_tokens_per_s") is None else float(p["goodput_tokens_per_s"]),
+        )
+        for p in probes
     )
+    definition = str(calibration.get("capacity_definition") or "attainment-90")
+    goodput = [(r[0], r[3]) for r in rows if r[3] is not None]
+    climbing = definition == GOODPUT_PEAK and bool(goodput)
+    if climbing:
+        nxt = next_goodput_probe(goodput)
+        climbing = nxt is not None and nxt > max(r for r, _ in goodput)
     return {
         "capacity_rps": float(capacity),
-        "probes": rows,
+        "definition": definition,
+        "probes": [list(r) for r in rows],
         "thin": sum(1 for r in rows if r[2] < PROBE_REQUESTS),
-        "none_met": all(r[1] < CAPACITY_ATTAINMENT for r in rows),
+        "none_met": definition != GOODPUT_PEAK and all(r[1] < CAPACITY_ATTAINMENT for r in rows),
+        "still_climbing": climbing,
     }
 
 

@@ -14,15 +14,14 @@ On a server of its own (prompt cache off, as for every arm), after a warm-up:
    (:func:`kvgate_bench.real_engine.profile_fit.fit_profile`: a decode table by batch size,
    the prefill and context costs).
 3. **Capacity**: ``none``'s probes on ``conversation`` (Poisson chat arrivals), the first at the
-   rate the fitted profile predicts in virtual time
-   (:func:`kvgate_bench.real_engine.virtual.predicted_capacity`), the next bracketing the rate
-   at which ``none`` meets the SLO for 90 %
-   (:func:`kvgate_bench.real_engine.calibration.next_probe`), each long enough for
-   :data:`~kvgate_bench.real_engine.calibration.PROBE_REQUESTS` (40) requests
-   (:func:`~kvgate_bench.real_engine.calibration.probe_schedule`), up to
-   :data:`~kvgate_bench.real_engine.calibration.MAX_PROBES` (5) of them, stopping once a
-   rate that met 90 % lies within 1.3x below one that did not
-   (:func:`~kvgate_bench.real_engine.calibration.bracketed`); ``--short``: 2 probes of 15.
+   rate where the fitted profile's goodput peaks in virtual time
+   (:func:`kvgate_bench.real_engine.virtual.predicted_capacity`), the next climbing or stepping
+   down towards the real peak (:func:`kvgate_bench.real_engine.calibration.next_goodput_probe`),
+   each long enough for :data:`~kvgate_bench.real_engine.calibration.PROBE_REQUESTS` (40)
+   requests (:func:`~kvgate_bench.real_engine.calibration.probe_schedule`), up to
+   :data:`~kvgate_bench.real_engine.calibration.MAX_PROBES` (5) of them; load 1 is the peak
+   goodput over the probes' mean output
+   (:func:`~kvgate_bench.real_engine.calibration.load1_rate`); ``--short``: 2 probes of 15.
 
 Each request opens its own connection. The result is JSON-ready (:func:`calibrate`), so that a
 resume file keeps it and later invocations reuse it (:func:`slo_of`, :func:`profile_of`).
@@ -133,8 +132,9 @@ async def calibrate(
 ) -> dict[str, Any]:
     """The module docstring's calibration on the llama-server at ``url``, as JSON-ready values:
     ``slo`` (:class:`~kvgate_bench.real_engine.calibration.Slo`'s fields), ``profile`` (the
-    engine profile's JSON), ``capacity_rps``, the probes, the unloaded requests and bursts,
-    the outputs' mean and median length, llama-server's counters."""
+    engine profile's JSON), ``capacity_rps`` (the load-1 rate, requests/s), the probes, the
+    unloaded requests and bursts, the outputs' mean and median length, llama-server's
+    counters."""
     alias = MODELS[args.model].alias
     median_prompt = cal.median_prompt_tokens(args.ctx // args.parallel, args.tune_seed)
     unloaded, bursts = await _measure(url, args, words, alias, median_prompt)
@@ -155,20 +155,19 @@ async def calibrate(
         profile, args, slo, prompts, {f"u{i}": o for i, o in enumerate(outs)}
     )
     predicted_rate = rate
-    if rate <= 0:  # the fitted engine meets the SLO at no rate: a rough guess
+    if rate <= 0:  # the fitted engine has no goodput at any rate: a rough guess
         service = sum(m["ttft_s"] + m["tpot_s"] * o for m, o in zip(unloaded, outs, strict=True))
         rate = 0.5 * args.parallel / (service / len(outs))
     mean_total = sum(outs) / len(outs) + sum(prompts.values()) / len(prompts)
     probes: list[tuple[float, float]] = []
     probe_rows = []
+    probe_outs: list[int] = []
     if args.short:
         n_probes, need = 2, cal.SHORT_PROBE_REQUESTS
         longest = cal.SHORT_PROBE_SPAN * args.probe_duration
     else:
         n_probes, need, longest = cal.MAX_PROBES, cal.PROBE_REQUESTS, cal.PROBE_MAX_S
     for i in range(n_probes):
-        if cal.bracketed(probes):
-            break
         sched = cal.probe_schedule(
             rate, args.tune_seed + 100 + i, args.probe_duration, longest, need,
             max_model_len=args.ctx // args.parallel,
@@ -180,28 +179,37 @@ async def calibrate(
         )  # fmt: skip
         s = summarize(run.result, slo.pair())
         att = float(s["slo_attainment"] or 0.0)
-        probes.append((rate, att))
-        outs += list(run.output_tokens.values())
+        goodput = float(s["goodput_tokens_per_s"])
+        probes.append((rate, goodput))
+        probe_outs += list(run.output_tokens.values())
         n = int(s["requests"])
         interval = wilson(round(att * n), n)
         probe_rows.append(
             {"rate_rps": rate, "slo_attainment": att, "requests": n,
-             "slo_attainment_wilson95": interval,
+             "goodput_tokens_per_s": goodput, "slo_attainment_wilson95": interval,
              "timeouts": run.timeouts, "send_lag_p99_s": run.send_lag_p99_s,
              "cached_prompt_tokens": run.cached_prompt_tokens}
         )  # fmt: skip
         shown = f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
         print(
-            f"  capacity probe {rate:.3f} req/s: SLO met {att:.2f}{shown} ({n} requests)",
+            f"  capacity probe {rate:.3f} req/s: goodput {goodput:.2f} tokens/s, SLO met "
+            f"{att:.2f}{shown} ({n} requests)",
             flush=True,
         )
-        rate = cal.next_probe(probes)
+        nxt = cal.next_goodput_probe(probes)
+        if nxt is None:
+            break
+        rate = nxt
+    outs += probe_outs
+    probe_mean_out = sum(probe_outs) / len(probe_outs) if probe_outs else sum(outs) / len(outs)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         totals = await metric_totals(session, url)
     return {
         "slo": slo.__dict__,
         "profile": profile.to_json(),
-        "capacity_rps": cal.capacity_rate(probes),
+        "capacity_rps": cal.load1_rate(probes, probe_mean_out),
+        "capacity_definition": cal.GOODPUT_PEAK,
+        "probe_mean_output_tokens": probe_mean_out,
         "probes": probe_rows,
         "predicted_capacity_rps": predicted_rate,
         "unloaded": [

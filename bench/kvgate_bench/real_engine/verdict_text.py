@@ -18,7 +18,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvgate_bench.real_engine import progress
-from kvgate_bench.real_engine.calibration import CAPACITY_ATTAINMENT, PROBE_REQUESTS
+from kvgate_bench.real_engine.calibration import (
+    CAPACITY_ATTAINMENT,
+    GOODPUT_PEAK,
+    PROBE_REQUESTS,
+)
 from kvgate_bench.real_engine.plan import MIN_REQUESTS, required
 
 #: The width of the cell column of the sizes and the ratios (``isolation-alone:3`` fits).
@@ -94,15 +98,30 @@ def _target_line(t: Mapping[str, Any]) -> str:
 def capacity_lines(c: Mapping[str, Any] | None) -> list[str]:
     """The capacity every load is a multiple of, and the probes it was read from
     (:func:`kvgate_bench.real_engine.calibration.capacity_note`); a warning when some held fewer
-    requests than a probe needs."""
+    requests than a probe needs, when the goodput probes stopped still climbing, or (a file of
+    the first definition) when no probe met 90 %."""
     if not c:
         return []
-    probes = ", ".join(f"{r:.3f} met {a:.2f} of {n}" for r, a, n in c["probes"])
-    out = [f"capacity {c['capacity_rps']:.3f} req/s (none's probes, req/s: {probes})"]
+    if c["definition"] == GOODPUT_PEAK:
+        probes = ", ".join(
+            f"{r:.3f}: goodput {g:.2f} tokens/s, met {a:.2f} of {n}" for r, a, n, g in c["probes"]
+        )
+        head = f"load 1 {c['capacity_rps']:.3f} req/s, none's peak goodput (probes, req/s: "
+    else:
+        probes = ", ".join(f"{r:.3f} met {a:.2f} of {n}" for r, a, n, _ in c["probes"])
+        head = (
+            f"capacity {c['capacity_rps']:.3f} req/s, where none met the SLO for "
+            f"{CAPACITY_ATTAINMENT:.0%} (probes, req/s: "
+        )
+    out = [f"{head}{probes})"]
     if c["thin"]:
         out.append(
             f"  {c['thin']} of {len(c['probes'])} probes held fewer than {PROBE_REQUESTS} "
             "requests: the capacity is uncertain, and every cell's load is a multiple of it"
+        )
+    if c.get("still_climbing"):
+        out.append(
+            "  the probes stopped while none's goodput still grew: load 1 may be understated"
         )
     if c.get("none_met"):
         out.append(

@@ -65,6 +65,11 @@ def arm_context(
     )
 
 
+#: The twin's goodput probes: 300 s schedules from 0.01 requests/s, x1.25 apart, up to 10
+#: requests/s, stopping once goodput has fallen below half its peak.
+TWIN_PROBE_S = 300.0
+
+
 def predicted_capacity(
     profile: EngineProfile,
     args: argparse.Namespace,
@@ -72,9 +77,10 @@ def predicted_capacity(
     prompts: dict[str, int],
     outputs: dict[str, int],
 ) -> tuple[float, list[tuple[float, float]]]:
-    """The capacity rate (requests/s) of ``none`` on ``conversation`` in virtual time on the
-    fitted profile (prompt and output lengths drawn from the measured ones; 300 s schedules at
-    rates from 0.01 to 10 requests/s, x1.25 apart), and the virtual probes (rate, attainment)."""
+    """The rate (requests/s) at which ``none``'s goodput on ``conversation`` peaks in virtual
+    time on the fitted profile (prompt and output lengths drawn from the measured ones;
+    :data:`TWIN_PROBE_S` schedules), and the virtual probes (rate requests/s, goodput output
+    tokens/s); (0.0, probes) when no rate had goodput."""
     probes: list[tuple[float, float]] = []
     cfg = profile.engine_config()
     steptime = profile.steptime()
@@ -82,16 +88,18 @@ def predicted_capacity(
     rate = 0.01
     while rate < 10:
         sched = generate(
-            "conversation", rate, 300.0, args.tune_seed + 50, max_model_len=cfg.max_model_len
-        )
+            "conversation", rate, TWIN_PROBE_S, args.tune_seed + 50,
+            max_model_len=cfg.max_model_len,
+        )  # fmt: skip
         sched = cal.with_lengths(sched, prompts, outputs, args.max_tokens, args.tune_seed)
         run = simulate(sched, make_arm(NONE, ctx, {}), steptime, cfg)
-        att = float(summarize(run, slo.pair())["slo_attainment"] or 0.0)
-        probes.append((rate, att))
-        if att < 0.5:
+        goodput = float(summarize(run, slo.pair())["goodput_tokens_per_s"])
+        probes.append((rate, goodput))
+        if goodput < 0.5 * max(g for _, g in probes):
             break
         rate *= 1.25
-    return cal.capacity_rate(probes), probes
+    peak_rate, peak = max(probes, key=lambda p: p[1])
+    return (peak_rate if peak > 0 else 0.0), probes
 
 
 def lengths_of(
