@@ -294,3 +294,15 @@ def test_a_rerun_holds_its_resume_file_alone(
         resume.hold(path, exclusive=False)
     os.close(rerun)
     os.close(resume.hold(path, exclusive=True))  # released: free again
+
+
+def test_llama_server_gets_one_thread_count() -> None:
+    """The real-engine run asked for ``-t 1`` after the kit's ``-t 2`` (the last won): one
+    ``-t``, the one asked for."""
+    from kvgate_bench.kit.llamaserver import llama_args
+
+    argv = llama_args("llama-server", "m.gguf", 8080, 4, 4096, "--cache-ram", "0", threads=1)
+    assert argv.count("-t") == 1 and argv[argv.index("-t") + 1] == "1"
+    assert argv[-2:] == ["--cache-ram", "0"] and argv[argv.index("--parallel") + 1] == "4"
+    default = llama_args("llama-server", "m.gguf", 8080)
+    assert default[default.index("-t") + 1] == "2"

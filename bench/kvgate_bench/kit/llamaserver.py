@@ -41,15 +41,17 @@ def llama_args(
     ctx: int = 1024,
     *extra: str,
     alias: str = LLAMA_MODEL,
+    threads: int = 2,
 ) -> list[str]:
     """The command line: ``parallel`` slots of ``ctx / parallel`` tokens each (``--no-kv-unified``),
-    ``--metrics`` and ``--slots`` on, 2 threads, no warm-up run, ``--alias`` ``alias`` (default
-    :data:`LLAMA_MODEL`), listening on 127.0.0.1:``port``; ``extra`` flags appended."""
+    ``--metrics`` and ``--slots`` on, ``threads`` threads (``-t``), no warm-up run, ``--alias``
+    ``alias`` (default :data:`LLAMA_MODEL`), listening on 127.0.0.1:``port``; ``extra`` flags
+    appended."""
     return [
         binary,
         *("-m", model, "--alias", alias, "--host", "127.0.0.1", "--port", str(port)),
         *("--parallel", str(parallel), "-c", str(ctx), "--no-kv-unified"),
-        *("--metrics", "--slots", "-t", "2", "--no-warmup", *extra),
+        *("--metrics", "--slots", "-t", str(threads), "--no-warmup", *extra),
     ]
 
 

@@ -120,8 +120,8 @@ def start_llama(
     docstring); its output in ``log``. Raises
     :class:`kvgate_bench.kit.llamaserver.LlamaServerError` when it does not load."""
     port = free_port()
-    extra = ["-t", str(threads), *(["--cache-ram", "0"] if cache_ram_off else [])]
-    argv = llama_args(binary, model, port, parallel, ctx, *extra, alias=alias)
+    extra = ["--cache-ram", "0"] if cache_ram_off else []
+    argv = llama_args(binary, model, port, parallel, ctx, *extra, alias=alias, threads=threads)
     popen = spawn([*taskset_prefix(cpus), *argv], log)
     url = f"http://127.0.0.1:{port}"
     try:
