@@ -11,13 +11,20 @@
 * One schedule through ``none`` on Gemma 3 270M (the second profile) and through a cap of one
   on SmolLM2 (each request waits its turn), on servers with the prompt cache off: no 5xx, rows
   of the benchmark's schema, nothing cached.
+* SIGTERM to an invocation (in its calibration) stops it with status 143 and stops its
+  llama-server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -191,3 +198,60 @@ async def test_one_schedule_rows(
         assert row["rejected"] == 0 and len(served) == len(sched.requests)
         spans = sorted((r.admitted_at or 0.0, r.finished_at or 0.0) for r in served)
         assert all(b[0] >= a[1] - 0.05 for a, b in itertools.pairwise(spans))
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s child processes (Linux ``/proc``)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    """``pid``'s command line ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_sigterm_stops_the_run_and_its_llama_server(tmp_path: Path) -> None:
+    """A killed invocation left its llama-server running (SIGTERM skipped the ``finally`` that
+    stops it): SIGTERM now cancels the run, the server is stopped, the exit status is 143."""
+    server, model = _smollm2()
+    env = {**os.environ, "KVGATE_LLAMA_SERVER": server, MODELS["smollm2"].env: model}
+    argv = [sys.executable, "-m", "kvgate_bench.real_engine", "--short", "--no-pin",
+            "--resume", str(tmp_path / "real.json"), "--parallel", str(PARALLEL),
+            "--ctx", str(CTX), "--max-tokens", "16"]  # fmt: skip
+    with (tmp_path / "out.log").open("wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        llama: list[int] = []
+        deadline = time.monotonic() + 120
+        while not llama and time.monotonic() < deadline and proc.poll() is None:
+            llama = [c for c in _children(proc.pid) if "llama-server" in _cmdline(c)]
+            time.sleep(0.2)
+        assert llama, (tmp_path / "out.log").read_text()[-2000:]
+        time.sleep(3.0)  # into the calibration's requests
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "stopped by SIGTERM" in (tmp_path / "out.log").read_text()
+    deadline = time.monotonic() + 10
+    while any(map(_alive, llama)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, llama)), "llama-server outlived the stopped run"

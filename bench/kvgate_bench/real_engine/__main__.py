@@ -38,6 +38,9 @@ llama-server is pinned to the last CPU, this process and the sidecar to the othe
    isolation 120 well-behaved) or a ``--short`` run is labelled "not a verdict", its targets
    "indicative".
 
+SIGTERM stops an invocation as ^C does: the running arm is cancelled, its llama-server and
+sidecar stopped, what finished stays in the resume file; the exit status is 143.
+
 ``--short`` is a plumbing run, not a verdict (one cell, ``multi-tenant:2``, of 20 requests an
 arm, one report seed, a smaller sweep: about 12 minutes on 2 cores). ``--json FILE`` writes
 ``{"meta", "calibration", "tuned", "cells", "verdict"}``
@@ -51,6 +54,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -161,6 +165,9 @@ async def _calibrate(runner: Runner) -> None:
 async def _main(args: argparse.Namespace) -> int:
     if args.report is not None:
         return _report(args)
+    task = asyncio.current_task()
+    if task is not None:  # SIGTERM cancels the run, so that its servers are stopped
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     if args.resume is None:
         return await _run(args)
     # Held for the whole invocation: --rerun writes over the file (resume.hold).
@@ -253,8 +260,13 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; the exit status (2 for a bad option or resume file)."""
-    return asyncio.run(_main(parse_args(argv)))
+    """Entry point; the exit status (2 for a bad option or resume file, 143 when SIGTERM
+    stopped it)."""
+    try:
+        return asyncio.run(_main(parse_args(argv)))
+    except asyncio.CancelledError:
+        print("stopped by SIGTERM: the running arm was cut; finished units are kept", flush=True)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":
