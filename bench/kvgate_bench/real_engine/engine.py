@@ -9,9 +9,9 @@ pinned, and its own gauges sampled while an arm runs.
   SmolLM2), as ``scripts/test`` does.
 * :func:`pin_cpus`: llama-server on the last CPU, this process (and the sidecar) on the others.
 * :func:`start_llama`: :func:`kvgate_bench.kit.llamaserver.llama_args` (``--parallel``, ``-c``,
-  ``--no-kv-unified``, ``--metrics``, ``--slots``, the model's ``--alias``) with ``-t
-  THREADS`` (llama.cpp's argument parser keeps the last value) and ``--cache-ram 0`` (the
-  host-RAM prompt cache off, where the build has the flag: :func:`has_flag`) appended, under
+  ``--no-kv-unified``, ``--metrics``, ``--slots``, the model's ``--alias``, ``-t THREADS``)
+  with ``--cache-ram 0`` (the host-RAM prompt cache off, where the build has the flag:
+  :func:`has_flag`) appended, under
   ``taskset -c CPUS`` when given; ready once ``/health`` answers 200
   (:func:`kvgate_bench.kit.llamaserver.wait_loaded`). The benchmark starts a fresh one for
   every arm's run, so that no arm inherits another's state or leftover requests.
