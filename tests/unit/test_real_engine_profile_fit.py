@@ -123,3 +123,8 @@ def test_the_calibration_line_shows_the_prefill_under_load() -> None:
     line = calibration_text(cal)
     assert "prefill 5.000 ms/token (5.000 under load, 300 tokens)" in line
     assert "under load" not in calibration_text({**cal, "bursts": []})
+    assert "; capacity 0.150 req/s;" in line  # a file of the first definition
+    peak = {"capacity_definition": "goodput-peak", "probe_mean_output_tokens": 79.4,
+            "probes": [{"goodput_tokens_per_s": 7.94}, {"goodput_tokens_per_s": 5.62}]}  # fmt: skip
+    line = calibration_text({**cal, **peak, "capacity_rps": 0.1})
+    assert "; load 1 0.100 req/s (none's peak goodput 7.94 tokens/s over 79 tokens" in line

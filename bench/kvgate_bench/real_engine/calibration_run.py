@@ -267,18 +267,27 @@ def profile_of(c: dict[str, Any]) -> EngineProfile:
 
 def calibration_text(c: dict[str, Any]) -> str:
     """The printed line of :func:`calibrate`'s result: the SLO (and the unloaded p50s it comes
-    from), the capacity, the mean output, the fitted decode table and costs, and the prefill
-    measured under load (:func:`kvgate_bench.real_engine.profile_fit.stall_prefill`)."""
+    from), load 1 (or a file's older capacity), the mean output, the fitted decode table and
+    costs, and the prefill measured under load
+    (:func:`kvgate_bench.real_engine.profile_fit.stall_prefill`)."""
     slo, p = slo_of(c), profile_of(c)
     table = ", ".join(f"{k}: {ms:.1f}" for k, ms in p.decode_step_ms.items())
     ms, n = pf.stall_prefill([pf.burst_of(b) for b in c.get("bursts") or ()])
     loaded = f" ({ms / n:.3f} under load, {n:.0f} tokens)" if n > 0 else ""
     med = c.get("slo_prompt_tokens")
     at = f" at {cal.SLO_WORKLOAD}'s median prompt, {med} nominal tokens" if med else ""
+    if c.get("capacity_definition") == cal.GOODPUT_PEAK:
+        peak = max(float(q["goodput_tokens_per_s"]) for q in c["probes"])
+        capacity = (
+            f"load 1 {c['capacity_rps']:.3f} req/s (none's peak goodput {peak:.2f} tokens/s "
+            f"over {c['probe_mean_output_tokens']:.0f} tokens a request)"
+        )
+    else:
+        capacity = f"capacity {c['capacity_rps']:.3f} req/s"
     return (
         f"  SLO TTFT <= {slo.ttft_s:.3f} s, TPOT <= {slo.tpot_s * 1e3:.0f} ms (unloaded "
         f"p50 {slo.unloaded_ttft_p50_s:.3f} s{at}, {slo.unloaded_tpot_p50_s * 1e3:.0f} ms); "
-        f"capacity {c['capacity_rps']:.3f} req/s; mean output "
+        f"{capacity}; mean output "
         f"{c['mean_output_tokens']:.0f} tokens; decode step ms by batch size {{{table}}}, "
         f"prefill {p.prefill_ms_per_token:.3f} ms/token{loaded}, context "
         f"{p.context_us_per_token:.3f} us/token"
